@@ -1,0 +1,127 @@
+"""Shared building blocks of the wire protocol: bounded scalar types, enums and pages.
+
+Every string has a max length, every list a max size, every number a range (STYLE.md #3),
+so the control plane can reject oversized input before it touches the database.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Generic, TypeVar
+
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+
+Id = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128, strip_whitespace=True)]
+Text = Annotated[str, StringConstraints(max_length=32_768)]
+Url = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=r"^https?://\S+$")]
+Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
+ShortText = Annotated[str, StringConstraints(max_length=512)]
+Price = Annotated[float, Field(ge=0, le=10_000)]
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]
+Logprob = Annotated[float, Field(ge=-1e4, le=0.0)]
+Version = Annotated[int, Field(ge=0, le=10_000_000)]
+Step = Annotated[int, Field(ge=0, le=10_000_000)]
+
+ParamValue = int | float | bool | Annotated[str, StringConstraints(max_length=2048)] | None
+
+
+class Model(BaseModel):
+    """Base of every wire model: unknown fields are an error, not silently dropped."""
+
+    model_config = ConfigDict(extra="forbid", frozen=False)
+
+
+class ReadModel(BaseModel):
+    """Base of response models: tolerant of fields added by newer servers."""
+
+    model_config = ConfigDict(extra="ignore", from_attributes=True)
+
+
+T = TypeVar("T")
+
+
+class Page(ReadModel, Generic[T]):
+    """One page of a listing; pass `next_offset` back as `offset` to get the next one."""
+
+    items: list[T]
+    total: int = Field(ge=0)
+    next_offset: int | None = Field(default=None, ge=0)
+
+
+class Problem(ReadModel):
+    """RFC 9457 problem details, the body of every 4xx/5xx answer."""
+
+    type: str = "about:blank"
+    title: str
+    status: int
+    detail: str | None = None
+    errors: list[FieldError] = Field(default_factory=list)
+
+
+class FieldError(ReadModel):
+    field: str
+    reason: str
+
+
+class JobStatus(StrEnum):
+    queued = "queued"
+    running = "running"
+    succeeded = "succeeded"
+    failed = "failed"
+    cancelled = "cancelled"
+
+    def is_terminal(self) -> bool:
+        return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+
+class Role(StrEnum):
+    admin = "admin"
+    user = "user"
+
+
+class WorkerStatus(StrEnum):
+    idle = "idle"
+    active = "active"
+    draining = "draining"
+    offline = "offline"
+    deregistered = "deregistered"
+
+    def is_terminal(self) -> bool:
+        return self is WorkerStatus.deregistered
+
+
+class DesiredState(StrEnum):
+    idle = "idle"
+    active = "active"
+    drain = "drain"
+
+
+class LeaseStatus(StrEnum):
+    active = "active"
+    completed = "completed"
+    expired = "expired"
+    released = "released"
+
+    def is_terminal(self) -> bool:
+        return self is not LeaseStatus.active
+
+
+class RolloutStatus(StrEnum):
+    accepted = "accepted"
+    claimed = "claimed"
+    trained = "trained"
+    rejected = "rejected"
+
+
+class Backend(StrEnum):
+    transformers = "transformers"
+    vllm = "vllm"
+
+
+class Timestamped(ReadModel):
+    created_at: datetime
+
+
+Problem.model_rebuild()

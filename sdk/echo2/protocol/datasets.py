@@ -1,0 +1,31 @@
+"""Datasets: a user's prompt items (JSON or uploaded JSONL), referenced by jobs."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import Field, StringConstraints
+
+from .common import Model, Name, ReadModel, Text
+
+Item = dict[Annotated[str, StringConstraints(max_length=64)], Text | int | float | None]
+
+
+class DatasetCreate(Model):
+    name: Name
+    items: list[Annotated[Item, Field(max_length=16)]] = Field(min_length=1, max_length=100_000)
+
+
+class DatasetRead(ReadModel):
+    id: str
+    name: str
+    num_items: int
+    keys: list[str] = Field(description="Keys seen in the items, e.g. `question`, `answer`.")
+    created_at: datetime
+
+
+class DatasetItems(ReadModel):
+    items: list[Item]
+    total: int
+    next_offset: int | None = None

@@ -1,0 +1,125 @@
+"""Providers, workers and their heartbeat: how the rollout plane joins and is told what to do."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import Field, StringConstraints
+
+from .common import Backend, DesiredState, Id, Model, Name, Price, ReadModel, ShortText, Url, Version, WorkerStatus
+
+Label = Annotated[str, StringConstraints(max_length=64)]
+
+
+class ProviderCreate(Model):
+    name: Name
+    contact: Annotated[str, StringConstraints(max_length=256)] | None = None
+
+
+class ProviderRead(ReadModel):
+    id: str
+    name: str
+    contact: str | None = None
+    num_workers: int = 0
+    earnings_usd: float = 0.0
+    created_at: datetime
+
+
+class ProviderCreated(ReadModel):
+    provider: ProviderRead
+    token: str = Field(description="Provider token (shown once): workers register with it.")
+
+
+class WorkerRegister(Model):
+    name: Name
+    gpu_model: Label = Field("cpu", description="e.g. `H100`, `RTX 4090`, `cpu`.")
+    gpu_count: int = Field(0, ge=0, le=64)
+    vram_gb: float = Field(0, ge=0, le=4096)
+    price_per_hour: Price = 0.0
+    region: Label = "local"
+    upload_mbps: float = Field(100.0, ge=0, le=1_000_000, description="Measured upload bandwidth (Mbit/s).")
+    download_mbps: float = Field(100.0, ge=0, le=1_000_000)
+    max_upload_mbps: float | None = Field(None, ge=0, le=1_000_000, description="Cap on relay upload rate.")
+    relay_url: Url | None = Field(None, description="Where peers can fetch chunks from; null = leaf only.")
+    backends: list[Backend] = Field(default_factory=lambda: [Backend.transformers], min_length=1, max_length=4)
+    rollouts_per_s: float = Field(0.0, ge=0, le=1_000_000, description="Benchmarked μ (groups/s).")
+    tokens_per_s: float = Field(0.0, ge=0, le=1e9)
+    software: Label = "echo2-worker"
+
+
+class WorkerRead(ReadModel):
+    id: str
+    provider_id: str
+    name: str
+    gpu_model: str
+    gpu_count: int
+    vram_gb: float
+    price_per_hour: float
+    region: str
+    upload_mbps: float
+    download_mbps: float
+    relay_url: str | None
+    backends: list[Backend]
+    status: WorkerStatus
+    desired: DesiredState
+    job_id: str | None
+    version_held: int | None
+    rollouts_per_s: float
+    accepted_rollouts: int = 0
+    rejected_rollouts: int = 0
+    bad_chunks: int = Field(0, description="Chunks this worker served that failed verification (trust flag).")
+    last_heartbeat_at: datetime | None
+    created_at: datetime
+
+
+class WorkerRegistered(ReadModel):
+    worker: WorkerRead
+    token: str = Field(description="Per-worker token (shown once).")
+    heartbeat_interval_s: float
+    lease_ttl_s: float
+
+
+class BadSource(Model):
+    url: Url
+    reason: ShortText
+
+
+class WorkerStats(Model):
+    rollouts_done: int = Field(0, ge=0, le=10**12)
+    tokens_per_s: float = Field(0, ge=0, le=1e9)
+    upload_bytes_per_s: float = Field(0, ge=0, le=1e12)
+    download_bytes_per_s: float = Field(0, ge=0, le=1e12)
+    last_download_s: float | None = Field(None, ge=0, le=1e6, description="Time to fetch the last version.")
+
+
+class Heartbeat(Model):
+    status: WorkerStatus = WorkerStatus.idle
+    job_id: Id | None = None
+    version_held: Version | None = None
+    stats: WorkerStats = Field(default_factory=WorkerStats)
+    bad_sources: list[BadSource] = Field(default_factory=list, max_length=32)
+
+
+class SamplingParams(ReadModel):
+    group_size: int
+    max_new_tokens: int
+    temperature: float
+    top_p: float
+
+
+class Assignment(ReadModel):
+    job_id: str
+    version: int = Field(description="Version to hold: the newest published one.")
+    min_version: int = Field(description="Oldest version whose rollouts are still admissible now.")
+    staleness: int
+    manifest_url: str
+    relay_parents: list[str] = Field(description="Peers to fetch chunks from, best first; the origin is last.")
+    sampling: SamplingParams
+
+
+class HeartbeatReply(ReadModel):
+    desired: DesiredState
+    assignment: Assignment | None = None
+    heartbeat_interval_s: float
+    server_time: datetime

@@ -1,0 +1,144 @@
+"""Jobs: the validated training configuration a user submits, and what the server reports back."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import Field, StringConstraints, model_validator
+
+from .common import Id, JobStatus, Model, Name, ParamValue, Price, ReadModel, Text
+
+ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512, strip_whitespace=True)]
+
+
+class LossAggregation(StrEnum):
+    """How token losses are averaged (see learner/objective.py)."""
+
+    token_mean = "token_mean"  # DAPO: mean over every completion token in the batch
+    seq_mean = "seq_mean"  # original GRPO: mean per sequence, then over sequences
+    constant = "constant"  # Dr.GRPO: sum per sequence / max_new_tokens
+
+
+class Device(StrEnum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class TaskSpec(Model):
+    """A registered task adapter and its parameters (validated by the adapter's own schema)."""
+
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64)] = Field(
+        description="Task adapter name, e.g. `arithmetic`, `gsm8k`, `exact_match`, `regex`, `http_reward`."
+    )
+    params: dict[Annotated[str, StringConstraints(max_length=64)], ParamValue] = Field(
+        default_factory=dict, max_length=32, description="Adapter parameters; see GET /v1/tasks."
+    )
+
+
+class GRPOConfig(Model):
+    group_size: int = Field(8, ge=2, le=64, description="G: samples generated per prompt.")
+    prompts_per_step: int = Field(16, ge=1, le=1024, description="Prompt groups per learner step (R).")
+    lr: float = Field(1e-5, gt=0, le=1.0, description="AdamW learning rate.")
+    eps_low: float = Field(0.2, ge=0, le=1.0, description="Lower clip: ratio >= 1 - eps_low.")
+    eps_high: float = Field(0.28, ge=0, le=10.0, description="Upper clip: ratio <= 1 + eps_high.")
+    ratio_cap: float = Field(2.0, ge=1.0, le=100.0, description="Cap on the importance ratio of stale samples.")
+    kl_coef: float = Field(0.0, ge=0, le=10.0, description="Coefficient of the KL penalty to the base model.")
+    loss_agg: LossAggregation = LossAggregation.token_mean
+    scale_rewards: bool = Field(True, description="Divide group advantages by the group's reward std.")
+    max_new_tokens: int = Field(256, ge=1, le=8192)
+    temperature: float = Field(1.0, ge=0.05, le=2.0)
+    top_p: float = Field(1.0, gt=0, le=1.0)
+    micro_batch_size: int = Field(64, ge=1, le=4096, description="Sequences per forward pass (grad accumulation).")
+
+
+class LearnerResources(Model):
+    gpus: int = Field(0, ge=0, le=64, description="GPUs on the reserved learner cluster (0 = CPU).")
+    device: Device = Device.auto
+    price_per_hour: Price | None = Field(
+        None, description="Reserved learner price in $/h; the server default applies when omitted."
+    )
+
+
+class PromptIn(Model):
+    """One inline prompt item; keys depend on the task (e.g. `question`/`answer` for gsm8k)."""
+
+    item: dict[Annotated[str, StringConstraints(max_length=64)], Text | int | float | None] = Field(
+        max_length=16
+    )
+
+
+class JobSpec(Model):
+    """Everything needed to run a GRPO job. Server-side defaults fill what is omitted."""
+
+    name: Name
+    base_model: ModelRef = Field(
+        description="HF hub id, a local path on the learner host, or a built-in: `echo2:tiny`, `echo2:smollm2`."
+    )
+    task: TaskSpec
+    dataset_id: Id | None = Field(None, description="Uploaded dataset to draw prompts from.")
+    prompts: list[PromptIn] | None = Field(None, max_length=10_000, description="Inline prompt items.")
+    num_prompts: int | None = Field(
+        None, ge=1, le=200_000, description="Prompts to generate for synthetic tasks (default: enough for all steps)."
+    )
+    grpo: GRPOConfig = Field(default_factory=GRPOConfig)
+    staleness: int = Field(2, ge=0, le=64, description="S: a rollout of version x trains at step t only if t-x <= S.")
+    publish_period: int = Field(1, ge=1, le=64, description="κ: publish a weight version every κ steps.")
+    max_steps: int = Field(100, ge=1, le=100_000)
+    budget_usd: float | None = Field(None, ge=0, le=1_000_000, description="Stop the job when spent.")
+    learner: LearnerResources = Field(default_factory=LearnerResources)
+    checkpoint_every: int = Field(10, ge=1, le=100_000, description="Learner checkpoint period in steps.")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    priority: int = Field(0, ge=-100, le=100, description="Higher first when jobs compete for workers.")
+
+    @model_validator(mode="after")
+    def _check(self) -> JobSpec:
+        if self.publish_period > self.staleness + 1:
+            raise ValueError(
+                f"publish_period (κ={self.publish_period}) must be <= staleness + 1 ({self.staleness + 1}): "
+                "otherwise every rollout would be too stale to train"
+            )
+        if self.dataset_id is not None and self.prompts is not None:
+            raise ValueError("give either dataset_id or inline prompts, not both")
+        return self
+
+
+class JobCost(ReadModel):
+    learner_usd: float = 0.0
+    workers_usd: float = 0.0
+    total_usd: float = 0.0
+
+
+class JobRead(ReadModel):
+    id: str
+    owner_id: str
+    status: JobStatus
+    status_reason: str | None = None
+    spec: JobSpec
+    step: int = Field(description="Learner steps completed (the current policy version counter t).")
+    version: int | None = Field(description="Latest published weight version, if any.")
+    num_prompts: int
+    reward_mean: float | None = None
+    cost: JobCost = Field(default_factory=JobCost)
+    created_at: datetime
+    started_at: datetime | None = None
+    finished_at: datetime | None = None
+
+
+class PromptRead(ReadModel):
+    id: int
+    index: int
+    text: str
+    reference: str | None
+    state: str
+    epoch: int
+    attempts: int
+
+
+class TaskInfo(ReadModel):
+    name: str
+    description: str
+    needs_dataset: bool
+    params_schema: dict[str, Any]

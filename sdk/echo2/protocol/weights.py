@@ -1,0 +1,70 @@
+"""Weight versions: fixed-size chunks of a model folder plus a manifest naming each chunk's sha256."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from pydantic import Field, StringConstraints, model_validator
+
+from .common import Model, ReadModel, Sha256, Step, Version
+
+RelPath = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.\-/]+$")]
+
+
+class ChunkInfo(Model):
+    index: int = Field(ge=0, le=1_000_000)
+    size: int = Field(ge=1, le=256 * 2**20)
+    sha256: Sha256
+
+
+class FileInfo(Model):
+    """A file of the model folder; the folder is the concatenation of files in manifest order."""
+
+    path: RelPath
+    size: int = Field(ge=0, le=2**42)
+    sha256: Sha256
+    offset: int = Field(ge=0, le=2**42, description="Byte offset of the file in the chunked stream.")
+
+
+class Manifest(Model):
+    version: Version
+    step: Step
+    chunk_size: int = Field(ge=4096, le=256 * 2**20)
+    total_size: int = Field(ge=1, le=2**42)
+    files: list[FileInfo] = Field(min_length=1, max_length=4096)
+    chunks: list[ChunkInfo] = Field(min_length=1, max_length=1_000_000)
+    tensor_index: dict[Annotated[str, StringConstraints(max_length=512)], RelPath] = Field(
+        default_factory=dict, max_length=200_000, description="Tensor name -> file holding it."
+    )
+    created_at: datetime
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Manifest:
+        if [c.index for c in self.chunks] != list(range(len(self.chunks))):
+            raise ValueError("chunks must be numbered 0..n-1 in order")
+        if sum(c.size for c in self.chunks) != self.total_size:
+            raise ValueError("chunk sizes do not add up to total_size")
+        if any(c.size != self.chunk_size for c in self.chunks[:-1]):
+            raise ValueError("every chunk but the last must be exactly chunk_size bytes")
+        end = 0
+        for f in self.files:
+            if f.offset != end:
+                raise ValueError(f"file {f.path} starts at {f.offset}, expected {end}")
+            end += f.size
+        if end != self.total_size:
+            raise ValueError("file sizes do not add up to total_size")
+        if len({f.path for f in self.files}) != len(self.files):
+            raise ValueError("duplicate file path")
+        return self
+
+
+class VersionRead(ReadModel):
+    job_id: str
+    version: int
+    step: int
+    total_size: int
+    num_chunks: int
+    manifest_sha256: str
+    publish_seconds: float | None = Field(None, description="Time from the first chunk upload to announcement.")
+    created_at: datetime
