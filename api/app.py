@@ -1,0 +1,49 @@
+"""The control plane's FastAPI application."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from . import errors
+from .db import Database
+from .routes import datasets, fleet, health, jobs, learner, leases, users, weights
+from .settings import Settings, get_settings
+from .storage import BlobStore
+from .telemetry import MetricsMiddleware, Telemetry
+
+DESCRIPTION = """Echo2 control plane: RL post-training jobs run by a central GRPO learner with rollouts
+from distributed workers under a staleness bound S. Authenticate with `Authorization: Bearer <token>`:
+a user API key, a provider token, a worker token or a job's learner token. Errors are
+`application/problem+json` naming the field and the reason."""
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or get_settings()
+    db = Database(settings.database_url)
+    telemetry = Telemetry(db)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if settings.bootstrap_api_key:
+            from .bootstrap import ensure_admin
+
+            ensure_admin(db, settings.bootstrap_api_key)
+        yield
+        db.dispose()
+
+    app = FastAPI(title="Echo2", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    app.state.settings, app.state.db = settings, db
+    app.state.blobs = BlobStore(settings.blob_dir)
+    app.state.registry = telemetry.registry
+    errors.install(app)
+    app.add_middleware(errors.BodyLimit, default_limit=settings.max_body_bytes,
+                       large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
+    app.add_middleware(MetricsMiddleware, telemetry=telemetry)
+    for module in (health, users, jobs, datasets, fleet, leases, learner, weights):
+        app.include_router(module.router)
+    logging.basicConfig(level=settings.log_level)
+    return app

@@ -1,0 +1,76 @@
+"""`echo2-server`: run the control plane and operate it. Arguments are parsed before heavy imports."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="echo2-server", description="Echo2 control plane and operator tools.")
+    sub = p.add_subparsers(dest="command", required=True)
+    api = sub.add_parser("api", help="run the HTTP API (runs database migrations first)")
+    api.add_argument("--host", help="bind address (default ECHO2_HOST)")
+    api.add_argument("--port", type=int, help="port (default ECHO2_PORT)")
+    api.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    db = sub.add_parser("db", help="database operations")
+    db.add_argument("action", choices=["upgrade"], help="upgrade: apply Alembic migrations")
+    admin = sub.add_parser("admin", help="administration")
+    admin_sub = admin.add_subparsers(dest="admin_command", required=True)
+    cu = admin_sub.add_parser("create-user", help="create a user and print its API key")
+    cu.add_argument("--name", required=True)
+    cu.add_argument("--role", choices=["admin", "user"], default="admin")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return _dispatch(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # one line, no traceback, for an operator (STYLE.md #9)
+        print(f"echo2-server: error: {exc}", file=sys.stderr)
+        return 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from .settings import get_settings
+
+    settings = get_settings()
+    if args.command == "db":
+        from .migrate import upgrade
+
+        upgrade(settings.database_url)
+        print("database is at the latest schema")
+        return 0
+    if args.command == "admin":
+        return _create_user(settings, args.name, args.role)
+    return _serve(settings, args)
+
+
+def _create_user(settings, name: str, role: str) -> int:  # type: ignore[no-untyped-def]
+    from .bootstrap import create_user
+    from .db import Database
+    from .migrate import upgrade
+
+    upgrade(settings.database_url)
+    user, key = create_user(Database(settings.database_url), name, role)
+    print(f"created {role} {user.id} ({name}); API key (shown once):\n{key}")
+    return 0
+
+
+def _serve(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    import uvicorn
+
+    from .migrate import upgrade
+
+    upgrade(settings.database_url)
+    host, port = args.host or settings.host, args.port or settings.port
+    uvicorn.run("api.main:app", host=host, port=port, workers=args.workers, log_level=settings.log_level.lower(),
+                access_log=False)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Shared route dependencies as `Annotated` aliases: the session, settings and each kind of caller."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Annotated
+
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy.orm import Session
+
+from . import auth
+from .errors import ApiError
+from .models import Job, Provider, User, Worker
+from .settings import Settings
+from .storage import BlobStore
+
+_bearer = HTTPBearer(auto_error=False, description="An Echo2 token: user API key, provider, worker or learner.")
+
+
+def _db(request: Request) -> Iterator[Session]:
+    with request.app.state.db.session() as session:
+        yield session
+
+
+def _settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def _blobs(request: Request) -> BlobStore:
+    return request.app.state.blobs
+
+
+SessionDep = Annotated[Session, Depends(_db)]
+SettingsDep = Annotated[Settings, Depends(_settings)]
+BlobsDep = Annotated[BlobStore, Depends(_blobs)]
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+
+
+@dataclass
+class Principal:
+    kind: str
+    id: str
+    user: User | None = None
+    worker: Worker | None = None
+
+    @property
+    def is_admin(self) -> bool:
+        return self.user is not None and self.user.role == "admin"
+
+
+def _unauthorized(detail: str) -> ApiError:
+    return ApiError(401, detail, headers={"WWW-Authenticate": "Bearer"})
+
+
+def _principal(db: SessionDep, creds: Credentials) -> Principal:
+    if creds is None:
+        raise _unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+    token = auth.lookup(db, creds.credentials)
+    if token is None:
+        raise _unauthorized("unknown or revoked token")
+    principal = Principal(kind=token.kind, id=token.principal_id)
+    if token.kind == "user":
+        principal.user = db.get(User, token.principal_id)
+    elif token.kind == "worker":
+        principal.worker = db.get(Worker, token.principal_id)
+        if principal.worker is None or principal.worker.status == "deregistered":
+            raise _unauthorized("this worker is deregistered; register again")
+    return principal
+
+
+def _require(kind: str, what: str):  # type: ignore[no-untyped-def]
+    def dep(p: Annotated[Principal, Depends(_principal)]) -> Principal:
+        if p.kind != kind:
+            raise ApiError(403, f"this route needs {what}, not a {p.kind} token")
+        return p
+
+    return dep
+
+
+def _user(p: Annotated[Principal, Depends(_require("user", "a user API key"))]) -> User:
+    assert p.user is not None
+    return p.user
+
+
+def _admin(user: Annotated[User, Depends(_user)]) -> User:
+    if user.role != "admin":
+        raise ApiError(403, "this route needs an admin API key")
+    return user
+
+
+def _provider(db: SessionDep, p: Annotated[Principal, Depends(_require("provider", "a provider token"))]) -> Provider:
+    provider = db.get(Provider, p.id)
+    if provider is None:
+        raise _unauthorized("provider no longer exists")
+    return provider
+
+
+def _worker(p: Annotated[Principal, Depends(_require("worker", "a worker token"))]) -> Worker:
+    assert p.worker is not None
+    return p.worker
+
+
+def _learner(p: Annotated[Principal, Depends(_require("learner", "the job's learner token"))]) -> str:
+    return p.id
+
+
+AnyPrincipal = Annotated[Principal, Depends(_principal)]
+CurrentUser = Annotated[User, Depends(_user)]
+AdminUser = Annotated[User, Depends(_admin)]
+CurrentProvider = Annotated[Provider, Depends(_provider)]
+CurrentWorker = Annotated[Worker, Depends(_worker)]
+LearnerJobId = Annotated[str, Depends(_learner)]
+
+
+def owned_job(db: Session, user: User, job_id: str, *, for_update: bool = False) -> Job:
+    """The job if this user may see it (owner or admin); 404 otherwise, so IDs leak nothing."""
+    job = db.get(Job, job_id, with_for_update=for_update)
+    if job is None or (job.owner_id != user.id and user.role != "admin"):
+        raise ApiError(404, f"job {job_id} not found")
+    return job
+
+
+def learner_job(db: Session, token_job_id: str, job_id: str, *, for_update: bool = False) -> Job:
+    if token_job_id != job_id:
+        raise ApiError(403, "this learner token belongs to another job")
+    job = db.get(Job, job_id, with_for_update=for_update)
+    if job is None:
+        raise ApiError(404, f"job {job_id} not found")
+    return job

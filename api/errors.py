@@ -1,0 +1,106 @@
+"""Problem+json (RFC 9457) errors that name the field and the reason, and the body-size guard."""
+
+from __future__ import annotations
+
+import logging
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+log = logging.getLogger(__name__)
+PROBLEM = "application/problem+json"
+
+
+class ApiError(StarletteHTTPException):
+    """An error a client can act on: status, title, detail and optional per-field reasons."""
+
+    def __init__(
+        self, status: int, detail: str, *, field: str | None = None, headers: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(status_code=status, detail=detail, headers=headers)
+        self.errors = [{"field": field, "reason": detail}] if field else []
+
+
+def not_found(what: str) -> ApiError:
+    return ApiError(404, f"{what} not found")
+
+
+def conflict(detail: str, field: str | None = None) -> ApiError:
+    return ApiError(409, detail, field=field)
+
+
+def _problem(status: int, detail: str | None, errors: list[dict[str, str]], headers=None) -> JSONResponse:  # type: ignore[no-untyped-def]
+    from http import HTTPStatus
+
+    title = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
+    body = {"type": "about:blank", "title": title, "status": status, "detail": detail, "errors": errors}
+    return JSONResponse(body, status_code=status, media_type=PROBLEM, headers=headers)
+
+
+def _field(loc: tuple) -> str:  # type: ignore[type-arg]
+    return ".".join(str(p) for p in loc)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"field": _field(e["loc"]), "reason": e["msg"]} for e in exc.errors()]
+        first = errors[0] if errors else {"field": "", "reason": "invalid request"}
+        return _problem(422, f"{first['field']}: {first['reason']}", errors)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return _problem(exc.status_code, str(exc.detail), getattr(exc, "errors", []), exc.headers)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return _problem(500, "internal server error", [])
+
+
+class BodyLimit:
+    """Rejects bodies over the limit with 413 while streaming, before the app buffers them."""
+
+    def __init__(self, app: ASGIApp, default_limit: int, large_limit: int, large_suffix: str) -> None:
+        self.app, self.default_limit, self.large_limit, self.large_suffix = app, default_limit, large_limit, large_suffix
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        limit = self._limit(scope)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            await self._reject(scope, receive, send, limit)
+            return
+        seen = 0
+
+        async def limited() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > limit:
+                raise _TooLarge(limit)
+            return message
+
+        try:
+            await self.app(scope, limited, send)
+        except _TooLarge:
+            await self._reject(scope, receive, send, limit)
+
+    def _limit(self, scope: Scope) -> int:
+        path: str = scope.get("path", "")
+        is_chunk = scope.get("method") == "PUT" and self.large_suffix in path
+        return self.large_limit if is_chunk else self.default_limit
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
+        response = _problem(413, f"request body exceeds {limit} bytes", [{"field": "body", "reason": "too large"}])
+        await response(scope, receive, send)
+
+
+class _TooLarge(Exception):
+    def __init__(self, limit: int) -> None:
+        self.limit = limit

@@ -1,0 +1,250 @@
+"""SQLAlchemy 2.0 typed ORM: the control plane's single source of truth."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    TypeDecorator,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(8)}"
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC in and out, also on SQLite (which drops the offset)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            raise ValueError("naive datetime")
+        return value.astimezone(UTC) if value is not None else None
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class User(Base):
+    __tablename__ = "users"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("usr"))
+    name: Mapped[str] = mapped_column(String(128))
+    role: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Token(Base):
+    """A hashed bearer credential of any kind; the plaintext is shown once and never stored."""
+
+    __tablename__ = "tokens"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("tok"))
+    hash: Mapped[str] = mapped_column(String(64), unique=True)
+    kind: Mapped[str] = mapped_column(String(16))
+    principal_id: Mapped[str] = mapped_column(String(32), index=True)
+    prefix: Mapped[str] = mapped_column(String(16))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    revoked_at: Mapped[datetime | None]
+
+
+class Provider(Base):
+    __tablename__ = "providers"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("prv"))
+    name: Mapped[str] = mapped_column(String(128))
+    contact: Mapped[str | None] = mapped_column(String(256))
+    earnings_usd: Mapped[float] = mapped_column(Float, default=0.0)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("wrk"))
+    provider_id: Mapped[str] = mapped_column(ForeignKey("providers.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    gpu_model: Mapped[str] = mapped_column(String(64))
+    gpu_count: Mapped[int] = mapped_column(Integer)
+    vram_gb: Mapped[float] = mapped_column(Float)
+    price_per_hour: Mapped[float] = mapped_column(Float)
+    region: Mapped[str] = mapped_column(String(64))
+    upload_mbps: Mapped[float] = mapped_column(Float)
+    download_mbps: Mapped[float] = mapped_column(Float)
+    max_upload_mbps: Mapped[float | None] = mapped_column(Float)
+    relay_url: Mapped[str | None] = mapped_column(String(512))
+    backends: Mapped[list[Any]]
+    rollouts_per_s: Mapped[float] = mapped_column(Float, default=0.0)
+    tokens_per_s: Mapped[float] = mapped_column(Float, default=0.0)
+    software: Mapped[str] = mapped_column(String(64))
+    status: Mapped[str] = mapped_column(String(16), default="idle", index=True)
+    desired: Mapped[str] = mapped_column(String(16), default="idle")
+    job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), index=True)
+    version_held: Mapped[int | None] = mapped_column(Integer)
+    stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    accepted_rollouts: Mapped[int] = mapped_column(Integer, default=0)
+    rejected_rollouts: Mapped[int] = mapped_column(Integer, default=0)
+    bad_chunks: Mapped[int] = mapped_column(Integer, default=0)
+    active_since: Mapped[datetime | None]
+    last_heartbeat_at: Mapped[datetime | None]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Dataset(Base):
+    __tablename__ = "datasets"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("ds"))
+    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    num_items: Mapped[int] = mapped_column(Integer)
+    keys: Mapped[list[Any]]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class DatasetItem(Base):
+    __tablename__ = "dataset_items"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    dataset_id: Mapped[str] = mapped_column(ForeignKey("datasets.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    data: Mapped[dict[str, Any]]
+    __table_args__ = (UniqueConstraint("dataset_id", "index"),)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("job"))
+    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    status_reason: Mapped[str | None] = mapped_column(String(512))
+    spec: Mapped[dict[str, Any]]
+    step: Mapped[int] = mapped_column(Integer, default=0)
+    version: Mapped[int | None] = mapped_column(Integer)
+    final_version: Mapped[int | None] = mapped_column(Integer)
+    num_prompts: Mapped[int] = mapped_column(Integer, default=0)
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    learner_usd: Mapped[float] = mapped_column(Float, default=0.0)
+    workers_usd: Mapped[float] = mapped_column(Float, default=0.0)
+    learner_busy_s: Mapped[float] = mapped_column(Float, default=0.0)
+    learner_wall_s: Mapped[float] = mapped_column(Float, default=0.0)
+    learner_heartbeat_at: Mapped[datetime | None]
+    idempotency_key: Mapped[str | None] = mapped_column(String(128))
+    request_hash: Mapped[str | None] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    __table_args__ = (UniqueConstraint("owner_id", "idempotency_key"),)
+
+
+class Prompt(Base):
+    """A prompt of a job. `order_key` is a seeded permutation: the server, not the worker, picks."""
+
+    __tablename__ = "prompts"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    index: Mapped[int] = mapped_column(Integer)
+    text: Mapped[str] = mapped_column(Text)
+    reference: Mapped[str | None] = mapped_column(Text)
+    state: Mapped[str] = mapped_column(String(16), default="available")
+    epoch: Mapped[int] = mapped_column(Integer, default=0)
+    order_key: Mapped[int] = mapped_column(BigInteger)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    lease_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    __table_args__ = (
+        UniqueConstraint("job_id", "index"),
+        Index("ix_prompts_pool", "job_id", "state", "epoch", "order_key"),
+    )
+
+
+class Lease(Base):
+    __tablename__ = "leases"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("lse"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    worker_id: Mapped[str] = mapped_column(ForeignKey("workers.id"), index=True)
+    status: Mapped[str] = mapped_column(String(16), default="active")
+    version: Mapped[int] = mapped_column(Integer)
+    step_at_lease: Mapped[int] = mapped_column(Integer)
+    prompt_ids: Mapped[list[Any]]
+    expires_at: Mapped[datetime]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+    __table_args__ = (Index("ix_leases_expiry", "status", "expires_at"), Index("ix_leases_job", "job_id", "status"))
+
+
+class Rollout(Base):
+    """One prompt's group of G samples, tagged with the version that generated it."""
+
+    __tablename__ = "rollouts"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("rol"))
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    prompt_id: Mapped[int] = mapped_column(ForeignKey("prompts.id", ondelete="CASCADE"))
+    lease_id: Mapped[str] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"))
+    worker_id: Mapped[str] = mapped_column(String(32), index=True)
+    version: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16))
+    reason: Mapped[str | None] = mapped_column(String(256))
+    prompt_token_ids: Mapped[list[Any]]
+    samples: Mapped[list[Any]]
+    rewards: Mapped[list[Any] | None]
+    gen_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    claim_step: Mapped[int | None] = mapped_column(Integer)
+    trained_step: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (
+        UniqueConstraint("lease_id", "prompt_id"),
+        Index("ix_rollouts_queue", "job_id", "status", "created_at"),
+    )
+
+
+class WeightVersion(Base):
+    __tablename__ = "weight_versions"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(Integer)
+    manifest: Mapped[dict[str, Any]]
+    manifest_sha256: Mapped[str] = mapped_column(String(64))
+    total_size: Mapped[int] = mapped_column(BigInteger)
+    num_chunks: Mapped[int] = mapped_column(Integer)
+    publish_seconds: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class StepMetric(Base):
+    __tablename__ = "step_metrics"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    t_train_s: Mapped[float] = mapped_column(Float)
+    reward_mean: Mapped[float | None] = mapped_column(Float)
+    reward_std: Mapped[float | None] = mapped_column(Float)
+    loss: Mapped[float | None] = mapped_column(Float)
+    kl: Mapped[float | None] = mapped_column(Float)
+    clip_frac: Mapped[float | None] = mapped_column(Float)
+    groups: Mapped[int] = mapped_column(Integer)
+    groups_dropped: Mapped[int] = mapped_column(Integer)
+    staleness_hist: Mapped[list[Any]]
+    tokens: Mapped[int] = mapped_column(BigInteger)
+    learner_utilization: Mapped[float | None] = mapped_column(Float)
+    rollouts_per_s: Mapped[float | None] = mapped_column(Float)
+    cost_usd: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,157 @@
+"""Providers and workers: sign-up, registration, heartbeat (desired state), deregistration."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from echo2.protocol import (
+    DesiredState,
+    Heartbeat,
+    HeartbeatReply,
+    Page,
+    ProviderCreate,
+    ProviderCreated,
+    ProviderRead,
+    WorkerRead,
+    WorkerRegister,
+    WorkerRegistered,
+    WorkerStatus,
+)
+from fastapi import APIRouter, Query
+from sqlalchemy import func, select
+
+from .. import auth
+from ..deps import (
+    AdminUser,
+    AnyPrincipal,
+    Credentials,
+    CurrentProvider,
+    CurrentWorker,
+    Principal,
+    SessionDep,
+    SettingsDep,
+)
+from ..errors import ApiError
+from ..models import Job, Provider, User, Worker
+from ..services import fleet
+
+router = APIRouter(prefix="/v1", tags=["fleet"])
+
+
+@router.post("/providers", status_code=201, operation_id="create_provider",
+             summary="Sign up a GPU provider (admin, or anyone when open registration is on)")
+def create_provider(body: ProviderCreate, db: SessionDep, settings: SettingsDep, creds: Credentials) -> ProviderCreated:
+    if creds is None and not settings.open_provider_registration:
+        raise ApiError(401, "provider sign-up needs an admin API key (open registration is off)",
+                       headers={"WWW-Authenticate": "Bearer"})
+    if creds is not None:
+        token = auth.lookup(db, creds.credentials)
+        if token is None or token.kind != "user" or _role(db, token.principal_id) != "admin":
+            raise ApiError(403, "only an admin can sign providers up")
+    provider = Provider(name=body.name, contact=body.contact)
+    db.add(provider)
+    db.flush()
+    _, plain = auth.issue_token(db, "provider", provider.id)
+    db.commit()
+    return ProviderCreated(provider=_provider_read(db, provider), token=plain)
+
+
+@router.get("/providers", operation_id="list_providers", summary="List providers (admin)")
+def list_providers(_: AdminUser, db: SessionDep) -> list[ProviderRead]:
+    return [_provider_read(db, p) for p in db.scalars(select(Provider).order_by(Provider.created_at))]
+
+
+@router.get("/providers/me", operation_id="get_my_provider", summary="The calling provider, with earnings")
+def my_provider(provider: CurrentProvider, db: SessionDep) -> ProviderRead:
+    return _provider_read(db, provider)
+
+
+@router.post("/workers", status_code=201, operation_id="register_worker", summary="Register a worker (provider token)")
+def register_worker(body: WorkerRegister, provider: CurrentProvider, db: SessionDep,
+                    settings: SettingsDep) -> WorkerRegistered:
+    data = body.model_dump(mode="json", exclude={"relay_url"})
+    worker = Worker(provider_id=provider.id, relay_url=body.relay_url.rstrip("/") if body.relay_url else None,
+                    status=WorkerStatus.idle.value, desired=DesiredState.idle.value, stats={}, **data)
+    db.add(worker)
+    db.flush()
+    _, plain = auth.issue_token(db, "worker", worker.id)
+    db.commit()
+    return WorkerRegistered(worker=WorkerRead.model_validate(worker), token=plain,
+                            heartbeat_interval_s=settings.heartbeat_interval_s, lease_ttl_s=settings.lease_ttl_s)
+
+
+@router.get("/workers", operation_id="list_workers",
+            summary="Workers you can see: all (admin), yours (provider), or those on your jobs (user)")
+def list_workers(p: AnyPrincipal, db: SessionDep, status: WorkerStatus | None = None,
+                 job_id: Annotated[str | None, Query(max_length=64)] = None,
+                 limit: Annotated[int, Query(ge=1, le=500)] = 100,
+                 offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0) -> Page[WorkerRead]:
+    query = _visible(select(Worker), p)
+    if status is not None:
+        query = query.where(Worker.status == status.value)
+    if job_id is not None:
+        query = query.where(Worker.job_id == job_id)
+    total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = db.scalars(query.order_by(Worker.created_at, Worker.id).limit(limit).offset(offset))
+    items = [WorkerRead.model_validate(w) for w in rows]
+    nxt = offset + len(items) if offset + len(items) < total else None
+    return Page[WorkerRead](items=items, total=total, next_offset=nxt)
+
+
+@router.get("/workers/{worker_id}", operation_id="get_worker", summary="Get a worker")
+def get_worker(worker_id: str, p: AnyPrincipal, db: SessionDep) -> WorkerRead:
+    return WorkerRead.model_validate(_visible_worker(db, p, worker_id))
+
+
+@router.post("/workers/{worker_id}/heartbeat", operation_id="worker_heartbeat",
+             summary="Report liveness and progress; the reply says what to do next")
+def heartbeat(worker_id: str, body: Heartbeat, worker: CurrentWorker, db: SessionDep,
+              settings: SettingsDep) -> HeartbeatReply:
+    if worker.id != worker_id:
+        raise ApiError(403, "a worker may only heartbeat for itself")
+    reply = fleet.heartbeat(db, worker, body, settings)
+    db.commit()
+    return reply
+
+
+@router.delete("/workers/{worker_id}", status_code=204, operation_id="deregister_worker",
+               summary="Deregister a worker (itself, its provider or an admin); its leases are released")
+def deregister(worker_id: str, p: AnyPrincipal, db: SessionDep) -> None:
+    worker = _visible_worker(db, p, worker_id)
+    if p.kind == "user" and not p.is_admin:
+        raise ApiError(403, "only the worker, its provider or an admin can deregister it")
+    fleet.unassign(db, worker, DesiredState.drain)
+    worker.status = WorkerStatus.deregistered.value
+    auth.revoke_all(db, "worker", worker.id)
+    db.commit()
+
+
+def _visible(query, p: Principal):  # type: ignore[no-untyped-def]
+    if p.is_admin:
+        return query
+    if p.kind == "provider":
+        return query.where(Worker.provider_id == p.id)
+    if p.kind == "worker":
+        return query.where(Worker.id == p.id)
+    if p.kind == "user":
+        return query.where(Worker.job_id.in_(select(Job.id).where(Job.owner_id == p.id)))
+    return query.where(Worker.job_id == p.id)  # learner: the workers on its job
+
+
+def _visible_worker(db: SessionDep, p: Principal, worker_id: str) -> Worker:
+    worker = db.scalar(_visible(select(Worker), p).where(Worker.id == worker_id))
+    if worker is None:
+        raise ApiError(404, f"worker {worker_id} not found")
+    return worker
+
+
+def _role(db: SessionDep, user_id: str) -> str | None:
+    user = db.get(User, user_id)
+    return user.role if user else None
+
+
+def _provider_read(db: SessionDep, provider: Provider) -> ProviderRead:
+    n = db.scalar(select(func.count()).where(Worker.provider_id == provider.id,
+                                             Worker.status != WorkerStatus.deregistered.value)) or 0
+    return ProviderRead(id=provider.id, name=provider.name, contact=provider.contact, num_workers=n,
+                        earnings_usd=provider.earnings_usd, created_at=provider.created_at)

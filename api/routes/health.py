@@ -1,0 +1,32 @@
+"""Liveness, readiness and Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from sqlalchemy import text
+
+from ..errors import ApiError
+
+router = APIRouter(tags=["health"])
+
+
+@router.get("/healthz", operation_id="healthz", summary="The process is up")
+def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@router.get("/readyz", operation_id="readyz", summary="The database answers")
+def readyz(request: Request) -> dict[str, str]:
+    try:
+        with request.app.state.db.engine.connect() as conn:
+            conn.execute(text("SELECT 1"))
+    except Exception as exc:
+        raise ApiError(503, f"database not reachable: {type(exc).__name__}") from None
+    return {"status": "ready"}
+
+
+@router.get("/metrics", operation_id="prometheus_metrics", summary="Prometheus text exposition",
+            response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+def metrics(request: Request) -> Response:
+    return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

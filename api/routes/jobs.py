@@ -1,0 +1,131 @@
+"""Jobs: submit, list, inspect, cancel; their prompts, rollouts and metrics."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from echo2.protocol import (
+    JobRead,
+    JobSpec,
+    JobStatus,
+    Page,
+    PromptRead,
+    RolloutRead,
+    RolloutStatus,
+    StepMetrics,
+    TaskInfo,
+)
+from fastapi import APIRouter, Header, Query, Response
+from sqlalchemy import func, select
+
+from learner.tasks import get_task, list_tasks
+
+from ..deps import CurrentUser, SessionDep, SettingsDep, owned_job
+from ..models import Job, Prompt, Rollout, StepMetric
+from ..services import jobs as svc
+
+router = APIRouter(prefix="/v1", tags=["jobs"])
+Limit = Annotated[int, Query(ge=1, le=200, description="Page size.")]
+Offset = Annotated[int, Query(ge=0, le=10_000_000, description="Items to skip.")]
+IdempotencyKey = Annotated[
+    str | None,
+    Header(max_length=128, description="Replaying a create with the same key returns the same job."),
+]
+
+
+@router.post("/jobs", status_code=201, operation_id="create_job", summary="Submit a GRPO training job")
+def create_job(spec: JobSpec, user: CurrentUser, db: SessionDep, settings: SettingsDep, response: Response,
+               idempotency_key: IdempotencyKey = None) -> JobRead:
+    job, created = svc.create_job(db, user, spec, idempotency_key, settings)
+    db.commit()
+    if not created:
+        response.status_code = 200
+    return svc.job_read(job)
+
+
+@router.get("/jobs", operation_id="list_jobs", summary="List your jobs, newest first")
+def list_jobs(user: CurrentUser, db: SessionDep, limit: Limit = 20, offset: Offset = 0,
+              status: JobStatus | None = None,
+              name: Annotated[str | None, Query(max_length=128, description="Substring of the name.")] = None,
+              ) -> Page[JobRead]:
+    query = select(Job)
+    if user.role != "admin":
+        query = query.where(Job.owner_id == user.id)
+    if status is not None:
+        query = query.where(Job.status == status.value)
+    if name:
+        query = query.where(Job.name.contains(name, autoescape=True))
+    total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = db.scalars(query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset))
+    items = [svc.job_read(j) for j in rows]
+    return Page[JobRead](items=items, total=total, next_offset=_next(offset, len(items), total))
+
+
+@router.get("/jobs/{job_id}", operation_id="get_job", summary="Get a job")
+def get_job(job_id: str, user: CurrentUser, db: SessionDep) -> JobRead:
+    return svc.job_read(owned_job(db, user, job_id))
+
+
+@router.post("/jobs/{job_id}/cancel", operation_id="cancel_job", summary="Cancel a job",
+             responses={409: {"description": "The job already finished."}})
+def cancel_job(job_id: str, user: CurrentUser, db: SessionDep) -> JobRead:
+    job = owned_job(db, user, job_id, for_update=True)
+    svc.finish_job(db, job, JobStatus.cancelled, f"cancelled by {user.name}")
+    db.commit()
+    return svc.job_read(job)
+
+
+@router.get("/jobs/{job_id}/prompts", operation_id="list_job_prompts", summary="A job's prompts and their state")
+def list_prompts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 50,
+                 offset: Offset = 0) -> Page[PromptRead]:
+    owned_job(db, user, job_id)
+    total = db.scalar(select(func.count()).where(Prompt.job_id == job_id)) or 0
+    rows = db.scalars(select(Prompt).where(Prompt.job_id == job_id).order_by(Prompt.index).limit(limit).offset(offset))
+    items = [PromptRead.model_validate(p) for p in rows]
+    return Page[PromptRead](items=items, total=total, next_offset=_next(offset, len(items), total))
+
+
+@router.get("/jobs/{job_id}/rollouts", operation_id="list_job_rollouts", summary="A job's rollouts, newest first")
+def list_rollouts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 20, offset: Offset = 0,
+                  status: RolloutStatus | None = None) -> Page[RolloutRead]:
+    owned_job(db, user, job_id)
+    query = select(Rollout, Prompt.text).join(Prompt, Prompt.id == Rollout.prompt_id).where(Rollout.job_id == job_id)
+    if status is not None:
+        query = query.where(Rollout.status == status.value)
+    total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
+    rows = db.execute(query.order_by(Rollout.created_at.desc(), Rollout.id).limit(limit).offset(offset))
+    items = [_rollout_read(r, text) for r, text in rows]
+    return Page[RolloutRead](items=items, total=total, next_offset=_next(offset, len(items), total))
+
+
+@router.get("/jobs/{job_id}/metrics", operation_id="get_job_metrics", summary="Per-step training metrics")
+def get_metrics(job_id: str, user: CurrentUser, db: SessionDep,
+                since_step: Annotated[int, Query(ge=0, le=10_000_000, description="First step to return.")] = 0,
+                limit: Annotated[int, Query(ge=1, le=5000)] = 1000) -> list[StepMetrics]:
+    owned_job(db, user, job_id)
+    rows = db.scalars(select(StepMetric).where(StepMetric.job_id == job_id, StepMetric.step >= since_step)
+                      .order_by(StepMetric.step).limit(limit))
+    return [StepMetrics.model_validate(m) for m in rows]
+
+
+@router.get("/tasks", operation_id="list_tasks", summary="Registered task adapters and their parameters")
+def tasks(_: CurrentUser) -> list[TaskInfo]:
+    out = []
+    for name in list_tasks():
+        adapter = get_task(name)
+        out.append(TaskInfo(name=name, description=(adapter.__doc__ or "").strip().split("\n")[0],
+                            needs_dataset=adapter.needs_dataset, params_schema=adapter.Params.model_json_schema()))
+    return out
+
+
+def _rollout_read(r: Rollout, prompt_text: str) -> RolloutRead:
+    return RolloutRead(
+        id=r.id, job_id=r.job_id, prompt_id=r.prompt_id, prompt_text=prompt_text, worker_id=r.worker_id,
+        lease_id=r.lease_id, version=r.version, status=RolloutStatus(r.status), reason=r.reason,
+        trained_step=r.trained_step, completions=[s["text"] for s in r.samples], rewards=r.rewards,
+        created_at=r.created_at,
+    )
+
+
+def _next(offset: int, got: int, total: int) -> int | None:
+    return offset + got if offset + got < total else None

@@ -1,0 +1,101 @@
+"""The learner's routes: token issue (admin), start/resume, claim, step reports, heartbeat, finish."""
+
+from __future__ import annotations
+
+from echo2.protocol import (
+    ClaimedGroup,
+    JobRead,
+    JobStatus,
+    LearnerBatch,
+    LearnerClaim,
+    LearnerFinish,
+    LearnerHeartbeat,
+    LearnerStartReply,
+    LearnerTokenIssued,
+    StepAck,
+    StepReport,
+)
+from fastapi import APIRouter
+
+from .. import auth
+from ..deps import AdminUser, LearnerJobId, SessionDep, learner_job, owned_job
+from ..errors import ApiError
+from ..models import Job
+from ..services import admission, learning
+from ..services.jobs import finish_job, job_read
+
+router = APIRouter(prefix="/v1/jobs/{job_id}/learner", tags=["learner"])
+
+
+@router.post("/token", status_code=201, operation_id="issue_learner_token",
+             summary="Issue the job's learner token (admin); earlier learner tokens are revoked")
+def issue_token(job_id: str, admin: AdminUser, db: SessionDep) -> LearnerTokenIssued:
+    job = owned_job(db, admin, job_id)
+    plain = issue_learner_token(db, job)
+    db.commit()
+    return LearnerTokenIssued(job_id=job.id, token=plain)
+
+
+def issue_learner_token(db: SessionDep, job: Job) -> str:
+    auth.revoke_all(db, "learner", job.id)
+    _, plain = auth.issue_token(db, "learner", job.id)
+    return plain
+
+
+@router.post("/start", operation_id="learner_start",
+             summary="Start or resume: marks the job running and returns the step to resume at")
+def start(job_id: str, token_job: LearnerJobId, db: SessionDep) -> LearnerStartReply:
+    job = learner_job(db, token_job, job_id, for_update=True)
+    released = learning.start(db, job)
+    db.commit()
+    return LearnerStartReply(job=job_read(job), step=job.step, version=job.version, released=released)
+
+
+@router.post("/claim", operation_id="learner_claim",
+             summary="Claim admissible rollouts (t - x <= S) for step t; staler ones are rejected and re-pooled")
+def claim(job_id: str, body: LearnerClaim, token_job: LearnerJobId, db: SessionDep) -> LearnerBatch:
+    job = learner_job(db, token_job, job_id, for_update=True)
+    if job.status != JobStatus.running.value:
+        raise ApiError(409, f"job {job_id} is {job.status}")
+    if body.step != job.step:
+        raise ApiError(409, f"claims are for step {job.step} (steps committed so far), not {body.step}", field="step")
+    rows, rejected = admission.claim(db, job, body.step, body.max_groups)
+    prompts = admission.prompts_by_id(db, [r.prompt_id for r in rows])
+    groups = [
+        ClaimedGroup(rollout_id=r.id, prompt_id=r.prompt_id, prompt_text=prompts[r.prompt_id].text,
+                     reference=prompts[r.prompt_id].reference, version=r.version, worker_id=r.worker_id,
+                     prompt_token_ids=r.prompt_token_ids, samples=r.samples)
+        for r in rows
+    ]
+    db.commit()
+    return LearnerBatch(step=body.step, groups=groups, rejected_stale=rejected)
+
+
+@router.post("/steps", operation_id="learner_report_step",
+             summary="Commit a trained step: its rollouts become trained, metrics are stored")
+def report_step(job_id: str, body: StepReport, token_job: LearnerJobId, db: SessionDep) -> StepAck:
+    job = learner_job(db, token_job, job_id, for_update=True)
+    ack = learning.commit_step(db, job, body)
+    db.commit()
+    return ack
+
+
+@router.post("/heartbeat", operation_id="learner_heartbeat", summary="Learner liveness and utilisation")
+def heartbeat(job_id: str, body: LearnerHeartbeat, token_job: LearnerJobId, db: SessionDep) -> StepAck:
+    job = learner_job(db, token_job, job_id, for_update=True)
+    learning.record_heartbeat(job, body.busy_s, body.wall_s)
+    db.commit()
+    return learning.ack(job)
+
+
+@router.post("/finish", operation_id="learner_finish", summary="Finish the job, naming the final checkpoint version")
+def finish(job_id: str, body: LearnerFinish, token_job: LearnerJobId, db: SessionDep) -> JobRead:
+    job = learner_job(db, token_job, job_id, for_update=True)
+    if body.final_version is not None and (job.version is None or body.final_version > job.version):
+        raise ApiError(422, f"version {body.final_version} was never published", field="final_version")
+    if body.outcome.value == "succeeded" and body.final_version is None:
+        raise ApiError(422, "a succeeded job needs final_version (its checkpoint)", field="final_version")
+    finish_job(db, job, JobStatus(body.outcome.value), body.reason)
+    job.final_version = body.final_version
+    db.commit()
+    return job_read(job)

@@ -1,0 +1,97 @@
+"""Leases and rollout submission: the worker's side of the data plane."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from echo2.protocol import JobStatus, LeaseRead, LeaseRequest, LeaseStatus, RolloutSubmit, RolloutSubmitResult
+from fastapi import APIRouter
+
+from ..deps import CurrentWorker, SessionDep, SettingsDep
+from ..errors import ApiError
+from ..models import Job, Lease, Worker, utcnow
+from ..services import admission, pool
+from ..services.jobs import sampling_of, spec_of
+
+router = APIRouter(prefix="/v1", tags=["leases"])
+
+
+@router.post("/leases", status_code=201, operation_id="create_lease",
+             summary="Lease a batch of server-chosen prompts of the job this worker is assigned to",
+             responses={409: {"description": "Not assigned, version too stale, or no prompts free (Retry-After)."}})
+def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, settings: SettingsDep) -> LeaseRead:
+    if worker.job_id != body.job_id or worker.desired != "active":
+        raise ApiError(409, f"this worker is not assigned to job {body.job_id}; follow the heartbeat reply",
+                       field="job_id")
+    job = db.get(Job, body.job_id, with_for_update=True)
+    if job is None or job.status != JobStatus.running.value:
+        raise ApiError(409, f"job {body.job_id} is not running", field="job_id")
+    lease = pool.create_lease(db, job, worker, body.max_prompts, body.version, settings.lease_ttl_s)
+    read = _read(db, lease, job)
+    db.commit()
+    return read
+
+
+@router.post("/leases/{lease_id}/renew", operation_id="renew_lease", summary="Extend an active lease by its TTL")
+def renew_lease(lease_id: str, worker: CurrentWorker, db: SessionDep, settings: SettingsDep) -> LeaseRead:
+    lease, job = _own(db, worker, lease_id)
+    if lease.status != LeaseStatus.active.value or lease.expires_at < utcnow():
+        raise ApiError(409, f"lease {lease_id} is {lease.status if lease.status != 'active' else 'expired'}")
+    lease.expires_at = utcnow() + timedelta(seconds=settings.lease_ttl_s)
+    read = _read(db, lease, job)
+    db.commit()
+    return read
+
+
+@router.post("/leases/{lease_id}/complete", operation_id="complete_lease",
+             summary="Close a lease; prompts without a rollout go back to the pool")
+def complete_lease(lease_id: str, worker: CurrentWorker, db: SessionDep) -> LeaseRead:
+    return _close(db, worker, lease_id, LeaseStatus.completed)
+
+
+@router.post("/leases/{lease_id}/release", operation_id="release_lease",
+             summary="Give a lease back unfinished (e.g. on drain or a weight swap); its prompts return")
+def release_lease(lease_id: str, worker: CurrentWorker, db: SessionDep) -> LeaseRead:
+    return _close(db, worker, lease_id, LeaseStatus.released)
+
+
+@router.post("/leases/{lease_id}/rollouts", operation_id="submit_rollouts",
+             summary="Submit version-tagged groups for prompts of this lease (idempotent per prompt)")
+def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, db: SessionDep) -> RolloutSubmitResult:
+    lease, job = _own(db, worker, lease_id, lock_job=True)
+    if JobStatus(job.status).is_terminal():
+        raise ApiError(409, f"job {job.id} is {job.status}; rollouts are no longer accepted")
+    if lease.status == LeaseStatus.active.value and lease.expires_at < utcnow():
+        pool.end_lease(db, lease, LeaseStatus.expired.value)
+    results = admission.submit_groups(db, job, lease, worker, body.groups)
+    db.commit()
+    return RolloutSubmitResult(results=results)
+
+
+def _close(db: SessionDep, worker: Worker, lease_id: str, status: LeaseStatus) -> LeaseRead:
+    lease, job = _own(db, worker, lease_id)
+    if lease.status == LeaseStatus.active.value:
+        pool.end_lease(db, lease, status.value)
+    read = _read(db, lease, job)
+    db.commit()
+    return read
+
+
+def _own(db: SessionDep, worker: Worker, lease_id: str, lock_job: bool = False) -> tuple[Lease, Job]:
+    lease = db.get(Lease, lease_id, with_for_update=True)
+    if lease is None:
+        raise ApiError(404, f"lease {lease_id} not found")
+    if lease.worker_id != worker.id:
+        raise ApiError(403, f"lease {lease_id} belongs to another worker")
+    job = db.get(Job, lease.job_id, with_for_update=lock_job)
+    assert job is not None
+    return lease, job
+
+
+def _read(db: SessionDep, lease: Lease, job: Job) -> LeaseRead:
+    return LeaseRead(
+        id=lease.id, job_id=lease.job_id, worker_id=lease.worker_id, status=LeaseStatus(lease.status),
+        version=lease.version, prompts=pool.leased_prompts(db, lease, job),
+        sampling=sampling_of(spec_of(job)),
+        expires_at=lease.expires_at, created_at=lease.created_at,
+    )

@@ -1,0 +1,126 @@
+"""Weight versions at the origin: chunk upload + manifest publish (learner), manifest and chunk
+download with Range and sha256 headers (workers, relays), checkpoint download (owner)."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Annotated
+
+from echo2.protocol import Manifest, VersionRead
+from fastapi import APIRouter, Body, Header, Path, Query
+from fastapi.responses import FileResponse, StreamingResponse
+from sqlalchemy import select
+
+from ..deps import AnyPrincipal, BlobsDep, LearnerJobId, Principal, SessionDep, learner_job
+from ..errors import ApiError
+from ..models import Job, WeightVersion
+from ..storage import ChunkError, manifest_bytes
+
+router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["weights"])
+SHA_HEADER = "X-Echo2-Sha256"
+VersionPath = Annotated[int, Path(ge=0, le=10_000_000)]
+IndexPath = Annotated[int, Path(ge=0, le=1_000_000)]
+
+
+@router.put("/versions/{version}/chunks/{index}", status_code=204, operation_id="upload_chunk",
+            summary="Upload one chunk of an unpublished version (learner); the body's sha256 must match")
+def upload_chunk(job_id: str, version: VersionPath, index: IndexPath, token_job: LearnerJobId,
+                 db: SessionDep, blobs: BlobsDep,
+                 body: Annotated[bytes, Body(media_type="application/octet-stream")],
+                 sha256: Annotated[str, Header(alias=SHA_HEADER, pattern=r"^[0-9a-f]{64}$")]) -> None:
+    job = learner_job(db, token_job, job_id)
+    _check_new_version(job, version)
+    if not body:
+        raise ApiError(422, "empty chunk", field="body")
+    try:
+        blobs.put_chunk(job_id, version, index, body, sha256)
+    except ChunkError as exc:
+        raise ApiError(422, str(exc), field=SHA_HEADER) from None
+
+
+@router.post("/versions", status_code=201, operation_id="publish_version",
+             summary="Publish a version: every chunk must be uploaded and match; then it is announced")
+def publish_version(job_id: str, manifest: Manifest, token_job: LearnerJobId, db: SessionDep,
+                    blobs: BlobsDep) -> VersionRead:
+    job = learner_job(db, token_job, job_id, for_update=True)
+    _check_new_version(job, manifest.version)
+    try:
+        seconds = blobs.publish(job_id, manifest)
+    except ChunkError as exc:
+        raise ApiError(422, f"version {manifest.version} not published: {exc}", field="chunks") from None
+    row = WeightVersion(job_id=job_id, version=manifest.version, step=manifest.step,
+                        manifest=manifest.model_dump(mode="json"),
+                        manifest_sha256=hashlib.sha256(manifest_bytes(manifest)).hexdigest(),
+                        total_size=manifest.total_size, num_chunks=len(manifest.chunks), publish_seconds=seconds)
+    db.add(row)
+    job.version = manifest.version
+    db.commit()
+    return VersionRead.model_validate(row)
+
+
+@router.get("/versions", operation_id="list_versions", summary="Published versions of a job")
+def list_versions(job_id: str, p: AnyPrincipal, db: SessionDep) -> list[VersionRead]:
+    _readable_job(db, p, job_id)
+    rows = db.scalars(select(WeightVersion).where(WeightVersion.job_id == job_id).order_by(WeightVersion.version))
+    return [VersionRead.model_validate(r) for r in rows]
+
+
+@router.get("/versions/{version}/manifest", operation_id="get_manifest", summary="A published version's manifest")
+def get_manifest(job_id: str, version: VersionPath, p: AnyPrincipal, db: SessionDep) -> Manifest:
+    _readable_job(db, p, job_id)
+    return Manifest.model_validate(_version(db, job_id, version).manifest)
+
+
+@router.get("/versions/{version}/chunks/{index}", operation_id="get_chunk",
+            summary="Download one chunk (HTTP Range supported); its sha256 is in X-Echo2-Sha256",
+            response_class=FileResponse,
+            responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "Partial content"}})
+def get_chunk(job_id: str, version: VersionPath, index: IndexPath, p: AnyPrincipal, db: SessionDep,
+              blobs: BlobsDep) -> FileResponse:
+    _readable_job(db, p, job_id)
+    chunks = _version(db, job_id, version).manifest["chunks"]
+    if index >= len(chunks):
+        raise ApiError(404, f"version {version} has {len(chunks)} chunks; no chunk {index}")
+    return FileResponse(blobs.chunk_path(job_id, version, index), media_type="application/octet-stream",
+                        headers={SHA_HEADER: chunks[index]["sha256"]})
+
+
+@router.get("/checkpoint", operation_id="download_checkpoint",
+            summary="Download a version (default: the final one) as a tar of the HF model folder",
+            response_class=StreamingResponse, responses={200: {"content": {"application/x-tar": {}}}})
+def download_checkpoint(job_id: str, p: AnyPrincipal, db: SessionDep, blobs: BlobsDep,
+                        version: Annotated[int | None, Query(ge=0, le=10_000_000)] = None) -> StreamingResponse:
+    job = _readable_job(db, p, job_id, owner_only=True)
+    chosen = version if version is not None else (job.final_version if job.final_version is not None else job.version)
+    if chosen is None:
+        raise ApiError(404, f"job {job_id} has no published version yet")
+    manifest = Manifest.model_validate(_version(db, job_id, chosen).manifest)
+    filename = f"{job_id}-v{chosen}.tar"
+    return StreamingResponse(blobs.iter_tar(job_id, manifest), media_type="application/x-tar",
+                             headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+
+
+def _check_new_version(job: Job, version: int) -> None:
+    if job.version is not None and version <= job.version:
+        raise ApiError(409, f"version {version} is not newer than the published {job.version}", field="version")
+
+
+def _version(db: SessionDep, job_id: str, version: int) -> WeightVersion:
+    row = db.get(WeightVersion, (job_id, version))
+    if row is None:
+        raise ApiError(404, f"version {version} of job {job_id} is not published")
+    return row
+
+
+def _readable_job(db: SessionDep, p: Principal, job_id: str, owner_only: bool = False) -> Job:
+    job = db.get(Job, job_id)
+    allowed = job is not None and (
+        p.is_admin
+        or (p.kind == "user" and job.owner_id == p.id)
+        or (not owner_only and p.kind == "learner" and p.id == job_id)
+        or (not owner_only and p.kind == "worker" and p.worker is not None and p.worker.job_id == job_id)
+    )
+    if not allowed:
+        raise ApiError(404, f"job {job_id} not found")
+    assert job is not None
+    return job

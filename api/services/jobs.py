@@ -1,0 +1,134 @@
+"""Job creation (validated task, prompts materialised, idempotency) and status transitions."""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from echo2.protocol import JobCost, JobRead, JobSpec, JobStatus, SamplingParams
+from echo2.seeds import order_key
+from pydantic import ValidationError
+from sqlalchemy import insert, select, update
+from sqlalchemy.orm import Session
+
+from learner.tasks import get_task
+
+from ..errors import ApiError
+from ..models import Dataset, DatasetItem, Job, Lease, Prompt, User, Worker, utcnow
+from ..settings import Settings
+
+MAX_GENERATED_PROMPTS = 50_000
+
+
+def create_job(
+    db: Session, user: User, spec: JobSpec, idempotency_key: str | None, settings: Settings
+) -> tuple[Job, bool]:
+    """Return (job, created). Replaying an Idempotency-Key with the same body returns the same job."""
+    request_hash = hashlib.sha256(spec.model_dump_json().encode()).hexdigest()
+    if idempotency_key:
+        existing = db.scalar(select(Job).where(Job.owner_id == user.id, Job.idempotency_key == idempotency_key))
+        if existing is not None:
+            if existing.request_hash != request_hash:
+                raise ApiError(422, "Idempotency-Key was already used with a different body", field="Idempotency-Key")
+            return existing, False
+    items = _prompt_items(db, user, spec)
+    if spec.learner.price_per_hour is None:
+        spec.learner.price_per_hour = settings.learner_price_per_hour
+    job = Job(
+        owner_id=user.id,
+        name=spec.name,
+        spec=spec.model_dump(mode="json"),
+        num_prompts=len(items),
+        idempotency_key=idempotency_key,
+        request_hash=request_hash,
+    )
+    db.add(job)
+    db.flush()
+    rows = [
+        {"job_id": job.id, "index": i, "text": text, "reference": ref,
+         "order_key": order_key(spec.seed, job.id, i, 0)}
+        for i, (text, ref) in enumerate(items)
+    ]
+    db.execute(insert(Prompt), rows)
+    return job, True
+
+
+def _prompt_items(db: Session, user: User, spec: JobSpec) -> list[tuple[str, str | None]]:
+    try:
+        adapter = get_task(spec.task.name)
+    except KeyError as exc:
+        raise ApiError(422, str(exc.args[0]), field="task.name") from None
+    try:
+        params = adapter.Params.model_validate(spec.task.params)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise ApiError(422, f"{where}: {err['msg']}", field=f"task.params.{where}") from None
+    raw = _raw_items(db, user, spec)
+    if raw is None:
+        if adapter.needs_dataset:
+            raise ApiError(422, f"task {adapter.name} needs prompts: give dataset_id or prompts", field="dataset_id")
+        count = spec.num_prompts or min(spec.max_steps * spec.grpo.prompts_per_step, MAX_GENERATED_PROMPTS)
+        generated = adapter.generate_prompts(params, spec.seed, count)
+        return [(p.text, p.reference) for p in generated]
+    return [_from_item(adapter, params, item, i, spec) for i, item in enumerate(raw)]
+
+
+def _raw_items(db: Session, user: User, spec: JobSpec) -> list[dict[str, Any]] | None:
+    if spec.prompts is not None:
+        return [p.item for p in spec.prompts]
+    if spec.dataset_id is None:
+        return None
+    dataset = db.get(Dataset, spec.dataset_id)
+    if dataset is None or (dataset.owner_id != user.id and user.role != "admin"):
+        raise ApiError(422, f"dataset {spec.dataset_id} not found", field="dataset_id")
+    return list(db.scalars(select(DatasetItem.data).where(DatasetItem.dataset_id == dataset.id)
+                           .order_by(DatasetItem.index)))
+
+
+def _from_item(adapter: Any, params: Any, item: dict[str, Any], i: int, spec: JobSpec) -> tuple[str, str | None]:
+    field = f"prompts.{i}" if spec.prompts is not None else f"dataset_id (item {i})"
+    try:
+        prompt = adapter.prompt_from_item(item, params)
+    except (KeyError, ValueError, TypeError) as exc:
+        raise ApiError(422, f"item {i}: {exc}", field=field) from None
+    return prompt.text, prompt.reference
+
+
+def job_read(job: Job) -> JobRead:
+    cost = JobCost(learner_usd=job.learner_usd, workers_usd=job.workers_usd,
+                   total_usd=job.learner_usd + job.workers_usd)
+    return JobRead.model_validate(
+        {**{c: getattr(job, c) for c in ("id", "owner_id", "status", "status_reason", "step", "version",
+                                         "num_prompts", "reward_mean", "created_at", "started_at",
+                                         "finished_at")},
+         "spec": job.spec, "cost": cost}
+    )
+
+
+def finish_job(db: Session, job: Job, status: JobStatus, reason: str | None) -> None:
+    """Move a job to a terminal state; refuse if it already is in one. Frees its workers and leases."""
+    if JobStatus(job.status).is_terminal():
+        raise ApiError(409, f"job {job.id} is already {job.status}; a finished job cannot change state")
+    job.status, job.status_reason, job.finished_at = status.value, reason, utcnow()
+    db.execute(
+        update(Worker).where(Worker.job_id == job.id).values(job_id=None, desired="idle", active_since=None)
+    )
+    db.execute(
+        update(Lease).where(Lease.job_id == job.id, Lease.status == "active")
+        .values(status="released", finished_at=utcnow())
+    )
+    db.execute(
+        update(Prompt).where(Prompt.job_id == job.id, Prompt.state == "leased")
+        .values(state="available", lease_id=None)
+    )
+
+
+def spec_of(job: Job) -> JobSpec:
+    return JobSpec.model_validate(job.spec)
+
+
+def sampling_of(spec: JobSpec) -> SamplingParams:
+    g = spec.grpo
+    return SamplingParams(group_size=g.group_size, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
+                          top_p=g.top_p)

@@ -1,0 +1,92 @@
+"""The learner's side: start/resume, commit a trained step with its metrics."""
+
+from __future__ import annotations
+
+from echo2.protocol import JobStatus, StepAck, StepReport
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from ..errors import ApiError
+from ..models import Job, Prompt, Rollout, StepMetric, utcnow
+from .admission import release_claims
+from .jobs import spec_of
+
+
+def start(db: Session, job: Job) -> int:
+    """Mark the job running (first start) or resumed; claims of a dead learner are released."""
+    if JobStatus(job.status).is_terminal():
+        raise ApiError(409, f"job {job.id} is {job.status}; it cannot be (re)started")
+    if job.status == JobStatus.queued.value:
+        job.status, job.started_at = JobStatus.running.value, utcnow()
+    job.learner_heartbeat_at = utcnow()
+    return release_claims(db, job.id)
+
+
+def commit_step(db: Session, job: Job, report: StepReport) -> StepAck:
+    if report.step < job.step and db.get(StepMetric, (job.id, report.step)) is not None:
+        return _ack(job)  # a retried report of a committed step
+    if JobStatus(job.status) is not JobStatus.running:
+        raise ApiError(409, f"job {job.id} is {job.status}; steps can only be reported while running")
+    if report.step != job.step:
+        raise ApiError(409, f"expected a report for step {job.step}, got {report.step}", field="step")
+    rollouts = _claimed(db, job, report)
+    _mark_trained(db, job, report, rollouts)
+    db.add(_metric_row(db, job, report, len(rollouts)))
+    job.step += 1
+    job.reward_mean = report.reward_mean if report.reward_mean is not None else job.reward_mean
+    return _ack(job)
+
+
+def _claimed(db: Session, job: Job, report: StepReport) -> list[Rollout]:
+    ids = set(report.rollout_ids)
+    rows = list(db.scalars(select(Rollout).where(Rollout.id.in_(ids), Rollout.job_id == job.id)))
+    bad = ids - {r.id for r in rows if r.status == "claimed" and r.claim_step == report.step}
+    if bad:
+        raise ApiError(409, f"rollouts not claimed for step {report.step}: {sorted(bad)[:5]}", field="rollout_ids")
+    staleness = spec_of(job).staleness
+    too_old = [r.id for r in rows if report.step - r.version > staleness]
+    if too_old:  # cannot happen through claim(); refuse rather than record a violation
+        raise ApiError(409, f"rollouts too stale for step {report.step}: {too_old[:5]}", field="rollout_ids")
+    return rows
+
+
+def _mark_trained(db: Session, job: Job, report: StepReport, rollouts: list[Rollout]) -> None:
+    rewards = {r.rollout_id: r.rewards for r in report.rewards}
+    for r in rollouts:
+        r.status, r.trained_step = "trained", report.step
+        if r.id in rewards:
+            r.rewards = rewards[r.id]
+    if rollouts:
+        db.execute(update(Prompt).where(Prompt.id.in_([r.prompt_id for r in rollouts])).values(state="trained"))
+    release_claims(db, job.id, report.step)
+
+
+def _metric_row(db: Session, job: Job, report: StepReport, groups: int) -> StepMetric:
+    prev = db.scalar(select(StepMetric.created_at).where(StepMetric.job_id == job.id)
+                     .order_by(StepMetric.step.desc()).limit(1))
+    since = prev or job.started_at or job.created_at
+    elapsed = max((utcnow() - since).total_seconds(), 1e-6)
+    util = job.learner_busy_s / job.learner_wall_s if job.learner_wall_s > 0 else None
+    return StepMetric(
+        job_id=job.id, step=report.step, t_train_s=report.t_train_s, reward_mean=report.reward_mean,
+        reward_std=report.reward_std, loss=report.loss, kl=report.kl, clip_frac=report.clip_frac,
+        groups=groups, groups_dropped=report.groups_dropped, staleness_hist=report.staleness_hist,
+        tokens=report.tokens, learner_utilization=util, rollouts_per_s=groups / elapsed,
+        cost_usd=job.learner_usd + job.workers_usd,
+    )
+
+
+def _ack(job: Job) -> StepAck:
+    spec = spec_of(job)
+    over_budget = spec.budget_usd is not None and job.learner_usd + job.workers_usd >= spec.budget_usd
+    stop = JobStatus(job.status).is_terminal() or job.step >= spec.max_steps or over_budget
+    return StepAck(step=job.step, job_status=JobStatus(job.status), stop=stop)
+
+
+def record_heartbeat(job: Job, busy_s: float, wall_s: float) -> None:
+    job.learner_heartbeat_at = utcnow()
+    job.learner_busy_s, job.learner_wall_s = busy_s, wall_s
+
+
+def ack(job: Job) -> StepAck:
+    return _ack(job)

@@ -1,0 +1,61 @@
+"""One settings object per process, read once from `ECHO2_*` environment variables."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="ECHO2_", extra="ignore")
+
+    env: Literal["dev", "production"] = Field("dev", description="`production` refuses unsafe defaults.")
+    data_dir: Path = Field(Path(".echo2"), description="Database file (SQLite), weight chunks, checkpoints.")
+    database_url: str = Field("", description="SQLAlchemy URL; default: SQLite file in data_dir.")
+    redis_url: str = Field("", description="Celery broker/backend; `echo2-server up` starts a private Redis.")
+    host: str = Field("127.0.0.1", description="Address the API binds to.")
+    port: int = Field(8000, ge=1, le=65535, description="Port the API binds to.")
+    public_url: str = Field("", description="URL workers use to reach the API (default http://host:port).")
+    open_provider_registration: bool = Field(False, description="Let anyone sign up as a GPU provider.")
+    bootstrap_api_key: str = Field("", description="If set, an admin with this API key is ensured at start.")
+    max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest JSON request body (413 beyond).")
+    max_chunk_bytes: int = Field(64 * 2**20, ge=4096, description="Largest weight chunk upload.")
+    lease_ttl_s: float = Field(60.0, gt=0, description="A lease not renewed or completed by then expires.")
+    heartbeat_interval_s: float = Field(2.0, gt=0, description="How often workers should heartbeat.")
+    worker_offline_after_s: float = Field(15.0, gt=0, description="No heartbeat for this long: offline.")
+    learner_price_per_hour: float = Field(2.0, ge=0, description="Default reserved learner price ($/h).")
+    relay_fanout: int = Field(2, ge=1, le=16, description="Children per relay peer in the dissemination tree.")
+    log_level: str = Field("INFO", description="Python logging level.")
+
+    @model_validator(mode="after")
+    def _derive(self) -> Settings:
+        if not self.database_url:
+            self.database_url = f"sqlite:///{(self.data_dir / 'echo2.db').resolve()}"
+        if not self.public_url:
+            self.public_url = f"http://{self.host}:{self.port}"
+        self.public_url = self.public_url.rstrip("/")
+        if self.env == "production":
+            _refuse_unsafe_production(self)
+        return self
+
+    @property
+    def blob_dir(self) -> Path:
+        return self.data_dir / "blobs"
+
+
+def _refuse_unsafe_production(s: Settings) -> None:
+    if s.database_url.startswith("sqlite"):
+        raise ValueError("ECHO2_ENV=production needs ECHO2_DATABASE_URL pointing at PostgreSQL")
+    if s.bootstrap_api_key and len(s.bootstrap_api_key) < 32:
+        raise ValueError("ECHO2_BOOTSTRAP_API_KEY is too short for production (>= 32 characters)")
+    if s.open_provider_registration:
+        raise ValueError("ECHO2_OPEN_PROVIDER_REGISTRATION must be off in production; sign providers up as admin")
+
+
+@lru_cache
+def get_settings() -> Settings:
+    return Settings()

@@ -1,0 +1,116 @@
+"""The origin's blob store for weight versions: chunks land in a staging folder, verified, and the
+version becomes visible only by renaming the folder after its manifest is written (completion last)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from echo2.protocol import Manifest
+
+
+class ChunkError(ValueError):
+    pass
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write *.tmp, fsync, rename: readers see the whole file or none of it."""
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class BlobStore:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _final(self, job_id: str, version: int) -> Path:
+        return self.root / job_id / f"v{version}"
+
+    def _staging(self, job_id: str, version: int) -> Path:
+        return self.root / job_id / f"v{version}.staging"
+
+    def put_chunk(self, job_id: str, version: int, index: int, data: bytes, sha256: str) -> None:
+        digest = hashlib.sha256(data).hexdigest()
+        if digest != sha256:
+            raise ChunkError(f"chunk {index}: sha256 of the body is {digest}, header says {sha256}")
+        staging = self._staging(job_id, version)
+        staging.mkdir(parents=True, exist_ok=True)
+        atomic_write(staging / f"{index}.chunk", data)
+        atomic_write(staging / f"{index}.sha256", digest.encode())
+
+    def publish(self, job_id: str, manifest: Manifest) -> float:
+        """Check every chunk the manifest names, then make the version visible. Returns upload seconds."""
+        staging = self._staging(job_id, manifest.version)
+        for chunk in manifest.chunks:
+            self._check_staged(staging, chunk.index, chunk.size, chunk.sha256)
+        extra = {p.name for p in staging.glob("*.chunk")} - {f"{c.index}.chunk" for c in manifest.chunks}
+        if extra:
+            raise ChunkError(f"uploaded chunks not named by the manifest: {sorted(extra)[:5]}")
+        atomic_write(staging / "manifest.json", manifest.model_dump_json().encode())
+        first_upload = min(p.stat().st_mtime for p in staging.glob("*.chunk"))
+        final = self._final(job_id, manifest.version)
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(staging, final)
+        return max(0.0, (final / "manifest.json").stat().st_mtime - first_upload)
+
+    @staticmethod
+    def _check_staged(staging: Path, index: int, size: int, sha256: str) -> None:
+        path = staging / f"{index}.chunk"
+        if not path.exists():
+            raise ChunkError(f"chunk {index} was not uploaded")
+        if path.stat().st_size != size:
+            raise ChunkError(f"chunk {index} is {path.stat().st_size} bytes, the manifest says {size}")
+        if (staging / f"{index}.sha256").read_text() != sha256:
+            raise ChunkError(f"chunk {index}: uploaded sha256 differs from the manifest")
+
+    def chunk_path(self, job_id: str, version: int, index: int) -> Path:
+        return self._final(job_id, version) / f"{index}.chunk"
+
+    def has_version(self, job_id: str, version: int) -> bool:
+        return (self._final(job_id, version) / "manifest.json").exists()
+
+    def discard_staging(self, job_id: str, version: int) -> None:
+        shutil.rmtree(self._staging(job_id, version), ignore_errors=True)
+
+    def delete_version(self, job_id: str, version: int) -> None:
+        shutil.rmtree(self._final(job_id, version), ignore_errors=True)
+
+    def iter_tar(self, job_id: str, manifest: Manifest, block: int = 1 << 20) -> Iterator[bytes]:
+        """Stream the version's files as an uncompressed tar, reading chunks in order."""
+        stream = self._iter_stream(job_id, manifest, block)
+        pending = b""
+        for f in manifest.files:
+            info = tarfile.TarInfo(name=f.path)
+            info.size, info.mode = f.size, 0o644
+            yield info.tobuf(format=tarfile.PAX_FORMAT)
+            remaining = f.size
+            while remaining:
+                if not pending:
+                    pending = next(stream)
+                piece, pending = pending[:remaining], pending[remaining:]
+                remaining -= len(piece)
+                yield piece
+            if f.size % tarfile.BLOCKSIZE:
+                yield b"\0" * (tarfile.BLOCKSIZE - f.size % tarfile.BLOCKSIZE)
+        yield b"\0" * (2 * tarfile.BLOCKSIZE)
+
+    def _iter_stream(self, job_id: str, manifest: Manifest, block: int) -> Iterator[bytes]:
+        for chunk in manifest.chunks:
+            with open(self.chunk_path(job_id, manifest.version, chunk.index), "rb") as fh:
+                while data := fh.read(block):
+                    yield data
+
+
+def manifest_bytes(manifest: Manifest) -> bytes:
+    return json.dumps(manifest.model_dump(mode="json"), sort_keys=True).encode()
