@@ -1,0 +1,120 @@
+from tests.factories import activate, new_job, new_provider, new_user, new_worker, ok, running_job
+
+
+def test_provider_signup_needs_admin_unless_open(api):
+    assert api.client().post("/v1/providers", json={"name": "p"}).status_code == 401
+    _, alice = new_user(api)
+    assert alice.post("/v1/providers", json={"name": "p"}).status_code == 403
+    provider_id, provider = new_provider(api)
+    assert ok(provider.get("/v1/providers/me"))["id"] == provider_id
+
+
+def test_open_registration_lets_anyone_sign_up(api):
+    api.server.settings.open_provider_registration = True
+    try:
+        body = ok(api.client().post("/v1/providers", json={"name": "volunteer"}), 201)
+    finally:
+        api.server.settings.open_provider_registration = False
+    assert body["token"].startswith("e2p_")
+
+
+def test_worker_registration_and_visibility(api):
+    provider_id, provider = new_provider(api)
+    worker_id, worker = new_worker(api, provider, gpu_model="RTX 4090", vram_gb=24, price_per_hour=0.4,
+                                   relay_url="http://10.0.0.5:7000/", backends=["vllm", "transformers"])
+    got = ok(worker.get(f"/v1/workers/{worker_id}"))
+    assert got["provider_id"] == provider_id and got["relay_url"] == "http://10.0.0.5:7000"
+    assert got["status"] == "idle" and got["desired"] == "idle"
+    assert ok(provider.get("/v1/workers"))["total"] == 1
+    assert ok(api.admin.get("/v1/workers"))["total"] == 1
+    _, alice = new_user(api)
+    assert ok(alice.get("/v1/workers"))["total"] == 0
+    assert alice.get(f"/v1/workers/{worker_id}").status_code == 404
+
+
+def test_bad_registration_names_the_field(api):
+    _, provider = new_provider(api)
+    r = provider.post("/v1/workers", json={"name": "w", "price_per_hour": -1, "backends": []})
+    assert r.status_code == 422
+    fields = {e["field"] for e in r.json()["errors"]}
+    assert {"body.price_per_hour", "body.backends"} <= fields
+
+
+def test_heartbeat_idle_then_active_with_assignment(api, tmp_path):
+    from tests.factories import fake_model_folder
+
+    _, provider = new_provider(api)
+    worker_id, worker = new_worker(api, provider)
+    reply = ok(worker.post(f"/v1/workers/{worker_id}/heartbeat", json={}))
+    assert reply["desired"] == "idle" and reply["assignment"] is None
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    activate(api, worker_id, job["id"])
+    reply = ok(worker.post(f"/v1/workers/{worker_id}/heartbeat", json={"status": "idle"}))
+    assert reply["desired"] == "active"
+    a = reply["assignment"]
+    assert a["job_id"] == job["id"] and a["version"] == 0 and a["min_version"] == 0
+    assert a["relay_parents"] == [api.url]
+    assert a["manifest_url"].endswith(f"/v1/jobs/{job['id']}/versions/0/manifest")
+    assert a["sampling"]["group_size"] == 2
+
+
+def test_assigned_worker_waits_until_a_version_exists(api):
+    _, provider = new_provider(api)
+    worker_id, worker = new_worker(api, provider)
+    _, alice = new_user(api)
+    job = new_job(alice)
+    activate(api, worker_id, job["id"])
+    reply = ok(worker.post(f"/v1/workers/{worker_id}/heartbeat", json={}))
+    assert reply["desired"] == "idle" and reply["assignment"] is None
+
+
+def test_relay_tree_puts_high_uplinks_near_the_origin(api, tmp_path):
+    from tests.factories import fake_model_folder
+
+    _, provider = new_provider(api)
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    workers = {}
+    for i, up in enumerate([100, 1000, 500, 10]):
+        wid, client = new_worker(api, provider, f"w{i}", upload_mbps=up, relay_url=f"http://127.0.0.{i + 2}:7000")
+        activate(api, wid, job["id"])
+        workers[up] = (wid, client)
+    leaf_id, leaf = new_worker(api, provider, "leaf")
+    activate(api, leaf_id, job["id"])
+
+    def parents(up):
+        wid, client = workers[up]
+        return ok(client.post(f"/v1/workers/{wid}/heartbeat", json={}))["assignment"]["relay_parents"]
+
+    assert parents(1000) == [api.url]
+    assert parents(500) == ["http://127.0.0.3:7000", api.url]
+    assert parents(100) == ["http://127.0.0.3:7000", api.url]
+    assert parents(10) == ["http://127.0.0.4:7000", api.url]
+    leaf_parents = ok(leaf.post(f"/v1/workers/{leaf_id}/heartbeat", json={}))["assignment"]["relay_parents"]
+    assert len(leaf_parents) == 2 and leaf_parents[-1] == api.url
+
+
+def test_bad_source_reports_flag_the_relay(api):
+    _, provider = new_provider(api)
+    liar_id, _ = new_worker(api, provider, "liar", relay_url="http://127.0.0.9:7000")
+    wid, worker = new_worker(api, provider, "honest")
+    hb = {"bad_sources": [{"url": "http://127.0.0.9:7000", "reason": "chunk 3 sha256 mismatch"}]}
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json=hb))
+    assert ok(api.admin.get(f"/v1/workers/{liar_id}"))["bad_chunks"] == 1
+
+
+def test_heartbeat_for_another_worker_is_403(api):
+    _, provider = new_provider(api)
+    a_id, _ = new_worker(api, provider, "a")
+    _, b = new_worker(api, provider, "b")
+    assert b.post(f"/v1/workers/{a_id}/heartbeat", json={}).status_code == 403
+
+
+def test_deregistration_revokes_the_token(api):
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    assert worker.delete(f"/v1/workers/{wid}").status_code == 204
+    assert worker.post(f"/v1/workers/{wid}/heartbeat", json={}).status_code == 401
+    assert ok(api.admin.get(f"/v1/workers/{wid}"))["status"] == "deregistered"
+    assert ok(provider.get("/v1/providers/me"))["num_workers"] == 0

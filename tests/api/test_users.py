@@ -1,0 +1,57 @@
+from tests.factories import new_user, ok
+
+
+def test_admin_creates_user_who_sees_themself(api):
+    user_id, alice = new_user(api)
+    me = ok(alice.get("/v1/me"))
+    assert me["id"] == user_id and me["role"] == "user"
+    assert user_id in {u["id"] for u in ok(api.admin.get("/v1/users"))}
+
+
+def test_user_cannot_create_users_or_list_tokens(api):
+    _, alice = new_user(api)
+    assert alice.post("/v1/users", json={"name": "bob"}).status_code == 403
+    assert alice.get("/v1/tokens").status_code == 403
+    assert alice.get("/v1/users").status_code == 403
+
+
+def test_missing_and_bad_tokens_are_401_problem_json(api):
+    r = api.client().get("/v1/me")
+    assert r.status_code == 401
+    assert r.headers["content-type"].startswith("application/problem+json")
+    assert r.headers["www-authenticate"] == "Bearer"
+    assert "Authorization" in r.json()["detail"]
+    assert api.client("e2u_nope").get("/v1/me").status_code == 401
+
+
+def test_extra_api_key_and_revocation(api):
+    user_id, alice = new_user(api)
+    created = ok(alice.post(f"/v1/users/{user_id}/keys"), 201)
+    second = api.client(created["api_key"])
+    assert ok(second.get("/v1/me"))["id"] == user_id
+    tokens = ok(api.admin.get("/v1/tokens", params={"kind": "user"}))
+    assert created["token"]["id"] in {t["id"] for t in tokens}
+    assert all("hash" not in t for t in tokens)
+    assert api.admin.delete(f"/v1/tokens/{created['token']['id']}").status_code == 204
+    assert second.get("/v1/me").status_code == 401
+    assert ok(alice.get("/v1/me"))["id"] == user_id
+
+
+def test_user_cannot_mint_keys_for_someone_else(api):
+    bob_id, _ = new_user(api, "bob")
+    _, alice = new_user(api)
+    assert alice.post(f"/v1/users/{bob_id}/keys").status_code == 404
+
+
+def test_admin_cannot_revoke_own_last_key(api):
+    tokens = ok(api.admin.get("/v1/tokens", params={"kind": "user"}))
+    assert len(tokens) == 1
+    r = api.admin.delete(f"/v1/tokens/{tokens[0]['id']}")
+    assert r.status_code == 409 and "last admin key" in r.json()["detail"]
+
+
+def test_validation_errors_name_the_field(api):
+    r = api.admin.post("/v1/users", json={"name": "", "role": "emperor"})
+    assert r.status_code == 422
+    fields = {e["field"] for e in r.json()["errors"]}
+    assert {"body.name", "body.role"} <= fields

@@ -1,0 +1,128 @@
+"""Shared fixtures: a real control plane over real HTTP, on SQLite and on PostgreSQL.
+
+Every test that uses `api` runs twice, once per database. PostgreSQL is the one given in
+ECHO2_TEST_POSTGRES_URL, or a private cluster started here; under CI=true a missing PostgreSQL is a
+failure, elsewhere those runs are skipped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from sqlalchemy import text
+
+from api.app import create_app
+from api.bootstrap import ensure_admin
+from api.db import Database
+from api.local import PostgresServer, find_pg_bin, free_port
+from api.migrate import upgrade
+from api.models import Base
+from api.settings import Settings
+
+ADMIN_KEY = "e2u_test-admin-key-0123456789abcdef0123456789"
+
+
+@pytest.fixture(scope="session")
+def postgres_url() -> Iterator[str]:
+    given = os.environ.get("ECHO2_TEST_POSTGRES_URL")
+    if given:
+        yield given
+        return
+    if find_pg_bin() is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail("PostgreSQL is required in CI (the test script installs it)")
+        pytest.skip("PostgreSQL not installed")
+    with PostgresServer() as server:
+        yield server.url
+
+
+@pytest.fixture(scope="session", params=["sqlite", "postgres"])
+def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    if request.param == "postgres":
+        url = request.getfixturevalue("postgres_url")
+    else:
+        url = f"sqlite:///{tmp_path_factory.mktemp('sqlite') / 'echo2.db'}"
+    upgrade(url)
+    return url
+
+
+@dataclass
+class LiveServer:
+    url: str
+    settings: Settings
+    db: Database
+    app: object
+
+
+@pytest.fixture(scope="session")
+def live_server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    port = free_port()
+    settings = Settings(data_dir=tmp_path_factory.mktemp("data"), database_url=database_url, port=port,
+                        lease_ttl_s=30, heartbeat_interval_s=1)
+    app = create_app(settings)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        if not thread.is_alive():
+            raise RuntimeError("uvicorn failed to start")
+        threading.Event().wait(0.02)
+    yield LiveServer(url=f"http://127.0.0.1:{port}", settings=settings, db=app.state.db, app=app)
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def _wipe(server: LiveServer) -> None:
+    tables = [t.name for t in reversed(Base.metadata.sorted_tables)]
+    with server.db.engine.begin() as conn:
+        if server.db.is_postgres:
+            conn.execute(text(f"TRUNCATE {', '.join(tables)} CASCADE"))
+        else:
+            for name in tables:
+                conn.execute(text(f"DELETE FROM {name}"))
+    shutil.rmtree(server.settings.blob_dir, ignore_errors=True)
+    server.settings.blob_dir.mkdir(parents=True, exist_ok=True)
+
+
+@dataclass
+class Api:
+    """A clean control plane for one test, with an admin client."""
+
+    server: LiveServer
+    admin: httpx.Client
+
+    @property
+    def url(self) -> str:
+        return self.server.url
+
+    @property
+    def db(self) -> Database:
+        return self.server.db
+
+    def client(self, token: str | None = None) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.url, headers=headers, timeout=30)
+
+
+@pytest.fixture
+def api(live_server: LiveServer) -> Iterator[Api]:
+    _wipe(live_server)
+    ensure_admin(live_server.db, ADMIN_KEY)
+    with httpx.Client(base_url=live_server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                      timeout=30) as admin:
+        yield Api(server=live_server, admin=admin)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from learner.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)

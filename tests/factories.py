@@ -1,0 +1,103 @@
+"""Helpers that drive the real API the way each kind of caller would."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+from echo2.snapshots import build_manifest, iter_stream
+
+from api.models import Job, Worker
+from api.services.fleet import assign
+
+from .conftest import Api
+
+SHA = "X-Echo2-Sha256"
+
+
+def ok(response: httpx.Response, status: int = 200) -> Any:
+    assert response.status_code == status, f"{response.status_code}: {response.text}"
+    return response.json() if response.content else None
+
+
+def new_user(api: Api, name: str = "alice", role: str = "user") -> tuple[str, httpx.Client]:
+    body = ok(api.admin.post("/v1/users", json={"name": name, "role": role}), 201)
+    return body["user"]["id"], api.client(body["api_key"])
+
+
+def new_provider(api: Api, name: str = "gpu-co") -> tuple[str, httpx.Client]:
+    body = ok(api.admin.post("/v1/providers", json={"name": name}), 201)
+    return body["provider"]["id"], api.client(body["token"])
+
+
+def new_worker(api: Api, provider: httpx.Client, name: str = "w", **fields: Any) -> tuple[str, httpx.Client]:
+    body = ok(provider.post("/v1/workers", json={"name": name, **fields}), 201)
+    return body["worker"]["id"], api.client(body["token"])
+
+
+def job_spec(**overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "name": "arith", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
+        "grpo": {"group_size": 2, "prompts_per_step": 4}, "num_prompts": 40, "staleness": 1, "max_steps": 5,
+    }
+    spec.update(overrides)
+    return spec
+
+
+def new_job(user: httpx.Client, **overrides: Any) -> dict[str, Any]:
+    return ok(user.post("/v1/jobs", json=job_spec(**overrides)), 201)
+
+
+def learner_for(api: Api, job_id: str) -> httpx.Client:
+    token = ok(api.admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"]
+    return api.client(token)
+
+
+def publish(learner: httpx.Client, job_id: str, folder: Path, version: int, step: int,
+            chunk_size: int = 64 * 1024) -> dict[str, Any]:
+    manifest = build_manifest(folder, version, step, chunk_size)
+    for info, data in zip(manifest.chunks, iter_stream(folder, manifest.files, chunk_size), strict=True):
+        r = learner.put(f"/v1/jobs/{job_id}/versions/{version}/chunks/{info.index}", content=data,
+                        headers={SHA: info.sha256, "Content-Type": "application/octet-stream"})
+        assert r.status_code == 204, r.text
+    return ok(learner.post(f"/v1/jobs/{job_id}/versions", json=manifest.model_dump(mode="json")), 201)
+
+
+def fake_model_folder(root: Path, seed: int = 0) -> Path:
+    """A small folder shaped like an HF model (safetensors + config) for protocol tests."""
+    from safetensors.numpy import save_file
+    import numpy as np
+
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(seed)
+    save_file({"w": rng.standard_normal((64, 512)).astype("float32")}, str(root / "model.safetensors"))
+    (root / "config.json").write_text('{"model_type": "test"}')
+    return root
+
+
+def running_job(api: Api, user: httpx.Client, folder: Path, **overrides: Any) -> tuple[dict[str, Any], httpx.Client]:
+    """A job whose learner has started and published version 0."""
+    job = new_job(user, **overrides)
+    learner = learner_for(api, job["id"])
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/start"))
+    publish(learner, job["id"], folder, version=0, step=0)
+    return job, learner
+
+
+def activate(api: Api, worker_id: str, job_id: str) -> None:
+    """What the scheduler does when it picks a worker for a job."""
+    with api.db.session() as s:
+        worker, job = s.get(Worker, worker_id), s.get(Job, job_id)
+        assert worker is not None and job is not None
+        assign(worker, job)
+        s.commit()
+
+
+def submit_group(worker: httpx.Client, lease: dict[str, Any], prompt: dict[str, Any], version: int,
+                 group_size: int = 2) -> httpx.Response:
+    samples = [{"token_ids": [5, 6, 7], "logprobs": [-0.5, -1.0, -0.1], "text": "42", "finish_reason": "stop"}
+               for _ in range(group_size)]
+    group = {"prompt_id": prompt["prompt_id"], "version": version, "prompt_token_ids": [1, 2, 3],
+             "samples": samples}
+    return worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]})
