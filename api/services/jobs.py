@@ -99,7 +99,7 @@ def job_read(job: Job) -> JobRead:
     cost = JobCost(learner_usd=job.learner_usd, workers_usd=job.workers_usd,
                    total_usd=job.learner_usd + job.workers_usd)
     return JobRead.model_validate(
-        {**{c: getattr(job, c) for c in ("id", "owner_id", "status", "status_reason", "step", "version",
+        {**{c: getattr(job, c) for c in ("id", "name", "owner_id", "status", "status_reason", "step", "version",
                                          "num_prompts", "reward_mean", "created_at", "started_at",
                                          "finished_at")},
          "spec": job.spec, "cost": cost}

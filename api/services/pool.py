@@ -15,10 +15,10 @@ from .jobs import spec_of
 
 
 def return_prompts(db: Session, prompt_ids: list[int], lease_id: str | None = None) -> int:
-    """Put leased or submitted prompts back into the pool (counts as one more attempt)."""
+    """Put leased prompts that got no accepted rollout back into the pool (one more attempt each)."""
     if not prompt_ids:
         return 0
-    query = update(Prompt).where(Prompt.id.in_(prompt_ids), Prompt.state.in_(("leased", "submitted")))
+    query = update(Prompt).where(Prompt.id.in_(prompt_ids), Prompt.state == "leased")
     if lease_id is not None:
         query = query.where(Prompt.lease_id == lease_id)
     result = db.execute(query.values(state="available", lease_id=None, attempts=Prompt.attempts + 1))

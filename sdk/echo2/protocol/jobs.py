@@ -113,6 +113,7 @@ class JobCost(ReadModel):
 
 class JobRead(ReadModel):
     id: str
+    name: str
     owner_id: str
     status: JobStatus
     status_reason: str | None = None

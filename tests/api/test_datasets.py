@@ -1,0 +1,39 @@
+import json
+
+from tests.factories import job_spec, new_user, ok
+
+
+def test_create_read_use_delete_dataset(api):
+    _, alice = new_user(api)
+    items = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(5)]
+    ds = ok(alice.post("/v1/datasets", json={"name": "sums", "items": items}), 201)
+    assert ds["num_items"] == 5 and ds["keys"] == ["answer", "question"]
+    page = ok(alice.get(f"/v1/datasets/{ds['id']}/items", params={"limit": 2, "offset": 1}))
+    assert page["items"] == items[1:3] and page["next_offset"] == 3
+    assert ok(alice.get("/v1/datasets"))["total"] == 1
+    job = ok(alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, dataset_id=ds["id"])), 201)
+    assert job["num_prompts"] == 5
+    assert alice.delete(f"/v1/datasets/{ds['id']}").status_code == 204
+    assert alice.get(f"/v1/datasets/{ds['id']}").status_code == 404
+
+
+def test_jsonl_upload_and_line_errors(api, tmp_path):
+    _, alice = new_user(api)
+    good = "\n".join(json.dumps({"question": "1+1?", "answer": "2"}) for _ in range(3)) + "\n\n"
+    ds = ok(alice.post("/v1/datasets/upload", data={"name": "up"}, files={"file": ("d.jsonl", good)}), 201)
+    assert ds["num_items"] == 3
+    bad = alice.post("/v1/datasets/upload", data={"name": "up"},
+                     files={"file": ("d.jsonl", '{"question": "ok"}\n{oops\n')})
+    assert bad.status_code == 422 and "line 2" in bad.json()["detail"]
+    assert ok(alice.get("/v1/datasets"))["total"] == 1
+
+
+def test_datasets_are_private(api):
+    _, alice = new_user(api)
+    _, bob = new_user(api, "bob")
+    ds = ok(alice.post("/v1/datasets", json={"name": "s", "items": [{"question": "q", "answer": "1"}]}), 201)
+    assert bob.get(f"/v1/datasets/{ds['id']}").status_code == 404
+    assert bob.get(f"/v1/datasets/{ds['id']}/items").status_code == 404
+    assert bob.delete(f"/v1/datasets/{ds['id']}").status_code == 404
+    r = bob.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, dataset_id=ds["id"]))
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "dataset_id"

@@ -1,0 +1,97 @@
+from tests.factories import job_spec, new_job, new_user, ok
+
+
+def test_create_get_list_job(api):
+    _, alice = new_user(api)
+    job = new_job(alice, name="first")
+    assert job["status"] == "queued" and job["step"] == 0 and job["version"] is None
+    assert job["num_prompts"] == 40
+    assert job["spec"]["learner"]["price_per_hour"] == api.server.settings.learner_price_per_hour
+    assert ok(alice.get(f"/v1/jobs/{job['id']}"))["id"] == job["id"]
+    new_job(alice, name="second")
+    page = ok(alice.get("/v1/jobs", params={"limit": 1}))
+    assert page["total"] == 2 and len(page["items"]) == 1 and page["next_offset"] == 1
+    assert page["items"][0]["name"] == "second"
+    assert ok(alice.get("/v1/jobs", params={"name": "fir"}))["total"] == 1
+    assert ok(alice.get("/v1/jobs", params={"status": "running"}))["total"] == 0
+
+
+def test_synthetic_prompts_default_to_enough_for_all_steps(api):
+    _, alice = new_user(api)
+    spec = job_spec(max_steps=3)
+    del spec["num_prompts"]
+    job = ok(alice.post("/v1/jobs", json=spec), 201)
+    assert job["num_prompts"] == 3 * 4
+
+
+def test_idempotency_key_replays_the_same_job(api):
+    _, alice = new_user(api)
+    headers = {"Idempotency-Key": "abc-123"}
+    first = alice.post("/v1/jobs", json=job_spec(), headers=headers)
+    again = alice.post("/v1/jobs", json=job_spec(), headers=headers)
+    assert first.status_code == 201 and again.status_code == 200
+    assert first.json()["id"] == again.json()["id"]
+    assert ok(alice.get("/v1/jobs"))["total"] == 1
+    other = alice.post("/v1/jobs", json=job_spec(name="different"), headers=headers)
+    assert other.status_code == 422 and other.json()["errors"][0]["field"] == "Idempotency-Key"
+
+
+def test_bad_specs_name_the_field(api):
+    _, alice = new_user(api)
+    cases = {
+        "body.grpo.group_size": job_spec(grpo={"group_size": 1}),
+        "body": job_spec(staleness=0, publish_period=3),
+        "task.name": job_spec(task={"name": "no-such-task"}),
+        "body.max_steps": job_spec(max_steps=0),
+        "body.unknown": {**job_spec(), "unknown": 1},
+    }
+    for field, spec in cases.items():
+        r = alice.post("/v1/jobs", json=spec)
+        assert r.status_code == 422, (field, r.text)
+        assert r.headers["content-type"].startswith("application/problem+json")
+        assert any(e["field"] == field for e in r.json()["errors"]), (field, r.json())
+    assert ok(alice.get("/v1/jobs"))["total"] == 0
+
+
+def test_dataset_task_without_prompts_is_rejected(api):
+    _, alice = new_user(api)
+    r = alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}))
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "dataset_id"
+
+
+def test_inline_prompts_and_bad_items(api):
+    _, alice = new_user(api)
+    items = [{"item": {"question": "What is 2+3?", "answer": "#### 5"}}]
+    job = ok(alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, prompts=items)), 201)
+    prompts = ok(alice.get(f"/v1/jobs/{job['id']}/prompts"))
+    assert prompts["total"] == 1 and "2+3" in prompts["items"][0]["text"]
+    bad = alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, prompts=[{"item": {"q": "x"}}]))
+    assert bad.status_code == 422 and bad.json()["errors"][0]["field"] == "prompts.0"
+
+
+def test_cancel_is_terminal(api):
+    _, alice = new_user(api)
+    job = new_job(alice)
+    cancelled = ok(alice.post(f"/v1/jobs/{job['id']}/cancel"))
+    assert cancelled["status"] == "cancelled" and cancelled["finished_at"] is not None
+    again = alice.post(f"/v1/jobs/{job['id']}/cancel")
+    assert again.status_code == 409 and "cannot change state" in again.json()["detail"]
+
+
+def test_other_users_jobs_are_invisible(api):
+    _, alice = new_user(api)
+    _, bob = new_user(api, "bob")
+    job = new_job(alice)
+    for path in ("", "/prompts", "/rollouts", "/metrics"):
+        assert bob.get(f"/v1/jobs/{job['id']}{path}").status_code == 404
+    assert bob.post(f"/v1/jobs/{job['id']}/cancel").status_code == 404
+    assert ok(bob.get("/v1/jobs"))["total"] == 0
+    assert ok(api.admin.get(f"/v1/jobs/{job['id']}"))["id"] == job["id"]
+
+
+def test_tasks_are_listed_with_their_parameters(api):
+    _, alice = new_user(api)
+    tasks = {t["name"]: t for t in ok(alice.get("/v1/tasks"))}
+    assert {"arithmetic", "gsm8k", "exact_match", "regex", "http_reward"} <= set(tasks)
+    assert tasks["gsm8k"]["needs_dataset"] and not tasks["arithmetic"]["needs_dataset"]
+    assert tasks["arithmetic"]["params_schema"]["type"] == "object"
