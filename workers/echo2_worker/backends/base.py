@@ -1,0 +1,139 @@
+"""The generation-backend interface the worker's poll loop talks to.
+
+Behaviour logprob (both backends, and the learner's recomputation, use this exact definition):
+    logprob(token_t) = log_softmax(logits_t / temperature)[token_t]
+computed on the full vocabulary BEFORE top-p truncation. Top-p only changes which tokens can be
+drawn, never the reported logprob, so the learner can recompute it from the weights alone.
+
+This module must stay free of torch / vllm imports: `echo2-worker --help` imports it.
+"""
+
+from __future__ import annotations
+
+import json
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+FinishReason = Literal["stop", "length"]
+
+
+class BackendError(RuntimeError):
+    """A backend could not load a model folder or generate; the message says why."""
+
+
+@dataclass(frozen=True)
+class GenRequest:
+    """One prompt to complete `n` times (a GRPO group), one seed per sample."""
+
+    prompt_token_ids: list[int]
+    n: int
+    seeds: list[int]
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    # Generation ends (finish_reason "stop") at the model's eos ids (see model_eos_token_ids) or at
+    # any of these extra ids; the stopping token is kept in token_ids (and has a logprob).
+    stop_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
+        if len(self.seeds) != self.n:
+            raise ValueError(f"need one seed per sample: n={self.n} but {len(self.seeds)} seeds")
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids is empty")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.temperature > 0:
+            raise ValueError(
+                f"temperature must be > 0 (greedy is not a sampling policy), got {self.temperature}"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+@dataclass(frozen=True)
+class GenSample:
+    """One completion: its tokens, one behaviour logprob per token, and why it ended."""
+
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: FinishReason
+    text: str
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.logprobs):
+            raise ValueError(f"{len(self.token_ids)} tokens but {len(self.logprobs)} logprobs")
+
+
+class GenerationBackend(ABC):
+    """Loads an HF model folder (safetensors only) and samples groups of completions."""
+
+    name: str = "base"
+
+    @abstractmethod
+    def load(self, model_dir: Path) -> None:
+        """Load weights, config and tokenizer from an HF folder."""
+
+    @abstractmethod
+    def reload(self, model_dir: Path) -> None:
+        """Swap in the weights of a newer version (same architecture) in place."""
+
+    @abstractmethod
+    def generate(self, requests: list[GenRequest]) -> list[list[GenSample]]:
+        """Return, per request, its `n` samples in seed order."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Free the model and any engine processes. Safe to call twice."""
+
+    def __enter__(self) -> GenerationBackend:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The folder's safetensors weight files; refuses folders that only carry pickled weights."""
+    model_dir = Path(model_dir)
+    if not (model_dir / "config.json").is_file():
+        raise BackendError(f"{model_dir} is not an HF model folder (no config.json)")
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickled = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
+            p.name for p in model_dir.glob("*.pt")
+        )
+        hint = f" (found pickled weights {pickled}; only safetensors are loaded)" if pickled else ""
+        raise BackendError(f"{model_dir} has no *.safetensors weights{hint}")
+    return files
+
+
+def model_eos_token_ids(model_dir: Path) -> set[int]:
+    """The eos ids a folder declares (generation_config.json, config.json, tokenizer_config.json's
+    eos_token resolved through tokenizer.json), so both backends stop at exactly the same ids."""
+    model_dir = Path(model_dir)
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        value = _read_json(model_dir / name).get("eos_token_id")
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    eos = _read_json(model_dir / "tokenizer_config.json").get("eos_token")
+    if isinstance(eos, dict):
+        eos = eos.get("content")
+    if isinstance(eos, str):
+        added = _read_json(model_dir / "tokenizer.json").get("added_tokens") or []
+        ids.update(t["id"] for t in added if isinstance(t, dict) and t.get("content") == eos)
+    return ids
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}

@@ -1,0 +1,263 @@
+"""vLLM generation backend: an in-process `vllm.LLM` engine (vllm is imported lazily).
+
+Behaviour logprobs. vLLM 0.32's `logprobs_mode` offers raw_logprobs (log_softmax(logits): no
+temperature), raw_logits, processed_logprobs (log_softmax after temperature AND top-k/top-p
+masking, i.e. renormalised over the kept tokens) and processed_logits (the logits after
+temperature, the argmax-invariant logits processors and top-k/top-p masking). None of them is
+log_softmax(logits / T) before top-p when T != 1 and top_p < 1. So the engine runs with
+`processed_logits` plus one argmax-invariant logits processor, `LogSoftmaxProcessor`, which vLLM
+applies after temperature and before top-k/top-p: it replaces each row by
+log_softmax(logits / T). That changes no sampling probability (a per-row shift), top-p only masks
+other tokens to -inf, and the sampled token's returned value is exactly the definition in base.py.
+
+Seeds. Each sample is its own request with n=1 and its own seed: with n > 1 vLLM derives the
+children's seeds as seed + index, which would not honour the seeds the server assigned.
+
+Reload. vLLM 0.32 reloads weights in place: Worker.reload_weights(weights_path=...) runs the model
+loader's safetensors iterator into the live model (engine, KV cache and compiled graphs are kept).
+We reach it with `collective_rpc` through our worker extension (Echo2WorkerExtension: only strings
+cross the process boundary, no pickled callables). On CPU the prepacked GEMM weights of a layer
+that shares a Parameter (a tied lm_head) are then re-packed (see _refresh_cpu_packed_weights).
+Finally the prefix cache is reset: its KV blocks were computed with the old weights. A vLLM
+without reload_weights, or a folder with another architecture, gets a new engine instead.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from echo2_worker.backends.base import (
+    BackendError,
+    GenerationBackend,
+    GenRequest,
+    GenSample,
+    model_eos_token_ids,
+    safetensors_files,
+)
+
+log = logging.getLogger(__name__)
+
+LOGITS_PROCESSOR_FQCN = f"{__name__}:LogSoftmaxProcessor"
+WORKER_EXTENSION_FQCN = f"{__name__}.Echo2WorkerExtension"
+# config.json fields that must match for an in-place reload to be valid.
+_ARCH_FIELDS = (
+    "architectures",
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "tie_word_embeddings",
+)
+
+
+class VLLMBackend(GenerationBackend):
+    """Sampling with vLLM; extra keyword arguments go to `vllm.LLM` unchanged."""
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        *,
+        dtype: str = "auto",
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float = 0.85,
+        enforce_eager: bool = False,
+        **engine_kwargs: Any,
+    ) -> None:
+        self.engine_kwargs: dict[str, Any] = {
+            "dtype": dtype,
+            "max_model_len": max_model_len,
+            "gpu_memory_utilization": gpu_memory_utilization,
+            "enforce_eager": enforce_eager,
+            **engine_kwargs,
+        }
+        self.llm: Any = None
+        self.model_dir: Path | None = None
+        self._eos_ids: set[int] = set()
+        self._arch: dict[str, Any] = {}
+
+    def load(self, model_dir: Path) -> None:
+        from vllm import LLM
+
+        model_dir = Path(model_dir)
+        safetensors_files(model_dir)
+        self.close()
+        t0 = time.monotonic()
+        kwargs = {k: v for k, v in self.engine_kwargs.items() if v is not None}
+        self.llm = LLM(
+            model=str(model_dir),
+            tokenizer=str(model_dir),
+            load_format="safetensors",  # never unpickle .bin weights
+            logprobs_mode="processed_logits",
+            logits_processors=[LOGITS_PROCESSOR_FQCN],
+            worker_extension_cls=WORKER_EXTENSION_FQCN,
+            **kwargs,
+        )
+        self.model_dir = model_dir
+        self._arch = _arch_signature(model_dir)
+        self._eos_ids = model_eos_token_ids(model_dir)
+        eos = getattr(self.llm.get_tokenizer(), "eos_token_id", None)
+        if eos is not None:
+            self._eos_ids.add(int(eos))
+        log.info("vLLM engine for %s ready in %.1fs", model_dir, time.monotonic() - t0)
+
+    def reload(self, model_dir: Path) -> None:
+        model_dir = Path(model_dir)
+        safetensors_files(model_dir)
+        if self.llm is None or _arch_signature(model_dir) != self._arch:
+            log.info("architecture changed (or no engine): re-creating the vLLM engine")
+            self.load(model_dir)
+            return
+        t0 = time.monotonic()
+        results = self.llm.collective_rpc("echo2_reload_weights", args=(str(model_dir),))
+        if any(r is False for r in results):  # a vLLM without Worker.reload_weights
+            log.warning("this vLLM cannot reload weights in place; re-creating the engine")
+            self.load(model_dir)
+            return
+        self.llm.reset_prefix_cache()  # cached KV blocks belong to the old weights
+        self.model_dir = model_dir
+        log.info("reloaded weights in place from %s in %.1fs", model_dir, time.monotonic() - t0)
+
+    def generate(self, requests: list[GenRequest]) -> list[list[GenSample]]:
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        if self.llm is None:
+            raise BackendError("generate() before load()")
+        prompts, params = [], []
+        for r in requests:
+            stops = sorted(self._eos_ids | set(r.stop_token_ids))
+            for seed in r.seeds:
+                prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)))
+                params.append(
+                    SamplingParams(
+                        n=1,
+                        seed=int(seed) % (2**63),
+                        temperature=r.temperature,
+                        top_p=r.top_p,
+                        top_k=0,
+                        max_tokens=r.max_new_tokens,
+                        stop_token_ids=stops,
+                        logprobs=0,  # just the sampled token's value
+                        skip_special_tokens=True,
+                    )
+                )
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        samples = [_to_sample(o.outputs[0]) for o in outputs]
+        grouped, start = [], 0
+        for r in requests:
+            grouped.append(samples[start : start + r.n])
+            start += r.n
+        return grouped
+
+    def close(self) -> None:
+        if self.llm is None:
+            return
+        llm, self.llm = self.llm, None
+        engine = getattr(llm, "llm_engine", None)
+        shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
+        if callable(shutdown):
+            shutdown()
+        del llm
+
+
+def _to_sample(completion: Any) -> GenSample:
+    token_ids = [int(t) for t in completion.token_ids]
+    if completion.logprobs is None or len(completion.logprobs) != len(token_ids):
+        raise BackendError("vLLM returned no logprob for some sampled tokens")
+    logprobs = [float(step[tok].logprob) for tok, step in zip(token_ids, completion.logprobs, strict=True)]
+    reason = completion.finish_reason
+    if reason not in ("stop", "length"):
+        raise BackendError(f"vLLM finished a sample with reason {reason!r}")
+    return GenSample(token_ids=token_ids, logprobs=logprobs, finish_reason=reason, text=completion.text)
+
+
+class Echo2WorkerExtension:
+    """Mixed into vLLM's worker class (worker_extension_cls): its methods are what
+    `collective_rpc` can call by name, with only strings crossing the process boundary."""
+
+    def echo2_reload_weights(self, weights_path: str) -> bool:
+        if not hasattr(self, "reload_weights"):
+            return False
+        self.reload_weights(weights_path=weights_path, is_checkpoint_format=True)
+        _refresh_cpu_packed_weights(self)
+        return True
+
+
+def _refresh_cpu_packed_weights(worker: Any) -> int:
+    """Re-pack CPU GEMM weights that vLLM 0.32's in-place reload leaves stale.
+
+    On CPU, vLLM prepacks every linear weight (oneDNN / sgl kernels). The reload re-packs each layer
+    it loads, but a tied lm_head (tie_word_embeddings) loads nothing itself: it shares the embedding
+    Parameter, whose data is updated, while its packed copy keeps the old values, so logits would
+    come from the old embedding. Layers that kept their weight (remove_weight=False) are re-packed
+    here from it. No-op on GPUs, where the lm_head multiplies by the shared Parameter directly.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return 0
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+    count = 0
+    for module in worker.model_runner.get_model().modules():
+        weight = getattr(module, "weight", None)
+        if hasattr(module, "cpu_linear") and weight is not None and weight.numel() > 0:
+            dispatch_cpu_unquantized_gemm(module, remove_weight=False)
+            count += 1
+    return count
+
+
+def _arch_signature(model_dir: Path) -> dict[str, Any]:
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise BackendError(f"{model_dir}/config.json is unreadable: {exc}") from exc
+    return {key: config.get(key) for key in _ARCH_FIELDS}
+
+
+_processor_class: type | None = None
+
+
+def _build_processor_class() -> type:
+    """Defined on first use so that importing this module does not import vllm."""
+    import torch
+    from vllm.v1.sample.logits_processor import LogitsProcessor
+
+    class LogSoftmaxProcessor(LogitsProcessor):
+        """Rows -> log_softmax(rows). Argmax-invariant, so vLLM applies it after temperature and
+        before top-k/top-p; with logprobs_mode="processed_logits" the sampled token then reports
+        log_softmax(logits / T)[token] (see the module docstring)."""
+
+        def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
+            pass
+
+        def is_argmax_invariant(self) -> bool:
+            return True
+
+        def update_state(self, batch_update: Any) -> None:
+            pass
+
+        def apply(self, logits: torch.Tensor) -> torch.Tensor:
+            return torch.log_softmax(logits, dim=-1)
+
+    LogSoftmaxProcessor.__module__ = __name__
+    return LogSoftmaxProcessor
+
+
+def __getattr__(name: str) -> Any:
+    # vLLM resolves LOGITS_PROCESSOR_FQCN with getattr(module, "LogSoftmaxProcessor").
+    global _processor_class
+    if name == "LogSoftmaxProcessor":
+        if _processor_class is None:
+            _processor_class = _build_processor_class()
+        return _processor_class
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
