@@ -8,7 +8,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
-from . import errors
+from . import errors, openapi
 from .db import Database
 from .routes import datasets, fleet, health, jobs, learner, leases, users, weights
 from .settings import Settings, get_settings
@@ -40,6 +40,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.blobs = BlobStore(settings.blob_dir)
     app.state.registry = telemetry.registry
     errors.install(app)
+    openapi.install(app)
     app.add_middleware(errors.BodyLimit, default_limit=settings.max_body_bytes,
                        large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
     app.add_middleware(MetricsMiddleware, telemetry=telemetry)

@@ -65,7 +65,8 @@ class BodyLimit:
     """Rejects bodies over the limit with 413 while streaming, before the app buffers them."""
 
     def __init__(self, app: ASGIApp, default_limit: int, large_limit: int, large_suffix: str) -> None:
-        self.app, self.default_limit, self.large_limit, self.large_suffix = app, default_limit, large_limit, large_suffix
+        self.app = app
+        self.default_limit, self.large_limit, self.large_suffix = default_limit, large_limit, large_suffix
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":

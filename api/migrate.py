@@ -12,7 +12,7 @@ import migrations
 
 def alembic_config(url: str) -> Config:
     cfg = Config()
-    cfg.set_main_option("script_location", str(Path(migrations.__file__).parent))
+    cfg.set_main_option("script_location", str(Path(next(iter(migrations.__path__)))))
     cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
     return cfg
 

@@ -66,8 +66,8 @@ def publish(learner: httpx.Client, job_id: str, folder: Path, version: int, step
 
 def fake_model_folder(root: Path, seed: int = 0) -> Path:
     """A small folder shaped like an HF model (safetensors + config) for protocol tests."""
-    from safetensors.numpy import save_file
     import numpy as np
+    from safetensors.numpy import save_file
 
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)

@@ -31,7 +31,7 @@ def create_dataset(body: DatasetCreate, user: CurrentUser, db: SessionDep) -> Da
              summary="Create a dataset from an uploaded JSONL file (one JSON object per line)")
 def upload_dataset(user: CurrentUser, db: SessionDep,
                    file: Annotated[UploadFile, File(description="JSONL: one JSON object per line.")],
-                   name: Annotated[str, Form(min_length=1, max_length=128)]) -> DatasetRead:
+                   name: Annotated[str, Form(min_length=1, max_length=128, pattern=r"^[^\x00]+$")]) -> DatasetRead:
     items = _parse_jsonl(file)
     dataset = _store(db, user, name, items)
     db.commit()

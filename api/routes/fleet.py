@@ -83,7 +83,7 @@ def register_worker(body: WorkerRegister, provider: CurrentProvider, db: Session
 @router.get("/workers", operation_id="list_workers",
             summary="Workers you can see: all (admin), yours (provider), or those on your jobs (user)")
 def list_workers(p: AnyPrincipal, db: SessionDep, status: WorkerStatus | None = None,
-                 job_id: Annotated[str | None, Query(max_length=64)] = None,
+                 job_id: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")] = None,
                  limit: Annotated[int, Query(ge=1, le=500)] = 100,
                  offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0) -> Page[WorkerRead]:
     query = _visible(select(Worker), p)

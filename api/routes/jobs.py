@@ -27,9 +27,11 @@ from ..services import jobs as svc
 router = APIRouter(prefix="/v1", tags=["jobs"])
 Limit = Annotated[int, Query(ge=1, le=200, description="Page size.")]
 Offset = Annotated[int, Query(ge=0, le=10_000_000, description="Items to skip.")]
+NameFilter = Annotated[str | None, Query(max_length=128, pattern=r"^[^\x00]*$", description="Substring of the name.")]
 IdempotencyKey = Annotated[
     str | None,
-    Header(max_length=128, description="Replaying a create with the same key returns the same job."),
+    Header(max_length=128, pattern=r"^[\x21-\x7e]+$",
+           description="Replaying a create with the same key returns the same job (printable ASCII)."),
 ]
 
 
@@ -46,7 +48,7 @@ def create_job(spec: JobSpec, user: CurrentUser, db: SessionDep, settings: Setti
 @router.get("/jobs", operation_id="list_jobs", summary="List your jobs, newest first")
 def list_jobs(user: CurrentUser, db: SessionDep, limit: Limit = 20, offset: Offset = 0,
               status: JobStatus | None = None,
-              name: Annotated[str | None, Query(max_length=128, description="Substring of the name.")] = None,
+              name: NameFilter = None,
               ) -> Page[JobRead]:
     query = select(Job)
     if user.role != "admin":

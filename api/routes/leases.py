@@ -18,10 +18,11 @@ router = APIRouter(prefix="/v1", tags=["leases"])
 
 @router.post("/leases", status_code=201, operation_id="create_lease",
              summary="Lease a batch of server-chosen prompts of the job this worker is assigned to",
-             responses={409: {"description": "Not assigned, version too stale, or no prompts free (Retry-After)."}})
+             responses={403: {"description": "Not assigned to this job."},
+                        409: {"description": "Version too stale, or no prompts free (Retry-After)."}})
 def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, settings: SettingsDep) -> LeaseRead:
     if worker.job_id != body.job_id or worker.desired != "active":
-        raise ApiError(409, f"this worker is not assigned to job {body.job_id}; follow the heartbeat reply",
+        raise ApiError(403, f"this worker is not assigned to job {body.job_id}; follow the heartbeat reply",
                        field="job_id")
     job = db.get(Job, body.job_id, with_for_update=True)
     if job is None or job.status != JobStatus.running.value:

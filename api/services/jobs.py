@@ -81,7 +81,7 @@ def _raw_items(db: Session, user: User, spec: JobSpec) -> list[dict[str, Any]] |
         return None
     dataset = db.get(Dataset, spec.dataset_id)
     if dataset is None or (dataset.owner_id != user.id and user.role != "admin"):
-        raise ApiError(422, f"dataset {spec.dataset_id} not found", field="dataset_id")
+        raise ApiError(404, f"dataset {spec.dataset_id} not found", field="dataset_id")
     return list(db.scalars(select(DatasetItem.data).where(DatasetItem.dataset_id == dataset.id)
                            .order_by(DatasetItem.index)))
 

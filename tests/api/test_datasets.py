@@ -36,4 +36,4 @@ def test_datasets_are_private(api):
     assert bob.get(f"/v1/datasets/{ds['id']}/items").status_code == 404
     assert bob.delete(f"/v1/datasets/{ds['id']}").status_code == 404
     r = bob.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, dataset_id=ds["id"]))
-    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "dataset_id"
+    assert r.status_code == 404 and r.json()["errors"][0]["field"] == "dataset_id"

@@ -2,7 +2,16 @@ import time
 
 import pytest
 
-from tests.factories import activate, fake_model_folder, new_provider, new_user, new_worker, ok, running_job, submit_group
+from tests.factories import (
+    activate,
+    fake_model_folder,
+    new_provider,
+    new_user,
+    new_worker,
+    ok,
+    running_job,
+    submit_group,
+)
 
 
 @pytest.fixture
@@ -33,7 +42,7 @@ def test_unassigned_worker_cannot_lease(api, setup):
     _, provider = new_provider(api, "other")
     _, stranger = new_worker(api, provider)
     r = lease(stranger, job)
-    assert r.status_code == 409 and r.json()["errors"][0]["field"] == "job_id"
+    assert r.status_code == 403 and r.json()["errors"][0]["field"] == "job_id"
 
 
 def test_unpublished_or_stale_versions_are_refused(api, setup):
@@ -92,7 +101,8 @@ def test_release_returns_unsubmitted_prompts(api, setup):
     ok(submit_group(worker, got, got["prompts"][0], 0))
     released = ok(worker.post(f"/v1/leases/{got['id']}/release"))
     assert released["status"] == "released"
-    states = {p["id"]: p["state"] for p in ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 200}))["items"]}
+    prompts = ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 200}))["items"]
+    states = {p["id"]: p["state"] for p in prompts}
     assert states[got["prompts"][0]["prompt_id"]] == "submitted"
     assert states[got["prompts"][1]["prompt_id"]] == "available"
     late = ok(submit_group(worker, got, got["prompts"][1], 0))["results"][0]

@@ -10,21 +10,31 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Generic, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
 
+
+def _no_nul(value: str) -> str:
+    # PostgreSQL text cannot hold NUL, and no legitimate prompt, name or URL needs one.
+    if "\x00" in value:
+        raise ValueError("must not contain NUL (\\x00) characters")
+    return value
+
+
+NoNul = AfterValidator(_no_nul)
 Id = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=128, strip_whitespace=True)]
-Text = Annotated[str, StringConstraints(max_length=32_768)]
-Url = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=r"^https?://\S+$")]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128, strip_whitespace=True), NoNul]
+Text = Annotated[str, StringConstraints(max_length=32_768), NoNul]
+Key = Annotated[str, StringConstraints(max_length=64), NoNul]
+Url = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=r"^https?://[^\s\x00]+$")]
 Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
-ShortText = Annotated[str, StringConstraints(max_length=512)]
+ShortText = Annotated[str, StringConstraints(max_length=512), NoNul]
 Price = Annotated[float, Field(ge=0, le=10_000)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
 Logprob = Annotated[float, Field(ge=-1e4, le=0.0)]
 Version = Annotated[int, Field(ge=0, le=10_000_000)]
 Step = Annotated[int, Field(ge=0, le=10_000_000)]
 
-ParamValue = int | float | bool | Annotated[str, StringConstraints(max_length=2048)] | None
+ParamValue = int | float | bool | Annotated[str, StringConstraints(max_length=2048), NoNul] | None
 
 
 class Model(BaseModel):

@@ -5,11 +5,11 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import Field, StringConstraints
+from pydantic import Field
 
-from .common import Model, Name, ReadModel, Text
+from .common import Key, Model, Name, ReadModel, Text
 
-Item = dict[Annotated[str, StringConstraints(max_length=64)], Text | int | float | None]
+Item = dict[Key, Text | int | float | None]
 
 
 class DatasetCreate(Model):

@@ -7,14 +7,27 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
-from .common import Backend, DesiredState, Id, Model, Name, Price, ReadModel, ShortText, Url, Version, WorkerStatus
+from .common import (
+    Backend,
+    DesiredState,
+    Id,
+    Model,
+    Name,
+    NoNul,
+    Price,
+    ReadModel,
+    ShortText,
+    Url,
+    Version,
+    WorkerStatus,
+)
 
-Label = Annotated[str, StringConstraints(max_length=64)]
+Label = Annotated[str, StringConstraints(max_length=64), NoNul]
 
 
 class ProviderCreate(Model):
     name: Name
-    contact: Annotated[str, StringConstraints(max_length=256)] | None = None
+    contact: Annotated[str, StringConstraints(max_length=256), NoNul] | None = None
 
 
 class ProviderRead(ReadModel):

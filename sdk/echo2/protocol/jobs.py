@@ -8,9 +8,9 @@ from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, model_validator
 
-from .common import Id, JobStatus, Model, Name, ParamValue, Price, ReadModel, Text
+from .common import Id, JobStatus, Key, Model, Name, NoNul, ParamValue, Price, ReadModel, Text
 
-ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512, strip_whitespace=True)]
+ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512, strip_whitespace=True), NoNul]
 
 
 class LossAggregation(StrEnum):
@@ -30,10 +30,10 @@ class Device(StrEnum):
 class TaskSpec(Model):
     """A registered task adapter and its parameters (validated by the adapter's own schema)."""
 
-    name: Annotated[str, StringConstraints(min_length=1, max_length=64)] = Field(
+    name: Annotated[str, StringConstraints(min_length=1, max_length=64), NoNul] = Field(
         description="Task adapter name, e.g. `arithmetic`, `gsm8k`, `exact_match`, `regex`, `http_reward`."
     )
-    params: dict[Annotated[str, StringConstraints(max_length=64)], ParamValue] = Field(
+    params: dict[Key, ParamValue] = Field(
         default_factory=dict, max_length=32, description="Adapter parameters; see GET /v1/tasks."
     )
 
@@ -65,7 +65,7 @@ class LearnerResources(Model):
 class PromptIn(Model):
     """One inline prompt item; keys depend on the task (e.g. `question`/`answer` for gsm8k)."""
 
-    item: dict[Annotated[str, StringConstraints(max_length=64)], Text | int | float | None] = Field(
+    item: dict[Key, Text | int | float | None] = Field(
         max_length=16
     )
 

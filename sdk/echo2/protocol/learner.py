@@ -11,7 +11,7 @@ from .common import JobStatus, Model, ReadModel, ShortText, Step
 from .jobs import JobRead
 from .rollouts import SampleSubmit
 
-RolloutId = Annotated[str, StringConstraints(min_length=1, max_length=64)]
+RolloutId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 Reward = Annotated[float, Field(ge=-1e6, le=1e6)]
 
 

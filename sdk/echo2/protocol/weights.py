@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints, model_validator
 
-from .common import Model, ReadModel, Sha256, Step, Version
+from .common import Model, NoNul, ReadModel, Sha256, Step, Version
 
 RelPath = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.\-/]+$")]
 
@@ -34,7 +34,7 @@ class Manifest(Model):
     total_size: int = Field(ge=1, le=2**42)
     files: list[FileInfo] = Field(min_length=1, max_length=4096)
     chunks: list[ChunkInfo] = Field(min_length=1, max_length=1_000_000)
-    tensor_index: dict[Annotated[str, StringConstraints(max_length=512)], RelPath] = Field(
+    tensor_index: dict[Annotated[str, StringConstraints(max_length=512), NoNul], RelPath] = Field(
         default_factory=dict, max_length=200_000, description="Tensor name -> file holding it."
     )
     created_at: datetime

@@ -1,0 +1,34 @@
+"""Concurrent lease claimers never share a prompt and never lose one (SKIP LOCKED on PostgreSQL,
+serialised writers on SQLite)."""
+
+from concurrent.futures import ThreadPoolExecutor
+
+from tests.factories import activate, fake_model_folder, new_provider, new_user, new_worker, ok, running_job
+
+CLAIMERS, PROMPTS = 32, 2000
+
+
+def test_32_concurrent_claimers_over_2000_prompts(api, tmp_path):
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), num_prompts=PROMPTS)
+    _, provider = new_provider(api)
+    workers = []
+    for i in range(CLAIMERS):
+        wid, client = new_worker(api, provider, f"w{i}")
+        activate(api, wid, job["id"])
+        workers.append(client)
+
+    def claim_until_empty(client):
+        got = []
+        while True:
+            r = client.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 7, "version": 0})
+            if r.status_code == 409 and "no prompts available" in r.json()["detail"]:
+                return got
+            got.extend(p["prompt_id"] for p in ok(r, 201)["prompts"])
+
+    with ThreadPoolExecutor(CLAIMERS) as pool:
+        per_worker = list(pool.map(claim_until_empty, workers))
+    leased = [pid for ids in per_worker for pid in ids]
+    assert len(leased) == len(set(leased)), "a prompt was leased twice"
+    assert len(leased) == PROMPTS, "a prompt was lost"
+    assert sum(1 for ids in per_worker if ids) > 1
