@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from sqlalchemy import select
+import os
+from pathlib import Path
+
+from sqlalchemy import func, select
 
 from . import auth
 from .db import Database
@@ -29,3 +32,16 @@ def ensure_admin(db: Database, api_key: str) -> None:
             s.flush()
             auth.adopt_token(s, "user", user.id, api_key)
         s.commit()
+
+
+def first_run_admin(db: Database, data_dir: Path) -> Path | None:
+    """On a database without users, create an admin and save its key (mode 0600) in the data dir."""
+    with db.session() as s:
+        if s.scalar(select(func.count()).select_from(User)):
+            return None
+    _, key = create_user(db, "admin", "admin")
+    path = data_dir / "admin.key"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        fh.write(key + "\n")
+    return path

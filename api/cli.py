@@ -63,10 +63,17 @@ def _create_user(settings, name: str, role: str) -> int:  # type: ignore[no-unty
 def _serve(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     import uvicorn
 
+    from .bootstrap import first_run_admin
+    from .db import Database
     from .migrate import upgrade
 
     upgrade(settings.database_url)
     host, port = args.host or settings.host, args.port or settings.port
+    if settings.env == "dev":
+        key_file = first_run_admin(Database(settings.database_url), settings.data_dir)
+        if key_file is not None:
+            print(f"first run: created an admin; its API key is in {key_file}")
+    print(f"Echo2 API on http://{host}:{port}  (OpenAPI docs at /docs)")
     uvicorn.run("api.main:app", host=host, port=port, workers=args.workers, log_level=settings.log_level.lower(),
                 access_log=False)
     return 0

@@ -1,0 +1,63 @@
+"""`echo2-server` as an operator runs it: real subprocesses on a fresh data directory."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from api.local import free_port, wait_port
+
+
+def run(args, env, **kw):
+    return subprocess.run([sys.executable, "-m", "api.cli", *args], env=env, capture_output=True, text=True,
+                          timeout=120, **kw)
+
+
+def test_db_upgrade_and_create_user(tmp_path):
+    env = {**os.environ, "ECHO2_DATA_DIR": str(tmp_path)}
+    done = run(["db", "upgrade"], env)
+    assert done.returncode == 0 and "latest schema" in done.stdout
+    assert (tmp_path / "echo2.db").exists()
+    made = run(["admin", "create-user", "--name", "ops"], env)
+    assert made.returncode == 0, made.stderr
+    assert made.stdout.strip().splitlines()[-1].startswith("e2u_")
+
+
+def test_errors_are_one_line(tmp_path):
+    env = {**os.environ, "ECHO2_DATA_DIR": str(tmp_path), "ECHO2_DATABASE_URL": "postgresql+psycopg://x@127.0.0.1:1/x"}
+    done = run(["db", "upgrade"], env)
+    assert done.returncode == 1
+    assert done.stderr.startswith("echo2-server: error:") and "Traceback" not in done.stderr
+
+
+def test_production_refuses_sqlite(tmp_path):
+    env = {**os.environ, "ECHO2_DATA_DIR": str(tmp_path), "ECHO2_ENV": "production"}
+    done = run(["db", "upgrade"], env)
+    assert done.returncode == 1 and "PostgreSQL" in done.stderr
+
+
+def test_api_first_run_creates_an_admin_key(tmp_path):
+    port = free_port()
+    env = {**os.environ, "ECHO2_DATA_DIR": str(tmp_path), "ECHO2_PORT": str(port)}
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "api"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        wait_port(port, timeout=60, proc=proc)
+        key = (tmp_path / "admin.key").read_text().strip()
+        assert oct((tmp_path / "admin.key").stat().st_mode)[-3:] == "600"
+        me = httpx.get(f"http://127.0.0.1:{port}/v1/me", headers={"Authorization": f"Bearer {key}"})
+        assert me.status_code == 200 and me.json()["role"] == "admin"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    assert "admin.key" in out
+
+
+def test_help_is_fast():
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "api.cli", "--help"], capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0 and "echo2-server" in done.stdout
+    assert time.perf_counter() - start < 2.0
