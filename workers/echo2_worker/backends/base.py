@@ -47,16 +47,18 @@ class GenRequest:
         if self.max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if not self.temperature > 0:
-            raise ValueError(
-                f"temperature must be > 0 (greedy is not a sampling policy), got {self.temperature}"
-            )
+            raise ValueError(f"temperature must be > 0 (greedy is not a sampling policy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
 @dataclass(frozen=True)
 class GenSample:
-    """One completion: its tokens, one behaviour logprob per token, and why it ended."""
+    """One completion: its tokens, one behaviour logprob per token, and why it ended.
+
+    `text` is tokenizer.decode(token_ids, skip_special_tokens=True): a stop token is in token_ids
+    (and in text unless it is a special token such as eos).
+    """
 
     token_ids: list[int]
     logprobs: list[float]
@@ -103,9 +105,7 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         raise BackendError(f"{model_dir} is not an HF model folder (no config.json)")
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
-        pickled = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(
-            p.name for p in model_dir.glob("*.pt")
-        )
+        pickled = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
         hint = f" (found pickled weights {pickled}; only safetensors are loaded)" if pickled else ""
         raise BackendError(f"{model_dir} has no *.safetensors weights{hint}")
     return files

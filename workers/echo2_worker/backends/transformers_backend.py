@@ -54,9 +54,7 @@ class TransformersBackend(GenerationBackend):
         device = self._resolve_device()
         dtype = self._resolve_dtype(device)
         t0 = time.monotonic()
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True).to(
-            device
-        )
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True).to(device)
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_dir = model_dir
@@ -152,9 +150,7 @@ class TransformersBackend(GenerationBackend):
             mask[i, plen - len(r.prompt_token_ids) :] = 1
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        res = self.model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
-        )
+        res = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
         # Fan out: one row per sample, in request order then seed order.
         rows = torch.tensor([i for i, r in enumerate(requests) for _ in range(r.n)], device=device)
         cache = res.past_key_values
@@ -237,9 +233,7 @@ class _RowSampler:
             drop = (sorted_p.cumsum(-1) - sorted_p) >= self.top_ps
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        picked = torch.cat(
-            [torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(self.generators)]
-        )
+        picked = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(self.generators)])
         return picked, logp.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
 
 

@@ -24,6 +24,7 @@ without reload_weights, or a folder with another architecture, gets a new engine
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -148,6 +149,8 @@ class VLLMBackend(GenerationBackend):
                         stop_token_ids=stops,
                         logprobs=0,  # just the sampled token's value
                         skip_special_tokens=True,
+                        # text = decode(token_ids) like the transformers backend, stop token included
+                        include_stop_str_in_output=True,
                     )
                 )
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
@@ -166,7 +169,8 @@ class VLLMBackend(GenerationBackend):
         shutdown = getattr(getattr(engine, "engine_core", None), "shutdown", None)
         if callable(shutdown):
             shutdown()
-        del llm
+        del llm, engine
+        gc.collect()  # so that a re-created engine finds the memory free
 
 
 def _to_sample(completion: Any) -> GenSample:
