@@ -1,0 +1,166 @@
+"""The `echo2` command in a subprocess against the live control plane."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from echo2.protocol import JobRead
+
+from tests.conftest import ADMIN_KEY
+
+from .conftest import SPEC
+
+HEAVY = ("pydantic", "httpx", "api", "fastapi", "sqlalchemy", "torch", "transformers", "learner")
+
+
+def echo2(*args: str, key: str | None = None, url: str | None = None, stdin: str | None = None,
+          timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ECHO2_")}
+    if url:
+        env["ECHO2_BASE_URL"] = url
+    if key:
+        env["ECHO2_API_KEY"] = key
+    return subprocess.run([sys.executable, "-m", "echo2.cli", *args], capture_output=True, text=True, env=env,
+                          input=stdin, timeout=timeout)
+
+
+def one_line_error(result: subprocess.CompletedProcess[str]) -> str:
+    assert result.returncode != 0, result.stdout
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in result.stderr, result.stderr
+    assert lines[0].startswith("echo2")
+    return lines[0]
+
+
+def test_help_is_fast_and_imports_nothing_heavy():
+    started = time.monotonic()
+    result = echo2("--help")
+    assert result.returncode == 0 and "jobs" in result.stdout and "checkpoints" in result.stdout
+    assert time.monotonic() - started < 1.0
+    probe = ("import sys\nfrom echo2.cli import main\n"
+             "for argv in (['--help'], ['jobs', 'submit', '--help'], ['jobs', 'watch', '--help']):\n"
+             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+             f"print(sorted({{m.split('.')[0] for m in sys.modules}} & set({HEAVY!r})))")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "[]"
+
+
+def test_submit_list_get_cancel(api, alice, tmp_path):
+    url, key = api.url, alice.key
+    submitted = echo2("jobs", "submit", "--model", "echo2:tiny", "--task", "arithmetic", "--steps", "4",
+                      "--staleness", "1", "--group-size", "2", "--prompts-per-step", "2",
+                      "--num-prompts", "6", "--set", "grpo.kl_coef=0.01", "--json", url=url, key=key)
+    assert submitted.returncode == 0, submitted.stderr
+    job = JobRead.model_validate_json(submitted.stdout)
+    assert job.spec.max_steps == 4 and job.spec.grpo.kl_coef == 0.01 and job.num_prompts == 6
+    assert job.spec.name == "arithmetic-echo2-tiny"
+
+    spec_file = tmp_path / "spec.json"
+    spec_file.write_text(json.dumps(SPEC))
+    human = echo2("jobs", "submit", "--file", str(spec_file), "--name", "from-file", url=url, key=key)
+    assert human.returncode == 0 and human.stdout.startswith("submitted job ")
+    from_stdin = echo2("jobs", "submit", "-f", "-", "--steps", "2", "--json", url=url, key=key,
+                       stdin=json.dumps(SPEC))
+    assert JobRead.model_validate_json(from_stdin.stdout).spec.max_steps == 2
+
+    listed = echo2("jobs", "list", url=url, key=key)
+    assert listed.returncode == 0 and job.id in listed.stdout and "from-file" in listed.stdout
+    header = ["ID", "NAME", "STATUS", "STEP", "REWARD", "COST", "CREATED"]
+    assert listed.stdout.splitlines()[0].split() == header
+    page = json.loads(echo2("jobs", "list", "--json", "--limit", "1", url=url, key=key).stdout)
+    assert page["total"] == 3 and len(page["items"]) == 1
+
+    got = echo2("jobs", "get", job.id, "--json", url=url, key=key)
+    assert JobRead.model_validate_json(got.stdout).id == job.id
+    shown = echo2("jobs", "get", job.id, url=url, key=key).stdout
+    assert "status" in shown and "queued" in shown and "0/4" in shown
+
+    cancelled = echo2("jobs", "cancel", job.id, url=url, key=key)
+    assert cancelled.returncode == 0 and f"job {job.id} cancelled" in cancelled.stdout
+    again = one_line_error(echo2("jobs", "cancel", job.id, url=url, key=key))
+    assert "409" in again and "already cancelled" in again
+
+
+def test_global_flags_override_the_environment(api, alice):
+    result = echo2("--base-url", api.url, "--api-key", alice.key, "jobs", "list", "--json",
+                   url="http://127.0.0.1:9", key="wrong")
+    assert result.returncode == 0 and json.loads(result.stdout)["total"] == 0
+    after = echo2("jobs", "list", "--json", "--api-key", alice.key, url=api.url, key="wrong")
+    assert after.returncode == 0, after.stderr
+
+
+def test_errors_are_one_line(api, alice):
+    url, key = api.url, alice.key
+    bad_int = one_line_error(echo2("jobs", "submit", "--model", "m", "--task", "arithmetic",
+                                   "--steps", "many", url=url, key=key))
+    assert "--steps" in bad_int
+    bad_value = one_line_error(echo2("jobs", "submit", "--model", "echo2:tiny", "--task", "arithmetic",
+                                     "--staleness", "-1", url=url, key=key))
+    assert "staleness" in bad_value
+    unknown_task = one_line_error(echo2("jobs", "submit", "--model", "echo2:tiny", "--task", "nope",
+                                        url=url, key=key))
+    assert "422" in unknown_task and "task.name" in unknown_task
+    assert "give --file" in one_line_error(echo2("jobs", "submit", "--steps", "3", url=url, key=key))
+    assert "404" in one_line_error(echo2("jobs", "get", "nope", url=url, key=key))
+    assert "401" in one_line_error(echo2("jobs", "list", url=url, key="e2u_wrong"))
+    assert "ECHO2_API_KEY" in one_line_error(echo2("jobs", "list", url=url))
+    missing = echo2("datasets", "upload", "d", "/nonexistent.jsonl", url=url, key=key)
+    assert "No such file" in one_line_error(missing)
+    assert echo2("jobs", "frobnicate").returncode == 2
+
+
+def test_watch_follows_a_job_to_the_end(api, alice, driven):
+    threading.Timer(1.0, driven.finish).start()
+    result = echo2("jobs", "watch", driven.id, "--interval", "0.2", url=api.url, key=alice.key)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.strip().splitlines()
+    assert "running" in lines[0] and "step 1/3" in lines[0] and "staleness 0.50 (S=1)" in lines[0]
+    assert "reward 0.500" in lines[0] and "cost $" in lines[0]
+    assert lines[-1].startswith(f"job {driven.id} succeeded")
+
+
+def test_watch_exit_status_and_timeout(api, alice):
+    job = alice.client.jobs.create(SPEC)
+    timed_out = one_line_error(echo2("jobs", "watch", job.id, "--interval", "0.1", "--timeout", "0.3",
+                                     url=api.url, key=alice.key))
+    assert "still queued" in timed_out
+    alice.client.jobs.cancel(job.id)
+    result = echo2("jobs", "watch", job.id, url=api.url, key=alice.key)
+    assert result.returncode == 1 and "cancelled" in result.stdout
+
+
+def test_datasets_tasks_and_checkpoints(api, alice, driven, tmp_path):
+    url, key = api.url, alice.key
+    data = tmp_path / "d.jsonl"
+    data.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": "#### 4"}\n')
+    up = echo2("datasets", "upload", "tiny", str(data), url=url, key=key)
+    assert up.returncode == 0 and "2 items" in up.stdout, up.stderr
+    assert "tiny" in echo2("datasets", "list", url=url, key=key).stdout
+    tasks = echo2("tasks", "list", "--json", url=url, key=key)
+    assert "arithmetic" in {t["name"] for t in json.loads(tasks.stdout)}
+    dest = tmp_path / "ckpt"
+    down = echo2("checkpoints", "download", driven.id, str(dest), url=url, key=key)
+    assert down.returncode == 0 and "downloaded 2 files" in down.stdout, down.stderr
+    assert (dest / "config.json").read_bytes() == (driven.folder / "config.json").read_bytes()
+    again = echo2("checkpoints", "download", driven.id, str(dest), url=url, key=key)
+    assert "not empty" in one_line_error(again)
+    metrics = echo2("jobs", "metrics", driven.id, url=url, key=key)
+    assert metrics.returncode == 0 and metrics.stdout.splitlines()[1].split()[:2] == ["0", "0.500"]
+
+
+SCRIPT = Path(sys.executable).parent / "echo2"
+
+
+@pytest.mark.skipif(not SCRIPT.exists(), reason="console script not installed")
+def test_console_script(api):
+    script = SCRIPT
+    result = subprocess.run([str(script), "--api-key", ADMIN_KEY, "--base-url", api.url, "jobs", "list"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "(none)" in result.stdout, result.stderr

@@ -1,0 +1,131 @@
+"""Real server answers map onto one exception class per status family, with problem+json fields."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from echo2 import (
+    APIStatusError,
+    AuthenticationError,
+    BadRequestError,
+    Client,
+    ConflictError,
+    ConnectionError,
+    Echo2Error,
+    NotFoundError,
+    PayloadTooLargeError,
+    PermissionDeniedError,
+    ServerError,
+    UnexpectedResponseError,
+)
+
+from api.local import free_port
+
+from .conftest import SPEC
+from .stub import Reply
+
+
+def test_bad_key_is_an_authentication_error(api):
+    with Client(api.url, "e2u_not-a-real-key") as client, pytest.raises(AuthenticationError) as info:
+        client.jobs.list()
+    err = info.value
+    assert isinstance(err, APIStatusError) and isinstance(err, Echo2Error)
+    assert err.status == 401 and err.title == "Unauthorized" and "unknown or revoked token" in err.detail
+    assert err.headers is not None and err.headers["www-authenticate"] == "Bearer"
+    assert str(err) == f"HTTP 401 Unauthorized: {err.detail}"
+
+
+def test_another_users_job_is_not_found(api, admin, alice, tmp_path):
+    job = alice.client.jobs.create(SPEC)
+    bob = admin.users.create("bob")
+    with Client(api.url, bob.api_key) as client:
+        calls = [client.jobs.get, client.jobs.cancel, client.jobs.prompts, client.jobs.rollouts,
+                 client.jobs.metrics, client.checkpoints.versions,
+                 lambda i: client.checkpoints.download(i, tmp_path / "x")]
+        for call in calls:
+            with pytest.raises(NotFoundError) as info:
+                call(job.id)
+            assert info.value.status == 404 and info.value.detail == f"job {job.id} not found"
+    assert alice.client.jobs.get(job.id).status == "queued"  # bob's cancel did nothing
+    assert not (tmp_path / "x").exists()
+
+
+def test_server_422_names_the_field(alice, tmp_path):
+    with pytest.raises(BadRequestError) as info:
+        alice.client.jobs.create(SPEC, task={"name": "no-such-task"})
+    err = info.value
+    assert err.status == 422 and [e.field for e in err.errors] == ["task.name"]
+    assert "no-such-task" in err.detail
+    with pytest.raises(BadRequestError) as info:
+        alice.client.jobs.list(limit=0)
+    assert info.value.status == 422 and info.value.errors[0].field == "query.limit"
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "ok"}) + "\n{oops\n")
+    with pytest.raises(BadRequestError) as info:
+        alice.client.datasets.upload("bad", bad)
+    assert info.value.errors[0].field == "file" and "line 2" in info.value.detail
+    assert alice.client.jobs.list().total == 0 and alice.client.datasets.list().total == 0
+
+
+def test_invalid_spec_is_refused_before_sending(alice):
+    with pytest.raises(BadRequestError) as info:
+        alice.client.jobs.create(SPEC, staleness=-1, grpo={"group_size": 1})
+    err = info.value
+    assert err.status is None and {e.field for e in err.errors} == {"staleness", "grpo.group_size"}
+    assert "not sent" in str(err)
+    with pytest.raises(BadRequestError, match="publish_period"):
+        alice.client.jobs.create(SPEC, staleness=0, publish_period=3)
+    with pytest.raises(BadRequestError) as info:
+        alice.client.datasets.create("empty", [])
+    assert info.value.errors[0].field == "items"
+    assert alice.client.jobs.list().total == 0
+
+
+def test_cancel_twice_is_a_conflict(alice):
+    job = alice.client.jobs.create(SPEC)
+    alice.client.jobs.cancel(job.id)
+    with pytest.raises(ConflictError) as info:
+        alice.client.jobs.cancel(job.id)
+    assert info.value.status == 409 and "already cancelled" in info.value.detail
+    assert info.value.retry_after is None
+
+
+def test_wrong_kind_of_caller_is_permission_denied(alice):
+    with pytest.raises(PermissionDeniedError) as info:
+        alice.client.users.create("mallory")
+    assert info.value.status == 403 and "admin" in info.value.detail
+    with pytest.raises(PermissionDeniedError, match="provider token"):
+        alice.client.providers.me()
+
+
+def test_oversized_upload_is_payload_too_large(api, alice, tmp_path):
+    limit = api.server.settings.max_body_bytes
+    big = tmp_path / "big.jsonl"
+    line = json.dumps({"question": "x" * 1000, "answer": "1"}) + "\n"
+    big.write_text(line * (limit // len(line) + 10))
+    with pytest.raises(PayloadTooLargeError) as info:
+        alice.client.datasets.upload("big", big)
+    assert info.value.status == 413 and info.value.errors[0].field == "body"
+
+
+def test_unreachable_server_is_a_connection_error():
+    with Client(f"http://127.0.0.1:{free_port()}", "k", max_retries=1) as client, \
+            pytest.raises(ConnectionError) as info:
+        client.users.me()
+    assert info.value.status is None and "could not reach" in str(info.value)
+
+
+def test_answers_that_are_not_problem_json(stub):
+    with Client(stub.url, "k", max_retries=0) as client:
+        stub.reply(Reply(502, b"<html>bad gateway</html>", media_type="text/html"))
+        with pytest.raises(ServerError) as info:
+            client.users.me()
+        assert info.value.status == 502 and info.value.detail == "<html>bad gateway</html>"
+        stub.reply(Reply(200, b"<html>login portal</html>", media_type="text/html"))
+        with pytest.raises(UnexpectedResponseError, match="not a UserRead"):
+            client.users.me()
+        stub.reply(Reply(418, b'{"detail": "short and stout"}'))
+        with pytest.raises(APIStatusError) as teapot:
+            client.users.me()
+        assert type(teapot.value) is APIStatusError and teapot.value.detail == "short and stout"
