@@ -34,26 +34,20 @@ def main() -> None:
     requests = [GenRequest(**r) for r in json.loads(args.requests.read_text())]
     timings: dict[str, float] = {}
     runs = []
-    backend = create_backend(
-        "vllm", dtype=args.dtype, max_model_len=512, enforce_eager=not args.compile, seed=0
-    )
+    backend = create_backend("vllm", dtype=args.dtype, max_model_len=512, enforce_eager=not args.compile, seed=0)
     try:
         t0 = time.monotonic()
         backend.load(args.model)
         timings["load_s"] = time.monotonic() - t0
         for label in ("first", "repeat"):
             t0 = time.monotonic()
-            runs.append(
-                {"model": str(args.model), "label": label, "samples": _dump(backend.generate(requests))}
-            )
+            runs.append({"model": str(args.model), "label": label, "samples": _dump(backend.generate(requests))})
             timings[f"generate_{label}_s"] = time.monotonic() - t0
         if args.reload is not None:
             t0 = time.monotonic()
             backend.reload(args.reload)
             timings["reload_s"] = time.monotonic() - t0
-            runs.append(
-                {"model": str(args.reload), "label": "reloaded", "samples": _dump(backend.generate(requests))}
-            )
+            runs.append({"model": str(args.reload), "label": "reloaded", "samples": _dump(backend.generate(requests))})
     finally:
         backend.close()
     args.out.write_text(json.dumps({"runs": runs, "timings": timings}))

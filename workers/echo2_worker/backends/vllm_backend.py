@@ -133,6 +133,8 @@ class VLLMBackend(GenerationBackend):
 
         if self.llm is None:
             raise BackendError("generate() before load()")
+        if not requests:
+            return []
         prompts, params = [], []
         for r in requests:
             stops = sorted(self._eos_ids | set(r.stop_token_ids))
