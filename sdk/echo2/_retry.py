@@ -48,7 +48,7 @@ class RetryPolicy:
             if after is not None:
                 # Never earlier than asked; a little later, so clients told the same thing don't stampede.
                 return after + random.uniform(0, min(1.0, 0.1 * after))
-        base = min(self.max_delay, self.initial_delay * 2**attempt)
+        base = min(self.max_delay, self.initial_delay * 2.0**attempt)
         return base * (1 - 0.25 * random.random())
 
     def _acceptable_retry_after(self, response: httpx.Response) -> bool:

@@ -38,9 +38,9 @@ class _UsageError(Exception):
 # Parser
 
 
-def _connection_options(top: bool) -> argparse.ArgumentParser:
+def _connection_options(top: bool) -> _Parser:
     """--base-url/--api-key/--request-timeout, accepted before or after the subcommand."""
-    parent = argparse.ArgumentParser(add_help=False)
+    parent = _Parser(add_help=False)
     # Below the top level the default is SUPPRESS, so an option given before the subcommand survives.
     default: Any = None if top else argparse.SUPPRESS
     group = parent.add_argument_group("connection")

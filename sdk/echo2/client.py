@@ -14,6 +14,7 @@ by the `_*Base` classes; `Client` and `AsyncClient` differ only in how they send
 
 from __future__ import annotations
 
+import builtins
 import hashlib
 import os
 import re
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path, PurePosixPath
 from types import TracebackType
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, TypeVar, cast
 from urllib.parse import quote
 
 import anyio
@@ -99,8 +100,9 @@ def _adapter(cast: Any) -> TypeAdapter[Any]:
 def _parse(req: _Req[T], response: httpx.Response) -> T:
     if req.cast is None:
         return None  # type: ignore[return-value]
+    target: Any = req.cast
     try:
-        return _adapter(req.cast).validate_json(response.content)
+        return cast(T, _adapter(target).validate_json(response.content))
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "body"
@@ -396,7 +398,7 @@ class Jobs(_JobsBase):
                  offset: int = 0) -> Page[RolloutRead]:
         return self._client._call(self._rollouts(job_id, status, limit, offset))
 
-    def metrics(self, job_id: str, *, since_step: int = 0, limit: int | None = None) -> list[StepMetrics]:
+    def metrics(self, job_id: str, *, since_step: int = 0, limit: int | None = None) -> builtins.list[StepMetrics]:
         """Per-step training metrics from `since_step` on, oldest first."""
         return self._client._call(self._metrics(job_id, since_step, limit))
 
@@ -461,7 +463,7 @@ class AsyncJobs(_JobsBase):
         return await self._client._call(req)
 
     async def metrics(self, job_id: str, *, since_step: int = 0,
-                      limit: int | None = None) -> list[StepMetrics]:
+                      limit: int | None = None) -> builtins.list[StepMetrics]:
         return await self._client._call(self._metrics(job_id, since_step, limit))
 
     async def follow(self, job_id: str, *, poll_interval: float = DEFAULT_POLL_INTERVAL,
@@ -576,14 +578,14 @@ class Tasks(_TasksBase):
     _client: Client
 
 
-    def list(self) -> list[TaskInfo]:
+    def list(self) -> builtins.list[TaskInfo]:
         return self._client._call(self._list())
 
 
 class AsyncTasks(_TasksBase):
     _client: AsyncClient
 
-    async def list(self) -> list[TaskInfo]:
+    async def list(self) -> builtins.list[TaskInfo]:
         return await self._client._call(self._list())
 
 
@@ -644,7 +646,7 @@ class Providers(_ProvidersBase):
     def me(self) -> ProviderRead:
         return self._client._call(self._me())
 
-    def list(self) -> list[ProviderRead]:
+    def list(self) -> builtins.list[ProviderRead]:
         return self._client._call(self._list())
 
 
@@ -657,7 +659,7 @@ class AsyncProviders(_ProvidersBase):
     async def me(self) -> ProviderRead:
         return await self._client._call(self._me())
 
-    async def list(self) -> list[ProviderRead]:
+    async def list(self) -> builtins.list[ProviderRead]:
         return await self._client._call(self._list())
 
 
@@ -687,7 +689,7 @@ class Users(_UsersBase):
     def create(self, name: str, *, role: Role | str = Role.user) -> UserCreated:
         return self._client._call(self._create(name, role))
 
-    def list(self) -> list[UserRead]:
+    def list(self) -> builtins.list[UserRead]:
         return self._client._call(self._list())
 
     def create_key(self, user_id: str) -> ApiKeyCreated:
@@ -703,7 +705,7 @@ class AsyncUsers(_UsersBase):
     async def create(self, name: str, *, role: Role | str = Role.user) -> UserCreated:
         return await self._client._call(self._create(name, role))
 
-    async def list(self) -> list[UserRead]:
+    async def list(self) -> builtins.list[UserRead]:
         return await self._client._call(self._list())
 
     async def create_key(self, user_id: str) -> ApiKeyCreated:

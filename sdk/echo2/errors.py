@@ -98,7 +98,7 @@ class CheckpointError(Echo2Error):
 class APIStatusError(Echo2Error):
     """The server answered with a 4xx/5xx status; the fields come from its problem+json body."""
 
-    def __init__(self, message: str, *, status: int, title: str, detail: str | None = None,
+    def __init__(self, message: str, *, status: int | None, title: str, detail: str | None = None,
                  errors: list[FieldReason] | None = None, type: str = "about:blank",
                  response: httpx.Response | None = None, retry_after: float | None = None) -> None:
         super().__init__(message, title=title, detail=detail, errors=errors)
