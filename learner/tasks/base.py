@@ -1,0 +1,167 @@
+"""The task-adapter interface: where prompts come from and how a completion is scored.
+
+A task adapter is the data plane of a job. The control plane uses it (without torch) to validate
+the job's task params and to generate or read prompts; the learner uses it to compute rewards on
+the trusted side. Adding a task = one new module with a `TaskAdapter` subclass + `register(...)`.
+
+Contract of `reward`: a float (1.0 / 0.0 for verifiable tasks) or None when the completion could
+not be scored (e.g. a remote verifier was unreachable); the learner drops unscored samples.
+
+Multi-turn tasks additionally return an `Episode` from `new_episode`: the generator alternates
+model turns (`action`) and environment replies (`observation`) until the episode is done; the
+episode's final reward replaces `reward`. Single-turn tasks leave `new_episode` returning None.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_PROMPT_CHARS = 100_000
+MAX_PROMPTS_PER_CALL = 1_000_000
+
+
+class TaskError(ValueError):
+    """A task could not be used as asked; the message says what to change."""
+
+
+class TaskParamsError(TaskError):
+    """Task params failed validation; `errors` lists (field, message) pairs."""
+
+    def __init__(self, task: str, errors: list[tuple[str, str]]):
+        self.task = task
+        self.errors = errors
+        details = "; ".join(f"{loc}: {msg}" for loc, msg in errors)
+        super().__init__(f"invalid params for task {task!r}: {details}")
+
+
+class TaskItemError(TaskError):
+    """A dataset item does not fit the task (e.g. a missing key)."""
+
+
+class TaskPrompt(BaseModel):
+    """One prompt as the workers see it, plus what the verifier needs (never sent to workers)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    text: str = Field(min_length=1, max_length=MAX_PROMPT_CHARS)
+    reference: str | None = Field(default=None, max_length=MAX_PROMPT_CHARS)
+
+
+class TaskParams(BaseModel):
+    """Base of every adapter's `Params`: unknown keys are errors, not silently ignored."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+@dataclass(frozen=True)
+class Turn:
+    """The environment's answer to one model turn."""
+
+    observation: str | None  # the next user message; None when done
+    done: bool
+    reward: float | None = None  # final reward, set when done
+
+
+class Episode(ABC):
+    """A multi-turn environment for one prompt. Stateful; one instance per sampled episode."""
+
+    max_turns: int = 4
+
+    @abstractmethod
+    def reset(self) -> str:
+        """The first user message."""
+
+    @abstractmethod
+    def step(self, action: str) -> Turn:
+        """Consume the model's reply to the last observation."""
+
+
+@dataclass
+class EpisodeResult:
+    transcript: list[tuple[str, str]] = field(default_factory=list)  # ("user" | "assistant", text)
+    reward: float | None = None
+
+
+def run_episode(episode: Episode, respond: Callable[[list[tuple[str, str]]], str]) -> EpisodeResult:
+    """Drive an episode: `respond(transcript)` returns the model's next reply."""
+    result = EpisodeResult(transcript=[("user", episode.reset())])
+    for _ in range(episode.max_turns):
+        action = respond(result.transcript)
+        result.transcript.append(("assistant", action))
+        turn = episode.step(action)
+        if turn.done:
+            result.reward = turn.reward
+            return result
+        if turn.observation is not None:
+            result.transcript.append(("user", turn.observation))
+    result.reward = 0.0  # out of turns without finishing: a failure, not an unscored sample
+    return result
+
+
+class TaskAdapter(ABC):
+    """Base class of every task. Subclasses set `name`, `Params`, `needs_dataset` and `reward`."""
+
+    name: ClassVar[str]
+    description: ClassVar[str] = ""
+    Params: ClassVar[type[TaskParams]] = TaskParams
+    needs_dataset: ClassVar[bool] = False
+
+    def parse_params(self, raw: Mapping[str, Any] | TaskParams | None = None) -> TaskParams:
+        """Validate user-supplied params; raises TaskParamsError naming each bad field."""
+        if isinstance(raw, self.Params):
+            return raw
+        try:
+            return self.Params.model_validate(dict(raw or {}))
+        except ValidationError as exc:
+            errors = [(".".join(str(p) for p in e["loc"]) or "params", e["msg"]) for e in exc.errors()]
+            raise TaskParamsError(self.name, errors) from None
+
+    def generate_prompts(self, params: TaskParams, seed: int, count: int) -> list[TaskPrompt]:
+        """Synthetic tasks: `count` prompts, a pure function of (params, seed)."""
+        raise TaskError(f"task {self.name!r} reads prompts from a dataset; use prompt_from_item")
+
+    def prompt_from_item(self, item: Mapping[str, Any], params: TaskParams) -> TaskPrompt:
+        """Dataset tasks: one prompt from one JSONL item."""
+        raise TaskError(f"task {self.name!r} generates its own prompts; use generate_prompts")
+
+    @abstractmethod
+    def reward(self, prompt: TaskPrompt, completion: str, params: TaskParams) -> float | None:
+        """Score one completion; None when it could not be scored."""
+
+    def new_episode(self, prompt: TaskPrompt, params: TaskParams) -> Episode | None:
+        """Multi-turn tasks return a fresh Episode; single-turn tasks return None."""
+        return None
+
+    @property
+    def multi_turn(self) -> bool:
+        return type(self).new_episode is not TaskAdapter.new_episode
+
+
+def require_key(item: Mapping[str, Any], key: str, task: str) -> str:
+    """item[key] as a non-empty string, or a TaskItemError naming the key and the keys present."""
+    if key not in item:
+        present = ", ".join(sorted(map(str, item))[:20]) or "none"
+        raise TaskItemError(f"task {task!r}: dataset item is missing key {key!r} (keys present: {present})")
+    value = item[key]
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        value = str(value)
+    if not isinstance(value, str) or not value.strip():
+        raise TaskItemError(f"task {task!r}: item key {key!r} must be a non-empty string")
+    return value
+
+
+def derive_seed(*parts: object) -> int:
+    """A 63-bit seed that is a pure function of its parts, e.g. (job_id, step, prompt_index)."""
+    digest = hashlib.sha256("/".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "big") >> 1
+
+
+def check_count(count: int) -> None:
+    if not 0 <= count <= MAX_PROMPTS_PER_CALL:
+        raise TaskError(f"count must be between 0 and {MAX_PROMPTS_PER_CALL}, got {count}")
