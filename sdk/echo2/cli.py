@@ -12,7 +12,6 @@ import json
 import os
 import shutil
 import sys
-import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -360,7 +359,6 @@ def _checkpoints_download(args: argparse.Namespace) -> int:
 def _watch(client: Client, job_id: str, interval: float, timeout: float | None) -> int:
     """Redraw one progress line (or print a line per change when not a terminal) until the job ends."""
     tty = sys.stdout.isatty()
-    started = time.monotonic()
     latest: StepMetrics | None = None
     shown = ""
     job: JobRead | None = None
@@ -369,7 +367,7 @@ def _watch(client: Client, job_id: str, interval: float, timeout: float | None) 
             if latest is None or job.step > latest.step + 1:
                 fresh = client.jobs.metrics(job_id, since_step=0 if latest is None else latest.step + 1)
                 latest = fresh[-1] if fresh else latest
-            line = _progress(job, latest, time.monotonic() - started)
+            line = _progress(job, latest)
             if tty:
                 width = shutil.get_terminal_size().columns - 1
                 sys.stdout.write("\r\033[K" + line[:width])
@@ -391,7 +389,7 @@ def _watch(client: Client, job_id: str, interval: float, timeout: float | None) 
     return 0 if job.status.value == "succeeded" else 1
 
 
-def _progress(job: JobRead, m: StepMetrics | None, elapsed: float) -> str:
+def _progress(job: JobRead, m: StepMetrics | None) -> str:
     stale = _mean_staleness(m) if m is not None else None
     parts = [
         job.id, f"{job.status.value:<9}", f"step {job.step}/{job.spec.max_steps}",
@@ -399,7 +397,6 @@ def _progress(job: JobRead, m: StepMetrics | None, elapsed: float) -> str:
         f"reward {_num(job.reward_mean)}",
         f"staleness {_num(stale, 2)} (S={job.spec.staleness})",
         f"cost ${job.cost.total_usd:.4f}",
-        f"{int(elapsed) // 60}:{int(elapsed) % 60:02d}",
     ]
     return "  ".join(parts)
 

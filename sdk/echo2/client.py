@@ -34,7 +34,7 @@ import anyio
 import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from . import errors
+from . import __version__, errors
 from ._retry import RetryPolicy, retry_after
 from .protocol import (
     ApiKeyCreated,
@@ -65,7 +65,6 @@ from .protocol import (
 
 __all__ = ["Client", "AsyncClient", "DEFAULT_TIMEOUT", "DEFAULT_MAX_RETRIES"]
 
-VERSION = "0.1.0"
 DEFAULT_TIMEOUT = httpx.Timeout(60.0, connect=10.0)
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_POLL_INTERVAL = 2.0
@@ -204,7 +203,7 @@ class _BaseClient:
 
     def _default_headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}", "Accept": "application/json",
-                "User-Agent": f"echo2-python/{VERSION}"}
+                "User-Agent": f"echo2-python/{__version__}"}
 
     def _build(self, http: httpx.Client | httpx.AsyncClient, req: _Req[Any]) -> httpx.Request:
         return http.build_request(req.method, req.path, params=req.params, json=req.json, files=req.files,
