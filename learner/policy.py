@@ -1,0 +1,205 @@
+"""Policy-side tensors: padded batches, per-token logprobs, micro-batches and a reference sampler.
+
+Layout of a batch. Prompts are LEFT-padded to a common length P and completions RIGHT-padded to a
+common length C, so every completion starts at column P:
+
+    [pad pad p1 p2 p3 | c1 c2 c3 eos pad]      attention_mask 0 on pads, 1 elsewhere
+                       ^ column P               completion_mask [1 1 1 1 0] over the last C columns
+
+Position ids count real tokens only (cumsum of the attention mask), so a left-padded row sees the
+same positions as the unpadded sequence a worker (vLLM, transformers) generated from.
+
+The behaviour logprob of a sampled token is log softmax(logits / temperature)[token] over the FULL
+vocabulary: no top-k/top-p truncation. Workers report exactly this; the learner recomputes it with
+`completion_logprobs` and both must agree up to numerics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class PaddedBatch:
+    input_ids: torch.Tensor  # [B, P + C] long
+    attention_mask: torch.Tensor  # [B, P + C] long
+    completion_mask: torch.Tensor  # [B, C] float, 1 on real completion tokens
+    prompt_len: int  # P
+
+    @property
+    def completion_len(self) -> int:
+        return self.completion_mask.shape[1]
+
+    def select(self, rows: Sequence[int]) -> PaddedBatch:
+        """Rows of this batch, trimmed to the columns they use (for micro-batches)."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long)
+        am = self.attention_mask[idx]
+        cm = self.completion_mask[idx]
+        first = int(am[:, : self.prompt_len].sum(-1).max())
+        last = int(cm.sum(-1).max()) if cm.numel() else 0
+        left = self.prompt_len - first
+        right = self.prompt_len + max(last, 1)
+        return PaddedBatch(
+            input_ids=self.input_ids[idx, left:right],
+            attention_mask=am[:, left:right],
+            completion_mask=cm[:, : max(last, 1)],
+            prompt_len=first,
+        )
+
+
+def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> PaddedBatch:
+    """Left-pad prompts, right-pad completions (see module docstring). Empty completions are allowed."""
+    if len(prompts) != len(completions):
+        raise ValueError("prompts and completions must have the same length")
+    if any(len(p) == 0 for p in prompts):
+        raise ValueError("every prompt needs at least one token")
+    p_len = max(len(p) for p in prompts)
+    c_len = max(1, max((len(c) for c in completions), default=1))
+    b = len(prompts)
+    input_ids = torch.full((b, p_len + c_len), pad_id, dtype=torch.long)
+    attention = torch.zeros((b, p_len + c_len), dtype=torch.long)
+    completion_mask = torch.zeros((b, c_len), dtype=torch.float32)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        input_ids[i, p_len - len(p) : p_len] = torch.as_tensor(list(p), dtype=torch.long)
+        attention[i, p_len - len(p) : p_len] = 1
+        if c:
+            input_ids[i, p_len : p_len + len(c)] = torch.as_tensor(list(c), dtype=torch.long)
+            attention[i, p_len : p_len + len(c)] = 1
+            completion_mask[i, : len(c)] = 1.0
+    return PaddedBatch(input_ids, attention, completion_mask, p_len)
+
+
+def pad_values(rows: Sequence[Sequence[float]], width: int, fill: float = 0.0) -> torch.Tensor:
+    """Right-pad per-token values (e.g. behaviour logprobs) to [len(rows), width] float32."""
+    out = torch.full((len(rows), width), fill, dtype=torch.float32)
+    for i, row in enumerate(rows):
+        n = min(len(row), width)
+        if n:
+            out[i, :n] = torch.as_tensor(list(row[:n]), dtype=torch.float32)
+    return out
+
+
+def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting real tokens only; pads get 0 (they are masked anyway)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def completion_logprobs(
+    model: torch.nn.Module, batch: PaddedBatch, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits / temperature) of each completion token, [B, C]; 0 on padding.
+
+    Only the C logit rows that predict completion tokens are materialised (logits_to_keep), and the
+    logprob is gathered as logit[token] - logsumexp(logits), never a full [B, T, V] log-softmax.
+    """
+    if temperature <= 0:
+        raise ValueError("temperature must be > 0 for logprobs")
+    c = batch.completion_len
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=position_ids(batch.attention_mask),
+        logits_to_keep=c + 1,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1, :].float() / temperature  # row j predicts completion token j
+    targets = batch.input_ids[:, -c:]
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    logprobs = picked - torch.logsumexp(logits, dim=-1)
+    return logprobs * batch.completion_mask
+
+
+def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
+    """Split row indices into micro-batches of at most `max_tokens` padded tokens each.
+
+    Rows are sorted by length so similar lengths share a micro-batch (little padding); a single row
+    longer than the budget gets a micro-batch of its own. Order inside the step does not matter
+    because the loss divisor is global (see objective.loss_denominator).
+    """
+    if max_tokens <= 0:
+        raise ValueError("max_tokens must be positive")
+    order = sorted(range(len(lengths)), key=lambda i: lengths[i])
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        longest_if_added = max(longest, lengths[i])
+        if current and longest_if_added * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, longest_if_added = [], lengths[i]
+        current.append(i)
+        longest = longest_if_added
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass(frozen=True)
+class Sample:
+    completion_ids: list[int]  # includes the eos token when the model stopped by itself
+    logprobs: list[float]  # behaviour logprob of each completion token
+    finished: bool  # True when eos was sampled before max_new_tokens
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    max_new_tokens: int,
+    eos_id: int,
+    pad_id: int,
+    temperature: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> list[Sample]:
+    """Reference sampler (KV cache, batched): the worker's contract in ~40 lines.
+
+    temperature = 0 means greedy; logprobs are then reported at temperature 1.
+    """
+    batch = pad_batch(prompts, [[] for _ in prompts], pad_id)
+    ids = batch.input_ids[:, : batch.prompt_len]
+    attention = batch.attention_mask[:, : batch.prompt_len]
+    scale = temperature if temperature > 0 else 1.0
+    out = model(input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), use_cache=True)
+    next_pos = attention.sum(-1, keepdim=True)
+    tokens: list[torch.Tensor] = []
+    logps: list[torch.Tensor] = []
+    done = torch.zeros(len(prompts), dtype=torch.bool)
+    for _ in range(max_new_tokens):
+        logits = out.logits[:, -1, :].float() / scale
+        logprobs = torch.log_softmax(logits, dim=-1)
+        if temperature > 0:
+            tok = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
+        else:
+            tok = logits.argmax(-1)
+        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
+        tokens.append(tok)
+        logps.append(logprobs.gather(-1, tok.unsqueeze(-1)).squeeze(-1))
+        done = done | (tok == eos_id)
+        if bool(done.all()):
+            break
+        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
+        out = model(
+            input_ids=tok.unsqueeze(-1),
+            attention_mask=attention,
+            position_ids=next_pos,
+            past_key_values=out.past_key_values,
+            use_cache=True,
+        )
+        next_pos = next_pos + 1
+    return _collect(tokens, logps, eos_id, len(prompts))
+
+
+def _collect(tokens: list[torch.Tensor], logps: list[torch.Tensor], eos_id: int, n: int) -> list[Sample]:
+    if not tokens:
+        return [Sample([], [], False) for _ in range(n)]
+    tok = torch.stack(tokens, dim=1).tolist()
+    lp = torch.stack(logps, dim=1).tolist()
+    samples = []
+    for row_tok, row_lp in zip(tok, lp, strict=True):
+        end = row_tok.index(eos_id) + 1 if eos_id in row_tok else len(row_tok)
+        samples.append(Sample(row_tok[:end], row_lp[:end], eos_id in row_tok))
+    return samples

@@ -1,0 +1,125 @@
+"""Per-token logprobs, padding, micro-batches and the reference sampler, on the real tiny model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from learner.policy import completion_logprobs, micro_batches, pad_batch, pad_values, sample
+
+
+def _naive_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
+    """One unpadded sequence, full log-softmax: the definition the batched path must match."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0].float() / temperature
+    logprobs = torch.log_softmax(logits, dim=-1)
+    start = len(prompt)
+    return [logprobs[start + j - 1, tok].item() for j, tok in enumerate(completion)]
+
+
+def test_pad_batch_layout():
+    batch = pad_batch([[5, 6, 7], [8]], [[1, 2], [3, 4, 0]], pad_id=9)
+    assert batch.prompt_len == 3 and batch.completion_len == 3
+    assert batch.input_ids.tolist() == [[5, 6, 7, 1, 2, 9], [9, 9, 8, 3, 4, 0]]
+    assert batch.attention_mask.tolist() == [[1, 1, 1, 1, 1, 0], [0, 0, 1, 1, 1, 1]]
+    assert batch.completion_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert pad_values([[0.5], [1.0, 2.0]], 3).tolist() == [[0.5, 0, 0], [1.0, 2.0, 0]]
+    with pytest.raises(ValueError):
+        pad_batch([[]], [[1]], pad_id=0)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_batched_logprobs_match_unpadded_sequences(tiny, temperature):
+    model, tok = tiny
+    prompts = [tok("3+4=")["input_ids"], tok("what is 12*7?\n")["input_ids"], tok("1=")["input_ids"]]
+    completions = [tok("7")["input_ids"] + [tok.eos_token_id], tok("84 so")["input_ids"], []]
+    batch = pad_batch(prompts, completions, tok.pad_token_id)
+    with torch.no_grad():
+        got = completion_logprobs(model, batch, temperature=temperature)
+    for i, (p, c) in enumerate(zip(prompts, completions, strict=True)):
+        assert got[i, : len(c)].tolist() == pytest.approx(_naive_logprobs(model, p, c, temperature), abs=1e-5)
+        assert got[i, len(c) :].abs().sum().item() == 0.0
+
+
+def test_sampler_logprobs_are_the_behaviour_logprobs(tiny):
+    """What a worker reports must equal what the learner recomputes (same definition, same positions)."""
+    model, tok = tiny
+    prompts = [tok(t)["input_ids"] for t in ["3+4=", "what is 2*3?\n", "0+0=", "44+1="]]
+    gen = torch.Generator().manual_seed(1)
+    samples = sample(model, prompts, max_new_tokens=6, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                     temperature=0.9, generator=gen)
+    batch = pad_batch(prompts, [s.completion_ids for s in samples], tok.pad_token_id)
+    with torch.no_grad():
+        learner_lp = completion_logprobs(model, batch, temperature=0.9)
+    behaviour = pad_values([s.logprobs for s in samples], batch.completion_len)
+    assert torch.allclose(learner_lp, behaviour, atol=1e-4)
+    for s in samples:
+        assert len(s.completion_ids) == len(s.logprobs) <= 6
+        assert s.finished == (tok.eos_token_id in s.completion_ids)
+        if s.finished:
+            assert s.completion_ids[-1] == tok.eos_token_id
+
+
+def test_sampler_is_seeded_and_greedy_is_deterministic(tiny):
+    model, tok = tiny
+    prompts = [tok("3+4=")["input_ids"]] * 3
+    kw = {"max_new_tokens": 4, "eos_id": tok.eos_token_id, "pad_id": tok.pad_token_id}
+    a = sample(model, prompts, temperature=1.0, generator=torch.Generator().manual_seed(5), **kw)
+    b = sample(model, prompts, temperature=1.0, generator=torch.Generator().manual_seed(5), **kw)
+    assert [s.completion_ids for s in a] == [s.completion_ids for s in b]
+    g = sample(model, prompts, temperature=0.0, **kw)
+    assert g[0].completion_ids == g[1].completion_ids == g[2].completion_ids
+
+
+def test_micro_batches_respect_the_token_budget():
+    lengths = [5, 50, 7, 6, 49, 8, 200]
+    batches = micro_batches(lengths, max_tokens=100)
+    assert sorted(i for b in batches for i in b) == list(range(len(lengths)))
+    for b in batches:
+        assert len(b) == 1 or max(lengths[i] for i in b) * len(b) <= 100
+    assert [6] in batches  # longer than the budget: alone
+    with pytest.raises(ValueError):
+        micro_batches(lengths, 0)
+
+
+def test_select_trims_and_keeps_logprobs(tiny):
+    model, tok = tiny
+    prompts = [tok("1+1=")["input_ids"], tok("what is 1+1?\n")["input_ids"], tok("2=")["input_ids"]]
+    completions = [tok("2")["input_ids"], tok("2 so the answer")["input_ids"], tok("3")["input_ids"]]
+    batch = pad_batch(prompts, completions, tok.pad_token_id)
+    with torch.no_grad():
+        full = completion_logprobs(model, batch)
+        sub_batch = batch.select([0, 2])
+        sub = completion_logprobs(model, sub_batch)
+    assert sub_batch.input_ids.shape[1] < batch.input_ids.shape[1]
+    assert torch.allclose(sub, full[[0, 2], : sub.shape[1]], atol=1e-5)
+
+
+def test_gradient_accumulation_matches_full_batch(tiny_dir):
+    """Micro-batched backward with the global divisor == one full-batch backward."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from learner.objective import ObjectiveConfig, grpo_loss, loss_denominator
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    prompts = [tok(t)["input_ids"] for t in ["1+2=", "what is 3*3?\n", "4-1=", "2+2="]]
+    completions = [tok(t)["input_ids"] for t in ["3", "9 so", "3", "4 4"]]
+    batch = pad_batch(prompts, completions, tok.pad_token_id)
+    adv, stale = torch.tensor([1.0, -0.5, 0.3, -0.8]), torch.tensor([0, 1, 0, 2])
+    cfg = ObjectiveConfig()
+    keep = torch.ones(4, dtype=torch.bool)
+    split = micro_batches([len(c) + len(p) for p, c in zip(prompts, completions, strict=True)], 12)
+    assert len(split) > 1
+    grads = []
+    for groups in ([[0, 1, 2, 3]], split):
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+        denom = loss_denominator(batch.completion_mask, keep, cfg)
+        for rows in groups:
+            mb = batch.select(rows)
+            lp = completion_logprobs(model, mb)
+            behaviour = lp.detach() - 0.1
+            loss, _ = grpo_loss(lp, behaviour, adv[rows], mb.completion_mask, stale[rows], cfg, denominator=denom)
+            loss.backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
