@@ -1,0 +1,224 @@
+"""The capacity rule: how much rollout throughput keeps the learner busy, and which workers
+are fresh enough to contribute to it.
+
+Pure functions over plain dataclasses, so the reconcile loop can build the inputs from
+database rows and the simulator can build them from its own model.
+
+Symbols (DESIGN.md, "The capacity rule")
+
+    R         rollouts (prompt groups) the learner consumes per step   JobProfile.rollouts_per_step
+    T_train   learner seconds per step                                 JobProfile.t_train_s
+    μ_i       rollout groups per second worker i sustains              WorkerPerf.mu
+    T_bcast,i seconds for worker i to hold a newly published version   WorkerPerf.t_bcast_s
+    T_gen,i   seconds for worker i to generate one group               WorkerPerf.t_gen_s
+    S         staleness bound: a group made with version x is trainable at step t iff t − x ≤ S
+    κ         publish period: the learner publishes a version every κ steps
+    h         headroom (default 0.1)
+
+Throughput   Σ_{i∈A} μ_i ≥ (1 + h) · R / T_train — otherwise the learner waits for rollouts.
+
+Freshness    worker i qualifies only if T_bcast,i + T_gen,i ≤ (S − κ + 1) · T_train.
+    Why: version x is published as step x starts and replaced κ steps later, when x + κ reaches
+    the worker at (x + κ)·T_train + T_bcast,i; the last group started with x arrives T_gen,i
+    after that. It must still count for step x + S, which is done at (x + S + 1)·T_train if the
+    learner keeps taking groups while a step runs. Solving gives the bound above; for κ = S = 1
+    it reads "broadcast plus one group fit in one learner step", the PRIME-RL observation that
+    one step of asynchrony hides a broadcast of equal length. A learner that claims its whole
+    batch when a step starts needs one T_train less; lease gating (no prompt is leased to a
+    worker whose group would arrive inadmissible, see scheduler.sim) turns that last partial
+    step into worker idle time instead of stale rollouts, which the headroom h absorbs.
+
+Synchronous mode (S = 0, which forces κ = 1)
+    The slack (S − κ + 1) · T_train is 0: no worker with non-zero latency can overlap its work
+    with training, so applied literally the rule would exclude every worker. In synchronous mode
+    freshness is instead guaranteed by construction — a worker only generates with the version
+    being trained and the learner waits for it — and latency turns into learner idle time every
+    step: wall per step ≈ T_train + max_A T_bcast,i + max(max_A T_gen,i, R / Σ_A μ_i). So for
+    S = 0 we (a) qualify a worker when T_bcast,i + T_gen,i ≤ T_train, which caps the idle time
+    any single worker can add to one step, (b) keep the throughput rule, which bounds the
+    generation phase to T_train / (1 + h), and (c) predict utilisation below 1 with the formula
+    above. Utilisation ≥ 95 % is only reachable with S ≥ 1.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+DEFAULT_HEADROOM = 0.1
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerPerf:
+    """What a worker measurably does for one job (rates depend on the model being served)."""
+
+    mu: float  # rollout groups per second
+    t_gen_s: float  # seconds to generate one group
+    t_bcast_s: float  # seconds to hold a newly published version
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerProfile:
+    """One rollout worker as the scheduler sees it; built from the workers table.
+
+    `mu`, `t_gen_s` and `t_bcast_s` are the defaults; `perf_by_job` overrides them for jobs the
+    worker has been measured on.
+    """
+
+    worker_id: str
+    price_per_h: float
+    vram_gb: float
+    backends: frozenset[str]
+    mu: float
+    t_gen_s: float
+    t_bcast_s: float
+    alive: bool = True
+    perf_by_job: Mapping[str, WorkerPerf] = field(default_factory=dict)
+
+    def perf_for(self, job_id: str) -> WorkerPerf:
+        perf = self.perf_by_job.get(job_id)
+        return perf if perf is not None else WorkerPerf(self.mu, self.t_gen_s, self.t_bcast_s)
+
+
+@dataclass(frozen=True, slots=True)
+class JobProfile:
+    """One running job as the scheduler sees it; built from the jobs table plus learner metrics."""
+
+    job_id: str
+    rollouts_per_step: int  # R
+    t_train_s: float  # T_train
+    staleness: int  # S
+    publish_period: int = 1  # κ
+    headroom: float = DEFAULT_HEADROOM  # h
+    vram_need_gb: float = 0.0
+    backends: frozenset[str] = frozenset()  # accepted generation backends; empty accepts any
+    priority: int = 0  # higher first
+    submitted_at: float = 0.0  # earlier first among equal priorities
+
+
+@dataclass(frozen=True, slots=True)
+class Qualification:
+    """Whether a worker may serve a job, and the one-line reason if not."""
+
+    ok: bool
+    reason: str
+    perf: WorkerPerf
+    latency_s: float  # T_bcast + T_gen
+    slack_s: float
+
+
+def validate_job(job: JobProfile) -> list[str]:
+    """Problems that make the rule meaningless for this job (empty when the job is sound)."""
+    problems = []
+    if job.rollouts_per_step < 1:
+        problems.append(f"rollouts_per_step must be ≥ 1, got {job.rollouts_per_step}")
+    if not job.t_train_s > 0:
+        problems.append(f"t_train_s must be > 0, got {job.t_train_s}")
+    if job.staleness < 0:
+        problems.append(f"staleness S must be ≥ 0, got {job.staleness}")
+    if job.publish_period < 1:
+        problems.append(f"publish period κ must be ≥ 1, got {job.publish_period}")
+    elif job.staleness == 0 and job.publish_period != 1:
+        problems.append(f"synchronous mode (S=0) needs κ=1, got κ={job.publish_period}")
+    elif job.staleness > 0 and job.publish_period > job.staleness:
+        problems.append(
+            f"publish period κ={job.publish_period} exceeds staleness bound S={job.staleness}: "
+            "no worker can deliver admissible rollouts"
+        )
+    if job.headroom < 0:
+        problems.append(f"headroom must be ≥ 0, got {job.headroom}")
+    return problems
+
+
+def is_synchronous(job: JobProfile) -> bool:
+    return job.staleness == 0
+
+
+def required_throughput(job: JobProfile) -> float:
+    """(1 + h) · R / T_train, in rollout groups per second."""
+    return (1.0 + job.headroom) * job.rollouts_per_step / job.t_train_s
+
+
+def freshness_slack_s(job: JobProfile) -> float:
+    """(S − κ + 1) · T_train; T_train in synchronous mode (see the module docstring)."""
+    if is_synchronous(job):
+        return job.t_train_s
+    return (job.staleness - job.publish_period + 1) * job.t_train_s
+
+
+def hard_constraint_violation(worker: WorkerProfile, job: JobProfile) -> str | None:
+    """Why the worker cannot run the job at all, or None."""
+    if not worker.alive:
+        return "not alive"
+    if worker.vram_gb < job.vram_need_gb:
+        return f"VRAM {worker.vram_gb:g} GiB < need {job.vram_need_gb:g} GiB"
+    if job.backends and not (worker.backends & job.backends):
+        have = ",".join(sorted(worker.backends)) or "none"
+        need = ",".join(sorted(job.backends))
+        return f"backend {have} not supported (job needs {need})"
+    perf = worker.perf_for(job.job_id)
+    if not perf.mu > 0:
+        return "no measured throughput"
+    return None
+
+
+def qualify(worker: WorkerProfile, job: JobProfile) -> Qualification:
+    """Hard constraints, then freshness."""
+    perf = worker.perf_for(job.job_id)
+    latency = perf.t_bcast_s + perf.t_gen_s
+    slack = freshness_slack_s(job)
+    hard = hard_constraint_violation(worker, job)
+    if hard is not None:
+        return Qualification(False, hard, perf, latency, slack)
+    if latency > slack:
+        return Qualification(False, f"T_bcast+T_gen {latency:.1f}s > slack {slack:.1f}s", perf, latency, slack)
+    return Qualification(True, f"T_bcast+T_gen {latency:.1f}s ≤ slack {slack:.1f}s", perf, latency, slack)
+
+
+def throughput(workers: Iterable[WorkerProfile], job: JobProfile) -> float:
+    """Σ μ_i over the workers that qualify for the job (the others contribute nothing usable)."""
+    return sum(q.perf.mu for q in (qualify(w, job) for w in workers) if q.ok)
+
+
+def meets_throughput(workers: Iterable[WorkerProfile], job: JobProfile) -> bool:
+    return throughput(workers, job) >= required_throughput(job) * (1 - 1e-9)
+
+
+def predict_utilisation(job: JobProfile, workers: Iterable[WorkerProfile]) -> float:
+    """Steady-state learner busy / wall for this set (pipeline fill at the start not included).
+
+    Asynchronous (S ≥ 1): a step lasts max(T_train, R / Σμ) when every worker is fresh, so the
+    utilisation is min(1, Σμ · T_train / R) with Σμ over qualifying workers.
+    Synchronous (S = 0): T_train / (T_train + max T_bcast + max(max T_gen, R / Σμ)).
+    """
+    fresh = [q.perf for q in (qualify(w, job) for w in workers) if q.ok]
+    total_mu = sum(p.mu for p in fresh)
+    if total_mu <= 0:
+        return 0.0
+    gen_phase = job.rollouts_per_step / total_mu
+    if not is_synchronous(job):
+        return min(1.0, job.t_train_s / gen_phase)
+    wait = max(p.t_bcast_s for p in fresh) + max(max(p.t_gen_s for p in fresh), gen_phase)
+    return job.t_train_s / (job.t_train_s + wait)
+
+
+def estimate_bcast_s(
+    model_bytes: float,
+    down_bps: float,
+    relay_bps: float,
+    depth: int,
+    chunk_bytes: float,
+    hop_latency_s: float = 0.0,
+) -> float:
+    """T_bcast of a pipelined relay: M/B + depth·(chunk/B + hop latency), B = min(own downlink,
+    the rate its parent can give it). Bandwidths in bytes per second."""
+    rate = min(down_bps, relay_bps)
+    if rate <= 0:
+        return math.inf
+    return model_bytes / rate + depth * (chunk_bytes / rate + hop_latency_s)
+
+
+def sort_jobs(jobs: Iterable[JobProfile]) -> list[JobProfile]:
+    """Priority order: higher priority first, then earlier submission, then id."""
+    return sorted(jobs, key=lambda j: (-j.priority, j.submitted_at, j.job_id))
