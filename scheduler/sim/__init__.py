@@ -1,0 +1,41 @@
+"""Discrete-event simulator of an Echo2 deployment, driving the real capacity rule and solver.
+
+from scheduler.sim import load_scenario, simulate
+result = simulate(load_scenario("scheduler/scenarios/hetero_1000.toml"))
+print(result.table())
+"""
+
+from scheduler.sim.engine import InvariantError, Simulation, simulate
+from scheduler.sim.report import DecisionSummary, JobResult, LeaseReturn, SimResult
+from scheduler.sim.scenario import (
+    EventSpec,
+    JobSpec,
+    RelaySpec,
+    Scenario,
+    ScenarioError,
+    WorkerSpec,
+    WorkerType,
+    expand_workers,
+    load_scenario,
+    scenario_from_dict,
+)
+
+__all__ = [
+    "DecisionSummary",
+    "EventSpec",
+    "InvariantError",
+    "JobResult",
+    "JobSpec",
+    "LeaseReturn",
+    "RelaySpec",
+    "Scenario",
+    "ScenarioError",
+    "SimResult",
+    "Simulation",
+    "WorkerSpec",
+    "WorkerType",
+    "expand_workers",
+    "load_scenario",
+    "scenario_from_dict",
+    "simulate",
+]

@@ -1,0 +1,543 @@
+"""Discrete-event model of one Echo2 deployment, driven by the real capacity + solver code.
+
+What is modelled
+  * Learner (one per job): a step takes T_train (± jitter) and starts only when R admissible
+    groups are buffered; it claims the oldest admissible groups first. A group made with
+    version x is admissible at step t iff t − x ≤ S; staler groups are dropped and their prompts
+    return to the pool. Every κ steps it publishes the version it is about to train.
+  * Relay dissemination of each version over the job's active workers (scheduler.sim.relay).
+  * Workers: `concurrency` groups at once, T_gen each, always with the newest version they
+    hold; billed from activation to deactivation or death. Preemption (per type or as a
+    scenario event) and rejoin.
+  * Server: prompts are leased, never chosen. A prompt is leased to a worker only if its group
+    is predicted to be admissible when the learner reaches it (queue position and predicted
+    claim times), which is both freshness gating and back-pressure. Leases carry a TTL renewed
+    by heartbeats (every `tick_s`); a dead worker's leases expire and return at the next
+    reconcile tick, i.e. at most TTL + one heartbeat after the death.
+  * Scheduler: every tick it builds WorkerProfile/JobProfile from what a server could measure
+    (heartbeat liveness, nominal μ and T_gen, last observed T_bcast or an estimate for workers
+    that have not fetched yet) and applies `scheduler.solver.decide` — the same code the
+    reconcile loop runs.
+
+Every prompt is tracked through pool → leased → ready → consumed (or back to the pool), and
+the transitions are checked, so "prompts lost" is measured, not assumed.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from scheduler.capacity import WorkerPerf, WorkerProfile, estimate_bcast_s
+from scheduler.sim.relay import Peer, broadcast
+from scheduler.sim.report import DecisionSummary, JobResult, LeaseReturn, SimResult
+from scheduler.sim.scenario import JobSpec, Scenario, WorkerSpec, expand_workers
+from scheduler.solver import Decision, SolverState, decide
+
+POOL, LEASED, READY, CONSUMED = 0, 1, 2, 3
+TICK, DONE, VERSION, STEP, KILL, REJOIN, SUBMIT, EVENT = range(8)
+
+
+class InvariantError(AssertionError):
+    """The simulator broke its own bookkeeping (a bug, never a scenario outcome)."""
+
+
+@dataclass(slots=True, eq=False)
+class _Orphans:
+    expires_at: float
+    pids: list[int]
+    killed_at: float
+    worker_id: str
+
+
+@dataclass(slots=True, eq=False)
+class _Job:
+    spec: JobSpec
+    pool: deque[int]
+    state: bytearray
+    t_meas: float
+    submitted: bool = False
+    done: bool = False
+    step: int = 0
+    busy: bool = False
+    step_started: float = 0.0
+    busy_s: float = 0.0
+    first_step_at: float | None = None
+    finished_at: float | None = None
+    ready: list[tuple[int, int, int]] = field(default_factory=list)  # (version, seq, pid) heap
+    in_flight: int = 0  # leased, server view (includes leases of undetected dead workers)
+    consumed: int = 0
+    dropped: int = 0
+    latest: int = 0
+    workers: set[_Worker] = field(default_factory=set)
+    orphans: list[_Orphans] = field(default_factory=list)
+    hint_rate: float = 0.0  # what a newcomer's stream rate is expected to be
+    hint_depth: int = 1
+    worker_cost: float = 0.0
+    activations: int = 0
+    deactivations: int = 0
+    peak_active: int = 0
+
+
+@dataclass(slots=True, eq=False)
+class _Worker:
+    spec: WorkerSpec
+    price: float
+    hb_phase: float
+    alive: bool = True
+    inc: int = 0  # bumps on every (de)activation or death; stale events carry an old value
+    life: int = 0  # bumps on death and rejoin; for preemption events
+    job: _Job | None = None
+    since: float | None = None  # billing start
+    version: int = -1
+    busy: int = 0
+    leases: dict[int, float] = field(default_factory=dict)  # pid -> leased at
+    bcast: dict[str, float] = field(default_factory=dict)  # job -> last observed T_bcast
+    last_hb: float = 0.0
+    seconds_active: float = 0.0
+
+
+class Simulation:
+    def __init__(self, scenario: Scenario) -> None:
+        self.sc = scenario
+        self.rng = random.Random(scenario.seed + 1)
+        self.now = 0.0
+        self.heap: list[tuple] = []
+        self.seq = 0
+        self.workers = [
+            _Worker(s, s.price_per_h, self.rng.uniform(0, scenario.tick_s)) for s in expand_workers(scenario)
+        ]
+        self.by_id = {w.spec.worker_id: w for w in self.workers}
+        self.jobs = []
+        for spec in scenario.jobs:
+            total = spec.rollouts_per_step * spec.max_steps
+            self.jobs.append(_Job(spec, deque(range(total)), bytearray(total), spec.t_train_s))
+        self.job_by_id = {j.spec.job_id: j for j in self.jobs}
+        self.state: SolverState | None = None
+        self.decisions: list[Decision] = []
+        self.summaries: list[DecisionSummary] = []
+        self.kills: list[tuple[float, str]] = []
+        self.returns: list[LeaseReturn] = []
+        self.ticks = 0
+
+    # ------------------------------------------------------------ plumbing
+
+    def push(self, at: float, kind: int, *payload: object) -> None:
+        self.seq += 1
+        heapq.heappush(self.heap, (at, self.seq, kind, payload))
+
+    def _set(self, job: _Job, pid: int, old: int, new: int) -> None:
+        if job.state[pid] != old:
+            raise InvariantError(f"{job.spec.job_id} prompt {pid}: state {job.state[pid]}, expected {old}")
+        job.state[pid] = new
+
+    def run(self) -> SimResult:
+        started = time.perf_counter()
+        for job in self.jobs:
+            self.push(job.spec.submit_at_s, SUBMIT, job)
+        for w in self.workers:
+            if w.spec.preempt_mean_s > 0:
+                self.push(self.rng.expovariate(1 / w.spec.preempt_mean_s), KILL, w, w.life)
+        for i, ev in enumerate(self.sc.events):
+            self.push(ev.at_s, EVENT, i)
+        self.push(0.0, TICK)
+        handlers = {
+            TICK: self._tick, DONE: self._done, VERSION: self._version, STEP: self._step,
+            KILL: self._kill_event, REJOIN: self._rejoin, SUBMIT: self._submit, EVENT: self._scenario_event,
+        }  # fmt: skip
+        while self.heap:
+            at, _, kind, payload = heapq.heappop(self.heap)
+            if at > self.sc.max_sim_s:
+                break
+            self.now = at
+            handlers[kind](*payload)
+            if all(j.done for j in self.jobs):
+                break
+        for w in self.workers:
+            if w.job is not None:
+                self._deactivate(w)
+        return self._result(time.perf_counter() - started)
+
+    # ------------------------------------------------------------ learner
+
+    def _submit(self, job: _Job) -> None:
+        job.submitted = True
+        job.step_started = self.now
+        self._publish(job, 0)
+
+    def _try_start(self, job: _Job) -> None:
+        if job.busy or job.done or not job.submitted:
+            return
+        spec = job.spec
+        floor = job.step - spec.staleness
+        returned = 0
+        while job.ready and job.ready[0][0] < floor:
+            _, _, pid = heapq.heappop(job.ready)
+            self._set(job, pid, READY, POOL)
+            job.pool.appendleft(pid)
+            job.dropped += 1
+            returned += 1
+        if len(job.ready) >= spec.rollouts_per_step:
+            for _ in range(spec.rollouts_per_step):
+                _, _, pid = heapq.heappop(job.ready)
+                self._set(job, pid, READY, CONSUMED)
+            job.consumed += spec.rollouts_per_step
+            jitter = spec.t_train_jitter
+            duration = spec.t_train_s * (1 + self.rng.uniform(-jitter, jitter)) if jitter else spec.t_train_s
+            job.busy = True
+            job.step_started = self.now
+            job.busy_s += duration
+            if job.first_step_at is None:
+                job.first_step_at = self.now
+            self.push(self.now + duration, STEP, job, duration)
+            self._wake(job)
+        elif returned:
+            self._wake(job)
+
+    def _step(self, job: _Job, duration: float) -> None:
+        job.step += 1
+        job.busy = False
+        job.t_meas = 0.8 * job.t_meas + 0.2 * duration  # what the learner heartbeat reports
+        if job.step >= job.spec.max_steps:
+            self._finish(job)
+            return
+        if job.step % job.spec.publish_period == 0:
+            self._publish(job, job.step)
+        self._try_start(job)
+        if not job.busy:
+            self._wake(job)
+
+    def _finish(self, job: _Job) -> None:
+        job.done = True
+        job.finished_at = self.now
+        for w in list(job.workers):
+            self._deactivate(w)
+
+    def _publish(self, job: _Job, version: int) -> None:
+        job.latest = version
+        relay = self.sc.relay
+        peers = [Peer(i, w.spec.down_Bps, w.spec.up_Bps) for i, w in enumerate(self.workers) if w.job is job]
+        b = broadcast(
+            peers, job.spec.model_gb * 1e9, relay.chunk_mb * 1e6, relay.origin_up_mbps * 1e6 / 8,
+            relay.topology, relay.fanout, relay.hop_latency_s, relay.origin_fanout,
+        )  # fmt: skip
+        if peers:
+            # smoothed, so the estimate the scheduler uses for workers it has not measured yet
+            # does not jump with every change of the tree
+            rate = b.newcomer_rate_Bps
+            job.hint_rate = rate if not job.hint_rate else 0.7 * job.hint_rate + 0.3 * rate
+            job.hint_depth = b.max_depth if relay.topology == "star" else b.max_depth + 1
+        for key, t in b.times.items():
+            w = self.workers[key]
+            self.push(self.now + t, VERSION, w, w.inc, version, t)
+
+    # ------------------------------------------------------------ workers
+
+    def _t_gen(self, w: _Worker, job: _Job) -> float:
+        return w.spec.t_gen_s * job.spec.gen_scale
+
+    def _estimate_bcast(self, w: _Worker, job: _Job) -> float:
+        relay = self.sc.relay
+        rate = job.hint_rate or relay.origin_up_mbps * 1e6 / 8 / relay.origin_fanout
+        return estimate_bcast_s(
+            job.spec.model_gb * 1e9,
+            w.spec.down_Bps,
+            rate,
+            job.hint_depth,
+            relay.chunk_mb * 1e6,
+            relay.hop_latency_s,
+        )
+
+    def _admissible_if_started(self, job: _Job, version: int, t_gen: float) -> bool:
+        """Server-side lease gate: will a group started now still be admissible when claimed?"""
+        spec = job.spec
+        arrival = self.now + t_gen
+        ahead = len(job.ready) + job.in_flight
+        if job.busy:
+            t_next, first_claim = job.step + 1, job.step_started + job.t_meas
+        else:
+            t_next, first_claim = job.step, self.now
+        by_queue = t_next + ahead // spec.rollouts_per_step
+        if not job.busy and by_queue == t_next:
+            step = t_next  # the waiting learner needs this very group
+        else:
+            by_time = t_next + max(0, math.ceil((arrival - first_claim) / job.t_meas - 1e-9))
+            step = max(by_queue, by_time)
+        return step - version <= spec.staleness
+
+    def _fill(self, w: _Worker) -> None:
+        job = w.job
+        if job is None or w.version < 0 or job.done:
+            return
+        t_gen = self._t_gen(w, job)
+        while w.busy < w.spec.concurrency and job.pool:
+            if not self._admissible_if_started(job, w.version, t_gen):
+                return
+            pid = job.pool.popleft()
+            self._set(job, pid, POOL, LEASED)
+            job.in_flight += 1
+            w.busy += 1
+            w.leases[pid] = self.now
+            self.push(self.now + t_gen, DONE, w, w.inc, pid, w.version)
+
+    def _wake(self, job: _Job) -> None:
+        for w in job.workers:
+            if w.busy < w.spec.concurrency:
+                self._fill(w)
+
+    def _done(self, w: _Worker, inc: int, pid: int, version: int) -> None:
+        if w.inc != inc:
+            return  # released on deactivation or orphaned on death
+        job = w.job
+        w.busy -= 1
+        del w.leases[pid]
+        job.in_flight -= 1
+        self._set(job, pid, LEASED, READY)
+        self.seq += 1
+        heapq.heappush(job.ready, (version, self.seq, pid))
+        self._try_start(job)
+        self._fill(w)
+
+    def _version(self, w: _Worker, inc: int, version: int, took: float) -> None:
+        if w.inc != inc or w.job is None:
+            return
+        if version > w.version:
+            w.version = version
+            w.bcast[w.job.spec.job_id] = took
+            self._fill(w)
+
+    def _activate(self, w: _Worker, job: _Job) -> None:
+        w.inc += 1
+        w.job = job
+        w.since = self.now
+        w.version = -1
+        job.workers.add(w)
+        job.activations += 1
+        job.peak_active = max(job.peak_active, len(job.workers))
+        took = self._estimate_bcast(w, job)
+        self.push(self.now + took, VERSION, w, w.inc, job.latest, took)
+
+    def _bill(self, w: _Worker) -> None:
+        if w.since is not None and w.job is not None:
+            seconds = self.now - w.since
+            w.seconds_active += seconds
+            w.job.worker_cost += seconds * w.price / 3600
+        w.since = None
+
+    def _deactivate(self, w: _Worker) -> None:
+        job = w.job
+        self._bill(w)
+        for pid in w.leases:
+            self._set(job, pid, LEASED, POOL)
+            job.pool.appendleft(pid)
+        job.in_flight -= len(w.leases)
+        released = bool(w.leases)
+        w.leases = {}
+        w.busy = 0
+        w.inc += 1
+        w.version = -1
+        w.job = None
+        job.workers.discard(w)
+        job.deactivations += 1
+        if released:
+            self._wake(job)
+
+    def _kill(self, w: _Worker) -> None:
+        if not w.alive:
+            return
+        self.kills.append((self.now, w.spec.worker_id))
+        # heartbeats at hb_phase + k·tick; the last one before the death renewed its leases
+        tick = self.sc.tick_s
+        beat = self.now - ((self.now - w.hb_phase) % tick) if self.now >= w.hb_phase else 0.0
+        w.last_hb = max(beat, w.last_hb)
+        job = w.job
+        if job is not None:
+            self._bill(w)
+            # the server keeps them leased until they expire: TTL after the later of the lease
+            # and the last heartbeat that renewed it
+            expiring: dict[float, list[int]] = {}
+            for pid, leased_at in w.leases.items():
+                expiring.setdefault(max(leased_at, w.last_hb) + self.sc.lease_ttl_s, []).append(pid)
+            for expires_at, pids in expiring.items():
+                job.orphans.append(_Orphans(expires_at, pids, self.now, w.spec.worker_id))
+            job.workers.discard(w)
+        w.leases = {}
+        w.busy = 0
+        w.alive = False
+        w.inc += 1
+        w.life += 1
+        w.version = -1
+        w.job = None
+        if w.spec.rejoin_after_s > 0:
+            self.push(self.now + w.spec.rejoin_after_s, REJOIN, w, w.life)
+
+    def _kill_event(self, w: _Worker, life: int) -> None:
+        if w.life == life and w.alive:
+            self._kill(w)
+
+    def _rejoin(self, w: _Worker, life: int) -> None:
+        if w.life != life or w.alive:
+            return
+        w.alive = True
+        w.life += 1
+        w.last_hb = self.now
+        if w.spec.preempt_mean_s > 0:
+            self.push(self.now + self.rng.expovariate(1 / w.spec.preempt_mean_s), KILL, w, w.life)
+
+    def _scenario_event(self, index: int) -> None:
+        ev = self.sc.events[index]
+        if ev.kind == "kill_active":
+            active = sorted(
+                (w for w in self.workers if w.alive and w.job is not None and ev.job_id in ("", w.job.spec.job_id)),
+                key=lambda w: w.spec.worker_id,
+            )
+            victims = self.rng.sample(active, round(ev.fraction * len(active)))
+            for w in victims:
+                self._kill(w)
+                if ev.rejoin_after_s > 0:
+                    self.push(self.now + ev.rejoin_after_s, REJOIN, w, w.life)
+        elif ev.kind == "price":
+            for w in self.workers:
+                if w.spec.type_name == ev.worker_type:
+                    self._bill_and_reprice(w, w.price * ev.price_factor)
+
+    def _bill_and_reprice(self, w: _Worker, price: float) -> None:
+        if w.since is not None and w.job is not None:
+            self._bill(w)
+            w.since = self.now
+        w.price = price
+
+    # ------------------------------------------------------------ reconcile
+
+    def _tick(self) -> None:
+        self.ticks += 1
+        self._expire_leases()
+        running = [j for j in self.jobs if j.submitted and not j.done]
+        if running:
+            self._reconcile(running)
+        if not all(j.done for j in self.jobs):
+            self.push(self.now + self.sc.tick_s, TICK)
+
+    def _expire_leases(self) -> None:
+        for job in self.jobs:
+            if not job.orphans:
+                continue
+            keep = []
+            for o in job.orphans:
+                if o.expires_at > self.now:
+                    keep.append(o)
+                    continue
+                for pid in o.pids:
+                    self._set(job, pid, LEASED, POOL)
+                    job.pool.appendleft(pid)
+                job.in_flight -= len(o.pids)
+                self.returns.append(LeaseReturn(o.worker_id, job.spec.job_id, o.killed_at, self.now, len(o.pids)))
+            if len(keep) != len(job.orphans):
+                job.orphans = keep
+                self._wake(job)
+
+    def _profiles(self, running: list[_Job]) -> list[WorkerProfile]:
+        noise = self.sc.measure_noise
+        rng = self.rng
+        out = []
+        for w in self.workers:
+            alive = w.alive or self.now - w.last_hb <= self.sc.dead_after_s
+            perfs = {}
+            for job in running:
+                t_gen = self._t_gen(w, job)
+                mu = w.spec.concurrency / t_gen
+                measured = w.bcast.get(job.spec.job_id)  # the scheduler keeps the last measurement
+                t_bcast = measured if measured is not None else self._estimate_bcast(w, job)
+                if noise:
+                    mu *= 1 + rng.gauss(0, noise)
+                    t_bcast *= 1 + abs(rng.gauss(0, noise))
+                perfs[job.spec.job_id] = WorkerPerf(mu, t_gen, t_bcast)
+            first = perfs[running[0].spec.job_id]
+            out.append(
+                WorkerProfile(
+                    worker_id=w.spec.worker_id,
+                    price_per_h=w.price,
+                    vram_gb=w.spec.vram_gb,
+                    backends=frozenset((w.spec.backend,)),
+                    mu=first.mu,
+                    t_gen_s=first.t_gen_s,
+                    t_bcast_s=first.t_bcast_s,
+                    alive=alive,
+                    perf_by_job=perfs if len(running) > 1 else {},
+                )
+            )
+        return out
+
+    def _reconcile(self, running: list[_Job]) -> None:
+        profiles = self._profiles(running)
+        jobs = [j.spec.profile(j.t_meas) for j in running]
+        d = decide(jobs, profiles, self.now, self.state, self.sc.solver)
+        self.state = d.state
+        if d.resolved:
+            self.decisions.append(d)
+            self.summaries.append(DecisionSummary.of(d))
+        assignment = d.state.assignment
+        for w in self.workers:
+            target = self.job_by_id.get(assignment.get(w.spec.worker_id, ""))
+            if w.job is target:
+                continue
+            if w.job is not None:
+                self._deactivate(w)
+            if target is not None and w.alive and not target.done:
+                self._activate(w, target)
+
+    # ------------------------------------------------------------ result
+
+    def _result(self, runtime_s: float) -> SimResult:
+        jobs = []
+        end = self.now
+        for job in self.jobs:
+            spec = job.spec
+            finished = job.finished_at if job.finished_at is not None else end
+            wall = max(0.0, finished - spec.submit_at_s)
+            leased = sum(1 for s in job.state if s == LEASED)
+            accounted = job.consumed + len(job.pool) + len(job.ready) + leased
+            steady = finished - job.first_step_at if job.first_step_at is not None else 0.0
+            jobs.append(
+                JobResult(
+                    job_id=spec.job_id,
+                    completed=job.done,
+                    steps=job.step,
+                    wall_s=wall,
+                    busy_s=job.busy_s,
+                    utilisation=job.busy_s / wall if wall else 0.0,
+                    steady_utilisation=job.busy_s / steady if steady else 0.0,
+                    dropped_stale=job.dropped,
+                    prompts_total=len(job.state),
+                    prompts_consumed=job.consumed,
+                    prompts_lost=len(job.state) - accounted,
+                    learner_cost=spec.learner_price_per_h * wall / 3600,
+                    worker_cost=job.worker_cost,
+                    activations=job.activations,
+                    deactivations=job.deactivations,
+                    peak_active=job.peak_active,
+                )
+            )
+        return SimResult(
+            scenario=self.sc.name,
+            method=self.sc.solver.method,
+            n_workers=len(self.workers),
+            sim_s=end,
+            runtime_s=runtime_s,
+            jobs=jobs,
+            worker_hours=sum(w.seconds_active for w in self.workers) / 3600,
+            resolves=len(self.decisions),
+            ticks=self.ticks,
+            decisions=self.summaries,
+            kills=self.kills,
+            lease_returns=self.returns,
+            full_decisions=self.decisions,
+        )
+
+
+def simulate(scenario: Scenario) -> SimResult:
+    return Simulation(scenario).run()

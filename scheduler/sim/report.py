@@ -1,0 +1,162 @@
+"""Simulator results: per-job figures, costs, activation decisions, and a printable table."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from scheduler.solver import Decision
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseReturn:
+    worker_id: str
+    job_id: str
+    killed_at: float
+    returned_at: float
+    prompts: int
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionSummary:
+    at: float
+    trigger: str
+    method: str
+    solve_s: float
+    active: dict[str, int]  # job -> workers
+    throughput: dict[str, float]
+    required: dict[str, float]
+    feasible: dict[str, bool]
+    price_per_h: dict[str, float]
+    activated: int
+    deactivated: int
+    lines: tuple[str, ...]  # activations and deactivations, one line each
+
+    @classmethod
+    def of(cls, d: Decision) -> DecisionSummary:
+        changes = d.changes()
+        return cls(
+            at=d.at,
+            trigger=d.trigger,
+            method=d.method,
+            solve_s=d.solve_s,
+            active={a.job_id: len(a.worker_ids) for a in d.jobs},
+            throughput={a.job_id: a.throughput for a in d.jobs},
+            required={a.job_id: a.required for a in d.jobs},
+            feasible={a.job_id: a.feasible for a in d.jobs},
+            price_per_h={a.job_id: a.price_per_h for a in d.jobs},
+            activated=sum(1 for c in changes if c.action == "activated"),
+            deactivated=sum(1 for c in changes if c.action == "deactivated"),
+            lines=tuple(c.line() for c in changes),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class JobResult:
+    job_id: str
+    completed: bool
+    steps: int
+    wall_s: float  # submission to last step
+    busy_s: float  # learner computing
+    utilisation: float  # busy / wall, pipeline fill included
+    steady_utilisation: float  # busy / (last step − first step start)
+    dropped_stale: int
+    prompts_total: int
+    prompts_consumed: int
+    prompts_lost: int
+    learner_cost: float
+    worker_cost: float
+    activations: int
+    deactivations: int
+    peak_active: int
+
+
+@dataclass(slots=True)
+class SimResult:
+    scenario: str
+    method: str
+    n_workers: int
+    sim_s: float
+    runtime_s: float  # real seconds the simulation took
+    jobs: list[JobResult]
+    worker_hours: float
+    resolves: int
+    ticks: int
+    decisions: list[DecisionSummary]
+    kills: list[tuple[float, str]]
+    lease_returns: list[LeaseReturn]
+    full_decisions: list[Decision] = field(default_factory=list, repr=False)
+
+    @property
+    def cost_learner(self) -> float:
+        return sum(j.learner_cost for j in self.jobs)
+
+    @property
+    def cost_workers(self) -> float:
+        return sum(j.worker_cost for j in self.jobs)
+
+    @property
+    def cost_total(self) -> float:
+        return self.cost_learner + self.cost_workers
+
+    @property
+    def prompts_lost(self) -> int:
+        return sum(j.prompts_lost for j in self.jobs)
+
+    def to_dict(self, max_lines: int = 20) -> dict:
+        decisions = []
+        for d in self.decisions:
+            row = asdict(d)
+            row["lines"] = list(d.lines[:max_lines])
+            row["lines_omitted"] = max(0, len(d.lines) - max_lines)
+            decisions.append(row)
+        return {
+            "scenario": self.scenario,
+            "method": self.method,
+            "n_workers": self.n_workers,
+            "sim_s": self.sim_s,
+            "runtime_s": self.runtime_s,
+            "cost": {"learner": self.cost_learner, "workers": self.cost_workers, "total": self.cost_total},
+            "worker_hours": self.worker_hours,
+            "prompts_lost": self.prompts_lost,
+            "resolves": self.resolves,
+            "ticks": self.ticks,
+            "jobs": [asdict(j) for j in self.jobs],
+            "kills": len(self.kills),
+            "lease_returns": [asdict(r) for r in self.lease_returns],
+            "decisions": decisions,
+        }
+
+    def table(self, max_lines: int = 8) -> str:
+        out = [
+            f"scenario {self.scenario}: {self.n_workers} workers, solver {self.method}, "
+            f"simulated {self.sim_s / 3600:.2f} h in {self.runtime_s:.1f} s",
+            "",
+            f"{'job':<16}{'done':>5}{'steps':>7}{'wall h':>8}{'util':>7}{'steady':>8}"
+            f"{'dropped':>9}{'lost':>6}{'peak A':>7}{'learner $':>11}{'workers $':>11}",
+        ]
+        for j in self.jobs:
+            out.append(
+                f"{j.job_id:<16}{'yes' if j.completed else 'no':>5}{j.steps:>7}{j.wall_s / 3600:>8.2f}"
+                f"{j.utilisation:>7.1%}{j.steady_utilisation:>8.1%}{j.dropped_stale:>9}{j.prompts_lost:>6}"
+                f"{j.peak_active:>7}{j.learner_cost:>11.2f}{j.worker_cost:>11.2f}"
+            )
+        out += [
+            "",
+            f"cost: learner ${self.cost_learner:.2f} + workers ${self.cost_workers:.2f} "
+            f"= ${self.cost_total:.2f}  ({self.worker_hours:.1f} worker-hours)",
+            f"kills {len(self.kills)}, lease returns {len(self.lease_returns)}, "
+            f"re-solves {self.resolves} over {self.ticks} ticks",
+            "",
+            "decisions:",
+        ]
+        for d in self.decisions:
+            jobs = ", ".join(
+                f"{j} {d.active[j]} workers {d.throughput[j]:.2f}/{d.required[j]:.2f} r/s "
+                f"${d.price_per_h[j]:.2f}/h" + ("" if d.feasible[j] else " INFEASIBLE")
+                for j in d.active
+            )
+            out.append(f"  t={d.at:>7.0f}s {d.trigger} -> {d.method}: +{d.activated} -{d.deactivated}; {jobs}")
+            out += [f"      {line}" for line in d.lines[:max_lines]]
+            if len(d.lines) > max_lines:
+                out.append(f"      ... {len(d.lines) - max_lines} more")
+        return "\n".join(out)
