@@ -1,0 +1,42 @@
+"""`echo2-server simulate SCENARIO.toml [--json]`: run the scheduler simulator on a scenario."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+
+def simulate_main(argv: list[str]) -> int:
+    """Entry point for `echo2-server simulate`; argv excludes the subcommand name."""
+    parser = argparse.ArgumentParser(
+        prog="echo2-server simulate",
+        description="Simulate a deployment (learner, heterogeneous workers, relay, churn) driven by the real "
+        "capacity rule and activation solver, and print utilisation, cost and activation decisions.",
+    )
+    parser.add_argument("scenario", help="scenario TOML file (see scheduler/scenarios/)")
+    parser.add_argument("--json", action="store_true", help="print the full result as JSON")
+    parser.add_argument("--method", choices=("milp", "greedy", "all"), help="override the scenario's solver method")
+    parser.add_argument("--lines", type=int, default=8, help="explanation lines shown per decision (default 8)")
+    args = parser.parse_args(argv)
+
+    import dataclasses  # after parsing, so --help stays instant
+
+    from scheduler.sim import ScenarioError, load_scenario, simulate
+
+    try:
+        scenario = load_scenario(args.scenario)
+    except FileNotFoundError:
+        print(f"error: scenario file not found: {args.scenario}", file=sys.stderr)
+        return 2
+    except ScenarioError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.method:
+        scenario = dataclasses.replace(scenario, solver=dataclasses.replace(scenario.solver, method=args.method))
+    result = simulate(scenario)
+    if args.json:
+        print(json.dumps(result.to_dict(max_lines=args.lines), indent=2))
+    else:
+        print(result.table(max_lines=args.lines))
+    return 0 if all(j.completed for j in result.jobs) and result.prompts_lost == 0 else 1
