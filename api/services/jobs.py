@@ -7,11 +7,10 @@ from typing import Any
 
 from echo2.protocol import JobCost, JobRead, JobSpec, JobStatus, SamplingParams
 from echo2.seeds import order_key
-from pydantic import ValidationError
 from sqlalchemy import insert, select, update
 from sqlalchemy.orm import Session
 
-from learner.tasks import get_task
+from learner.tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
 
 from ..errors import ApiError
 from ..models import Dataset, DatasetItem, Job, Lease, Prompt, User, Worker, utcnow
@@ -56,20 +55,22 @@ def create_job(
 def _prompt_items(db: Session, user: User, spec: JobSpec) -> list[tuple[str, str | None]]:
     try:
         adapter = get_task(spec.task.name)
-    except KeyError as exc:
-        raise ApiError(422, str(exc.args[0]), field="task.name") from None
+    except UnknownTaskError as exc:
+        raise ApiError(422, str(exc), field="task.name") from None
     try:
-        params = adapter.Params.model_validate(spec.task.params)
-    except ValidationError as exc:
-        err = exc.errors()[0]
-        where = ".".join(str(p) for p in err["loc"])
-        raise ApiError(422, f"{where}: {err['msg']}", field=f"task.params.{where}") from None
+        params = adapter.parse_params(spec.task.params)
+    except TaskParamsError as exc:
+        where, reason = exc.errors[0]
+        raise ApiError(422, f"{where}: {reason}", field=f"task.params.{where}") from None
     raw = _raw_items(db, user, spec)
     if raw is None:
         if adapter.needs_dataset:
             raise ApiError(422, f"task {adapter.name} needs prompts: give dataset_id or prompts", field="dataset_id")
         count = spec.num_prompts or min(spec.max_steps * spec.grpo.prompts_per_step, MAX_GENERATED_PROMPTS)
-        generated = adapter.generate_prompts(params, spec.seed, count)
+        try:
+            generated = adapter.generate_prompts(params, spec.seed, count)
+        except TaskError as exc:
+            raise ApiError(422, str(exc), field="task.params") from None
         return [(p.text, p.reference) for p in generated]
     return [_from_item(adapter, params, item, i, spec) for i, item in enumerate(raw)]
 
@@ -90,7 +91,7 @@ def _from_item(adapter: Any, params: Any, item: dict[str, Any], i: int, spec: Jo
     field = f"prompts.{i}" if spec.prompts is not None else f"dataset_id (item {i})"
     try:
         prompt = adapter.prompt_from_item(item, params)
-    except (KeyError, ValueError, TypeError) as exc:
+    except (TaskError, KeyError, ValueError, TypeError) as exc:
         raise ApiError(422, f"item {i}: {exc}", field=field) from None
     return prompt.text, prompt.reference
 

@@ -34,7 +34,8 @@ Logprob = Annotated[float, Field(ge=-1e4, le=0.0)]
 Version = Annotated[int, Field(ge=0, le=10_000_000)]
 Step = Annotated[int, Field(ge=0, le=10_000_000)]
 
-ParamValue = int | float | bool | Annotated[str, StringConstraints(max_length=2048), NoNul] | None
+Scalar = int | float | bool | Annotated[str, StringConstraints(max_length=2048), NoNul]
+ParamValue = Scalar | Annotated[list[Scalar], Field(max_length=64)] | None
 
 
 class Model(BaseModel):

@@ -18,7 +18,7 @@ class LossAggregation(StrEnum):
 
     token_mean = "token_mean"  # DAPO: mean over every completion token in the batch
     seq_mean = "seq_mean"  # original GRPO: mean per sequence, then over sequences
-    constant = "constant"  # Dr.GRPO: sum per sequence / max_new_tokens
+    max_len = "max_len"  # Dr.GRPO: sum per sequence / max_new_tokens
 
 
 class Device(StrEnum):
@@ -51,7 +51,11 @@ class GRPOConfig(Model):
     max_new_tokens: int = Field(256, ge=1, le=8192)
     temperature: float = Field(1.0, ge=0.05, le=2.0)
     top_p: float = Field(1.0, gt=0, le=1.0)
-    micro_batch_size: int = Field(64, ge=1, le=4096, description="Sequences per forward pass (grad accumulation).")
+    micro_batch_tokens: int = Field(
+        16_384, ge=64, le=1_048_576, description="Padded tokens per forward pass; gradient accumulation beyond."
+    )
+    warmup_steps: int = Field(0, ge=0, le=100_000, description="Linear learning-rate warm-up.")
+    max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Gradient clipping norm.")
 
 
 class LearnerResources(Model):
