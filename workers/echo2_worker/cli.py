@@ -1,0 +1,325 @@
+"""`echo2-worker`: contribute a GPU (or a CPU, for tiny models) to Echo2 RL jobs.
+
+    echo2-worker join --server https://echo2.example --token e2p_...   register and work until SIGTERM
+    echo2-worker bench [--model DIR] [--server URL --token ...]         measure generation and bandwidth
+    echo2-worker status [--server URL]                                  this machine's registration
+
+Arguments are parsed before anything heavy is imported: `--help` never loads torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+from pathlib import Path
+from typing import Any
+
+DEFAULT_RELAY_PORT = 7460
+log = logging.getLogger("echo2_worker")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="echo2-worker", description="Echo2 rollout worker.")
+    parser.add_argument("--config-dir", type=Path, default=None,
+                        help="where credentials and benchmark results live (default: the user config dir)")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    join = sub.add_parser("join", help="register this machine and generate rollouts until stopped (SIGTERM drains)")
+    join.add_argument("--server", required=True, help="control-plane URL, e.g. https://echo2.example")
+    join.add_argument("--token", default=None,
+                      help="provider token (e2p_...); saved for this server, so later joins may omit it")
+    join.add_argument("--name", default=None, help="worker name (default: host name)")
+    join.add_argument("--price-per-hour", type=float, default=0.0, help="asking price in USD per hour")
+    join.add_argument("--gpus", default="auto",
+                      help="auto (nvidia-smi), none, N, or MODEL:COUNT[:VRAM_GB] such as H100:8:80")
+    join.add_argument("--region", default="local")
+    join.add_argument("--max-upload-mbps", type=float, default=None, help="cap on relay upload, Mbit/s")
+    relay = join.add_mutually_exclusive_group()
+    relay.add_argument("--relay-port", type=int, default=DEFAULT_RELAY_PORT,
+                       help=f"port of the chunk relay peers fetch from (default {DEFAULT_RELAY_PORT}; 0 = any free)")
+    relay.add_argument("--no-relay", action="store_true", help="leaf only: do not serve chunks (e.g. behind NAT)")
+    join.add_argument("--relay-host", default=None,
+                      help="address peers reach this machine at (default: the local address routing to --server)")
+    join.add_argument("--relay-bind", default=None, help="address the relay listens on (default: --relay-host)")
+    join.add_argument("--backend", choices=["auto", "vllm", "transformers"], default="auto")
+    join.add_argument("--device", default="auto", help="transformers backend device: auto, cpu, cuda, cuda:1")
+    join.add_argument("--max-prompts", type=int, default=8, help="prompts per lease")
+    join.add_argument("--data-dir", type=Path, default=None, help="where weight versions are kept")
+    join.add_argument("--no-bench", action="store_true", help="register without measuring throughput first")
+    join.add_argument("--new", action="store_true", help="register a new worker even if one is saved for --server")
+    join.add_argument("--json", action="store_true", help="structured JSON logs instead of a progress line")
+    join.add_argument("-v", "--verbose", action="store_true")
+
+    bench = sub.add_parser("bench", help="measure generation throughput and bandwidth to the server")
+    bench.add_argument("--model", type=Path, default=None, help="HF folder (default: a tiny random Qwen2)")
+    bench.add_argument("--backend", choices=["auto", "vllm", "transformers"], default="auto")
+    bench.add_argument("--device", default="auto")
+    bench.add_argument("--prompts", type=int, default=8)
+    bench.add_argument("--group-size", type=int, default=4)
+    bench.add_argument("--max-new-tokens", type=int, default=32)
+    bench.add_argument("--seconds", type=float, default=5.0)
+    bench.add_argument("--server", default=None, help="also measure bandwidth to this control plane")
+    bench.add_argument("--token", default=None, help="provider token (for the upload probe)")
+    bench.add_argument("--json", action="store_true")
+
+    status = sub.add_parser("status", help="the saved registration and what the server says about this worker")
+    status.add_argument("--server", default=None, help="only this server (default: every saved one)")
+    status.add_argument("--json", action="store_true")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "join":
+            return _join(args)
+        if args.command == "bench":
+            return _bench(args)
+        return _status(args)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # one line a person can act on, never a traceback (STYLE #9)
+        from .progress import scrub
+
+        msg = scrub(str(exc)) or type(exc).__name__
+        sys.stderr.write(f"echo2-worker: error: {msg}\n")
+        if getattr(args, "verbose", False):
+            raise
+        return 1
+
+
+# -- join ------------------------------------------------------------------------------------------
+
+
+def _join(args: argparse.Namespace) -> int:
+    import platform
+    import signal
+
+    from .config import CredentialStore, SavedWorker, default_data_dir, normalize_server, now_iso
+    from .control import ControlPlane
+    from .hardware import choose_backend, parse_gpus, reachable_host
+    from .loop import LoopOptions, Worker
+    from .progress import ProgressReporter, Stats, setup_logging
+    from .relay import RelayServer
+    from .store import VersionStore
+
+    setup_logging(args.json, logging.DEBUG if args.verbose else logging.INFO)
+    server = normalize_server(args.server)
+    creds = CredentialStore(args.config_dir)
+    saved = creds.load(server) or SavedWorker(server=server)
+    provider_token = args.token or saved.provider_token
+    if provider_token is None and not saved.worker_token:
+        raise ValueError("--token PROVIDER_TOKEN is required the first time you join this server")
+    if args.token:
+        saved.provider_token = args.token
+    gpus = parse_gpus(args.gpus)
+    backend_name = choose_backend(args.backend, gpus)
+    stats = Stats()
+    store = VersionStore((args.data_dir or default_data_dir()) / "versions")
+
+    relay = None
+    if not args.no_relay:
+        host = args.relay_host or reachable_host(server)
+        cap = args.max_upload_mbps * 1e6 / 8 if args.max_upload_mbps else None
+        relay = _start_relay(RelayServer, store, args.relay_bind or host, args.relay_port, host, cap, stats)
+        log.info("relay serving chunks at %s%s", relay.url,
+                 f" (upload capped at {args.max_upload_mbps:g} Mbit/s)" if cap else "")
+
+    control = ControlPlane(server)
+    try:
+        body = _registration(args, server, provider_token, gpus, backend_name, relay.url if relay else None,
+                             platform.node())
+        worker_id, worker_token, reg = _register_or_reuse(control, creds, saved, body, provider_token, args.new)
+        saved.worker_id, saved.worker_token, saved.name = worker_id, worker_token, body.name
+        saved.registered_at = saved.registered_at or now_iso()
+        saved.registration = body.model_dump(mode="json")
+        creds.save(saved)
+        control.token = worker_token
+        log.info("worker %s (%s) joined %s with backend %s%s", worker_id, body.name, server, backend_name,
+                 "" if relay else " (leaf only, no relay)")
+
+        opts = LoopOptions(worker_id=worker_id, data_dir=store.root, max_prompts=args.max_prompts,
+                           heartbeat_interval_s=reg, relay_url=relay.url if relay else None)
+        worker = Worker(opts, control, _backend_factory(backend_name, args.device), store, stats,
+                        on_deregistered=lambda: creds.forget_worker(server))
+        _install_signals(signal, worker)
+        reporter = ProgressReporter(stats).start()
+        try:
+            code = worker.run()
+        finally:
+            reporter.stop()
+        log.info("stopped (%d rollouts accepted, %d rejected)", stats.rollouts_accepted, stats.rollouts_rejected)
+        return code
+    finally:
+        control.close()
+        if relay is not None:
+            relay.stop()
+
+
+def _start_relay(cls: Any, store: Any, bind: str, port: int, host: str, cap: float | None, stats: Any) -> Any:
+    try:
+        relay = cls(store, bind, port, upload_bytes_per_s=cap, meter=stats.upload, advertise_host=host)
+    except OSError as exc:
+        if port == 0:
+            raise
+        log.warning("relay port %d unavailable (%s); using a free one", port, exc.strerror or exc)
+        relay = cls(store, bind, 0, upload_bytes_per_s=cap, meter=stats.upload, advertise_host=host)
+    return relay.start()
+
+
+def _registration(args: argparse.Namespace, server: str, provider_token: str | None, gpus: Any, backend: str,
+                  relay_url: str | None, hostname: str) -> Any:
+    from echo2.protocol import WorkerRegister
+
+    from .config import load_bench
+
+    measured: dict[str, Any] = {}
+    saved = load_bench(args.config_dir)
+    if saved and saved.get("backend") == backend and saved.get("tokens_per_s"):
+        measured = saved
+    elif not args.no_bench:
+        log.info("measuring generation throughput (%s backend, a few seconds; --no-bench skips this)", backend)
+        from .benchmark import bench_generation
+
+        measured = bench_generation(backend, seconds=2.0, device=args.device)
+    try:
+        from .benchmark import bench_bandwidth
+
+        measured = measured | bench_bandwidth(server, provider_token, seconds=1.0)
+    except Exception as exc:  # the probe is best effort: registration reports defaults then
+        log.warning("bandwidth probe failed: %s", exc)
+    return WorkerRegister(
+        name=(args.name or hostname or "worker")[:128], gpu_model=gpus.model, gpu_count=gpus.count,
+        vram_gb=gpus.vram_gb, price_per_hour=args.price_per_hour, region=args.region,
+        upload_mbps=min(1e6, measured.get("upload_mbps", 100.0)),
+        download_mbps=min(1e6, measured.get("download_mbps", 100.0)),
+        max_upload_mbps=args.max_upload_mbps, relay_url=relay_url, backends=[backend],
+        rollouts_per_s=measured.get("groups_per_s", 0.0), tokens_per_s=measured.get("tokens_per_s", 0.0),
+    )
+
+
+_IDENTITY = ("name", "gpu_model", "gpu_count", "vram_gb", "price_per_hour", "region", "max_upload_mbps",
+             "relay_url", "backends")
+
+
+def _register_or_reuse(control: Any, creds: Any, saved: Any, body: Any, provider_token: str | None,
+                       force_new: bool) -> tuple[str, str, float]:
+    """Reuse the saved worker when it is still valid and registered with the same identity."""
+    from echo2 import errors
+
+    new = body.model_dump(mode="json")
+    if saved.worker_id and saved.worker_token and not force_new:
+        same = all(saved.registration.get(k) == new.get(k) for k in _IDENTITY)
+        control.token = saved.worker_token
+        try:
+            worker = control.get_worker(saved.worker_id)
+            if same and worker.status.value != "deregistered":
+                log.info("reusing saved registration %s", saved.worker_id)
+                return saved.worker_id, saved.worker_token, 2.0
+            control.deregister(saved.worker_id)  # registered differently (price, relay address...): replace it
+            log.info("registration changed; replaced worker %s", saved.worker_id)
+        except (errors.AuthenticationError, errors.NotFoundError):
+            pass  # deregistered or unknown to this server: register afresh
+        control.token = None
+    if provider_token is None:
+        raise ValueError("the saved worker is no longer valid: pass --token PROVIDER_TOKEN to register again")
+    reg = control.register(provider_token, body)
+    return reg.worker.id, reg.token, reg.heartbeat_interval_s
+
+
+def _backend_factory(name: str, device: str) -> Any:
+    def make() -> Any:
+        from .backends import create_backend
+
+        try:  # the loading bar would break --json lines and the progress line
+            from transformers.utils import logging as hf_logging
+
+            hf_logging.disable_progress_bar()
+        except ImportError:
+            pass
+
+        return create_backend(name, **({"device": device} if name == "transformers" else {}))
+
+    return make
+
+
+def _install_signals(signal: Any, worker: Any) -> None:
+    def handler(signum: int, frame: object) -> None:
+        if worker.draining:
+            raise KeyboardInterrupt  # second signal: stop now (the lease is still released)
+        log.info("signal %d: draining (finishing the batch in flight, then leaving)", signum)
+        worker.request_drain()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+
+
+# -- bench -----------------------------------------------------------------------------------------
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from .benchmark import bench_bandwidth, bench_generation
+    from .config import save_bench
+    from .hardware import choose_backend, detect_gpus
+
+    logging.basicConfig(level=logging.WARNING)
+    backend = choose_backend(args.backend, detect_gpus())
+    result = bench_generation(backend, args.model, prompts=args.prompts, group_size=args.group_size,
+                              max_new_tokens=args.max_new_tokens, seconds=args.seconds, device=args.device)
+    if args.server:
+        result |= bench_bandwidth(args.server, args.token)
+    if args.model is None:
+        save_bench(result, args.config_dir)  # join reports these at registration
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>16}: {value}")
+    return 0
+
+
+# -- status ----------------------------------------------------------------------------------------
+
+
+def _status(args: argparse.Namespace) -> int:
+    from echo2 import errors
+
+    from .config import CredentialStore, normalize_server
+    from .control import ControlPlane
+
+    creds = CredentialStore(args.config_dir)
+    entries = [e for e in creds.all() if args.server is None or e.server == normalize_server(args.server)]
+    if not entries:
+        print("no saved registration; run `echo2-worker join --server URL --token PROVIDER_TOKEN`", file=sys.stderr)
+        return 1
+    out = []
+    for saved in entries:
+        item: dict[str, Any] = saved.public()
+        if saved.worker_id and saved.worker_token:
+            control = ControlPlane(saved.server, saved.worker_token, max_retries=1, timeout=10)
+            try:
+                item["server_says"] = control.get_worker(saved.worker_id).model_dump(mode="json")
+            except errors.Echo2Error as exc:
+                item["server_says"] = {"error": str(exc)}
+            finally:
+                control.close()
+        out.append(item)
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for item in out:
+        print(f"server {item['server']}: worker {item['worker_id'] or '(none)'} {item['name'] or ''}")
+        says = item.get("server_says") or {}
+        if "error" in says:
+            print(f"  server: {says['error']}")
+        elif says:
+            print(f"  status {says['status']} (desired {says['desired']}), job {says['job_id'] or '-'}, "
+                  f"version held {says['version_held']}, rollouts {says['accepted_rollouts']} accepted / "
+                  f"{says['rejected_rollouts']} rejected, last heartbeat {says['last_heartbeat_at']}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

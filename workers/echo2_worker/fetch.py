@@ -1,0 +1,188 @@
+"""Relay download: fetch a version's chunks from the parents the control plane names, verify each
+against the manifest before it is stored (and so before it is loaded or re-served), and fall back to
+the next parent - the origin is last - when one is slow, failing or lying.
+
+Parents are base URLs serving `/v1/jobs/{job}/versions/{v}/chunks/{i}`, peers and origin alike. The
+worker's token is sent to the origin only, never to a peer. A peer answering 404 does not hold that
+chunk yet (it may still be receiving it): it is asked again for a short while before moving on. A
+hash mismatch bans the peer for this version; an error or a stall puts it on a short cooldown. Both
+are reported (`on_bad_source`) so the next heartbeat can tell the control plane.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import httpx
+from echo2.protocol import Manifest
+from echo2.snapshots import SnapshotError
+
+from .ratelimit import RateMeter
+from .store import HeldVersion, VersionStore
+
+log = logging.getLogger(__name__)
+
+MIN_RATE = 128 * 1024  # bytes/s: a parent slower than this for a whole chunk counts as stalled
+NOT_YET_POLL_S = 0.25
+
+
+class DownloadCancelled(Exception):
+    """The version is no longer wanted (a newer one was announced, or the worker is draining)."""
+
+
+class VersionUnavailable(Exception):
+    """The origin no longer serves this version (or this worker may not read it)."""
+
+
+@dataclass
+class _Source:
+    url: str
+    is_origin: bool
+    banned: bool = False
+    cooldown_until: float = 0.0
+    patience_s: float = 0.0
+
+    def usable(self, now: float) -> bool:
+        return not self.banned and now >= self.cooldown_until
+
+
+@dataclass
+class FetchResult:
+    held: HeldVersion
+    seconds: float
+    bytes_from: dict[str, int] = field(default_factory=dict)
+
+
+def chunk_url(base: str, job_id: str, version: int, index: int) -> str:
+    return f"{base.rstrip('/')}/v1/jobs/{job_id}/versions/{version}/chunks/{index}"
+
+
+class Downloader:
+    """Fetches versions into a `VersionStore`. One instance per worker; `fetch` may run in a thread."""
+
+    def __init__(self, store: VersionStore, *, origin_token: str | None = None,
+                 on_bad_source: Callable[[str, str], None] | None = None, meter: RateMeter | None = None,
+                 self_url: str | None = None, peer_patience_s: float = 5.0, cooldown_s: float = 10.0,
+                 timeout: httpx.Timeout | None = None) -> None:
+        self.store = store
+        self._origin_headers = {"Authorization": f"Bearer {origin_token}"} if origin_token else {}
+        self._on_bad = on_bad_source or (lambda url, reason: None)
+        self.meter = meter or RateMeter()
+        self._self_url = self_url.rstrip("/") if self_url else None
+        self.peer_patience_s = peer_patience_s
+        self.cooldown_s = cooldown_s
+        self._http = httpx.Client(timeout=timeout or httpx.Timeout(20.0, connect=5.0),
+                                  limits=httpx.Limits(max_keepalive_connections=8))
+
+    def close(self) -> None:
+        self._http.close()
+
+    def fetch(self, job_id: str, manifest: Manifest, parents: Callable[[], list[str]] | list[str],
+              wanted: Callable[[], bool] = lambda: True) -> FetchResult:
+        """Hold every chunk of `manifest`, assemble the HF folder, and return it.
+
+        `parents()` is asked again for each chunk, so a changed relay tree takes effect mid-download.
+        Raises DownloadCancelled when `wanted()` turns false, VersionUnavailable when the origin says
+        the version is gone.
+        """
+        t0 = time.monotonic()
+        held = self.store.open(job_id, manifest)
+        result = FetchResult(held=held, seconds=0.0)
+        sources: dict[str, _Source] = {}
+        for index in held.missing():
+            current = self._sources(parents() if callable(parents) else parents, sources)
+            self._fetch_chunk(held, index, current, wanted, result)
+        held.assemble()
+        result.seconds = time.monotonic() - t0
+        return result
+
+    def _sources(self, urls: list[str], known: dict[str, _Source]) -> list[_Source]:
+        urls = [u.rstrip("/") for u in urls if u]
+        out = []
+        for i, url in enumerate(urls):
+            if url == self._self_url:
+                continue
+            if url not in known:
+                known[url] = _Source(url, is_origin=i == len(urls) - 1, patience_s=self.peer_patience_s)
+            out.append(known[url])
+        return out
+
+    def _fetch_chunk(self, held: HeldVersion, index: int, sources: list[_Source], wanted: Callable[[], bool],
+                     result: FetchResult) -> None:
+        attempt = 0
+        while True:
+            if not wanted():
+                raise DownloadCancelled(f"version {held.version} is no longer wanted")
+            now = time.monotonic()
+            for src in [s for s in sources if s.usable(now)]:
+                if self._try(src, held, index, wanted):
+                    result.bytes_from[src.url] = result.bytes_from.get(src.url, 0) + held.manifest.chunks[index].size
+                    return
+            # Nobody could serve it (the origin too): wait, bounded, then go round again.
+            delay = min(10.0, 0.5 * 2**attempt) * (0.75 + 0.5 * random.random())
+            log.warning("chunk %d of version %d: no parent could serve it; retrying in %.1fs", index,
+                        held.version, delay)
+            time.sleep(delay)
+            attempt += 1
+
+    def _try(self, src: _Source, held: HeldVersion, index: int, wanted: Callable[[], bool]) -> bool:
+        """One source, asked (and re-asked while it says "not yet" and has patience left)."""
+        url = chunk_url(src.url, held.job_id, held.version, index)
+        while True:
+            if held.has(index):
+                return True
+            try:
+                status, data = self._get(src, url, held.manifest.chunks[index].size)
+            except httpx.HTTPError as exc:
+                return self._failed(src, f"chunk {index}: {type(exc).__name__}: {exc}"[:400])
+            if status == 200:
+                try:
+                    held.put(index, data)
+                except SnapshotError as exc:
+                    return self._lied(src, str(exc))
+                return True
+            if src.is_origin and status in (401, 403, 404, 410):
+                raise VersionUnavailable(f"origin answered {status} for chunk {index} of version {held.version}")
+            if status == 404 and not src.is_origin and src.patience_s > 0 and wanted():
+                time.sleep(NOT_YET_POLL_S)  # the peer may still be receiving this chunk
+                src.patience_s -= NOT_YET_POLL_S
+                continue
+            if status == 404:
+                return False  # this peer does not have it: try the next parent
+            return self._failed(src, f"chunk {index}: HTTP {status}")
+
+    def _get(self, src: _Source, url: str, size: int) -> tuple[int, bytes]:
+        deadline = time.monotonic() + 15.0 + size / MIN_RATE
+        headers = self._origin_headers if src.is_origin else {}
+        with self._http.stream("GET", url, headers=headers) as response:
+            if response.status_code != 200:
+                return response.status_code, b""
+            buf = bytearray()
+            for block in response.iter_bytes():
+                buf += block
+                self.meter.add(len(block))
+                if len(buf) > size:
+                    break  # longer than the manifest says: verification will reject it
+                if time.monotonic() > deadline:
+                    raise httpx.ReadTimeout(f"slower than {MIN_RATE // 1024} KiB/s", request=response.request)
+            return 200, bytes(buf)
+
+    def _failed(self, src: _Source, reason: str) -> bool:
+        log.warning("parent %s failed: %s", src.url, reason)
+        if not src.is_origin:  # the origin is never skipped: the round's backoff paces retries to it
+            src.cooldown_until = time.monotonic() + self.cooldown_s
+            self._on_bad(src.url, reason)
+        return False
+
+    def _lied(self, src: _Source, reason: str) -> bool:
+        log.warning("parent %s served a bad chunk (%s); not using it again for this version", src.url, reason)
+        if src.is_origin:
+            src.cooldown_until = time.monotonic() + self.cooldown_s
+        else:
+            src.banned = True
+            self._on_bad(src.url, reason)
+        return False

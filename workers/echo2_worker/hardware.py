@@ -1,0 +1,99 @@
+"""What this machine offers, found without importing torch (so `join` starts fast): GPUs via
+nvidia-smi, the backends installed, and the address peers would reach the relay at."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import socket
+import subprocess
+from dataclasses import dataclass
+from urllib.parse import urlparse
+
+
+@dataclass
+class Gpus:
+    model: str = "cpu"
+    count: int = 0
+    vram_gb: float = 0.0
+
+
+def detect_gpus() -> Gpus:
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return Gpus()
+    try:
+        out = subprocess.run([smi, "--query-gpu=name,memory.total", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return Gpus()
+    rows = [[c.strip() for c in line.split(",")] for line in out.strip().splitlines() if line.strip()]
+    if not rows:
+        return Gpus()
+    name = rows[0][0].removeprefix("NVIDIA ").strip()[:64] or "gpu"
+    try:
+        vram = float(rows[0][1]) / 1024
+    except (IndexError, ValueError):
+        vram = 0.0
+    return Gpus(model=name, count=len(rows), vram_gb=round(vram, 1))
+
+
+def parse_gpus(spec: str) -> Gpus:
+    """`auto`, `none`/`cpu`, `N`, `MODEL`, `MODELxN` or `MODEL:N[:VRAM_GB]` (e.g. `H100:8:80`)."""
+    spec = spec.strip()
+    if spec == "auto":
+        return detect_gpus()
+    if spec.lower() in ("none", "cpu", "0"):
+        return Gpus()
+    if spec.isdigit():
+        found = detect_gpus()
+        return Gpus(found.model if found.count else "gpu", int(spec), found.vram_gb)
+    parts = spec.split(":")
+    if len(parts) == 1 and "x" in spec and spec.rsplit("x", 1)[1].isdigit():
+        model, count = spec.rsplit("x", 1)
+        return Gpus(model.strip(), int(count))
+    try:
+        count = int(parts[1]) if len(parts) > 1 else 1
+        vram = float(parts[2]) if len(parts) > 2 else 0.0
+    except ValueError:
+        raise ValueError(f"--gpus {spec!r}: expected MODEL:COUNT[:VRAM_GB], e.g. H100:8:80") from None
+    return Gpus(parts[0].strip()[:64], count, vram)
+
+
+def installed_backends() -> list[str]:
+    names = []
+    if importlib.util.find_spec("torch") and importlib.util.find_spec("transformers"):
+        names.append("transformers")
+    if importlib.util.find_spec("vllm"):
+        names.append("vllm")
+    return names
+
+
+def choose_backend(requested: str, gpus: Gpus) -> str:
+    have = installed_backends()
+    if requested == "auto":
+        if "vllm" in have and gpus.count > 0:
+            return "vllm"
+        if "transformers" in have:
+            return "transformers"
+        if "vllm" in have:
+            return "vllm"
+        raise ValueError("no generation backend installed: pip install 'echo2-worker[cpu]' or 'echo2-worker[vllm]'")
+    if requested not in have:
+        extra = "cpu" if requested == "transformers" else "vllm"
+        raise ValueError(f"backend {requested} is not installed: pip install 'echo2-worker[{extra}]'")
+    return requested
+
+
+def reachable_host(server_url: str) -> str:
+    """The local address that routes to the server: where peers on the same network reach us."""
+    parsed = urlparse(server_url)
+    host = parsed.hostname or "127.0.0.1"
+    if host in ("localhost", "127.0.0.1", "::1"):
+        return "127.0.0.1"
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((host, parsed.port or 80))  # no packet is sent for UDP connect
+            return str(s.getsockname()[0])
+    except OSError:
+        return "127.0.0.1"

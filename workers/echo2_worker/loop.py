@@ -1,0 +1,496 @@
+"""The worker loop: heartbeat -> follow the desired state -> hold the assigned version -> lease
+prompts -> generate G samples each -> submit version-tagged groups -> repeat.
+
+Three threads share one `Worker`:
+- the heartbeat thread reports liveness, progress and bad relay sources every interval (even while a
+  long generation runs), keeps the latest reply, and renews the lease in progress before it expires;
+- a download thread fetches the assigned version through the relay tree (fetch.Downloader) while the
+  current, still admissible version keeps generating;
+- the main thread leases, generates and submits, and swaps weights between leases.
+
+Versions: a lease is taken with the version loaded in the backend, and every group of it is tagged
+with that version. When a newer version is announced the current lease is finished (if still
+admissible) and the weights are swapped before the next lease. A lease whose version fell below the
+assignment's `min_version` is released without generating more: its rollouts would be rejected.
+Only the loaded and the newest version are kept on disk.
+
+Drain (SIGTERM/SIGINT, `request_drain`): stop leasing, submit the batch in flight, release the rest,
+deregister, exit 0. A SIGKILL loses nothing: the server expires the lease and re-pools its prompts.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from echo2 import errors
+from echo2.prompting import encode_prompt
+from echo2.protocol import (
+    Assignment,
+    BadSource,
+    DesiredState,
+    GroupSubmit,
+    Heartbeat,
+    HeartbeatReply,
+    LeasedPrompt,
+    LeaseRead,
+    LeaseRequest,
+    RolloutSubmit,
+    SampleSubmit,
+    SamplingParams,
+    WorkerStatus,
+)
+from echo2.seeds import sample_seed
+
+from .backends import GenerationBackend, GenRequest, GenSample
+from .control import ControlPlane
+from .fetch import DownloadCancelled, Downloader, VersionUnavailable
+from .progress import Stats
+from .store import VersionStore
+
+log = logging.getLogger(__name__)
+
+MAX_BACKOFF_S = 30.0
+MIN_LOGPROB = -1e4  # the protocol's floor; a sampled token is never that unlikely in practice
+
+
+class WorkerGone(Exception):
+    """The control plane no longer knows this worker (deregistered elsewhere, or token revoked)."""
+
+
+@dataclass
+class LoopOptions:
+    worker_id: str
+    data_dir: Path
+    max_prompts: int = 8
+    gen_batch_prompts: int | None = None  # prompts per backend call; None = the whole lease
+    heartbeat_interval_s: float = 2.0
+    relay_url: str | None = None
+
+
+@dataclass
+class _LeaseState:
+    lease: LeaseRead
+    ttl_s: float
+    renew_at: float
+
+
+def _backoff(attempt: int, base: float = 0.5) -> float:
+    return min(MAX_BACKOFF_S, base * 2**attempt) * (0.75 + 0.5 * random.random())
+
+
+class Worker:
+    def __init__(self, options: LoopOptions, control: ControlPlane, backend_factory: Callable[[], GenerationBackend],
+                 store: VersionStore, stats: Stats | None = None,
+                 on_deregistered: Callable[[], None] | None = None) -> None:
+        self.opt = options
+        self.control = control
+        self.store = store
+        self.stats = stats or Stats()
+        self._backend_factory = backend_factory
+        self._on_deregistered = on_deregistered
+        self.backend: GenerationBackend | None = None
+        self._tokenizer: Any = None
+        self._loaded: tuple[str, int] | None = None  # (job, version) in the backend
+        self._reply: HeartbeatReply | None = None
+        self._reply_lock = threading.Lock()
+        self._changed = threading.Event()
+        self._drain = threading.Event()
+        self._stop_heartbeat = threading.Event()
+        self._fatal: BaseException | None = None
+        self._status = WorkerStatus.idle
+        self._lease: _LeaseState | None = None
+        self._lease_lock = threading.Lock()
+        self._bad: dict[str, str] = {}
+        self._bad_lock = threading.Lock()
+        self._target: tuple[str, int] | None = None
+        self._dl_thread: threading.Thread | None = None
+        self._dl_key: tuple[str, int] | None = None
+        self._dl_retry_at = 0.0
+        self._dl_failures = 0
+        self._lease_attempts = 0
+        self.downloader = Downloader(store, origin_token=control.token, on_bad_source=self._report_bad,
+                                     meter=self.stats.download, self_url=options.relay_url)
+        self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="echo2-heartbeat", daemon=True)
+
+    # -- public ----------------------------------------------------------------------------------
+
+    def request_drain(self) -> None:
+        """Stop leasing; the batch in flight is submitted, the rest of the lease released; then exit."""
+        self._drain.set()
+        self._changed.set()
+
+    @property
+    def draining(self) -> bool:
+        return self._drain.is_set()
+
+    def run(self) -> int:
+        """Work until drained; returns the process exit code."""
+        self._hb_thread.start()
+        try:
+            while not self._drain.is_set():
+                if self._fatal is not None:
+                    raise self._fatal
+                reply = self._latest()
+                if reply is None or reply.desired is not DesiredState.active or reply.assignment is None:
+                    draining = reply is not None and reply.desired is DesiredState.drain
+                    self._set_status(WorkerStatus.draining if draining else WorkerStatus.idle)
+                    self._wait(1.0)
+                    continue
+                self._set_status(WorkerStatus.active)
+                if self._ready(reply.assignment):
+                    self._work_one_lease()
+            return 0
+        except WorkerGone as exc:
+            log.error("%s", exc)
+            if self._on_deregistered is not None:
+                self._on_deregistered()
+            return 3
+        finally:
+            self._shutdown()
+
+    # -- versions --------------------------------------------------------------------------------
+
+    def _ready(self, a: Assignment) -> bool:
+        """True when the backend holds an admissible version to lease with (swapping if a newer one is on disk)."""
+        self._target = (a.job_id, a.version)
+        held = self.store.get(a.job_id, a.version)
+        if self._loaded == (a.job_id, a.version):
+            return True
+        if held is not None and held.complete:
+            self._swap(a.job_id, held.version, held.model_dir)
+            return True
+        self._ensure_download(a)
+        loaded_ok = self._loaded is not None and self._loaded[0] == a.job_id and self._loaded[1] >= a.min_version
+        if loaded_ok:
+            return True  # keep generating with the loaded version while the new one arrives
+        self._set_status(WorkerStatus.active)
+        self._wait(1.0)
+        return False
+
+    def _swap(self, job_id: str, version: int, model_dir: Path) -> None:
+        t0 = time.monotonic()
+        if self.backend is not None and (self._loaded is None or self._loaded[0] != job_id):
+            self.backend.close()  # another job's model: start from a fresh backend
+            self.backend = None
+        if self.backend is None:
+            self.backend = self._backend_factory()
+        if self._loaded is not None and self._loaded[0] == job_id:
+            self.backend.reload(model_dir)
+            action = "swapped to"
+        else:
+            self.backend.load(model_dir)
+            self._tokenizer = _tokenizer_of(self.backend, model_dir)
+            action = "loaded"
+        self._loaded = (job_id, version)
+        self.stats.job_id, self.stats.version_loaded = job_id, version
+        log.info("%s version %d of job %s in %.1fs", action, version, job_id, time.monotonic() - t0)
+        self._gc()
+
+    def _gc(self) -> None:
+        if self._target is None:
+            return
+        keep = {self._target[1]}
+        if self._loaded is not None and self._loaded[0] == self._target[0]:
+            keep.add(self._loaded[1])
+        with self._reply_lock:  # never delete what a download in flight is writing
+            if self._dl_key is not None and self._dl_thread is not None and self._dl_thread.is_alive() \
+                    and self._dl_key[0] == self._target[0]:
+                keep.add(self._dl_key[1])
+        dropped = self.store.keep_only(self._target[0], keep)
+        if dropped:
+            log.info("deleted versions %s from disk (no longer needed)", dropped)
+
+    def _ensure_download(self, a: Assignment) -> None:
+        key = (a.job_id, a.version)
+        with self._reply_lock:
+            busy = self._dl_thread is not None and self._dl_thread.is_alive()
+            if (busy and self._dl_key == key) or time.monotonic() < self._dl_retry_at:
+                return
+            if busy:  # an older target: it notices `wanted()` turning false and stops
+                return
+            self._dl_key = key
+            self._dl_thread = threading.Thread(target=self._download, args=(a,), name="echo2-download", daemon=True)
+            self._dl_thread.start()
+
+    def _download(self, a: Assignment) -> None:
+        key = (a.job_id, a.version)
+
+        def wanted() -> bool:
+            return self._target == key and not self._drain.is_set() and self._fatal is None
+
+        try:
+            log.info("fetching version %d of job %s (parents: %s)", a.version, a.job_id, ", ".join(self._parents(a)))
+            manifest = self.control.manifest(a.manifest_url)
+            result = self.downloader.fetch(a.job_id, manifest, lambda: self._parents(a), wanted)
+            self.stats.last_download_s = result.seconds
+            self.stats.version_held = max(a.version, self.stats.version_held or 0)
+            mb = manifest.total_size / 1e6
+            log.info("version %d held: %.1f MB in %.1fs (%s)", a.version, mb, result.seconds,
+                     ", ".join(f"{_host(u)}: {n / 1e6:.1f} MB" for u, n in result.bytes_from.items()) or "resumed")
+            self._dl_failures = 0
+        except DownloadCancelled:
+            log.info("stopped fetching version %d: a newer one is wanted", a.version)
+        except (VersionUnavailable, errors.Echo2Error, OSError, ValueError) as exc:
+            self._dl_failures += 1
+            self._dl_retry_at = time.monotonic() + _backoff(self._dl_failures, 1.0)
+            log.warning("could not fetch version %d: %s", a.version, exc)
+        finally:
+            self._changed.set()
+
+    def _parents(self, a: Assignment) -> list[str]:
+        reply = self._latest()
+        if reply is not None and reply.assignment is not None and reply.assignment.job_id == a.job_id:
+            return reply.assignment.relay_parents
+        return a.relay_parents
+
+    # -- leases ----------------------------------------------------------------------------------
+
+    def _work_one_lease(self) -> str:
+        assert self._loaded is not None
+        job_id, version = self._loaded
+        try:
+            lease = self.control.lease(LeaseRequest(job_id=job_id, max_prompts=self.opt.max_prompts, version=version))
+        except errors.ConflictError as exc:
+            if exc.retry_after is not None:  # no prompts free right now
+                self._wait(min(exc.retry_after, 5.0))
+                return "idle"
+            log.info("lease refused: %s", exc.detail)  # too stale or job not running: wait for the next reply
+            self._await_new_reply(5.0)
+            return "refused"
+        except errors.PermissionDeniedError:
+            self._await_new_reply(5.0)
+            return "refused"
+        except errors.AuthenticationError as exc:
+            raise WorkerGone(f"the control plane no longer accepts this worker's token ({exc.status})") from None
+        except errors.Echo2Error as exc:
+            self._lease_attempts += 1
+            delay = _backoff(self._lease_attempts)
+            log.warning("could not lease prompts (%s); retrying in %.1fs", exc, delay)
+            self._wait(delay)
+            return "error"
+        self._lease_attempts = 0
+        ttl = max(1.0, (lease.expires_at - lease.created_at) / timedelta(seconds=1))
+        with self._lease_lock:
+            self._lease = _LeaseState(lease, ttl, time.monotonic() + ttl / 2)
+        try:
+            done = self._generate_lease(lease)
+            if done < len(lease.prompts):
+                self._release(lease, done)
+            self.stats.leases_done += 1
+        finally:
+            with self._lease_lock:
+                self._lease = None
+        return "done"
+
+    def _generate_lease(self, lease: LeaseRead) -> int:
+        """Generate and submit the lease's prompts batch by batch; returns how many were submitted."""
+        step = self.opt.gen_batch_prompts or len(lease.prompts)
+        done = 0
+        while done < len(lease.prompts):
+            why = self._stop_reason(lease)
+            if why:
+                log.info("lease %s: stopping after %d/%d prompts (%s)", lease.id, done, len(lease.prompts), why)
+                break
+            batch = lease.prompts[done : done + step]
+            groups = self._generate(batch, lease.sampling, lease.version)
+            if not self._submit(lease, groups):
+                return len(lease.prompts)  # the lease is gone server-side; nothing to release
+            done += len(batch)
+        return done
+
+    def _stop_reason(self, lease: LeaseRead) -> str | None:
+        if self._drain.is_set():
+            return "draining"
+        reply = self._latest()
+        if reply is None:
+            return None
+        a = reply.assignment
+        if reply.desired is not DesiredState.active or a is None or a.job_id != lease.job_id:
+            return f"desired state is {reply.desired.value}"
+        if lease.version < a.min_version:
+            return f"version {lease.version} is too stale (oldest admissible: {a.min_version})"
+        return None
+
+    def _generate(self, prompts: list[LeasedPrompt], sampling: SamplingParams, version: int) -> list[GroupSubmit]:
+        assert self.backend is not None
+        g = sampling.group_size
+        prompt_ids = [encode_prompt(self._tokenizer, p.text) for p in prompts]
+        requests = [GenRequest(prompt_token_ids=ids, n=g, seeds=[sample_seed(p.seed, k) for k in range(g)],
+                               max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                               top_p=sampling.top_p) for p, ids in zip(prompts, prompt_ids, strict=True)]
+        t0 = time.monotonic()
+        outputs = self.backend.generate(requests)
+        seconds = time.monotonic() - t0
+        tokens = sum(len(s.token_ids) for group in outputs for s in group)
+        self.stats.tokens.add(tokens)
+        return [GroupSubmit(prompt_id=p.prompt_id, version=version, prompt_token_ids=ids,
+                            samples=[_sample(s) for s in group], gen_seconds=round(seconds / len(prompts), 4))
+                for p, ids, group in zip(prompts, prompt_ids, outputs, strict=True)]
+
+    def _submit(self, lease: LeaseRead, groups: list[GroupSubmit]) -> bool:
+        """Submit (idempotent per prompt, so retried until the lease would have expired)."""
+        deadline = time.monotonic() + self._lease_ttl_left()
+        attempt = 0
+        while True:
+            try:
+                result = self.control.submit(lease.id, RolloutSubmit(groups=groups))
+                break
+            except errors.AuthenticationError as exc:
+                raise WorkerGone(f"the control plane no longer accepts this worker's token ({exc.status})") from None
+            except (errors.ConnectionError, errors.ServerError) as exc:
+                if time.monotonic() > deadline:
+                    log.warning("giving up on lease %s: %s (its prompts return to the pool)", lease.id, exc)
+                    return False
+                attempt += 1
+                log.warning("submit failed (%s); retrying", exc)
+                time.sleep(_backoff(attempt))
+            except errors.APIStatusError as exc:
+                log.warning("lease %s: submission refused: %s", lease.id, exc)
+                return False
+        accepted = [r for r in result.results if r.status.value == "accepted"]
+        rejected = [r for r in result.results if r.status.value == "rejected"]
+        self.stats.rollouts_accepted += len(accepted)
+        self.stats.rollouts_rejected += len(rejected)
+        self.stats.groups.add(len(accepted))
+        for r in rejected[:3]:
+            log.warning("prompt %d rejected: %s", r.prompt_id, r.reason)
+        return True
+
+    def _release(self, lease: LeaseRead, done: int) -> None:
+        try:
+            self.control.release(lease.id)
+            log.info("released lease %s (%d of %d prompts unsubmitted)", lease.id, len(lease.prompts) - done,
+                     len(lease.prompts))
+        except errors.Echo2Error as exc:
+            log.warning("could not release lease %s (%s); it will expire server-side", lease.id, exc)
+
+    def _lease_ttl_left(self) -> float:
+        with self._lease_lock:
+            if self._lease is None:
+                return 0.0
+            return max(0.0, self._lease.renew_at + self._lease.ttl_s / 2 - time.monotonic())
+
+    # -- heartbeat thread ------------------------------------------------------------------------
+
+    def _heartbeat_loop(self) -> None:
+        failures = 0
+        while not self._stop_heartbeat.is_set():
+            interval = self.opt.heartbeat_interval_s
+            try:
+                reply = self.control.heartbeat(self.opt.worker_id, self._heartbeat_body())
+                if failures:
+                    log.info("control plane reachable again")
+                failures = 0
+                interval = reply.heartbeat_interval_s
+                with self._reply_lock:
+                    self._reply = reply
+                self._changed.set()
+                self._renew_lease()
+            except errors.AuthenticationError as exc:
+                self._fatal = WorkerGone(f"the control plane no longer accepts this worker's token ({exc.status}); "
+                                         "it was deregistered elsewhere - run `echo2-worker join` again")
+                self._changed.set()
+                return
+            except errors.Echo2Error as exc:
+                failures += 1
+                interval = min(MAX_BACKOFF_S, interval * 2 ** min(failures, 5))
+                log.warning("heartbeat failed (%s); next try in %.0fs", exc, interval)
+            self._stop_heartbeat.wait(interval)
+
+    def _heartbeat_body(self) -> Heartbeat:
+        with self._bad_lock:
+            bad = [BadSource(url=u, reason=r[:500]) for u, r in list(self._bad.items())[:32]]
+            self._bad.clear()
+        job = self._loaded[0] if self._loaded else None
+        held = [v.version for v in self.store.versions(job) if v.complete] if job else []
+        return Heartbeat(status=self._status, job_id=job, version_held=max(held) if held else None,
+                         stats=self.stats.worker_stats(), bad_sources=bad)
+
+    def _renew_lease(self) -> None:
+        with self._lease_lock:
+            state = self._lease
+        if state is None or time.monotonic() < state.renew_at:
+            return
+        try:
+            self.control.renew(state.lease.id)
+            with self._lease_lock:
+                if self._lease is state:
+                    state.renew_at = time.monotonic() + state.ttl_s / 2
+            log.debug("renewed lease %s", state.lease.id)
+        except errors.Echo2Error as exc:
+            log.warning("could not renew lease %s: %s", state.lease.id, exc)
+
+    def _report_bad(self, url: str, reason: str) -> None:
+        with self._bad_lock:
+            self._bad[url] = reason
+
+    # -- helpers ---------------------------------------------------------------------------------
+
+    def _latest(self) -> HeartbeatReply | None:
+        with self._reply_lock:
+            return self._reply
+
+    def _wait(self, seconds: float) -> None:
+        self._changed.wait(seconds)
+        self._changed.clear()
+
+    def _await_new_reply(self, timeout: float) -> None:
+        first = self._latest()
+        deadline = time.monotonic() + timeout
+        while not self._drain.is_set() and self._latest() is first and time.monotonic() < deadline:
+            self._wait(deadline - time.monotonic())
+
+    def _set_status(self, status: WorkerStatus) -> None:
+        self._status = status
+        self.stats.state = "draining" if self._drain.is_set() else status.value
+
+    def _shutdown(self) -> None:
+        """Stop heartbeating, release what is still leased, deregister (on drain), free the backend."""
+        self._drain.set()
+        self.stats.state = "stopping"
+        with self._lease_lock:
+            state = self._lease
+        if state is not None:
+            self._release(state.lease, 0)
+        self._stop_heartbeat.set()
+        self._hb_thread.join(timeout=5) if self._hb_thread.is_alive() else None
+        if self._fatal is None:
+            try:
+                self.control.deregister(self.opt.worker_id)
+                log.info("deregistered worker %s", self.opt.worker_id)
+                if self._on_deregistered is not None:
+                    self._on_deregistered()
+            except errors.Echo2Error as exc:
+                log.warning("could not deregister (%s); the server will mark this worker offline", exc)
+        if self._dl_thread is not None:
+            self._dl_thread.join(timeout=5)
+        self.downloader.close()
+        if self.backend is not None:
+            self.backend.close()
+
+
+def _sample(s: GenSample) -> SampleSubmit:
+    return SampleSubmit(token_ids=s.token_ids, logprobs=[max(MIN_LOGPROB, min(0.0, lp)) for lp in s.logprobs],
+                        text=s.text.replace("\x00", "")[:32_768], finish_reason=s.finish_reason)
+
+
+def _tokenizer_of(backend: GenerationBackend, model_dir: Path) -> Any:
+    """The tokenizer the prompt ids come from (echo2.prompting.encode_prompt is the shared rule)."""
+    tok = getattr(backend, "tokenizer", None)
+    if tok is not None:
+        return tok
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _host(url: str) -> str:
+    return url.split("://", 1)[-1]

@@ -1,0 +1,191 @@
+"""The relay server: serves every verified chunk this worker holds to its children in the relay tree,
+over plain HTTP on the origin's paths, while later chunks are still arriving.
+
+    GET /v1/jobs/{job}/versions/{v}/chunks/{i}   the chunk (Range supported), sha256 in X-Echo2-Sha256
+    GET /v1/jobs/{job}/versions/{v}/manifest     the manifest this worker verifies against
+    GET /healthz
+
+A chunk that is not here yet, of a version being received, is waited for up to `wait_s` (pipelining);
+otherwise the answer is 404 with Retry-After, and the child asks again or goes to another parent.
+Upload is paced by one token bucket shared by all connections. No authentication: chunks are
+content-addressed by the manifest, which children fetch from the origin and verify against.
+Stdlib only (ThreadingHTTPServer), so the worker needs no web framework.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from .ratelimit import RateMeter, TokenBucket
+from .store import VersionStore
+
+log = logging.getLogger(__name__)
+
+SHA_HEADER = "X-Echo2-Sha256"
+_ROUTE = re.compile(r"^/v1/jobs/([A-Za-z0-9_\-]{1,64})/versions/(\d{1,8})/(manifest|chunks/(\d{1,7}))$")
+_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+WRITE_SLICE = 64 * 1024
+
+
+class RelayServer:
+    """Serve a `VersionStore` on host:port (port 0 picks a free one) in a background thread."""
+
+    def __init__(self, store: VersionStore, host: str = "127.0.0.1", port: int = 0, *,
+                 upload_bytes_per_s: float | None = None, meter: RateMeter | None = None, wait_s: float = 10.0,
+                 max_connections: int = 64, advertise_host: str | None = None) -> None:
+        self.store = store
+        self.bucket = TokenBucket(upload_bytes_per_s)
+        self.meter = meter or RateMeter()
+        self.wait_s = wait_s
+        self.served_chunks = 0
+        self._slots = threading.BoundedSemaphore(max_connections)
+        self._httpd = ThreadingHTTPServer((host, port), _handler_class(self))
+        self._httpd.daemon_threads = True
+        self._advertise = advertise_host or host
+        self._thread: threading.Thread | None = None
+
+    @property
+    def port(self) -> int:
+        return int(self._httpd.server_address[1])
+
+    @property
+    def url(self) -> str:
+        host = self._advertise
+        if ":" in host and not host.startswith("["):
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def start(self) -> RelayServer:
+        self._thread = threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.2},
+                                        name="echo2-relay", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> RelayServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _handler_class(relay: RelayServer) -> type[BaseHTTPRequestHandler]:
+    class Handler(_Handler):
+        pass
+
+    Handler.relay = relay
+    return Handler
+
+
+class _Handler(BaseHTTPRequestHandler):
+    relay: RelayServer
+    protocol_version = "HTTP/1.1"
+    server_version = "echo2-relay"
+
+    def setup(self) -> None:
+        super().setup()
+        # Headers and body go out as separate writes: without this, Nagle + delayed ACK add ~40 ms per chunk.
+        self.request.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def log_message(self, format: str, *args: object) -> None:  # noqa: A002 (stdlib signature)
+        log.debug("relay %s " + format, self.client_address[0], *args)
+
+    def do_GET(self) -> None:  # noqa: N802 (stdlib name)
+        if not self.relay._slots.acquire(blocking=False):
+            self._problem(503, "relay busy", retry_after=1)
+            return
+        try:
+            self._get()
+        except (BrokenPipeError, ConnectionResetError, TimeoutError):
+            pass  # the child went away; it will ask again elsewhere
+        finally:
+            self.relay._slots.release()
+
+    def _get(self) -> None:
+        path = self.path.split("?", 1)[0]
+        if path == "/healthz":
+            self._send(200, json.dumps({"status": "ok"}).encode(), "application/json")
+            return
+        m = _ROUTE.match(path)
+        if m is None:
+            self._problem(404, "no such path on a relay")
+            return
+        job_id, version = m.group(1), int(m.group(2))
+        held = self.relay.store.get(job_id, version)
+        if held is None:
+            self._problem(404, f"version {version} of {job_id} is not held here (yet)", retry_after=1)
+            return
+        if m.group(3) == "manifest":
+            self._send(200, held.manifest.model_dump_json().encode(), "application/json")
+            return
+        index = int(m.group(4))
+        if index >= held.num_chunks:
+            self._problem(404, f"version {version} has {held.num_chunks} chunks; no chunk {index}")
+            return
+        if not held.wait_for(index, self.relay.wait_s):
+            self._problem(404, f"chunk {index} has not arrived here yet", retry_after=1)
+            return
+        try:
+            data = held.read(index)
+        except (KeyError, FileNotFoundError):
+            self._problem(404, f"chunk {index} is no longer held here")
+            return
+        self._send_chunk(data, held.manifest.chunks[index].sha256)
+        self.relay.served_chunks += 1
+
+    def _send_chunk(self, data: bytes, sha256: str) -> None:
+        start, end, status = 0, len(data), 200
+        ranged = self.headers.get("Range")
+        if ranged:
+            m = _RANGE.match(ranged.strip())
+            if m is None or (not m.group(1) and not m.group(2)):
+                self._problem(416, "unsupported Range")
+                return
+            if m.group(1):
+                start = int(m.group(1))
+                end = min(len(data), int(m.group(2)) + 1) if m.group(2) else len(data)
+            else:
+                start = max(0, len(data) - int(m.group(2)))
+            if start >= end:
+                self._problem(416, "Range not satisfiable")
+                return
+            status = 206
+        self.send_response(status)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(end - start))
+        self.send_header(SHA_HEADER, sha256)
+        self.send_header("Accept-Ranges", "bytes")
+        if status == 206:
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{len(data)}")
+        self.end_headers()
+        view = memoryview(data)[start:end]
+        for offset in range(0, len(view), WRITE_SLICE):
+            piece = view[offset : offset + WRITE_SLICE]
+            self.relay.bucket.consume(len(piece))
+            self.wfile.write(piece)
+            self.relay.meter.add(len(piece))
+
+    def _send(self, status: int, body: bytes, content_type: str, headers: dict[str, str] | None = None) -> None:
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        for key, value in (headers or {}).items():
+            self.send_header(key, value)
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _problem(self, status: int, detail: str, retry_after: int | None = None) -> None:
+        body = json.dumps({"type": "about:blank", "title": self.responses.get(status, ("Error",))[0],
+                           "status": status, "detail": detail}).encode()
+        headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+        self._send(status, body, "application/problem+json", headers)

@@ -1,0 +1,209 @@
+"""Weight versions on this worker's disk: verified chunks while a version arrives, the assembled HF
+folder once it is complete, and chunk reads for the relay server in both states.
+
+Layout: `{root}/{job_id}/v{version}/manifest.json` (what the chunks must hash to),
+`chunks/{i}` (verified chunks, deleted after assembly) and `model/` (the HF folder that the backend
+loads; `model/manifest.json` is the completion marker written last by `echo2.snapshots.assemble`).
+Nothing unverified is ever written under `chunks/` or `model/`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+
+from echo2.protocol import Manifest
+from echo2.snapshots import SnapshotError, assemble, is_complete, verify_chunk
+
+log = logging.getLogger(__name__)
+_SAFE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+
+
+class HeldVersion:
+    """One version of one job: which chunks are here, and a condition to wait for the others."""
+
+    def __init__(self, job_id: str, manifest: Manifest, path: Path) -> None:
+        self.job_id = job_id
+        self.manifest = manifest
+        self.version = manifest.version
+        self.path = path
+        self.model_dir = path / "model"
+        self._chunk_dir = path / "chunks"
+        self._held = [False] * len(manifest.chunks)
+        self._cond = threading.Condition()
+        self.complete = is_complete(self.model_dir) and self._marker_matches()
+        if self.complete:
+            self._held = [True] * len(manifest.chunks)
+        else:
+            self._recover_chunks()
+
+    @property
+    def num_chunks(self) -> int:
+        return len(self._held)
+
+    def has(self, index: int) -> bool:
+        return 0 <= index < len(self._held) and self._held[index]
+
+    def missing(self) -> list[int]:
+        return [i for i, held in enumerate(self._held) if not held]
+
+    def held_count(self) -> int:
+        return sum(self._held)
+
+    def wait_for(self, index: int, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for chunk `index` to arrive (pipelined relaying)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.has(index), timeout=timeout)
+
+    def put(self, index: int, data: bytes) -> None:
+        """Store a chunk after checking it against the manifest (raises SnapshotError otherwise)."""
+        verify_chunk(self.manifest, index, data)
+        if self.has(index):
+            return
+        self._chunk_dir.mkdir(parents=True, exist_ok=True)
+        target = self._chunk_dir / str(index)
+        tmp = target.with_name(f"{index}.tmp")
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+        os.replace(tmp, target)
+        with self._cond:
+            self._held[index] = True
+            self._cond.notify_all()
+
+    def read(self, index: int) -> bytes:
+        """A held chunk's bytes: from `chunks/` while arriving, from the assembled files afterwards."""
+        if not self.has(index):
+            raise KeyError(index)
+        if not self.complete:
+            try:
+                return (self._chunk_dir / str(index)).read_bytes()
+            except FileNotFoundError:
+                if not self.complete:  # deleted by assembly in between: read the folder instead
+                    raise
+        return self._read_assembled(index)
+
+    def assemble(self) -> Path:
+        """Write the HF folder from the verified chunks (files checked whole), then drop the chunks."""
+        if self.complete:
+            return self.model_dir
+        if self.missing():
+            raise SnapshotError(f"version {self.version}: {len(self.missing())} chunks still missing")
+        shutil.rmtree(self.model_dir, ignore_errors=True)
+        assemble(self.manifest, lambda i: (self._chunk_dir / str(i)).read_bytes(), self.model_dir)
+        self.complete = True
+        shutil.rmtree(self._chunk_dir, ignore_errors=True)
+        return self.model_dir
+
+    def _read_assembled(self, index: int) -> bytes:
+        info = self.manifest.chunks[index]
+        start, end = index * self.manifest.chunk_size, index * self.manifest.chunk_size + info.size
+        out = bytearray()
+        for f in self.manifest.files:
+            lo, hi = max(start, f.offset), min(end, f.offset + f.size)
+            if lo >= hi:
+                continue
+            with open(self.model_dir / f.path, "rb") as fh:
+                fh.seek(lo - f.offset)
+                out += fh.read(hi - lo)
+        return bytes(out)
+
+    def _marker_matches(self) -> bool:
+        try:
+            marker = Manifest.model_validate_json((self.model_dir / "manifest.json").read_bytes())
+        except (OSError, ValueError):
+            return False
+        return [c.sha256 for c in marker.chunks] == [c.sha256 for c in self.manifest.chunks]
+
+    def _recover_chunks(self) -> None:
+        """After a restart, keep the chunks already on disk that still verify."""
+        if not self._chunk_dir.is_dir():
+            return
+        for entry in self._chunk_dir.iterdir():
+            if not entry.name.isdigit() or int(entry.name) >= len(self._held):
+                entry.unlink(missing_ok=True)
+                continue
+            try:
+                verify_chunk(self.manifest, int(entry.name), entry.read_bytes())
+                self._held[int(entry.name)] = True
+            except (OSError, SnapshotError):
+                entry.unlink(missing_ok=True)
+
+
+class VersionStore:
+    """Every version held on disk, by (job, version); the relay server and the downloader share it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self._versions: dict[tuple[str, int], HeldVersion] = {}
+        self._lock = threading.Lock()
+
+    def get(self, job_id: str, version: int) -> HeldVersion | None:
+        with self._lock:
+            return self._versions.get((job_id, version))
+
+    def open(self, job_id: str, manifest: Manifest) -> HeldVersion:
+        """The version's entry, created (or resumed from disk) for this manifest."""
+        if not _SAFE_ID.match(job_id):
+            raise ValueError(f"unsafe job id {job_id!r}")
+        key = (job_id, manifest.version)
+        with self._lock:
+            held = self._versions.get(key)
+            if held is not None:
+                if _digest(held.manifest) != _digest(manifest):
+                    raise SnapshotError(f"version {manifest.version} of {job_id} changed its manifest")
+                return held
+            path = self.root / job_id / f"v{manifest.version}"
+            saved = path / "manifest.json"
+            if saved.exists() and saved.read_bytes() != manifest.model_dump_json().encode():
+                shutil.rmtree(path, ignore_errors=True)  # another job database or a bad run: start over
+            path.mkdir(parents=True, exist_ok=True)
+            _write_atomic(saved, manifest.model_dump_json().encode())
+            held = HeldVersion(job_id, manifest, path)
+            self._versions[key] = held
+            return held
+
+    def versions(self, job_id: str) -> list[HeldVersion]:
+        with self._lock:
+            return sorted((v for (j, _), v in self._versions.items() if j == job_id), key=lambda v: v.version)
+
+    def keep_only(self, job_id: str | None, versions: set[int]) -> list[int]:
+        """Delete every version not in `versions` of `job_id` (and everything of other jobs)."""
+        with self._lock:
+            doomed = [k for k in self._versions if k[0] != job_id or k[1] not in versions]
+            for key in doomed:
+                del self._versions[key]
+        for job, version in doomed:
+            shutil.rmtree(self.root / job / f"v{version}", ignore_errors=True)
+        self._sweep_disk(job_id, versions)
+        return sorted(v for j, v in doomed if j == job_id)
+
+    def _sweep_disk(self, job_id: str | None, keep: set[int]) -> None:
+        """Delete leftovers of earlier runs that this run never opened and does not want."""
+        for job_dir in [d for d in self.root.iterdir() if d.is_dir()]:
+            for vdir in [d for d in job_dir.iterdir() if d.is_dir()]:
+                version = int(vdir.name[1:]) if vdir.name[1:].isdigit() else -1
+                with self._lock:
+                    opened = (job_dir.name, version) in self._versions
+                if not opened and not (job_dir.name == job_id and version in keep):
+                    shutil.rmtree(vdir, ignore_errors=True)
+            if not any(job_dir.iterdir()):
+                job_dir.rmdir()
+
+
+def _digest(manifest: Manifest) -> str:
+    return hashlib.sha256("".join(c.sha256 for c in manifest.chunks).encode()).hexdigest()
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
