@@ -1,0 +1,162 @@
+"""The relay on its own: verified chunks only, pipelined serving, the upload cap, fallback from a lying
+or killed parent. Origins here are RelayServers over a complete store (same paths as the API)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from echo2.snapshots import SnapshotError, build_manifest, iter_stream
+from echo2_worker.fetch import Downloader
+from echo2_worker.ratelimit import TokenBucket
+from echo2_worker.relay import RelayServer
+from echo2_worker.store import VersionStore
+
+from .conftest import LyingRelay, wait_for
+
+JOB = "job_relaytest"
+CHUNK = 16 * 1024
+
+
+def fill_store(root: Path, folder: Path, version: int = 0, chunk: int = CHUNK):
+    manifest = build_manifest(folder, version, 0, chunk)
+    store = VersionStore(root)
+    held = store.open(JOB, manifest)
+    for i, data in enumerate(iter_stream(folder, manifest.files, chunk)):
+        held.put(i, data)
+    held.assemble()
+    return store, manifest
+
+
+def same_files(a: Path, b: Path) -> bool:
+    names = sorted(p.name for p in a.iterdir() if p.name != "manifest.json")
+    return all(hashlib.sha256((a / n).read_bytes()).digest() == hashlib.sha256((b / n).read_bytes()).digest()
+               for n in names)
+
+
+def test_store_refuses_bad_chunks_and_serves_assembled_bytes(tmp_path: Path, tiny_model_dir: Path) -> None:
+    store, manifest = fill_store(tmp_path / "s", tiny_model_dir)
+    held = store.get(JOB, 0)
+    assert held is not None and held.complete and same_files(held.model_dir, tiny_model_dir)
+    assert not (held.path / "chunks").exists()  # chunks are dropped once the folder is assembled
+    stream = list(iter_stream(tiny_model_dir, manifest.files, CHUNK))
+    assert [held.read(i) for i in range(held.num_chunks)] == stream
+    fresh = VersionStore(tmp_path / "t").open(JOB, manifest)
+    with pytest.raises(SnapshotError):
+        fresh.put(0, b"\x00" * manifest.chunks[0].size)
+    assert not fresh.has(0) and not (fresh.path / "chunks" / "0").exists()
+
+
+def test_relay_serves_while_receiving(tmp_path: Path, tiny_model_dir: Path) -> None:
+    manifest = build_manifest(tiny_model_dir, 0, 0, CHUNK)
+    chunks = list(iter_stream(tiny_model_dir, manifest.files, CHUNK))
+    store = VersionStore(tmp_path)
+    held = store.open(JOB, manifest)
+    with RelayServer(store, wait_s=1.0) as relay:
+        base = f"{relay.url}/v1/jobs/{JOB}/versions/0"
+        held.put(0, chunks[0])
+        assert httpx.get(f"{base}/chunks/0").content == chunks[0]
+        got: dict[str, bytes] = {}
+        asker = threading.Thread(target=lambda: got.update(c=httpx.get(f"{base}/chunks/3", timeout=10).content))
+        asker.start()
+        time.sleep(0.3)
+        assert asker.is_alive()  # waiting for chunk 3, which has not arrived yet
+        held.put(3, chunks[3])
+        asker.join(5)
+        assert got["c"] == chunks[3]
+        r = httpx.get(f"{base}/chunks/1", headers={"Range": "bytes=10-19"})
+        assert r.status_code == 404 and r.headers["retry-after"] == "1"  # still missing after wait_s
+        held.put(1, chunks[1])
+        r = httpx.get(f"{base}/chunks/1", headers={"Range": "bytes=10-19"})
+        assert r.status_code == 206 and r.content == chunks[1][10:20]
+        assert httpx.get(f"{base}/manifest").json()["version"] == 0
+        assert httpx.get(f"{relay.url}/v1/jobs/{JOB}/versions/7/chunks/0").status_code == 404
+
+
+def test_upload_cap(tmp_path: Path, tiny_model_dir: Path) -> None:
+    store, manifest = fill_store(tmp_path, tiny_model_dir, chunk=256 * 1024)
+    rate = 1_000_000
+    with RelayServer(store, upload_bytes_per_s=rate) as relay:
+        t0 = time.monotonic()
+        total = sum(len(httpx.get(f"{relay.url}/v1/jobs/{JOB}/versions/0/chunks/{i}").content) for i in range(3))
+        elapsed = time.monotonic() - t0
+    assert total == 3 * 256 * 1024
+    assert elapsed >= (total - relay.bucket.burst) / rate * 0.95
+    bucket = TokenBucket(2e6)
+    t0 = time.monotonic()
+    for _ in range(20):
+        bucket.consume(100_000)
+    assert time.monotonic() - t0 >= (2e6 - bucket.burst) / 2e6 * 0.95
+
+
+def test_lying_parent_is_banned_reported_and_never_stored(tmp_path: Path, tiny_model_dir: Path) -> None:
+    origin_store, manifest = fill_store(tmp_path / "origin", tiny_model_dir)
+    liar = LyingRelay(lambda job, v, i: manifest.chunks[i].size if i < len(manifest.chunks) else None)
+    reports: list[tuple[str, str]] = []
+    with RelayServer(origin_store) as origin:
+        store = VersionStore(tmp_path / "child")
+        dl = Downloader(store, on_bad_source=lambda u, r: reports.append((u, r)))
+        result = dl.fetch(JOB, manifest, [liar.url, origin.url])
+        dl.close()
+    liar.close()
+    assert same_files(result.held.model_dir, tiny_model_dir)
+    assert liar.requests == 1  # banned after its first bad chunk
+    assert reports == [(liar.url, reports[0][1])] and "sha256" in reports[0][1]
+    assert result.bytes_from == {origin.url: manifest.total_size}
+
+
+PARENT = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from echo2.protocol import Manifest
+    from echo2_worker.relay import RelayServer
+    from echo2_worker.store import VersionStore
+    root, job, rate = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    store = VersionStore(root)
+    for mf in root.glob("*/v*/manifest.json"):
+        store.open(mf.parent.parent.name, Manifest.model_validate_json(mf.read_bytes()))
+    relay = RelayServer(store, upload_bytes_per_s=rate).start()
+    print(relay.url, flush=True)
+    time.sleep(3600)
+""")
+
+
+def test_parent_killed_mid_transfer_costs_one_retry(tmp_path: Path, tiny_model_dir: Path) -> None:
+    origin_store, manifest = fill_store(tmp_path / "origin", tiny_model_dir)
+    fill_store(tmp_path / "parent", tiny_model_dir)
+    rate = 400_000  # the parent trickles, so the kill lands mid-download
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "parent"), JOB, str(rate)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        parent_url = parent.stdout.readline().strip()
+        reports: list[tuple[str, str]] = []
+        with RelayServer(origin_store) as origin:
+            store = VersionStore(tmp_path / "child")
+            dl = Downloader(store, on_bad_source=lambda u, r: reports.append((u, r)))
+            result: dict = {}
+            t = threading.Thread(target=lambda: result.update(r=dl.fetch(JOB, manifest, [parent_url, origin.url])))
+            t.start()
+            held = wait_for(lambda: store.get(JOB, 0), 10, "download to start")
+            wait_for(lambda: held.held_count() >= len(manifest.chunks) // 3, 30, "a third of the chunks")
+            os.kill(parent.pid, signal.SIGKILL)
+            t.join(60)
+            dl.close()
+    finally:
+        parent.kill()
+        parent.wait()
+    r = result["r"]
+    assert same_files(r.held.model_dir, tiny_model_dir)
+    from_parent, from_origin = r.bytes_from.get(parent_url, 0), r.bytes_from.get(origin.url, 0)
+    assert from_parent >= manifest.total_size // 3 and from_parent + from_origin == manifest.total_size
+    # Only what was not yet received is fetched again: bytes on the wire exceed the model by < 1 chunk.
+    assert dl.meter.total < manifest.total_size + manifest.chunk_size
+    assert [u for u, _ in reports] == [parent_url]
