@@ -1,0 +1,327 @@
+"""The dashboard in a real browser (Debian Chromium) against a live control plane, on SQLite and PostgreSQL.
+
+Each test drives the API the way the other parts of Echo2 would (worker leases and rollouts, learner claims
+and step reports) and checks that the page shows it without a reload. Screenshots land in docs/screenshots/.
+"""
+
+from __future__ import annotations
+
+import re
+import tarfile
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.conftest import ADMIN_KEY
+from tests.factories import (
+    activate,
+    fake_model_folder,
+    new_job,
+    new_provider,
+    new_worker,
+    ok,
+    publish,
+    running_job,
+    submit_group,
+)
+from tests.web.conftest import Dashboard, open_dashboard
+
+pytestmark = pytest.mark.e2e
+
+
+def user_key(api: Any, name: str = "alice", role: str = "user") -> tuple[str, httpx.Client]:
+    body = ok(api.admin.post("/v1/users", json={"name": name, "role": role}), 201)
+    return body["api_key"], api.client(body["api_key"])
+
+
+def expect_text(ui: Dashboard, selector: str, pattern: str) -> None:
+    ui.page.locator(selector).filter(has_text=re.compile(pattern)).first.wait_for()
+
+
+def train_step(api: Any, job: dict[str, Any], learner: httpx.Client, worker: httpx.Client, folder: Path,
+               step: int, reward: float) -> None:
+    """One learner step the way the real parts do it: lease, rollouts, claim, report, publish."""
+    jid = job["id"]
+    lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 2, "version": step}), 201)
+    ids = [ok(submit_group(worker, lease, p, step))["results"][0]["rollout_id"] for p in lease["prompts"]]
+    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 10}))
+    beat = {"step": step, "busy_s": 3.0 + step, "wall_s": 4.0 + step}
+    ok(learner.post(f"/v1/jobs/{jid}/learner/heartbeat", json=beat))
+    report = {"step": step, "rollout_ids": ids, "t_train_s": 0.5, "reward_mean": reward, "reward_std": 0.1,
+              "loss": 0.3 - 0.05 * step, "kl": 0.01 * step, "clip_frac": 0.05, "staleness_hist": [len(ids)],
+              "tokens": 24, "rewards": [{"rollout_id": i, "rewards": [1.0, 0.0]} for i in ids]}
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
+    publish(learner, jid, folder, version=step + 1, step=step + 1)
+
+
+@pytest.fixture
+def training(api, tmp_path):
+    """Alice's running job (version 0 published) with one active worker of a provider."""
+    key, alice = user_key(api)
+    folder = fake_model_folder(tmp_path / "model")
+    job, learner = running_job(api, alice, folder, name="reward-climb", staleness=2, max_steps=5)
+    _, provider = new_provider(api, "gpu-co")
+    wid, worker = new_worker(api, provider, name="rtx-1", gpu_model="RTX 4090", gpu_count=1, vram_gb=24,
+                             price_per_hour=0.35, rollouts_per_s=1.5, relay_url="http://10.0.0.7:7070")
+    activate(api, wid, job["id"])
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={"status": "active", "job_id": job["id"], "version_held": 0}))
+    return {"key": key, "alice": alice, "job": job, "learner": learner, "worker": worker, "worker_id": wid,
+            "folder": folder}
+
+
+def test_login_with_keyboard_then_logout(api, ui):
+    key, _ = user_key(api)
+    ui.goto("/jobs")
+    ui.page.wait_for_url(re.compile(r"/login\?next=%2Fjobs$"))
+    ui.expect_http(401, "/v1/me")
+    field = ui.page.get_by_label("API key or provider token")
+    field.fill("e2u_not-a-real-key")
+    field.press("Enter")
+    expect_text(ui, "#api-key-error", "unknown or revoked")
+    assert field.get_attribute("aria-invalid") == "true"
+    ui.shot("login")
+    field.fill(key)
+    field.press("Enter")
+    ui.page.wait_for_url(re.compile(r"/jobs$"))
+    expect_text(ui, "#who-name", r"alice \(user\)")
+    assert ui.page.get_by_role("link", name="Admin").is_hidden()
+    ui.page.get_by_role("button", name="Log out").click()
+    ui.page.wait_for_url(re.compile(r"/login$"))
+    assert ui.page.evaluate("sessionStorage.length") == 0
+    ui.goto("/jobs/new")
+    ui.page.wait_for_url(re.compile(r"/login\?next="))
+
+
+def test_submit_job_form_shows_api_validation_errors(api, ui):
+    key, alice = user_key(api)
+    ui.login(key)
+    ui.page.get_by_role("link", name="Submit a job").first.click()
+    ui.page.wait_for_url(re.compile(r"/jobs/new$"))
+    page = ui.page
+    page.locator("#f-task option[value=arithmetic]").wait_for(state="attached")
+    page.get_by_label("Name", exact=True).fill("from-the-form")
+    page.get_by_label("Group size G").fill("1")  # the API requires G >= 2
+    page.get_by_label("Prompts per step").fill("4")
+    page.get_by_label("Max steps").fill("5")
+    page.get_by_label("Prompts to generate").fill("20")
+    ui.expect_http(422, "/v1/jobs")
+    page.get_by_role("button", name="Submit job").click()
+    expect_text(ui, "#f-group-error", "greater than or equal to 2")
+    assert page.get_by_label("Group size G").get_attribute("aria-invalid") == "true"
+    expect_text(ui, "#form-errors", "Group size G")
+    ui.shot("submit-job")
+
+    # a rule that spans fields (κ <= S + 1) has no single field: it is shown in the summary
+    page.get_by_label("Group size G").fill("2")
+    page.get_by_label("Staleness bound S").fill("0")
+    page.get_by_label("Publish period κ").fill("2")
+    page.get_by_role("button", name="Submit job").click()
+    expect_text(ui, "#form-errors", r"publish_period \(κ=2\) must be <= staleness \+ 1")
+    assert page.locator("#f-group-error").is_hidden()
+
+    page.get_by_label("Publish period κ").fill("1")
+    page.get_by_role("button", name="Submit job").click()
+    page.wait_for_url(re.compile(r"/jobs/[A-Za-z0-9_-]+$"))
+    expect_text(ui, "#job-name", "from-the-form")
+    job_id = page.url.rsplit("/", 1)[1]
+    spec = ok(alice.get(f"/v1/jobs/{job_id}"))["spec"]
+    assert spec["grpo"]["group_size"] == 2 and spec["grpo"]["prompts_per_step"] == 4
+    assert spec["staleness"] == 0 and spec["max_steps"] == 5 and spec["task"]["name"] == "arithmetic"
+
+
+def test_jobs_list_filters_by_status_and_name(api, ui):
+    key, alice = user_key(api)
+    new_job(alice, name="alpha-run")
+    beta = new_job(alice, name="beta-run")
+    new_job(alice, name="gamma-run", max_steps=7)
+    ok(alice.post(f"/v1/jobs/{beta['id']}/cancel"))
+    ui.login(key)
+    rows = ui.page.locator("#jobs-table tbody tr")
+    expect_text(ui, "#jobs-count", "of 3")
+    expect_text(ui, "#jobs-table tbody tr", r"gamma-run.*0 / 7")
+    ui.page.get_by_label("Status").select_option("cancelled")
+    rows.filter(has_text="alpha-run").wait_for(state="detached")
+    assert rows.count() == 1 and "beta-run" in rows.first.inner_text()
+    ui.page.get_by_label("Status").select_option("")
+    expect_text(ui, "#jobs-count", "of 3")
+    ui.page.get_by_label("Name contains").fill("alp")
+    rows.filter(has_text="gamma-run").wait_for(state="detached")
+    assert rows.count() == 1 and "alpha-run" in rows.first.inner_text()
+    assert ui.page.url.endswith("?name=alp")
+
+
+def test_reward_chart_gains_points_as_the_job_trains(api, ui, training):
+    job = training["job"]
+    ui.login(training["key"])
+    ui.goto(f"/jobs/{job['id']}")
+    expect_text(ui, "#job-name", "reward-climb")
+    ui.page.evaluate("window.__sameDocument = true")
+    chart = ui.page.locator('figure[data-chart="reward"]')
+    for step, reward in enumerate([0.2, 0.45, 0.7]):
+        train_step(api, job, training["learner"], training["worker"], training["folder"], step, reward)
+        ui.page.locator(f'figure[data-chart="reward"][data-points="{step + 1}"]').wait_for()
+    assert ui.page.evaluate("window.__sameDocument") is True  # updated in place, never reloaded
+    assert re.search(r"3 points; at step 2: mean reward 0\.7", chart.locator(".plot").get_attribute("aria-label"))
+    expect_text(ui, "#sum-step", "3 / 5")
+    expect_text(ui, "#sum-reward", "0.7")
+    for name in ("util", "rps", "kl", "cost"):
+        ui.page.locator(f'figure[data-chart="{name}"][data-points="3"]').wait_for()
+    ui.page.locator('figure[data-chart="staleness"][data-points="6"]').wait_for()
+    expect_text(ui, "#versions-table tbody tr:first-child th", "^3$")
+    assert ui.page.locator("#versions-table tbody tr").count() == 4
+    expect_text(ui, "#workers-table tbody tr", "rtx-1")
+    expect_text(ui, "#rollouts li.rollout", "trained at step 2")
+    ui.page.locator("#rollouts li.rollout summary").first.click()
+    expect_text(ui, "#rollouts .completions", "reward 1")
+    ui.shot("job")
+    ui.page.get_by_role("link", name="Jobs").first.click()
+    expect_text(ui, "#jobs-table tbody tr", r"reward-climb.*3 / 5.*0\.7")
+    ui.shot("jobs")
+
+
+def test_open_a_worker_from_the_fleet(api, ui, training):
+    wid = training["worker_id"]
+    _, provider = new_provider(api, "peer-co")
+    peer_id, peer = new_worker(api, provider, name="peer")
+    # a peer reports that chunks from rtx-1's relay failed verification: the trust flag goes up
+    ok(peer.post(f"/v1/workers/{peer_id}/heartbeat",
+                 json={"bad_sources": [{"url": "http://10.0.0.7:7070", "reason": "sha256 mismatch"}]}))
+    ui.login(ADMIN_KEY)
+    ui.page.get_by_role("link", name="Workers").click()
+    ui.page.wait_for_url(re.compile(r"/workers$"))
+    expect_text(ui, "#workers-count", "of 2")
+    row = ui.page.locator("#workers-table tbody tr", has_text="rtx-1")
+    assert "1 bad chunk" in row.inner_text() and "relay" in row.inner_text()
+    assert "1 × RTX 4090 (24 GB)" in row.inner_text() and "$0.35" in row.inner_text()
+    ui.shot("workers")
+    row.get_by_role("link", name="rtx-1").click()
+    ui.page.wait_for_url(re.compile(rf"/workers/{wid}$"))
+    expect_text(ui, "#worker-hw", "RTX 4090")
+    expect_text(ui, "#worker-work", r"Version held\s*0")
+    expect_text(ui, "#worker-net", "http://10.0.0.7:7070")
+    expect_text(ui, "#worker-trust", "1 chunk")
+    ui.shot("worker")
+
+
+def test_cancel_a_job_after_confirming(api, ui, training):
+    job = training["job"]
+    ui.login(training["key"])
+    ui.goto(f"/jobs/{job['id']}")
+    cancel = ui.page.get_by_role("button", name="Cancel job")
+    cancel.click()
+    dialog = ui.page.get_by_role("dialog")
+    dialog.get_by_role("button", name="Keep it").click()
+    assert dialog.is_hidden()
+    assert ok(training["alice"].get(f"/v1/jobs/{job['id']}"))["status"] == "running"
+    cancel.click()
+    dialog.get_by_role("button", name="Cancel job").click()
+    expect_text(ui, "#job-status", "cancelled")
+    expect_text(ui, "#job-reason", "cancelled by alice")
+    assert cancel.is_hidden()
+    assert ok(training["alice"].get(f"/v1/jobs/{job['id']}"))["status"] == "cancelled"
+
+
+def test_download_a_checkpoint(api, ui, training, tmp_path):
+    job = training["job"]
+    ui.login(training["key"])
+    ui.goto(f"/jobs/{job['id']}")
+    button = ui.page.get_by_role("button", name="Download checkpoint")
+    ui.page.locator("#download:enabled").wait_for()
+    with ui.page.expect_download() as info:
+        button.click()
+    download = info.value
+    assert download.suggested_filename == f"{job['id']}-v0.tar"
+    saved = tmp_path / "ckpt.tar"
+    download.save_as(saved)
+    with tarfile.open(saved) as tar:
+        names = set(tar.getnames())
+        assert {"model.safetensors", "config.json"} <= names
+        data = tar.extractfile("model.safetensors").read()
+    assert data == (training["folder"] / "model.safetensors").read_bytes()
+    expect_text(ui, "#download-status", "Saved")
+
+
+def test_provider_sees_workers_and_earnings(api, ui):
+    body = ok(api.admin.post("/v1/providers", json={"name": "volunteer-lab", "contact": "ops@lab.example"}), 201)
+    provider = api.client(body["token"])
+    new_worker(api, provider, name="a100-box", gpu_model="A100", gpu_count=2, vram_gb=80, price_per_hour=1.8)
+    new_worker(api, provider, name="laptop", gpu_model="cpu")
+    ui.login(body["token"], expect_path="/provider")
+    expect_text(ui, "#provider-name", "volunteer-lab")
+    expect_text(ui, "#prov-earnings", r"\$0\.00")
+    expect_text(ui, "#prov-workers", "2")
+    expect_text(ui, "#workers-table tbody", "a100-box")
+    assert ui.page.get_by_role("link", name="Jobs").is_hidden()
+    ui.shot("provider")
+
+
+def test_admin_creates_a_user_and_revokes_a_token(api, ui):
+    _, bob = user_key(api, "bob")
+    ui.login(ADMIN_KEY)
+    ui.page.get_by_role("link", name="Admin").click()
+    ui.page.wait_for_url(re.compile(r"/admin$"))
+    expect_text(ui, "#users-table tbody", "bob")
+    ui.expect_http(422, "/v1/users")
+    ui.page.get_by_role("button", name="Create user").click()  # empty name: the API says why
+    expect_text(ui, "#u-name-error", "at least 1 character")
+    ui.page.get_by_label("New user's name").fill("carol")
+    ui.page.get_by_role("button", name="Create user").click()
+    expect_text(ui, "#secret-what", "User carol created")
+    carol_key = ui.page.get_by_label("Shown once: copy it now").input_value()
+    assert ok(api.client(carol_key).get("/v1/me"))["name"] == "carol"
+    ui.shot("admin")
+    bob_row = ui.page.locator("#tokens-table tbody tr", has_text="bob")
+    bob_row.get_by_role("button", name=re.compile("Revoke user token")).click()
+    ui.page.get_by_role("dialog").get_by_role("button", name="Revoke").click()
+    bob_row.wait_for(state="detached")
+    assert bob.get("/v1/me").status_code == 401
+    ui.page.get_by_label("Include revoked").check()
+    expect_text(ui, "#tokens-table tbody tr", "bob")
+
+
+def test_polling_pauses_while_the_tab_is_hidden(api, ui):
+    key, _ = user_key(api)
+    calls: list[str] = []
+    ui.page.on("request", lambda r: "/v1/jobs?" in r.url and calls.append(r.url))
+    ui.login(key)
+    ui.page.wait_for_timeout(2500)
+    assert len(calls) >= 2
+    ui.page.evaluate("""() => {
+        Object.defineProperty(document, "hidden", {configurable: true, get: () => true});
+        Object.defineProperty(document, "visibilityState", {configurable: true, get: () => "hidden"});
+        document.dispatchEvent(new Event("visibilitychange"));
+    }""")
+    ui.page.wait_for_timeout(300)
+    before = len(calls)
+    ui.page.wait_for_timeout(4500)
+    assert len(calls) == before
+    ui.page.evaluate("""() => {
+        Object.defineProperty(document, "hidden", {configurable: true, get: () => false});
+        Object.defineProperty(document, "visibilityState", {configurable: true, get: () => "visible"});
+        document.dispatchEvent(new Event("visibilitychange"));
+    }""")
+    ui.page.wait_for_timeout(500)
+    assert len(calls) > before  # resumes at once when visible again
+
+
+def test_pages_fit_a_phone(api, browser, api_routes, training):
+    context, ui = open_dashboard(browser, api, api_routes, viewport={"width": 390, "height": 844},
+                                 is_mobile=True, has_touch=True, device_scale_factor=2)
+    try:
+        ui.login(training["key"])
+        expect_text(ui, "#jobs-table tbody", "reward-climb")
+        for path, ready in [("/jobs", "#jobs-table tbody a"), (f"/jobs/{training['job']['id']}", "#job-name"),
+                            ("/jobs/new", "#f-task option"), ("/workers", "#workers-table tbody a")]:
+            ui.goto(path)
+            ui.page.locator(ready).first.wait_for(state="attached")
+            ui.page.wait_for_timeout(200)
+            overflow = ui.page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+            assert overflow <= 1, f"{path} scrolls sideways on a phone by {overflow}px"
+        ui.goto(f"/jobs/{training['job']['id']}")
+        expect_text(ui, "#job-name", "reward-climb")
+        ui.shot("job-phone")
+    finally:
+        context.close()
+    ui.check()

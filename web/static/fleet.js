@@ -1,0 +1,97 @@
+/* The rollout plane as people see it: the workers list, one worker, and a provider's own page. */
+"use strict";
+
+(function () {
+  const { api, query, poll, h, $, fmt, timeEl, badge, fillRows, setText } = E2;
+
+  E2.page("workers", (session) => {
+    const PAGE = 50;
+    const status = $("#worker-status");
+    let offset = 0;
+    if (session.kind === "provider") setText("#workers-scope", "Your machines.");
+    else if (session.role === "admin") setText("#workers-scope", "The whole fleet (you are an admin).");
+    else setText("#workers-scope", "The workers serving your jobs.");
+
+    async function load() {
+      const page = await api("/v1/workers" + query({ status: status.value, limit: PAGE, offset }));
+      fillRows($("#workers-table tbody"), page.items.map(E2.workerRow), "No workers to show.", 11);
+      setText("#workers-count", page.total ? `Workers ${offset + 1}–${offset + page.items.length} of ${page.total}` : "");
+      $("#workers-prev").disabled = offset === 0;
+      $("#workers-next").disabled = page.next_offset === null || page.next_offset === undefined;
+    $("#workers-prev").parentElement.hidden = offset === 0 && $("#workers-next").disabled;
+    }
+    status.addEventListener("change", () => { offset = 0; poller.now(); });
+    $("#worker-filters").addEventListener("submit", (ev) => ev.preventDefault());
+    $("#workers-prev").addEventListener("click", () => { offset = Math.max(0, offset - PAGE); poller.now(); });
+    $("#workers-next").addEventListener("click", () => { offset += PAGE; poller.now(); });
+    const poller = poll(load);
+  });
+
+  E2.page("worker", () => {
+    const id = $("#worker").dataset.workerId;
+    async function load() {
+      const w = await api("/v1/workers/" + encodeURIComponent(id));
+      document.title = `${w.name} · Echo2`;
+      setText("#worker-name", w.name);
+      $("#worker-status").replaceWith(Object.assign(badge(w.status), { id: "worker-status" }));
+      const trust = $("#worker-trust");
+      trust.hidden = !w.bad_chunks;
+      trust.textContent = w.bad_chunks
+        ? `Trust flag: ${w.bad_chunks} chunk(s) served by this worker failed sha256 verification at its peers.` : "";
+      props("#worker-hw", [
+        ["GPU", w.gpu_count ? `${w.gpu_count} × ${w.gpu_model}` : w.gpu_model],
+        ["VRAM", `${fmt.num(w.vram_gb, 1)} GB`],
+        ["Price", `${fmt.usd(w.price_per_hour)} / h`],
+        ["Region", w.region],
+        ["Backends", w.backends.join(", ")],
+        ["Provider", h("code", {}, w.provider_id)],
+        ["Registered", timeEl(w.created_at)],
+      ]);
+      props("#worker-work", [
+        ["Status", [badge(w.status), ` (told: ${w.desired})`]],
+        ["Job", w.job_id ? h("a", { href: "/jobs/" + encodeURIComponent(w.job_id) }, h("code", {}, w.job_id)) : "none"],
+        ["Version held", w.version_held ?? "none"],
+        ["Throughput μ", `${fmt.num(w.rollouts_per_s)} groups/s`],
+        ["Rollouts accepted", String(w.accepted_rollouts)],
+        ["Rollouts rejected", String(w.rejected_rollouts)],
+        ["Last heartbeat", timeEl(w.last_heartbeat_at, true)],
+      ]);
+      props("#worker-net", [
+        ["Relay role", w.relay_url ? "relay (serves chunks to peers)" : "leaf (downloads only)"],
+        ["Relay URL", w.relay_url ? h("code", {}, w.relay_url) : "–"],
+        ["Upload", `${fmt.num(w.upload_mbps, 0)} Mbit/s`],
+        ["Download", `${fmt.num(w.download_mbps, 0)} Mbit/s`],
+        ["Bad chunks served", String(w.bad_chunks)],
+      ]);
+    }
+    poll(load);
+  });
+
+  function props(sel, pairs) {
+    $(sel).replaceChildren(...pairs.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));
+  }
+
+  E2.page("provider", (session) => {
+    if (session.kind !== "provider") {
+      const note = $("#provider-note");
+      note.hidden = false;
+      note.textContent = "This page is for GPU providers: log out and log in with your provider token (e2p_…).";
+      return;
+    }
+    $("#provider-body").hidden = false;
+    async function load() {
+      const [me, page] = await Promise.all([api("/v1/providers/me"), api("/v1/workers?limit=500")]);
+      setText("#provider-name", me.name);
+      document.title = `${me.name} · Echo2`;
+      setText("#prov-earnings", fmt.usd(me.earnings_usd));
+      setText("#prov-workers", String(me.num_workers));
+      const active = page.items.filter((w) => w.status === "active");
+      setText("#prov-active", String(active.length));
+      setText("#prov-price", fmt.usd(active.reduce((a, w) => a + w.price_per_hour, 0)) + " / h while active");
+      setText("#prov-contact", me.contact || "–");
+      const live = page.items.filter((w) => w.status !== "deregistered");
+      fillRows($("#workers-table tbody"), live.map(E2.workerRow), "No workers yet.", 11);
+    }
+    poll(load);
+  });
+})();

@@ -1,0 +1,231 @@
+/* Job detail: summary, live charts from step metrics, versions, workers, sample rollouts; cancel and
+ * checkpoint download. Metrics are fetched incrementally (since_step) so each poll moves little data. */
+"use strict";
+
+E2.page("job", () => {
+  const { api, query, poll, h, $, fmt, timeEl, badge, fillRows, setText, TERMINAL } = E2;
+  const id = $("#job").dataset.jobId;
+  const base = "/v1/jobs/" + encodeURIComponent(id);
+  const metrics = [];
+  const openRollouts = new Set();
+  let job = null, versionsSeen = -1, rolloutsSig = "", finalDone = false;
+
+  const charts = makeCharts();
+
+  async function load() {
+    job = await api(base);
+    renderJob();
+    await Promise.all([loadMetrics(), loadVersions(), loadWorkers(), loadRollouts()]);
+    if (TERMINAL.has(job.status)) {
+      if (finalDone) poller.stop();
+      finalDone = true; // one more round after the end, then stop polling a job that cannot change
+    }
+  }
+
+  // ---- job summary and actions ------------------------------------------------------------
+  function renderJob() {
+    const spec = job.spec;
+    document.title = `${job.name} · Echo2`;
+    setText("#job-name", job.name);
+    $("#job-status").replaceWith(Object.assign(badge(job.status), { id: "job-status" }));
+    const reason = $("#job-reason");
+    reason.hidden = !job.status_reason;
+    reason.textContent = job.status_reason || "";
+    setText("#sum-step", `${job.step} / ${spec.max_steps} steps `);
+    Object.assign($("#sum-progress"), { max: spec.max_steps, value: job.step });
+    setText("#sum-reward", fmt.num(job.reward_mean));
+    $("#sum-cost").replaceChildren(fmt.usd(job.cost.total_usd), h("small", { class: "muted" },
+      `learner ${fmt.usd(job.cost.learner_usd)} · workers ${fmt.usd(job.cost.workers_usd)}`));
+    setText("#sum-version", job.version ?? "none yet");
+    setText("#sum-model", spec.base_model);
+    const params = Object.entries(spec.task.params || {}).map(([k, v]) => `${k}=${v}`).join(", ");
+    setText("#sum-task", spec.task.name + (params ? ` (${params})` : ""));
+    setText("#sum-staleness", `S = ${spec.staleness} · κ = ${spec.publish_period}`);
+    setText("#sum-prompts", `${job.num_prompts} · G = ${spec.grpo.group_size} · ${spec.grpo.prompts_per_step}/step`);
+    $("#sum-started").replaceChildren(...(job.finished_at ? ["finished ", timeEl(job.finished_at, true)]
+      : job.started_at ? ["started ", timeEl(job.started_at, true)] : ["not started"]));
+    $("#cancel").hidden = TERMINAL.has(job.status);
+    $("#download").disabled = job.version === null || job.version === undefined;
+  }
+
+  $("#cancel").addEventListener("click", async () => {
+    const ok = await E2.confirmAction("Cancel this job?",
+      `“${job.name}” stops training now; its published versions stay downloadable. This cannot be undone.`,
+      "Cancel job");
+    if (!ok) return;
+    try {
+      job = await api(base + "/cancel", { method: "POST" });
+      renderJob();
+      E2.announce(`Job ${job.name} cancelled.`);
+      $("#download").focus();
+    } catch (err) {
+      setText("#download-status", "Could not cancel: " + err.message);
+    }
+    poller.now();
+  });
+
+  $("#download").addEventListener("click", async () => {
+    // The API needs the bearer token, so a plain link cannot work: stream it, then save the blob.
+    const button = $("#download");
+    const version = $("#ckpt-version").value;
+    button.disabled = true;
+    setText("#download-status", "Downloading checkpoint…");
+    try {
+      const response = await api(base + "/checkpoint" + query({ version }), { raw: true });
+      const name = filename(response.headers.get("Content-Disposition")) || `${id}.tar`;
+      const reader = response.body.getReader();
+      const parts = [];
+      let received = 0;
+      for (;;) {
+        const { done, value } = await reader.read();
+        if (done) break;
+        parts.push(value);
+        received += value.length;
+        setText("#download-status", `Downloading checkpoint… ${fmt.bytes(received)}`);
+      }
+      const url = URL.createObjectURL(new Blob(parts, { type: "application/x-tar" }));
+      const a = h("a", { href: url, download: name, hidden: true });
+      document.body.append(a);
+      a.click();
+      a.remove();
+      setTimeout(() => URL.revokeObjectURL(url), 60_000);
+      setText("#download-status", `Saved ${name} (${fmt.bytes(received)}).`);
+    } catch (err) {
+      setText("#download-status", "Download failed: " + err.message);
+    } finally {
+      button.disabled = false;
+    }
+  });
+
+  function filename(disposition) {
+    const m = /filename="([^"]+)"/.exec(disposition || "");
+    return m ? m[1] : null;
+  }
+
+  // ---- metrics and charts -----------------------------------------------------------------
+  async function loadMetrics() {
+    for (;;) {
+      const since = metrics.length ? metrics[metrics.length - 1].step + 1 : 0;
+      const got = await api(base + "/metrics" + query({ since_step: since, limit: 1000 }));
+      metrics.push(...got);
+      if (got.length < 1000) break;
+    }
+    drawCharts();
+  }
+
+  function makeCharts() {
+    const fig = (name) => $(`figure[data-chart="${name}"]`);
+    const pct = (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(0) + "%");
+    return {
+      reward: E2Charts.line(fig("reward"), {
+        series: [
+          { label: "mean reward", color: "#1f6feb" },
+          { label: "+1 std", color: "#93b4e8", width: 1, dash: [4, 4] },
+          { label: "−1 std", color: "#93b4e8", width: 1, dash: [4, 4] },
+        ],
+        bands: [{ series: [2, 3], fill: "rgba(31, 111, 235, 0.12)" }],
+      }),
+      util: E2Charts.line(fig("util"), { series: [{ label: "utilisation", color: "#15803d" }], y: { min: 0, max: 1 }, format: pct }),
+      rps: E2Charts.line(fig("rps"), { series: [{ label: "groups/s", color: "#7c3aed" }], y: { min: 0 } }),
+      kl: E2Charts.line(fig("kl"), {
+        series: [{ label: "KL", color: "#c2410c" }, { label: "clip fraction", color: "#0e7490", scale: "y2" }],
+      }),
+      cost: E2Charts.line(fig("cost"), {
+        series: [{ label: "total USD", color: "#b91c1c" }], time: true, y: { min: 0 },
+        format: (v) => (v === null || v === undefined ? "–" : "$" + Number(v.toPrecision(3))),
+      }),
+    };
+  }
+
+  function drawCharts() {
+    const steps = metrics.map((m) => m.step);
+    const col = (f) => metrics.map(f);
+    const plus = (m) => (m.reward_mean === null || m.reward_std === null ? null : m.reward_mean + m.reward_std);
+    const minus = (m) => (m.reward_mean === null || m.reward_std === null ? null : m.reward_mean - m.reward_std);
+    charts.reward.set([steps, col((m) => m.reward_mean), col(plus), col(minus)]);
+    charts.util.set([steps, col((m) => m.learner_utilization)]);
+    charts.rps.set([steps, col((m) => m.rollouts_per_s)]);
+    charts.kl.set([steps, col((m) => m.kl), col((m) => m.clip_frac)]);
+    const costed = metrics.filter((m) => m.cost_usd !== null);
+    charts.cost.set([costed.map((m) => new Date(m.created_at).getTime() / 1000), costed.map((m) => m.cost_usd)]);
+    drawStaleness();
+  }
+
+  function drawStaleness() {
+    const counts = [];
+    for (const m of metrics) m.staleness_hist.forEach((n, k) => { counts[k] = (counts[k] || 0) + n; });
+    const total = counts.reduce((a, b) => a + (b || 0), 0);
+    const fig = $('figure[data-chart="staleness"]');
+    fig.dataset.points = String(total);
+    const rows = Array.from(counts, (n, k) => h("tr", { dataset: { key: String(k) } },
+      h("th", { scope: "row" }, String(k)),
+      h("td", { class: "num" }, String(n || 0)),
+      h("td", {}, h("meter", { min: 0, max: Math.max(total, 1), value: n || 0, "aria-label": `staleness ${k}` }))));
+    fillRows($("#staleness-hist tbody"), rows, "No trained rollouts yet.", 3);
+  }
+
+  // ---- versions ---------------------------------------------------------------------------
+  async function loadVersions() {
+    const versions = await api(base + "/versions");
+    const slowest = Math.max(0.001, ...versions.map((v) => v.publish_seconds || 0));
+    const rows = versions.slice().reverse().map((v) => h("tr", { dataset: { key: String(v.version) } },
+      h("th", { scope: "row", class: "num" }, String(v.version)),
+      h("td", { class: "num" }, String(v.step)),
+      h("td", { class: "num" }, fmt.bytes(v.total_size)),
+      h("td", { class: "num" }, String(v.num_chunks)),
+      h("td", { class: "bar-cell" },
+        h("meter", { min: 0, max: slowest, value: v.publish_seconds || 0, "aria-hidden": "true" }),
+        " ", fmt.secs(v.publish_seconds)),
+      h("td", {}, timeEl(v.created_at, true))));
+    fillRows($("#versions-table tbody"), rows, "No version published yet.", 6);
+    if (versions.length !== versionsSeen) {
+      versionsSeen = versions.length;
+      const select = $("#ckpt-version");
+      const chosen = select.value;
+      select.replaceChildren(h("option", { value: "" }, "Final / latest"),
+        ...versions.slice().reverse().map((v) => h("option", { value: String(v.version) }, `Version ${v.version} (step ${v.step})`)));
+      select.value = chosen;
+    }
+  }
+
+  // ---- workers ----------------------------------------------------------------------------
+  async function loadWorkers() {
+    const page = await api("/v1/workers" + query({ job_id: id, limit: 100 }));
+    fillRows($("#workers-table tbody"), page.items.map(E2.workerRow), "No worker is assigned to this job.", 11);
+  }
+
+  // ---- sample rollouts --------------------------------------------------------------------
+  $("#rollout-status").addEventListener("change", () => { rolloutsSig = ""; poller.now(); });
+
+  async function loadRollouts() {
+    const page = await api(base + "/rollouts" + query({ limit: 10, status: $("#rollout-status").value }));
+    const sig = JSON.stringify(page.items.map((r) => [r.id, r.status, r.rewards]));
+    if (sig === rolloutsSig) return; // unchanged: keep the reader's place and open completions
+    rolloutsSig = sig;
+    const list = $("#rollouts");
+    list.replaceChildren(...page.items.map(rollout));
+    if (!page.items.length) list.append(h("li", { class: "empty muted" }, "No rollouts yet."));
+  }
+
+  function rollout(r) {
+    const rewards = r.rewards || [];
+    const details = h("details", { open: openRollouts.has(r.id) },
+      h("summary", {}, `${r.completions.length} completion${r.completions.length === 1 ? "" : "s"}`,
+        rewards.length ? ` · rewards ${rewards.map((x) => fmt.num(x, 2)).join(", ")}` : " · not scored yet"),
+      h("ol", { class: "completions" }, r.completions.map((text, i) => h("li", {},
+        h("pre", {}, text),
+        h("p", { class: "muted" }, "reward ", rewards[i] === undefined || rewards[i] === null ? "–" : fmt.num(rewards[i], 3))))));
+    details.addEventListener("toggle", () => (details.open ? openRollouts.add(r.id) : openRollouts.delete(r.id)));
+    return h("li", { class: "rollout", dataset: { key: r.id } },
+      h("div", { class: "rollout-meta" },
+        badge(r.status), ` version ${r.version}`,
+        r.trained_step !== null ? ` · trained at step ${r.trained_step}` : "",
+        " · worker ", h("a", { href: "/workers/" + encodeURIComponent(r.worker_id) }, h("code", {}, r.worker_id.slice(0, 12))),
+        " · ", timeEl(r.created_at, true)),
+      r.reason ? h("p", { class: "muted" }, r.reason) : null,
+      h("p", { class: "prompt" }, h("span", { class: "label" }, "Prompt "), r.prompt_text),
+      details);
+  }
+
+  const poller = poll(load);
+});

@@ -1,0 +1,54 @@
+/* Jobs list: status, progress, reward and cost, filtered by status and name; refreshed every 2 s. */
+"use strict";
+
+E2.page("jobs", () => {
+  const { api, query, poll, h, $, fmt, timeEl, badge, fillRows } = E2;
+  const PAGE = 20;
+  const status = $("#filter-status"), name = $("#filter-name");
+  const params = new URLSearchParams(location.search);
+  status.value = params.get("status") || "";
+  name.value = params.get("name") || "";
+  let offset = 0, debounce = null;
+
+  async function load() {
+    const page = await api("/v1/jobs" + query({ limit: PAGE, offset, status: status.value, name: name.value.trim() }));
+    fillRows($("#jobs-table tbody"), page.items.map(row), emptyText(), 7);
+    const last = Math.min(offset + page.items.length, page.total);
+    E2.setText("#jobs-count", page.total ? `Jobs ${page.total ? offset + 1 : 0}–${last} of ${page.total}` : "");
+    $("#jobs-prev").disabled = offset === 0;
+    $("#jobs-next").disabled = page.next_offset === null || page.next_offset === undefined;
+    $("#jobs-prev").parentElement.hidden = offset === 0 && $("#jobs-next").disabled;
+  }
+
+  function emptyText() {
+    return status.value || name.value ? "No jobs match these filters." : "No jobs yet. Submit one to start training.";
+  }
+
+  function row(job) {
+    const max = job.spec.max_steps;
+    return h("tr", { dataset: { key: job.id } },
+      h("th", { scope: "row" }, h("a", { href: "/jobs/" + encodeURIComponent(job.id) }, job.name)),
+      h("td", {}, badge(job.status)),
+      h("td", { class: "progress-cell" },
+        h("progress", { max, value: job.step, "aria-label": `${job.name}: step ${job.step} of ${max}` }),
+        h("span", {}, ` ${job.step} / ${max}`)),
+      h("td", { class: "num" }, fmt.num(job.reward_mean)),
+      h("td", { class: "num" }, fmt.usd(job.cost.total_usd)),
+      h("td", { class: "muted" }, `${job.spec.base_model} · ${job.spec.task.name}`),
+      h("td", {}, timeEl(job.created_at, true)));
+  }
+
+  function filtersChanged() {
+    offset = 0;
+    const q = query({ status: status.value, name: name.value.trim() });
+    history.replaceState(null, "", location.pathname + q);
+    poller.now();
+  }
+
+  status.addEventListener("change", filtersChanged);
+  name.addEventListener("input", () => { clearTimeout(debounce); debounce = setTimeout(filtersChanged, 250); });
+  $("#job-filters").addEventListener("submit", (ev) => { ev.preventDefault(); filtersChanged(); });
+  $("#jobs-prev").addEventListener("click", () => { offset = Math.max(0, offset - PAGE); poller.now(); });
+  $("#jobs-next").addEventListener("click", () => { offset += PAGE; poller.now(); });
+  const poller = poll(load);
+});
