@@ -91,14 +91,14 @@ class EpisodeResult:
 def run_episode(episode: Episode, respond: Callable[[list[tuple[str, str]]], str]) -> EpisodeResult:
     """Drive an episode: `respond(transcript)` returns the model's next reply."""
     result = EpisodeResult(transcript=[("user", episode.reset())])
-    for _ in range(episode.max_turns):
+    for turn_index in range(episode.max_turns):
         action = respond(result.transcript)
         result.transcript.append(("assistant", action))
         turn = episode.step(action)
         if turn.done:
             result.reward = turn.reward
             return result
-        if turn.observation is not None:
+        if turn.observation is not None and turn_index + 1 < episode.max_turns:
             result.transcript.append(("user", turn.observation))
     result.reward = 0.0  # out of turns without finishing: a failure, not an unscored sample
     return result

@@ -33,16 +33,20 @@ class GuessNumberEpisode(Episode):
         self.prompt = prompt
         self.secret = int(prompt.reference or 0)
         self.max_turns = max_turns
+        self.turns = 0
 
     def reset(self) -> str:
         return self.prompt.text
 
     def step(self, action: str) -> Turn:
+        self.turns += 1
         guess = parse_number(extract_final_answer(action))
+        if guess is not None and guess == self.secret:
+            return Turn(observation=None, done=True, reward=1.0)
+        if self.turns >= self.max_turns:
+            return Turn(observation=None, done=True, reward=0.0)
         if guess is None:
             return Turn(observation="say a number.\n", done=False)
-        if guess == self.secret:
-            return Turn(observation=None, done=True, reward=1.0)
         return Turn(observation="higher.\n" if guess < self.secret else "lower.\n", done=False)
 
 
