@@ -8,25 +8,34 @@ Symbols (DESIGN.md, "The capacity rule")
 
     R         rollouts (prompt groups) the learner consumes per step   JobProfile.rollouts_per_step
     T_train   learner seconds per step                                 JobProfile.t_train_s
-    μ_i       rollout groups per second worker i sustains              WorkerPerf.mu
+    μ_i       rollout groups per second worker i generates (raw rate) WorkerPerf.mu
     T_bcast,i seconds for worker i to hold a newly published version   WorkerPerf.t_bcast_s
     T_gen,i   seconds for worker i to generate one group               WorkerPerf.t_gen_s
     S         staleness bound: a group made with version x is trainable at step t iff t − x ≤ S
     κ         publish period: the learner publishes a version every κ steps
     h         headroom (default 0.1)
+    L_i       T_bcast,i + T_gen,i, the worker's latency
 
-Throughput   Σ_{i∈A} μ_i ≥ (1 + h) · R / T_train — otherwise the learner waits for rollouts.
+Freshness    worker i qualifies only if L_i ≤ (S − κ + 1) · T_train.
 
-Freshness    worker i qualifies only if T_bcast,i + T_gen,i ≤ (S − κ + 1) · T_train.
-    Why: version x is published as step x starts and replaced κ steps later, when x + κ reaches
-    the worker at (x + κ)·T_train + T_bcast,i; the last group started with x arrives T_gen,i
-    after that. It must still count for step x + S, which is done at (x + S + 1)·T_train if the
-    learner keeps taking groups while a step runs. Solving gives the bound above; for κ = S = 1
-    it reads "broadcast plus one group fit in one learner step", the PRIME-RL observation that
-    one step of asynchrony hides a broadcast of equal length. A learner that claims its whole
-    batch when a step starts needs one T_train less; lease gating (no prompt is leased to a
-    worker whose group would arrive inadmissible, see scheduler.sim) turns that last partial
-    step into worker idle time instead of stale rollouts, which the headroom h absorbs.
+Throughput   Σ_{i∈A} u_i · μ_i ≥ (1 + h) · R / T_train — otherwise the learner waits for rollouts.
+
+    u_i is the worker's admissible share: the fraction of what it generates that can still be
+    trained. Timeline (learner never waiting): version x is published as step x starts, at
+    x·T_train, reaches the worker at x·T_train + T_bcast,i and is its newest version for κ
+    steps. The learner claims step t's batch when step t starts, so a group made with x must
+    arrive by (x + S)·T_train: groups can be started with x during a window of
+    W_i = S·T_train − L_i. A slot fits ⌊W_i / T_gen,i⌋ + 1 groups in it per κ·T_train, so
+
+        u_i = min(1, (⌊W_i / T_gen,i⌋ + 1) · T_gen,i / (κ · T_train)),   u_i = 1 iff L_i ≤ (S − κ)·T_train.
+
+    The freshness bound above is exactly where a worker still fits one group per version
+    window (W_i ≥ (κ − 1)·T_train), so u_i > 0 for every qualifying worker, but a worker near
+    the bound yields little: with S = 2, κ = 1, T_train = 20 s and L_i = 35 s, u_i = 0.6 (the
+    simulator measures this; counting such workers at full μ left the learner 22 % idle).
+    For κ = S = 1, T_bcast = 0 and T_gen = T_train — one batch generated per learner step, the
+    PRIME-RL k = 1 setting — u = 1: one step of asynchrony hides generation of equal length.
+    Feed μ as the raw generation rate; a measured accepted-rollouts rate already includes u.
 
 Synchronous mode (S = 0, which forces κ = 1)
     The slack (S − κ + 1) · T_train is 0: no worker with non-zero latency can overlap its work
@@ -34,10 +43,10 @@ Synchronous mode (S = 0, which forces κ = 1)
     freshness is instead guaranteed by construction — a worker only generates with the version
     being trained and the learner waits for it — and latency turns into learner idle time every
     step: wall per step ≈ T_train + max_A T_bcast,i + max(max_A T_gen,i, R / Σ_A μ_i). So for
-    S = 0 we (a) qualify a worker when T_bcast,i + T_gen,i ≤ T_train, which caps the idle time
-    any single worker can add to one step, (b) keep the throughput rule, which bounds the
-    generation phase to T_train / (1 + h), and (c) predict utilisation below 1 with the formula
-    above. Utilisation ≥ 95 % is only reachable with S ≥ 1.
+    S = 0 we (a) qualify a worker when L_i ≤ T_train, which caps the idle time any single worker
+    can add to one step, (b) keep the throughput rule with u_i = 1, which bounds the generation
+    phase to T_train / (1 + h), and (c) predict utilisation below 1 with the formula above.
+    Utilisation ≥ 95 % is only reachable with S ≥ 1.
 """
 
 from __future__ import annotations
@@ -99,13 +108,15 @@ class JobProfile:
 
 @dataclass(frozen=True, slots=True)
 class Qualification:
-    """Whether a worker may serve a job, and the one-line reason if not."""
+    """Whether a worker may serve a job, the one-line reason, and what it contributes."""
 
     ok: bool
     reason: str
     perf: WorkerPerf
     latency_s: float  # T_bcast + T_gen
     slack_s: float
+    share: float  # admissible share u
+    mu: float  # u · μ, what counts towards the throughput rule
 
 
 def validate_job(job: JobProfile) -> list[str]:
@@ -163,22 +174,39 @@ def hard_constraint_violation(worker: WorkerProfile, job: JobProfile) -> str | N
     return None
 
 
+def admissible_share(perf: WorkerPerf, job: JobProfile) -> float:
+    """u: the share of a worker's generation that is still admissible when the learner gets to
+    it (module docstring). 1 in synchronous mode, where the learner waits instead."""
+    if is_synchronous(job):
+        return 1.0
+    window = job.staleness * job.t_train_s - (perf.t_bcast_s + perf.t_gen_s)
+    if window < 0:
+        return 0.0
+    if perf.t_gen_s <= 0:
+        return 1.0
+    groups = math.floor(window / perf.t_gen_s) + 1
+    return min(1.0, groups * perf.t_gen_s / (job.publish_period * job.t_train_s))
+
+
 def qualify(worker: WorkerProfile, job: JobProfile) -> Qualification:
-    """Hard constraints, then freshness."""
+    """Hard constraints, then freshness; with the worker's admissible throughput u·μ."""
     perf = worker.perf_for(job.job_id)
     latency = perf.t_bcast_s + perf.t_gen_s
     slack = freshness_slack_s(job)
+    share = admissible_share(perf, job)
     hard = hard_constraint_violation(worker, job)
     if hard is not None:
-        return Qualification(False, hard, perf, latency, slack)
+        return Qualification(False, hard, perf, latency, slack, share, 0.0)
     if latency > slack:
-        return Qualification(False, f"T_bcast+T_gen {latency:.1f}s > slack {slack:.1f}s", perf, latency, slack)
-    return Qualification(True, f"T_bcast+T_gen {latency:.1f}s ≤ slack {slack:.1f}s", perf, latency, slack)
+        reason = f"T_bcast+T_gen {latency:.1f}s > slack {slack:.1f}s"
+        return Qualification(False, reason, perf, latency, slack, share, 0.0)
+    reason = f"T_bcast+T_gen {latency:.1f}s ≤ slack {slack:.1f}s"
+    return Qualification(True, reason, perf, latency, slack, share, share * perf.mu)
 
 
 def throughput(workers: Iterable[WorkerProfile], job: JobProfile) -> float:
-    """Σ μ_i over the workers that qualify for the job (the others contribute nothing usable)."""
-    return sum(q.perf.mu for q in (qualify(w, job) for w in workers) if q.ok)
+    """Σ u_i·μ_i over the workers that qualify for the job (the others contribute nothing usable)."""
+    return sum(q.mu for q in (qualify(w, job) for w in workers) if q.ok)
 
 
 def meets_throughput(workers: Iterable[WorkerProfile], job: JobProfile) -> bool:
@@ -188,18 +216,18 @@ def meets_throughput(workers: Iterable[WorkerProfile], job: JobProfile) -> bool:
 def predict_utilisation(job: JobProfile, workers: Iterable[WorkerProfile]) -> float:
     """Steady-state learner busy / wall for this set (pipeline fill at the start not included).
 
-    Asynchronous (S ≥ 1): a step lasts max(T_train, R / Σμ) when every worker is fresh, so the
-    utilisation is min(1, Σμ · T_train / R) with Σμ over qualifying workers.
+    Asynchronous (S ≥ 1): a step lasts max(T_train, R / Σ u·μ), so the utilisation is
+    min(1, Σ u·μ · T_train / R) over qualifying workers.
     Synchronous (S = 0): T_train / (T_train + max T_bcast + max(max T_gen, R / Σμ)).
     """
-    fresh = [q.perf for q in (qualify(w, job) for w in workers) if q.ok]
-    total_mu = sum(p.mu for p in fresh)
+    fresh = [q for q in (qualify(w, job) for w in workers) if q.ok]
+    total_mu = sum(q.mu for q in fresh)
     if total_mu <= 0:
         return 0.0
     gen_phase = job.rollouts_per_step / total_mu
     if not is_synchronous(job):
         return min(1.0, job.t_train_s / gen_phase)
-    wait = max(p.t_bcast_s for p in fresh) + max(max(p.t_gen_s for p in fresh), gen_phase)
+    wait = max(q.perf.t_bcast_s for q in fresh) + max(max(q.perf.t_gen_s for q in fresh), gen_phase)
     return job.t_train_s / (job.t_train_s + wait)
 
 

@@ -16,14 +16,13 @@ Hysteresis, so the set does not flap:
   * re-solve only on a trigger: first decision, job set changed, churn (an assigned worker lost,
     a worker joined or came back), a price change, > `drift` relative change since the last
     solve of a measured input the rule depends on — a job's T_train, an assigned worker's μ —
-    an assigned worker whose freshness verdict flipped (latency only matters through its
-    comparison with the slack, so smaller drifts cannot change the answer), a job whose set
-    fell below its rule, or every `infeasible_retry_s` while a job is infeasible. Idle
+    an assigned worker whose freshness verdict flipped, a job whose set fell more than `drift`
+    below its rule (latency matters only through that verdict and through the admissible
+    share u that the throughput sum uses; sets are chosen tight, so measurement noise alone
+    would otherwise re-solve them), or every `infeasible_retry_s` while a job is infeasible. Idle
     workers' figures are estimates or old measurements; chasing their noise would re-solve
     every tick on a large pool, so among them only churn and price changes trigger;
   * a worker stays on its job for at least `min_dwell_s` while it still qualifies;
-  * freshness has a band: a worker must fit the slack to be activated, but one already serving
-    the job is only dropped once T_bcast + T_gen exceeds the slack by more than `drift`;
   * workers already serving a job look `keep_bias` cheaper to the solver, so a marginally
     cheaper set does not replace a running one.
 
@@ -191,16 +190,6 @@ def _fingerprint(jobs: Sequence[JobProfile], workers: Sequence[WorkerProfile]) -
     }
 
 
-def _qualify(worker: WorkerProfile, job: JobProfile, serving: bool, config: SolverConfig) -> Qualification:
-    """capacity.qualify, with the freshness band for a worker already serving the job."""
-    q = qualify(worker, job)
-    band = q.slack_s * (1 + config.drift)
-    if serving and not q.ok and q.reason.startswith("T_bcast") and q.latency_s <= band:
-        reason = f"T_bcast+T_gen {q.latency_s:.1f}s within the keep band {band:.1f}s (slack {q.slack_s:.1f}s)"
-        return Qualification(True, reason, q.perf, q.latency_s, q.slack_s)
-    return q
-
-
 def _drifted(old: float, new: float, tolerance: float) -> bool:
     """Relative change beyond tolerance (any change away from zero counts)."""
     if old == new:
@@ -252,7 +241,7 @@ def resolve_trigger(
         mu = worker.perf_for(job_id).mu
         if prev_mu is not None and _drifted(prev_mu[0], mu, config.drift):
             return f"drift: {wid} μ {prev_mu[0]:.3g}→{mu:.3g} (> {config.drift:.0%})"
-        q = _qualify(worker, job, True, config)
+        q = qualify(worker, job)
         if q.ok != state.qualified.get(wid, True):
             verdict = "now meets freshness" if q.ok else "no longer qualifies"
             return f"drift: {wid} {verdict} ({q.reason})"
@@ -262,10 +251,10 @@ def resolve_trigger(
                 return f"retry: {job.job_id} infeasible since t={state.solved_at:.0f}s"
             continue
         assigned = [by_id[w] for w, j in state.assignment.items() if j == job.job_id]
-        have = sum(q.perf.mu for q in (_qualify(w, job, True, config) for w in assigned) if q.ok)
+        have = sum(q.mu for q in (qualify(w, job) for w in assigned) if q.ok)
         need = required_throughput(job)
-        if have < need * (1 - _TOL):
-            return f"deficit: {job.job_id} has {have:.2f}/{need:.2f} rollouts/s"
+        if have < need * (1 - config.drift):
+            return f"deficit: {job.job_id} has {have:.2f}/{need:.2f} rollouts/s (> {config.drift:.0%} short)"
     return None
 
 
@@ -282,7 +271,8 @@ class _Pair:
 
     @property
     def mu(self) -> float:
-        return self.q.perf.mu
+        """Admissible throughput u·μ; the raw μ for best-effort workers that miss freshness."""
+        return self.q.mu if self.q.ok else self.q.perf.mu
 
 
 @dataclass(slots=True)
@@ -303,7 +293,7 @@ def _candidates(
         current = state.assignment.get(w.worker_id)
         for job in jobs:
             on_job = current == job.job_id
-            q = _qualify(w, job, on_job, config)
+            q = qualify(w, job)
             cost = w.price_per_h * (1 - config.keep_bias) if on_job else w.price_per_h
             dwell = now - state.activated_at.get(w.worker_id, now)
             pair = _Pair(w, job, q, cost, on_job and q.ok and dwell < config.min_dwell_s)
@@ -475,7 +465,7 @@ def _keep(
         assigned = [by_id[w] for w, j in sorted(state.assignment.items()) if j == job.job_id]
         feasible = job.job_id not in state.infeasible_jobs
         reason = "meets the capacity rule" if feasible else "infeasible at the last solve"
-        have = sum(q.perf.mu for q in (_qualify(w, job, True, config) for w in assigned) if q.ok)
+        have = sum(q.mu for q in (qualify(w, job) for w in assigned) if q.ok)
         allocations.append(_allocation(job, assigned, have, feasible, reason))
     lines = tuple(
         WorkerDecision(w, Action.KEEP, j, "no trigger since last solve") for w, j in sorted(state.assignment.items())
@@ -567,9 +557,7 @@ def _record(
                 activated_at[wid] = state.activated_at.get(wid, now)
                 dwell = now - activated_at[wid]
                 why = f"within dwell time ({dwell:.0f}s < {config.min_dwell_s:.0f}s)" if p.locked else None
-                if why is None and p.q.ok:
-                    why = f"in the freshness keep band: {p.q.reason}" if "band" in p.q.reason else "still chosen"
-                why = why or _activate_reason(p, notes[job.job_id], rank)
+                why = why or ("still chosen" if p.q.ok else _activate_reason(p, notes[job.job_id], rank))
                 lines.append(WorkerDecision(wid, Action.KEEP, job.job_id, why))
             else:
                 activated_at[wid] = now
