@@ -73,7 +73,7 @@ class _Job:
     consumed: int = 0
     dropped: int = 0
     latest: int = 0
-    workers: set[_Worker] = field(default_factory=set)
+    workers: dict[_Worker, None] = field(default_factory=dict)  # active set, insertion-ordered
     orphans: list[_Orphans] = field(default_factory=list)
     hint_rate: float = 0.0  # what a newcomer's stream rate is expected to be
     hint_depth: int = 1
@@ -315,7 +315,7 @@ class Simulation:
         w.job = job
         w.since = self.now
         w.version = -1
-        job.workers.add(w)
+        job.workers[w] = None
         job.activations += 1
         job.peak_active = max(job.peak_active, len(job.workers))
         took = self._estimate_bcast(w, job)
@@ -341,7 +341,7 @@ class Simulation:
         w.inc += 1
         w.version = -1
         w.job = None
-        job.workers.discard(w)
+        job.workers.pop(w, None)
         job.deactivations += 1
         if released:
             self._wake(job)
@@ -364,7 +364,7 @@ class Simulation:
                 expiring.setdefault(max(leased_at, w.last_hb) + self.sc.lease_ttl_s, []).append(pid)
             for expires_at, pids in expiring.items():
                 job.orphans.append(_Orphans(expires_at, pids, self.now, w.spec.worker_id))
-            job.workers.discard(w)
+            job.workers.pop(w, None)
         w.leases = {}
         w.busy = 0
         w.alive = False

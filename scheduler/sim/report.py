@@ -127,16 +127,17 @@ class SimResult:
         }
 
     def table(self, max_lines: int = 8) -> str:
+        w = max([16, *(len(j.job_id) + 1 for j in self.jobs)])
         out = [
             f"scenario {self.scenario}: {self.n_workers} workers, solver {self.method}, "
             f"simulated {self.sim_s / 3600:.2f} h in {self.runtime_s:.1f} s",
             "",
-            f"{'job':<16}{'done':>5}{'steps':>7}{'wall h':>8}{'util':>7}{'steady':>8}"
+            f"{'job':<{w}}{'done':>5}{'steps':>7}{'wall h':>8}{'util':>7}{'steady':>8}"
             f"{'dropped':>9}{'lost':>6}{'peak A':>7}{'learner $':>11}{'workers $':>11}",
         ]
         for j in self.jobs:
             out.append(
-                f"{j.job_id:<16}{'yes' if j.completed else 'no':>5}{j.steps:>7}{j.wall_s / 3600:>8.2f}"
+                f"{j.job_id:<{w}}{'yes' if j.completed else 'no':>5}{j.steps:>7}{j.wall_s / 3600:>8.2f}"
                 f"{j.utilisation:>7.1%}{j.steady_utilisation:>8.1%}{j.dropped_stale:>9}{j.prompts_lost:>6}"
                 f"{j.peak_active:>7}{j.learner_cost:>11.2f}{j.worker_cost:>11.2f}"
             )
