@@ -1,0 +1,273 @@
+"""Activation solver: cost, freshness, hysteresis, churn, multi-job, infeasibility, records."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+
+import pytest
+
+from scheduler.capacity import JobProfile, WorkerPerf, WorkerProfile, required_throughput
+from scheduler.solver import Action, Decision, SolverConfig, SolverState, decide
+
+
+def job(job_id: str = "j1", **kw) -> JobProfile:
+    # slack (S − κ + 1)·T_train = 30 s; demand (1 + h)·R/T_train = R/10 with h = 0
+    base = dict(rollouts_per_step=100, t_train_s=10.0, staleness=3, publish_period=1, headroom=0.0)
+    return JobProfile(job_id=job_id, **{**base, **kw})
+
+
+def w(wid: str, mu: float, price: float, t_bcast: float = 10.0, t_gen: float = 5.0, **kw) -> WorkerProfile:
+    base = dict(vram_gb=24, backends=frozenset({"vllm"}))
+    return WorkerProfile(wid, price, mu=mu, t_gen_s=t_gen, t_bcast_s=t_bcast, **{**base, **kw})
+
+
+def cost(d: Decision, job_id: str = "j1") -> float:
+    return next(a.price_per_h for a in d.jobs if a.job_id == job_id)
+
+
+def line(d: Decision, wid: str) -> str:
+    return next(x.line() for x in d.workers if x.worker_id == wid)
+
+
+def test_milp_beats_greedy_where_greedy_is_strictly_worse():
+    # demand 10: greedy takes the two best ratios (a, b: $1.00/h per rollout/s) = $12/h;
+    # the single worker c ($1.10/h per rollout/s) covers it alone for $11/h.
+    j = job(rollouts_per_step=100)
+    ws = [w("a", 6, 6.0), w("b", 6, 6.0), w("c", 10, 11.0)]
+    greedy = decide([j], ws, 0.0, config=SolverConfig(method="greedy"))
+    exact = decide([j], ws, 0.0, config=SolverConfig(method="milp"))
+    assert set(greedy.assignment) == {"a", "b"} and cost(greedy) == pytest.approx(12.0)
+    assert set(exact.assignment) == {"c"} and cost(exact) == pytest.approx(11.0)
+    assert cost(exact) < cost(greedy)
+    assert exact.method == "milp"
+    assert line(exact, "c").startswith("activated c: in the minimum-price set meeting throughput and freshness")
+    assert line(greedy, "a").startswith("activated a: cheapest per rollout (#1, $1.00/h per rollout/s)")
+
+
+def test_milp_never_worse_than_greedy_on_random_pools():
+    rng = random.Random(1)
+    for _ in range(20):
+        ws = [w(f"w{i}", rng.uniform(0.1, 2.0), rng.uniform(0.1, 3.0)) for i in range(40)]
+        j = job(rollouts_per_step=rng.randint(20, 150))
+        greedy = decide([j], ws, 0.0, config=SolverConfig(method="greedy"))
+        exact = decide([j], ws, 0.0, config=SolverConfig(method="milp"))
+        assert exact.jobs[0].feasible == greedy.jobs[0].feasible
+        assert cost(exact) <= cost(greedy) + 1e-9
+
+
+def test_freshness_excludes_the_cheapest_worker_when_its_broadcast_is_slow():
+    j = job(rollouts_per_step=20)  # demand 2, slack 30 s
+    ws = [w("w9", 10, 0.10, t_bcast=36.0, t_gen=5.0), w("w1", 1, 1.0), w("w2", 1, 1.1), w("w3", 1, 1.2)]
+    d = decide([j], ws, 0.0)
+    assert set(d.assignment) == {"w1", "w2"}
+    assert line(d, "w9") == "skipped w9: T_bcast+T_gen 41.0s > slack 30.0s"
+    assert line(d, "w3") == "idle w3: qualifies but not needed (rule met by cheaper workers)"
+
+
+def test_hard_constraints_are_explained():
+    j = job(rollouts_per_step=10, vram_need_gb=40, backends=frozenset({"vllm"}))
+    ws = [
+        w("ok", 1, 1.0, vram_gb=80),
+        w("small", 1, 0.1, vram_gb=24),
+        w("hf", 1, 0.1, vram_gb=80, backends=frozenset({"transformers"})),
+        w("dead", 1, 0.1, vram_gb=80, alive=False),
+    ]
+    d = decide([j], ws, 0.0)
+    assert d.assignment == {"ok": "j1"}
+    assert line(d, "small") == "skipped small: VRAM 24 GiB < need 40 GiB"
+    assert line(d, "hf") == "skipped hf: backend transformers not supported (job needs vllm)"
+    assert line(d, "dead") == "skipped dead: not alive"
+
+
+def noisy(ws: list[WorkerProfile], rng: random.Random, noise: float) -> list[WorkerProfile]:
+    return [
+        replace(x, mu=x.mu * (1 + rng.uniform(-noise, noise)), t_bcast_s=x.t_bcast_s * (1 + rng.uniform(-noise, noise)))
+        for x in ws
+    ]
+
+
+def test_no_flapping_under_small_noise():
+    rng = random.Random(7)
+    j = job(rollouts_per_step=200)  # demand 20
+    pool = [w(f"w{i:02d}", rng.uniform(0.5, 1.5), rng.uniform(0.3, 0.6), t_bcast=rng.uniform(5, 20)) for i in range(60)]
+    state, changes, resolves = None, 0, 0
+    for tick in range(300):
+        d = decide([j], noisy(pool, rng, 0.04), tick * 10.0, state)
+        if tick:
+            changes += len(d.changes())
+            resolves += d.resolved
+        state = d.state
+    assert changes == 0
+    assert resolves == 0  # ±4 % never crosses the 10 % drift threshold
+
+
+def test_keep_bias_and_dwell_stop_swaps_between_near_equal_workers():
+    j = job(rollouts_per_step=10)  # demand 1: one worker of μ 1
+    a, b = w("a", 1, 1.00), w("b", 1, 1.01)
+    d0 = decide([j], [a, b], 0.0)
+    assert d0.assignment == {"a": "j1"}
+    state, rng = d0.state, random.Random(3)
+    for tick in range(1, 200):
+        # ±15 % noise on μ forces re-solves, prices cross by up to 3 %
+        pa = replace(a, mu=1.2 * (1 + rng.uniform(-0.15, 0.15)), price_per_h=1.0 + rng.uniform(0, 0.03))
+        pb = replace(b, mu=1.2 * (1 + rng.uniform(-0.15, 0.15)), price_per_h=1.0 + rng.uniform(0, 0.03))
+        d = decide([j], [pa, pb], tick * 10.0, state)
+        assert d.assignment == {"a": "j1"}, d.lines()
+        state = d.state
+
+
+def test_dwell_time_keeps_a_worker_until_it_expires():
+    j = job(rollouts_per_step=10)
+    cfg = SolverConfig(min_dwell_s=600, keep_bias=0.0)
+    d0 = decide([j], [w("old", 1, 1.0)], 0.0, config=cfg)
+    # a much cheaper worker joins at t=100: re-solve on churn, but "old" is within its dwell time
+    pool = [w("old", 1, 1.0), w("new", 1, 0.2)]
+    d1 = decide([j], pool, 100.0, d0.state, cfg)
+    assert d1.trigger == "churn: new joined"
+    assert d1.assignment == {"old": "j1"}
+    assert line(d1, "old") == "kept old: within dwell time (100s < 600s)"
+    # nothing changes, nothing re-solves
+    assert not decide([j], pool, 300.0, d1.state, cfg).resolved
+    # after the dwell time a price change triggers a re-solve that swaps
+    d2 = decide([j], [w("old", 1, 0.9), w("new", 1, 0.2)], 700.0, d1.state, cfg)
+    assert d2.trigger.startswith("price change: old")
+    assert d2.assignment == {"new": "j1"}
+    assert line(d2, "old") == "deactivated old: a cheaper set meets the rule without it"
+
+
+def test_churn_replaces_a_lost_worker():
+    j = job(rollouts_per_step=20)  # demand 2
+    pool = [w("a", 1, 0.3), w("b", 1, 0.4), w("c", 1, 0.5)]
+    d0 = decide([j], pool, 0.0)
+    assert set(d0.assignment) == {"a", "b"}
+    d1 = decide([j], [replace(pool[0], alive=False), pool[1], pool[2]], 50.0, d0.state)
+    assert d1.trigger == "churn: a lost"
+    assert set(d1.assignment) == {"b", "c"}
+    assert line(d1, "a") == "deactivated a: no longer qualifies: not alive"
+    assert line(d1, "c").startswith("activated c:")
+    assert d1.jobs[0].feasible
+
+
+def test_drift_above_ten_percent_triggers_and_freshness_flip_is_explained():
+    j = job(rollouts_per_step=20)
+    pool = [w("a", 1, 0.3), w("b", 1, 0.4), w("c", 1, 0.5)]
+    d0 = decide([j], pool, 0.0)
+    assert not decide([j], [replace(pool[0], mu=1.08), *pool[1:]], 10.0, d0.state).resolved
+    d_mu = decide([j], [replace(pool[0], mu=0.8), *pool[1:]], 10.0, d0.state)
+    assert d_mu.trigger.startswith("drift: a μ 1→0.8")
+    # a's broadcast slows by 20 %: its rollouts stay fully admissible, no re-solve ...
+    assert not decide([j], [replace(pool[0], t_bcast_s=12.0), *pool[1:]], 10.0, d0.state).resolved
+    # ... at 25 s only half of what it makes is still admissible (u = 0.5): the job is short
+    d_share = decide([j], [replace(pool[0], t_bcast_s=25.0), *pool[1:]], 10.0, d0.state)
+    assert d_share.trigger == "deficit: j1 has 1.50/2.00 rollouts/s (> 10% short)"
+    assert d_share.jobs[0].feasible
+    # ... and beyond the slack it no longer qualifies at all
+    d_fresh = decide([j], [replace(pool[0], t_bcast_s=35.0), *pool[1:]], 10.0, d0.state)
+    assert d_fresh.trigger == "drift: a no longer qualifies (T_bcast+T_gen 40.0s > slack 30.0s)"
+    assert set(d_fresh.assignment) == {"b", "c"}
+    assert line(d_fresh, "a") == "deactivated a: no longer qualifies: T_bcast+T_gen 40.0s > slack 30.0s"
+
+
+def test_multi_job_priority_and_one_job_per_worker():
+    big = job("big", rollouts_per_step=30, priority=1, vram_need_gb=40)  # demand 3, big cards only
+    small = job("small", rollouts_per_step=20)  # demand 2, any card
+    ws = [w(f"A{i}", 1, 0.8, vram_gb=80) for i in range(4)] + [w(f"R{i}", 1, 0.3) for i in range(3)]
+    d = decide([small, big], ws, 0.0)
+    by_job: dict[str, set[str]] = {}
+    for wid, jid in d.assignment.items():
+        by_job.setdefault(jid, set()).add(wid)
+    assert len(by_job["big"]) == 3 and all(x.startswith("A") for x in by_job["big"])
+    assert len(by_job["small"]) == 2 and all(x.startswith("R") for x in by_job["small"])
+    assert [a.job_id for a in d.jobs] == ["big", "small"]  # priority order
+    assert all(a.feasible for a in d.jobs)
+    assert "joint over 2 jobs" in d.method
+
+
+def test_multi_job_joint_solution_where_priority_order_alone_would_starve_the_second_job():
+    # the first job could use anyone; the second only the big card. Taking the cheapest set for
+    # job 1 first would grab the big card; the joint MILP gives it to job 2.
+    first = job("first", rollouts_per_step=20, priority=1)
+    second = job("second", rollouts_per_step=20, vram_need_gb=40)
+    ws = [w("big", 2, 0.5, vram_gb=80), w("r1", 1, 0.4), w("r2", 1, 0.4)]
+    d = decide([first, second], ws, 0.0)
+    assert d.assignment == {"big": "second", "r1": "first", "r2": "first"}
+
+
+def test_multi_job_infeasible_falls_back_to_priority_order_with_best_partial_set():
+    first = job("first", rollouts_per_step=20, priority=1)  # demand 2
+    second = job("second", rollouts_per_step=30)  # demand 3
+    ws = [w(f"r{i}", 1, 0.4) for i in range(4)]
+    d = decide([first, second], ws, 0.0)
+    alloc = {a.job_id: a for a in d.jobs}
+    assert alloc["first"].feasible and len(alloc["first"].worker_ids) == 2
+    assert not alloc["second"].feasible and len(alloc["second"].worker_ids) == 2
+    assert alloc["second"].reason.startswith("infeasible: qualifying throughput 2.00 rollouts/s < needed 3.00")
+
+
+def test_infeasible_job_gets_best_partial_set_and_a_reason():
+    j = job(rollouts_per_step=50, vram_need_gb=16)  # demand 5
+    ws = [
+        w("a", 1, 0.3),
+        w("b", 1, 0.3),
+        w("near", 1, 0.1, t_bcast=30.0),  # 35 s: just misses the 30 s slack
+        w("far", 1, 0.1, t_bcast=300.0),
+        w("tiny", 5, 0.1, vram_gb=8),
+    ]
+    d = decide([j], ws, 0.0, config=SolverConfig())
+    a = d.jobs[0]
+    assert not a.feasible
+    assert a.reason == (
+        "infeasible: qualifying throughput 2.00 rollouts/s < needed 5.00 (R=50, T_train=10s, h=0); "
+        "excluded: 1 by VRAM, 2 by freshness; best partial set"
+    )
+    assert set(a.worker_ids) == {"a", "b", "near", "far"}
+    assert line(d, "near") == "activated near: best effort, closest to fresh: T_bcast+T_gen 35.0s > slack 30.0s"
+    assert d.method == "partial"
+
+
+def test_activate_all_baseline_takes_every_live_capable_worker():
+    j = job(rollouts_per_step=10, vram_need_gb=16)
+    ws = [w("a", 1, 0.3), w("slow", 1, 0.3, t_bcast=100.0), w("small", 1, 0.1, vram_gb=8), w("x", 1, 9.0, alive=False)]
+    d = decide([j], ws, 0.0, config=SolverConfig(method="all"))
+    assert set(d.assignment) == {"a", "slow"}
+    assert line(d, "slow").startswith("activated slow: activate-all baseline, stale-prone:")
+
+
+def test_tiny_time_limit_still_returns_a_valid_set():
+    rng = random.Random(2)
+    ws = [w(f"w{i}", rng.uniform(0.1, 2.0), rng.uniform(0.1, 3.0)) for i in range(300)]
+    j = job(rollouts_per_step=400)
+    d = decide([j], ws, 0.0, config=SolverConfig(time_limit_s=1e-6))
+    greedy = decide([j], ws, 0.0, config=SolverConfig(method="greedy"))
+    assert d.jobs[0].feasible
+    assert d.jobs[0].throughput >= required_throughput(j) - 1e-9
+    assert cost(d) <= cost(greedy) + 1e-9
+
+
+def test_decision_and_state_are_serialisable_and_round_trip():
+    j = job(rollouts_per_step=20)
+    pool = [w("a", 1, 0.3), w("b", 1, 0.4, perf_by_job={"j1": WorkerPerf(1.0, 5.0, 10.0)}), w("c", 1, 0.5)]
+    d0 = decide([j], pool, 0.0)
+    text = json.dumps(d0.to_dict())
+    assert "activated a" in text
+    restored = SolverState.from_dict(json.loads(json.dumps(d0.state.to_dict())))
+    d1 = decide([j], pool, 10.0, restored)
+    assert not d1.resolved and d1.assignment == d0.assignment
+    assert all(x.action == Action.KEEP for x in d1.workers)
+
+
+def test_job_finished_releases_its_workers():
+    j1, j2 = job("j1", rollouts_per_step=10), job("j2", rollouts_per_step=10)
+    pool = [w("a", 1, 0.3), w("b", 1, 0.4)]
+    d0 = decide([j1, j2], pool, 0.0)
+    assert len(d0.assignment) == 2
+    d1 = decide([j2], pool, 10.0, d0.state)
+    assert d1.trigger == "job set changed: -j1"
+    assert set(d1.assignment.values()) == {"j2"} and len(d1.assignment) == 1
+    released = [x for x in d1.workers if x.action == Action.DEACTIVATE]
+    assert len(released) == 1 and released[0].reason in (
+        "job j1 no longer running",
+        "a cheaper set meets the rule without it",
+    )
