@@ -97,7 +97,8 @@ def download_checkpoint(job_id: str, p: AnyPrincipal, db: SessionDep, blobs: Blo
     manifest = Manifest.model_validate(_version(db, job_id, chosen).manifest)
     filename = f"{job_id}-v{chosen}.tar"
     return StreamingResponse(blobs.iter_tar(job_id, manifest), media_type="application/x-tar",
-                             headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+                             headers={"Content-Disposition": f'attachment; filename="{filename}"',
+                                      "X-Echo2-Version": str(chosen)})
 
 
 def _check_new_version(job: Job, version: int) -> None:

@@ -8,6 +8,7 @@ from typing import Any
 from echo2.protocol import JobCost, JobRead, JobSpec, JobStatus, SamplingParams
 from echo2.seeds import order_key
 from sqlalchemy import insert, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from learner.tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
@@ -41,8 +42,14 @@ def create_job(
         idempotency_key=idempotency_key,
         request_hash=request_hash,
     )
-    db.add(job)
-    db.flush()
+    try:
+        with db.begin_nested():  # a concurrent replay of the same key may insert first
+            db.add(job)
+    except IntegrityError:
+        existing = db.scalar(select(Job).where(Job.owner_id == user.id, Job.idempotency_key == idempotency_key))
+        if existing is None or existing.request_hash != request_hash:
+            raise ApiError(422, "Idempotency-Key was already used with a different body", field="Idempotency-Key")
+        return existing, False
     rows = [
         {"job_id": job.id, "index": i, "text": text, "reference": ref,
          "order_key": order_key(spec.seed, job.id, i, 0)}
@@ -101,7 +108,7 @@ def job_read(job: Job) -> JobRead:
                    total_usd=job.learner_usd + job.workers_usd)
     return JobRead.model_validate(
         {**{c: getattr(job, c) for c in ("id", "name", "owner_id", "status", "status_reason", "step", "version",
-                                         "num_prompts", "reward_mean", "created_at", "started_at",
+                                         "final_version", "num_prompts", "reward_mean", "created_at", "started_at",
                                          "finished_at")},
          "spec": job.spec, "cost": cost}
     )

@@ -95,3 +95,15 @@ def test_tasks_are_listed_with_their_parameters(api):
     assert {"arithmetic", "gsm8k", "exact_match", "regex", "http_reward"} <= set(tasks)
     assert tasks["gsm8k"]["needs_dataset"] and not tasks["arithmetic"]["needs_dataset"]
     assert tasks["arithmetic"]["params_schema"]["type"] == "object"
+
+
+def test_concurrent_replays_of_one_idempotency_key_make_one_job(api):
+    from concurrent.futures import ThreadPoolExecutor
+
+    _, alice = new_user(api)
+    with ThreadPoolExecutor(6) as pool:
+        answers = list(pool.map(lambda _: alice.post("/v1/jobs", json=job_spec(),
+                                                     headers={"Idempotency-Key": "same"}), range(6)))
+    assert sorted(r.status_code for r in answers) == [200] * 5 + [201]
+    assert len({r.json()["id"] for r in answers}) == 1
+    assert ok(alice.get("/v1/jobs"))["total"] == 1

@@ -123,3 +123,12 @@ def test_chunk_upload_size_limit(api, setup):
     jid, learner, _, _ = setup
     big = b"x" * (api.server.settings.max_chunk_bytes + 1)
     assert upload(learner, jid, 0, 0, big).status_code == 413
+
+
+def test_manifest_paths_cannot_escape_the_folder(api, setup):
+    jid, learner, _, folder = setup
+    manifest = build_manifest(folder, 0, 0, CHUNK).model_dump(mode="json")
+    for bad in ("../evil.safetensors", "/etc/passwd", "a//b"):
+        manifest["files"][0]["path"] = bad
+        r = learner.post(f"/v1/jobs/{jid}/versions", json=manifest)
+        assert r.status_code == 422 and "files.0.path" in r.json()["errors"][0]["field"]

@@ -124,6 +124,7 @@ class JobRead(ReadModel):
     spec: JobSpec
     step: int = Field(description="Learner steps completed (the current policy version counter t).")
     version: int | None = Field(description="Latest published weight version, if any.")
+    final_version: int | None = Field(None, description="The version holding the final checkpoint, once finished.")
     num_prompts: int
     reward_mean: float | None = None
     cost: JobCost = Field(default_factory=JobCost)

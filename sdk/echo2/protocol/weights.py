@@ -5,11 +5,20 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import Field, StringConstraints, model_validator
+from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from .common import Model, NoNul, ReadModel, Sha256, Step, Version
 
-RelPath = Annotated[str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.\-/]+$")]
+def _relative(path: str) -> str:
+    # A manifest path is joined onto a folder by workers and the checkpoint tar: never let it escape.
+    if path.startswith("/") or ".." in path.split("/") or "" in path.split("/"):
+        raise ValueError("must be a relative path without '..' or empty segments")
+    return path
+
+
+RelPath = Annotated[
+    str, StringConstraints(min_length=1, max_length=256, pattern=r"^[A-Za-z0-9_.\-/]+$"), AfterValidator(_relative)
+]
 
 
 class ChunkInfo(Model):
