@@ -24,6 +24,40 @@ CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-backg
 SCREENSHOTS = Path(os.environ.get("ECHO2_SCREENSHOTS", Path(__file__).resolve().parents[2] / "docs" / "screenshots"))
 TIMEOUT_MS = 15_000
 
+# Structural accessibility checks run on every page a test screenshots: labels, names, headings, ids.
+A11Y_AUDIT = """() => {
+  const problems = [];
+  const visible = (el) => !!(el.offsetWidth || el.offsetHeight || el.getClientRects().length);
+  const named = (el) => (el.getAttribute("aria-label") || "").trim() || el.getAttribute("aria-labelledby")
+    || (el.textContent || "").trim() || el.getAttribute("title");
+  if (!document.documentElement.lang) problems.push("html has no lang");
+  if (!document.title.trim()) problems.push("page has no title");
+  const h1s = [...document.querySelectorAll("h1")].filter(visible);
+  if (h1s.length !== 1) problems.push(`expected one visible h1, found ${h1s.length}`);
+  let last = 0;
+  for (const hd of [...document.querySelectorAll("h1,h2,h3,h4,h5,h6")].filter(visible)) {
+    const level = Number(hd.tagName[1]);
+    if (last && level > last + 1) problems.push(`heading level skips from h${last} to h${level}: ${hd.textContent}`);
+    last = level;
+  }
+  for (const el of document.querySelectorAll("input:not([type=hidden]), select, textarea")) {
+    if (!visible(el)) continue;
+    const label = el.id && document.querySelector(`label[for="${CSS.escape(el.id)}"]`);
+    if (!label && !el.closest("label") && !el.getAttribute("aria-label") && !el.getAttribute("aria-labelledby")) {
+      problems.push(`control without a label: ${el.outerHTML.slice(0, 80)}`);
+    }
+  }
+  for (const el of document.querySelectorAll("button, a[href], summary, [role=img]")) {
+    if (visible(el) && !named(el)) problems.push(`no accessible name: ${el.outerHTML.slice(0, 80)}`);
+  }
+  const ids = [...document.querySelectorAll("[id]")].map((e) => e.id);
+  for (const id of new Set(ids.filter((id, i) => ids.indexOf(id) !== i))) problems.push(`duplicate id ${id}`);
+  for (const table of document.querySelectorAll("table")) {
+    if (visible(table) && !table.querySelector("th")) problems.push(`table without headers: ${table.id}`);
+  }
+  return problems;
+}"""
+
 
 def _unavailable(reason: str) -> None:
     if os.environ.get("CI") == "true":
@@ -79,7 +113,13 @@ class Dashboard:
         """Declare an HTTP error the test provokes on purpose (e.g. a 422 from a bad form value)."""
         self.expected.append((status, path_part))
 
+    def audit(self) -> None:
+        problems = self.page.evaluate(A11Y_AUDIT)
+        assert not problems, f"accessibility problems on {self.page.url}:\n" + "\n".join(problems)
+
     def shot(self, name: str, full_page: bool = True) -> None:
+        """Check the page's structure, then save its screenshot to docs/screenshots/<name>.png."""
+        self.audit()
         SCREENSHOTS.mkdir(parents=True, exist_ok=True)
         self.page.screenshot(path=str(SCREENSHOTS / f"{name}.png"), full_page=full_page, animations="disabled")
 

@@ -122,13 +122,17 @@ def test_submit_job_form_shows_api_validation_errors(api, ui):
     assert page.locator("#f-group-error").is_hidden()
 
     page.get_by_label("Publish period κ").fill("1")
+    params = page.get_by_role("group", name="Ops")  # task parameters come from GET /v1/tasks
+    params.get_by_label("+").check()
+    params.get_by_label("*").check()
     page.get_by_role("button", name="Submit job").click()
     page.wait_for_url(re.compile(r"/jobs/[A-Za-z0-9_-]+$"))
     expect_text(ui, "#job-name", "from-the-form")
     job_id = page.url.rsplit("/", 1)[1]
     spec = ok(alice.get(f"/v1/jobs/{job_id}"))["spec"]
     assert spec["grpo"]["group_size"] == 2 and spec["grpo"]["prompts_per_step"] == 4
-    assert spec["staleness"] == 0 and spec["max_steps"] == 5 and spec["task"]["name"] == "arithmetic"
+    assert spec["staleness"] == 0 and spec["max_steps"] == 5
+    assert spec["task"] == {"name": "arithmetic", "params": {"ops": ["+", "*"]}}
 
 
 def test_jobs_list_filters_by_status_and_name(api, ui):
@@ -141,6 +145,21 @@ def test_jobs_list_filters_by_status_and_name(api, ui):
     rows = ui.page.locator("#jobs-table tbody tr")
     expect_text(ui, "#jobs-count", "of 3")
     expect_text(ui, "#jobs-table tbody tr", r"gamma-run.*0 / 7")
+    # keyboard only: Tab from the top reaches the first job, the 2 s refresh keeps focus there, Enter opens it
+    ui.page.keyboard.press("Tab")
+    assert ui.page.evaluate("document.activeElement.textContent") == "Skip to content"
+    for _ in range(20):
+        ui.page.keyboard.press("Tab")
+        if ui.page.evaluate("document.activeElement.textContent") == "gamma-run":
+            break
+    else:
+        pytest.fail("Tab never reached the first job's link")
+    ui.page.wait_for_timeout(2500)
+    assert ui.page.evaluate("document.activeElement.textContent") == "gamma-run"
+    ui.page.keyboard.press("Enter")
+    ui.page.wait_for_url(re.compile(r"/jobs/job_"))
+    expect_text(ui, "#job-name", "gamma-run")
+    ui.page.go_back()
     ui.page.get_by_label("Status").select_option("cancelled")
     rows.filter(has_text="alpha-run").wait_for(state="detached")
     assert rows.count() == 1 and "beta-run" in rows.first.inner_text()
@@ -281,6 +300,22 @@ def test_admin_creates_a_user_and_revokes_a_token(api, ui):
     expect_text(ui, "#tokens-table tbody tr", "bob")
 
 
+def test_refused_pages_say_why(api, ui):
+    key, _ = user_key(api)
+    ui.login(key)
+    ui.goto("/admin")
+    expect_text(ui, "#page-error", "Only admins can use this page")
+    ui.expect_http(404, "/v1/jobs/job_missing")
+    ui.goto("/jobs/job_missing")
+    expect_text(ui, "#page-error", "Not found")
+    provider = ok(api.admin.post("/v1/providers", json={"name": "p"}), 201)["token"]
+    ui.page.get_by_role("button", name="Log out").click()
+    ui.login(provider, expect_path="/provider")
+    ui.expect_http(403, "/v1/jobs")
+    ui.goto("/jobs")
+    expect_text(ui, "#page-error", "cannot see this page: this route needs")
+
+
 def test_polling_pauses_while_the_tab_is_hidden(api, ui):
     key, _ = user_key(api)
     calls: list[str] = []
@@ -307,6 +342,8 @@ def test_polling_pauses_while_the_tab_is_hidden(api, ui):
 
 
 def test_pages_fit_a_phone(api, browser, api_routes, training):
+    for step, reward in enumerate([0.3, 0.6]):
+        train_step(api, training["job"], training["learner"], training["worker"], training["folder"], step, reward)
     context, ui = open_dashboard(browser, api, api_routes, viewport={"width": 390, "height": 844},
                                  is_mobile=True, has_touch=True, device_scale_factor=2)
     try:
@@ -320,7 +357,7 @@ def test_pages_fit_a_phone(api, browser, api_routes, training):
             overflow = ui.page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
             assert overflow <= 1, f"{path} scrolls sideways on a phone by {overflow}px"
         ui.goto(f"/jobs/{training['job']['id']}")
-        expect_text(ui, "#job-name", "reward-climb")
+        ui.page.locator('figure[data-chart="reward"][data-points="2"]').wait_for()
         ui.shot("job-phone")
     finally:
         context.close()

@@ -4,7 +4,7 @@
 E2.page("admin", async (session) => {
   const { api, query, poll, h, $, fmt, timeEl, fillRows, setText } = E2;
   if (session.role !== "admin") {
-    $("#main").prepend(h("p", { class: "banner warn", role: "alert" }, "Only admins can use this page."));
+    E2.pageError(new E2.ApiError(403, { detail: "Only admins can use this page." }));
     return;
   }
   const names = new Map();
@@ -49,8 +49,9 @@ E2.page("admin", async (session) => {
     try {
       await api("/v1/tokens/" + encodeURIComponent(t.id), { method: "DELETE" });
       E2.announce(`Token ${t.prefix} revoked.`);
+      setText("#token-status", "");
     } catch (err) {
-      $("#main").prepend(h("p", { class: "banner warn", role: "alert" }, "Not revoked: " + err.message));
+      setText("#token-status", "Not revoked: " + err.message);
     }
     poller.now();
   }

@@ -87,7 +87,13 @@
       if (stopped || document.hidden) return;
       if (running) { again = true; return; }
       running = true;
-      try { await fn(); } catch (err) { if (!(err instanceof ApiError)) report(err); }
+      try {
+        await fn();
+        pageError(null);
+      } catch (err) {
+        if (!(err instanceof ApiError)) report(err);
+        else if (err.status !== 0 && err.status !== 401) pageError(err);
+      }
       running = false;
       if (again) { again = false; tick(); } else schedule();
     }
@@ -273,6 +279,14 @@
 
   const TERMINAL = new Set(["succeeded", "failed", "cancelled"]);
 
+  /** A job id, linked for users (providers cannot open jobs: the API keeps them to their owners). */
+  function jobRef(jobId, full) {
+    if (!jobId) return "–";
+    const code = h("code", { title: jobId }, full ? jobId : jobId.slice(0, 12));
+    const s = session.get();
+    return s && s.kind === "user" ? h("a", { href: "/jobs/" + encodeURIComponent(jobId) }, code) : code;
+  }
+
   function hostOf(url) { try { return new URL(url).host; } catch (_) { return url; } }
 
   /** One row of the shared workers table (_workers_table.html): 11 columns. */
@@ -290,7 +304,7 @@
       h("td", {}, gpu),
       h("td", { class: "num" }, fmt.usd(w.price_per_hour)),
       h("td", { class: "num" }, fmt.num(w.rollouts_per_s)),
-      h("td", {}, w.job_id ? h("a", { href: "/jobs/" + encodeURIComponent(w.job_id) }, h("code", {}, w.job_id.slice(0, 12))) : "–"),
+      h("td", {}, jobRef(w.job_id)),
       h("td", { class: "num" }, w.version_held ?? "–"),
       h("td", { class: "num" }, `${w.accepted_rollouts} · ${w.rejected_rollouts}`),
       h("td", {}, trust),
@@ -323,12 +337,19 @@
     return true;
   }
 
-  /** A page that cannot start (e.g. 404 or 403 from the API) says why instead of staying blank. */
-  function failPage(err) {
-    if (!(err instanceof ApiError)) { report(err); return; }
+  /** A page the API refuses (404, 403, ...) says why instead of staying blank or stale; null clears it. */
+  function pageError(err) {
+    const el = document.getElementById("page-error");
+    if (!el) return;
+    el.hidden = !err;
+    if (!err) return;
     const text = err.status === 404 ? "Not found: it does not exist or is not yours."
-      : err.status === 403 ? "Your token is not allowed to see this page: " + err.message : err.message;
-    $("#main").prepend(h("p", { class: "banner warn", role: "alert" }, text));
+      : err.status === 403 ? "Your token cannot see this page: " + err.message : err.message;
+    if (el.textContent !== text) el.textContent = text;
+  }
+
+  function failPage(err) {
+    if (err instanceof ApiError) pageError(err); else report(err);
   }
 
   const pages = {};
@@ -381,7 +402,7 @@
 
   window.E2 = {
     session, api, query, poll, h, $, $$, setText, fillRows, announce, confirmAction, showErrors, clearErrors,
-    fmt, timeEl, badge, TERMINAL, workerRow, ApiError, idempotencyKey, page, report,
+    fmt, timeEl, badge, TERMINAL, workerRow, jobRef, pageError, ApiError, idempotencyKey, page, report,
   };
 
   document.addEventListener("DOMContentLoaded", () => {

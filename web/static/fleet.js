@@ -49,7 +49,7 @@
       ]);
       props("#worker-work", [
         ["Status", [badge(w.status), ` (told: ${w.desired})`]],
-        ["Job", w.job_id ? h("a", { href: "/jobs/" + encodeURIComponent(w.job_id) }, h("code", {}, w.job_id)) : "none"],
+        ["Job", w.job_id ? E2.jobRef(w.job_id, true) : "none"],
         ["Version held", w.version_held ?? "none"],
         ["Throughput μ", `${fmt.num(w.rollouts_per_s)} groups/s`],
         ["Rollouts accepted", String(w.accepted_rollouts)],
