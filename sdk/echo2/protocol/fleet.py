@@ -124,7 +124,10 @@ class SamplingParams(ReadModel):
 class Assignment(ReadModel):
     job_id: str
     version: int = Field(description="Version to hold: the newest published one.")
-    min_version: int = Field(description="Oldest version whose rollouts are still admissible now.")
+    min_version: int = Field(
+        description="Oldest version whose rollouts are still admissible now. When it exceeds `version` (S = 0 "
+        "right after a step), nothing admissible can be generated yet: wait for the next version."
+    )
     staleness: int
     manifest_url: str
     relay_parents: list[str] = Field(description="Peers to fetch chunks from, best first; the origin is last.")

@@ -1,0 +1,87 @@
+"""Learner checkpoints: weights (safetensors), optimiser + scheduler + RNG, step, version counter and the
+consumed rollout ids. Written into `ckpt-N.tmp`, fsynced, renamed; `latest` is updated last."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+
+@dataclass
+class Restored:
+    step: int
+    version: int | None
+    consumed: set[str]
+
+
+def save(root: Path, step: int, version: int | None, model: Any, optimizer: Any, scheduler: Any,
+         consumed: set[str], keep: int = 2) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    final, tmp = root / f"ckpt-{step}", root / f"ckpt-{step}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(_untie(state), str(tmp / "model.safetensors"))
+    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+                "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}, tmp / "trainer.pt")
+    (tmp / "meta.json").write_text(json.dumps({"step": step, "version": version, "consumed": sorted(consumed)}))
+    for f in tmp.iterdir():
+        _fsync(f)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    _write_atomic(root / "latest", final.name)
+    _prune(root, keep)
+    return final
+
+
+def load_latest(root: Path, model: Any, optimizer: Any, scheduler: Any) -> Restored | None:
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    folder = root / pointer.read_text().strip()
+    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
+    trainer = torch.load(folder / "trainer.pt", weights_only=False)  # our own file, written above
+    optimizer.load_state_dict(trainer["optimizer"])
+    scheduler.load_state_dict(trainer["scheduler"])
+    torch.set_rng_state(trainer["torch_rng"])
+    random.setstate(trainer["python_rng"])
+    meta = json.loads((folder / "meta.json").read_text())
+    return Restored(step=meta["step"], version=meta["version"], consumed=set(meta["consumed"]))
+
+
+def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    # safetensors refuses tensors sharing memory (tied embeddings): store a copy of each duplicate.
+    seen: set[int] = set()
+    out = {}
+    for k, v in state.items():
+        ptr = v.data_ptr()
+        out[k] = v.clone() if ptr in seen else v
+        seen.add(ptr)
+    return out
+
+
+def _fsync(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    _fsync(tmp)
+    os.replace(tmp, path)
+
+
+def _prune(root: Path, keep: int) -> None:
+    done = sorted((p for p in root.glob("ckpt-*") if not p.name.endswith(".tmp")),
+                  key=lambda p: int(p.name.split("-")[1]))
+    for old in done[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

@@ -1,0 +1,172 @@
+"""One GRPO step over claimed groups, top to bottom: score on the trusted side, build the padded batch,
+advantages, loss with gradient accumulation, optimiser step. The loss itself is in objective.py."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from echo2.prompting import encode_prompt
+from echo2.protocol import ClaimedGroup, JobSpec
+
+from learner.tasks import TaskPrompt, get_task
+
+from .objective import ObjectiveConfig, group_advantages, grpo_loss, loss_denominator
+from .policy import PaddedBatch, completion_logprobs, micro_batches, pad_batch, pad_values
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StepResult:
+    rewards: dict[str, list[float | None]] = field(default_factory=dict)
+    reward_mean: float | None = None
+    reward_std: float | None = None
+    loss: float = 0.0
+    kl: float = 0.0
+    clip_frac: float = 0.0
+    groups_dropped: int = 0
+    tokens: int = 0
+    staleness_hist: list[int] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+@dataclass
+class _Rows:
+    prompts: list[list[int]] = field(default_factory=list)
+    completions: list[list[int]] = field(default_factory=list)
+    behaviour: list[list[float]] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    groups: list[int] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)
+
+
+def objective_config(spec: JobSpec) -> ObjectiveConfig:
+    g = spec.grpo
+    return ObjectiveConfig(eps_low=g.eps_low, eps_high=g.eps_high, ratio_cap=g.ratio_cap, kl_coef=g.kl_coef,
+                           length_norm=g.loss_agg.value, max_len=g.max_new_tokens, scale_by_std=g.scale_rewards)
+
+
+class GRPOTrainer:
+    def __init__(self, model: Any, tokenizer: Any, spec: JobSpec, device: torch.device, ref_model: Any = None):
+        self.model, self.tokenizer, self.spec, self.device, self.ref_model = model, tokenizer, spec, device, ref_model
+        self.task = get_task(spec.task.name)
+        self.task_params = self.task.parse_params(spec.task.params)
+        self.cfg = objective_config(spec)
+        g = spec.grpo
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=0.0)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: min(1.0, (s + 1) / g.warmup_steps) if g.warmup_steps else 1.0)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+    def step(self, groups: list[ClaimedGroup], t: int) -> StepResult:
+        start = time.perf_counter()
+        result = StepResult()
+        rows = self._score(groups, t, result)
+        if rows.rewards:
+            self._optimise(rows, result)
+        result.seconds = time.perf_counter() - start
+        return result
+
+    def _score(self, groups: list[ClaimedGroup], t: int, result: StepResult) -> _Rows:
+        """Rewards are computed here (trusted), from the learner's own decoding of the tokens."""
+        rows, all_rewards = _Rows(), []
+        hist = [0] * (self.spec.staleness + 1)
+        for gi, group in enumerate(groups):
+            staleness = t - group.version
+            assert 0 <= staleness <= self.spec.staleness, f"rollout {group.rollout_id} has staleness {staleness}"
+            hist[staleness] += 1
+            rewards = self._group_rewards(group)
+            result.rewards[group.rollout_id] = rewards
+            all_rewards += [r for r in rewards if r is not None]
+            if any(r is None for r in rewards):
+                result.groups_dropped += 1
+                continue
+            prompt_ids = list(group.prompt_token_ids)
+            for sample, reward in zip(group.samples, rewards, strict=True):
+                rows.prompts.append(prompt_ids)
+                rows.completions.append(list(sample.token_ids))
+                rows.behaviour.append(list(sample.logprobs))
+                rows.rewards.append(float(reward))  # type: ignore[arg-type]
+                rows.groups.append(gi)
+                rows.staleness.append(staleness)
+        result.staleness_hist = hist
+        if all_rewards:
+            r = torch.tensor(all_rewards, dtype=torch.float64)
+            result.reward_mean, result.reward_std = float(r.mean()), float(r.std(unbiased=False))
+        return rows
+
+    def _group_rewards(self, group: ClaimedGroup) -> list[float | None]:
+        expected = encode_prompt(self.tokenizer, group.prompt_text)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if list(group.prompt_token_ids) != expected:
+            log.warning("rollout %s: prompt tokens differ from the learner's; group ignored", group.rollout_id)
+            return [None] * len(group.samples)
+        prompt = TaskPrompt(text=group.prompt_text, reference=group.reference)
+        out: list[float | None] = []
+        for sample in group.samples:
+            if max(sample.token_ids) >= vocab:
+                out.append(None)
+                continue
+            text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+            out.append(self.task.reward(prompt, text, self.task_params))
+        return out
+
+    def _optimise(self, rows: _Rows, result: StepResult) -> None:
+        adv = group_advantages(torch.tensor(rows.rewards), torch.tensor(rows.groups),
+                               scale_by_std=self.cfg.scale_by_std)
+        result.groups_dropped += adv.num_dropped
+        kept = [i for i in range(len(rows.rewards)) if bool(adv.keep[i])]
+        if not kept:
+            return
+        batch = pad_batch(rows.prompts, rows.completions, self.pad_id)
+        behaviour = pad_values(rows.behaviour, batch.completion_len)
+        staleness = torch.tensor(rows.staleness)
+        denominator = loss_denominator(batch.completion_mask, adv.keep, self.cfg)
+        lengths = [len(rows.prompts[i]) + len(rows.completions[i]) for i in kept]
+        totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "tokens": 0.0}
+        self.model.train()
+        for chunk in micro_batches(lengths, self.spec.grpo.micro_batch_tokens):
+            idx = [kept[i] for i in chunk]
+            self._accumulate(batch.select(idx), behaviour[idx], adv.advantages[idx], staleness[idx], denominator,
+                             totals)
+        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grpo.max_grad_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        n = max(totals["tokens"], 1.0)
+        result.loss, result.kl, result.clip_frac = totals["loss"], totals["kl"] / n, totals["clip_frac"] / n
+        result.tokens = int(totals["tokens"])
+
+    def _accumulate(self, mb: PaddedBatch, behaviour: torch.Tensor, advantages: torch.Tensor,
+                    staleness: torch.Tensor, denominator: float, totals: dict[str, float]) -> None:
+        mb = _to(mb, self.device)
+        temperature = self.spec.grpo.temperature
+        with self._autocast():
+            logp = completion_logprobs(self.model, mb, temperature=temperature)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = completion_logprobs(self.ref_model, mb, temperature=temperature)
+        width = mb.completion_len
+        loss, stats = grpo_loss(logp.float(), behaviour[:, :width].to(self.device), advantages.to(self.device),
+                                mb.completion_mask, staleness.to(self.device), self.cfg,
+                                ref_logprobs=None if ref is None else ref.float(), denominator=denominator)
+        loss.backward()
+        totals["loss"] += float(loss.detach())
+        for key in ("kl", "clip_frac"):
+            totals[key] += stats[key] * stats["tokens"]
+        totals["tokens"] += stats["tokens"]
+
+    def _autocast(self) -> Any:
+        if self.device.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return torch.autocast("cpu", enabled=False)
+
+
+def _to(batch: PaddedBatch, device: torch.device) -> PaddedBatch:
+    return PaddedBatch(batch.input_ids.to(device), batch.attention_mask.to(device),
+                       batch.completion_mask.to(device), batch.prompt_len)

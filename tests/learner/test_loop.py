@@ -1,0 +1,73 @@
+"""The learner process against a live control plane, with real rollouts from the tiny model: it learns
+the arithmetic task, with on-policy (S = 0) and deliberately delayed (S = 2) rollouts."""
+
+import threading
+import time
+
+import pytest
+
+from learner.loop import Learner, LearnerOptions
+from learner.remote import ControlPlane
+from learner.tasks.arithmetic import DEMO_DEFAULTS
+from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
+from tests.rollout_driver import RolloutDriver
+
+pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
+
+
+def demo_spec(staleness: int, max_steps: int) -> dict:
+    d = DEMO_DEFAULTS
+    return {
+        "name": f"learn-s{staleness}", "base_model": "echo2:tiny",
+        "task": {"name": d["task"], "params": d["task_params"]}, "staleness": staleness,
+        "publish_period": 1, "max_steps": max_steps, "checkpoint_every": 1000,
+        "grpo": {"group_size": d["group_size"], "prompts_per_step": d["prompts_per_step"], "lr": d["lr"],
+                 "max_new_tokens": d["max_new_tokens"], "temperature": d["temperature"],
+                 "eps_low": d["eps_low"], "eps_high": d["eps_high"], "ratio_cap": d["ratio_cap"]},
+    }
+
+
+def run_job(api, tmp_path, staleness: int, lag: int, max_steps: int = 60):
+    _, alice = new_user(api)
+    job = ok(alice.post("/v1/jobs", json=demo_spec(staleness, max_steps)), 201)
+    token = learner_for(api, job["id"]).headers["Authorization"].split()[1]
+    plane = ControlPlane(api.url, token, job["id"])
+    learner = Learner(plane, LearnerOptions(work_dir=tmp_path / "learner", heartbeat_s=0.5))
+    thread = threading.Thread(target=learner.run, daemon=True)
+    thread.start()
+    _, provider = new_provider(api)
+    drivers = []
+    for i in range(2):
+        wid, client = new_worker(api, provider, f"w{i}")
+        activate(api, wid, job["id"])
+        token = client.headers["Authorization"].split()[1]
+        drivers.append(RolloutDriver(api.url, wid, token, tmp_path / f"w{i}", lag=lag).start())
+    deadline = time.monotonic() + 600
+    while thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(1)
+    for d in drivers:
+        d.stop()
+    plane.close()
+    assert not thread.is_alive(), "the learner did not finish in time"
+    return alice, job["id"], drivers
+
+
+def rewards(alice, job_id):
+    return [m["reward_mean"] for m in ok(alice.get(f"/v1/jobs/{job_id}/metrics"))]
+
+
+@pytest.mark.parametrize("staleness,lag", [(0, 0), (2, 2)])
+def test_learner_reaches_the_target_over_http(api, tmp_path, staleness, lag):
+    alice, job_id, drivers = run_job(api, tmp_path, staleness, lag)
+    curve = rewards(alice, job_id)
+    job = ok(alice.get(f"/v1/jobs/{job_id}"))
+    assert job["status"] == "succeeded", job
+    assert curve[0] <= 0.2, curve
+    assert max(curve[-3:]) >= 0.8, curve
+    metrics = ok(alice.get(f"/v1/jobs/{job_id}/metrics"))
+    assert all(len(m["staleness_hist"]) == staleness + 1 for m in metrics)
+    if lag:
+        assert sum(m["staleness_hist"][2] for m in metrics) > 0, "no rollout was actually 2 versions old"
+    trained = ok(alice.get(f"/v1/jobs/{job_id}/rollouts", params={"status": "trained", "limit": 200}))["items"]
+    assert all(r["trained_step"] - r["version"] <= staleness for r in trained)
+    assert job["version"] == job["step"]
