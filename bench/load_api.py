@@ -1,0 +1,652 @@
+"""Control-plane load: the worker-facing hot endpoints against ONE real uvicorn process.
+
+    python bench/load_api.py --db both --duration 10
+
+For each database (SQLite file, PostgreSQL private cluster on loopback) this starts the real API as
+a subprocess (`python -m api.cli api`), registers a fleet of workers through the API, creates a
+running job with a published version 0, activates every worker on it (what the scheduler does),
+then runs three bounded phases, each a closed loop of `--concurrency` in-flight requests:
+
+1. heartbeat  `POST /v1/workers/{id}/heartbeat`, every worker with its own token;
+2. lease      `POST /v1/leases` (`--lease-prompts` prompts each); afterwards the leases are released
+              in the database (not timed) so phase 3 starts from a full pool;
+3. rollouts   the worker loop: lease, then `POST /v1/leases/{id}/rollouts` with batches of groups
+              of G samples of `--tokens` tokens. A *group* is one prompt's G samples; a *sample* is
+              one completion. Both rates are reported, counting accepted groups only.
+
+The load generator is `--clients` separate processes, each an asyncio loop with one
+httpx.AsyncClient (keep-alive pool). On a small box it competes with the server for CPU, so each
+phase also reports the CPU cores used by the server, the database, the load generator and anything
+else running on the machine, read from /proc while the phase runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+from datetime import date
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+ADMIN_KEY = "e2u_bench-admin-key-0123456789abcdef0123456789"
+PHASES = ("heartbeat", "lease", "rollouts")
+
+
+# ---------------------------------------------------------------- setup: server, fleet, job
+
+
+@contextmanager
+def api_server(db_url: str, data_dir: Path, lease_ttl_s: float):  # type: ignore[no-untyped-def]
+    """`python -m api.cli api` as a subprocess (it migrates, then runs one uvicorn process)."""
+    from api.local import free_port, wait_port
+
+    port = free_port()
+    env = {**os.environ, "ECHO2_DATABASE_URL": db_url, "ECHO2_DATA_DIR": str(data_dir),
+           "ECHO2_PORT": str(port), "ECHO2_HOST": "127.0.0.1", "ECHO2_BOOTSTRAP_API_KEY": ADMIN_KEY,
+           "ECHO2_LOG_LEVEL": "WARNING", "ECHO2_LEASE_TTL_S": str(lease_ttl_s)}
+    log = open(data_dir / "server.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "api"], env=env, stdout=log,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        wait_port(port, timeout=120, proc=proc)
+        yield proc, f"http://127.0.0.1:{port}"
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        log.close()
+
+
+@dataclass
+class Fleet:
+    job_id: str
+    workers: list[tuple[str, str]]  # (worker id, token)
+
+
+def _ok(response: Any, status: int = 200) -> Any:
+    if response.status_code != status:
+        raise RuntimeError(f"{response.request.method} {response.request.url.path}: "
+                           f"{response.status_code} {response.text[:500]}")
+    return response.json() if response.content else None
+
+
+def _fake_model(root: Path) -> Path:
+    """A small folder shaped like an HF model (one safetensors file + config), as in the API tests."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True, exist_ok=True)
+    weights = np.random.default_rng(0).standard_normal((64, 512)).astype("float32")
+    save_file({"w": weights}, str(root / "model.safetensors"))
+    (root / "config.json").write_text('{"model_type": "test"}')
+    return root
+
+
+def _publish_v0(learner: Any, job_id: str, folder: Path) -> None:
+    from echo2.snapshots import build_manifest, iter_stream
+
+    chunk = 64 * 1024
+    manifest = build_manifest(folder, 0, 0, chunk)
+    for info, data in zip(manifest.chunks, iter_stream(folder, manifest.files, chunk), strict=True):
+        headers = {"X-Echo2-Sha256": info.sha256, "Content-Type": "application/octet-stream"}
+        path = f"/v1/jobs/{job_id}/versions/0/chunks/{info.index}"
+        _ok(learner.put(path, content=data, headers=headers), 204)
+    _ok(learner.post(f"/v1/jobs/{job_id}/versions", json=manifest.model_dump(mode="json")), 201)
+
+
+def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace) -> Fleet:
+    """Everything through the API except activation, which the scheduler does in the database."""
+    import httpx
+
+    from api.db import Database
+    from api.models import Job, Worker
+    from api.services.fleet import assign
+
+    def client(token: str) -> httpx.Client:
+        return httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=300)
+
+    with ExitStack() as stack:
+        admin = stack.enter_context(client(ADMIN_KEY))
+        user = stack.enter_context(client(_ok(admin.post("/v1/users", json={"name": "bench", "role": "user"}),
+                                              201)["api_key"]))
+        provider = stack.enter_context(client(_ok(admin.post("/v1/providers", json={"name": "bench-gpus"}),
+                                                  201)["token"]))
+        workers = []
+        for i in range(args.workers):
+            relays = args.relay_every and i % args.relay_every == 0
+            relay = {"relay_url": f"http://127.0.0.1:9/w{i}"} if relays else {}
+            fields = {"name": f"w{i}", "gpu_model": "H100", "gpu_count": 1, "vram_gb": 80,
+                      "upload_mbps": 100 + i}
+            body = _ok(provider.post("/v1/workers", json={**fields, **relay}), 201)
+            workers.append((body["worker"]["id"], body["token"]))
+        spec = {"name": "bench", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
+                "grpo": {"group_size": args.group_size, "prompts_per_step": 64}, "num_prompts": args.prompts,
+                "staleness": 2, "max_steps": 1000}
+        job_id = _ok(user.post("/v1/jobs", json=spec), 201)["id"]
+        learner_token = _ok(admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"]
+        learner = stack.enter_context(client(learner_token))
+        _ok(learner.post(f"/v1/jobs/{job_id}/learner/start"))
+        _publish_v0(learner, job_id, _fake_model(work / "model"))
+    db = Database(db_url)
+    with db.session() as s:
+        job = s.get(Job, job_id)
+        for worker_id, _ in workers:
+            assign(s.get(Worker, worker_id), job)  # type: ignore[arg-type]
+        s.commit()
+    db.dispose()
+    return Fleet(job_id=job_id, workers=workers)
+
+
+def release_leases(db_url: str, job_id: str) -> int:
+    """Between phases: give every active lease back so the next phase sees a full pool."""
+    from sqlalchemy import select
+
+    from api.db import Database
+    from api.models import Lease
+    from api.services.pool import end_lease
+
+    db = Database(db_url)
+    with db.session() as s:
+        leases = list(s.scalars(select(Lease).where(Lease.job_id == job_id, Lease.status == "active")))
+        for lease in leases:
+            end_lease(s, lease, "released")
+        s.commit()
+    db.dispose()
+    return len(leases)
+
+
+# ---------------------------------------------------------------- load generator (client processes)
+
+
+@dataclass
+class ClientSpec:
+    phase: str
+    base_url: str
+    job_id: str
+    workers: list[tuple[str, str]]
+    concurrency: int
+    start_at: float  # time.monotonic(), which is system-wide on Linux
+    warmup_s: float
+    duration_s: float
+    lease_prompts: int
+    groups_per_request: int
+    group_size: int
+    tokens: int
+    seed: int
+
+
+@dataclass
+class Record:
+    """What one client process saw inside the measurement window."""
+
+    latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
+    statuses: dict[str, Counter[int]] = field(default_factory=lambda: defaultdict(Counter))
+    errors: Counter[str] = field(default_factory=Counter)
+    groups: int = 0
+    rejected_groups: int = 0
+    cpu_s: float = 0.0
+
+
+class Window:
+    def __init__(self, spec: ClientSpec) -> None:
+        self.begin = spec.start_at + spec.warmup_s
+        self.end = self.begin + spec.duration_s
+
+    def __contains__(self, t: float) -> bool:
+        return self.begin <= t <= self.end
+
+
+def client_main(spec: ClientSpec) -> Record:
+    return asyncio.run(_drive(spec))
+
+
+async def _drive(spec: ClientSpec) -> Record:
+    import httpx
+
+    rec, window = Record(), Window(spec)
+    limits = httpx.Limits(max_connections=spec.concurrency, max_keepalive_connections=spec.concurrency)
+    async with httpx.AsyncClient(base_url=spec.base_url, limits=limits, timeout=60) as client:
+        await asyncio.sleep(max(0.0, spec.start_at - time.monotonic()))
+        loop = {"heartbeat": _heartbeat_loop, "lease": _lease_loop, "rollouts": _rollout_loop}[spec.phase]
+        # Each coroutine owns a disjoint slice of the workers, as each real worker runs one loop.
+        await asyncio.gather(_cpu_in_window(rec, window),
+                             *(loop(client, spec, spec.workers[k::spec.concurrency], rec, window)
+                               for k in range(spec.concurrency)))
+    return rec
+
+
+async def _cpu_in_window(rec: Record, window: Window) -> None:
+    await asyncio.sleep(max(0.0, window.begin - time.monotonic()))
+    cpu0 = time.process_time()
+    await asyncio.sleep(max(0.0, window.end - time.monotonic()))
+    rec.cpu_s = time.process_time() - cpu0
+
+
+async def _timed(client: Any, rec: Record, window: Window, kind: str, path: str, token: str,
+                 body: bytes) -> tuple[Any, bool]:
+    """POST and record it if it completed inside the window; returns (response or None, counted)."""
+    t0 = time.monotonic()
+    try:
+        r = await client.post(path, content=body, headers={"Authorization": f"Bearer {token}",
+                                                           "Content-Type": "application/json"})
+    except Exception as exc:  # a timeout or a dropped connection is a result, not a crash
+        if (counted := time.monotonic() in window):
+            rec.errors[f"{kind}: {type(exc).__name__}"] += 1
+        return None, counted
+    t1 = time.monotonic()
+    if (counted := t1 in window):
+        rec.latencies[kind].append(t1 - t0)
+        rec.statuses[kind][r.status_code] += 1
+    return r, counted
+
+
+async def _heartbeat_loop(client: Any, spec: ClientSpec, mine: list[tuple[str, str]], rec: Record,
+                          window: Window) -> None:
+    body = json.dumps({"status": "active", "job_id": spec.job_id, "version_held": 0,
+                       "stats": {"rollouts_done": 10, "tokens_per_s": 2500.0}}).encode()
+    i = 0
+    while time.monotonic() < window.end:
+        worker_id, token = mine[i % len(mine)]
+        i += 1
+        await _timed(client, rec, window, "heartbeat", f"/v1/workers/{worker_id}/heartbeat", token, body)
+
+
+def _lease_body(spec: ClientSpec) -> bytes:
+    return json.dumps({"job_id": spec.job_id, "max_prompts": spec.lease_prompts, "version": 0}).encode()
+
+
+async def _lease_loop(client: Any, spec: ClientSpec, mine: list[tuple[str, str]], rec: Record,
+                      window: Window) -> None:
+    body, i = _lease_body(spec), 0
+    while time.monotonic() < window.end:
+        _, token = mine[i % len(mine)]
+        i += 1
+        r, _ = await _timed(client, rec, window, "lease", "/v1/leases", token, body)
+        if r is not None and r.status_code == 409:
+            await asyncio.sleep(0.05)  # the pool is empty: back off as a worker would (Retry-After)
+
+
+def _sample_pool(spec: ClientSpec, n: int = 32) -> list[str]:
+    """Pre-serialised samples (token ids, behaviour logprobs, text), so building a body is cheap."""
+    rng = random.Random(spec.seed)
+    out = []
+    for _ in range(n):
+        ids = [rng.randrange(151_000) for _ in range(spec.tokens)]
+        logprobs = [round(-rng.expovariate(2.0), 5) for _ in range(spec.tokens)]
+        text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789 ") for _ in range(4 * spec.tokens))
+        sample = {"token_ids": ids, "logprobs": logprobs, "text": text, "finish_reason": "stop"}
+        out.append(json.dumps(sample))
+    return out
+
+
+async def _rollout_loop(client: Any, spec: ClientSpec, mine: list[tuple[str, str]], rec: Record,
+                        window: Window) -> None:
+    samples, lease_body, i = _sample_pool(spec), _lease_body(spec), 0
+    prompt_ids = json.dumps(list(range(100, 132)))
+    while time.monotonic() < window.end:
+        _, token = mine[i % len(mine)]
+        i += 1
+        r, _ = await _timed(client, rec, window, "lease", "/v1/leases", token, lease_body)
+        if r is None or r.status_code != 201:
+            await asyncio.sleep(0.05)
+            continue
+        lease = r.json()
+        prompts = [p["prompt_id"] for p in lease["prompts"]]
+        for b in range(0, len(prompts), spec.groups_per_request):
+            groups = [
+                f'{{"prompt_id":{pid},"version":0,"prompt_token_ids":{prompt_ids},"gen_seconds":1.5,"samples":['
+                + ",".join(samples[(pid + k) % len(samples)] for k in range(spec.group_size)) + "]}"
+                for pid in prompts[b:b + spec.groups_per_request]
+            ]
+            body = ('{"groups":[' + ",".join(groups) + "]}").encode()
+            r, counted = await _timed(client, rec, window, "rollouts", f"/v1/leases/{lease['id']}/rollouts",
+                                      token, body)
+            if r is None or r.status_code != 200 or not counted:
+                continue
+            accepted = sum(1 for g in r.json()["results"] if g["status"] == "accepted")
+            rec.groups += accepted
+            rec.rejected_groups += len(groups) - accepted
+
+
+# ---------------------------------------------------------------- CPU accounting (/proc via psutil)
+
+
+class CpuMeter:
+    """CPU seconds of the server process, the database's processes and the whole machine over a window.
+
+    PostgreSQL forks a backend per connection and SQLAlchemy's pool closes overflow connections, so
+    the database's process tree is polled: a backend that exits mid-window still counts up to its
+    last poll."""
+
+    def __init__(self, server_pid: int, db_pid: int | None, poll_s: float = 0.2) -> None:
+        import psutil
+
+        self.psutil, self.poll_s = psutil, poll_s
+        self.server = psutil.Process(server_pid)
+        self.db_root = psutil.Process(db_pid) if db_pid else None
+
+    def _db_tree(self) -> dict[int, float]:
+        if self.db_root is None:
+            return {}
+        out = {}
+        for p in [self.db_root, *self.db_root.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+                out[p.pid] = t.user + t.system
+            except self.psutil.Error:
+                pass
+        return out
+
+    def _machine(self) -> float:
+        t = self.psutil.cpu_times()
+        return t.user + t.nice + t.system + getattr(t, "irq", 0.0) + getattr(t, "softirq", 0.0)
+
+    def measure(self, seconds: float) -> dict[str, float]:
+        """Cores used by each side during the next `seconds`."""
+        server0, machine0, t0 = self._cpu(self.server), self._machine(), time.monotonic()
+        first = self._db_tree()
+        last = dict(first)
+        while (left := t0 + seconds - time.monotonic()) > 0:
+            time.sleep(min(self.poll_s, left))
+            last.update(self._db_tree())
+        wall = time.monotonic() - t0
+        db = sum(v - first.get(pid, 0.0) for pid, v in last.items())
+        return {"server": (self._cpu(self.server) - server0) / wall, "db": db / wall,
+                "machine": (self._machine() - machine0) / wall, "db_procs_started": len(set(last) - set(first))}
+
+    def _cpu(self, p: Any) -> float:
+        t = p.cpu_times()
+        return t.user + t.system
+
+
+# ---------------------------------------------------------------- phases and report
+
+
+def _pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def run_phase(phase: str, base_url: str, fleet: Fleet, meter: CpuMeter,
+              args: argparse.Namespace) -> dict[str, Any]:
+    conc = args.concurrency[phase]
+    clients = min(args.clients, conc)
+    specs = []
+    start_at = time.monotonic() + 1.0 + 0.5 * clients  # time for every client process to start
+    for c in range(clients):
+        share = conc // clients + (1 if c < conc % clients else 0)
+        specs.append(ClientSpec(phase=phase, base_url=base_url, job_id=fleet.job_id,
+                                workers=fleet.workers[c::clients], concurrency=share, start_at=start_at,
+                                warmup_s=args.warmup, duration_s=args.duration,
+                                lease_prompts=args.lease_prompts, groups_per_request=args.groups_per_request,
+                                group_size=args.group_size, tokens=args.tokens, seed=c))
+    with ProcessPoolExecutor(max_workers=clients, mp_context=get_context("spawn")) as pool:
+        futures = [pool.submit(client_main, s) for s in specs]
+        # The CPU window matches the measurement window (after warmup).
+        time.sleep(max(0.0, start_at + args.warmup - time.monotonic()))
+        profiler = _start_profiler(meter.server.pid, f"{args.db_now}-{phase}", args)
+        cores = meter.measure(args.duration)
+        records = [f.result() for f in futures]
+        if profiler is not None:
+            profiler.wait(timeout=60)
+    return _summarise(phase, records, cores, conc, clients, args)
+
+
+def _start_profiler(pid: int, name: str, args: argparse.Namespace) -> subprocess.Popen[bytes] | None:
+    """py-spy on the server for the measured window, as collapsed stacks."""
+    if args.profile is None:
+        return None
+    args.profile.mkdir(parents=True, exist_ok=True)
+    # cpu: only the thread holding the GIL, which is what caps one Python process. wall: every
+    # thread, waiting included, which shows where requests queue on locks.
+    mode = ["--gil"] if args.profile_mode == "cpu" else ["--idle"]
+    cmd = [args.py_spy, "record", "--pid", str(pid), "--duration", str(int(args.duration)), "--rate", "100",
+           *mode, "--nonblocking", "--format", "raw", "--output", str(args.profile / f"{name}.txt")]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _idle(frames: list[str]) -> bool:
+    """A thread-pool thread waiting for work, or the event loop waiting for I/O."""
+    leaf = frames[-1]
+    return (leaf.startswith("Condition.wait") and any(f.startswith("Queue.get") for f in frames)) or \
+        leaf.startswith("Runner.run ") or leaf.startswith("Thread.join") or leaf.startswith("Event.wait")
+
+
+def hot_spots(collapsed: Path, top: int = 15) -> list[str]:
+    """Where the server's samples went: each of our own functions (api/, inclusive), then the
+    innermost frame's package (self time). Idle threads are left out."""
+    ours: Counter[str] = Counter()
+    packages: Counter[str] = Counter()
+    total = 0
+    for line in collapsed.read_text().splitlines():
+        stack, _, count = line.rpartition(" ")
+        frames, n = stack.split(";"), int(count)
+        if _idle(frames):
+            continue
+        total += n
+        for frame in {f for f in frames if "(api/" in f and "(api/cli.py" not in f}:
+            ours[frame] += n
+        where = frames[-1].rpartition("(")[2]
+        packages["<stdlib>" if where.startswith("<") else where.split("/")[0].split(".py")[0]] += n
+    if not total:
+        return ["  (no busy samples)"]
+    lines = [f"  {n / total:6.1%}  {frame}" for frame, n in ours.most_common(top)]
+    lines.append("  self time by package: " + ", ".join(f"{k} {n / total:.0%}" for k, n in packages.most_common(8)))
+    return lines
+
+
+UNIT = {"heartbeat": "heartbeat", "lease": "lease", "rollouts": "group"}
+
+
+def _summarise(phase: str, records: list[Record], cores: dict[str, float], conc: int, clients: int,
+               args: argparse.Namespace) -> dict[str, Any]:
+    latencies: dict[str, list[float]] = defaultdict(list)
+    statuses: dict[str, Counter[int]] = defaultdict(Counter)
+    errors: Counter[str] = Counter()
+    for r in records:
+        for k, v in r.latencies.items():
+            latencies[k].extend(v)
+        for k, c in r.statuses.items():
+            statuses[k].update(c)
+        errors.update(r.errors)
+    rows = [{"endpoint": kind, "requests": len(v), "rps": len(v) / args.duration,
+             "p50_ms": 1000 * _pct(v, 0.50), "p99_ms": 1000 * _pct(v, 0.99),
+             "mean_ms": 1000 * statistics.fmean(v),
+             "statuses": {str(k): n for k, n in sorted(statuses[kind].items())}}
+            for kind, v in sorted(latencies.items(), key=lambda kv: kv[0] != phase)]
+    groups = sum(r.groups for r in records)
+    ok = {"heartbeat": statuses["heartbeat"][200], "lease": statuses["lease"][201], "rollouts": groups}[phase]
+    ops = ok / args.duration
+    load_gen = sum(r.cpu_s for r in records) / args.duration
+    return {
+        "phase": phase, "concurrency": conc, "clients": clients, "rows": rows, "errors": dict(errors),
+        "unit": UNIT[phase], "ops_per_s": ops,
+        "groups_per_s": groups / args.duration if phase == "rollouts" else None,
+        "samples_per_s": groups * args.group_size / args.duration if phase == "rollouts" else None,
+        "rejected_groups": sum(r.rejected_groups for r in records),
+        "server_cpu_ms_per_op": 1000 * cores["server"] / ops if ops else None,
+        "db_cpu_ms_per_op": 1000 * cores["db"] / ops if ops else None,
+        "db_procs_started": cores["db_procs_started"],
+        "cores": {"server": cores["server"], "db": cores["db"], "load_gen": load_gen,
+                  "other": max(0.0, cores["machine"] - cores["server"] - cores["db"] - load_gen)},
+    }
+
+
+def run_database(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
+    from api.local import PostgresServer
+
+    with ExitStack() as stack:
+        work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"echo2-load-{kind}-")))
+        db_pid = None
+        if kind == "postgres":
+            pg = stack.enter_context(PostgresServer())
+            db_url, db_pid = pg.url, pg.proc.pid  # type: ignore[union-attr]
+        else:
+            db_url = f"sqlite:///{work / 'data' / 'echo2.db'}"
+        (work / "data").mkdir(exist_ok=True)
+        proc, base_url = stack.enter_context(api_server(db_url, work / "data", args.lease_ttl))
+        t0 = time.monotonic()
+        fleet = build_fleet(base_url, db_url, work, args)
+        _say(f"[{kind}] {len(fleet.workers)} workers, job {fleet.job_id} with {args.prompts} prompts "
+             f"ready in {time.monotonic() - t0:.1f}s")
+        meter = CpuMeter(proc.pid, db_pid)
+        results = []
+        args.db_now = kind
+        for phase in args.phases:
+            result = run_phase(phase, base_url, fleet, meter, args)
+            result["db"] = kind
+            results.append(result)
+            _say(_format([result]))
+            if args.profile is not None and (stacks := args.profile / f"{kind}-{phase}.txt").exists():
+                _say("\n".join(hot_spots(stacks, args.top)))
+            if phase == "lease":
+                _say(f"[{kind}] released {release_leases(db_url, fleet.job_id)} leases before the next phase")
+        return results
+
+
+def _say(text: str) -> None:
+    print(text, flush=True)
+
+
+def _format(results: list[dict[str, Any]]) -> str:
+    head = (f"{'db':<8} {'phase':<9} {'endpoint':<9} {'conc':>4} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
+            f"{'groups/s':>8} {'samples/s':>9} {'CPU ms/op srv+db':>17}  {'cores srv/db/gen/other':<22}"
+            "  statuses")
+    lines = [head, "-" * len(head)]
+    for res in results:
+        c = res["cores"]
+        cores = f"{c['server']:.2f}/{c['db']:.2f}/{c['load_gen']:.2f}/{c['other']:.2f}"
+        for i, row in enumerate(res["rows"]):
+            ingest = row["endpoint"] == "rollouts"
+            groups = f"{res['groups_per_s']:8.0f}" if ingest else f"{'':>8}"
+            samples = f"{res['samples_per_s']:9.0f}" if ingest else f"{'':>9}"
+            cpu = (f"{res['server_cpu_ms_per_op']:.2f}+{res['db_cpu_ms_per_op']:.2f}/{res['unit']}"
+                   if i == 0 and res["ops_per_s"] else "")
+            lines.append(f"{res['db']:<8} {res['phase']:<9} {row['endpoint']:<9} {res['concurrency']:>4} "
+                         f"{row['rps']:7.0f} {row['p50_ms']:7.1f} {row['p99_ms']:7.1f} {groups} {samples} "
+                         f"{cpu:>17}  {cores if i == 0 else '':<22}  {row['statuses']}")
+        if res["errors"]:
+            lines.append(f"{'':<8} errors: {res['errors']}")
+        if res["db_procs_started"]:
+            lines.append(f"{'':<8} {res['db_procs_started']} PostgreSQL backends started during the window "
+                         "(connections opened beyond the pool)")
+    return "\n".join(lines)
+
+
+def _targets(results: list[dict[str, Any]]) -> list[str]:
+    out = []
+    for res in results:
+        main = res["rows"][0] if res["rows"] else None
+        if main is None:
+            continue
+        if res["phase"] == "heartbeat":
+            met = res["ops_per_s"] >= 1000 and main["p99_ms"] <= 50
+            out.append(f"{res['db']}: heartbeats {res['ops_per_s']:.0f}/s (target >= 1000), "
+                       f"p99 {main['p99_ms']:.1f} ms (target <= 50): {'MET' if met else 'MISSED'}")
+        if res["phase"] == "rollouts":
+            ingest = next(r for r in res["rows"] if r["endpoint"] == "rollouts")
+            as_samples = "MET" if res["samples_per_s"] >= 2000 else "MISSED"
+            as_groups = "MET" if res["groups_per_s"] >= 2000 else "MISSED"
+            out.append(f"{res['db']}: rollouts ingested {res['groups_per_s']:.0f} groups/s = "
+                       f"{res['samples_per_s']:.0f} samples/s, p99 {ingest['p99_ms']:.0f} ms per POST; "
+                       f"target >= 2000/s counted as samples: {as_samples}, as groups: {as_groups}")
+    return out
+
+
+def _concurrency(text: str) -> dict[str, int]:
+    """`32` for every phase, or `heartbeat=32,lease=8,rollouts=16`."""
+    if "=" not in text:
+        return dict.fromkeys(PHASES, int(text))
+    out = dict.fromkeys(PHASES, 16)
+    for part in text.split(","):
+        name, value = part.split("=")
+        if name not in PHASES:
+            raise argparse.ArgumentTypeError(f"unknown phase {name!r}; phases are {', '.join(PHASES)}")
+        out[name] = int(value)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
+    p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
+    p.add_argument("--duration", type=float, default=10.0, help="measured seconds per phase")
+    p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each phase's window")
+    p.add_argument("--workers", type=int, default=200, help="registered workers, each with its own token")
+    p.add_argument("--relay-every", type=int, default=4,
+                   help="every n-th worker advertises a relay URL (0: none)")
+    p.add_argument("--concurrency", type=_concurrency,
+                   default=_concurrency("heartbeat=32,lease=16,rollouts=16"),
+                   help="requests in flight: one number, or per phase like heartbeat=32,lease=16,rollouts=16")
+    p.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    p.add_argument("--prompts", type=int, default=100_000, help="prompts in the job's pool")
+    p.add_argument("--lease-prompts", type=int, default=16, help="prompts per lease")
+    p.add_argument("--group-size", type=int, default=8, help="G: samples per group")
+    p.add_argument("--tokens", type=int, default=64, help="completion tokens per sample")
+    p.add_argument("--groups-per-request", type=int, default=16, help="groups per rollout POST")
+    p.add_argument("--lease-ttl", type=float, default=60.0, help="ECHO2_LEASE_TTL_S of the server")
+    p.add_argument("--json", type=Path, help="also write the results here")
+    p.add_argument("--profile", type=Path, help="py-spy the server during each phase; collapsed stacks here")
+    p.add_argument("--profile-mode", choices=["cpu", "wall"], default="cpu",
+                   help="cpu: GIL holder only (what caps the process); wall: all threads, lock waits included")
+    p.add_argument("--py-spy", default="py-spy", help="py-spy executable (pip install py-spy)")
+    p.add_argument("--top", type=int, default=25, help="functions to list per profiled phase")
+    return p
+
+
+def _revision() -> str:
+    """The commit measured, and whether api/ differs from it (others may be editing the tree)."""
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "api"], cwd=root, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown revision"
+    return f"{head}{' + uncommitted api/ changes' if dirty else ''}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    args.phases = [p for p in args.phases.split(",") if p]
+    if unknown := set(args.phases) - set(PHASES):
+        _parser().error(f"unknown phases: {', '.join(sorted(unknown))}")
+    if max(args.concurrency[p] for p in args.phases) > args.workers:
+        _parser().error("concurrency cannot exceed --workers: each request in flight is its own worker's")
+    kinds = ["sqlite", "postgres"] if args.db == "both" else [args.db]
+    _say(f"load_api: {date.today()} at {_revision()}, {os.cpu_count()} CPUs, {args.clients} load-generator "
+         f"processes, {args.duration:g}s per phase after {args.warmup:g}s warmup; "
+         f"load average {os.getloadavg()[0]:.2f}")
+    results = [r for kind in kinds for r in run_database(kind, args)]
+    _say("\n" + _format(results))
+    _say("CPU ms/op: server (+ PostgreSQL) CPU per heartbeat, lease or accepted group. cores: CPU cores "
+         "busy in the window: server / database / load generator / everything else on the machine")
+    for line in _targets(results):
+        _say(line)
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
