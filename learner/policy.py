@@ -1,4 +1,5 @@
-"""Policy-side tensors: padded batches, per-token logprobs, micro-batches and a reference sampler.
+"""Policy-side tensors: padded batches, per-token logprobs, micro-batches, a reference sampler and
+the GRPO update (`grpo_update`: rollouts in, one optimiser step out).
 
 Layout of a batch. Prompts are LEFT-padded to a common length P and completions RIGHT-padded to a
 common length C, so every completion starts at column P:
@@ -20,6 +21,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+
+from learner.objective import ObjectiveConfig, group_advantages, grpo_loss, loss_denominator
 
 
 @dataclass(frozen=True)
@@ -203,3 +206,79 @@ def _collect(tokens: list[torch.Tensor], logps: list[torch.Tensor], eos_id: int,
         end = row_tok.index(eos_id) + 1 if eos_id in row_tok else len(row_tok)
         samples.append(Sample(row_tok[:end], row_lp[:end], eos_id in row_tok))
     return samples
+
+
+@dataclass(frozen=True)
+class Rollouts:
+    """One optimiser step's worth of scored rollouts (rows = samples; a group = one prompt's samples)."""
+
+    prompt_ids: Sequence[Sequence[int]]
+    completion_ids: Sequence[Sequence[int]]
+    behaviour_logprobs: Sequence[Sequence[float]]
+    rewards: Sequence[float]
+    group_ids: Sequence[int]
+    staleness: Sequence[int]  # learner step - policy version that sampled the row
+
+
+def grpo_update(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    rollouts: Rollouts,
+    cfg: ObjectiveConfig,
+    *,
+    temperature: float = 1.0,
+    max_tokens_per_micro_batch: int = 16384,
+    grad_clip: float | None = 1.0,
+    ref_model: torch.nn.Module | None = None,
+    pad_id: int = 0,
+) -> dict[str, float]:
+    """Advantages -> micro-batched loss with one global divisor -> one optimiser step.
+
+    Skips the step (stats["stepped"] = 0) when every group was dropped. Stats are token-weighted means.
+    """
+    adv = group_advantages(
+        torch.tensor(list(rollouts.rewards), dtype=torch.float32),
+        torch.tensor(list(rollouts.group_ids)),
+        scale_by_std=cfg.scale_by_std,
+        eps=cfg.std_eps,
+    )
+    stats = {"stepped": 0.0, "dropped_groups": float(adv.num_dropped), "kept_samples": float(adv.keep.sum())}
+    kept = [i for i, k in enumerate(adv.keep.tolist()) if k]
+    if not kept:
+        return stats
+    batch = pad_batch(rollouts.prompt_ids, rollouts.completion_ids, pad_id)
+    behaviour = pad_values(rollouts.behaviour_logprobs, batch.completion_len)
+    staleness = torch.tensor(list(rollouts.staleness))
+    denominator = loss_denominator(batch.completion_mask, adv.keep, cfg)
+    lengths = [len(rollouts.prompt_ids[i]) + len(rollouts.completion_ids[i]) for i in kept]
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    totals: dict[str, float] = {}
+    for part in micro_batches(lengths, max_tokens_per_micro_batch):
+        rows = [kept[j] for j in part]
+        mb = batch.select(rows)
+        logprobs = completion_logprobs(model, mb, temperature=temperature)
+        ref = None
+        if ref_model is not None:
+            with torch.no_grad():
+                ref = completion_logprobs(ref_model, mb, temperature=temperature)
+        loss, mb_stats = grpo_loss(
+            logprobs, behaviour[rows, : mb.completion_len], adv.advantages[rows], mb.completion_mask,
+            staleness[rows], cfg, ref_logprobs=ref, denominator=denominator,
+        )
+        loss.backward()
+        _accumulate(totals, mb_stats, float(loss.detach()))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    optimizer.step()
+    tokens = max(totals.pop("tokens"), 1.0)
+    stats.update({k: v / tokens for k, v in totals.items() if k != "loss"})
+    stats.update({"stepped": 1.0, "loss": totals["loss"], "grad_norm": float(grad_norm), "tokens": tokens})
+    return stats
+
+
+def _accumulate(totals: dict[str, float], mb_stats: dict[str, float], loss: float) -> None:
+    n = mb_stats["tokens"]
+    totals["tokens"] = totals.get("tokens", 0.0) + n
+    totals["loss"] = totals.get("loss", 0.0) + loss  # micro-batch losses share one divisor: they add up
+    for key in ("clip_frac", "cap_frac", "ratio_mean", "kl"):
+        totals[key] = totals.get(key, 0.0) + mb_stats[key] * n
