@@ -123,3 +123,34 @@ def test_gradient_accumulation_matches_full_batch(tiny_dir):
             loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
+
+
+def test_grpo_update_steps_only_on_signal(tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from learner.objective import ObjectiveConfig
+    from learner.policy import Rollouts, grpo_update
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    prompts = [tok("1+1=")["input_ids"]] * 2 + [tok("2+2=")["input_ids"]] * 2
+    model.eval()
+    out = sample(model, prompts, max_new_tokens=3, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                 generator=torch.Generator().manual_seed(0))
+    before = [p.detach().clone() for p in model.parameters()]
+
+    def rollouts(rewards):
+        return Rollouts(prompts, [s.completion_ids for s in out], [s.logprobs for s in out], rewards,
+                        [0, 0, 1, 1], [0, 0, 1, 1])
+
+    flat = grpo_update(model, opt, rollouts([1.0, 1.0, 0.0, 0.0]), ObjectiveConfig(), pad_id=tok.pad_token_id)
+    assert flat == {"stepped": 0.0, "dropped_groups": 2.0, "kept_samples": 0.0}
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+    stats = grpo_update(model, opt, rollouts([1.0, 0.0, 0.0, 0.0]), ObjectiveConfig(), pad_id=tok.pad_token_id,
+                        max_tokens_per_micro_batch=1)
+    assert stats["stepped"] == 1.0 and stats["dropped_groups"] == 1.0 and stats["kept_samples"] == 2.0
+    assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy: learner recomputes the same logprobs
+    assert stats["clip_frac"] == 0.0 and stats["grad_norm"] > 0
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
