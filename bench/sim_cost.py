@@ -95,6 +95,7 @@ def row(label: str, r: SimResult) -> dict:
         "fleet_usd_per_h": round(r.cost_workers / (j.wall_s / 3600), 4) if j.wall_s else 0.0,
         "total_usd": round(r.cost_total, 4),
         "sim_runtime_s": round(r.runtime_s, 2),
+        "sim_cpu_s": round(r.cpu_s, 2),
         "resolves": r.resolves,
     }
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {p['type']:<16}{p['count']!s:>10}{cells}  {p['down_mbps']} / {p['up_mbps']}")
     print(
         f"\n{'policy':<25}{'peak A':>7}{'wkr-h':>8}{'wall h':>8}{'util':>8}{'dropped':>8}{'lost':>5}"
-        f"{'fleet $/h':>10}{'learner $':>10}{'workers $':>10}{'total $':>9}{'vs (a)':>8}{'sim s':>7}"
+        f"{'fleet $/h':>10}{'learner $':>10}{'workers $':>10}{'total $':>9}{'vs (a)':>8}{'sim s':>7}{'cpu s':>7}"
     )
     for r in rows:
         cells = (
@@ -146,7 +147,9 @@ def main(argv: list[str] | None = None) -> int:
             f"{r['dropped_stale']:>8}{r['prompts_lost']:>5}{r['fleet_usd_per_h']:>10.3f}{r['learner_usd']:>10.2f}"
             f"{r['workers_usd']:>10.2f}"
         )
-        print(f"{r['policy']:<25}{cells}{r['total_usd']:>9.2f}{r['vs_a']:>8.3f}{r['sim_runtime_s']:>7.1f}")
+        print(
+            f"{r['policy']:<25}{cells}{r['total_usd']:>9.2f}{r['vs_a']:>8.3f}{r['sim_runtime_s']:>7.1f}{r['sim_cpu_s']:>7.1f}"
+        )
     print(
         f"\n(d) saving vs (a): {checks['d_saving_vs_a']:.1%} (target ≥ 33%): "
         f"{'ok' if checks['d_at_least_33pct_cheaper_than_a'] else 'MISSED'}"

@@ -268,6 +268,7 @@ class _Pair:
     q: Qualification
     cost: float  # price as the solver sees it (keep bias applied)
     locked: bool  # within dwell time on this job
+    serving: bool  # already serving this job
 
     @property
     def mu(self) -> float:
@@ -296,7 +297,7 @@ def _candidates(
             q = qualify(w, job)
             cost = w.price_per_h * (1 - config.keep_bias) if on_job else w.price_per_h
             dwell = now - state.activated_at.get(w.worker_id, now)
-            pair = _Pair(w, job, q, cost, on_job and q.ok and dwell < config.min_dwell_s)
+            pair = _Pair(w, job, q, cost, on_job and q.ok and dwell < config.min_dwell_s, on_job)
             if q.ok:
                 fresh[job.job_id].append(pair)
                 if pair.locked:
@@ -406,6 +407,35 @@ def _select(jobs: list[JobProfile], cands: _Candidates, config: SolverConfig) ->
     return chosen, notes
 
 
+def _lp_bound(pairs: list[_Pair], demand: float) -> float:
+    """Cheapest fractional cover of the demand (LP relaxation): no set of workers costs less."""
+    total, have = 0.0, 0.0
+    for p in sorted(pairs, key=lambda p: p.worker.price_per_h / p.mu):
+        if have >= demand:
+            break
+        take = min(1.0, (demand - have) / p.mu)
+        total += take * p.worker.price_per_h
+        have += take * p.mu
+    return total if have >= demand * (1 - _TOL) else float("inf")
+
+
+def _current_sets(jobs: list[JobProfile], cands: _Candidates, config: SolverConfig) -> dict | None:
+    """The sets serving each job now (minus workers that no longer qualify), or None when one of
+    them is more than `drift` short of its rule."""
+    current = {j.job_id: [p for p in cands.fresh[j.job_id] if p.serving] for j in jobs}
+    for job in jobs:
+        if sum(p.mu for p in current[job.job_id]) < required_throughput(job) * (1 - config.drift):
+            return None
+    return current if any(current.values()) else None
+
+
+def _keep_note(kept: float, best: float, config: SolverConfig, bound: bool) -> str:
+    saving = max(0.0, 1 - best / kept) if kept else 0.0
+    what = "no set is" if bound else "the re-solved set is"
+    return f"kept current set ({what} more than {config.keep_bias:.0%} cheaper: {saving:.1%})"
+
+
+# ---------------------------------------------------------------- decide
 # ---------------------------------------------------------------- decide
 
 
@@ -431,7 +461,22 @@ def decide(
         return _keep(jobs, workers, now, state, config, started)
     state = state or SolverState()
     cands = _candidates(jobs, workers, now, state, config)
+    # Set-level hysteresis: noisy inputs re-solve often, and near-equal sets must not swap each
+    # time. Keep the current sets while they cover their rules within `drift` unless another
+    # set is more than `keep_bias` cheaper; the LP bound settles most cases without a MILP.
+    current = _current_sets(jobs, cands, config) if config.method != "all" else None
+    if current is not None:
+        kept = sum(p.worker.price_per_h for ps in current.values() for p in ps)
+        bound = sum(_lp_bound(cands.fresh[j.job_id], required_throughput(j)) for j in jobs)
+        if bound >= kept * (1 - config.keep_bias):
+            note = _keep_note(kept, bound, config, bound=True)
+            return _record(jobs, workers, now, state, config, trigger or "", started, cands, current,
+                           {j.job_id: note for j in jobs})  # fmt: skip
     chosen, notes = _select(jobs, cands, config)
+    if current is not None:
+        best = sum(p.worker.price_per_h for ps in chosen.values() for p in ps)
+        if best >= kept * (1 - config.keep_bias):
+            chosen, notes = current, {j.job_id: _keep_note(kept, best, config, bound=False) for j in jobs}
     return _record(jobs, workers, now, state, config, trigger or "", started, cands, chosen, notes)
 
 
@@ -544,10 +589,13 @@ def _record(
     for job in jobs:
         picked = chosen[job.job_id]
         have = sum(p.mu for p in picked if p.q.ok)
-        feasible = have >= required_throughput(job) * (1 - _TOL)
+        slack = config.drift if notes[job.job_id].startswith("kept current set") else _TOL
+        feasible = have >= required_throughput(job) * (1 - slack)
         if not feasible:
             infeasible.append(job.job_id)
         reason = "meets the capacity rule" if feasible else _infeasible_reason(job, have, cands)
+        if feasible and have < required_throughput(job) * (1 - _TOL):
+            reason = f"within {config.drift:.0%} of the capacity rule ({have:.2f}/{required_throughput(job):.2f})"
         allocations.append(_allocation(job, [p.worker for p in picked], have, feasible, reason))
         for rank, p in enumerate(sorted(picked, key=lambda p: (p.cost / p.mu, p.worker.worker_id)), 1):
             wid = p.worker.worker_id

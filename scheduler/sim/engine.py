@@ -99,6 +99,7 @@ class _Worker:
     bcast: dict[str, float] = field(default_factory=dict)  # job -> last observed T_bcast
     last_hb: float = 0.0
     seconds_active: float = 0.0
+    errors: list[float] = field(default_factory=list)  # measurement errors (μ, T_bcast)
 
 
 class Simulation:
@@ -136,7 +137,7 @@ class Simulation:
         job.state[pid] = new
 
     def run(self) -> SimResult:
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         for job in self.jobs:
             self.push(job.spec.submit_at_s, SUBMIT, job)
         for w in self.workers:
@@ -160,7 +161,7 @@ class Simulation:
         for w in self.workers:
             if w.job is not None:
                 self._deactivate(w)
-        return self._result(time.perf_counter() - started)
+        return self._result(time.perf_counter() - started, time.process_time() - cpu_started)
 
     # ------------------------------------------------------------ learner
 
@@ -440,9 +441,22 @@ class Simulation:
                 job.orphans = keep
                 self._wake(job)
 
+    def _measurement_errors(self) -> None:
+        """Relative errors of the scheduler's smoothed measurements (μ, T_bcast) per worker: they
+        wander (an AR(1) process with a 5-minute correlation time), spread `measure_noise`."""
+        sigma = self.sc.measure_noise
+        rho = math.exp(-self.sc.tick_s / 300.0)
+        kick = sigma * math.sqrt(1 - rho * rho)
+        for w in self.workers:
+            if not w.errors:
+                w.errors = [self.rng.gauss(0, sigma), self.rng.gauss(0, sigma)]
+            else:
+                w.errors = [rho * e + self.rng.gauss(0, kick) for e in w.errors]
+
     def _profiles(self, running: list[_Job]) -> list[WorkerProfile]:
         noise = self.sc.measure_noise
-        rng = self.rng
+        if noise:
+            self._measurement_errors()
         out = []
         for w in self.workers:
             alive = w.alive or self.now - w.last_hb <= self.sc.dead_after_s
@@ -453,8 +467,8 @@ class Simulation:
                 measured = w.bcast.get(job.spec.job_id)  # the scheduler keeps the last measurement
                 t_bcast = measured if measured is not None else self._estimate_bcast(w, job)
                 if noise:
-                    mu *= 1 + rng.gauss(0, noise)
-                    t_bcast *= 1 + abs(rng.gauss(0, noise))
+                    mu *= max(0.5, 1 + w.errors[0])
+                    t_bcast *= max(0.5, 1 + w.errors[1])
                 perfs[job.spec.job_id] = WorkerPerf(mu, t_gen, t_bcast)
             first = perfs[running[0].spec.job_id]
             out.append(
@@ -492,7 +506,7 @@ class Simulation:
 
     # ------------------------------------------------------------ result
 
-    def _result(self, runtime_s: float) -> SimResult:
+    def _result(self, runtime_s: float, cpu_s: float) -> SimResult:
         jobs = []
         end = self.now
         for job in self.jobs:
@@ -528,6 +542,7 @@ class Simulation:
             n_workers=len(self.workers),
             sim_s=end,
             runtime_s=runtime_s,
+            cpu_s=cpu_s,
             jobs=jobs,
             worker_hours=sum(w.seconds_active for w in self.workers) / 3600,
             resolves=len(self.decisions),

@@ -76,7 +76,8 @@ class SimResult:
     method: str
     n_workers: int
     sim_s: float
-    runtime_s: float  # real seconds the simulation took
+    runtime_s: float  # wall-clock seconds the simulation took
+    cpu_s: float  # CPU seconds it took (less sensitive to a busy machine)
     jobs: list[JobResult]
     worker_hours: float
     resolves: int
@@ -115,6 +116,7 @@ class SimResult:
             "n_workers": self.n_workers,
             "sim_s": self.sim_s,
             "runtime_s": self.runtime_s,
+            "cpu_s": self.cpu_s,
             "cost": {"learner": self.cost_learner, "workers": self.cost_workers, "total": self.cost_total},
             "worker_hours": self.worker_hours,
             "prompts_lost": self.prompts_lost,
@@ -130,7 +132,7 @@ class SimResult:
         w = max([16, *(len(j.job_id) + 1 for j in self.jobs)])
         out = [
             f"scenario {self.scenario}: {self.n_workers} workers, solver {self.method}, "
-            f"simulated {self.sim_s / 3600:.2f} h in {self.runtime_s:.1f} s",
+            f"simulated {self.sim_s / 3600:.2f} h in {self.runtime_s:.1f} s ({self.cpu_s:.1f} s CPU)",
             "",
             f"{'job':<{w}}{'done':>5}{'steps':>7}{'wall h':>8}{'util':>7}{'steady':>8}"
             f"{'dropped':>9}{'lost':>6}{'peak A':>7}{'learner $':>11}{'workers $':>11}",

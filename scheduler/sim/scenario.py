@@ -103,7 +103,7 @@ class Scenario:
     lease_ttl_s: float = 60.0
     dead_after_s: float = 30.0  # a worker silent for this long is reported not alive
     max_sim_s: float = 10 * 86400.0
-    measure_noise: float = 0.0  # relative noise on the μ and T_bcast the scheduler measures
+    measure_noise: float = 0.0  # spread of the scheduler's measurement errors on μ and T_bcast
     relay: RelaySpec = field(default_factory=RelaySpec)
     solver: SolverConfig = field(default_factory=SolverConfig)
     events: tuple[EventSpec, ...] = ()

@@ -189,3 +189,13 @@ def test_cli_prints_a_summary_and_json(capsys: pytest.CaptureFixture[str]):
     assert data["prompts_lost"] == 0 and data["jobs"][0]["completed"]
     assert simulate_main(["does-not-exist.toml"]) == 2
     assert "scenario file not found" in capsys.readouterr().err
+
+
+def test_no_flapping_in_closed_loop_under_measurement_noise():
+    sc = load_scenario(SCENARIOS / "churn.toml")
+    result = simulate(dataclasses.replace(sc, events=(), measure_noise=0.03))
+    job = result.jobs[0]
+    assert job.completed and job.prompts_lost == 0 and job.utilisation > 0.95
+    first, *later = result.decisions
+    assert first.activated > 0
+    assert sum(d.activated + d.deactivated for d in later) == 0, [d.trigger for d in later]
