@@ -436,7 +436,6 @@ def _keep_note(kept: float, best: float, config: SolverConfig, bound: bool) -> s
 
 
 # ---------------------------------------------------------------- decide
-# ---------------------------------------------------------------- decide
 
 
 def decide(
@@ -560,6 +559,8 @@ def _activate_reason(p: _Pair, note: str, rank: int) -> str:
         prefix = "activate-all baseline, stale-prone" if note == "all" else "best effort, closest to fresh"
         return f"{prefix}: {p.q.reason}"
     fresh = f"T_bcast+T_gen {p.q.latency_s:.1f}s ≤ slack {p.q.slack_s:.1f}s"
+    if p.q.share < 1:
+        fresh += f", admissible share {p.q.share:.0%}"
     if note == "all":
         return f"activate-all baseline ({fresh})"
     if note == "partial":
@@ -605,6 +606,8 @@ def _record(
                 activated_at[wid] = state.activated_at.get(wid, now)
                 dwell = now - activated_at[wid]
                 why = f"within dwell time ({dwell:.0f}s < {config.min_dwell_s:.0f}s)" if p.locked else None
+                if why is None and notes[job.job_id].startswith("kept current set"):
+                    why = notes[job.job_id]
                 why = why or ("still chosen" if p.q.ok else _activate_reason(p, notes[job.job_id], rank))
                 lines.append(WorkerDecision(wid, Action.KEEP, job.job_id, why))
             else:
@@ -654,5 +657,6 @@ def _unassigned_lines(
         else:
             distinct = set(reasons.values())
             why = distinct.pop() if len(distinct) == 1 else "; ".join(f"{j}: {r}" for j, r in reasons.items())
+            why = why or "no running job"
             lines.append(WorkerDecision(wid, Action.SKIP, None, why))
     return lines

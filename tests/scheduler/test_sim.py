@@ -199,3 +199,14 @@ def test_no_flapping_in_closed_loop_under_measurement_noise():
     first, *later = result.decisions
     assert first.activated > 0
     assert sum(d.activated + d.deactivated for d in later) == 0, [d.trigger for d in later]
+
+
+def test_spot_preemption_and_rejoin_lose_nothing():
+    sc = load_scenario(SCENARIOS / "churn.toml")
+    spot = tuple(dataclasses.replace(t, preempt_mean_s=1800, rejoin_after_s=300) for t in sc.worker_types)
+    result = simulate(dataclasses.replace(sc, worker_types=spot, events=()))
+    job = result.jobs[0]
+    assert len(result.kills) > 50 and result.lease_returns
+    assert job.completed and job.prompts_lost == 0 and job.prompts_consumed == job.prompts_total
+    assert all(r.returned_at - r.killed_at <= sc.lease_ttl_s + sc.tick_s for r in result.lease_returns)
+    assert job.utilisation > 0.85
