@@ -99,6 +99,8 @@ class Dashboard:
     problems: list[str] = field(default_factory=list)
     expected: list[tuple[int, str]] = field(default_factory=list)
     api_calls: set[tuple[str, str]] = field(default_factory=set)
+    in_flight: set[Any] = field(default_factory=set)
+    closing: bool = False
 
     def goto(self, path: str) -> None:
         self.page.goto(self.api.url + path)
@@ -127,7 +129,7 @@ class Dashboard:
         return any(status == s and part in url for s, part in self.expected)
 
     def on_console(self, msg: Any) -> None:
-        if msg.type != "error":
+        if msg.type != "error" or self.closing:
             return
         url = (msg.location or {}).get("url", "")
         m = re.search(r"status of (\d{3})", msg.text)
@@ -147,13 +149,31 @@ class Dashboard:
             self.problems.append(f"HTTP {response.status} for {response.request.method} {url}")
 
     def on_request_failed(self, request: Any) -> None:
+        self.in_flight.discard(request)
         failure = request.failure or ""
+        if self.closing:
+            return
         if "ERR_ABORTED" in failure:  # a poll cut short by navigating away, not an error
             return
         self.problems.append(f"request failed: {request.method} {request.url}: {failure}")
 
     def check(self) -> None:
         assert not self.problems, "problems in the browser:\n" + "\n".join(self.problems)
+
+
+def close_dashboard(context: Any, ui: Dashboard) -> None:
+    """Stop the page's polling and let requests already at the server finish, then close the browser context.
+
+    The next test wipes the database; a request still running then (e.g. on PostgreSQL, holding a lock that
+    TRUNCATE needs) would deadlock with it. New API calls are refused in the browser, never sent.
+    """
+    ui.closing = True
+    context.route("**/v1/**", lambda route: route.abort())
+    for _ in range(100):
+        if not ui.in_flight:
+            break
+        ui.page.wait_for_timeout(50)
+    context.close()
 
 
 def open_dashboard(browser: Any, api: Api, routes: list[tuple[str, re.Pattern[str]]],
@@ -166,6 +186,8 @@ def open_dashboard(browser: Any, api: Api, routes: list[tuple[str, re.Pattern[st
     page.on("pageerror", lambda exc: ui.problems.append(f"uncaught exception: {exc}"))
     page.on("response", ui.on_response)
     page.on("requestfailed", ui.on_request_failed)
+    page.on("request", lambda request: ui.in_flight.add(request))
+    page.on("requestfinished", lambda request: ui.in_flight.discard(request))
     return context, ui
 
 
@@ -174,5 +196,5 @@ def ui(browser: Any, api: Api, api_routes: list[tuple[str, re.Pattern[str]]]) ->
     """A fresh browser context (empty sessionStorage) on a clean control plane; closed before the API is wiped."""
     context, dashboard = open_dashboard(browser, api, api_routes, viewport={"width": 1366, "height": 900})
     yield dashboard
-    context.close()
+    close_dashboard(context, dashboard)
     dashboard.check()

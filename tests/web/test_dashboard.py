@@ -26,7 +26,7 @@ from tests.factories import (
     running_job,
     submit_group,
 )
-from tests.web.conftest import Dashboard, open_dashboard
+from tests.web.conftest import Dashboard, close_dashboard, open_dashboard
 
 pytestmark = pytest.mark.e2e
 
@@ -360,5 +360,5 @@ def test_pages_fit_a_phone(api, browser, api_routes, training):
         ui.page.locator('figure[data-chart="reward"][data-points="2"]').wait_for()
         ui.shot("job-phone")
     finally:
-        context.close()
+        close_dashboard(context, ui)
     ui.check()

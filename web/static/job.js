@@ -36,7 +36,9 @@ E2.page("job", () => {
     setText("#sum-reward", fmt.num(job.reward_mean));
     $("#sum-cost").replaceChildren(fmt.usd(job.cost.total_usd), h("small", { class: "muted" },
       `learner ${fmt.usd(job.cost.learner_usd)} · workers ${fmt.usd(job.cost.workers_usd)}`));
-    setText("#sum-version", job.version ?? "none yet");
+    setText("#sum-version", job.final_version !== null && job.final_version !== undefined
+      ? `${job.version} (final checkpoint: ${job.final_version})` : job.version ?? "none yet");
+    setText('#ckpt-version option[value=""]', defaultCheckpoint());
     setText("#sum-model", spec.base_model);
     const params = Object.entries(spec.task.params || {}).map(([k, v]) => `${k}=${v}`).join(", ");
     setText("#sum-task", spec.task.name + (params ? ` (${params})` : ""));
@@ -96,6 +98,12 @@ E2.page("job", () => {
       button.disabled = false;
     }
   });
+
+  /** What the API sends without ?version=: the final checkpoint once there is one, else the latest. */
+  function defaultCheckpoint() {
+    const final = job && job.final_version;
+    return final !== null && final !== undefined ? `Final (version ${final})` : "Latest published";
+  }
 
   function filename(disposition) {
     const m = /filename="([^"]+)"/.exec(disposition || "");
@@ -182,7 +190,7 @@ E2.page("job", () => {
       versionsSeen = versions.length;
       const select = $("#ckpt-version");
       const chosen = select.value;
-      select.replaceChildren(h("option", { value: "" }, "Final / latest"),
+      select.replaceChildren(h("option", { value: "" }, defaultCheckpoint()),
         ...versions.slice().reverse().map((v) => h("option", { value: String(v.version) }, `Version ${v.version} (step ${v.step})`)));
       select.value = chosen;
     }
