@@ -27,12 +27,12 @@ Throughput   Σ_{i∈A} u_i · μ_i ≥ (1 + h) · R / T_train — otherwise the
     arrive by (x + S)·T_train: groups can be started with x during a window of
     W_i = S·T_train − L_i. A slot fits ⌊W_i / T_gen,i⌋ + 1 groups in it per κ·T_train, so
 
-        u_i = min(1, (⌊W_i / T_gen,i⌋ + 1) · T_gen,i / (κ · T_train)),   u_i = 1 iff L_i ≤ (S − κ)·T_train.
+        u_i = min(1, (⌊W_i / T_gen,i⌋ + 1) · T_gen,i / (κ · T_train)),   and u_i = 1 when L_i ≤ (S − κ)·T_train.
 
-    The freshness bound above is exactly where a worker still fits one group per version
-    window (W_i ≥ (κ − 1)·T_train), so u_i > 0 for every qualifying worker, but a worker near
-    the bound yields little: with S = 2, κ = 1, T_train = 20 s and L_i = 35 s, u_i = 0.6 (the
-    simulator measures this; counting such workers at full μ left the learner 22 % idle).
+    Every worker inside the freshness bound has W_i ≥ (κ − 1)·T_train ≥ 0, so it fits at least
+    one group per version window and u_i > 0; but a worker near the bound yields little: with
+    S = 2, κ = 1, T_train = 20 s and L_i = 35 s, u_i = 0.6 (in the simulator, counting such
+    workers at full μ left the learner about a fifth idle).
     For κ = S = 1, T_bcast = 0 and T_gen = T_train — one batch generated per learner step, the
     PRIME-RL k = 1 setting — u = 1: one step of asynchrony hides generation of equal length.
     Feed μ as the raw generation rate; a measured accepted-rollouts rate already includes u.
