@@ -25,6 +25,7 @@ def _parser() -> argparse.ArgumentParser:
     lr.add_argument("--server", help="control-plane URL (default ECHO2_PUBLIC_URL)")
     lr.add_argument("--work-dir", help="checkpoints and model cache (default DATA_DIR/learner)")
     lr.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    lr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     model = sub.add_parser("model", help="build or import the built-in models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("tiny", help="write the random-init tiny Qwen2 + byte-level BPE tokenizer")
@@ -80,7 +81,7 @@ def _learner(settings, args: argparse.Namespace) -> int:  # type: ignore[no-unty
     work = Path(args.work_dir) if args.work_dir else settings.data_dir / "learner"
     plane = ControlPlane(args.server or settings.public_url, token, args.job)
     try:
-        Learner(plane, LearnerOptions(work_dir=work, device=args.device)).run()
+        Learner(plane, LearnerOptions(work_dir=work, device=args.device, threads=args.threads)).run()
     finally:
         plane.close()
     return 0

@@ -38,6 +38,7 @@ class LearnerOptions:
     device: str = "auto"
     chunk_size: int = 8 * 2**20
     heartbeat_s: float = 2.0
+    threads: int | None = None  # torch intra-op threads; 1 suits tiny models sharing a small machine
 
 
 class Learner:
@@ -50,14 +51,19 @@ class Learner:
         self._stop = threading.Event()
 
     def run(self) -> None:
+        if self.opt.threads:
+            torch.set_num_threads(self.opt.threads)
         reply = self.plane.start()
         spec = reply.job.spec
         self.step = reply.step
         work = self.opt.work_dir / self.plane.job_id
         model, tokenizer = _load(spec, self.opt.work_dir / "models", self._device(spec))
-        trainer = GRPOTrainer(model, tokenizer, spec, self._device(spec), _reference(model, spec))
+        trainer = GRPOTrainer(model, tokenizer, spec, _reference(model, spec))
         restored = checkpoint.load_latest(work / "checkpoints", model, trainer.optimizer, trainer.scheduler)
         consumed = restored.consumed if restored else set()
+        if restored is not None:
+            log.info("resumed from checkpoint at step %d; the control plane has committed %d steps",
+                     restored.step, self.step)
         publisher = Publisher(self.plane, model, tokenizer, work / "publish", self.opt.chunk_size)
         beat = threading.Thread(target=self._heartbeat_loop, name="learner-heartbeat", daemon=True)
         beat.start()

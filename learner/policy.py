@@ -36,6 +36,10 @@ class PaddedBatch:
     def completion_len(self) -> int:
         return self.completion_mask.shape[1]
 
+    def to(self, device: torch.device) -> PaddedBatch:
+        return PaddedBatch(self.input_ids.to(device), self.attention_mask.to(device),
+                           self.completion_mask.to(device), self.prompt_len)
+
     def select(self, rows: Sequence[int]) -> PaddedBatch:
         """Rows of this batch, trimmed to the columns they use (for micro-batches)."""
         idx = torch.as_tensor(list(rows), dtype=torch.long)
@@ -254,17 +258,20 @@ def grpo_update(
     model.train()
     optimizer.zero_grad(set_to_none=True)
     totals: dict[str, float] = {}
+    device = next(model.parameters()).device
     for part in micro_batches(lengths, max_tokens_per_micro_batch):
         rows = [kept[j] for j in part]
-        mb = batch.select(rows)
-        logprobs = completion_logprobs(model, mb, temperature=temperature)
-        ref = None
-        if ref_model is not None:
-            with torch.no_grad():
-                ref = completion_logprobs(ref_model, mb, temperature=temperature)
+        mb = batch.select(rows).to(device)
+        with _autocast(device):
+            logprobs = completion_logprobs(model, mb, temperature=temperature)
+            ref = None
+            if ref_model is not None:
+                with torch.no_grad():
+                    ref = completion_logprobs(ref_model, mb, temperature=temperature)
         loss, mb_stats = grpo_loss(
-            logprobs, behaviour[rows, : mb.completion_len], adv.advantages[rows], mb.completion_mask,
-            staleness[rows], cfg, ref_logprobs=ref, denominator=denominator,
+            logprobs.float(), behaviour[rows, : mb.completion_len].to(device), adv.advantages[rows].to(device),
+            mb.completion_mask, staleness[rows].to(device), cfg,
+            ref_logprobs=None if ref is None else ref.float(), denominator=denominator,
         )
         loss.backward()
         _accumulate(totals, mb_stats, float(loss.detach()))
@@ -274,6 +281,12 @@ def grpo_update(
     stats.update({k: v / tokens for k, v in totals.items() if k != "loss"})
     stats.update({"stepped": 1.0, "loss": totals["loss"], "grad_norm": float(grad_norm), "tokens": tokens})
     return stats
+
+
+def _autocast(device: torch.device) -> torch.autocast:
+    """bf16 compute on CUDA (master weights stay fp32); plain fp32 elsewhere."""
+    use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
 
 def _accumulate(totals: dict[str, float], mb_stats: dict[str, float], loss: float) -> None:

@@ -14,8 +14,8 @@ from echo2.protocol import ClaimedGroup, JobSpec
 
 from learner.tasks import TaskPrompt, get_task
 
-from .objective import ObjectiveConfig, group_advantages, grpo_loss, loss_denominator
-from .policy import PaddedBatch, completion_logprobs, micro_batches, pad_batch, pad_values
+from .objective import ObjectiveConfig
+from .policy import grpo_update
 
 log = logging.getLogger(__name__)
 
@@ -36,11 +36,13 @@ class StepResult:
 
 @dataclass
 class _Rows:
-    prompts: list[list[int]] = field(default_factory=list)
-    completions: list[list[int]] = field(default_factory=list)
-    behaviour: list[list[float]] = field(default_factory=list)
+    """Scored samples of one step, in the shape `policy.grpo_update` takes (`policy.Rollouts`)."""
+
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    completion_ids: list[list[int]] = field(default_factory=list)
+    behaviour_logprobs: list[list[float]] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
-    groups: list[int] = field(default_factory=list)
+    group_ids: list[int] = field(default_factory=list)
     staleness: list[int] = field(default_factory=list)
 
 
@@ -51,8 +53,8 @@ def objective_config(spec: JobSpec) -> ObjectiveConfig:
 
 
 class GRPOTrainer:
-    def __init__(self, model: Any, tokenizer: Any, spec: JobSpec, device: torch.device, ref_model: Any = None):
-        self.model, self.tokenizer, self.spec, self.device, self.ref_model = model, tokenizer, spec, device, ref_model
+    def __init__(self, model: Any, tokenizer: Any, spec: JobSpec, ref_model: Any = None):
+        self.model, self.tokenizer, self.spec, self.ref_model = model, tokenizer, spec, ref_model
         self.task = get_task(spec.task.name)
         self.task_params = self.task.parse_params(spec.task.params)
         self.cfg = objective_config(spec)
@@ -87,11 +89,11 @@ class GRPOTrainer:
                 continue
             prompt_ids = list(group.prompt_token_ids)
             for sample, reward in zip(group.samples, rewards, strict=True):
-                rows.prompts.append(prompt_ids)
-                rows.completions.append(list(sample.token_ids))
-                rows.behaviour.append(list(sample.logprobs))
+                rows.prompt_ids.append(prompt_ids)
+                rows.completion_ids.append(list(sample.token_ids))
+                rows.behaviour_logprobs.append(list(sample.logprobs))
                 rows.rewards.append(float(reward))  # type: ignore[arg-type]
-                rows.groups.append(gi)
+                rows.group_ids.append(gi)
                 rows.staleness.append(staleness)
         result.staleness_hist = hist
         if all_rewards:
@@ -116,57 +118,14 @@ class GRPOTrainer:
         return out
 
     def _optimise(self, rows: _Rows, result: StepResult) -> None:
-        adv = group_advantages(torch.tensor(rows.rewards), torch.tensor(rows.groups),
-                               scale_by_std=self.cfg.scale_by_std)
-        result.groups_dropped += adv.num_dropped
-        kept = [i for i in range(len(rows.rewards)) if bool(adv.keep[i])]
-        if not kept:
-            return
-        batch = pad_batch(rows.prompts, rows.completions, self.pad_id)
-        behaviour = pad_values(rows.behaviour, batch.completion_len)
-        staleness = torch.tensor(rows.staleness)
-        denominator = loss_denominator(batch.completion_mask, adv.keep, self.cfg)
-        lengths = [len(rows.prompts[i]) + len(rows.completions[i]) for i in kept]
-        totals = {"loss": 0.0, "kl": 0.0, "clip_frac": 0.0, "tokens": 0.0}
-        self.model.train()
-        for chunk in micro_batches(lengths, self.spec.grpo.micro_batch_tokens):
-            idx = [kept[i] for i in chunk]
-            self._accumulate(batch.select(idx), behaviour[idx], adv.advantages[idx], staleness[idx], denominator,
-                             totals)
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.spec.grpo.max_grad_norm)
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        n = max(totals["tokens"], 1.0)
-        result.loss, result.kl, result.clip_frac = totals["loss"], totals["kl"] / n, totals["clip_frac"] / n
-        result.tokens = int(totals["tokens"])
-
-    def _accumulate(self, mb: PaddedBatch, behaviour: torch.Tensor, advantages: torch.Tensor,
-                    staleness: torch.Tensor, denominator: float, totals: dict[str, float]) -> None:
-        mb = _to(mb, self.device)
-        temperature = self.spec.grpo.temperature
-        with self._autocast():
-            logp = completion_logprobs(self.model, mb, temperature=temperature)
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = completion_logprobs(self.ref_model, mb, temperature=temperature)
-        width = mb.completion_len
-        loss, stats = grpo_loss(logp.float(), behaviour[:, :width].to(self.device), advantages.to(self.device),
-                                mb.completion_mask, staleness.to(self.device), self.cfg,
-                                ref_logprobs=None if ref is None else ref.float(), denominator=denominator)
-        loss.backward()
-        totals["loss"] += float(loss.detach())
-        for key in ("kl", "clip_frac"):
-            totals[key] += stats[key] * stats["tokens"]
-        totals["tokens"] += stats["tokens"]
-
-    def _autocast(self) -> Any:
-        if self.device.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return torch.autocast("cpu", enabled=False)
+        g = self.spec.grpo
+        stats = grpo_update(self.model, self.optimizer, rows, self.cfg, temperature=g.temperature,
+                            max_tokens_per_micro_batch=g.micro_batch_tokens, grad_clip=g.max_grad_norm,
+                            ref_model=self.ref_model, pad_id=self.pad_id)
+        if stats["stepped"]:
+            self.scheduler.step()
+        result.groups_dropped += int(stats["dropped_groups"])
+        result.loss, result.kl = stats.get("loss", 0.0), stats.get("kl", 0.0)
+        result.clip_frac, result.tokens = stats.get("clip_frac", 0.0), int(stats.get("tokens", 0))
 
 
-def _to(batch: PaddedBatch, device: torch.device) -> PaddedBatch:
-    return PaddedBatch(batch.input_ids.to(device), batch.attention_mask.to(device),
-                       batch.completion_mask.to(device), batch.prompt_len)

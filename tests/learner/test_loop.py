@@ -27,12 +27,12 @@ def demo_spec(staleness: int, max_steps: int) -> dict:
     }
 
 
-def run_job(api, tmp_path, staleness: int, lag: int, max_steps: int = 60):
+def run_job(api, tmp_path, staleness: int, lag: int, max_steps: int = 130):
     _, alice = new_user(api)
     job = ok(alice.post("/v1/jobs", json=demo_spec(staleness, max_steps)), 201)
     token = learner_for(api, job["id"]).headers["Authorization"].split()[1]
     plane = ControlPlane(api.url, token, job["id"])
-    learner = Learner(plane, LearnerOptions(work_dir=tmp_path / "learner", heartbeat_s=0.5))
+    learner = Learner(plane, LearnerOptions(work_dir=tmp_path / "learner", heartbeat_s=0.5, threads=1))
     thread = threading.Thread(target=learner.run, daemon=True)
     thread.start()
     _, provider = new_provider(api)
