@@ -26,6 +26,18 @@ def _parser() -> argparse.ArgumentParser:
     lr.add_argument("--work-dir", help="checkpoints and model cache (default DATA_DIR/learner)")
     lr.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     lr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    sub.add_parser("scheduler", help="run the scheduler: Celery worker with embedded beat (reconcile ticks)")
+    host = sub.add_parser("learner-host", help="run a learner host: a Celery worker on the queue `learner`")
+    host.add_argument("--concurrency", type=int, default=1, help="learners run at once on this host")
+    for name, text in (("up", "run everything locally: Redis, API, scheduler, learner host, N CPU workers"),
+                       ("demo", "`up`, then train the demo job and follow it live (exit 0 if it succeeded)")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--workers", type=int, default=2, help="local CPU workers")
+        cmd.add_argument("--port", type=int, help="API port (default ECHO2_PORT)")
+        if name == "demo":
+            cmd.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
+            cmd.add_argument("--steps", type=int, help="max learner steps (default: 130 tiny, 5 smollm2)")
+            cmd.add_argument("--staleness", type=int, default=2, help="staleness bound S")
     model = sub.add_parser("model", help="build or import the built-in models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
     tiny = model_sub.add_parser("tiny", help="write the random-init tiny Qwen2 + byte-level BPE tokenizer")
@@ -63,7 +75,45 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _learner(settings, args)
     if args.command == "model":
         return _model(args)
+    if args.command in ("scheduler", "learner-host"):
+        return _celery(settings, args)
+    if args.command in ("up", "demo"):
+        return _up(settings, args)
     return _serve(settings, args)
+
+
+def _celery(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    from scheduler.celery_app import DEFAULT_QUEUE, LEARNER_QUEUE, create_celery
+
+    app = create_celery(settings)
+    if args.command == "scheduler":
+        schedule = settings.data_dir / "celerybeat-schedule"
+        argv = ["worker", "-B", "-s", str(schedule), "-Q", DEFAULT_QUEUE, "-n", "scheduler@%h", "--concurrency", "1"]
+    else:
+        argv = ["worker", "-Q", LEARNER_QUEUE, "-n", "learner-host@%h", "--concurrency", str(args.concurrency)]
+    app.worker_main([*argv, "--loglevel", settings.log_level, "--without-gossip", "--without-mingle"])
+    return 0
+
+
+def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    from .stack import Stack, serve_forever
+
+    if args.port:
+        settings = settings.model_copy(update={"port": args.port, "public_url": f"http://{settings.host}:{args.port}"})
+    stack = Stack(settings.model_copy(update={"data_dir": settings.data_dir.resolve()}), workers=args.workers)
+    print(f"starting Echo2 in {stack.settings.data_dir} ...", flush=True)
+    stack.start()
+    print(f"Echo2 is up: dashboard {stack.url}/  (admin API key in {stack.settings.data_dir / 'admin.key'}: "
+          f"{stack.admin_key})\nlogs: {stack.run_dir}/*.log   stop with Ctrl-C", flush=True)
+    if args.command == "up":
+        serve_forever(stack)
+        return 0
+    from .demo import run_demo
+
+    try:
+        return run_demo(stack, args.model, args.steps, args.staleness)
+    finally:
+        stack.stop()
 
 
 def _learner(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]

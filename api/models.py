@@ -107,6 +107,7 @@ class Worker(Base):
     accepted_rollouts: Mapped[int] = mapped_column(Integer, default=0)
     rejected_rollouts: Mapped[int] = mapped_column(Integer, default=0)
     bad_chunks: Mapped[int] = mapped_column(Integer, default=0)
+    earned_usd: Mapped[float] = mapped_column(Float, default=0.0)
     active_since: Mapped[datetime | None]
     last_heartbeat_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -149,6 +150,8 @@ class Job(Base):
     learner_busy_s: Mapped[float] = mapped_column(Float, default=0.0)
     learner_wall_s: Mapped[float] = mapped_column(Float, default=0.0)
     learner_heartbeat_at: Mapped[datetime | None]
+    learner_launched_at: Mapped[datetime | None]
+    learner_launches: Mapped[int] = mapped_column(Integer, default=0)
     idempotency_key: Mapped[str | None] = mapped_column(String(128))
     request_hash: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -248,3 +251,26 @@ class StepMetric(Base):
     rollouts_per_s: Mapped[float | None] = mapped_column(Float)
     cost_usd: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Decision(Base):
+    """One line of an activation decision, with the inputs it was made from (for explanations)."""
+
+    __tablename__ = "decisions"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    worker_id: Mapped[str] = mapped_column(String(32))
+    action: Mapped[str] = mapped_column(String(16))
+    line: Mapped[str] = mapped_column(String(512))
+    trigger: Mapped[str] = mapped_column(String(256))
+    inputs: Mapped[dict[str, Any]]
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class SchedulerState(Base):
+    """Small named JSON values the reconcile loop carries between ticks (solver state, last tick)."""
+
+    __tablename__ = "scheduler_state"
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    value: Mapped[dict[str, Any]]
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)

@@ -28,6 +28,12 @@ class Settings(BaseSettings):
     heartbeat_interval_s: float = Field(2.0, gt=0, description="How often workers should heartbeat.")
     worker_offline_after_s: float = Field(15.0, gt=0, description="No heartbeat for this long: offline.")
     learner_price_per_hour: float = Field(2.0, ge=0, description="Default reserved learner price ($/h).")
+    reconcile_interval_s: float = Field(2.0, gt=0, description="Scheduler tick period.")
+    learner_start_timeout_s: float = Field(300.0, gt=0, description="A launched learner must start by then.")
+    learner_dead_after_s: float = Field(30.0, gt=0, description="No learner heartbeat for this long: relaunch.")
+    learner_threads: int | None = Field(None, ge=1, le=1024, description="torch threads per learner run.")
+    solver: Literal["milp", "greedy", "all"] = Field("milp", description="Worker activation method.")
+    min_dwell_s: float = Field(60.0, ge=0, description="An activated worker keeps its job at least this long.")
     relay_fanout: int = Field(2, ge=1, le=16, description="Children per relay peer in the dissemination tree.")
     log_level: str = Field("INFO", description="Python logging level.")
 

@@ -17,10 +17,8 @@ from echo2.protocol import (
 )
 from fastapi import APIRouter
 
-from .. import auth
 from ..deps import AdminUser, LearnerJobId, SessionDep, learner_job, owned_job
 from ..errors import ApiError
-from ..models import Job
 from ..services import admission, learning
 from ..services.jobs import finish_job, job_read
 
@@ -31,15 +29,9 @@ router = APIRouter(prefix="/v1/jobs/{job_id}/learner", tags=["learner"])
              summary="Issue the job's learner token (admin); earlier learner tokens are revoked")
 def issue_token(job_id: str, admin: AdminUser, db: SessionDep) -> LearnerTokenIssued:
     job = owned_job(db, admin, job_id)
-    plain = issue_learner_token(db, job)
+    plain = learning.issue_learner_token(db, job)
     db.commit()
     return LearnerTokenIssued(job_id=job.id, token=plain)
-
-
-def issue_learner_token(db: SessionDep, job: Job) -> str:
-    auth.revoke_all(db, "learner", job.id)
-    _, plain = auth.issue_token(db, "learner", job.id)
-    return plain
 
 
 @router.post("/start", operation_id="learner_start",

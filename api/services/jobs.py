@@ -48,7 +48,8 @@ def create_job(
     except IntegrityError:
         existing = db.scalar(select(Job).where(Job.owner_id == user.id, Job.idempotency_key == idempotency_key))
         if existing is None or existing.request_hash != request_hash:
-            raise ApiError(422, "Idempotency-Key was already used with a different body", field="Idempotency-Key")
+            raise ApiError(422, "Idempotency-Key was already used with a different body",
+                           field="Idempotency-Key") from None
         return existing, False
     rows = [
         {"job_id": job.id, "index": i, "text": text, "reference": ref,

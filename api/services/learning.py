@@ -6,6 +6,7 @@ from echo2.protocol import JobStatus, StepAck, StepReport
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
+from .. import auth
 from ..errors import ApiError
 from ..models import Job, Prompt, Rollout, StepMetric, utcnow
 from .admission import release_claims
@@ -90,3 +91,11 @@ def record_heartbeat(job: Job, busy_s: float, wall_s: float) -> None:
 
 def ack(job: Job) -> StepAck:
     return _ack(job)
+
+
+def issue_learner_token(db: Session, job: Job) -> str:
+    """A fresh learner token for the job; earlier ones are revoked, so a learner presumed dead (but
+    maybe only partitioned) can no longer report steps once its replacement is launched."""
+    auth.revoke_all(db, "learner", job.id)
+    _, plain = auth.issue_token(db, "learner", job.id)
+    return plain

@@ -1,0 +1,65 @@
+"""`echo2-server demo`: `up`, then a real GRPO job on the tiny model (or SmolLM2-135M), followed live
+in the terminal, ending with a one-line summary. Exit code 0 when the job succeeded."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any, TextIO
+
+from echo2 import Client
+
+from learner.tasks.arithmetic import DEMO_DEFAULTS
+
+from .stack import Stack
+
+MODELS = {"tiny": "echo2:tiny", "smollm2": "echo2:smollm2"}
+
+
+def demo_spec(model: str, steps: int | None, staleness: int) -> dict[str, Any]:
+    d = DEMO_DEFAULTS
+    spec: dict[str, Any] = {
+        "name": f"demo-{model}", "base_model": MODELS[model], "staleness": staleness, "publish_period": 1,
+        "task": {"name": d["task"], "params": d["task_params"]}, "max_steps": steps or 130, "checkpoint_every": 10,
+        "grpo": {"group_size": d["group_size"], "prompts_per_step": d["prompts_per_step"], "lr": d["lr"],
+                 "max_new_tokens": d["max_new_tokens"], "temperature": d["temperature"], "eps_low": d["eps_low"],
+                 "eps_high": d["eps_high"], "ratio_cap": d["ratio_cap"]},
+    }
+    if model == "smollm2":  # a real instruct model: gentler updates, smaller steps on CPU
+        spec["grpo"].update({"lr": 1e-5, "prompts_per_step": 8, "group_size": 4, "max_new_tokens": 16})
+        spec["max_steps"] = steps or 5
+    return spec
+
+
+def run_demo(stack: Stack, model: str, steps: int | None, staleness: int, out: TextIO = sys.stdout) -> int:
+    start = time.monotonic()
+    with Client(base_url=stack.url, api_key=stack.admin_key, timeout=60) as client:
+        job = client.jobs.create(demo_spec(model, steps, staleness))
+        print(f"submitted {job.id}: {job.spec.base_model} on {job.spec.task.name}, S={staleness}, "
+              f"{job.spec.max_steps} steps; dashboard {stack.url}/jobs/{job.id}", file=out, flush=True)
+        rewards = _follow(client, job.id, out)
+        final = client.jobs.get(job.id)
+    took = time.monotonic() - start
+    first = f"{rewards[0]:.2f}" if rewards else "n/a"
+    last = f"{max(rewards[-3:]):.2f}" if rewards else "n/a"
+    print(f"{final.status.value}: reward {first} -> {last} in {final.step} steps, {took:.0f}s wall, "
+          f"${final.cost.total_usd:.4f}" + (f" ({final.status_reason})" if final.status_reason else ""),
+          file=out, flush=True)
+    return 0 if final.status.value == "succeeded" else 1
+
+
+def _follow(client: Client, job_id: str, out: TextIO) -> list[float]:
+    rewards: list[float] = []
+    seen = 0
+    while True:
+        job = client.jobs.get(job_id)
+        for m in client.jobs.metrics(job_id, since_step=seen):
+            rewards.append(m.reward_mean or 0.0)
+            seen = m.step + 1
+            workers = client.workers.list(job_id=job_id).total
+            hist = " ".join(f"{s}:{n}" for s, n in enumerate(m.staleness_hist) if n)
+            print(f"step {m.step + 1:4d}/{job.spec.max_steps}  reward {m.reward_mean or 0:.3f}  "
+                  f"staleness {hist or '-':12s}  workers {workers}  cost ${m.cost_usd or 0:.4f}", file=out, flush=True)
+        if job.status.is_terminal():
+            return rewards
+        time.sleep(1.0)

@@ -1,0 +1,173 @@
+"""`echo2-server up`: the whole platform as one process tree on the embedded defaults.
+
+A private Redis, the API, the scheduler (Celery worker + beat), one learner host and N local CPU
+workers, each in its own process group with a pid file under DATA_DIR/run. Ctrl-C (or SIGTERM) stops
+them all: TERM to every group, then KILL to whatever is left, so no process outlives `up`. Pid files
+left by an `up` that was itself killed are used to clean up its orphans at the next start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from .bootstrap import first_run_admin
+from .db import Database
+from .local import RedisServer, free_port, wait_port
+from .migrate import upgrade
+from .settings import Settings
+
+STOP_GRACE_S = 20.0
+
+
+@dataclass
+class Child:
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    proc: subprocess.Popen[bytes] | None = None
+    restarts: int = 0
+
+
+@dataclass
+class Stack:
+    settings: Settings
+    workers: int = 2
+    children: list[Child] = field(default_factory=list)
+    redis: RedisServer | None = None
+    admin_key: str = ""
+
+    @property
+    def url(self) -> str:
+        return self.settings.public_url
+
+    @property
+    def run_dir(self) -> Path:
+        return self.settings.data_dir / "run"
+
+    def start(self) -> Stack:
+        self.settings.data_dir.mkdir(parents=True, exist_ok=True)
+        self.run_dir.mkdir(exist_ok=True)
+        kill_orphans(self.run_dir)
+        upgrade(self.settings.database_url)
+        first_run_admin(Database(self.settings.database_url), self.settings.data_dir)
+        self.admin_key = (self.settings.data_dir / "admin.key").read_text().strip()
+        self.redis = RedisServer(data_dir=self.settings.data_dir / "redis").start()
+        _write_pid(self.run_dir / "redis.pid", self.redis.proc.pid if self.redis.proc else 0)
+        env = self._env()
+        self._spawn(Child("api", [sys.executable, "-m", "api.cli", "api"], env))
+        wait_port(self.settings.port, timeout=120, proc=self.children[0].proc)
+        self._spawn(Child("scheduler", [sys.executable, "-m", "api.cli", "scheduler"], env))
+        self._spawn(Child("learner-host", [sys.executable, "-m", "api.cli", "learner-host"], env))
+        token = self._provider_token()
+        for i in range(self.workers):
+            self._spawn(Child(f"worker-{i}", self._worker_args(i, token), {**env, "OMP_NUM_THREADS": "1"}))
+        return self
+
+    def _env(self) -> dict[str, str]:
+        s = self.settings
+        return {**os.environ, "ECHO2_DATA_DIR": str(s.data_dir), "ECHO2_DATABASE_URL": s.database_url,
+                "ECHO2_REDIS_URL": self.redis.url if self.redis else "", "ECHO2_HOST": s.host,
+                "ECHO2_PORT": str(s.port), "ECHO2_PUBLIC_URL": s.public_url,
+                "ECHO2_LEARNER_THREADS": str(s.learner_threads or 1), "PYTHONUNBUFFERED": "1"}
+
+    def _provider_token(self) -> str:
+        saved = self.settings.data_dir / "provider.token"
+        if saved.exists():
+            return saved.read_text().strip()
+        r = httpx.post(f"{self.url}/v1/providers", json={"name": "local machine"},
+                       headers={"Authorization": f"Bearer {self.admin_key}"}, timeout=30)
+        r.raise_for_status()
+        token = r.json()["token"]
+        fd = os.open(saved, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(token)
+        return token
+
+    def _worker_args(self, i: int, token: str) -> list[str]:
+        home = self.settings.data_dir / "workers" / str(i)
+        return [sys.executable, "-m", "echo2_worker.cli", "--config-dir", str(home / "config"), "join",
+                "--server", self.url, "--token", token, "--name", f"local-{i}", "--price-per-hour", "0.05",
+                "--backend", "transformers", "--device", "cpu", "--data-dir", str(home / "versions"),
+                "--relay-host", "127.0.0.1", "--relay-port", str(free_port()), "--no-bench", "--json"]
+
+    def _spawn(self, child: Child) -> None:
+        log = open(self.run_dir / f"{child.name}.log", "ab")  # noqa: SIM115 (kept open for the child)
+        child.proc = subprocess.Popen(child.args, env=child.env, stdout=log, stderr=subprocess.STDOUT,
+                                      stdin=subprocess.DEVNULL, start_new_session=True)
+        _write_pid(self.run_dir / f"{child.name}.pid", child.proc.pid)
+        if child not in self.children:
+            self.children.append(child)
+
+    def supervise(self, max_restarts: int = 5) -> None:
+        """Restart a child that died on its own (a crash is logged in its log file)."""
+        for child in self.children:
+            if child.proc is not None and child.proc.poll() is not None and child.restarts < max_restarts:
+                child.restarts += 1
+                self._spawn(child)
+
+    def stop(self) -> None:
+        for child in self.children:
+            _signal_group(child.proc, signal.SIGTERM)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for child in self.children:
+            if child.proc is not None:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    child.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            _signal_group(child.proc, signal.SIGKILL)
+            if child.proc is not None:
+                child.proc.wait()
+        if self.redis is not None:
+            self.redis.stop()
+        for pid_file in self.run_dir.glob("*.pid"):
+            pid_file.unlink()
+
+
+def _write_pid(path: Path, pid: int) -> None:
+    path.write_text(str(pid))
+
+
+def _signal_group(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, sig)  # the child leads its own group: its own children go too
+
+
+def kill_orphans(run_dir: Path) -> None:
+    """Kill what an earlier `up` that died without cleaning up left behind (only our own processes:
+    a recycled pid belonging to something else is left alone)."""
+    for pid_file in run_dir.glob("*.pid"):
+        try:
+            pid = int(pid_file.read_text())
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+            if b"echo2" in cmdline or b"api.cli" in cmdline or b"redis-server" in cmdline:
+                os.killpg(pid, signal.SIGKILL)
+        except (ValueError, OSError):
+            pass
+        pid_file.unlink()
+
+
+def serve_forever(stack: Stack) -> None:
+    """Block until Ctrl-C or SIGTERM, supervising the children; then stop everything."""
+    stopping = {"now": False}
+
+    def _stop(*_: object) -> None:
+        stopping["now"] = True
+
+    signal.signal(signal.SIGTERM, _stop)
+    signal.signal(signal.SIGINT, _stop)
+    try:
+        while not stopping["now"]:
+            stack.supervise()
+            time.sleep(0.5)
+    finally:
+        stack.stop()

@@ -1,0 +1,195 @@
+"""One reconcile tick: the control loop that keeps the database's desired state true.
+
+In order: workers that stopped heartbeating go offline (their leases return); expired leases return
+their prompts; the cost ledger advances; jobs over budget stop; learners are launched or relaunched
+when missing or dead; finished-but-orphaned jobs are closed; then the activation solver picks which
+workers serve which job and the choice is applied and recorded. Every step is idempotent, so a tick
+delivered twice (at-least-once Celery) or interrupted half-way does no harm.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from echo2.protocol import JobStatus
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from api.models import Decision, Job, Provider, Rollout, SchedulerState, StepMetric, Worker, utcnow
+from api.services import fleet
+from api.services.jobs import finish_job, spec_of
+from api.services.learning import issue_learner_token
+from api.services.pool import expire_leases
+from api.settings import Settings
+
+from .capacity import JobProfile, WorkerProfile
+from .solver import Action, SolverConfig, SolverState, decide
+
+log = logging.getLogger(__name__)
+Launcher = Callable[[str, str], None]  # (job id, learner token) -> enqueue its learner
+DEFAULT_T_TRAIN_S = 2.0
+MU_WINDOW_S = 60.0
+
+
+@dataclass
+class TickReport:
+    offline: int = 0
+    prompts_returned: int = 0
+    launched: list[tuple[str, str]] | None = None
+    activated: int = 0
+    deactivated: int = 0
+
+
+def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None = None) -> TickReport:
+    now = now or utcnow()
+    report = TickReport(launched=[])
+    report.offline = _mark_offline(db, settings, now)
+    report.prompts_returned = expire_leases(db, now)
+    _bill(db, settings, now)
+    for job in db.scalars(select(Job).where(Job.status.in_(("queued", "running"))).with_for_update()):
+        _enforce_budget(db, job)
+        _close_orphan(db, job, settings, now)
+        if not JobStatus(job.status).is_terminal() and _learner_needed(job, settings, now):
+            job.learner_launched_at, job.learner_launches = now, job.learner_launches + 1
+            report.launched.append((job.id, issue_learner_token(db, job)))
+    db.flush()
+    report.activated, report.deactivated = _activate(db, settings, now)
+    db.commit()
+    for job_id, token in report.launched:  # enqueue only after the launch is recorded
+        launch(job_id, token)
+    return report
+
+
+def _mark_offline(db: Session, settings: Settings, now: datetime) -> int:
+    cutoff = now - timedelta(seconds=settings.worker_offline_after_s)
+    silent = db.scalars(select(Worker).where(
+        Worker.status.in_(("idle", "active", "draining")),
+        func.coalesce(Worker.last_heartbeat_at, Worker.created_at) < cutoff))
+    count = 0
+    for worker in silent:
+        fleet.unassign(db, worker)
+        worker.status = "offline"
+        count += 1
+    return count
+
+
+def _bill(db: Session, settings: Settings, now: datetime) -> None:
+    """Advance the cost ledger by the time since the last tick (capped, so scheduler downtime is not
+    billed as if everything ran): learners at their reserved price, active workers at theirs."""
+    last = _state(db, "last_tick").get("at")
+    _put_state(db, "last_tick", {"at": now.timestamp()})
+    if last is None:
+        return
+    hours = min(max(now.timestamp() - last, 0.0), 10 * settings.reconcile_interval_s) / 3600
+    for job in db.scalars(select(Job).where(Job.status == "running")):
+        job.learner_usd += (spec_of(job).learner.price_per_hour or 0.0) * hours
+    for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == "active")):
+        cost = worker.price_per_hour * hours
+        worker.earned_usd += cost
+        job = db.get(Job, worker.job_id)
+        provider = db.get(Provider, worker.provider_id)
+        if job is not None:
+            job.workers_usd += cost
+        if provider is not None:
+            provider.earnings_usd += cost
+
+
+def _enforce_budget(db: Session, job: Job) -> None:
+    budget = spec_of(job).budget_usd
+    spent = job.learner_usd + job.workers_usd
+    if budget is not None and spent >= budget:
+        reason = f"budget of ${budget:.2f} exhausted (${spent:.2f} spent) at step {job.step}"
+        finish_job(db, job, JobStatus.failed, reason)
+
+
+def _close_orphan(db: Session, job: Job, settings: Settings, now: datetime) -> None:
+    """A learner that died after its last step leaves a finished job running: close it."""
+    if job.status != "running" or job.step < spec_of(job).max_steps or job.version is None:
+        return
+    last = job.learner_heartbeat_at or job.learner_launched_at or now
+    if now - last > timedelta(seconds=settings.learner_dead_after_s):
+        finish_job(db, job, JobStatus.succeeded, f"finished {job.step} steps (closed by the scheduler)")
+        job.final_version = job.version
+
+
+def _learner_needed(job: Job, settings: Settings, now: datetime) -> bool:
+    if job.learner_launched_at is None:
+        return True
+    if job.status == "queued":  # launched but never started: the host may have lost it
+        return now - job.learner_launched_at > timedelta(seconds=settings.learner_start_timeout_s)
+    last = job.learner_heartbeat_at or job.learner_launched_at
+    dead = now - last > timedelta(seconds=settings.learner_dead_after_s)
+    recently_launched = now - job.learner_launched_at < timedelta(seconds=settings.learner_start_timeout_s)
+    return dead and not recently_launched
+
+
+def _activate(db: Session, settings: Settings, now: datetime) -> tuple[int, int]:
+    jobs = list(db.scalars(select(Job).where(Job.status == "running", Job.version.is_not(None))))
+    workers = list(db.scalars(select(Worker).where(Worker.status.in_(("idle", "active")))))
+    stored = _state(db, "solver")
+    decision = decide([_job_profile(db, j) for j in jobs], [_worker_profile(db, w, now) for w in workers],
+                      now=now.timestamp(), state=SolverState.from_dict(stored) if stored else None,
+                      config=SolverConfig(method=settings.solver, min_dwell_s=settings.min_dwell_s))
+    _put_state(db, "solver", decision.state.to_dict())
+    by_id, jobs_by_id = {w.id: w for w in workers}, {j.id: j for j in jobs}
+    activated = deactivated = 0
+    for line in decision.workers:
+        worker = by_id.get(line.worker_id)
+        if worker is None:
+            continue
+        if line.action is Action.ACTIVATE and line.job_id in jobs_by_id:
+            fleet.assign(worker, jobs_by_id[line.job_id])
+            activated += 1
+        elif line.action is Action.DEACTIVATE or (line.job_id is None and worker.job_id is not None):
+            fleet.unassign(db, worker)
+            deactivated += 1
+        if line.action in (Action.ACTIVATE, Action.DEACTIVATE) or decision.resolved:
+            db.add(Decision(job_id=line.job_id or worker.job_id, worker_id=worker.id, action=str(line.action),
+                            line=line.line()[:512], trigger=decision.trigger[:256],
+                            inputs={"method": decision.method, "jobs": [_alloc(a) for a in decision.jobs]}))
+    return activated, deactivated
+
+
+def _alloc(a) -> dict:  # type: ignore[no-untyped-def]
+    return {"job_id": a.job_id, "throughput": a.throughput, "required": a.required, "feasible": a.feasible,
+            "reason": a.reason, "price_per_h": a.price_per_h, "predicted_utilisation": a.predicted_utilisation}
+
+
+def _job_profile(db: Session, job: Job) -> JobProfile:
+    spec = spec_of(job)
+    recent = list(db.scalars(select(StepMetric.t_train_s).where(StepMetric.job_id == job.id)
+                             .order_by(StepMetric.step.desc()).limit(5)))
+    t_train = sum(recent) / len(recent) if recent else DEFAULT_T_TRAIN_S
+    return JobProfile(job_id=job.id, rollouts_per_step=spec.grpo.prompts_per_step, t_train_s=max(t_train, 1e-3),
+                      staleness=spec.staleness, publish_period=spec.publish_period, priority=spec.priority,
+                      submitted_at=job.created_at.timestamp())
+
+
+def _worker_profile(db: Session, worker: Worker, now: datetime) -> WorkerProfile:
+    """μ from accepted groups in the last minute of work (raw generation rate); the registration
+    benchmark until there is a measurement."""
+    since = now - timedelta(seconds=MU_WINDOW_S)
+    done, gen = db.execute(select(func.count(), func.avg(Rollout.gen_seconds)).where(
+        Rollout.worker_id == worker.id, Rollout.created_at >= since)).one()
+    active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
+    mu = done / min(active_s, MU_WINDOW_S) if done and active_s >= 5 else (worker.rollouts_per_s or 1.0)
+    t_gen = float(gen) if gen else 1.0 / mu
+    t_bcast = float((worker.stats or {}).get("last_download_s") or 0.0)
+    return WorkerProfile(worker_id=worker.id, price_per_h=worker.price_per_hour, vram_gb=worker.vram_gb,
+                         backends=frozenset(worker.backends), mu=mu, t_gen_s=t_gen, t_bcast_s=t_bcast)
+
+
+def _state(db: Session, key: str) -> dict:
+    row = db.get(SchedulerState, key)
+    return dict(row.value) if row is not None else {}
+
+
+def _put_state(db: Session, key: str, value: dict) -> None:
+    row = db.get(SchedulerState, key)
+    if row is None:
+        db.add(SchedulerState(key=key, value=value))
+    else:
+        row.value = value
