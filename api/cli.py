@@ -26,6 +26,8 @@ def _parser() -> argparse.ArgumentParser:
     lr.add_argument("--work-dir", help="checkpoints and model cache (default DATA_DIR/learner)")
     lr.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     lr.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    sub.add_parser("simulate", help="simulate a deployment from a scenario TOML (see `simulate --help`)",
+                   add_help=False)
     sub.add_parser("scheduler", help="run the scheduler: Celery worker with embedded beat (reconcile ticks)")
     host = sub.add_parser("learner-host", help="run a learner host: a Celery worker on the queue `learner`")
     host.add_argument("--concurrency", type=int, default=1, help="learners run at once on this host")
@@ -49,6 +51,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["simulate"]:  # the simulator owns its arguments (scenario file, method, ...)
+        from scheduler.cli import simulate_main
+
+        return simulate_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
         return _dispatch(args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from echo2.protocol import (
+    DecisionRead,
     JobRead,
     JobSpec,
     JobStatus,
@@ -21,7 +22,7 @@ from sqlalchemy import func, select
 from learner.tasks import get_task, list_tasks
 
 from ..deps import CurrentUser, SessionDep, SettingsDep, owned_job
-from ..models import Job, Prompt, Rollout, StepMetric
+from ..models import Decision, Job, Prompt, Rollout, StepMetric
 from ..services import jobs as svc
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
@@ -108,6 +109,15 @@ def get_metrics(job_id: str, user: CurrentUser, db: SessionDep,
     rows = db.scalars(select(StepMetric).where(StepMetric.job_id == job_id, StepMetric.step >= since_step)
                       .order_by(StepMetric.step).limit(limit))
     return [StepMetrics.model_validate(m) for m in rows]
+
+
+@router.get("/jobs/{job_id}/decisions", operation_id="list_job_decisions",
+            summary="The scheduler's activation decisions for this job, newest first, each explained in one line")
+def list_decisions(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 50) -> list[DecisionRead]:
+    owned_job(db, user, job_id)
+    rows = db.scalars(select(Decision).where(Decision.job_id == job_id)
+                      .order_by(Decision.created_at.desc(), Decision.id.desc()).limit(limit))
+    return [DecisionRead.model_validate(d) for d in rows]
 
 
 @router.get("/tasks", operation_id="list_tasks", summary="Registered task adapters and their parameters")

@@ -28,6 +28,7 @@ from .fleet import (
     WorkerStats,
 )
 from .jobs import (
+    DecisionRead,
     Device,
     GRPOConfig,
     JobCost,
@@ -70,6 +71,7 @@ from .users import ApiKeyCreated, TokenKind, TokenRead, UserCreate, UserCreated,
 from .weights import ChunkInfo, FileInfo, Manifest, VersionRead
 
 __all__ = [
+    "DecisionRead",
     "ApiKeyCreated",
     "Assignment",
     "Backend",

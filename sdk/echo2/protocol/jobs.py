@@ -148,3 +148,13 @@ class TaskInfo(ReadModel):
     description: str
     needs_dataset: bool
     params_schema: dict[str, Any]
+
+
+class DecisionRead(ReadModel):
+    """One line of an activation decision, e.g. "activated w17: cheapest per rollout that still meets freshness"."""
+
+    worker_id: str
+    action: str
+    line: str
+    trigger: str
+    created_at: datetime

@@ -1,0 +1,87 @@
+"""The whole platform as a user runs it: `echo2-server demo` and `echo2-server up` as real process
+trees (API, Celery scheduler + beat, Redis, learner host, local workers)."""
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from sqlalchemy import select
+
+from api.db import Database
+from api.local import free_port
+from api.models import Lease, Rollout
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+STALENESS = 2
+
+
+def stack_env(tmp_path: Path) -> dict[str, str]:
+    return {**os.environ, "ECHO2_DATA_DIR": str(tmp_path / ".echo2"), "ECHO2_LOG_LEVEL": "WARNING"}
+
+
+def test_demo_learns_with_three_workers_and_keeps_the_invariants(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "api.cli", "demo", "--workers", "3", "--port", str(free_port()),
+                           "--staleness", str(STALENESS)], env=stack_env(tmp_path), capture_output=True,
+                          text=True, timeout=1500)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    summary = done.stdout.strip().splitlines()[-1]
+    first, last = map(float, re.search(r"reward ([\d.]+) -> ([\d.]+)", summary).groups())
+    assert first <= 0.2 and last >= 0.8, summary
+    db = Database(f"sqlite:///{tmp_path / '.echo2' / 'echo2.db'}")
+    with db.session() as s:
+        trained = list(s.scalars(select(Rollout).where(Rollout.status == "trained")))
+        leases = {lease.id: lease for lease in s.scalars(select(Lease))}
+    assert trained
+    assert len({r.id for r in trained}) == len(trained)
+    assert len({(r.prompt_id, r.trained_step) for r in trained}) == len(trained), "a prompt trained twice in a step"
+    for r in trained:
+        lease = leases[r.lease_id]
+        assert lease.worker_id == r.worker_id and r.prompt_id in lease.prompt_ids, "rollout not from its lease"
+        assert r.trained_step - r.version <= STALENESS
+    assert {r.worker_id for r in trained}.__len__() >= 2, "the work was not spread over workers"
+    assert not list((tmp_path / ".echo2" / "run").glob("*.pid"))
+
+
+def test_ctrl_c_of_up_leaves_no_process_behind(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "up", "--workers", "1", "--port", str(free_port())],
+                            env=stack_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 180
+    for line in proc.stdout:
+        if line.startswith("Echo2 is up"):
+            break
+        assert time.monotonic() < deadline
+    run = tmp_path / ".echo2" / "run"
+    time.sleep(3)  # let the workers and Celery start their own children
+    groups = [int(p.read_text()) for p in run.glob("*.pid")]
+    assert len(groups) == 5  # redis, api, scheduler, learner host, one worker
+    members = descendants(groups)
+    assert len(members) >= len(groups)
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(timeout=60) == 0
+    alive = [pid for pid in members if Path(f"/proc/{pid}").exists() and not zombie(pid)]
+    assert alive == [], f"left behind: {alive}"
+    assert not list(run.glob("*.pid"))
+
+
+def descendants(groups: list[int]) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) in groups:
+                    pids.append(int(entry.name))
+            except ProcessLookupError:
+                pass
+    return pids
+
+
+def zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+    except FileNotFoundError:
+        return True

@@ -1,0 +1,108 @@
+"""The reconcile tick against a real control plane database: liveness, lease expiry, the cost ledger,
+budgets, learner launches (with fencing tokens) and cost-aware activation with recorded decisions."""
+
+from datetime import timedelta
+
+from api.models import Job, Worker, utcnow
+from scheduler.reconcile import tick
+from tests.factories import fake_model_folder, new_job, new_provider, new_user, new_worker, ok, running_job
+
+
+def run_tick(api, now=None):
+    launched = []
+    with api.db.session() as s:
+        report = tick(s, api.server.settings, lambda job, token: launched.append((job, token)), now=now)
+    return report, launched
+
+
+def test_queued_job_gets_a_learner_launched_once_with_a_working_token(api):
+    _, alice = new_user(api)
+    job = new_job(alice)
+    report, launched = run_tick(api)
+    assert [j for j, _ in launched] == [job["id"]]
+    token = launched[0][1]
+    assert api.client(token).post(f"/v1/jobs/{job['id']}/learner/start").status_code == 200
+    _, again = run_tick(api)
+    assert again == []
+
+
+def test_silent_learner_is_relaunched_and_the_old_token_fenced(api, tmp_path):
+    _, alice = new_user(api)
+    job, old_learner = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    with api.db.session() as s:
+        j = s.get(Job, job["id"])
+        j.learner_launched_at = j.learner_heartbeat_at = utcnow() - timedelta(minutes=10)
+        s.commit()
+    _, launched = run_tick(api)
+    assert [j for j, _ in launched] == [job["id"]]
+    assert old_learner.post(f"/v1/jobs/{job['id']}/learner/heartbeat", json={"step": 0}).status_code == 401
+
+
+def test_silent_worker_goes_offline_and_its_lease_returns(api, tmp_path):
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, price_per_hour=1.0)
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
+    run_tick(api)  # activation: the only worker
+    assert ok(api.admin.get(f"/v1/workers/{wid}"))["job_id"] == job["id"]
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 3, "version": 0}), 201)
+    later = utcnow() + timedelta(seconds=api.server.settings.worker_offline_after_s + 1)
+    report, _ = run_tick(api, now=later)
+    assert report.offline == 1
+    got = ok(api.admin.get(f"/v1/workers/{wid}"))
+    assert got["status"] == "offline" and got["job_id"] is None
+    prompts = ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 200}))["items"]
+    leased = {p["prompt_id"] for p in lease["prompts"]}
+    assert all(p["state"] == "available" for p in prompts if p["id"] in leased)
+
+
+def test_activation_prefers_the_cheapest_sufficient_workers_and_explains(api, tmp_path):
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), grpo={"group_size": 2, "prompts_per_step": 2})
+    _, provider = new_provider(api)
+    ids = {}
+    for name, price in (("cheap", 0.1), ("pricey", 9.0)):
+        wid, w = new_worker(api, provider, name, price_per_hour=price, rollouts_per_s=100.0)
+        ok(w.post(f"/v1/workers/{wid}/heartbeat", json={}))
+        ids[name] = wid
+    report, _ = run_tick(api)
+    assert report.activated == 1
+    assert ok(api.admin.get(f"/v1/workers/{ids['cheap']}"))["desired"] == "active"
+    assert ok(api.admin.get(f"/v1/workers/{ids['pricey']}"))["desired"] == "idle"
+    lines = ok(alice.get(f"/v1/jobs/{job['id']}/decisions"))
+    assert any(d["worker_id"] == ids["cheap"] and d["action"] == "activated" for d in lines)
+    assert all(d["line"] for d in lines)
+
+
+def test_cost_ledger_and_budget_stop(api, tmp_path):
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), budget_usd=0.5,
+                         learner={"price_per_hour": 3600.0})
+    now = utcnow()
+    with api.db.session() as s:  # a live learner, so only the budget can stop the job
+        s.get(Job, job["id"]).learner_heartbeat_at = now
+        s.commit()
+    run_tick(api, now=now)
+    run_tick(api, now=now + timedelta(seconds=1))
+    got = ok(alice.get(f"/v1/jobs/{job['id']}"))
+    assert got["status"] == "failed" and "budget" in got["status_reason"]
+    assert got["cost"]["learner_usd"] >= 0.5
+
+
+def test_worker_earnings_accrue_to_the_provider(api, tmp_path):
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, price_per_hour=3600.0, rollouts_per_s=100.0)
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={"status": "active"}))
+    now = utcnow()
+    with api.db.session() as s:
+        w = s.get(Worker, wid)
+        w.status = "active"
+        s.get(Job, job["id"]).learner_heartbeat_at = now
+        s.commit()
+    run_tick(api, now=now)
+    run_tick(api, now=now + timedelta(seconds=2))
+    assert ok(provider.get("/v1/providers/me"))["earnings_usd"] > 0
+    assert ok(alice.get(f"/v1/jobs/{job['id']}"))["cost"]["workers_usd"] > 0
