@@ -9,6 +9,7 @@ from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
 from .common import Model, NoNul, ReadModel, Sha256, Step, Version
 
+
 def _relative(path: str) -> str:
     # A manifest path is joined onto a folder by workers and the checkpoint tar: never let it escape.
     if path.startswith("/") or ".." in path.split("/") or "" in path.split("/"):
