@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import secrets
+import threading
+import time
+from dataclasses import dataclass
 
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
@@ -35,11 +38,61 @@ def adopt_token(db: Session, kind: str, principal_id: str, plain: str) -> Token:
     return row
 
 
-def lookup(db: Session, plain: str) -> Token | None:
-    row = db.scalar(select(Token).where(Token.hash == hash_token(plain)))
+@dataclass(frozen=True)
+class Identity:
+    kind: str
+    principal_id: str
+
+
+class _IdentityCache:
+    """Valid token hash -> identity for a few seconds, so hot routes (heartbeats, leases) skip a query.
+    A revocation through this process clears it at once; other API processes notice within TTL_S."""
+
+    TTL_S = 5.0
+
+    def __init__(self) -> None:
+        self._entries: dict[str, tuple[float, Identity]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, digest: str) -> Identity | None:
+        entry = self._entries.get(digest)
+        return entry[1] if entry is not None and entry[0] > time.monotonic() else None
+
+    def put(self, digest: str, identity: Identity) -> None:
+        with self._lock:
+            if len(self._entries) > 100_000:
+                self._entries.clear()
+            self._entries[digest] = (time.monotonic() + self.TTL_S, identity)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+
+_cache = _IdentityCache()
+
+
+def lookup(db: Session, plain: str) -> Identity | None:
+    digest = hash_token(plain)
+    cached = _cache.get(digest)
+    if cached is not None:
+        return cached
+    row = db.scalar(select(Token).where(Token.hash == digest))
     if row is None or row.revoked_at is not None:
         return None
-    return row
+    identity = Identity(row.kind, row.principal_id)
+    _cache.put(digest, identity)
+    return identity
+
+
+def forget_all() -> None:
+    """Drop cached identities (after tokens or principals were changed behind this process's back)."""
+    _cache.clear()
+
+
+def revoke(db: Session, token: Token) -> None:
+    token.revoked_at = token.revoked_at or utcnow()
+    _cache.clear()
 
 
 def revoke_all(db: Session, kind: str, principal_id: str) -> None:
@@ -48,3 +101,4 @@ def revoke_all(db: Session, kind: str, principal_id: str) -> None:
         .where(Token.kind == kind, Token.principal_id == principal_id, Token.revoked_at.is_(None))
         .values(revoked_at=utcnow())
     )
+    _cache.clear()

@@ -6,21 +6,30 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import pydantic_core
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
+
+
+def _to_json(value: object) -> str:
+    return pydantic_core.to_json(value).decode()  # rollout token lists are large: 3-5x faster than json
 
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
         return _sqlite_engine(url)
-    return create_engine(url, pool_size=20, max_overflow=20, pool_pre_ping=True)
+    # As many connections as request threads (anyio's default 40), so none is opened per request.
+    return create_engine(url, pool_size=40, max_overflow=10, pool_pre_ping=True, json_serializer=_to_json)
 
 
 def _sqlite_engine(url: str) -> Engine:
     path = url.split("///", 1)[-1]
     if path and path != ":memory:":
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-    engine = create_engine(url, pool_size=20, max_overflow=20, connect_args={"check_same_thread": False})
+    # One connection: SQLite has one writer anyway, and request threads queue for it in-process
+    # (woken at once) instead of sleeping in SQLite's busy handler with back-off.
+    engine = create_engine(url, pool_size=1, max_overflow=0, pool_timeout=120, json_serializer=_to_json,
+                           connect_args={"check_same_thread": False})
 
     @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn, _record):  # type: ignore[no-untyped-def]

@@ -57,14 +57,16 @@ def _unauthorized(detail: str) -> ApiError:
 def _principal(db: SessionDep, creds: Credentials) -> Principal:
     if creds is None:
         raise _unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
-    token = auth.lookup(db, creds.credentials)
-    if token is None:
+    identity = auth.lookup(db, creds.credentials)
+    if identity is None:
         raise _unauthorized("unknown or revoked token")
-    principal = Principal(kind=token.kind, id=token.principal_id)
-    if token.kind == "user":
-        principal.user = db.get(User, token.principal_id)
-    elif token.kind == "worker":
-        principal.worker = db.get(Worker, token.principal_id)
+    principal = Principal(kind=identity.kind, id=identity.principal_id)
+    if identity.kind == "user":
+        principal.user = db.get(User, identity.principal_id)
+        if principal.user is None:
+            raise _unauthorized("this API key's user no longer exists")
+    elif identity.kind == "worker":
+        principal.worker = db.get(Worker, identity.principal_id)
         if principal.worker is None or principal.worker.status == "deregistered":
             raise _unauthorized("this worker is deregistered; register again")
     return principal

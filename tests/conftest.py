@@ -20,6 +20,7 @@ import uvicorn
 from sqlalchemy import text
 
 from api.app import create_app
+from api.auth import forget_all
 from api.bootstrap import ensure_admin
 from api.db import Database
 from api.local import PostgresServer, find_pg_bin, free_port
@@ -88,6 +89,7 @@ def _wipe(server: LiveServer) -> None:
         else:
             for name in tables:
                 conn.execute(text(f"DELETE FROM {name}"))
+    forget_all()  # tokens of the previous test are gone from the database
     shutil.rmtree(server.settings.blob_dir, ignore_errors=True)
     server.settings.blob_dir.mkdir(parents=True, exist_ok=True)
 

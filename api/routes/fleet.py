@@ -45,8 +45,8 @@ def create_provider(body: ProviderCreate, db: SessionDep, settings: SettingsDep,
         raise ApiError(401, "provider sign-up needs an admin API key (open registration is off)",
                        headers={"WWW-Authenticate": "Bearer"})
     if creds is not None:
-        token = auth.lookup(db, creds.credentials)
-        if token is None or token.kind != "user" or _role(db, token.principal_id) != "admin":
+        identity = auth.lookup(db, creds.credentials)
+        if identity is None or identity.kind != "user" or _role(db, identity.principal_id) != "admin":
             raise ApiError(403, "only an admin can sign providers up")
     provider = Provider(name=body.name, contact=body.contact)
     db.add(provider)

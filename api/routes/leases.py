@@ -24,7 +24,7 @@ def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, sett
     if worker.job_id != body.job_id or worker.desired != "active":
         raise ApiError(403, f"this worker is not assigned to job {body.job_id}; follow the heartbeat reply",
                        field="job_id")
-    job = db.get(Job, body.job_id, with_for_update=True)
+    job = db.get(Job, body.job_id)  # no job lock: prompts are claimed row by row (SKIP LOCKED)
     if job is None or job.status != JobStatus.running.value:
         raise ApiError(409, f"job {body.job_id} is not running", field="job_id")
     lease = pool.create_lease(db, job, worker, body.max_prompts, body.version, settings.lease_ttl_s)
@@ -59,7 +59,7 @@ def release_lease(lease_id: str, worker: CurrentWorker, db: SessionDep) -> Lease
 @router.post("/leases/{lease_id}/rollouts", operation_id="submit_rollouts",
              summary="Submit version-tagged groups for prompts of this lease (idempotent per prompt)")
 def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, db: SessionDep) -> RolloutSubmitResult:
-    lease, job = _own(db, worker, lease_id, lock_job=True)
+    lease, job = _own(db, worker, lease_id)  # no job lock: the claim re-checks staleness
     if JobStatus(job.status).is_terminal():
         raise ApiError(409, f"job {job.id} is {job.status}; rollouts are no longer accepted")
     if lease.status == LeaseStatus.active.value and lease.expires_at < utcnow():
@@ -78,13 +78,13 @@ def _close(db: SessionDep, worker: Worker, lease_id: str, status: LeaseStatus) -
     return read
 
 
-def _own(db: SessionDep, worker: Worker, lease_id: str, lock_job: bool = False) -> tuple[Lease, Job]:
+def _own(db: SessionDep, worker: Worker, lease_id: str) -> tuple[Lease, Job]:
     lease = db.get(Lease, lease_id, with_for_update=True)
     if lease is None:
         raise ApiError(404, f"lease {lease_id} not found")
     if lease.worker_id != worker.id:
         raise ApiError(403, f"lease {lease_id} belongs to another worker")
-    job = db.get(Job, lease.job_id, with_for_update=lock_job)
+    job = db.get(Job, lease.job_id)
     assert job is not None
     return lease, job
 

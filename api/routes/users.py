@@ -11,7 +11,7 @@ from sqlalchemy import select
 from .. import auth
 from ..deps import AdminUser, CurrentUser, SessionDep
 from ..errors import ApiError
-from ..models import Token, User, utcnow
+from ..models import Token, User
 
 router = APIRouter(prefix="/v1", tags=["users"])
 
@@ -67,7 +67,7 @@ def revoke_token(token_id: str, admin: AdminUser, db: SessionDep) -> None:
         raise ApiError(404, f"token {token_id} not found")
     if token.kind == "user" and token.principal_id == admin.id and _last_admin_key(db, admin.id, token.id):
         raise ApiError(409, "refusing to revoke your last admin key: create another first")
-    token.revoked_at = token.revoked_at or utcnow()
+    auth.revoke(db, token)
     db.commit()
 
 

@@ -81,6 +81,7 @@ def get_chunk(job_id: str, version: VersionPath, index: IndexPath, p: AnyPrincip
     chunks = _version(db, job_id, version).manifest["chunks"]
     if index >= len(chunks):
         raise ApiError(404, f"version {version} has {len(chunks)} chunks; no chunk {index}")
+    db.close()  # the file is sent after this returns: do not hold a database connection meanwhile
     return FileResponse(blobs.chunk_path(job_id, version, index), media_type="application/octet-stream",
                         headers={SHA_HEADER: chunks[index]["sha256"]})
 
@@ -95,6 +96,7 @@ def download_checkpoint(job_id: str, p: AnyPrincipal, db: SessionDep, blobs: Blo
     if chosen is None:
         raise ApiError(404, f"job {job_id} has no published version yet")
     manifest = Manifest.model_validate(_version(db, job_id, chosen).manifest)
+    db.close()  # the tar streams after this returns: do not hold a database connection meanwhile
     filename = f"{job_id}-v{chosen}.tar"
     return StreamingResponse(blobs.iter_tar(job_id, manifest), media_type="application/x-tar",
                              headers={"Content-Disposition": f'attachment; filename="{filename}"',

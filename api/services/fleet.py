@@ -69,10 +69,11 @@ def relay_parents(db: Session, worker: Worker, job: Job, settings: Settings) -> 
     the root, fed by the origin); leaves (no relay URL) hang under the relays round-robin. A peer
     serves the same paths as the origin, so a parent is just a base URL.
     """
-    peers = list(db.scalars(
-        select(Worker).where(Worker.job_id == job.id, Worker.status != "offline", Worker.relay_url.is_not(None))
+    peers = db.execute(
+        select(Worker.id, Worker.relay_url)
+        .where(Worker.job_id == job.id, Worker.status != "offline", Worker.relay_url.is_not(None))
         .order_by(Worker.upload_mbps.desc(), Worker.id)
-    ))
+    ).all()
     ids = [p.id for p in peers]
     k = settings.relay_fanout
     if worker.id in ids:
