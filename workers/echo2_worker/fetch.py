@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -67,7 +68,7 @@ class Downloader:
     def __init__(self, store: VersionStore, *, origin_token: str | None = None,
                  on_bad_source: Callable[[str, str], None] | None = None, meter: RateMeter | None = None,
                  self_url: str | None = None, peer_patience_s: float = 5.0, cooldown_s: float = 10.0,
-                 timeout: httpx.Timeout | None = None) -> None:
+                 parallel: int = 4, timeout: httpx.Timeout | None = None) -> None:
         self.store = store
         self._origin_headers = {"Authorization": f"Bearer {origin_token}"} if origin_token else {}
         self._on_bad = on_bad_source or (lambda url, reason: None)
@@ -75,8 +76,11 @@ class Downloader:
         self._self_url = self_url.rstrip("/") if self_url else None
         self.peer_patience_s = peer_patience_s
         self.cooldown_s = cooldown_s
+        self.parallel = max(1, parallel)
+        self._lock = threading.Lock()
         self._http = httpx.Client(timeout=timeout or httpx.Timeout(20.0, connect=5.0),
-                                  limits=httpx.Limits(max_keepalive_connections=8))
+                                  limits=httpx.Limits(max_connections=4 * self.parallel,
+                                                      max_keepalive_connections=2 * self.parallel))
 
     def close(self) -> None:
         self._http.close()
@@ -86,6 +90,8 @@ class Downloader:
         """Hold every chunk of `manifest`, assemble the HF folder, and return it.
 
         `parents()` is asked again for each chunk, so a changed relay tree takes effect mid-download.
+        Up to `parallel` chunks are in flight at once, taken in index order, so a parent's per-request
+        latency is hidden and children still receive the stream roughly in order (pipelining).
         Raises DownloadCancelled when `wanted()` turns false, VersionUnavailable when the origin says
         the version is gone.
         """
@@ -93,9 +99,29 @@ class Downloader:
         held = self.store.open(job_id, manifest)
         result = FetchResult(held=held, seconds=0.0)
         sources: dict[str, _Source] = {}
-        for index in held.missing():
-            current = self._sources(parents() if callable(parents) else parents, sources)
-            self._fetch_chunk(held, index, current, wanted, result)
+        todo = iter(held.missing())
+        failure: list[BaseException] = []
+
+        def run() -> None:
+            while not failure:
+                with self._lock:
+                    index = next(todo, None)
+                if index is None:
+                    return
+                try:
+                    current = self._sources(parents() if callable(parents) else parents, sources)
+                    self._fetch_chunk(held, index, current, lambda: wanted() and not failure, result)
+                except BaseException as exc:  # first failure stops the others; re-raised below
+                    failure.append(exc)
+
+        threads = [threading.Thread(target=run, name=f"echo2-fetch-{i}", daemon=True)
+                   for i in range(min(self.parallel, len(held.missing())))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if failure:
+            raise failure[0]
         held.assemble()
         result.seconds = time.monotonic() - t0
         return result
@@ -103,12 +129,13 @@ class Downloader:
     def _sources(self, urls: list[str], known: dict[str, _Source]) -> list[_Source]:
         urls = [u.rstrip("/") for u in urls if u]
         out = []
-        for i, url in enumerate(urls):
-            if url == self._self_url:
-                continue
-            if url not in known:
-                known[url] = _Source(url, is_origin=i == len(urls) - 1, patience_s=self.peer_patience_s)
-            out.append(known[url])
+        with self._lock:
+            for i, url in enumerate(urls):
+                if url == self._self_url:
+                    continue
+                if url not in known:
+                    known[url] = _Source(url, is_origin=i == len(urls) - 1, patience_s=self.peer_patience_s)
+                out.append(known[url])
         return out
 
     def _fetch_chunk(self, held: HeldVersion, index: int, sources: list[_Source], wanted: Callable[[], bool],
@@ -120,7 +147,9 @@ class Downloader:
             now = time.monotonic()
             for src in [s for s in sources if s.usable(now)]:
                 if self._try(src, held, index, wanted):
-                    result.bytes_from[src.url] = result.bytes_from.get(src.url, 0) + held.manifest.chunks[index].size
+                    with self._lock:
+                        size = held.manifest.chunks[index].size
+                        result.bytes_from[src.url] = result.bytes_from.get(src.url, 0) + size
                     return
             # Nobody could serve it (the origin too): wait, bounded, then go round again.
             delay = min(10.0, 0.5 * 2**attempt) * (0.75 + 0.5 * random.random())

@@ -37,7 +37,7 @@ class RelayServer:
 
     def __init__(self, store: VersionStore, host: str = "127.0.0.1", port: int = 0, *,
                  upload_bytes_per_s: float | None = None, meter: RateMeter | None = None, wait_s: float = 10.0,
-                 max_connections: int = 64, advertise_host: str | None = None) -> None:
+                 max_connections: int = 128, advertise_host: str | None = None) -> None:
         self.store = store
         self.bucket = TokenBucket(upload_bytes_per_s)
         self.meter = meter or RateMeter()
