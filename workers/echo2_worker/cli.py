@@ -147,7 +147,7 @@ def _join(args: argparse.Namespace) -> int:
         _install_signals(signal, worker)
         reporter = ProgressReporter(stats).start()
         try:
-            code = worker.run()
+            code = _run_in_thread(worker)
         finally:
             reporter.stop()
         log.info("stopped (%d rollouts accepted, %d rejected)", stats.rollouts_accepted, stats.rollouts_rejected)
@@ -243,6 +243,35 @@ def _backend_factory(name: str, device: str) -> Any:
         return create_backend(name, **({"device": device} if name == "transformers" else {}))
 
     return make
+
+
+def _run_in_thread(worker: Any) -> int:
+    """The loop runs in its own thread; the main thread only waits and takes signals, so a signal is
+    handled at once even in the middle of a generation (and torch's CPU thread pool is not tied to
+    the main thread, which on an oversubscribed CPU made generation several times slower)."""
+    import threading
+
+    result: list[int] = []
+    failure: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            result.append(worker.run())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=target, name="echo2-loop", daemon=True)
+    thread.start()
+    try:
+        while thread.is_alive():
+            thread.join(0.5)
+    except KeyboardInterrupt:  # a second signal: give the loop a moment to release and deregister
+        worker.request_drain()
+        thread.join(15)
+        return 130
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 def _install_signals(signal: Any, worker: Any) -> None:

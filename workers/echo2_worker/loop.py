@@ -25,6 +25,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -106,8 +107,10 @@ class Worker:
         self._stop_heartbeat = threading.Event()
         self._fatal: BaseException | None = None
         self._status = WorkerStatus.idle
-        self._lease: _LeaseState | None = None
+        self._leases: dict[str, _LeaseState] = {}
         self._lease_lock = threading.Lock()
+        self._net = ThreadPoolExecutor(max_workers=1, thread_name_prefix="echo2-net")
+        self._prefetched: Future[LeaseRead | None] | None = None
         self._bad: dict[str, str] = {}
         self._bad_lock = threading.Lock()
         self._target: tuple[str, int] | None = None
@@ -116,6 +119,7 @@ class Worker:
         self._dl_retry_at = 0.0
         self._dl_failures = 0
         self._lease_attempts = 0
+        self._gen_failures = 0
         self.downloader = Downloader(store, origin_token=control.token, on_bad_source=self._report_bad,
                                      meter=self.stats.download, self_url=options.relay_url)
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="echo2-heartbeat", daemon=True)
@@ -142,6 +146,7 @@ class Worker:
                 if reply is None or reply.desired is not DesiredState.active or reply.assignment is None:
                     draining = reply is not None and reply.desired is DesiredState.drain
                     self._set_status(WorkerStatus.draining if draining else WorkerStatus.idle)
+                    self._drop_prefetch(release=True)
                     self._wait(1.0)
                     continue
                 self._set_status(WorkerStatus.active)
@@ -165,6 +170,7 @@ class Worker:
         if self._loaded == (a.job_id, a.version):
             return True
         if held is not None and held.complete:
+            self._drop_prefetch(release=True)  # it was leased with the version being replaced
             self._swap(a.job_id, held.version, held.model_dir)
             return True
         self._ensure_download(a)
@@ -252,9 +258,42 @@ class Worker:
         return a.relay_parents
 
     # -- leases ----------------------------------------------------------------------------------
+    # Network calls that need not block generation run in order on one "net" thread: the next lease
+    # is requested while the current one generates, and submissions go out while the next batch
+    # generates. Order on that thread keeps each lease's submissions before its release.
+
+    def active_leases(self) -> list[LeaseRead]:
+        with self._lease_lock:
+            return [s.lease for s in self._leases.values()]
 
     def _work_one_lease(self) -> str:
+        lease = self._take_lease()
+        if not isinstance(lease, LeaseRead):
+            return lease
+        try:
+            done, ok = self._generate_lease(lease)
+            self._gen_failures = 0
+        except (WorkerGone, KeyboardInterrupt):
+            raise
+        except Exception as exc:  # a backend failure: give the prompts back, retry a few times
+            self._net_call(self._finish, lease, 0, False)
+            self._gen_failures += 1
+            if self._gen_failures >= 3:
+                raise
+            log.warning("generation failed (%s: %s); retrying", type(exc).__name__, exc)
+            self._wait(_backoff(self._gen_failures))
+            return "error"
+        self._net_call(self._finish, lease, done, ok)
+        return "done"
+
+    def _take_lease(self) -> LeaseRead | str:
+        """The prefetched lease when it is for the loaded version, else a lease asked for now."""
         assert self._loaded is not None
+        prefetched = self._drop_prefetch(release=False)
+        if prefetched is not None:
+            if (prefetched.job_id, prefetched.version) == self._loaded:
+                return prefetched
+            self._net_call(self._finish, prefetched, 0, False)
         job_id, version = self._loaded
         try:
             lease = self.control.lease(LeaseRequest(job_id=job_id, max_prompts=self.opt.max_prompts, version=version))
@@ -277,34 +316,51 @@ class Worker:
             self._wait(delay)
             return "error"
         self._lease_attempts = 0
-        ttl = max(1.0, (lease.expires_at - lease.created_at) / timedelta(seconds=1))
-        with self._lease_lock:
-            self._lease = _LeaseState(lease, ttl, time.monotonic() + ttl / 2)
-        try:
-            done = self._generate_lease(lease)
-            if done < len(lease.prompts):
-                self._release(lease, done)
-            self.stats.leases_done += 1
-        finally:
-            with self._lease_lock:
-                self._lease = None
-        return "done"
+        self._track(lease)
+        return lease
 
-    def _generate_lease(self, lease: LeaseRead) -> int:
-        """Generate and submit the lease's prompts batch by batch; returns how many were submitted."""
+    def _prefetch(self) -> None:
+        """Ask for the next lease in the background, unless a swap or a drain is coming."""
+        if self._prefetched is not None or self._drain.is_set() or self._loaded != self._target:
+            return
+        job_id, version = self._loaded
+
+        def call() -> LeaseRead | None:
+            try:
+                lease = self.control.lease(LeaseRequest(job_id=job_id, max_prompts=self.opt.max_prompts,
+                                                        version=version))
+            except errors.Echo2Error:
+                return None  # the main loop asks again itself, and handles the answer
+            self._track(lease)
+            return lease
+
+        self._prefetched = self._net.submit(call)
+
+    def _drop_prefetch(self, release: bool = True) -> LeaseRead | None:
+        future, self._prefetched = self._prefetched, None
+        lease = future.result() if future is not None else None
+        if lease is not None and release:
+            self._net_call(self._finish, lease, 0, False)
+            return None
+        return lease
+
+    def _generate_lease(self, lease: LeaseRead) -> tuple[int, bool]:
+        """Generate the lease's prompts batch by batch, each batch submitted in the background.
+        Returns how many prompts were generated, and False if a submission was refused."""
         step = self.opt.gen_batch_prompts or len(lease.prompts)
         done = 0
+        refused = threading.Event()
         while done < len(lease.prompts):
-            why = self._stop_reason(lease)
+            why = "a submission was refused" if refused.is_set() else self._stop_reason(lease)
             if why:
                 log.info("lease %s: stopping after %d/%d prompts (%s)", lease.id, done, len(lease.prompts), why)
                 break
+            self._prefetch()
             batch = lease.prompts[done : done + step]
             groups = self._generate(batch, lease.sampling, lease.version)
-            if not self._submit(lease, groups):
-                return len(lease.prompts)  # the lease is gone server-side; nothing to release
+            self._net_call(self._submit, lease, groups, refused)
             done += len(batch)
-        return done
+        return done, not refused.is_set()
 
     def _stop_reason(self, lease: LeaseRead) -> str | None:
         if self._drain.is_set():
@@ -335,9 +391,23 @@ class Worker:
                             samples=[_sample(s) for s in group], gen_seconds=round(seconds / len(prompts), 4))
                 for p, ids, group in zip(prompts, prompt_ids, outputs, strict=True)]
 
-    def _submit(self, lease: LeaseRead, groups: list[GroupSubmit]) -> bool:
+    # -- on the net thread -----------------------------------------------------------------------
+
+    def _net_call(self, fn: Callable[..., Any], *args: Any) -> None:
+        def run() -> None:
+            try:
+                fn(*args)
+            except WorkerGone as exc:
+                self._fatal = exc
+                self._changed.set()
+            except Exception:
+                log.exception("background %s failed", getattr(fn, "__name__", "call"))
+
+        self._net.submit(run)
+
+    def _submit(self, lease: LeaseRead, groups: list[GroupSubmit], refused: threading.Event) -> None:
         """Submit (idempotent per prompt, so retried until the lease would have expired)."""
-        deadline = time.monotonic() + self._lease_ttl_left()
+        deadline = time.monotonic() + self._ttl_left(lease.id)
         attempt = 0
         while True:
             try:
@@ -348,13 +418,15 @@ class Worker:
             except (errors.ConnectionError, errors.ServerError) as exc:
                 if time.monotonic() > deadline:
                     log.warning("giving up on lease %s: %s (its prompts return to the pool)", lease.id, exc)
-                    return False
+                    refused.set()
+                    return
                 attempt += 1
                 log.warning("submit failed (%s); retrying", exc)
                 time.sleep(_backoff(attempt))
             except errors.APIStatusError as exc:
                 log.warning("lease %s: submission refused: %s", lease.id, exc)
-                return False
+                refused.set()
+                return
         accepted = [r for r in result.results if r.status.value == "accepted"]
         rejected = [r for r in result.results if r.status.value == "rejected"]
         self.stats.rollouts_accepted += len(accepted)
@@ -362,21 +434,37 @@ class Worker:
         self.stats.groups.add(len(accepted))
         for r in rejected[:3]:
             log.warning("prompt %d rejected: %s", r.prompt_id, r.reason)
-        return True
+
+    def _finish(self, lease: LeaseRead, done: int, ok: bool) -> None:
+        """After the lease's submissions: release what was not generated (all answered = completed)."""
+        try:
+            if done < len(lease.prompts) or not ok:
+                self._release(lease, done)
+            else:
+                self.stats.leases_done += 1
+        finally:
+            with self._lease_lock:
+                self._leases.pop(lease.id, None)
 
     def _release(self, lease: LeaseRead, done: int) -> None:
         try:
             self.control.release(lease.id)
-            log.info("released lease %s (%d of %d prompts unsubmitted)", lease.id, len(lease.prompts) - done,
+            log.info("released lease %s (%d of %d prompts not generated)", lease.id, len(lease.prompts) - done,
                      len(lease.prompts))
         except errors.Echo2Error as exc:
             log.warning("could not release lease %s (%s); it will expire server-side", lease.id, exc)
 
-    def _lease_ttl_left(self) -> float:
+    def _track(self, lease: LeaseRead) -> None:
+        ttl = max(1.0, (lease.expires_at - lease.created_at) / timedelta(seconds=1))
         with self._lease_lock:
-            if self._lease is None:
+            self._leases[lease.id] = _LeaseState(lease, ttl, time.monotonic() + ttl / 2)
+
+    def _ttl_left(self, lease_id: str) -> float:
+        with self._lease_lock:
+            state = self._leases.get(lease_id)
+            if state is None:
                 return 0.0
-            return max(0.0, self._lease.renew_at + self._lease.ttl_s / 2 - time.monotonic())
+            return max(0.0, state.renew_at + state.ttl_s / 2 - time.monotonic())
 
     # -- heartbeat thread ------------------------------------------------------------------------
 
@@ -393,7 +481,7 @@ class Worker:
                 with self._reply_lock:
                     self._reply = reply
                 self._changed.set()
-                self._renew_lease()
+                self._renew_leases()
             except errors.AuthenticationError as exc:
                 self._fatal = WorkerGone(f"the control plane no longer accepts this worker's token ({exc.status}); "
                                          "it was deregistered elsewhere - run `echo2-worker join` again")
@@ -414,19 +502,17 @@ class Worker:
         return Heartbeat(status=self._status, job_id=job, version_held=max(held) if held else None,
                          stats=self.stats.worker_stats(), bad_sources=bad)
 
-    def _renew_lease(self) -> None:
+    def _renew_leases(self) -> None:
+        now = time.monotonic()
         with self._lease_lock:
-            state = self._lease
-        if state is None or time.monotonic() < state.renew_at:
-            return
-        try:
-            self.control.renew(state.lease.id)
-            with self._lease_lock:
-                if self._lease is state:
-                    state.renew_at = time.monotonic() + state.ttl_s / 2
-            log.debug("renewed lease %s", state.lease.id)
-        except errors.Echo2Error as exc:
-            log.warning("could not renew lease %s: %s", state.lease.id, exc)
+            due = [st for st in self._leases.values() if now >= st.renew_at]
+        for state in due:
+            try:
+                self.control.renew(state.lease.id)
+                state.renew_at = time.monotonic() + state.ttl_s / 2
+                log.debug("renewed lease %s", state.lease.id)
+            except errors.Echo2Error as exc:
+                log.warning("could not renew lease %s: %s", state.lease.id, exc)
 
     def _report_bad(self, url: str, reason: str) -> None:
         with self._bad_lock:
@@ -453,15 +539,19 @@ class Worker:
         self.stats.state = "draining" if self._drain.is_set() else status.value
 
     def _shutdown(self) -> None:
-        """Stop heartbeating, release what is still leased, deregister (on drain), free the backend."""
+        """Flush submissions, release what is still leased, stop heartbeating, deregister (on drain)."""
         self._drain.set()
         self.stats.state = "stopping"
-        with self._lease_lock:
-            state = self._lease
-        if state is not None:
-            self._release(state.lease, 0)
+        try:
+            self._drop_prefetch(release=True)
+        except Exception as exc:  # the prefetch failed: nothing to give back
+            log.debug("prefetch: %s", exc)
+        self._net.shutdown(wait=True)  # the batch in flight is submitted; releases go out
+        for lease in self.active_leases():
+            self._release(lease, 0)
         self._stop_heartbeat.set()
-        self._hb_thread.join(timeout=5) if self._hb_thread.is_alive() else None
+        if self._hb_thread.is_alive():
+            self._hb_thread.join(timeout=5)
         if self._fatal is None:
             try:
                 self.control.deregister(self.opt.worker_id)
@@ -475,7 +565,6 @@ class Worker:
         self.downloader.close()
         if self.backend is not None:
             self.backend.close()
-
 
 def _sample(s: GenSample) -> SampleSubmit:
     return SampleSubmit(token_ids=s.token_ids, logprobs=[max(MIN_LOGPROB, min(0.0, lp)) for lp in s.logprobs],
