@@ -103,7 +103,9 @@ class RunningWorker:
 
 
 def start_worker(api: Api, setup: JobSetup, data_dir: Path, *, name: str = "w", relay: bool = False,
-                 upload_bytes_per_s: float | None = None, activate_now: bool = True, **fields: Any) -> RunningWorker:
+                 upload_bytes_per_s: float | None = None, activate_now: bool = True, server_url: str | None = None,
+                 backend_factory: Callable[[], Any] | None = None, gen_batch_prompts: int | None = None,
+                 **fields: Any) -> RunningWorker:
     store = VersionStore(data_dir / "versions")
     server = RelayServer(store, "127.0.0.1", 0, upload_bytes_per_s=upload_bytes_per_s).start() if relay else None
     if server is not None:
@@ -111,13 +113,14 @@ def start_worker(api: Api, setup: JobSetup, data_dir: Path, *, name: str = "w", 
     worker_id, token = register(api, setup, name, **fields)
     if activate_now:
         activate(api, worker_id, setup.id)
-    control = ControlPlane(api.url, token)
+    control = ControlPlane(server_url or api.url, token)
     stats = Stats()
     if server is not None:
         server.meter = stats.upload
     options = LoopOptions(worker_id=worker_id, data_dir=data_dir, max_prompts=4, heartbeat_interval_s=1.0,
-                          relay_url=server.url if server else None)
-    worker = Worker(options, control, lambda: create_backend("transformers", device="cpu"), store, stats)
+                          relay_url=server.url if server else None, gen_batch_prompts=gen_batch_prompts)
+    factory = backend_factory or (lambda: create_backend("transformers", device="cpu"))
+    worker = Worker(options, control, factory, store, stats)
     result: list[int] = []
     thread = threading.Thread(target=lambda: result.append(worker.run()), daemon=True)
     thread.start()

@@ -109,8 +109,8 @@ def test_lying_parent_is_banned_reported_and_never_stored(tmp_path: Path, tiny_m
         dl.close()
     liar.close()
     assert same_files(result.held.model_dir, tiny_model_dir)
-    assert liar.requests == 1  # banned after its first bad chunk
-    assert reports == [(liar.url, reports[0][1])] and "sha256" in reports[0][1]
+    assert 1 <= liar.requests <= dl.parallel  # banned after the bad chunks already in flight
+    assert {u for u, _ in reports} == {liar.url} and all("sha256" in r for _, r in reports)
     assert result.bytes_from == {origin.url: manifest.total_size}
 
 
@@ -156,7 +156,8 @@ def test_parent_killed_mid_transfer_costs_one_retry(tmp_path: Path, tiny_model_d
     r = result["r"]
     assert same_files(r.held.model_dir, tiny_model_dir)
     from_parent, from_origin = r.bytes_from.get(parent_url, 0), r.bytes_from.get(origin.url, 0)
-    assert from_parent >= manifest.total_size // 3 and from_parent + from_origin == manifest.total_size
-    # Only what was not yet received is fetched again: bytes on the wire exceed the model by < 1 chunk.
-    assert dl.meter.total < manifest.total_size + manifest.chunk_size
-    assert [u for u, _ in reports] == [parent_url]
+    assert from_parent >= len(manifest.chunks) // 3 * manifest.chunk_size
+    assert from_parent + from_origin == manifest.total_size
+    # Only the chunks in flight at the kill are fetched again: one retry each, nothing else.
+    assert dl.meter.total < manifest.total_size + dl.parallel * manifest.chunk_size
+    assert {u for u, _ in reports} == {parent_url}
