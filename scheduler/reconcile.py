@@ -116,14 +116,14 @@ def _close_orphan(db: Session, job: Job, settings: Settings, now: datetime) -> N
 
 
 def _learner_needed(job: Job, settings: Settings, now: datetime) -> bool:
-    if job.learner_launched_at is None:
+    launched = job.learner_launched_at
+    if launched is None:
         return True
-    if job.status == "queued":  # launched but never started: the host may have lost it
-        return now - job.learner_launched_at > timedelta(seconds=settings.learner_start_timeout_s)
-    last = job.learner_heartbeat_at or job.learner_launched_at
-    dead = now - last > timedelta(seconds=settings.learner_dead_after_s)
-    recently_launched = now - job.learner_launched_at < timedelta(seconds=settings.learner_start_timeout_s)
-    return dead and not recently_launched
+    beat = job.learner_heartbeat_at
+    if beat is not None and beat >= launched:  # it started: relaunch once it falls silent
+        return now - beat > timedelta(seconds=settings.learner_dead_after_s)
+    # launched but not started yet (loading a model): the host may have lost it
+    return now - launched > timedelta(seconds=settings.learner_start_timeout_s)
 
 
 def _activate(db: Session, settings: Settings, now: datetime) -> tuple[int, int]:

@@ -1,0 +1,80 @@
+"""Churn and infrastructure failures during a real run: kill -9 the Celery scheduler mid-run, restart
+Redis, kill -9 a third of the workers, then kill -9 the learner host in the middle of its learner task. The database is the source of truth, so the job still
+completes and no prompt is lost."""
+
+import os
+import signal
+import time
+
+import pytest
+from echo2 import Client
+from sqlalchemy import select
+
+from api.db import Database
+from api.demo import demo_spec
+from api.local import free_port
+from api.models import Lease, Prompt, Rollout, Worker
+from api.settings import Settings
+from api.stack import Stack
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+STEPS = 30
+
+
+def wait_until(predicate, stack, timeout=600):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        stack.supervise()  # what a process manager does: restart what crashed
+        time.sleep(0.5)
+
+
+def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, monkeypatch):
+    monkeypatch.setenv("ECHO2_LEASE_TTL_S", "8")
+    monkeypatch.setenv("ECHO2_WORKER_OFFLINE_AFTER_S", "5")
+    monkeypatch.setenv("ECHO2_LEARNER_DEAD_AFTER_S", "6")
+    monkeypatch.setenv("ECHO2_LEARNER_START_TIMEOUT_S", "60")
+    monkeypatch.setenv("ECHO2_LOG_LEVEL", "WARNING")
+    port = free_port()
+    settings = Settings(data_dir=tmp_path / ".echo2", port=port)
+    stack = Stack(settings, workers=3).start()
+    try:
+        with Client(base_url=stack.url, api_key=stack.admin_key) as client:
+            job = client.jobs.create(demo_spec("tiny", STEPS, 2))
+            wait_until(lambda: client.jobs.get(job.id).step >= 4, stack)
+            scheduler = next(c for c in stack.children if c.name == "scheduler")
+            os.killpg(scheduler.proc.pid, signal.SIGKILL)
+            stack.redis.stop()
+            stack.redis.start()
+            victim = next(c for c in stack.children if c.name == "worker-0")
+            victim.restarts = 10**6  # stays dead: churn, not a restart
+            os.killpg(victim.proc.pid, signal.SIGKILL)
+            wait_until(lambda: client.jobs.get(job.id).step >= 12, stack)
+            host = next(c for c in stack.children if c.name == "learner-host")
+            os.killpg(host.proc.pid, signal.SIGKILL)  # the learner runs inside its Celery task
+            wait_until(lambda: client.jobs.get(job.id).status.is_terminal(), stack)
+            final = client.jobs.get(job.id)
+    finally:
+        stack.stop()
+    assert final.status.value == "succeeded" and final.step == STEPS, final
+    db = Database(settings.database_url)
+    with db.session() as s:
+        workers = {w.name: w for w in s.scalars(select(Worker))}
+        assert workers["local-0"].status == "offline" and workers["local-0"].job_id is None
+        assert not list(s.scalars(select(Lease).where(Lease.worker_id == workers["local-0"].id,
+                                                      Lease.status == "active")))
+        prompts = list(s.scalars(select(Prompt).where(Prompt.job_id == job.id)))
+        active = {lease.id for lease in s.scalars(select(Lease).where(Lease.status == "active"))}
+        queued = {r.prompt_id for r in s.scalars(select(Rollout).where(Rollout.status.in_(("accepted", "claimed"))))}
+        for p in prompts:  # every prompt is somewhere it can still be trained from
+            assert p.state in ("available", "leased", "submitted", "trained"), p.state
+            if p.state == "leased":
+                assert p.lease_id in active or p.lease_id is None
+            if p.state == "submitted":
+                assert p.id in queued
+        steps = {r.trained_step for r in s.scalars(select(Rollout).where(Rollout.status == "trained"))}
+    assert steps == set(range(STEPS))
+    with db.session() as s:
+        from api.models import Job
+
+        assert s.get(Job, job.id).learner_launches >= 2, "the dead learner was not relaunched"
