@@ -1,6 +1,6 @@
 """Churn and infrastructure failures during a real run: kill -9 the Celery scheduler mid-run, restart
-Redis, kill -9 a third of the workers, then kill -9 the learner host in the middle of its learner task. The database is the source of truth, so the job still
-completes and no prompt is lost."""
+Redis, kill -9 a third of the workers, then kill -9 the learner host in the middle of its learner
+task. The database is the source of truth, so the job still completes and no prompt is lost."""
 
 import os
 import signal
