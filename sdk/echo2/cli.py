@@ -73,7 +73,7 @@ def build_parser() -> argparse.ArgumentParser:
                                  "workers. Configure with ECHO2_BASE_URL and ECHO2_API_KEY.")
     groups = parser.add_subparsers(dest="group", metavar="COMMAND", required=True)
 
-    jobs = groups.add_parser("jobs", help="submit, list, inspect, cancel and watch training jobs")
+    jobs = groups.add_parser("jobs", help="submit, list, inspect, cancel, watch and explain training jobs")
     jc = jobs.add_subparsers(dest="command", metavar="ACTION", required=True)
 
     submit = jc.add_parser("submit", parents=[conn], help="submit a GRPO job",
@@ -131,6 +131,14 @@ def build_parser() -> argparse.ArgumentParser:
     metrics.add_argument("--since", type=int, default=0, metavar="STEP")
     metrics.add_argument("--json", action="store_true")
     metrics.set_defaults(func=_jobs_metrics)
+
+    explain = jc.add_parser("explain", parents=[conn], help="why the scheduler activated or released workers",
+                            description="The scheduler's activation decisions for a job, newest first: "
+                                        "one line each with its time, action and explanation.")
+    explain.add_argument("job_id", metavar="JOB_ID")
+    explain.add_argument("--limit", type=int, default=50, metavar="N", help="decisions shown (default 50, max 200)")
+    explain.add_argument("--json", action="store_true", help="print the decisions as JSON (with their triggers)")
+    explain.set_defaults(func=_jobs_explain)
 
     datasets = groups.add_parser("datasets", help="upload and list prompt datasets")
     dc = datasets.add_subparsers(dest="command", metavar="ACTION", required=True)
@@ -304,6 +312,19 @@ def _jobs_metrics(args: argparse.Namespace) -> int:
            [[m.step, _num(m.reward_mean), _num(m.loss), _num(m.kl), _num(m.clip_frac),
              _num(_mean_staleness(m), 2), _num(m.t_train_s, 2), _num(m.learner_utilization, 2),
              "-" if m.cost_usd is None else f"${m.cost_usd:.4f}"] for m in rows])
+    return 0
+
+
+def _jobs_explain(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        decisions = client.jobs.decisions(args.job_id, limit=args.limit)
+    if args.json:
+        print(json.dumps([d.model_dump(mode="json") for d in decisions], indent=2))
+        return 0
+    for d in decisions:
+        print(f"{d.created_at.strftime('%Y-%m-%d %H:%M:%S')}  {d.action:<11}  {' '.join(d.line.split())}")
+    if not decisions:
+        print("(no activation decisions yet)")
     return 0
 
 

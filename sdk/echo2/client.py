@@ -41,6 +41,7 @@ from .protocol import (
     DatasetCreate,
     DatasetItems,
     DatasetRead,
+    DecisionRead,
     JobRead,
     JobSpec,
     JobStatus,
@@ -362,6 +363,10 @@ class _JobsBase(_Resource):
         return _Req("GET", f"/v1/jobs/{_seg(job_id, 'job_id')}/metrics", list[StepMetrics],
                     params=_params(since_step=since_step, limit=limit))
 
+    def _decisions(self, job_id: str, limit: int) -> _Req[list[DecisionRead]]:
+        return _Req("GET", f"/v1/jobs/{_seg(job_id, 'job_id')}/decisions", list[DecisionRead],
+                    params=_params(limit=limit))
+
 
 class Jobs(_JobsBase):
     """`client.jobs`: submit, list, inspect, cancel and follow GRPO training jobs."""
@@ -400,6 +405,14 @@ class Jobs(_JobsBase):
     def metrics(self, job_id: str, *, since_step: int = 0, limit: int | None = None) -> builtins.list[StepMetrics]:
         """Per-step training metrics from `since_step` on, oldest first."""
         return self._client._call(self._metrics(job_id, since_step, limit))
+
+    def decisions(self, job_id: str, *, limit: int = 50) -> builtins.list[DecisionRead]:
+        """The scheduler's activation decisions for this job, newest first (at most `limit`, up to 200).
+
+        Each says what happened to one worker (`activated`, `kept`, `deactivated`, `idle`, `skipped`),
+        why in one `line`, and the `trigger` that made the scheduler re-solve.
+        """
+        return self._client._call(self._decisions(job_id, limit))
 
     def follow(self, job_id: str, *, poll_interval: float = DEFAULT_POLL_INTERVAL,
                timeout: float | None = None) -> Iterator[JobRead]:
@@ -464,6 +477,9 @@ class AsyncJobs(_JobsBase):
     async def metrics(self, job_id: str, *, since_step: int = 0,
                       limit: int | None = None) -> builtins.list[StepMetrics]:
         return await self._client._call(self._metrics(job_id, since_step, limit))
+
+    async def decisions(self, job_id: str, *, limit: int = 50) -> builtins.list[DecisionRead]:
+        return await self._client._call(self._decisions(job_id, limit))
 
     async def follow(self, job_id: str, *, poll_interval: float = DEFAULT_POLL_INTERVAL,
                      timeout: float | None = None) -> AsyncIterator[JobRead]:

@@ -14,6 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
+from api.models import Decision
+from scheduler.reconcile import tick
 from tests.conftest import ADMIN_KEY
 from tests.factories import (
     activate,
@@ -54,6 +56,12 @@ def train_step(api: Any, job: dict[str, Any], learner: httpx.Client, worker: htt
               "tokens": 24, "rewards": [{"rollout_id": i, "rewards": [1.0, 0.0]} for i in ids]}
     ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
     publish(learner, jid, folder, version=step + 1, step=step + 1)
+
+
+def reconcile(api: Any) -> None:
+    """One scheduler tick on the live control plane's database (activation decisions are recorded)."""
+    with api.db.session() as session:
+        tick(session, api.server.settings, lambda job, token: None)
 
 
 @pytest.fixture
@@ -194,10 +202,67 @@ def test_reward_chart_gains_points_as_the_job_trains(api, ui, training):
     expect_text(ui, "#rollouts li.rollout", "trained at step 2")
     ui.page.locator("#rollouts li.rollout summary").first.click()
     expect_text(ui, "#rollouts .completions", "reward 1")
+    reconcile(api)  # the scheduler explains why rtx-1 serves this job
+    expect_text(ui, "#decisions-table tbody tr", rf"rtx-1.*{training['worker_id']}")
     ui.shot("job")
     ui.page.get_by_role("link", name="Jobs").first.click()
     expect_text(ui, "#jobs-table tbody tr", r"reward-climb.*3 / 5.*0\.7")
     ui.shot("jobs")
+
+
+def test_job_page_explains_activation_decisions(api, ui, tmp_path):
+    key, alice = user_key(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "model"), name="explained",
+                         grpo={"group_size": 2, "prompts_per_step": 2})
+    _, provider = new_provider(api, "gpu-co")
+    ids = {}
+    for name, price in (("cheap", 0.1), ("pricey", 9.0)):
+        wid, worker = new_worker(api, provider, name, price_per_hour=price, rollouts_per_s=100.0)
+        ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
+        ids[name] = wid
+    ui.login(key)
+    ui.goto(f"/jobs/{job['id']}")
+    expect_text(ui, "#decisions-table tbody td.empty", "No activation decision yet")
+    ui.page.evaluate("window.__sameDocument = true")
+
+    reconcile(api)  # a real tick: the solver activates the cheapest sufficient worker and says why
+    decisions = ok(alice.get(f"/v1/jobs/{job['id']}/decisions"))
+    cheap = next(d for d in decisions if d["worker_id"] == ids["cheap"] and d["action"] == "activated")
+    row = ui.page.locator("#decisions-table tbody tr", has_text=ids["cheap"])
+    row.wait_for()  # shown by the page's own polling, without a reload
+    assert ui.page.evaluate("window.__sameDocument") is True
+    cells = row.locator("td")
+    assert cells.nth(1).inner_text() == "activated"
+    assert cells.nth(1).locator(".badge.s-activated").count() == 1
+    link = cells.nth(2).get_by_role("link", name="cheap")
+    assert link.get_attribute("href") == f"/workers/{ids['cheap']}"
+    assert cells.nth(3).inner_text() == cheap["line"] and cheap["line"].startswith(f"activated {ids['cheap']}: ")
+    assert cells.nth(4).inner_text() == cheap["trigger"] == "first decision"
+    assert cells.nth(0).locator("time").get_attribute("datetime") == cheap["created_at"]
+    assert ui.page.locator("#decisions-table tbody tr", has_text=ids["pricey"]).count() == 0  # not this job's
+    ui.audit()
+    link.click()
+    ui.page.wait_for_url(re.compile(rf"/workers/{ids['cheap']}$"))
+    ui.check()
+
+
+def test_decisions_are_inserted_as_text(api, ui, tmp_path):
+    key, alice = user_key(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "model"))
+    _, provider = new_provider(api, "gpu-co")
+    wid, _ = new_worker(api, provider, name="w")
+    markup = '<img src=x onerror="window.__pwned = 1"><b>bold</b>'
+    with api.db.session() as session:
+        session.add(Decision(job_id=job["id"], worker_id=wid, action="kept", line=markup, trigger=markup,
+                             inputs={}))
+        session.commit()
+    ui.login(key)
+    ui.goto(f"/jobs/{job['id']}")
+    row = ui.page.locator("#decisions-table tbody tr", has_text="<b>bold</b>")
+    row.wait_for()
+    assert row.locator("img, b").count() == 0
+    assert row.locator("td").nth(3).inner_text() == markup
+    assert ui.page.evaluate("window.__pwned") is None
 
 
 def test_open_a_worker_from_the_fleet(api, ui, training):
@@ -344,6 +409,7 @@ def test_polling_pauses_while_the_tab_is_hidden(api, ui):
 def test_pages_fit_a_phone(api, browser, api_routes, training):
     for step, reward in enumerate([0.3, 0.6]):
         train_step(api, training["job"], training["learner"], training["worker"], training["folder"], step, reward)
+    reconcile(api)
     context, ui = open_dashboard(browser, api, api_routes, viewport={"width": 390, "height": 844},
                                  is_mobile=True, has_touch=True, device_scale_factor=2)
     try:
@@ -358,6 +424,9 @@ def test_pages_fit_a_phone(api, browser, api_routes, training):
             assert overflow <= 1, f"{path} scrolls sideways on a phone by {overflow}px"
         ui.goto(f"/jobs/{training['job']['id']}")
         ui.page.locator('figure[data-chart="reward"][data-points="2"]').wait_for()
+        expect_text(ui, "#decisions-table tbody tr", "activated")
+        overflow = ui.page.evaluate("document.documentElement.scrollWidth - window.innerWidth")
+        assert overflow <= 1, f"the job page with decisions scrolls sideways on a phone by {overflow}px"
         ui.shot("job-phone")
     finally:
         close_dashboard(context, ui)

@@ -1,5 +1,6 @@
-/* Job detail: summary, live charts from step metrics, versions, workers, sample rollouts; cancel and
- * checkpoint download. Metrics are fetched incrementally (since_step) so each poll moves little data. */
+/* Job detail: summary, live charts from step metrics, versions, workers, the scheduler's activation
+ * decisions, sample rollouts; cancel and checkpoint download.
+ * Metrics are fetched incrementally (since_step) so each poll moves little data. */
 "use strict";
 
 E2.page("job", () => {
@@ -8,6 +9,8 @@ E2.page("job", () => {
   const base = "/v1/jobs/" + encodeURIComponent(id);
   const metrics = [];
   const openRollouts = new Set();
+  const workerNames = new Map(); // worker id -> name, from the workers seen on this job
+  const DECISIONS_SHOWN = 20;
   let job = null, versionsSeen = -1, rolloutsSig = "", finalDone = false;
 
   const charts = makeCharts();
@@ -15,7 +18,7 @@ E2.page("job", () => {
   async function load() {
     job = await api(base);
     renderJob();
-    await Promise.all([loadMetrics(), loadVersions(), loadWorkers(), loadRollouts()]);
+    await Promise.all([loadMetrics(), loadVersions(), loadWorkers().then(loadDecisions), loadRollouts()]);
     if (TERMINAL.has(job.status)) {
       if (finalDone) poller.stop();
       finalDone = true; // one more round after the end, then stop polling a job that cannot change
@@ -199,7 +202,25 @@ E2.page("job", () => {
   // ---- workers ----------------------------------------------------------------------------
   async function loadWorkers() {
     const page = await api("/v1/workers" + query({ job_id: id, limit: 100 }));
+    for (const w of page.items) workerNames.set(w.id, w.name);
     fillRows($("#workers-table tbody"), page.items.map(E2.workerRow), "No worker is assigned to this job.", 11);
+  }
+
+  // ---- activation decisions ---------------------------------------------------------------
+  async function loadDecisions() {
+    const decisions = await api(base + "/decisions" + query({ limit: DECISIONS_SHOWN }));
+    fillRows($("#decisions-table tbody"), decisions.map(decisionRow), "No activation decision yet.", 5);
+  }
+
+  function decisionRow(d) {
+    const name = workerNames.get(d.worker_id);
+    return h("tr", { dataset: { key: `${d.created_at}|${d.worker_id}|${d.action}` } },
+      h("td", {}, timeEl(d.created_at, true)),
+      h("td", {}, badge(d.action)),
+      h("td", {}, h("a", { href: "/workers/" + encodeURIComponent(d.worker_id), title: d.worker_id },
+        name || h("code", {}, d.worker_id.slice(0, 12)))),
+      h("td", { class: "wrap" }, d.line),
+      h("td", { class: "wrap muted" }, d.trigger));
   }
 
   // ---- sample rollouts --------------------------------------------------------------------
