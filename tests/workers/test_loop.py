@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 
 from api.app import create_app
 from api.local import free_port
-from api.models import Job, Lease, Worker
+from api.models import Job, Lease, Rollout, Worker
 from api.services.fleet import unassign
 from api.settings import Settings
 from tests.conftest import Api
@@ -38,8 +38,6 @@ def test_leaf_worker_produces_accepted_rollouts_then_drains(api: Api, tiny_model
     r = accepted[0]
     assert r["worker_id"] == w.worker_id and r["version"] == 0 and len(r["completions"]) == 2
     with api.db.session() as s:  # the prompt ids follow the shared rule the learner checks
-        from api.models import Rollout
-
         row = s.get(Rollout, r["id"])
         assert row.prompt_token_ids == encode_prompt(tok, r["prompt_text"])
         assert all(len(x["token_ids"]) == len(x["logprobs"]) >= 1 for x in row.samples)
@@ -116,8 +114,6 @@ def test_a_lease_going_stale_mid_way_is_released(api: Api, tiny_model_dir: Path,
     with api.db.session() as s:
         lease = s.get(Lease, lease_id)
         assert lease.status == "released"
-        from api.models import Rollout
-
         mine = s.scalars(select(Rollout).where(Rollout.lease_id == lease_id)).all()
     assert len(mine) < 4  # the rest of the lease was given back, not generated
     late = [r for r in mine if r.status == "rejected"]
@@ -155,10 +151,10 @@ def test_peers_relay_chunks_and_a_lying_peer_is_rejected_and_reported(api: Api, 
         liar.close()
 
 
-def serve(api: Api, port: int) -> tuple[uvicorn.Server, threading.Thread]:
+def serve(api: Api, port: int, lease_ttl_s: float = 30) -> tuple[uvicorn.Server, threading.Thread]:
     """A second control-plane process-alike on the same database and blob store, on a fixed port."""
     base = api.server.settings
-    settings = Settings(data_dir=base.data_dir, database_url=base.database_url, port=port, lease_ttl_s=30,
+    settings = Settings(data_dir=base.data_dir, database_url=base.database_url, port=port, lease_ttl_s=lease_ttl_s,
                         heartbeat_interval_s=1)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
@@ -181,6 +177,26 @@ def test_control_plane_restart_is_survived(api: Api, tiny_model_dir: Path, worke
     server, thread = serve(api, port)
     try:
         wait_for(lambda: len(rollouts(api, setup.id, "accepted")) > n, 120, "rollouts after the restart")
+        assert w.drain() == 0
+    finally:
+        server.should_exit = True
+        thread.join(30)
+
+
+def test_a_lease_longer_than_its_ttl_is_renewed(api: Api, tiny_model_dir: Path, worker_factory) -> None:
+    port = free_port()
+    server, thread = serve(api, port, lease_ttl_s=3)  # a lease of 4 slow batches outlives its TTL twice
+    try:
+        setup = start_job(api, tiny_model_dir)
+        w = worker_factory(setup, server_url=f"http://127.0.0.1:{port}", gen_batch_prompts=1,
+                           backend_factory=lambda: SlowBackend(device="cpu"))
+        wait_for(lambda: w.stats.leases_done >= 1, 120, "a whole lease")
+        with api.db.session() as s:
+            first = s.scalars(select(Lease).where(Lease.worker_id == w.worker_id).order_by(Lease.created_at)).first()
+            assert first.status == "completed"
+            last = max(r.created_at for r in s.scalars(select(Rollout).where(Rollout.lease_id == first.id)))
+            assert (last - first.created_at).total_seconds() > 3  # its last group came after one TTL
+        assert w.stats.rollouts_rejected == 0
         assert w.drain() == 0
     finally:
         server.should_exit = True
