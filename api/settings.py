@@ -34,7 +34,8 @@ class Settings(BaseSettings):
     learner_threads: int | None = Field(None, ge=1, le=1024, description="torch threads per learner run.")
     solver: Literal["milp", "greedy", "all"] = Field("milp", description="Worker activation method.")
     min_dwell_s: float = Field(60.0, ge=0, description="An activated worker keeps its job at least this long.")
-    relay_fanout: int = Field(2, ge=1, le=16, description="Children per relay peer in the dissemination tree.")
+    relay_fanout: int = Field(1, ge=1, le=16, description="Children per relay peer (1: a pipelined chain).")
+    relay_max_bad_chunks: int = Field(3, ge=1, description="Peers reported bad this often stop being parents.")
     log_level: str = Field("INFO", description="Python logging level.")
 
     @model_validator(mode="after")

@@ -67,10 +67,17 @@ class Stack:
         wait_port(self.settings.port, timeout=120, proc=self.children[0].proc)
         self._spawn(Child("scheduler", [sys.executable, "-m", "api.cli", "scheduler"], env))
         self._spawn(Child("learner-host", [sys.executable, "-m", "api.cli", "learner-host"], env))
-        token = self._provider_token()
-        for i in range(self.workers):
-            self._spawn(Child(f"worker-{i}", self._worker_args(i, token), {**env, "OMP_NUM_THREADS": "1"}))
+        for _ in range(self.workers):
+            self.add_worker()
         return self
+
+    def add_worker(self) -> Child:
+        """Start one more local CPU worker (its own process group and pid file)."""
+        i = sum(1 for c in self.children if c.name.startswith("worker-"))
+        child = Child(f"worker-{i}", self._worker_args(i, self._provider_token()),
+                      {**self._env(), "OMP_NUM_THREADS": "1"})
+        self._spawn(child)
+        return child
 
     def _env(self) -> dict[str, str]:
         s = self.settings

@@ -10,7 +10,7 @@ from echo2.protocol import GroupResult, GroupSubmit, RolloutStatus
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
-from ..models import Job, Lease, Prompt, Rollout, Worker, new_id
+from ..models import Job, Lease, Prompt, Rollout, Worker, new_id, utcnow
 from .jobs import spec_of
 from .pool import return_prompts
 
@@ -82,7 +82,7 @@ def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]
     worker.accepted_rollouts += len(accepted)
     worker.rejected_rollouts += len(rows) - len(accepted)
     if lease.status == "active" and _all_answered(db, lease):
-        lease.status = "completed"
+        lease.status, lease.finished_at = "completed", utcnow()
 
 
 def _all_answered(db: Session, lease: Lease) -> bool:

@@ -66,12 +66,14 @@ def relay_parents(db: Session, worker: Worker, job: Job, settings: Settings) -> 
     """Base URLs to fetch chunks from, best first, the origin last.
 
     Relay-capable peers on the job form a k-ary tree ordered by upload bandwidth (high uplinks near
-    the root, fed by the origin); leaves (no relay URL) hang under the relays round-robin. A peer
-    serves the same paths as the origin, so a parent is just a base URL.
+    the root, fed by the origin; k = 1 is a pipelined chain); leaves (no relay URL) hang under the
+    relays by a stable hash. Peers reported bad too often are left out. A peer serves the same
+    paths as the origin, so a parent is just a base URL.
     """
     peers = db.execute(
         select(Worker.id, Worker.relay_url)
-        .where(Worker.job_id == job.id, Worker.status != "offline", Worker.relay_url.is_not(None))
+        .where(Worker.job_id == job.id, Worker.status != "offline", Worker.relay_url.is_not(None),
+               Worker.bad_chunks < settings.relay_max_bad_chunks)
         .order_by(Worker.upload_mbps.desc(), Worker.id)
     ).all()
     ids = [p.id for p in peers]

@@ -72,6 +72,40 @@ def test_assigned_worker_waits_until_a_version_exists(api):
 def test_relay_tree_puts_high_uplinks_near_the_origin(api, tmp_path):
     from tests.factories import fake_model_folder
 
+    api.server.settings.relay_fanout = 2
+    try:
+        _binary_tree(api, tmp_path, fake_model_folder)
+    finally:
+        api.server.settings.relay_fanout = 1
+
+
+def test_default_relay_is_a_chain_by_uplink_skipping_bad_peers(api, tmp_path):
+    from tests.factories import fake_model_folder
+
+    _, provider = new_provider(api)
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    clients = {}
+    for i, up in enumerate([100, 1000, 500]):
+        wid, client = new_worker(api, provider, f"w{i}", upload_mbps=up, relay_url=f"http://127.0.0.{i + 2}:7000")
+        activate(api, wid, job["id"])
+        clients[up] = (wid, client)
+
+    def parents(up):
+        wid, client = clients[up]
+        return ok(client.post(f"/v1/workers/{wid}/heartbeat", json={}))["assignment"]["relay_parents"]
+
+    assert parents(1000) == [api.url]
+    assert parents(500) == ["http://127.0.0.3:7000", api.url]
+    assert parents(100) == ["http://127.0.0.4:7000", api.url]
+    wid, client = clients[100]
+    bad = {"bad_sources": [{"url": "http://127.0.0.4:7000", "reason": "sha256 mismatch"}]}
+    for _ in range(api.server.settings.relay_max_bad_chunks):
+        ok(client.post(f"/v1/workers/{wid}/heartbeat", json=bad))
+    assert parents(100) == ["http://127.0.0.3:7000", api.url]
+
+
+def _binary_tree(api, tmp_path, fake_model_folder):
     _, provider = new_provider(api)
     _, alice = new_user(api)
     job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))

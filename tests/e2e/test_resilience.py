@@ -13,7 +13,7 @@ from sqlalchemy import select
 from api.db import Database
 from api.demo import demo_spec
 from api.local import free_port
-from api.models import Lease, Prompt, Rollout, Worker
+from api.models import Decision, Job, Lease, Prompt, Rollout, Worker
 from api.settings import Settings
 from api.stack import Stack
 
@@ -49,6 +49,7 @@ def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, mo
             victim = next(c for c in stack.children if c.name == "worker-0")
             victim.restarts = 10**6  # stays dead: churn, not a restart
             os.killpg(victim.proc.pid, signal.SIGKILL)
+            stack.add_worker()  # a newcomer the scheduler should put to work in the victim's place
             wait_until(lambda: client.jobs.get(job.id).step >= 12, stack)
             host = next(c for c in stack.children if c.name == "learner-host")
             os.killpg(host.proc.pid, signal.SIGKILL)  # the learner runs inside its Celery task
@@ -63,6 +64,9 @@ def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, mo
         assert workers["local-0"].status == "offline" and workers["local-0"].job_id is None
         assert not list(s.scalars(select(Lease).where(Lease.worker_id == workers["local-0"].id,
                                                       Lease.status == "active")))
+        assert workers["local-3"].accepted_rollouts > 0, "the replacement was never activated"
+        assert s.scalars(select(Decision).where(Decision.worker_id == workers["local-3"].id,
+                                                Decision.action == "activated")).first() is not None
         prompts = list(s.scalars(select(Prompt).where(Prompt.job_id == job.id)))
         active = {lease.id for lease in s.scalars(select(Lease).where(Lease.status == "active"))}
         queued = {r.prompt_id for r in s.scalars(select(Rollout).where(Rollout.status.in_(("accepted", "claimed"))))}
@@ -75,6 +79,4 @@ def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, mo
         steps = {r.trained_step for r in s.scalars(select(Rollout).where(Rollout.status == "trained"))}
     assert steps == set(range(STEPS))
     with db.session() as s:
-        from api.models import Job
-
         assert s.get(Job, job.id).learner_launches >= 2, "the dead learner was not relaunched"
