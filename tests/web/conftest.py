@@ -65,7 +65,9 @@ def _unavailable(reason: str) -> None:
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="session")
+# Module scope, not session: the sync Playwright API keeps an asyncio loop running in the main thread
+# while it is open, which would break every later test that calls asyncio.run().
+@pytest.fixture(scope="module")
 def browser() -> Iterator[Any]:
     try:
         from playwright.sync_api import sync_playwright
