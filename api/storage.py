@@ -12,20 +12,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from echo2.protocol import Manifest
+from echo2.snapshots import atomic_write
 
 
 class ChunkError(ValueError):
     pass
-
-
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write *.tmp, fsync, rename: readers see the whole file or none of it."""
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 class BlobStore:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from echo2.snapshots import atomic_write
 from safetensors.torch import load_file, save_file
 
 
@@ -37,7 +38,7 @@ def save(root: Path, step: int, version: int | None, model: Any, optimizer: Any,
         _fsync(f)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _write_atomic(root / "latest", final.name)
+    atomic_write(root / "latest", final.name.encode())
     _prune(root, keep)
     return final
 
@@ -71,13 +72,6 @@ def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _fsync(path: Path) -> None:
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(text)
-    _fsync(tmp)
-    os.replace(tmp, path)
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -101,7 +101,7 @@ def assemble(manifest: Manifest, read_chunk: Callable[[int], bytes], out: Path) 
         if digest.hexdigest() != f.sha256:
             raise SnapshotError(f"{f.path}: whole-file sha256 does not match the manifest")
         os.replace(tmp, target)
-    _write_atomic(out / "manifest.json", manifest.model_dump_json().encode())
+    atomic_write(out / "manifest.json", manifest.model_dump_json().encode())
     return out
 
 
@@ -110,7 +110,8 @@ def _safe_target(root: Path, target: Path) -> None:
         raise SnapshotError(f"manifest path escapes the folder: {target}")
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write *.tmp, fsync, rename: readers see the whole file or none of it."""
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "wb") as fh:
         fh.write(data)

@@ -6,30 +6,18 @@ import time
 
 import pytest
 
+from api.demo import demo_spec
 from learner.loop import Learner, LearnerOptions
 from learner.remote import ControlPlane
-from learner.tasks.arithmetic import DEMO_DEFAULTS
 from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
 from tests.rollout_driver import RolloutDriver
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
 
 
-def demo_spec(staleness: int, max_steps: int) -> dict:
-    d = DEMO_DEFAULTS
-    return {
-        "name": f"learn-s{staleness}", "base_model": "echo2:tiny",
-        "task": {"name": d["task"], "params": d["task_params"]}, "staleness": staleness,
-        "publish_period": 1, "max_steps": max_steps, "checkpoint_every": 1000,
-        "grpo": {"group_size": d["group_size"], "prompts_per_step": d["prompts_per_step"], "lr": d["lr"],
-                 "max_new_tokens": d["max_new_tokens"], "temperature": d["temperature"],
-                 "eps_low": d["eps_low"], "eps_high": d["eps_high"], "ratio_cap": d["ratio_cap"]},
-    }
-
-
 def run_job(api, tmp_path, staleness: int, lag: int, max_steps: int = 130):
     _, alice = new_user(api)
-    job = ok(alice.post("/v1/jobs", json=demo_spec(staleness, max_steps)), 201)
+    job = ok(alice.post("/v1/jobs", json=demo_spec("tiny", max_steps, staleness)), 201)
     token = learner_for(api, job["id"]).headers["Authorization"].split()[1]
     plane = ControlPlane(api.url, token, job["id"])
     learner = Learner(plane, LearnerOptions(work_dir=tmp_path / "learner", heartbeat_s=0.5, threads=1))

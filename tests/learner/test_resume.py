@@ -9,8 +9,8 @@ import time
 
 import pytest
 
+from api.demo import demo_spec
 from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
-from tests.learner.test_loop import demo_spec
 from tests.rollout_driver import RolloutDriver
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
@@ -41,7 +41,7 @@ def wait_for(predicate, timeout=300):
 
 def test_kill_and_resume(api, tmp_path):
     _, alice = new_user(api)
-    spec = {**demo_spec(1, 12), "checkpoint_every": 3}
+    spec = {**demo_spec("tiny", 12, 1), "checkpoint_every": 3}
     job = ok(alice.post("/v1/jobs", json=spec), 201)
     jid = job["id"]
     token = learner_for(api, jid).headers["Authorization"].split()[1]

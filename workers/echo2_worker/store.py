@@ -18,7 +18,7 @@ import threading
 from pathlib import Path
 
 from echo2.protocol import Manifest
-from echo2.snapshots import SnapshotError, assemble, is_complete, verify_chunk
+from echo2.snapshots import SnapshotError, assemble, atomic_write, is_complete, verify_chunk
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -163,7 +163,7 @@ class VersionStore:
             if saved.exists() and saved.read_bytes() != manifest.model_dump_json().encode():
                 shutil.rmtree(path, ignore_errors=True)  # another job database or a bad run: start over
             path.mkdir(parents=True, exist_ok=True)
-            _write_atomic(saved, manifest.model_dump_json().encode())
+            atomic_write(saved, manifest.model_dump_json().encode())
             held = HeldVersion(job_id, manifest, path)
             self._versions[key] = held
             return held
@@ -199,11 +199,3 @@ class VersionStore:
 def _digest(manifest: Manifest) -> str:
     return hashlib.sha256("".join(c.sha256 for c in manifest.chunks).encode()).hexdigest()
 
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
