@@ -68,15 +68,6 @@ class BlobStore:
     def chunk_path(self, job_id: str, version: int, index: int) -> Path:
         return self._final(job_id, version) / f"{index}.chunk"
 
-    def has_version(self, job_id: str, version: int) -> bool:
-        return (self._final(job_id, version) / "manifest.json").exists()
-
-    def discard_staging(self, job_id: str, version: int) -> None:
-        shutil.rmtree(self._staging(job_id, version), ignore_errors=True)
-
-    def delete_version(self, job_id: str, version: int) -> None:
-        shutil.rmtree(self._final(job_id, version), ignore_errors=True)
-
     def iter_tar(self, job_id: str, manifest: Manifest, block: int = 1 << 20) -> Iterator[bytes]:
         """Stream the version's files as an uncompressed tar, reading chunks in order."""
         stream = self._iter_stream(job_id, manifest, block)
