@@ -152,3 +152,20 @@ def test_deregistration_revokes_the_token(api):
     assert worker.post(f"/v1/workers/{wid}/heartbeat", json={}).status_code == 401
     assert ok(api.admin.get(f"/v1/workers/{wid}"))["status"] == "deregistered"
     assert ok(provider.get("/v1/providers/me"))["num_workers"] == 0
+
+
+def test_listing_filters_used_by_the_dashboard(api, tmp_path):
+    from tests.factories import fake_model_folder
+
+    prov_id, provider = new_provider(api)
+    assert [p["id"] for p in ok(api.admin.get("/v1/providers"))] == [prov_id]
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    on_job, _ = new_worker(api, provider, "on")
+    idle, _ = new_worker(api, provider, "idle")
+    activate(api, on_job, job["id"])
+    by_job = ok(api.admin.get("/v1/workers", params={"job_id": job["id"]}))
+    assert [w["id"] for w in by_job["items"]] == [on_job]
+    by_status = ok(api.admin.get("/v1/workers", params={"status": "idle"}))
+    assert {w["id"] for w in by_status["items"]} == {on_job, idle}
+    assert ok(alice.get("/v1/workers", params={"job_id": job["id"]}))["total"] == 1

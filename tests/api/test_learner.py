@@ -47,6 +47,7 @@ def test_claim_train_report_cycle(api, setup):
     assert again["step"] == 1
     metrics = ok(alice.get(f"/v1/jobs/{job['id']}/metrics"))
     assert [m["step"] for m in metrics] == [0] and metrics[0]["groups"] == 3
+    assert ok(alice.get(f"/v1/jobs/{job['id']}/metrics", params={"since_step": 1})) == []
     trained = ok(alice.get(f"/v1/jobs/{job['id']}/rollouts", params={"status": "trained"}))
     assert trained["total"] == 3 and trained["items"][0]["rewards"] == [1.0, 0.0]
     assert ok(alice.get(f"/v1/jobs/{job['id']}"))["reward_mean"] == 0.5

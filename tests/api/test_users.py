@@ -55,3 +55,12 @@ def test_validation_errors_name_the_field(api):
     assert r.status_code == 422
     fields = {e["field"] for e in r.json()["errors"]}
     assert {"body.name", "body.role"} <= fields
+
+
+def test_revoked_tokens_are_listed_only_on_request(api):
+    user_id, alice = new_user(api)
+    key = ok(alice.post(f"/v1/users/{user_id}/keys"), 201)["token"]["id"]
+    assert api.admin.delete(f"/v1/tokens/{key}").status_code == 204
+    assert key not in {t["id"] for t in ok(api.admin.get("/v1/tokens"))}
+    revoked = {t["id"]: t for t in ok(api.admin.get("/v1/tokens", params={"include_revoked": True}))}
+    assert revoked[key]["revoked_at"] is not None
