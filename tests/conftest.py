@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,7 @@ import httpx
 import pytest
 import uvicorn
 from sqlalchemy import text
+from sqlalchemy.exc import OperationalError
 
 from api.app import create_app
 from api.auth import forget_all
@@ -83,12 +85,21 @@ def live_server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> 
 
 def _wipe(server: LiveServer) -> None:
     tables = [t.name for t in reversed(Base.metadata.sorted_tables)]
-    with server.db.engine.begin() as conn:
-        if server.db.is_postgres:
-            conn.execute(text(f"TRUNCATE {', '.join(tables)} CASCADE"))
-        else:
-            for name in tables:
-                conn.execute(text(f"DELETE FROM {name}"))
+    for attempt in range(10):
+        try:
+            with server.db.engine.begin() as conn:
+                if server.db.is_postgres:
+                    conn.execute(text(f"TRUNCATE {', '.join(tables)} CASCADE"))
+                else:
+                    for name in tables:
+                        conn.execute(text(f"DELETE FROM {name}"))
+            break
+        except OperationalError:
+            # A request of the previous test (e.g. a browser page still polling) can hold a lock that
+            # TRUNCATE must wait for; PostgreSQL then picks TRUNCATE as the deadlock victim. Retry.
+            if attempt == 9:
+                raise
+            time.sleep(0.5)
     forget_all()  # tokens of the previous test are gone from the database
     shutil.rmtree(server.settings.blob_dir, ignore_errors=True)
     server.settings.blob_dir.mkdir(parents=True, exist_ok=True)
