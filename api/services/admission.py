@@ -98,9 +98,7 @@ def reject_stale(db: Session, job: Job, step: int, staleness: int) -> int:
     ))
     for r in stale:
         r.status, r.reason = "rejected", f"stale at claim: step {step} - version {r.version} > S={staleness}"
-    if stale:
-        db.execute(update(Prompt).where(Prompt.id.in_([r.prompt_id for r in stale]))
-                   .values(state="available", lease_id=None, attempts=Prompt.attempts + 1))
+    return_prompts(db, [r.prompt_id for r in stale], from_state="submitted")
     return len(stale)
 
 

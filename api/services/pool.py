@@ -14,11 +14,13 @@ from ..models import Job, Lease, Prompt, Worker, utcnow
 from .jobs import spec_of
 
 
-def return_prompts(db: Session, prompt_ids: list[int], lease_id: str | None = None) -> int:
-    """Put leased prompts that got no accepted rollout back into the pool (one more attempt each)."""
+def return_prompts(db: Session, prompt_ids: list[int], lease_id: str | None = None,
+                   from_state: str = "leased") -> int:
+    """Put prompts back into the pool (one more attempt each): by default leased ones that got no
+    accepted rollout; `from_state="submitted"` for ones whose queued rollout was rejected later."""
     if not prompt_ids:
         return 0
-    query = update(Prompt).where(Prompt.id.in_(prompt_ids), Prompt.state == "leased")
+    query = update(Prompt).where(Prompt.id.in_(prompt_ids), Prompt.state == from_state)
     if lease_id is not None:
         query = query.where(Prompt.lease_id == lease_id)
     result = db.execute(query.values(state="available", lease_id=None, attempts=Prompt.attempts + 1))
