@@ -11,7 +11,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from . import auth
-from .errors import ApiError
+from .errors import ApiError, unauthorized
 from .models import Job, Provider, User, Worker
 from .settings import Settings
 from .storage import BlobStore
@@ -50,25 +50,25 @@ class Principal:
         return self.user is not None and self.user.role == "admin"
 
 
-def _unauthorized(detail: str) -> ApiError:
-    return ApiError(401, detail, headers={"WWW-Authenticate": "Bearer"})
+def bearer_token(creds: HTTPAuthorizationCredentials | None) -> str:
+    if creds is None:
+        raise unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
+    return creds.credentials
 
 
 def _principal(db: SessionDep, creds: Credentials) -> Principal:
-    if creds is None:
-        raise _unauthorized("missing bearer token: send 'Authorization: Bearer <token>'")
-    identity = auth.lookup(db, creds.credentials)
+    identity = auth.lookup(db, bearer_token(creds))
     if identity is None:
-        raise _unauthorized("unknown or revoked token")
+        raise unauthorized("unknown or revoked token")
     principal = Principal(kind=identity.kind, id=identity.principal_id)
     if identity.kind == "user":
         principal.user = db.get(User, identity.principal_id)
         if principal.user is None:
-            raise _unauthorized("this API key's user no longer exists")
+            raise unauthorized("this API key's user no longer exists")
     elif identity.kind == "worker":
         principal.worker = db.get(Worker, identity.principal_id)
         if principal.worker is None or principal.worker.status == "deregistered":
-            raise _unauthorized("this worker is deregistered; register again")
+            raise unauthorized("this worker is deregistered; register again")
     return principal
 
 
@@ -95,7 +95,7 @@ def _admin(user: Annotated[User, Depends(_user)]) -> User:
 def _provider(db: SessionDep, p: Annotated[Principal, Depends(_require("provider", "a provider token"))]) -> Provider:
     provider = db.get(Provider, p.id)
     if provider is None:
-        raise _unauthorized("provider no longer exists")
+        raise unauthorized("provider no longer exists")
     return provider
 
 

@@ -24,6 +24,10 @@ class ApiError(StarletteHTTPException):
         self.errors = [{"field": field, "reason": detail}] if field else []
 
 
+def unauthorized(detail: str) -> ApiError:
+    return ApiError(401, detail, headers={"WWW-Authenticate": "Bearer"})
+
+
 def not_found(what: str) -> ApiError:
     return ApiError(404, f"{what} not found")
 

@@ -17,7 +17,7 @@ from echo2.protocol import (
     WorkerRegistered,
     WorkerStatus,
 )
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Query, Request, Response
 from sqlalchemy import func, select
 
 from .. import auth
@@ -26,10 +26,10 @@ from ..deps import (
     AnyPrincipal,
     Credentials,
     CurrentProvider,
-    CurrentWorker,
     Principal,
     SessionDep,
     SettingsDep,
+    bearer_token,
 )
 from ..errors import ApiError
 from ..models import Job, Provider, User, Worker
@@ -103,15 +103,14 @@ def get_worker(worker_id: str, p: AnyPrincipal, db: SessionDep) -> WorkerRead:
     return WorkerRead.model_validate(_visible_worker(db, p, worker_id))
 
 
-@router.post("/workers/{worker_id}/heartbeat", operation_id="worker_heartbeat",
-             summary="Report liveness and progress; the reply says what to do next")
-def heartbeat(worker_id: str, body: Heartbeat, worker: CurrentWorker, db: SessionDep,
-              settings: SettingsDep) -> HeartbeatReply:
-    if worker.id != worker_id:
-        raise ApiError(403, "a worker may only heartbeat for itself")
-    reply = fleet.heartbeat(db, worker, body, settings)
-    db.commit()
-    return reply
+@router.post("/workers/{worker_id}/heartbeat", operation_id="worker_heartbeat", response_model=HeartbeatReply,
+             summary="Report liveness and progress; the reply says what to do next",
+             description="Needs the worker's own token. Heartbeats are committed in small group commits "
+                         "(one transaction for those arriving together); the reply comes after the commit.")
+async def heartbeat(worker_id: str, body: Heartbeat, creds: Credentials, request: Request) -> Response:
+    reply = await request.app.state.heartbeats.submit(bearer_token(creds), worker_id, body)
+    # Serialised here, once: the reply is built from our own model, so re-validating it is waste.
+    return Response(reply.model_dump_json(), media_type="application/json")
 
 
 @router.delete("/workers/{worker_id}", status_code=204, operation_id="deregister_worker",

@@ -1,8 +1,10 @@
-"""Workers: activation, heartbeat replies with the desired state, and the relay tree."""
+"""Workers: activation, what an active worker is told (assignment, relay tree), bad-source flags."""
 
 from __future__ import annotations
 
-from echo2.protocol import Assignment, DesiredState, Heartbeat, HeartbeatReply, JobStatus
+from collections.abc import Callable
+
+from echo2.protocol import Assignment, DesiredState, Heartbeat, JobStatus
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
@@ -25,44 +27,25 @@ def unassign(db: Session, worker: Worker, desired: DesiredState = DesiredState.i
     worker.job_id, worker.desired, worker.active_since = None, desired.value, None
 
 
-def heartbeat(db: Session, worker: Worker, hb: Heartbeat, settings: Settings) -> HeartbeatReply:
-    worker.last_heartbeat_at = utcnow()
-    worker.version_held = hb.version_held
-    worker.stats = hb.stats.model_dump(mode="json")
-    worker.status = hb.status.value
-    _flag_bad_sources(db, hb)
-    job = db.get(Job, worker.job_id) if worker.job_id else None
-    if job is not None and JobStatus(job.status).is_terminal():
-        unassign(db, worker)
-        job = None
-    assignment = _assignment(db, worker, job, settings) if job is not None else None
-    desired = DesiredState(worker.desired)
-    if desired is DesiredState.active and assignment is None:
-        desired = DesiredState.idle  # active on a job with no published version yet: wait
-    return HeartbeatReply(desired=desired, assignment=assignment,
-                          heartbeat_interval_s=settings.heartbeat_interval_s, server_time=utcnow())
-
-
-def _flag_bad_sources(db: Session, hb: Heartbeat) -> None:
+def flag_bad_sources(db: Session, hb: Heartbeat) -> None:
     for bad in hb.bad_sources:
         db.execute(update(Worker).where(Worker.relay_url == bad.url.rstrip("/"))
                    .values(bad_chunks=Worker.bad_chunks + 1))
 
 
-def _assignment(db: Session, worker: Worker, job: Job, settings: Settings) -> Assignment | None:
+def assignment_for(job: Job, settings: Settings) -> Callable[[list[str]], Assignment] | None:
+    """What every worker active on `job` is told, given its relay parents; None before version 0."""
     if job.status != JobStatus.running.value or job.version is None:
         return None
     spec = spec_of(job)
-    return Assignment(
-        job_id=job.id, version=job.version, min_version=max(0, job.step - spec.staleness),
-        staleness=spec.staleness,
-        manifest_url=f"{settings.public_url}/v1/jobs/{job.id}/versions/{job.version}/manifest",
-        relay_parents=relay_parents(db, worker, job, settings),
-        sampling=sampling_of(spec),
-    )
+    fields = dict(job_id=job.id, version=job.version, min_version=max(0, job.step - spec.staleness),
+                  staleness=spec.staleness,
+                  manifest_url=f"{settings.public_url}/v1/jobs/{job.id}/versions/{job.version}/manifest",
+                  sampling=sampling_of(spec))
+    return lambda parents: Assignment(relay_parents=parents, **fields)
 
 
-def relay_parents(db: Session, worker: Worker, job: Job, settings: Settings) -> list[str]:
+class RelayTree:
     """Base URLs to fetch chunks from, best first, the origin last.
 
     Relay-capable peers on the job form a k-ary tree ordered by upload bandwidth (high uplinks near
@@ -70,22 +53,25 @@ def relay_parents(db: Session, worker: Worker, job: Job, settings: Settings) -> 
     relays by a stable hash. Peers reported bad too often are left out. A peer serves the same
     paths as the origin, so a parent is just a base URL.
     """
-    peers = db.execute(
-        select(Worker.id, Worker.relay_url)
-        .where(Worker.job_id == job.id, Worker.status != "offline", Worker.relay_url.is_not(None),
-               Worker.bad_chunks < settings.relay_max_bad_chunks)
-        .order_by(Worker.upload_mbps.desc(), Worker.id)
-    ).all()
-    ids = [p.id for p in peers]
-    k = settings.relay_fanout
-    if worker.id in ids:
-        i = ids.index(worker.id)
-        parents = [peers[(i - 1) // k].relay_url] if i > 0 else []
-    elif peers:
-        parents = [peers[_stable_slot(worker.id, len(peers))].relay_url]
-    else:
-        parents = []
-    return [p for p in parents if p] + [settings.public_url]
+
+    def __init__(self, db: Session, job_id: str, settings: Settings) -> None:
+        self.peers: list[tuple[str, str]] = [tuple(row) for row in db.execute(  # type: ignore[misc]
+            select(Worker.id, Worker.relay_url)
+            .where(Worker.job_id == job_id, Worker.status != "offline", Worker.relay_url.is_not(None),
+                   Worker.bad_chunks < settings.relay_max_bad_chunks)
+            .order_by(Worker.upload_mbps.desc(), Worker.id))]
+        self.rank = {worker_id: i for i, (worker_id, _) in enumerate(self.peers)}
+        self.fanout, self.origin = settings.relay_fanout, settings.public_url
+
+    def parents(self, worker_id: str) -> list[str]:
+        i = self.rank.get(worker_id)
+        if i is not None:
+            parents = [self.peers[(i - 1) // self.fanout][1]] if i > 0 else []
+        elif self.peers:
+            parents = [self.peers[_stable_slot(worker_id, len(self.peers))][1]]
+        else:
+            parents = []
+        return parents + [self.origin]
 
 
 def _stable_slot(worker_id: str, n: int) -> int:

@@ -1,0 +1,164 @@
+"""Heartbeats in group commits: one transaction for all the heartbeats that arrived meanwhile.
+
+Every worker heartbeats every couple of seconds and each heartbeat writes, so this is the hottest
+route. Handled one request per transaction, its cost is the per-request machinery (a thread hop
+per dependency, a session, an ORM load and flush, a commit), not the row. Here the route (async:
+no thread) queues the heartbeat and awaits its reply; one flusher at a time takes everything
+queued, and in one thread and one transaction authenticates each caller, writes all rows with one
+executemany, reads each job and its relay tree once, commits, and only then answers every caller.
+A reply still means "committed", and each caller still gets its own error.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+import anyio
+from echo2.protocol import DesiredState, Heartbeat, HeartbeatReply, JobStatus
+from sqlalchemy import Row, select, update
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
+from sqlalchemy.orm import Session
+
+from .. import auth
+from ..db import Database
+from ..errors import ApiError, unauthorized
+from ..models import Job, VersionHold, WeightVersion, Worker, utcnow
+from ..settings import Settings
+from . import fleet
+
+log = logging.getLogger(__name__)
+MAX_BATCH = 256  # bounds one transaction's length, so a burst cannot hold the write lock for long
+
+
+@dataclass
+class _Pending:
+    token: str
+    worker_id: str
+    hb: Heartbeat
+    reply: asyncio.Future[HeartbeatReply]
+
+
+class Heartbeats:
+    """One per API process (app.state.heartbeats)."""
+
+    def __init__(self, db: Database, settings: Settings) -> None:
+        self.db, self.settings = db, settings
+        self._queue: list[_Pending] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def submit(self, token: str, worker_id: str, hb: Heartbeat) -> HeartbeatReply:
+        """Record a worker's heartbeat; returns the desired state once it is committed."""
+        pending = _Pending(token, worker_id, hb, asyncio.get_running_loop().create_future())
+        self._queue.append(pending)
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await pending.reply
+
+    async def _flush(self) -> None:
+        while self._queue:
+            batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+            try:
+                results: Sequence[HeartbeatReply | Exception] = await anyio.to_thread.run_sync(self._write, batch)
+            except Exception as exc:  # the transaction failed: every caller in it gets the error
+                log.exception("heartbeat batch of %d failed", len(batch))
+                results = [exc] * len(batch)
+            for pending, result in zip(batch, results, strict=True):
+                if pending.reply.done():  # the caller went away
+                    continue
+                if isinstance(result, Exception):
+                    pending.reply.set_exception(result)
+                else:
+                    pending.reply.set_result(result)
+
+    def _write(self, batch: list[_Pending]) -> list[HeartbeatReply | Exception]:
+        now = utcnow()
+        with self.db.session() as db:
+            checked = _authenticate(db, batch)
+            ok = [(p, row) for p, row in zip(batch, checked, strict=True) if not isinstance(row, ApiError)]
+            replies = _apply(db, ok, now, self.settings) if ok else {}
+            db.commit()
+        return [replies[id(p)] if not isinstance(row, ApiError) else row for p, row in zip(batch, checked, strict=True)]
+
+
+_Row = Row[Any]
+
+
+def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
+    """Per heartbeat, the caller's worker row, or the error the per-request route gave."""
+    identities = [auth.lookup(db, p.token) for p in batch]
+    ids = {i.principal_id for i in identities if i is not None and i.kind == "worker"}
+    rows = {r.id: r for r in db.execute(
+        select(Worker.id, Worker.status, Worker.job_id, Worker.desired, Worker.version_held)
+        .where(Worker.id.in_(ids)))} if ids else {}
+    out: list[_Row | ApiError] = []
+    for pending, identity in zip(batch, identities, strict=True):
+        if identity is None:
+            out.append(unauthorized("unknown or revoked token"))
+        elif identity.kind != "worker":
+            out.append(ApiError(403, f"this route needs a worker token, not a {identity.kind} token"))
+        elif (row := rows.get(identity.principal_id)) is None or row.status == "deregistered":
+            out.append(unauthorized("this worker is deregistered; register again"))
+        elif row.id != pending.worker_id:
+            out.append(ApiError(403, "a worker may only heartbeat for itself"))
+        else:
+            out.append(row)
+    return out
+
+
+def _apply(db: Session, ok: list[tuple[_Pending, _Row]], now: datetime,
+           settings: Settings) -> dict[int, HeartbeatReply]:
+    jobs = {j.id: j for j in db.scalars(select(Job).where(Job.id.in_({r.job_id for _, r in ok if r.job_id})))}
+    placed = {row.id: (row.job_id, row.desired) for _, row in ok}
+    for worker_id, (job_id, _) in list(placed.items()):
+        if job_id is not None and JobStatus(jobs[job_id].status).is_terminal():
+            worker = db.get_one(Worker, worker_id)
+            fleet.unassign(db, worker)
+            placed[worker_id] = (None, worker.desired)
+    db.flush()
+    _record_holds(db, ok, placed, now)
+    db.execute(update(Worker), [
+        {"id": row.id, "last_heartbeat_at": now, "version_held": p.hb.version_held,
+         "stats": p.hb.stats.model_dump(mode="json"), "status": p.hb.status.value} for p, row in ok])
+    for p, _ in ok:
+        fleet.flag_bad_sources(db, p.hb)
+    return _replies(db, ok, placed, jobs, settings)
+
+
+def _replies(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tuple[str | None, str]],
+             jobs: dict[str, Job], settings: Settings) -> dict[int, HeartbeatReply]:
+    live = {job_id for job_id, _ in placed.values() if job_id is not None}
+    makers = {job_id: fleet.assignment_for(jobs[job_id], settings) for job_id in live}
+    trees = {job_id: fleet.RelayTree(db, job_id, settings) for job_id, make in makers.items() if make}
+    server_time = utcnow()
+    replies = {}
+    for p, row in ok:
+        job_id, desired = placed[row.id]
+        make = makers.get(job_id) if job_id else None
+        assignment = make(trees[job_id].parents(row.id)) if make and job_id else None
+        if desired == DesiredState.active.value and assignment is None:
+            desired = DesiredState.idle.value  # active on a job with no published version yet: wait
+        replies[id(p)] = HeartbeatReply(desired=DesiredState(desired), assignment=assignment,
+                                        heartbeat_interval_s=settings.heartbeat_interval_s,
+                                        server_time=server_time)
+    return replies
+
+
+def _record_holds(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tuple[str | None, str]],
+                  now: datetime) -> None:
+    """The first report of a newly held version of the worker's job (dissemination time)."""
+    new = [(placed[row.id][0], p.hb.version_held, row.id) for p, row in ok
+           if p.hb.version_held is not None and p.hb.version_held != row.version_held
+           and placed[row.id][0] is not None and p.hb.job_id in (None, placed[row.id][0])]
+    rows = [{"job_id": job_id, "version": version, "worker_id": worker_id, "held_at": now}
+            for job_id, version, worker_id in new
+            if db.scalar(select(WeightVersion.version).where(WeightVersion.job_id == job_id,
+                                                             WeightVersion.version == version)) is not None]
+    if rows:
+        insert = pg_insert if db.get_bind().dialect.name == "postgresql" else sqlite_insert
+        db.execute(insert(VersionHold).on_conflict_do_nothing(), rows)
