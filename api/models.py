@@ -230,7 +230,19 @@ class WeightVersion(Base):
     total_size: Mapped[int] = mapped_column(BigInteger)
     num_chunks: Mapped[int] = mapped_column(Integer)
     publish_seconds: Mapped[float | None] = mapped_column(Float)
+    # Workers active on the job when it was announced: dissemination is done when they hold it.
+    targets: Mapped[list[Any]] = mapped_column(default=list)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class VersionHold(Base):
+    """When a worker first reported holding a version (its heartbeat after the download)."""
+
+    __tablename__ = "version_holds"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    version: Mapped[int] = mapped_column(Integer, primary_key=True)
+    worker_id: Mapped[str] = mapped_column(String(32), primary_key=True)
+    held_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class StepMetric(Base):

@@ -14,6 +14,7 @@ from sqlalchemy import select
 from ..deps import AnyPrincipal, BlobsDep, LearnerJobId, Principal, SessionDep, learner_job
 from ..errors import ApiError
 from ..models import Job, WeightVersion
+from ..services import dissemination
 from ..storage import ChunkError, manifest_bytes
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["weights"])
@@ -51,18 +52,20 @@ def publish_version(job_id: str, manifest: Manifest, token_job: LearnerJobId, db
     row = WeightVersion(job_id=job_id, version=manifest.version, step=manifest.step,
                         manifest=manifest.model_dump(mode="json"),
                         manifest_sha256=hashlib.sha256(manifest_bytes(manifest)).hexdigest(),
-                        total_size=manifest.total_size, num_chunks=len(manifest.chunks), publish_seconds=seconds)
+                        total_size=manifest.total_size, num_chunks=len(manifest.chunks), publish_seconds=seconds,
+                        targets=dissemination.targets(db, job_id))
     db.add(row)
     job.version = manifest.version
     db.commit()
-    return VersionRead.model_validate(row)
+    return dissemination.version_reads(db, [row])[0]
 
 
-@router.get("/versions", operation_id="list_versions", summary="Published versions of a job")
+@router.get("/versions", operation_id="list_versions",
+            summary="Published versions of a job, with how fast each reached the workers")
 def list_versions(job_id: str, p: AnyPrincipal, db: SessionDep) -> list[VersionRead]:
     _readable_job(db, p, job_id)
     rows = db.scalars(select(WeightVersion).where(WeightVersion.job_id == job_id).order_by(WeightVersion.version))
-    return [VersionRead.model_validate(r) for r in rows]
+    return dissemination.version_reads(db, list(rows))
 
 
 @router.get("/versions/{version}/manifest", operation_id="get_manifest", summary="A published version's manifest")

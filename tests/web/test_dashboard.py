@@ -56,6 +56,8 @@ def train_step(api: Any, job: dict[str, Any], learner: httpx.Client, worker: htt
               "tokens": 24, "rewards": [{"rollout_id": i, "rewards": [1.0, 0.0]} for i in ids]}
     ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
     publish(learner, jid, folder, version=step + 1, step=step + 1)
+    held = {"status": "active", "job_id": jid, "version_held": step + 1}
+    ok(worker.post(f"/v1/workers/{lease['worker_id']}/heartbeat", json=held))  # the worker fetched it
 
 
 def reconcile(api: Any) -> None:
@@ -198,6 +200,7 @@ def test_reward_chart_gains_points_as_the_job_trains(api, ui, training):
     ui.page.locator('figure[data-chart="staleness"][data-points="6"]').wait_for()
     expect_text(ui, "#versions-table tbody tr:first-child th", "^3$")
     assert ui.page.locator("#versions-table tbody tr").count() == 4
+    expect_text(ui, "#versions-table tbody tr:first-child", r"1 · 1\s+\d+(\.\d+)? (ms|s)")  # its dissemination time
     expect_text(ui, "#workers-table tbody tr", "rtx-1")
     expect_text(ui, "#rollouts li.rollout", "trained at step 2")
     ui.page.locator("#rollouts li.rollout summary").first.click()

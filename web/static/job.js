@@ -176,9 +176,19 @@ E2.page("job", () => {
   }
 
   // ---- versions ---------------------------------------------------------------------------
+  /** Time until every targeted worker held the version; the API sends null while some still fetch. */
+  function dissemination(v, slowest) {
+    if (v.dissemination_s !== null && v.dissemination_s !== undefined) {
+      return [h("meter", { min: 0, max: slowest, value: v.dissemination_s, "aria-hidden": "true" }),
+        " ", fmt.secs(v.dissemination_s)];
+    }
+    return [v.workers_targeted ? "spreading…" : "no worker active"];
+  }
+
   async function loadVersions() {
     const versions = await api(base + "/versions");
     const slowest = Math.max(0.001, ...versions.map((v) => v.publish_seconds || 0));
+    const slowestSpread = Math.max(0.001, ...versions.map((v) => v.dissemination_s || 0));
     const rows = versions.slice().reverse().map((v) => h("tr", { dataset: { key: String(v.version) } },
       h("th", { scope: "row", class: "num" }, String(v.version)),
       h("td", { class: "num" }, String(v.step)),
@@ -187,8 +197,10 @@ E2.page("job", () => {
       h("td", { class: "bar-cell" },
         h("meter", { min: 0, max: slowest, value: v.publish_seconds || 0, "aria-hidden": "true" }),
         " ", fmt.secs(v.publish_seconds)),
+      h("td", { class: "num" }, `${v.workers_holding} · ${v.workers_targeted}`),
+      h("td", { class: "bar-cell" }, ...dissemination(v, slowestSpread)),
       h("td", {}, timeEl(v.created_at, true))));
-    fillRows($("#versions-table tbody"), rows, "No version published yet.", 6);
+    fillRows($("#versions-table tbody"), rows, "No version published yet.", 8);
     if (versions.length !== versionsSeen) {
       versionsSeen = versions.length;
       const select = $("#ckpt-version");

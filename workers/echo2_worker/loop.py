@@ -3,7 +3,8 @@ prompts -> generate G samples each -> submit version-tagged groups -> repeat.
 
 Three threads share one `Worker`:
 - the heartbeat thread reports liveness, progress and bad relay sources every interval (even while a
-  long generation runs), keeps the latest reply, and renews the lease in progress before it expires;
+  long generation runs) and at once when a version download completes, keeps the latest reply, and
+  renews the lease in progress before it expires;
 - a download thread fetches the assigned version through the relay tree (fetch.Downloader) while the
   current, still admissible version keeps generating;
 - the main thread leases, generates and submits, and swaps weights between leases.
@@ -105,6 +106,7 @@ class Worker:
         self._changed = threading.Event()
         self._drain = threading.Event()
         self._stop_heartbeat = threading.Event()
+        self._heartbeat_now = threading.Event()  # set to heartbeat before the interval is up
         self._fatal: BaseException | None = None
         self._status = WorkerStatus.idle
         self._leases: dict[str, _LeaseState] = {}
@@ -238,6 +240,7 @@ class Worker:
             result = self.downloader.fetch(a.job_id, manifest, lambda: self._parents(a), wanted)
             self.stats.last_download_s = result.seconds
             self.stats.version_held = max(a.version, self.stats.version_held or 0)
+            self._heartbeat_now.set()  # tell the control plane at once: it times each version's spread
             mb = manifest.total_size / 1e6
             log.info("version %d held: %.1f MB in %.1fs (%s)", a.version, mb, result.seconds,
                      ", ".join(f"{_host(u)}: {n / 1e6:.1f} MB" for u, n in result.bytes_from.items()) or "resumed")
@@ -491,13 +494,15 @@ class Worker:
                 failures += 1
                 interval = min(MAX_BACKOFF_S, interval * 2 ** min(failures, 5))
                 log.warning("heartbeat failed (%s); next try in %.0fs", exc, interval)
-            self._stop_heartbeat.wait(interval)
+            self._heartbeat_now.wait(interval)
+            self._heartbeat_now.clear()
 
     def _heartbeat_body(self) -> Heartbeat:
         with self._bad_lock:
             bad = [BadSource(url=u, reason=r[:500]) for u, r in list(self._bad.items())[:32]]
             self._bad.clear()
-        job = self._loaded[0] if self._loaded else None
+        # The job whose weights are loaded, or before the first load the one being fetched.
+        job = self._loaded[0] if self._loaded else self._target[0] if self._target else None
         held = [v.version for v in self.store.versions(job) if v.complete] if job else []
         return Heartbeat(status=self._status, job_id=job, version_held=max(held) if held else None,
                          stats=self.stats.worker_stats(), bad_sources=bad)
@@ -550,6 +555,7 @@ class Worker:
         for lease in self.active_leases():
             self._release(lease, 0)
         self._stop_heartbeat.set()
+        self._heartbeat_now.set()
         if self._hb_thread.is_alive():
             self._hb_thread.join(timeout=5)
         if self._fatal is None:

@@ -77,4 +77,11 @@ class VersionRead(ReadModel):
     num_chunks: int
     manifest_sha256: str
     publish_seconds: float | None = Field(None, description="Time from the first chunk upload to announcement.")
+    workers_targeted: int = Field(0, description="Workers active on the job when the version was announced.")
+    workers_holding: int = Field(0, description="Workers that have reported holding this version.")
+    dissemination_s: float | None = Field(
+        None, description="Seconds from announcement until every targeted worker reported holding it, as seen "
+        "in the heartbeat each worker sends right after its download. Targeted workers that left the job, "
+        "went offline or moved on to a newer version are not waited for. Null while some still fetch, or "
+        "when no worker was targeted.")
     created_at: datetime

@@ -1,0 +1,49 @@
+"""How fast each weight version reached the workers: from announcement to the last targeted worker's
+first report of holding it (recorded by the heartbeat route in `version_holds`)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime
+from typing import Any
+
+from echo2.protocol import VersionRead
+from sqlalchemy import Row, select
+from sqlalchemy.orm import Session
+
+from ..models import VersionHold, WeightVersion, Worker
+
+GONE = ("offline", "deregistered")
+
+
+def targets(db: Session, job_id: str) -> list[str]:
+    """The workers a version announced now should reach: those active on the job."""
+    return list(db.scalars(select(Worker.id).where(Worker.job_id == job_id, Worker.desired == "active",
+                                                   Worker.status.not_in(GONE)).order_by(Worker.id)))
+
+
+def version_reads(db: Session, rows: list[WeightVersion]) -> list[VersionRead]:
+    if not rows:
+        return []
+    job_id = rows[0].job_id
+    held: dict[int, dict[str, datetime]] = defaultdict(dict)
+    for h in db.execute(select(VersionHold.version, VersionHold.worker_id, VersionHold.held_at)
+                        .where(VersionHold.job_id == job_id, VersionHold.version.in_([r.version for r in rows]))):
+        held[h.version][h.worker_id] = h.held_at
+    wanted = {w for r in rows for w in r.targets}
+    now = {w.id: w for w in db.execute(select(Worker.id, Worker.job_id, Worker.status, Worker.version_held)
+                                       .where(Worker.id.in_(wanted)))} if wanted else {}
+    return [_read(r, held[r.version], now) for r in rows]
+
+
+def _read(row: WeightVersion, held: dict[str, datetime], now: dict[str, Row[Any]]) -> VersionRead:
+    reached = [held[w] for w in row.targets if w in held]
+    waiting = [w for w in row.targets if w not in held and _still_fetching(now.get(w), row)]
+    seconds = (max(reached) - row.created_at).total_seconds() if reached and not waiting else None
+    return VersionRead.model_validate(row).model_copy(update={
+        "workers_targeted": len(row.targets), "workers_holding": len(held), "dissemination_s": seconds})
+
+
+def _still_fetching(worker: Row[Any] | None, row: WeightVersion) -> bool:
+    return (worker is not None and worker.job_id == row.job_id and worker.status not in GONE
+            and (worker.version_held is None or worker.version_held < row.version))
