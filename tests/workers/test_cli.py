@@ -80,6 +80,7 @@ def test_join_runs_survives_a_crash_and_drains_on_sigterm(api: Api, tiny_model_d
         worker = wait_for(lambda: registered(api), 60, "the worker to register")[0]
         assert (worker["relay_url"] is not None) == relay
         creds = tmp_path / "config" / "credentials.json"
+        wait_for(creds.exists, 30, "the saved credentials")  # written once the registration reply is in
         assert stat.S_IMODE(creds.stat().st_mode) == 0o600
         activate(api, worker["id"], setup.id)
         wait_for(lambda: rollouts(api, setup.id, "accepted"), 120, "accepted rollouts")
