@@ -104,6 +104,7 @@ def measure(base_url: str, work: Path, args: argparse.Namespace) -> dict[str, An
     from echo2.protocol import JobSpec
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from learner.parallel import Solo
     from learner.publisher import Publisher
     from learner.remote import ControlPlane
     from learner.trainer import GRPOTrainer
@@ -124,7 +125,7 @@ def measure(base_url: str, work: Path, args: argparse.Namespace) -> dict[str, An
     trainer = GRPOTrainer(model, tokenizer, JobSpec.model_validate(spec))
     publisher = Publisher(plane, model, tokenizer, work / "publish", args.chunk_mib * 2**20)
     groups = fixed_groups(tokenizer, args.prompts, args.group)
-    publisher.submit(version=0, step=0)
+    publisher.submit(0, 0, Solo().model_state(model))
     publisher.wait()
 
     server_pid, publisher_tid = _server_pid(), publisher._thread.native_id
@@ -148,7 +149,7 @@ def measure(base_url: str, work: Path, args: argparse.Namespace) -> dict[str, An
             if mode == "on":
                 version += 1
                 t0 = time.perf_counter()
-                publisher.submit(version=version, step=version)
+                publisher.submit(version, version, Solo().model_state(model))
                 submit_s.append(time.perf_counter() - t0)
         publisher.wait()
         if mode == "on":

@@ -1,5 +1,8 @@
 """Learner checkpoints: weights (safetensors), optimiser + scheduler + RNG, step, version counter and the
-consumed rollout ids. Written into `ckpt-N.tmp`, fsynced, renamed; `latest` is updated last."""
+consumed rollout ids. Written into `ckpt-N.tmp`, fsynced, renamed; `latest` is updated last.
+
+The caller passes full CPU states (`parallel.Solo`/`Sharded`: with FSDP, rank 0 gathers them and writes
+alone); on load, every rank reads the files and `parallel` puts the weights and optimiser state back."""
 
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ import torch
 from echo2.snapshots import atomic_write
 from safetensors.torch import load_file, save_file
 
+from .parallel import Solo
+
 
 @dataclass
 class Restored:
@@ -23,15 +28,14 @@ class Restored:
     consumed: set[str]
 
 
-def save(root: Path, step: int, version: int | None, model: Any, optimizer: Any, scheduler: Any,
-         consumed: set[str], keep: int = 2) -> Path:
+def save(root: Path, step: int, version: int | None, weights: dict[str, torch.Tensor], optim: dict[str, Any],
+         scheduler: Any, consumed: set[str], keep: int = 2) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     final, tmp = root / f"ckpt-{step}", root / f"ckpt-{step}.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(_untie(state), str(tmp / "model.safetensors"))
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict(),
+    save_file(_untie({k: v.contiguous() for k, v in weights.items()}), str(tmp / "model.safetensors"))
+    torch.save({"optimizer": optim, "scheduler": scheduler.state_dict(),
                 "torch_rng": torch.get_rng_state(), "python_rng": random.getstate()}, tmp / "trainer.pt")
     (tmp / "meta.json").write_text(json.dumps({"step": step, "version": version, "consumed": sorted(consumed)}))
     for f in tmp.iterdir():
@@ -43,14 +47,13 @@ def save(root: Path, step: int, version: int | None, model: Any, optimizer: Any,
     return final
 
 
-def load_latest(root: Path, model: Any, optimizer: Any, scheduler: Any) -> Restored | None:
+def load_latest(root: Path, model: Any, optimizer: Any, scheduler: Any, world: Solo) -> Restored | None:
     pointer = root / "latest"
     if not pointer.exists():
         return None
     folder = root / pointer.read_text().strip()
-    model.load_state_dict(load_file(str(folder / "model.safetensors")), strict=False)
     trainer = torch.load(folder / "trainer.pt", weights_only=False)  # our own file, written above
-    optimizer.load_state_dict(trainer["optimizer"])
+    world.restore(model, optimizer, load_file(str(folder / "model.safetensors")), trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["torch_rng"])
     random.setstate(trainer["python_rng"])

@@ -1,6 +1,11 @@
 """The learner process: start or resume a job, then claim admissible rollouts, train, report, publish
 every κ steps and checkpoint every N, until max steps, a stop from the control plane, or an error.
-It talks to the control plane over HTTP only."""
+It talks to the control plane over HTTP only.
+
+A job with `learner.gpus > 1` runs this same loop on rank 0 of a `torchrun` group (launch.py): the
+`world` (parallel.Sharded) shards the model with FSDP, and each collective step (train, gather the
+weights for a version or a checkpoint, stop) is announced to the other ranks, which follow it
+(launch.follow). Only rank 0 claims, reports, heartbeats, publishes and writes checkpoints."""
 
 from __future__ import annotations
 
@@ -24,6 +29,7 @@ from echo2.protocol import (
 
 from . import checkpoint
 from .models import resolve_model
+from .parallel import Solo
 from .publisher import Publisher
 from .remote import ControlPlane
 from .trainer import GRPOTrainer, StepResult
@@ -42,8 +48,8 @@ class LearnerOptions:
 
 
 class Learner:
-    def __init__(self, plane: ControlPlane, options: LearnerOptions) -> None:
-        self.plane, self.opt = plane, options
+    def __init__(self, plane: ControlPlane, options: LearnerOptions, world: Solo | None = None) -> None:
+        self.plane, self.opt, self.world = plane, options, world or Solo()
         self.started = time.monotonic()
         self.busy_s = 0.0
         self.step = 0
@@ -51,41 +57,38 @@ class Learner:
         self._stop = threading.Event()
 
     def run(self) -> None:
-        if self.opt.threads:
-            torch.set_num_threads(self.opt.threads)
         reply = self.plane.start()
         spec = reply.job.spec
         self.step = reply.step
         work = self.opt.work_dir / self.plane.job_id
-        model, tokenizer = _load(spec, self.opt.work_dir / "models", self._device(spec))
-        trainer = GRPOTrainer(model, tokenizer, spec, _reference(model, spec))
-        restored = checkpoint.load_latest(work / "checkpoints", model, trainer.optimizer, trainer.scheduler)
+        model_path = resolve_model(spec.base_model, self.opt.work_dir / "models", seed=spec.seed)
+        self.world.announce("start", (spec, model_path))
+        trainer, restored = build_trainer(spec, model_path, self.opt, self.world, work / "checkpoints")
         consumed = restored.consumed if restored else set()
         if restored is not None:
             log.info("resumed from checkpoint at step %d; the control plane has committed %d steps",
                      restored.step, self.step)
-        publisher = Publisher(self.plane, model, tokenizer, work / "publish", self.opt.chunk_size)
+        publisher = Publisher(self.plane, trainer.model, trainer.tokenizer, work / "publish", self.opt.chunk_size)
         beat = threading.Thread(target=self._heartbeat_loop, name="learner-heartbeat", daemon=True)
         beat.start()
         try:
-            self._publish_initial(publisher, reply.version, restored is not None)
+            self._publish_initial(publisher, trainer, reply.version, restored is not None)
             self._train(spec, trainer, publisher, consumed, work)
+            self.world.announce("stop")
         finally:
             self._stop.set()
             publisher.close()
 
-    def _device(self, spec: JobSpec) -> torch.device:
-        wanted = self.opt.device if self.opt.device != "auto" else spec.learner.device.value
-        if wanted == "auto":
-            wanted = "cuda" if torch.cuda.is_available() else "cpu"
-        return torch.device(wanted)
-
-    def _publish_initial(self, publisher: Publisher, server_version: int | None, resumed: bool) -> None:
+    def _publish_initial(self, publisher: Publisher, trainer: GRPOTrainer, server_version: int | None,
+                         resumed: bool) -> None:
         """Workers need a version to generate with. On resume, the restored weights become version t
         if the server does not have one that new (versions stay monotonic either way)."""
         if server_version is None or (resumed and server_version < self.step):
-            publisher.submit(version=self.step, step=self.step)
+            self._submit(publisher, trainer)
             publisher.wait()
+
+    def _submit(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
+        publisher.submit(self.step, self.step, self.world.model_state(trainer.model))
 
     def _train(self, spec: JobSpec, trainer: GRPOTrainer, publisher: Publisher, consumed: set[str],
                work: Path) -> None:
@@ -106,15 +109,16 @@ class Learner:
                 return
             if ack.stop:
                 break
-        self._finish(spec, publisher)
+        self._finish(publisher, trainer)
 
     def _after_step(self, spec: JobSpec, trainer: GRPOTrainer, publisher: Publisher, consumed: set[str],
                     work: Path) -> None:
         if self.step % spec.publish_period == 0 or self.step >= spec.max_steps:
-            publisher.submit(version=self.step, step=self.step)
+            self._submit(publisher, trainer)
         if self.step % spec.checkpoint_every == 0:
-            checkpoint.save(work / "checkpoints", self.step, self.step, trainer.model, trainer.optimizer,
-                            trainer.scheduler, consumed)
+            weights = self.world.model_state(trainer.model)
+            optim = self.world.optimizer_state(trainer.model, trainer.optimizer)
+            checkpoint.save(work / "checkpoints", self.step, self.step, weights, optim, trainer.scheduler, consumed)
 
     def _collect(self, spec: JobSpec, t: int) -> list[ClaimedGroup] | None:
         """Claim until the step has prompts_per_step groups (waiting is what utilisation measures)."""
@@ -128,9 +132,9 @@ class Learner:
                 time.sleep(POLL_S)
         return groups
 
-    def _finish(self, spec: JobSpec, publisher: Publisher) -> None:
-        if publisher.published != self.step:
-            publisher.submit(version=self.step, step=self.step)
+    def _finish(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
+        if publisher.submitted != self.step:
+            self._submit(publisher, trainer)
         publisher.wait()
         self.plane.finish(LearnerFinish(outcome=FinishOutcome.succeeded, final_version=publisher.published,
                                         reason=f"finished {self.step} steps"))
@@ -149,14 +153,24 @@ class Learner:
                 log.warning("learner heartbeat failed: %s", exc)
 
 
-def _load(spec: JobSpec, cache: Path, device: torch.device) -> tuple[Any, Any]:
+def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: Solo,
+                  checkpoints: Path) -> tuple[GRPOTrainer, checkpoint.Restored | None]:
+    """The model on this process's device (sharded by `world`), its trainer, and the latest checkpoint
+    loaded into both. Every rank builds the same one (launch.follow)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = resolve_model(spec.base_model, cache, seed=spec.seed)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32, use_safetensors=True)
+    if opt.threads:
+        torch.set_num_threads(opt.threads)
+    wanted = opt.device if opt.device != "auto" else spec.learner.device.value
+    if wanted == "auto":
+        wanted = "cuda" if torch.cuda.is_available() else "cpu"
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32, use_safetensors=True)
     torch.manual_seed(spec.seed)
-    return model.to(device), tokenizer
+    model = model.to(world.device(wanted))
+    reference = _reference(model, spec)  # a full replica on every rank: it is only read
+    trainer = GRPOTrainer(world.wrap(model), tokenizer, spec, reference, world)
+    return trainer, checkpoint.load_latest(checkpoints, trainer.model, trainer.optimizer, trainer.scheduler, world)
 
 
 def _reference(model: Any, spec: JobSpec) -> Any:

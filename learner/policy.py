@@ -235,10 +235,19 @@ def grpo_update(
     grad_clip: float | None = 1.0,
     ref_model: torch.nn.Module | None = None,
     pad_id: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict[str, float]:
     """Advantages -> micro-batched loss with one global divisor -> one optimiser step.
 
     Skips the step (stats["stepped"] = 0) when every group was dropped. Stats are token-weighted means.
+
+    With world_size > 1 (an FSDP-wrapped model, every rank calling with the same rollouts), each rank
+    takes rows rank, rank + world_size, ... of every micro-batch. Advantages and the divisor are
+    computed over the whole step as above, so the per-rank losses add up to the single-process loss;
+    FSDP averages gradients over ranks, hence each rank's loss is scaled by world_size. Every rank runs
+    one pass per micro-batch, because FSDP's collectives must line up: a rank with no row of its own
+    runs one with weight 0. Stats are summed over ranks.
     """
     adv = group_advantages(
         torch.tensor(list(rollouts.rewards), dtype=torch.float32),
@@ -260,7 +269,8 @@ def grpo_update(
     totals: dict[str, float] = {}
     device = next(model.parameters()).device
     for part in micro_batches(lengths, max_tokens_per_micro_batch):
-        rows = [kept[j] for j in part]
+        mine = part[rank::world_size]
+        rows = [kept[j] for j in (mine or part[:1])]
         mb = batch.select(rows).to(device)
         with _autocast(device):
             logprobs = completion_logprobs(model, mb, temperature=temperature)
@@ -273,10 +283,13 @@ def grpo_update(
             mb.completion_mask, staleness[rows].to(device), cfg,
             ref_logprobs=None if ref is None else ref.float(), denominator=denominator,
         )
-        loss.backward()
-        _accumulate(totals, mb_stats, float(loss.detach()))
+        (loss * (world_size if mine else 0.0)).backward()
+        if mine:
+            _accumulate(totals, mb_stats, float(loss.detach()))
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
     optimizer.step()
+    if world_size > 1:
+        totals, grad_norm = _sum_over_ranks(totals, device), grad_norm.full_tensor()
     tokens = max(totals.pop("tokens"), 1.0)
     stats.update({k: v / tokens for k, v in totals.items() if k != "loss"})
     stats.update({"stepped": 1.0, "loss": totals["loss"], "grad_norm": float(grad_norm), "tokens": tokens})
@@ -289,9 +302,20 @@ def _autocast(device: torch.device) -> torch.autocast:
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 
 
+TOTALS = ("tokens", "loss", "clip_frac", "cap_frac", "ratio_mean", "kl")
+
+
+def _sum_over_ranks(totals: dict[str, float], device: torch.device) -> dict[str, float]:
+    import torch.distributed as dist
+
+    summed = torch.tensor([totals.get(k, 0.0) for k in TOTALS], dtype=torch.float64, device=device)
+    dist.all_reduce(summed)
+    return dict(zip(TOTALS, summed.tolist(), strict=True))
+
+
 def _accumulate(totals: dict[str, float], mb_stats: dict[str, float], loss: float) -> None:
     n = mb_stats["tokens"]
     totals["tokens"] = totals.get("tokens", 0.0) + n
     totals["loss"] = totals.get("loss", 0.0) + loss  # micro-batch losses share one divisor: they add up
-    for key in ("clip_frac", "cap_frac", "ratio_mean", "kl"):
+    for key in TOTALS[2:]:
         totals[key] = totals.get(key, 0.0) + mb_stats[key] * n

@@ -25,17 +25,18 @@ class Publisher:
         self.plane, self.model, self.tokenizer = plane, model, tokenizer
         self.work_dir, self.chunk_size = work_dir, chunk_size
         self.published: int | None = None
+        self.submitted: int | None = None
         self.seconds: list[float] = []
         self._queue: queue.Queue[tuple[int, int, dict[str, torch.Tensor]] | None] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, version: int, step: int) -> None:
-        """Snapshot the weights now (a CPU copy) and publish them in the background."""
+    def submit(self, version: int, step: int, state: dict[str, torch.Tensor]) -> None:
+        """Publish `state` (a CPU copy of the weights, see parallel.Solo.model_state) in the background."""
         self._raise_if_failed()
-        snapshot = {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
-        self._queue.put((version, step, snapshot))
+        self._queue.put((version, step, state))
+        self.submitted = version
 
     def wait(self) -> None:
         """Block until everything submitted is published (or raise the publishing error)."""

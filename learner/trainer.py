@@ -1,5 +1,8 @@
 """One GRPO step over claimed groups, top to bottom: score on the trusted side, build the padded batch,
-advantages, loss with gradient accumulation, optimiser step. The loss itself is in objective.py."""
+advantages, loss with gradient accumulation, optimiser step. The loss itself is in objective.py.
+
+With FSDP (`parallel.Sharded`), rank 0 scores (rewards stay computed once, on the trusted side) and
+announces the scored rows; every rank then runs `optimise` on its share of them (policy.grpo_update)."""
 
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from echo2.protocol import ClaimedGroup, JobSpec
 from learner.tasks import TaskPrompt, get_task
 
 from .objective import ObjectiveConfig
+from .parallel import Solo
 from .policy import grpo_update
 
 log = logging.getLogger(__name__)
@@ -53,8 +57,9 @@ def objective_config(spec: JobSpec) -> ObjectiveConfig:
 
 
 class GRPOTrainer:
-    def __init__(self, model: Any, tokenizer: Any, spec: JobSpec, ref_model: Any = None):
+    def __init__(self, model: Any, tokenizer: Any, spec: JobSpec, ref_model: Any = None, world: Solo | None = None):
         self.model, self.tokenizer, self.spec, self.ref_model = model, tokenizer, spec, ref_model
+        self.world = world or Solo()
         self.task = get_task(spec.task.name)
         self.task_params = self.task.parse_params(spec.task.params)
         self.cfg = objective_config(spec)
@@ -69,7 +74,8 @@ class GRPOTrainer:
         result = StepResult()
         rows = self._score(groups, t, result)
         if rows.rewards:
-            self._optimise(rows, result)
+            self.world.announce("optimise", rows)
+            self.optimise(rows, result)
         result.seconds = time.perf_counter() - start
         return result
 
@@ -117,11 +123,12 @@ class GRPOTrainer:
             out.append(self.task.reward(prompt, text, self.task_params))
         return out
 
-    def _optimise(self, rows: _Rows, result: StepResult) -> None:
+    def optimise(self, rows: _Rows, result: StepResult) -> None:
         g = self.spec.grpo
         stats = grpo_update(self.model, self.optimizer, rows, self.cfg, temperature=g.temperature,
                             max_tokens_per_micro_batch=g.micro_batch_tokens, grad_clip=g.max_grad_norm,
-                            ref_model=self.ref_model, pad_id=self.pad_id)
+                            ref_model=self.ref_model, pad_id=self.pad_id, rank=self.world.rank,
+                            world_size=self.world.size)
         if stats["stepped"]:
             self.scheduler.step()
         result.groups_dropped += int(stats["dropped_groups"])

@@ -67,15 +67,12 @@ def _register(app: Celery, settings: Settings) -> None:
 
     @app.task(name="echo2.run_learner", acks_late=False)
     def run_learner(job_id: str, token: str) -> None:
-        from learner.loop import Learner, LearnerOptions
-        from learner.remote import ControlPlane
+        """In this process, or as a torchrun group when the job asks for several GPUs (learner.launch)."""
+        from learner.launch import run_job
+        from learner.loop import LearnerOptions
 
-        plane = ControlPlane(settings.public_url, token, job_id)
-        try:
-            options = LearnerOptions(work_dir=settings.data_dir / "learner", threads=settings.learner_threads)
-            Learner(plane, options).run()
-        finally:
-            plane.close()
+        options = LearnerOptions(work_dir=settings.data_dir / "learner", threads=settings.learner_threads)
+        run_job(settings.public_url, token, job_id, options)
 
 
 def app_for_cli() -> Celery:

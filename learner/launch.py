@@ -1,0 +1,121 @@
+"""Launching a job's learner, as the learner host does it (scheduler/celery_app.py `run_learner`).
+
+`learner.gpus` 0 or 1: the learner runs in this process (loop.Learner). More: this process starts
+`torchrun --standalone --nproc_per_node=N -m learner.launch ...` (as `python -m torch.distributed.run`)
+and waits for it; each rank runs `main` below. Rank 0 runs the same loop.Learner as a single process
+would, with a `parallel.Sharded` world; the other ranks `follow` its announcements. The learner token
+reaches the ranks in the environment (ECHO2_LEARNER_TOKEN), never on a command line. On CUDA each rank
+takes GPU LOCAL_RANK and FSDP reduces over NCCL; without CUDA the same code runs on CPU processes
+over gloo (that is how it is tested). If any rank fails, torchrun stops the others and exits non-zero,
+and `run_job` raises with the tail of its log; the job's learner is then relaunched like any dead one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from .loop import Learner, LearnerOptions, build_trainer
+from .parallel import Sharded
+from .remote import ControlPlane
+from .trainer import StepResult
+
+log = logging.getLogger(__name__)
+TOKEN_ENV = "ECHO2_LEARNER_TOKEN"
+
+
+def run_job(server: str, token: str, job_id: str, options: LearnerOptions) -> None:
+    """Run the job's learner to its end, in this process or as a torchrun group."""
+    plane = ControlPlane(server, token, job_id)
+    try:
+        gpus = plane.start().job.spec.learner.gpus
+        if gpus <= 1:
+            Learner(plane, options).run()
+            return
+    finally:
+        plane.close()
+    _torchrun(torchrun_argv(server, job_id, options, gpus), {**os.environ, TOKEN_ENV: token}, job_id)
+
+
+def torchrun_argv(server: str, job_id: str, options: LearnerOptions, processes: int) -> list[str]:
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+            "-m", "learner.launch", "--job", job_id, "--server", server, "--work-dir", str(options.work_dir),
+            "--device", options.device, "--chunk-size", str(options.chunk_size),
+            "--heartbeat-s", str(options.heartbeat_s)]
+    return argv + (["--threads", str(options.threads)] if options.threads else [])
+
+
+def _torchrun(argv: list[str], env: dict[str, str], job_id: str) -> None:
+    log.info("job %s: starting %s", job_id, " ".join(argv[1:8]))
+    tail: collections.deque[str] = collections.deque(maxlen=30)
+    with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
+        assert proc.stderr is not None
+        for line in proc.stderr:  # passed through, and the end kept for the error
+            sys.stderr.write(line)
+            tail.append(line)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the learner of job {job_id} failed: torchrun exited with {proc.returncode}; "
+                           f"end of its log:\n{''.join(tail)}")
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m learner.launch",
+                                     description=f"one rank of a multi-process learner (token in {TOKEN_ENV})")
+    parser.add_argument("--job", required=True)
+    parser.add_argument("--server", required=True)
+    parser.add_argument("--work-dir", required=True, type=Path)
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--chunk-size", type=int, default=8 * 2**20)
+    parser.add_argument("--heartbeat-s", type=float, default=2.0)
+    parser.add_argument("--threads", type=int)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_rank_main)(_parse(argv))
+
+
+def _rank_main(args: argparse.Namespace) -> int:
+    options = LearnerOptions(work_dir=args.work_dir, device=args.device, chunk_size=args.chunk_size,
+                             heartbeat_s=args.heartbeat_s, threads=args.threads)
+    world = Sharded(local_rank=int(os.environ["LOCAL_RANK"]))  # set by torchrun
+    logging.basicConfig(level=logging.INFO if world.rank == 0 else logging.WARNING,
+                        format=f"%(asctime)s rank {world.rank} %(levelname)s %(name)s: %(message)s")
+    log.info("job %s: FSDP learner over %d processes", args.job, world.size)
+    try:
+        if world.rank == 0:
+            plane = ControlPlane(args.server, os.environ[TOKEN_ENV], args.job)
+            try:
+                Learner(plane, options, world).run()
+            finally:
+                plane.close()
+        else:
+            follow(world, options, args.job)
+    finally:
+        world.close()
+    return 0
+
+
+def follow(world: Sharded, options: LearnerOptions, job_id: str) -> None:
+    """A rank other than 0: build the same trainer, then do what rank 0 announces until "stop"."""
+    command, (spec, model_path) = world.receive()
+    assert command == "start", command
+    trainer, _ = build_trainer(spec, model_path, options, world, options.work_dir / job_id / "checkpoints")
+    handlers = {
+        "optimise": lambda rows: trainer.optimise(rows, StepResult()),
+        "model_state": lambda _: world.model_state(trainer.model),
+        "optimizer_state": lambda _: world.optimizer_state(trainer.model, trainer.optimizer),
+    }
+    while (message := world.receive())[0] != "stop":
+        handlers[message[0]](message[1])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

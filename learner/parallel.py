@@ -1,0 +1,125 @@
+"""How the learner's model is laid out over processes.
+
+`Solo` is one process (CPU or one GPU): every method is the plain single-process operation.
+`Sharded` is one rank of a `torchrun` group (a job with `learner.gpus > 1`, see launch.py): the model
+is wrapped with FSDP2 (`fully_shard`, one unit per decoder layer plus the root), rank 0 alone talks
+to the control plane and *announces* each collective operation to the other ranks, which follow
+(launch.follow). Announcements travel on a gloo group even on CUDA, so ranks waiting for the next
+batch wait on a socket, not on a spinning GPU kernel.
+
+Both offer the same methods, so the learner code reads the same for both:
+- `announce(command, payload)`: rank 0 tells the followers what to do next (no-op for Solo);
+- `wrap(model)`: shard the model (before the optimiser is built over its parameters);
+- `model_state(model)`: a full CPU copy of the weights (rank 0 gets it; other ranks help gather);
+- `optimizer_state` / `restore`: full optimiser state for checkpoints, and loading both back.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+FULL_ON_CPU: dict[str, Any] = {"full_state_dict": True, "cpu_offload": True}
+
+
+class Solo:
+    rank, size = 0, 1
+
+    def device(self, wanted: str) -> torch.device:
+        return torch.device(wanted)
+
+    def announce(self, command: str, payload: Any = None) -> None:
+        """Nothing to tell: there are no other ranks."""
+
+    def wrap(self, model: Any) -> Any:
+        return model
+
+    def model_state(self, model: Any) -> dict[str, torch.Tensor]:
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+    def optimizer_state(self, model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def restore(self, model: Any, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                optim: dict[str, Any]) -> None:
+        model.load_state_dict(weights, strict=False)  # tied weights are stored twice; either copy loads
+        optimizer.load_state_dict(optim)
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class Sharded(Solo):
+    """One rank of an FSDP group. Construct it in each torchrun process (it joins the group)."""
+
+    def __init__(self, local_rank: int) -> None:
+        import torch.distributed as dist
+
+        # NCCL for CUDA tensors, gloo for CPU ones; CPU-only machines run the same code on gloo.
+        dist.init_process_group("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        self.rank, self.size, self.local_rank = dist.get_rank(), dist.get_world_size(), local_rank
+        # Followers wait here while rank 0 waits for rollouts, which may take longer than the
+        # default 30-minute collective timeout; a dead rank still ends the group (torchrun).
+        self._control = dist.new_group(backend="gloo", timeout=datetime.timedelta(days=7))
+
+    def device(self, wanted: str) -> torch.device:
+        if wanted != "cpu" and torch.cuda.is_available():
+            torch.cuda.set_device(self.local_rank)
+            return torch.device("cuda", self.local_rank)
+        return torch.device("cpu")
+
+    def announce(self, command: str, payload: Any = None) -> None:
+        if self.rank == 0:
+            self._broadcast((command, payload))
+
+    def receive(self) -> tuple[str, Any]:
+        """The next command from rank 0 (followers only)."""
+        return self._broadcast(None)
+
+    def _broadcast(self, message: Any) -> Any:
+        import torch.distributed as dist
+
+        box = [message]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return box[0]
+
+    def wrap(self, model: Any) -> Any:
+        from torch.distributed.fsdp import fully_shard
+
+        layers = set(getattr(model, "_no_split_modules", None) or [])  # HF names its decoder layer class
+        for module in model.modules():
+            if type(module).__name__ in layers:
+                fully_shard(module)
+        fully_shard(model)
+        return model
+
+    def model_state(self, model: Any) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        self.announce("model_state")
+        return get_model_state_dict(model, options=StateDictOptions(**FULL_ON_CPU))
+
+    def optimizer_state(self, model: Any, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        self.announce("optimizer_state")
+        return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(**FULL_ON_CPU))
+
+    def restore(self, model: Any, optimizer: torch.optim.Optimizer, weights: dict[str, torch.Tensor],
+                optim: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        full = StateDictOptions(full_state_dict=True, strict=False)
+        set_model_state_dict(model, weights, options=full)
+        set_optimizer_state_dict(model, optimizer, optim, options=full)
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()

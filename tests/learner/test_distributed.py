@@ -1,0 +1,153 @@
+"""The multi-process learner (learner.gpus > 1): FSDP over 2 gloo CPU processes.
+
+First the proof that sharding is correct: one `grpo_update` on 2 ranks (FSDP2, each rank on its
+share of the rows) leaves the same parameters and reports the same stats as one process on the
+whole batch. SGD rather than AdamW, so that a wrong gradient scale cannot hide behind Adam's
+normalised first step. Then the real launch path (`learner.launch.run_job`, as the learner host
+runs it): torchrun with 2 processes against a live control plane fed by real rollouts.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+from api.local import free_port
+from learner.objective import ObjectiveConfig
+from learner.policy import Rollouts, grpo_update, sample
+
+CFG = ObjectiveConfig(eps_low=0.1, eps_high=0.2, ratio_cap=2.0, kl_coef=0.05, length_norm="token_mean", max_len=8)
+
+
+def rollouts(tiny) -> Rollouts:
+    """4 groups of 3 samples from the tiny model; behaviour logprobs perturbed so that ratios clip and
+    cap; group 3's rewards are all equal (dropped)."""
+    model, tok = tiny
+    prompts = [tok(f"{a}+{b}=")["input_ids"] for a, b in ((1, 2), (30, 4), (5, 67), (8, 9))]
+    ids = [p for p in prompts for _ in range(3)]
+    gen = torch.Generator().manual_seed(0)
+    out = sample(model, ids, max_new_tokens=8, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, generator=gen)
+    noise = torch.Generator().manual_seed(1)
+    behaviour = [[lp + 0.5 * float(torch.randn(1, generator=noise)) for lp in s.logprobs] for s in out]
+    rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]
+    return Rollouts(ids, [s.completion_ids for s in out], behaviour, rewards, [i // 3 for i in range(12)],
+                    [i % 2 for i in range(12)])
+
+
+def update(model, batch: Rollouts, pad_id: int, wrap=lambda m: m, rank: int = 0, world_size: int = 1):
+    ref = copy.deepcopy(model).eval()
+    model = wrap(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    # 40 tokens per micro-batch: several micro-batches, some with an odd number of rows
+    return grpo_update(model, optimizer, batch, CFG, max_tokens_per_micro_batch=40, grad_clip=None,
+                       ref_model=ref, pad_id=pad_id, rank=rank, world_size=world_size)
+
+
+def _rank(rank: int, port: int, tiny_dir: str, batch: Rollouts, pad_id: int, out: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from learner.parallel import Sharded
+
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
+    world = Sharded(local_rank=rank)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    stats = update(model, batch, pad_id, world.wrap, world.rank, world.size)
+    if rank:  # as launch.follow does: rank 0 announces the gather
+        assert world.receive()[0] == "model_state"
+    state = world.model_state(model)
+    if rank == 0:
+        torch.save({"stats": stats, "state": state}, out)
+    world.close()
+
+
+def test_sharded_update_equals_single_process(tiny, tiny_dir, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    _, tok = tiny
+    batch = rollouts(tiny)
+    torch.multiprocessing.spawn(_rank, args=(free_port(), str(tiny_dir), batch, tok.pad_token_id,
+                                             str(tmp_path / "sharded.pt")), nprocs=2, join=True)
+    sharded = torch.load(tmp_path / "sharded.pt")
+    single = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    initial = {k: v.clone() for k, v in single.state_dict().items()}
+    stats = update(single, batch, tok.pad_token_id)
+
+    assert stats["dropped_groups"] == 1 and stats["clip_frac"] > 0, stats
+    for key in ("loss", "tokens", "clip_frac", "cap_frac", "ratio_mean", "kl", "grad_norm", "kept_samples"):
+        assert sharded["stats"][key] == pytest.approx(stats[key], rel=1e-5, abs=1e-7), key
+    state = single.state_dict()
+    assert set(sharded["state"]) <= set(state)
+    moved = 0
+    for name, value in sharded["state"].items():
+        torch.testing.assert_close(value, state[name], rtol=1e-5, atol=1e-6, msg=name)
+        moved += not torch.equal(value, initial[name])
+    assert moved > len(state) // 2, "the update changed almost nothing: the comparison would prove little"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_two_process_learner_over_http(api, tmp_path, capsys):
+    from echo2.protocol import Manifest
+    from echo2.snapshots import assemble
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from api.demo import demo_spec
+    from learner.launch import run_job
+    from learner.loop import LearnerOptions
+    from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
+    from tests.rollout_driver import RolloutDriver
+
+    _, alice = new_user(api)
+    spec = {**demo_spec("tiny", 6, 1), "checkpoint_every": 3, "learner": {"gpus": 2}}
+    jid = ok(alice.post("/v1/jobs", json=spec), 201)["id"]
+    token = learner_for(api, jid).headers["Authorization"].split()[1]
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, jid)
+    driver = RolloutDriver(api.url, wid, worker.headers["Authorization"].split()[1], tmp_path / "w").start()
+    work = tmp_path / "learner"
+    try:
+        run_job(api.url, token, jid, LearnerOptions(work_dir=work, heartbeat_s=0.5, threads=1))
+    finally:
+        driver.stop()
+
+    assert "FSDP learner over 2 processes" in capsys.readouterr().err
+    job = ok(alice.get(f"/v1/jobs/{jid}"))
+    assert job["status"] == "succeeded" and job["step"] == 6, job
+    metrics = ok(alice.get(f"/v1/jobs/{jid}/metrics"))
+    assert [m["step"] for m in metrics] == list(range(6)) and all(m["tokens"] > 0 for m in metrics), metrics
+    versions = [v["version"] for v in ok(alice.get(f"/v1/jobs/{jid}/versions"))]
+    assert versions[0] == 0 and versions[-1] == 6 and versions == sorted(set(versions)), versions
+
+    manifest = Manifest.model_validate(ok(alice.get(f"/v1/jobs/{jid}/versions/6/manifest")))
+    folder = assemble(manifest, lambda i: alice.get(f"/v1/jobs/{jid}/versions/6/chunks/{i}").content, tmp_path / "v6")
+    published = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
+    initial = AutoModelForCausalLM.from_pretrained(work / "models" / "tiny-seed0", dtype=torch.float32).state_dict()
+    checkpointed = load_file(work / jid / "checkpoints" / "ckpt-6" / "model.safetensors")
+    assert published.keys() == initial.keys()
+    assert any(not torch.equal(published[k], initial[k]) for k in published), "6 steps changed no weight"
+    for name, value in checkpointed.items():  # both gathered by rank 0 from the shards after step 6
+        torch.testing.assert_close(published[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_a_failing_rank_fails_the_run(api, tmp_path, monkeypatch):
+    """Rank 0 cannot load the model while rank 1 waits for it: torchrun ends both, run_job says why."""
+    from api.demo import demo_spec
+    from learner.launch import run_job
+    from learner.loop import LearnerOptions
+    from tests.factories import learner_for, new_user, ok
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the ranks inherit it: no hub lookup for the missing model
+    _, alice = new_user(api)
+    spec = {**demo_spec("tiny", 2, 1), "base_model": str(tmp_path / "no-such-model"), "learner": {"gpus": 2}}
+    jid = ok(alice.post("/v1/jobs", json=spec), 201)["id"]
+    token = learner_for(api, jid).headers["Authorization"].split()[1]
+    with pytest.raises(RuntimeError, match="torchrun exited with 1") as failure:
+        run_job(api.url, token, jid, LearnerOptions(work_dir=tmp_path / "learner", threads=1))
+    assert "no-such-model" in str(failure.value)
