@@ -1,10 +1,18 @@
 """Weight publication in a background thread, so training never waits for serialisation or upload.
-A version is announced by the control plane only after every chunk arrived and matched."""
+A version is announced by the control plane only after every chunk arrived and matched.
+
+At most one snapshot waits. A version submitted while an older one is still waiting (not yet being
+published) replaces it: the older version is never published, and is logged and counted in
+`skipped`. Version numbers keep their meaning — version v is always the weights after step v — so a
+skipped number simply does not exist; versions stay strictly increasing, which is all the control
+plane requires (`api/routes/weights.py` accepts any version newer than the last), and workers are
+told the newest version. Memory stays bounded at two CPU copies of the weights (one being published,
+one waiting) however far training runs ahead of publication.
+"""
 
 from __future__ import annotations
 
 import logging
-import queue
 import shutil
 import threading
 import time
@@ -26,8 +34,11 @@ class Publisher:
         self.work_dir, self.chunk_size = work_dir, chunk_size
         self.published: int | None = None
         self.submitted: int | None = None
+        self.skipped: list[int] = []
         self.seconds: list[float] = []
-        self._queue: queue.Queue[tuple[int, int, dict[str, torch.Tensor]] | None] = queue.Queue()
+        self._pending: tuple[int, int, dict[str, torch.Tensor]] | None = None
+        self._busy = self._closed = False
+        self._changed = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
@@ -35,16 +46,24 @@ class Publisher:
     def submit(self, version: int, step: int, state: dict[str, torch.Tensor]) -> None:
         """Publish `state` (a CPU copy of the weights, see parallel.Solo.model_state) in the background."""
         self._raise_if_failed()
-        self._queue.put((version, step, state))
-        self.submitted = version
+        with self._changed:
+            if self._pending is not None:
+                self.skipped.append(self._pending[0])
+                log.info("version %d replaced by version %d before it was published", self._pending[0], version)
+            self._pending, self.submitted = (version, step, state), version
+            self._changed.notify_all()
 
     def wait(self) -> None:
         """Block until everything submitted is published (or raise the publishing error)."""
-        self._queue.join()
+        with self._changed:
+            self._changed.wait_for(lambda: self._error is not None or (self._pending is None and not self._busy))
         self._raise_if_failed()
 
     def close(self) -> None:
-        self._queue.put(None)
+        """Publish what is still waiting, then stop the thread."""
+        with self._changed:
+            self._closed = True
+            self._changed.notify_all()
         self._thread.join(timeout=60)
 
     def _raise_if_failed(self) -> None:
@@ -52,7 +71,7 @@ class Publisher:
             raise RuntimeError(f"publishing a weight version failed: {self._error}") from self._error
 
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None:
+        while (item := self._next()) is not None:
             try:
                 if self._error is None:
                     self._publish(*item)
@@ -60,8 +79,16 @@ class Publisher:
                 log.exception("publishing version %s failed", item[0])
                 self._error = exc
             finally:
-                self._queue.task_done()
-        self._queue.task_done()
+                with self._changed:
+                    self._busy = False
+                    self._changed.notify_all()
+
+    def _next(self) -> tuple[int, int, dict[str, torch.Tensor]] | None:
+        with self._changed:
+            self._changed.wait_for(lambda: self._pending is not None or self._closed)
+            item, self._pending = self._pending, None
+            self._busy = item is not None
+            return item
 
     def _publish(self, version: int, step: int, state: dict[str, torch.Tensor]) -> None:
         start = time.perf_counter()
@@ -75,3 +102,4 @@ class Publisher:
         self.published = version
         self.seconds.append(time.perf_counter() - start)
         log.info("published version %d (step %d) in %.2fs", version, step, self.seconds[-1])
+
