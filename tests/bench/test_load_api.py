@@ -1,0 +1,25 @@
+"""The control-plane load benchmark runs end to end (tiny and short: figures come from the real run)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_load_benchmark_runs_every_phase_on_sqlite(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    subprocess.run([sys.executable, "bench/load_api.py", "--db", "sqlite", "--duration", "1", "--warmup", "0.5",
+                    "--workers", "12", "--concurrency", "4", "--heartbeat-rate", "40", "--prompts", "5000",
+                    "--lease-prompts", "4", "--groups-per-request", "4", "--json", str(out)],
+                   cwd=ROOT, check=True, timeout=300, capture_output=True)
+    results = {r["phase"]: r for r in json.loads(out.read_text())}
+    assert set(results) == {"heartbeat", "paced", "lease", "rollouts"}
+    for phase, result in results.items():
+        assert result["errors"] == {}, phase
+        assert result["ops_per_s"] > 0, phase
+        for row in result["rows"]:
+            assert set(row["statuses"]) <= {"200", "201"}, (phase, row)
+    assert results["paced"]["offered_per_s"] == 40
+    assert results["rollouts"]["rejected_groups"] == 0
