@@ -232,6 +232,7 @@ class WeightVersion(Base):
     publish_seconds: Mapped[float | None] = mapped_column(Float)
     # Workers active on the job when it was announced: dissemination is done when they hold it.
     targets: Mapped[list[Any]] = mapped_column(default=list)
+    collected_at: Mapped[datetime | None]  # weights deleted (api/services/retention.py); the row stays
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

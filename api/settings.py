@@ -36,6 +36,8 @@ class Settings(BaseSettings):
     min_dwell_s: float = Field(60.0, ge=0, description="An activated worker keeps its job at least this long.")
     relay_fanout: int = Field(1, ge=1, le=16, description="Children per relay peer (1: a pipelined chain).")
     relay_max_bad_chunks: int = Field(3, ge=1, description="Peers reported bad this often stop being parents.")
+    keep_versions_every: int = Field(0, ge=0, description="Also keep the weights of every n-th version for "
+                                     "download (0: only the final or newest one and those rollouts may still use).")
     log_level: str = Field("INFO", description="Python logging level.")
 
     @model_validator(mode="after")

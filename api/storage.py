@@ -65,6 +65,11 @@ class BlobStore:
         if (staging / f"{index}.sha256").read_text() != sha256:
             raise ChunkError(f"chunk {index}: uploaded sha256 differs from the manifest")
 
+    def drop(self, job_id: str, versions: list[int]) -> None:
+        """Delete the files of collected versions (after the commit that marked them collected)."""
+        for version in versions:
+            shutil.rmtree(self._final(job_id, version), ignore_errors=True)
+
     def chunk_path(self, job_id: str, version: int, index: int) -> Path:
         return self._final(job_id, version) / f"{index}.chunk"
 

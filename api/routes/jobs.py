@@ -21,9 +21,10 @@ from sqlalchemy import func, select
 
 from learner.tasks import get_task, list_tasks
 
-from ..deps import CurrentUser, SessionDep, SettingsDep, owned_job
+from ..deps import BlobsDep, CurrentUser, SessionDep, SettingsDep, owned_job
 from ..models import Decision, Job, Prompt, Rollout, StepMetric
 from ..services import jobs as svc
+from ..services import retention
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 Limit = Annotated[int, Query(ge=1, le=200, description="Page size.")]
@@ -71,10 +72,12 @@ def get_job(job_id: str, user: CurrentUser, db: SessionDep) -> JobRead:
 
 @router.post("/jobs/{job_id}/cancel", operation_id="cancel_job", summary="Cancel a job",
              responses={409: {"description": "The job already finished."}})
-def cancel_job(job_id: str, user: CurrentUser, db: SessionDep) -> JobRead:
+def cancel_job(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, settings: SettingsDep) -> JobRead:
     job = owned_job(db, user, job_id, for_update=True)
     svc.finish_job(db, job, JobStatus.cancelled, f"cancelled by {user.name}")
+    dropped = retention.collect(db, job, settings.keep_versions_every)
     db.commit()
+    blobs.drop(job_id, dropped)
     return svc.job_read(job)
 
 

@@ -17,9 +17,9 @@ from echo2.protocol import (
 )
 from fastapi import APIRouter
 
-from ..deps import AdminUser, LearnerJobId, SessionDep, learner_job, owned_job
+from ..deps import AdminUser, BlobsDep, LearnerJobId, SessionDep, SettingsDep, learner_job, owned_job
 from ..errors import ApiError
-from ..services import admission, learning
+from ..services import admission, learning, retention
 from ..services.jobs import finish_job, job_read
 
 router = APIRouter(prefix="/v1/jobs/{job_id}/learner", tags=["learner"])
@@ -81,7 +81,8 @@ def heartbeat(job_id: str, body: LearnerHeartbeat, token_job: LearnerJobId, db: 
 
 
 @router.post("/finish", operation_id="learner_finish", summary="Finish the job, naming the final checkpoint version")
-def finish(job_id: str, body: LearnerFinish, token_job: LearnerJobId, db: SessionDep) -> JobRead:
+def finish(job_id: str, body: LearnerFinish, token_job: LearnerJobId, db: SessionDep, blobs: BlobsDep,
+           settings: SettingsDep) -> JobRead:
     job = learner_job(db, token_job, job_id, for_update=True)
     if body.final_version is not None and (job.version is None or body.final_version > job.version):
         raise ApiError(422, f"version {body.final_version} was never published", field="final_version")
@@ -89,5 +90,7 @@ def finish(job_id: str, body: LearnerFinish, token_job: LearnerJobId, db: Sessio
         raise ApiError(422, "a succeeded job needs final_version (its checkpoint)", field="final_version")
     finish_job(db, job, JobStatus(body.outcome.value), body.reason)
     job.final_version = body.final_version
+    dropped = retention.collect(db, job, settings.keep_versions_every)
     db.commit()
+    blobs.drop(job_id, dropped)
     return job_read(job)

@@ -11,10 +11,10 @@ from fastapi import APIRouter, Body, Header, Path, Query
 from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
 
-from ..deps import AnyPrincipal, BlobsDep, LearnerJobId, Principal, SessionDep, learner_job
+from ..deps import AnyPrincipal, BlobsDep, LearnerJobId, Principal, SessionDep, SettingsDep, learner_job
 from ..errors import ApiError
 from ..models import Job, WeightVersion
-from ..services import dissemination
+from ..services import dissemination, retention
 from ..storage import ChunkError, manifest_bytes
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["weights"])
@@ -42,7 +42,7 @@ def upload_chunk(job_id: str, version: VersionPath, index: IndexPath, token_job:
 @router.post("/versions", status_code=201, operation_id="publish_version",
              summary="Publish a version: every chunk must be uploaded and match; then it is announced")
 def publish_version(job_id: str, manifest: Manifest, token_job: LearnerJobId, db: SessionDep,
-                    blobs: BlobsDep) -> VersionRead:
+                    blobs: BlobsDep, settings: SettingsDep) -> VersionRead:
     job = learner_job(db, token_job, job_id, for_update=True)
     _check_new_version(job, manifest.version)
     try:
@@ -56,7 +56,9 @@ def publish_version(job_id: str, manifest: Manifest, token_job: LearnerJobId, db
                         targets=dissemination.targets(db, job_id))
     db.add(row)
     job.version = manifest.version
+    dropped = retention.collect(db, job, settings.keep_versions_every)
     db.commit()
+    blobs.drop(job_id, dropped)
     return dissemination.version_reads(db, [row])[0]
 
 
@@ -77,7 +79,8 @@ def get_manifest(job_id: str, version: VersionPath, p: AnyPrincipal, db: Session
 @router.get("/versions/{version}/chunks/{index}", operation_id="get_chunk",
             summary="Download one chunk (HTTP Range supported); its sha256 is in X-Echo2-Sha256",
             response_class=FileResponse,
-            responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "Partial content"}})
+            responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "Partial content"},
+                       410: {"description": "Its weights were deleted."}})
 def get_chunk(job_id: str, version: VersionPath, index: IndexPath, p: AnyPrincipal, db: SessionDep,
               blobs: BlobsDep) -> FileResponse:
     _readable_job(db, p, job_id)
@@ -91,7 +94,8 @@ def get_chunk(job_id: str, version: VersionPath, index: IndexPath, p: AnyPrincip
 
 @router.get("/checkpoint", operation_id="download_checkpoint",
             summary="Download a version (default: the final one) as a tar of the HF model folder",
-            response_class=StreamingResponse, responses={200: {"content": {"application/x-tar": {}}}})
+            response_class=StreamingResponse,
+            responses={200: {"content": {"application/x-tar": {}}}, 410: {"description": "Its weights were deleted."}})
 def download_checkpoint(job_id: str, p: AnyPrincipal, db: SessionDep, blobs: BlobsDep,
                         version: Annotated[int | None, Query(ge=0, le=10_000_000)] = None) -> StreamingResponse:
     job = _readable_job(db, p, job_id, owner_only=True)
@@ -115,6 +119,9 @@ def _version(db: SessionDep, job_id: str, version: int) -> WeightVersion:
     row = db.get(WeightVersion, (job_id, version))
     if row is None:
         raise ApiError(404, f"version {version} of job {job_id} is not published")
+    if row.collected_at is not None:
+        raise ApiError(410, f"the weights of version {version} of job {job_id} were deleted: no rollout can use "
+                            "them any more and they are not a kept checkpoint (see ECHO2_KEEP_VERSIONS_EVERY)")
     return row
 
 

@@ -41,7 +41,8 @@ def _read(row: WeightVersion, held: dict[str, datetime], now: dict[str, Row[Any]
     waiting = [w for w in row.targets if w not in held and _still_fetching(now.get(w), row)]
     seconds = (max(reached) - row.created_at).total_seconds() if reached and not waiting else None
     return VersionRead.model_validate(row).model_copy(update={
-        "workers_targeted": len(row.targets), "workers_holding": len(held), "dissemination_s": seconds})
+        "available": row.collected_at is None, "workers_targeted": len(row.targets),
+        "workers_holding": len(held), "dissemination_s": seconds})
 
 
 def _still_fetching(worker: Row[Any] | None, row: WeightVersion) -> bool:

@@ -201,6 +201,10 @@ def test_reward_chart_gains_points_as_the_job_trains(api, ui, training):
     expect_text(ui, "#versions-table tbody tr:first-child th", "^3$")
     assert ui.page.locator("#versions-table tbody tr").count() == 4
     expect_text(ui, "#versions-table tbody tr:first-child", r"1 · 1\s+\d+(\.\d+)? (ms|s)")  # its dissemination time
+    # S = 2 at step 3: no rollout can use version 0 any more, so its weights are gone and not offered
+    expect_text(ui, "#versions-table tbody tr:last-child", "deleted")
+    options = ui.page.locator("#ckpt-version option").all_inner_texts()
+    assert not any(o.startswith("Version 0 ") for o in options) and any(o.startswith("Version 3 ") for o in options)
     expect_text(ui, "#workers-table tbody tr", "rtx-1")
     expect_text(ui, "#rollouts li.rollout", "trained at step 2")
     ui.page.locator("#rollouts li.rollout summary").first.click()

@@ -11,7 +11,7 @@ E2.page("job", () => {
   const openRollouts = new Set();
   const workerNames = new Map(); // worker id -> name, from the workers seen on this job
   const DECISIONS_SHOWN = 20;
-  let job = null, versionsSeen = -1, rolloutsSig = "", finalDone = false;
+  let job = null, versionsSeen = null, rolloutsSig = "", finalDone = false;
 
   const charts = makeCharts();
 
@@ -192,7 +192,9 @@ E2.page("job", () => {
     const rows = versions.slice().reverse().map((v) => h("tr", { dataset: { key: String(v.version) } },
       h("th", { scope: "row", class: "num" }, String(v.version)),
       h("td", { class: "num" }, String(v.step)),
-      h("td", { class: "num" }, fmt.bytes(v.total_size)),
+      h("td", { class: "num" }, v.available ? fmt.bytes(v.total_size)
+        : h("span", { class: "muted", title: "Weights deleted: no rollout can use them and they are not a kept checkpoint" },
+          "deleted")),
       h("td", { class: "num" }, String(v.num_chunks)),
       h("td", { class: "bar-cell" },
         h("meter", { min: 0, max: slowest, value: v.publish_seconds || 0, "aria-hidden": "true" }),
@@ -201,12 +203,14 @@ E2.page("job", () => {
       h("td", { class: "bar-cell" }, ...dissemination(v, slowestSpread)),
       h("td", {}, timeEl(v.created_at, true))));
     fillRows($("#versions-table tbody"), rows, "No version published yet.", 8);
-    if (versions.length !== versionsSeen) {
-      versionsSeen = versions.length;
+    const stored = versions.filter((v) => v.available).map((v) => v.version).join();
+    if (stored !== versionsSeen) {
+      versionsSeen = stored;
       const select = $("#ckpt-version");
       const chosen = select.value;
       select.replaceChildren(h("option", { value: "" }, defaultCheckpoint()),
-        ...versions.slice().reverse().map((v) => h("option", { value: String(v.version) }, `Version ${v.version} (step ${v.step})`)));
+        ...versions.filter((v) => v.available).reverse()
+          .map((v) => h("option", { value: String(v.version) }, `Version ${v.version} (step ${v.step})`)));
       select.value = chosen;
     }
   }

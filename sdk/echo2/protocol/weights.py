@@ -77,6 +77,9 @@ class VersionRead(ReadModel):
     num_chunks: int
     manifest_sha256: str
     publish_seconds: float | None = Field(None, description="Time from the first chunk upload to announcement.")
+    available: bool = Field(True, description="Whether the weights are still stored. A version no admissible "
+                            "rollout can use any more is deleted unless it is the final (or newest) one or kept by "
+                            "the server's ECHO2_KEEP_VERSIONS_EVERY; its row and timings stay.")
     workers_targeted: int = Field(0, description="Workers active on the job when the version was announced.")
     workers_holding: int = Field(0, description="Workers that have reported holding this version.")
     dissemination_s: float | None = Field(

@@ -1,0 +1,69 @@
+"""Weight retention: versions nothing can use any more are deleted; kept ones stay downloadable."""
+
+import pytest
+
+from tests.factories import fake_model_folder, new_user, ok, publish, running_job
+
+
+def _step(learner, job_id: str, step: int) -> None:
+    report = {"step": step, "rollout_ids": [], "t_train_s": 0.1, "reward_mean": 0.5, "reward_std": 0.1,
+              "loss": 0.2, "kl": 0.0, "clip_frac": 0.0, "staleness_hist": [], "tokens": 0, "rewards": []}
+    ok(learner.post(f"/v1/jobs/{job_id}/learner/steps", json=report))
+
+
+def _train(api, tmp_path, steps: int, staleness: int = 1):
+    _, alice = new_user(api)
+    folder = fake_model_folder(tmp_path / "m")
+    job, learner = running_job(api, alice, folder, staleness=staleness, max_steps=20)
+    for step in range(steps):
+        _step(learner, job["id"], step)
+        publish(learner, job["id"], folder, version=step + 1, step=step + 1)
+    return alice, job["id"], learner
+
+
+def _available(user, job_id: str) -> dict[int, bool]:
+    return {v["version"]: v["available"] for v in ok(user.get(f"/v1/jobs/{job_id}/versions"))}
+
+
+def _version_dirs(api, job_id: str) -> set[str]:
+    return {p.name for p in (api.server.settings.blob_dir / job_id).iterdir()}
+
+
+def test_only_admissible_versions_are_kept_while_running(api, tmp_path):
+    alice, job_id, _ = _train(api, tmp_path, steps=5, staleness=1)
+    # step 5 now; with S = 1 rollouts of versions 4 and 5 are still admissible
+    assert _available(alice, job_id) == {0: False, 1: False, 2: False, 3: False, 4: True, 5: True}
+    assert _version_dirs(api, job_id) == {"v4", "v5"}
+    r = alice.get(f"/v1/jobs/{job_id}/versions/2/manifest")
+    assert r.status_code == 410 and "deleted" in r.json()["detail"]
+    assert alice.get(f"/v1/jobs/{job_id}/versions/2/chunks/0").status_code == 410
+    assert alice.get(f"/v1/jobs/{job_id}/checkpoint", params={"version": 2}).status_code == 410
+    assert alice.get(f"/v1/jobs/{job_id}/checkpoint", params={"version": 5}).status_code == 200
+
+
+def test_finishing_keeps_only_the_final_checkpoint(api, tmp_path):
+    alice, job_id, learner = _train(api, tmp_path, steps=4)
+    ok(learner.post(f"/v1/jobs/{job_id}/learner/finish", json={"outcome": "succeeded", "final_version": 3}))
+    assert [v for v, kept in _available(alice, job_id).items() if kept] == [3]
+    assert _version_dirs(api, job_id) == {"v3"}
+    r = alice.get(f"/v1/jobs/{job_id}/checkpoint")
+    assert r.status_code == 200 and r.headers["X-Echo2-Version"] == "3"
+
+
+def test_cancelling_keeps_the_newest(api, tmp_path):
+    alice, job_id, _ = _train(api, tmp_path, steps=3)
+    ok(alice.post(f"/v1/jobs/{job_id}/cancel"))
+    assert [v for v, kept in _available(alice, job_id).items() if kept] == [3]
+
+
+@pytest.fixture
+def keep_every_two(api):
+    api.server.settings.keep_versions_every = 2
+    yield
+    api.server.settings.keep_versions_every = 0
+
+
+def test_keep_every_n_keeps_intermediate_checkpoints(api, tmp_path, keep_every_two):
+    alice, job_id, learner = _train(api, tmp_path, steps=5, staleness=0)
+    ok(learner.post(f"/v1/jobs/{job_id}/learner/finish", json={"outcome": "succeeded", "final_version": 5}))
+    assert [v for v, kept in _available(alice, job_id).items() if kept] == [0, 2, 4, 5]
