@@ -13,6 +13,6 @@ case "${1:-}" in
     -h|--help) exec echo2-worker join --help ;;
 esac
 if [ -n "$token" ]; then
-    set -- --token "$token" "$@"
+    export ECHO2_PROVIDER_TOKEN="$token"  # not --token: arguments show in the process list
 fi
 exec echo2-worker --config-dir "$config_dir" join "$@"

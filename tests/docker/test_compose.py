@@ -168,7 +168,9 @@ def installs_torch(path: Path) -> bool:
 
 
 def test_every_echo2_variable_is_a_setting():
-    fields = {f"ECHO2_{name.upper()}" for name in Settings.model_fields}
+    from echo2_worker.cli import TOKEN_ENV  # read by the worker, not the server
+
+    fields = {f"ECHO2_{name.upper()}" for name in Settings.model_fields} | {TOKEN_ENV}
     sources = [*COMPOSE_FILES, ENV_EXAMPLE, *DOCKERFILES, *DOCKER.glob("*.py"), *DOCKER.glob("*.sh")]
     used: dict[str, set[str]] = {}
     for path in sources:
@@ -176,7 +178,7 @@ def test_every_echo2_variable_is_a_setting():
             used.setdefault(name, set()).add(path.name)
     assert {"ECHO2_ENV", "ECHO2_DATABASE_URL", "ECHO2_REDIS_URL", "ECHO2_BOOTSTRAP_API_KEY"} <= set(used)
     unknown = {name: sorted(where) for name, where in used.items() if name not in fields}
-    assert unknown == {}, "ECHO2_* names that api.settings.Settings does not read"
+    assert unknown == {}, "ECHO2_* names that neither api.settings.Settings nor the worker reads"
 
 
 def test_env_example_documents_every_variable_and_nothing_else():
@@ -382,7 +384,7 @@ def test_service_commands_parse(service, command):
         server_parser().parse_args(command[1:])
     elif command[:2] == ["python", "/opt/echo2/provision_worker.py"]:
         _load_script("provision_worker").build_parser().parse_args(command[2:])
-    else:  # a worker image: the entrypoint runs `echo2-worker --config-dir DIR join --token T "$@"`
+    else:  # a worker image: the entrypoint runs `echo2-worker --config-dir DIR join "$@"` (token in the env)
         from echo2_worker.cli import build_parser
 
         args = build_parser().parse_args(["--config-dir", "/tmp/x", "join", "--token", "e2p_x", *command])
@@ -502,10 +504,10 @@ def test_provision_writes_a_working_provider_token_once(api, tmp_path):
     assert wrong.returncode == 1 and wrong.stderr.count("\n") == 1 and "Traceback" not in wrong.stderr
 
 
-def test_worker_entrypoint_passes_the_token(tmp_path):
+def test_worker_entrypoint_passes_the_token_in_the_environment(tmp_path):
     fake = tmp_path / "bin" / "echo2-worker"
     fake.parent.mkdir()
-    fake.write_text('#!/bin/sh\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
+    fake.write_text('#!/bin/sh\necho "token=$ECHO2_PROVIDER_TOKEN"\nfor a in "$@"; do printf "%s\\n" "$a"; done\n')
     fake.chmod(0o755)
     token_file = tmp_path / "token"
     base = {"PATH": f"{fake.parent}:{os.environ['PATH']}", "WORKER_PROVIDER_TOKEN_FILE": str(token_file),
@@ -517,7 +519,8 @@ def test_worker_entrypoint_passes_the_token(tmp_path):
         assert done.returncode == 0, done.stderr
         return done.stdout.splitlines()
 
-    assert run() == ["--config-dir", "/cfg", "join", "--server", "http://api:8000"]
+    # The token travels in ECHO2_PROVIDER_TOKEN, never as an argument (arguments show in `ps`).
+    assert run() == ["token=", "--config-dir", "/cfg", "join", "--server", "http://api:8000"]
     token_file.write_text("e2p_from_file\n")
-    assert run() == ["--config-dir", "/cfg", "join", "--token", "e2p_from_file", "--server", "http://api:8000"]
-    assert run(WORKER_PROVIDER_TOKEN="e2p_env")[3:5] == ["--token", "e2p_env"]
+    assert run() == ["token=e2p_from_file", "--config-dir", "/cfg", "join", "--server", "http://api:8000"]
+    assert run(WORKER_PROVIDER_TOKEN="e2p_env")[0] == "token=e2p_env"

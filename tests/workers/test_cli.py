@@ -4,6 +4,7 @@ reuse after a crash, SIGTERM drain with no lease left), status, bench. Uses this
 from __future__ import annotations
 
 import json
+import os
 import signal
 import stat
 import subprocess
@@ -43,17 +44,20 @@ def test_join_errors_are_one_line(tmp_path: Path) -> None:
     proc = subprocess.run([*CLI, "--config-dir", str(tmp_path), "join", "--server", "http://127.0.0.1:9"],
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1
-    assert proc.stderr.strip().splitlines() == ["echo2-worker: error: --token PROVIDER_TOKEN is required the first "
-                                                "time you join this server"]
+    assert proc.stderr.strip().splitlines() == ["echo2-worker: error: --token PROVIDER_TOKEN (or ECHO2_PROVIDER_TOKEN) "
+                                                "is required the first time you join this server"]
 
 
-def join(api: Api, token: str | None, tmp_path: Path, *extra: str) -> subprocess.Popen:
+def join(api: Api, token: str | None, tmp_path: Path, *extra: str, token_in_env: bool = False) -> subprocess.Popen:
     args = [*CLI, "--config-dir", str(tmp_path / "config"), "join", "--server", api.url, "--name", "cli-worker",
             "--data-dir", str(tmp_path / "data"), "--no-bench", "--json", "--max-prompts", "4", *extra]
-    if token:
+    env = {k: v for k, v in os.environ.items() if k != "ECHO2_PROVIDER_TOKEN"}
+    if token and token_in_env:
+        env["ECHO2_PROVIDER_TOKEN"] = token
+    elif token:
         args += ["--token", token]
     log = open(tmp_path / "worker.log", "a")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
 
 
 def registered(api: Api, name: str = "cli-worker") -> list[dict]:
@@ -75,8 +79,10 @@ def test_join_runs_survives_a_crash_and_drains_on_sigterm(api: Api, tiny_model_d
                                                           relay: bool) -> None:
     setup = start_job(api, tiny_model_dir)
     relay_args = ["--relay-port", "0", "--relay-host", "127.0.0.1"] if relay else ["--no-relay"]
-    proc = join(api, setup.provider_token, tmp_path, *relay_args)
+    # The relay variant passes the provider token in the environment, which keeps it out of `ps`.
+    proc = join(api, setup.provider_token, tmp_path, *relay_args, token_in_env=relay)
     try:
+        assert relay == (setup.provider_token not in " ".join(map(str, proc.args)))
         worker = wait_for(lambda: registered(api), 60, "the worker to register")[0]
         assert (worker["relay_url"] is not None) == relay
         creds = tmp_path / "config" / "credentials.json"

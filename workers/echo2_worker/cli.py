@@ -1,6 +1,7 @@
 """`echo2-worker`: contribute a GPU (or a CPU, for tiny models) to Echo2 RL jobs.
 
     echo2-worker join --server https://echo2.example --token e2p_...   register and work until SIGTERM
+                      (or ECHO2_PROVIDER_TOKEN=e2p_... in the environment instead of --token)
     echo2-worker bench [--model DIR] [--server URL --token ...]         measure generation and bandwidth
     echo2-worker status [--server URL]                                  this machine's registration
 
@@ -12,11 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
 
 DEFAULT_RELAY_PORT = 7460
+TOKEN_ENV = "ECHO2_PROVIDER_TOKEN"
 log = logging.getLogger("echo2_worker")
 
 
@@ -28,8 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     join = sub.add_parser("join", help="register this machine and generate rollouts until stopped (SIGTERM drains)")
     join.add_argument("--server", required=True, help="control-plane URL, e.g. https://echo2.example")
-    join.add_argument("--token", default=None,
-                      help="provider token (e2p_...); saved for this server, so later joins may omit it")
+    join.add_argument("--token", default=os.environ.get(TOKEN_ENV) or None,
+                      help=f"provider token (e2p_...), or set {TOKEN_ENV} to keep it out of the process list; "
+                           "saved for this server, so later joins may omit it")
     join.add_argument("--name", default=None, help="worker name (default: host name)")
     join.add_argument("--price-per-hour", type=float, default=0.0, help="asking price in USD per hour")
     join.add_argument("--gpus", default="auto",
@@ -111,7 +115,7 @@ def _join(args: argparse.Namespace) -> int:
     saved = creds.load(server) or SavedWorker(server=server)
     provider_token = args.token or saved.provider_token
     if provider_token is None and not saved.worker_token:
-        raise ValueError("--token PROVIDER_TOKEN is required the first time you join this server")
+        raise ValueError(f"--token PROVIDER_TOKEN (or {TOKEN_ENV}) is required the first time you join this server")
     if args.token:
         saved.provider_token = args.token
     gpus = parse_gpus(args.gpus)
