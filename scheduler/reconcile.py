@@ -15,10 +15,21 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from echo2.protocol import JobStatus
-from sqlalchemy import func, select
+from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
-from api.models import Decision, Job, Provider, Rollout, SchedulerState, StepMetric, Worker, utcnow
+from api.models import (
+    Decision,
+    Job,
+    Provider,
+    Rollout,
+    SchedulerState,
+    StepMetric,
+    VersionHold,
+    WeightVersion,
+    Worker,
+    utcnow,
+)
 from api.services import fleet
 from api.services.jobs import finish_job, spec_of
 from api.services.learning import issue_learner_token
@@ -32,6 +43,7 @@ log = logging.getLogger(__name__)
 Launcher = Callable[[str, str], None]  # (job id, learner token) -> enqueue its learner
 DEFAULT_T_TRAIN_S = 2.0
 MU_WINDOW_S = 60.0
+BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
 
 
 @dataclass
@@ -177,9 +189,22 @@ def _worker_profile(db: Session, worker: Worker, now: datetime) -> WorkerProfile
     active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
     mu = done / min(active_s, MU_WINDOW_S) if done and active_s >= 5 else (worker.rollouts_per_s or 1.0)
     t_gen = float(gen) if gen else 1.0 / mu
-    t_bcast = float((worker.stats or {}).get("last_download_s") or 0.0)
     return WorkerProfile(worker_id=worker.id, price_per_h=worker.price_per_hour, vram_gb=worker.vram_gb,
-                         backends=frozenset(worker.backends), mu=mu, t_gen_s=t_gen, t_bcast_s=t_bcast)
+                         backends=frozenset(worker.backends), mu=mu, t_gen_s=t_gen,
+                         t_bcast_s=_t_bcast(db, worker))
+
+
+def _t_bcast(db: Session, worker: Worker) -> float:
+    """Seconds from a version's announcement until this worker reported holding it, as the control
+    plane saw it (mean of its last few versions); the worker's own download time until then."""
+    seen = db.execute(select(VersionHold.held_at, WeightVersion.created_at)
+                      .join(WeightVersion, and_(WeightVersion.job_id == VersionHold.job_id,
+                                                WeightVersion.version == VersionHold.version))
+                      .where(VersionHold.worker_id == worker.id)
+                      .order_by(VersionHold.held_at.desc()).limit(BCAST_SAMPLES)).all()
+    if seen:
+        return sum(max(0.0, (held - announced).total_seconds()) for held, announced in seen) / len(seen)
+    return float((worker.stats or {}).get("last_download_s") or 0.0)
 
 
 def _state(db: Session, key: str) -> dict:

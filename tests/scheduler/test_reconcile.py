@@ -106,3 +106,26 @@ def test_worker_earnings_accrue_to_the_provider(api, tmp_path):
     run_tick(api, now=now + timedelta(seconds=2))
     assert ok(provider.get("/v1/providers/me"))["earnings_usd"] > 0
     assert ok(alice.get(f"/v1/jobs/{job['id']}"))["cost"]["workers_usd"] > 0
+
+
+def test_dissemination_time_is_measured_by_the_control_plane_not_reported(api, tmp_path):
+    from scheduler.reconcile import _t_bcast
+    from tests.factories import activate, learner_for, publish
+
+    _, alice = new_user(api)
+    job = new_job(alice)
+    learner = learner_for(api, job["id"])
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/start"))
+    _, provider = new_provider(api)
+    claims = {"status": "active", "job_id": job["id"], "stats": {"last_download_s": 999.0}}
+    (held_id, held), (silent_id, silent) = [new_worker(api, provider, name) for name in ("held", "silent")]
+    for wid, w in ((held_id, held), (silent_id, silent)):
+        activate(api, wid, job["id"])
+        ok(w.post(f"/v1/workers/{wid}/heartbeat", json=claims))
+    publish(learner, job["id"], fake_model_folder(tmp_path / "m"), version=0, step=0)
+    ok(held.post(f"/v1/workers/{held_id}/heartbeat", json={**claims, "version_held": 0}))
+    with api.db.session() as s:
+        measured = _t_bcast(s, s.get_one(Worker, held_id))
+        reported = _t_bcast(s, s.get_one(Worker, silent_id))
+    assert 0 <= measured < 30  # announcement to its heartbeat, not the 999 s it claims
+    assert reported == 999.0  # nothing measured yet: its own figure
