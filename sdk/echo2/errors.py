@@ -136,6 +136,10 @@ class ConflictError(APIStatusError):
     """409: the resource's state forbids this (e.g. cancelling a finished job)."""
 
 
+class GoneError(APIStatusError):
+    """410: it existed but is gone for good (e.g. the weights of a version the server deleted)."""
+
+
 class PayloadTooLargeError(APIStatusError):
     """413: the request body is over the server's limit."""
 
@@ -154,6 +158,7 @@ _BY_STATUS: dict[int, type[APIStatusError]] = {
     403: PermissionDeniedError,
     404: NotFoundError,
     409: ConflictError,
+    410: GoneError,
     413: PayloadTooLargeError,
     422: BadRequestError,
     429: RateLimitError,

@@ -7,7 +7,7 @@ import hashlib
 import json
 
 import pytest
-from echo2 import AsyncClient, ConfigurationError, ConflictError, NotFoundError, WaitTimeoutError
+from echo2 import AsyncClient, ConfigurationError, ConflictError, GoneError, NotFoundError, WaitTimeoutError
 from echo2.protocol import JobRead, JobStatus, RolloutStatus, StepMetrics
 
 from tests.conftest import ADMIN_KEY
@@ -89,6 +89,8 @@ def test_async_rollouts_metrics_workers_checkpoints(alice, api, driven, tmp_path
             assert [v.version for v in await client.checkpoints.versions(driven.id)] == [0, 1]
             manifest = await client.checkpoints.manifest(driven.id, 0)
             assert manifest.version == 0
+            old = await client.checkpoints.download(driven.id, tmp_path / "v0", version=0)
+            assert _digests(old) == _digests(driven.folder)
             follow = client.jobs.follow(driven.id, poll_interval=0.05, timeout=30)
             first = await follow.__anext__()
             assert first.status == JobStatus.running
@@ -97,8 +99,8 @@ def test_async_rollouts_metrics_workers_checkpoints(alice, api, driven, tmp_path
             assert rest[-1].status == JobStatus.succeeded
             dest = await client.checkpoints.download(driven.id, tmp_path / "ckpt")
             assert _digests(dest) == _digests(driven.folder)
-            old = await client.checkpoints.download(driven.id, tmp_path / "v0", version=0)
-            assert _digests(old) == _digests(driven.folder)
+            with pytest.raises(GoneError):  # finished: only the final checkpoint is kept
+                await client.checkpoints.download(driven.id, tmp_path / "v0-later", version=0)
 
     asyncio.run(main())
 

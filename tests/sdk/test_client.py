@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from echo2 import Client, ConfigurationError, NotFoundError, WaitTimeoutError
+from echo2 import Client, ConfigurationError, GoneError, NotFoundError, WaitTimeoutError
 from echo2.protocol import (
     DatasetRead,
     JobRead,
@@ -182,13 +182,16 @@ def test_checkpoint_download_matches_the_published_folder(alice, driven, tmp_pat
     assert {f.path for f in manifest.files} == {"config.json", "model.safetensors"}
     latest = ckpt.download(driven.id, tmp_path / "latest")
     _assert_same_folder(driven.folder, latest)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert ckpt.download(driven.id, empty, version=0) == empty  # still stored: the job runs
+    _assert_same_folder(driven.folder, empty)
     driven.finish()
     final = ckpt.download(driven.id, tmp_path / "final")
     _assert_same_folder(driven.folder, final)
-    empty = tmp_path / "empty"
-    empty.mkdir()
-    assert ckpt.download(driven.id, empty, version=0) == empty
-    _assert_same_folder(driven.folder, empty)
+    with pytest.raises(GoneError, match="deleted"):  # only the final checkpoint is kept once finished
+        ckpt.download(driven.id, tmp_path / "v0", version=0)
+    assert [v.available for v in ckpt.versions(driven.id)] == [False, True]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
 
 
