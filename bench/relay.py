@@ -14,7 +14,7 @@ ones arrive. Completion = the slowest worker holds the assembled, verified folde
 On a 2-core machine every relay hop costs CPU (HTTP, sha256, disk), and 17 processes moving B each
 saturate it at B = 8 MB/s; the default B keeps the run bandwidth-bound and the whole table under ~4 min.
 
-Topologies, with parents given exactly as the control plane gives them (`api.services.fleet.relay_parents`:
+Topologies, with parents given exactly as the control plane gives them (`api.services.fleet.RelayTree`:
 peers in upload order, worker i under peer (i-1)//k, the origin last):
   star    every worker fetches from the origin: ~N*M/B.
   chain   relay tree of fan-out k=1: a pipeline, ~(M + N*chunk)/B.
