@@ -56,6 +56,14 @@ def bearer_token(creds: HTTPAuthorizationCredentials | None) -> str:
     return creds.credentials
 
 
+async def _token(creds: Credentials) -> str:
+    return bearer_token(creds)
+
+
+# The bearer token alone, checked for presence (401) before the body is validated; async, so no thread.
+Token = Annotated[str, Depends(_token)]
+
+
 def _principal(db: SessionDep, creds: Credentials) -> Principal:
     identity = auth.lookup(db, bearer_token(creds))
     if identity is None:

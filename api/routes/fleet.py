@@ -29,7 +29,7 @@ from ..deps import (
     Principal,
     SessionDep,
     SettingsDep,
-    bearer_token,
+    Token,
 )
 from ..errors import ApiError
 from ..models import Job, Provider, User, Worker
@@ -107,8 +107,8 @@ def get_worker(worker_id: str, p: AnyPrincipal, db: SessionDep) -> WorkerRead:
              summary="Report liveness and progress; the reply says what to do next",
              description="Needs the worker's own token. Heartbeats are committed in small group commits "
                          "(one transaction for those arriving together); the reply comes after the commit.")
-async def heartbeat(worker_id: str, body: Heartbeat, creds: Credentials, request: Request) -> Response:
-    reply = await request.app.state.heartbeats.submit(bearer_token(creds), worker_id, body)
+async def heartbeat(worker_id: str, body: Heartbeat, token: Token, request: Request) -> Response:
+    reply = await request.app.state.heartbeats.submit(token, worker_id, body)
     # Serialised here, once: the reply is built from our own model, so re-validating it is waste.
     return Response(reply.model_dump_json(), media_type="application/json")
 

@@ -169,3 +169,17 @@ def test_listing_filters_used_by_the_dashboard(api, tmp_path):
     by_status = ok(api.admin.get("/v1/workers", params={"status": "idle"}))
     assert {w["id"] for w in by_status["items"]} == {on_job, idle}
     assert ok(alice.get("/v1/workers", params={"job_id": job["id"]}))["total"] == 1
+
+
+def test_heartbeat_checks_the_token_before_the_body(api):
+    _, provider = new_provider(api)
+    worker_id, worker = new_worker(api, provider)
+    anonymous = api.client()
+    r = anonymous.post(f"/v1/workers/{worker_id}/heartbeat", json={"status": "dancing"})
+    assert r.status_code == 401 and r.headers["WWW-Authenticate"] == "Bearer"
+    r = worker.post(f"/v1/workers/{worker_id}/heartbeat", json={"status": "dancing"})
+    assert r.status_code == 422 and r.json()["errors"][0]["field"] == "body.status"
+    assert api.client("e2w_not-a-token").post(f"/v1/workers/{worker_id}/heartbeat", json={}).status_code == 401
+    _, other = new_worker(api, provider, name="other")
+    r = other.post(f"/v1/workers/{worker_id}/heartbeat", json={})
+    assert r.status_code == 403 and "itself" in r.json()["detail"]
