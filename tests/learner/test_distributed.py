@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import copy
 import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -88,9 +92,27 @@ def test_sharded_update_equals_single_process(tiny, tiny_dir, tmp_path):
     assert moved > len(state) // 2, "the update changed almost nothing: the comparison would prove little"
 
 
+def torchrun_pid() -> int | None:
+    """The torchrun agent started by this test process (run_job's child), once it runs."""
+    for task in Path("/proc/self/task").iterdir():
+        for pid in (task / "children").read_text().split():
+            if b"torch.distributed.run" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                return int(pid)
+    return None
+
+
+def wait_for(predicate, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.2)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_two_process_learner_over_http(api, tmp_path, capsys):
+    """Train with 2 ranks; stop the group (SIGTERM to torchrun) after the step-4 checkpoint; a second
+    run_job resumes from it on 2 ranks (sharded weights and optimiser state restored) and finishes."""
     from echo2.protocol import Manifest
     from echo2.snapshots import assemble
     from safetensors.torch import load_file
@@ -103,7 +125,7 @@ def test_two_process_learner_over_http(api, tmp_path, capsys):
     from tests.rollout_driver import RolloutDriver
 
     _, alice = new_user(api)
-    spec = {**demo_spec("tiny", 6, 1), "checkpoint_every": 3, "learner": {"gpus": 2}}
+    spec = {**demo_spec("tiny", 8, 1), "checkpoint_every": 4, "learner": {"gpus": 2}}
     jid = ok(alice.post("/v1/jobs", json=spec), 201)["id"]
     token = learner_for(api, jid).headers["Authorization"].split()[1]
     _, provider = new_provider(api)
@@ -111,28 +133,49 @@ def test_two_process_learner_over_http(api, tmp_path, capsys):
     activate(api, wid, jid)
     driver = RolloutDriver(api.url, wid, worker.headers["Authorization"].split()[1], tmp_path / "w").start()
     work = tmp_path / "learner"
+    options = LearnerOptions(work_dir=work, heartbeat_s=0.5, threads=1)
+    failures: list[BaseException] = []
+    first = threading.Thread(target=lambda: _catch(failures, run_job, api.url, token, jid, options))
     try:
-        run_job(api.url, token, jid, LearnerOptions(work_dir=work, heartbeat_s=0.5, threads=1))
+        first.start()
+        wait_for(lambda: ok(alice.get(f"/v1/jobs/{jid}"))["step"] >= 5)
+        os.kill(torchrun_pid(), signal.SIGTERM)
+        first.join(timeout=60)
+        assert failures and "torchrun exited" in str(failures[0]), failures
+        run_job(api.url, token, jid, options)
     finally:
         driver.stop()
 
-    assert "FSDP learner over 2 processes" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.count("FSDP learner over 2 processes") == 2 and "resumed from checkpoint at step 4" in err
     job = ok(alice.get(f"/v1/jobs/{jid}"))
-    assert job["status"] == "succeeded" and job["step"] == 6, job
+    assert job["status"] == "succeeded" and job["step"] == 8, job
     metrics = ok(alice.get(f"/v1/jobs/{jid}/metrics"))
-    assert [m["step"] for m in metrics] == list(range(6)) and all(m["tokens"] > 0 for m in metrics), metrics
+    assert [m["step"] for m in metrics] == list(range(8)) and all(m["tokens"] > 0 for m in metrics), metrics
     versions = [v["version"] for v in ok(alice.get(f"/v1/jobs/{jid}/versions"))]
-    assert versions[0] == 0 and versions[-1] == 6 and versions == sorted(set(versions)), versions
+    assert versions[0] == 0 and versions[-1] == 8 and versions == sorted(set(versions)), versions
+    trained, offset = [], 0
+    while offset is not None:
+        page = ok(alice.get(f"/v1/jobs/{jid}/rollouts", params={"status": "trained", "limit": 200, "offset": offset}))
+        trained, offset = trained + page["items"], page["next_offset"]
+    assert len(trained) == len({r["id"] for r in trained}) == 8 * spec["grpo"]["prompts_per_step"]
 
-    manifest = Manifest.model_validate(ok(alice.get(f"/v1/jobs/{jid}/versions/6/manifest")))
-    folder = assemble(manifest, lambda i: alice.get(f"/v1/jobs/{jid}/versions/6/chunks/{i}").content, tmp_path / "v6")
+    manifest = Manifest.model_validate(ok(alice.get(f"/v1/jobs/{jid}/versions/8/manifest")))
+    folder = assemble(manifest, lambda i: alice.get(f"/v1/jobs/{jid}/versions/8/chunks/{i}").content, tmp_path / "v8")
     published = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
     initial = AutoModelForCausalLM.from_pretrained(work / "models" / "tiny-seed0", dtype=torch.float32).state_dict()
-    checkpointed = load_file(work / jid / "checkpoints" / "ckpt-6" / "model.safetensors")
+    checkpointed = load_file(work / jid / "checkpoints" / "ckpt-8" / "model.safetensors")
     assert published.keys() == initial.keys()
-    assert any(not torch.equal(published[k], initial[k]) for k in published), "6 steps changed no weight"
-    for name, value in checkpointed.items():  # both gathered by rank 0 from the shards after step 6
+    assert any(not torch.equal(published[k], initial[k]) for k in published), "8 steps changed no weight"
+    for name, value in checkpointed.items():  # both gathered by rank 0 from the shards after step 8
         torch.testing.assert_close(published[name], value, rtol=0, atol=0, msg=name)
+
+
+def _catch(failures: list[BaseException], fn, *args) -> None:
+    try:
+        fn(*args)
+    except BaseException as exc:  # the test asserts on it
+        failures.append(exc)
 
 
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
