@@ -1,7 +1,7 @@
 """Does publishing weight versions stall training? Learner step time with publishing on vs off.
 
-    python bench/publish_overlap.py                      # 20 steps each, 1 torch thread
-    python bench/publish_overlap.py --threads 2 --steps 20 --block 5
+    python bench/publish_overlap.py                      # 16 then 64 prompts/step, 20 steps per mode
+    python bench/publish_overlap.py --prompts 16 --nice 0 10 --steps 20 --block 5
 
 Setup: the real control plane as a subprocess (`python -m api.cli api`, SQLite) and a running job
 whose base model is a random-init Qwen2 built here, larger than `echo2:tiny` so that serialisation,
@@ -12,10 +12,13 @@ over HTTP through `learner.remote.ControlPlane`, version announced last).
 
 Each step trains `GRPOTrainer.step` on the same fixed batch of arithmetic groups (half of each
 group's samples right, half wrong, so every group has signal and every step costs the same). The
-steps alternate in blocks of `--block`: "off" blocks only train; "on" blocks call
-`Publisher.submit` after every step (κ = 1, as `learner.loop.Learner` does), so each step overlaps
-the background publication of the previous ones. The publisher is drained (untimed) at the end of
-an "on" block so that no upload leaks into the next "off" block. Two warm-up steps are not counted.
+steps cycle in blocks of `--block`: an "off" block only trains; then one "on" block per `--nice`
+value (the publisher thread's nice value during that block) calls `Publisher.submit` after every
+step (κ = 1, as `learner.loop.Learner` does), so each step overlaps the background publication of
+the previous ones (a version submitted while an older one still waits replaces it: counted). The
+publisher is drained (untimed) at the end of every block so that no upload leaks into the next
+one. Two warm-up steps are not counted. Each `--prompts` value gets its own job and model, one after
+the other in the same run and control plane.
 
 Reported: the training step time (`GRPOTrainer.step` wall time: what publishing must not stall),
 its ratio on/off (target <= 1.1), overall and per adjacent off/on block pair, and where each step's
@@ -98,7 +101,7 @@ def fixed_groups(tokenizer: Any, prompts: int, group: int) -> list[Any]:
     return groups
 
 
-def measure(base_url: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+def measure(base_url: str, work: Path, args: argparse.Namespace, prompts: int) -> dict[str, Any]:
     import httpx
     import torch
     from echo2.protocol import JobSpec
@@ -115,7 +118,7 @@ def measure(base_url: str, work: Path, args: argparse.Namespace) -> dict[str, An
     admin = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=60)
     key = ok(admin.post("/v1/users", json={"name": "bench", "role": "user"}), 201)["api_key"]
     user = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {key}"}, timeout=60)
-    spec = spec_dict(model_dir, args.prompts, args.group)
+    spec = spec_dict(model_dir, prompts, args.group)
     job_id = ok(user.post("/v1/jobs", json=spec), 201)["id"]
     plane = ControlPlane(base_url, ok(admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"], job_id)
     plane.start()
@@ -124,21 +127,25 @@ def measure(base_url: str, work: Path, args: argparse.Namespace) -> dict[str, An
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = GRPOTrainer(model, tokenizer, JobSpec.model_validate(spec))
     publisher = Publisher(plane, model, tokenizer, work / "publish", args.chunk_mib * 2**20)
-    groups = fixed_groups(tokenizer, args.prompts, args.group)
+    groups = fixed_groups(tokenizer, prompts, args.group)
     publisher.submit(0, 0, Solo().model_state(model))
     publisher.wait()
 
     server_pid, publisher_tid = _server_pid(), publisher._thread.native_id
-    cpu_publisher = cpu_server = 0.0
-    step_s: dict[str, list[float]] = {"off": [], "on": []}
-    cpu_s: dict[str, list[float]] = {"off": [], "on": []}
-    wait_s: dict[str, list[float]] = {"off": [], "on": []}  # runnable but not on a core
+    modes = ["off", *(f"on, nice {n}" for n in args.nice)]
+    cpu_publisher = {m: 0.0 for m in modes}
+    cpu_server = {m: 0.0 for m in modes}
+    step_s: dict[str, list[float]] = {m: [] for m in modes}
+    cpu_s: dict[str, list[float]] = {m: [] for m in modes}
+    wait_s: dict[str, list[float]] = {m: [] for m in modes}  # runnable but not on a core
     submit_s: list[float] = []
     version = 0
     for _ in range(2):  # warm-up
         trainer.step(groups, 0)
-    for b in range(2 * args.steps // args.block):
-        mode = "off" if b % 2 == 0 else "on"
+    for b in range(len(modes) * args.steps // args.block):
+        mode = modes[b % len(modes)]
+        if mode != "off":  # the bench runs as root, so it may raise the priority back too
+            os.setpriority(os.PRIO_PROCESS, publisher_tid, args.nice[b % len(modes) - 1])
         c_pub, c_srv = _cpu(f"/proc/self/task/{publisher_tid}/stat"), _cpu(f"/proc/{server_pid}/stat")
         for _ in range(args.block):
             w0, c0, t0 = _run_delay(), time.thread_time(), time.perf_counter()
@@ -146,15 +153,14 @@ def measure(base_url: str, work: Path, args: argparse.Namespace) -> dict[str, An
             step_s[mode].append(time.perf_counter() - t0)
             cpu_s[mode].append(time.thread_time() - c0)
             wait_s[mode].append(_run_delay() - w0)
-            if mode == "on":
+            if mode != "off":
                 version += 1
                 t0 = time.perf_counter()
                 publisher.submit(version, version, Solo().model_state(model))
                 submit_s.append(time.perf_counter() - t0)
         publisher.wait()
-        if mode == "on":
-            cpu_publisher += _cpu(f"/proc/self/task/{publisher_tid}/stat") - c_pub
-            cpu_server += _cpu(f"/proc/{server_pid}/stat") - c_srv
+        cpu_publisher[mode] += _cpu(f"/proc/self/task/{publisher_tid}/stat") - c_pub
+        cpu_server[mode] += _cpu(f"/proc/{server_pid}/stat") - c_srv
         print(f"block {b} {mode}: step {statistics.fmean(step_s[mode][-args.block:]):.3f}s, "
               f"load average {os.getloadavg()[0]:.2f}", flush=True)
     publisher.close()
@@ -162,9 +168,10 @@ def measure(base_url: str, work: Path, args: argparse.Namespace) -> dict[str, An
     plane.close()
     return {"size_mb": size_mb, "params_m": sum(p.numel() for p in model.parameters()) / 1e6,
             "step_s": step_s, "cpu_s": cpu_s, "wait_s": wait_s, "submit_s": submit_s,
-            "publish_s": publisher.seconds[1:], "versions": len(published),
+            "publish_s": publisher.seconds[1:], "versions": len(published), "skipped": len(publisher.skipped),
             "last_version": published[-1]["version"] if published else None,
-            "cpu_publisher": cpu_publisher / max(1, version), "cpu_server": cpu_server / max(1, version)}
+            "modes": modes, "cpu_publisher": sum(cpu_publisher.values()) / max(1, version),
+            "cpu_server": sum(cpu_server.values()) / max(1, version)}
 
 
 def _server_pid() -> int | None:
@@ -190,39 +197,42 @@ def _run_delay() -> float:
         return 0.0
 
 
-def report(r: dict[str, Any], args: argparse.Namespace) -> str:
+def report(r: dict[str, Any], args: argparse.Namespace, prompts: int) -> str:
     def med(xs: list[float]) -> float:
         return statistics.median(xs)
 
     def mean(xs: list[float]) -> float:
         return statistics.fmean(xs)
 
-    off, on = r["step_s"]["off"], r["step_s"]["on"]
-    b = args.block
-    pairs = [mean(on[i:i + b]) / mean(off[i:i + b]) for i in range(0, len(on), b)]  # each on block / the off before
+    off, b, cycle = r["step_s"]["off"], args.block, len(r["modes"])
     lines = [
         f"model: random-init Qwen2, {r['params_m']:.1f} M parameters, {r['size_mb']:.1f} MB safetensors; "
-        f"{args.prompts} prompts x G={args.group} per step; torch threads {args.threads}; "
-        f"chunks {args.chunk_mib} MiB",
+        f"{prompts} prompts x G={args.group} per step; torch threads {args.threads}; "
+        f"chunks {args.chunk_mib} MiB; blocks of {b} steps cycle {' / '.join(r['modes'])}",
         "",
         "| publishing | steps | step mean s | step median s | step min s | train-thread CPU s/step "
         "| waiting for a core s/step | rest (GIL, other waits) s/step | ratio on/off (mean) | ratio on/off (median) |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         *[f"| {m} | {len(xs)} | {mean(xs):.3f} | {med(xs):.3f} | {min(xs):.3f} | {mean(r['cpu_s'][m]):.3f} "
           f"| {mean(r['wait_s'][m]):.3f} | {mean(xs) - mean(r['cpu_s'][m]) - mean(r['wait_s'][m]):.3f} "
-          f"| {mean(xs) / mean(off):.2f} | {med(xs) / med(off):.2f} |" for m, xs in (("off", off), ("on", on))],
+          f"| {mean(xs) / mean(off):.2f} | {med(xs) / med(off):.2f} |" for m, xs in r["step_s"].items()],
         "",
-        f"per block pair (on / the off block just before): {', '.join(f'{x:.2f}' for x in pairs)}; "
-        f"median {med(pairs):.2f}",
+    ]
+    for m in r["modes"][1:]:  # each on block / the off block of the same cycle
+        on = r["step_s"][m]
+        pairs = [mean(on[i:i + b]) / mean(off[i:i + b]) for i in range(0, len(on), b)]
+        lines.append(f"per block ({m} / the off block of its cycle of {cycle}): "
+                     f"{', '.join(f'{x:.2f}' for x in pairs)}; median {med(pairs):.2f}")
+    return "\n".join([
+        *lines,
         f"Publisher.submit (blocks the loop, weight snapshot copy): mean {mean(r['submit_s']):.3f}s, "
         f"max {max(r['submit_s']):.3f}s",
         f"background publish per version (save + manifest + upload + announce): mean {mean(r['publish_s']):.2f}s, "
         f"median {med(r['publish_s']):.2f}s, max {max(r['publish_s']):.2f}s; "
-        f"versions announced {r['versions']} (last {r['last_version']})",
+        f"versions announced {r['versions']} (last {r['last_version']}), replaced before publication {r['skipped']}",
         f"CPU per version: publisher thread {r['cpu_publisher']:.2f}s, control-plane process {r['cpu_server']:.2f}s "
         f"(training step: {mean(r['cpu_s']['off']):.2f}s of CPU on {args.threads} thread(s))",
-    ]
-    return "\n".join(lines)
+    ])
 
 
 def main() -> None:
@@ -232,12 +242,20 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads of the training step")
     parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=512)
-    parser.add_argument("--prompts", type=int, default=16, help="prompts per step")
+    parser.add_argument("--prompts", type=int, nargs="+", default=[16, 64],
+                        help="prompts per step; several values are measured one after the other")
+    parser.add_argument("--nice", type=int, nargs="+",
+                        help="publisher thread nice values, each an 'on' mode of the cycle "
+                             "(default: the publisher's own, learner.publisher.NICE)")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     parser.add_argument("--chunk-mib", type=int, default=8)
     args = parser.parse_args()
     if args.steps % args.block:
         parser.error("--steps must be a multiple of --block")
+    if args.nice is None:
+        from learner.publisher import NICE
+
+        args.nice = [NICE]
 
     import logging
 
@@ -249,9 +267,9 @@ def main() -> None:
     print(f"# publish overlap bench, {date.today()}, {os.cpu_count()} CPUs, "
           f"load average at start {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}", flush=True)
     with tempfile.TemporaryDirectory(prefix="echo2-bench-publish-") as tmp, control_plane(Path(tmp)) as url:
-        result = measure(url, Path(tmp), args)
-    print()
-    print(report(result, args))
+        for prompts in args.prompts:
+            result = measure(url, Path(tmp) / f"p{prompts}", args, prompts)
+            print(f"\n{report(result, args, prompts)}\n", flush=True)
     la = os.getloadavg()
     print(f"\nload average at end {la[0]:.2f} / {la[1]:.2f} / {la[2]:.2f}")
 
