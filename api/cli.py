@@ -128,19 +128,17 @@ def _learner(settings, args: argparse.Namespace) -> int:  # type: ignore[no-unty
     import os
     from pathlib import Path
 
-    from learner.loop import Learner, LearnerOptions
-    from learner.remote import ControlPlane
+    from learner.launch import run_job
+    from learner.loop import LearnerOptions
 
     token = os.environ.get("ECHO2_LEARNER_TOKEN")
     if not token:
         raise RuntimeError("set ECHO2_LEARNER_TOKEN to the job's learner token (POST /v1/jobs/ID/learner/token)")
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     work = Path(args.work_dir) if args.work_dir else settings.data_dir / "learner"
-    plane = ControlPlane(args.server or settings.public_url, token, args.job)
-    try:
-        Learner(plane, LearnerOptions(work_dir=work, device=args.device, threads=args.threads)).run()
-    finally:
-        plane.close()
+    # In this process, or as a torchrun group with FSDP when the job asks for several GPUs.
+    run_job(args.server or settings.public_url, token, args.job,
+            LearnerOptions(work_dir=work, device=args.device, threads=args.threads))
     return 0
 
 

@@ -59,7 +59,8 @@ class GRPOConfig(Model):
 
 
 class LearnerResources(Model):
-    gpus: int = Field(0, ge=0, le=64, description="GPUs on the reserved learner cluster (0 = CPU).")
+    gpus: int = Field(0, ge=0, le=64, description="GPUs on the reserved learner cluster (0 = CPU). More than 1 "
+                      "runs the learner as torchrun with FSDP, one process per GPU (CPU processes without CUDA).")
     device: Device = Device.auto
     price_per_hour: Price | None = Field(
         None, description="Reserved learner price in $/h; the server default applies when omitted."
