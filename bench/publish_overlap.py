@@ -2,6 +2,7 @@
 
     python bench/publish_overlap.py                      # 16 then 64 prompts/step, 20 steps per mode
     python bench/publish_overlap.py --prompts 16 --nice 0 10 --steps 20 --block 5
+    python bench/publish_overlap.py --pin                # training on CPU 0, I/O on the others
 
 Setup: the real control plane as a subprocess (`python -m api.cli api`, SQLite) and a running job
 whose base model is a random-init Qwen2 built here, larger than `echo2:tiny` so that serialisation,
@@ -132,6 +133,8 @@ def measure(base_url: str, work: Path, args: argparse.Namespace, prompts: int) -
     publisher.wait()
 
     server_pid, publisher_tid = _server_pid(), publisher._thread.native_id
+    if args.pin:
+        _pin(server_pid, publisher_tid)
     modes = ["off", *(f"on, nice {n}" for n in args.nice)]
     cpu_publisher = {m: 0.0 for m in modes}
     cpu_server = {m: 0.0 for m in modes}
@@ -174,6 +177,17 @@ def measure(base_url: str, work: Path, args: argparse.Namespace, prompts: int) -
             "cpu_server": sum(cpu_server.values()) / max(1, version)}
 
 
+def _pin(server_pid: int | None, publisher_tid: int) -> None:
+    """Training (this thread) on CPU 0; the publisher thread and every control-plane thread on the
+    other CPUs: a learner host whose compute trains while spare cores do I/O, with the origin standing
+    in for a remote one (in production it is another machine)."""
+    rest = set(range(1, os.cpu_count() or 2))
+    os.sched_setaffinity(0, {0})  # pid 0: the calling thread only
+    os.sched_setaffinity(publisher_tid, rest)
+    for task in Path(f"/proc/{server_pid}/task").glob("*") if server_pid else []:
+        os.sched_setaffinity(int(task.name), rest)
+
+
 def _server_pid() -> int | None:
     """The control-plane subprocess (the only child of this process), to read its CPU time."""
     kids = [int(k) for t in Path("/proc/self/task").glob("*") for k in (t / "children").read_text().split()]
@@ -208,7 +222,8 @@ def report(r: dict[str, Any], args: argparse.Namespace, prompts: int) -> str:
     lines = [
         f"model: random-init Qwen2, {r['params_m']:.1f} M parameters, {r['size_mb']:.1f} MB safetensors; "
         f"{prompts} prompts x G={args.group} per step; torch threads {args.threads}; "
-        f"chunks {args.chunk_mib} MiB; blocks of {b} steps cycle {' / '.join(r['modes'])}",
+        f"chunks {args.chunk_mib} MiB; blocks of {b} steps cycle {' / '.join(r['modes'])}"
+        f"{'; pinned: training on CPU 0, publisher and control plane on the others' if args.pin else ''}",
         "",
         "| publishing | steps | step mean s | step median s | step min s | train-thread CPU s/step "
         "| waiting for a core s/step | rest (GIL, other waits) s/step | ratio on/off (mean) | ratio on/off (median) |",
@@ -249,6 +264,8 @@ def main() -> None:
                              "(default: the publisher's own, learner.publisher.NICE)")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     parser.add_argument("--chunk-mib", type=int, default=8)
+    parser.add_argument("--pin", action="store_true",
+                        help="training thread on CPU 0; publisher thread and control plane on the others")
     args = parser.parse_args()
     if args.steps % args.block:
         parser.error("--steps must be a multiple of --block")
