@@ -8,6 +8,7 @@ reaches the ranks in the environment (ECHO2_LEARNER_TOKEN), never on a command l
 takes GPU LOCAL_RANK and FSDP reduces over NCCL; without CUDA the same code runs on CPU processes
 over gloo (that is how it is tested). If any rank fails, torchrun stops the others and exits non-zero,
 and `run_job` raises with the tail of its log; the job's learner is then relaunched like any dead one.
+torchrun is started through `learner.tether`, so it also stops if this process is killed outright.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from . import tether
 from .loop import Learner, LearnerOptions, build_trainer
 from .parallel import Sharded
 from .remote import ControlPlane
@@ -39,11 +41,14 @@ def run_job(server: str, token: str, job_id: str, options: LearnerOptions) -> No
             return
     finally:
         plane.close()
-    _torchrun(torchrun_argv(server, job_id, options, gpus), {**os.environ, TOKEN_ENV: token}, job_id)
+    env = {**os.environ, TOKEN_ENV: token, tether.PARENT_ENV: str(os.getpid())}
+    _torchrun(torchrun_argv(server, job_id, options, gpus), env, job_id)
 
 
 def torchrun_argv(server: str, job_id: str, options: LearnerOptions, processes: int) -> list[str]:
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
+    """torchrun, tethered to this process (learner/tether.py): if the host dies, the group stops."""
+    argv = [sys.executable, "-m", "learner.tether",
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}",
             "-m", "learner.launch", "--job", job_id, "--server", server, "--work-dir", str(options.work_dir),
             "--device", options.device, "--chunk-size", str(options.chunk_size),
             "--heartbeat-s", str(options.heartbeat_s)]
@@ -51,7 +56,7 @@ def torchrun_argv(server: str, job_id: str, options: LearnerOptions, processes: 
 
 
 def _torchrun(argv: list[str], env: dict[str, str], job_id: str) -> None:
-    log.info("job %s: starting %s", job_id, " ".join(argv[1:8]))
+    log.info("job %s: starting %s", job_id, " ".join(argv[4:10]))
     tail: collections.deque[str] = collections.deque(maxlen=30)
     with subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True, errors="replace") as proc:
         assert proc.stderr is not None
