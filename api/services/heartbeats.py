@@ -90,7 +90,7 @@ _Row = Row[Any]
 
 
 def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
-    """Per heartbeat, the caller's worker row, or the error the per-request route gave."""
+    """Per heartbeat, the caller's worker row, or the error to answer it with (401/403, as other routes)."""
     identities = [auth.lookup(db, p.token) for p in batch]
     ids = {i.principal_id for i in identities if i is not None and i.kind == "worker"}
     rows = {r.id: r for r in db.execute(
