@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,20 @@ def learner_for(api: Api, job_id: str) -> httpx.Client:
     return api.client(token)
 
 
+def start_learner(api: Api, job_id: str) -> httpx.Client:
+    """The job's learner client, after `learner/start` (the job is running, no version yet)."""
+    learner = learner_for(api, job_id)
+    ok(learner.post(f"/v1/jobs/{job_id}/learner/start"))
+    return learner
+
+
+def step_report(step: int, ids: list[str], **fields: Any) -> dict[str, Any]:
+    """A learner step report for rollouts `ids` (each group rewarded [1, 0]); `fields` override."""
+    return {"step": step, "rollout_ids": ids, "t_train_s": 0.1, "reward_mean": 0.5, "reward_std": 0.1,
+            "loss": 0.2, "kl": 0.0, "clip_frac": 0.0, "staleness_hist": [len(ids)], "tokens": 12,
+            "rewards": [{"rollout_id": i, "rewards": [1.0, 0.0]} for i in ids], **fields}
+
+
 def publish(learner: httpx.Client, job_id: str, folder: Path, version: int, step: int,
             chunk_size: int = 64 * 1024) -> dict[str, Any]:
     manifest = build_manifest(folder, version, step, chunk_size)
@@ -79,8 +94,7 @@ def fake_model_folder(root: Path, seed: int = 0) -> Path:
 def running_job(api: Api, user: httpx.Client, folder: Path, **overrides: Any) -> tuple[dict[str, Any], httpx.Client]:
     """A job whose learner has started and published version 0."""
     job = new_job(user, **overrides)
-    learner = learner_for(api, job["id"])
-    ok(learner.post(f"/v1/jobs/{job['id']}/learner/start"))
+    learner = start_learner(api, job["id"])
     publish(learner, job["id"], folder, version=0, step=0)
     return job, learner
 
@@ -101,3 +115,34 @@ def submit_group(worker: httpx.Client, lease: dict[str, Any], prompt: dict[str, 
     group = {"prompt_id": prompt["prompt_id"], "version": version, "prompt_token_ids": [1, 2, 3],
              "samples": samples}
     return worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]})
+
+
+@dataclass
+class DrivenJob:
+    """A job whose learner published v0, trained step 0 on a worker's rollouts, and published v1."""
+
+    id: str
+    folder: Path
+    worker_id: str
+    rollout_ids: list[str]
+    learner: httpx.Client
+
+    def finish(self) -> None:
+        ok(self.learner.post(f"/v1/jobs/{self.id}/learner/finish",
+                             json={"outcome": "succeeded", "final_version": 1}))
+
+
+def drive_job(api: Api, job_id: str, folder: Path, **report: Any) -> DrivenJob:
+    """Play the learner and one worker through step 0 of a queued job; `report` overrides step_report."""
+    learner = start_learner(api, job_id)
+    publish(learner, job_id, folder, version=0, step=0)
+    _, provider = new_provider(api)
+    worker_id, worker = new_worker(api, provider)
+    activate(api, worker_id, job_id)
+    lease = ok(worker.post("/v1/leases", json={"job_id": job_id, "max_prompts": 2, "version": 0}), 201)
+    ids = [ok(submit_group(worker, lease, p, 0))["results"][0]["rollout_id"] for p in lease["prompts"]]
+    batch = ok(learner.post(f"/v1/jobs/{job_id}/learner/claim", json={"step": 0, "max_groups": 10}))
+    assert {g["rollout_id"] for g in batch["groups"]} == set(ids)
+    ok(learner.post(f"/v1/jobs/{job_id}/learner/steps", json=step_report(0, ids, **report)))
+    publish(learner, job_id, folder, version=1, step=1)
+    return DrivenJob(job_id, folder, worker_id, ids, learner)

@@ -3,13 +3,13 @@
 from tests.factories import (
     activate,
     fake_model_folder,
-    learner_for,
     new_job,
     new_provider,
     new_user,
     new_worker,
     ok,
     publish,
+    start_learner,
 )
 
 
@@ -25,8 +25,7 @@ def _versions(user, job_id: str) -> dict[int, dict]:
 def _job_with_two_workers(api, tmp_path):
     _, alice = new_user(api)
     job = new_job(alice)
-    learner = learner_for(api, job["id"])
-    ok(learner.post(f"/v1/jobs/{job['id']}/learner/start"))
+    learner = start_learner(api, job["id"])
     _, provider = new_provider(api)
     workers = [new_worker(api, provider, name=f"w{i}") for i in range(2)]
     for worker_id, _ in workers:

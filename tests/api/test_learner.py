@@ -9,6 +9,7 @@ from tests.factories import (
     ok,
     publish,
     running_job,
+    step_report,
     submit_group,
 )
 
@@ -27,12 +28,6 @@ def setup(api, tmp_path):
 def produce(worker, job, n, version):
     got = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": n, "version": version}), 201)
     return [ok(submit_group(worker, got, p, version))["results"][0]["rollout_id"] for p in got["prompts"]]
-
-
-def step_report(step, ids, reward=0.5):
-    return {"step": step, "rollout_ids": ids, "t_train_s": 0.1, "reward_mean": reward, "reward_std": 0.1,
-            "loss": 0.2, "kl": 0.0, "clip_frac": 0.0, "staleness_hist": [len(ids)], "tokens": 12,
-            "rewards": [{"rollout_id": i, "rewards": [1.0, 0.0]} for i in ids]}
 
 
 def test_claim_train_report_cycle(api, setup):

@@ -2,13 +2,7 @@
 
 import pytest
 
-from tests.factories import fake_model_folder, new_user, ok, publish, running_job
-
-
-def _step(learner, job_id: str, step: int) -> None:
-    report = {"step": step, "rollout_ids": [], "t_train_s": 0.1, "reward_mean": 0.5, "reward_std": 0.1,
-              "loss": 0.2, "kl": 0.0, "clip_frac": 0.0, "staleness_hist": [], "tokens": 0, "rewards": []}
-    ok(learner.post(f"/v1/jobs/{job_id}/learner/steps", json=report))
+from tests.factories import fake_model_folder, new_user, ok, publish, running_job, step_report
 
 
 def _train(api, tmp_path, steps: int, staleness: int = 1):
@@ -16,7 +10,7 @@ def _train(api, tmp_path, steps: int, staleness: int = 1):
     folder = fake_model_folder(tmp_path / "m")
     job, learner = running_job(api, alice, folder, staleness=staleness, max_steps=20)
     for step in range(steps):
-        _step(learner, job["id"], step)
+        ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(step, [])))
         publish(learner, job["id"], folder, version=step + 1, step=step + 1)
     return alice, job["id"], learner
 

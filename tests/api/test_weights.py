@@ -9,13 +9,13 @@ from tests.factories import (
     SHA,
     activate,
     fake_model_folder,
-    learner_for,
     new_job,
     new_provider,
     new_user,
     new_worker,
     ok,
     publish,
+    start_learner,
 )
 
 CHUNK = 64 * 1024
@@ -25,8 +25,7 @@ CHUNK = 64 * 1024
 def setup(api, tmp_path):
     _, alice = new_user(api)
     job = new_job(alice)
-    learner = learner_for(api, job["id"])
-    ok(learner.post(f"/v1/jobs/{job['id']}/learner/start"))
+    learner = start_learner(api, job["id"])
     return job["id"], learner, alice, fake_model_folder(tmp_path / "m")
 
 

@@ -18,17 +18,7 @@ import pytest
 
 from learner.tasks import get_task
 from tests.conftest import Api
-from tests.factories import (
-    activate,
-    fake_model_folder,
-    learner_for,
-    new_provider,
-    new_user,
-    new_worker,
-    ok,
-    publish,
-    submit_group,
-)
+from tests.factories import drive_job, fake_model_folder, new_user, ok
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 SAMPLE = EXAMPLES / "data" / "gsm8k_sample.jsonl"
@@ -151,24 +141,6 @@ def test_jsonl_dataset_names_the_line_that_does_not_fit(api, tmp_path):
     assert missing.returncode == 2 and "no such file" in missing.stderr
 
 
-def _train_one_step(api: Api, job_id: str, folder: Path) -> None:
-    """Play the learner and one worker for one step, through the real API."""
-    learner = learner_for(api, job_id)
-    ok(learner.post(f"/v1/jobs/{job_id}/learner/start"))
-    publish(learner, job_id, folder, version=0, step=0)
-    _, provider = new_provider(api)
-    worker_id, worker = new_worker(api, provider)
-    activate(api, worker_id, job_id)
-    lease = ok(worker.post("/v1/leases", json={"job_id": job_id, "max_prompts": 2, "version": 0}), 201)
-    ids = [ok(submit_group(worker, lease, p, 0))["results"][0]["rollout_id"] for p in lease["prompts"]]
-    batch = ok(learner.post(f"/v1/jobs/{job_id}/learner/claim", json={"step": 0, "max_groups": 10}))
-    assert {g["rollout_id"] for g in batch["groups"]} == set(ids)
-    report = {"step": 0, "rollout_ids": ids, "t_train_s": 0.25, "reward_mean": 0.5, "reward_std": 0.5,
-              "loss": 0.1, "kl": 0.0, "clip_frac": 0.0, "staleness_hist": [len(ids)], "tokens": 12,
-              "rewards": [{"rollout_id": i, "rewards": [1.0, 0.0]} for i in ids]}
-    ok(learner.post(f"/v1/jobs/{job_id}/learner/steps", json=report))
-
-
 def test_submit_and_watch_follows_the_job_until_it_is_cancelled(api, tmp_path):
     env = _user_env(api)
     script = Script("submit_and_watch.py", "--steps", "3", "--staleness", "1", "--group-size", "2",
@@ -176,7 +148,7 @@ def test_submit_and_watch_follows_the_job_until_it_is_cancelled(api, tmp_path):
     try:
         job_id = script.wait_for(r"^submitted job (\S+) \(arithmetic on echo2:tiny, S=1, 3 steps\)").group(1)
         script.wait_for(rf"job {job_id} is queued")
-        _train_one_step(api, job_id, fake_model_folder(tmp_path / "model"))
+        drive_job(api, job_id, fake_model_folder(tmp_path / "model"), t_train_s=0.25)  # learner + worker, step 0
         script.wait_for(rf"job {job_id} is running")
         line = script.wait_for(r"^step +1/3 +reward 0\.500 +staleness max 0 \(mean 0\.0\) +groups 2").string
         assert "0.25 s/step" in line

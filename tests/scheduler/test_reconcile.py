@@ -110,12 +110,11 @@ def test_worker_earnings_accrue_to_the_provider(api, tmp_path):
 
 def test_dissemination_time_is_measured_by_the_control_plane_not_reported(api, tmp_path):
     from scheduler.reconcile import _t_bcast
-    from tests.factories import activate, learner_for, publish
+    from tests.factories import activate, publish, start_learner
 
     _, alice = new_user(api)
     job = new_job(alice)
-    learner = learner_for(api, job["id"])
-    ok(learner.post(f"/v1/jobs/{job['id']}/learner/start"))
+    learner = start_learner(api, job["id"])
     _, provider = new_provider(api)
     claims = {"status": "active", "job_id": job["id"], "stats": {"last_download_s": 999.0}}
     (held_id, held), (silent_id, silent) = [new_worker(api, provider, name) for name in ("held", "silent")]

@@ -26,6 +26,7 @@ from tests.factories import (
     ok,
     publish,
     running_job,
+    step_report,
     submit_group,
 )
 from tests.web.conftest import Dashboard, close_dashboard, open_dashboard
@@ -51,9 +52,8 @@ def train_step(api: Any, job: dict[str, Any], learner: httpx.Client, worker: htt
     ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 10}))
     beat = {"step": step, "busy_s": 3.0 + step, "wall_s": 4.0 + step}
     ok(learner.post(f"/v1/jobs/{jid}/learner/heartbeat", json=beat))
-    report = {"step": step, "rollout_ids": ids, "t_train_s": 0.5, "reward_mean": reward, "reward_std": 0.1,
-              "loss": 0.3 - 0.05 * step, "kl": 0.01 * step, "clip_frac": 0.05, "staleness_hist": [len(ids)],
-              "tokens": 24, "rewards": [{"rollout_id": i, "rewards": [1.0, 0.0]} for i in ids]}
+    report = step_report(step, ids, t_train_s=0.5, reward_mean=reward, loss=0.3 - 0.05 * step, kl=0.01 * step,
+                         clip_frac=0.05, tokens=24)
     ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
     publish(learner, jid, folder, version=step + 1, step=step + 1)
     held = {"status": "active", "job_id": jid, "version_held": step + 1}
