@@ -75,9 +75,7 @@ def get_job(job_id: str, user: CurrentUser, db: SessionDep) -> JobRead:
 def cancel_job(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, settings: SettingsDep) -> JobRead:
     job = owned_job(db, user, job_id, for_update=True)
     svc.finish_job(db, job, JobStatus.cancelled, f"cancelled by {user.name}")
-    dropped = retention.collect(db, job, settings.keep_versions_every)
-    db.commit()
-    blobs.drop(job_id, dropped)
+    retention.commit_and_collect(db, blobs, job, settings.keep_versions_every)
     return svc.job_read(job)
 
 

@@ -90,7 +90,5 @@ def finish(job_id: str, body: LearnerFinish, token_job: LearnerJobId, db: Sessio
         raise ApiError(422, "a succeeded job needs final_version (its checkpoint)", field="final_version")
     finish_job(db, job, JobStatus(body.outcome.value), body.reason)
     job.final_version = body.final_version
-    dropped = retention.collect(db, job, settings.keep_versions_every)
-    db.commit()
-    blobs.drop(job_id, dropped)
+    retention.commit_and_collect(db, blobs, job, settings.keep_versions_every)
     return job_read(job)

@@ -56,9 +56,7 @@ def publish_version(job_id: str, manifest: Manifest, token_job: LearnerJobId, db
                         targets=dissemination.targets(db, job_id))
     db.add(row)
     job.version = manifest.version
-    dropped = retention.collect(db, job, settings.keep_versions_every)
-    db.commit()
-    blobs.drop(job_id, dropped)
+    retention.commit_and_collect(db, blobs, job, settings.keep_versions_every)
     return dissemination.version_reads(db, [row])[0]
 
 

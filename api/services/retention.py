@@ -16,6 +16,7 @@ from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from ..models import Job, WeightVersion, utcnow
+from ..storage import BlobStore
 from .jobs import spec_of
 
 
@@ -28,9 +29,15 @@ def kept(job: Job, versions: Iterable[int], every: int) -> set[int]:
     return keep
 
 
-def collect(db: Session, job: Job, every: int) -> list[int]:
-    """Mark the versions that may go as collected; the caller deletes their files after it commits
-    (BlobStore.drop), so a failed transaction never leaves a row pointing at deleted files."""
+def commit_and_collect(db: Session, blobs: BlobStore, job: Job, every: int) -> None:
+    """Commit the caller's transaction with the versions that may go marked collected, then delete
+    their files: a failed transaction never leaves a row pointing at deleted files."""
+    dropped = _mark_collected(db, job, every)
+    db.commit()
+    blobs.drop(job.id, dropped)
+
+
+def _mark_collected(db: Session, job: Job, every: int) -> list[int]:
     stored = set(db.scalars(select(WeightVersion.version).where(WeightVersion.job_id == job.id,
                                                                 WeightVersion.collected_at.is_(None))))
     drop = sorted(stored - kept(job, stored, every))
