@@ -140,7 +140,7 @@ def _replies(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tup
     for p, row in ok:
         job_id, desired = placed[row.id]
         make = makers.get(job_id) if job_id else None
-        assignment = make(trees[job_id].parents(row.id)) if make and job_id else None
+        assignment = make(trees[job_id].parents(row.id)) if make else None
         if desired == DesiredState.active.value and assignment is None:
             desired = DesiredState.idle.value  # active on a job with no published version yet: wait
         replies[id(p)] = HeartbeatReply(desired=DesiredState(desired), assignment=assignment,

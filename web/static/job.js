@@ -203,14 +203,14 @@ E2.page("job", () => {
       h("td", { class: "bar-cell" }, ...dissemination(v, slowestSpread)),
       h("td", {}, timeEl(v.created_at, true))));
     fillRows($("#versions-table tbody"), rows, "No version published yet.", 8);
-    const stored = versions.filter((v) => v.available).map((v) => v.version).join();
-    if (stored !== versionsSeen) {
-      versionsSeen = stored;
+    const stored = versions.filter((v) => v.available);
+    const storedKey = stored.map((v) => v.version).join();
+    if (storedKey !== versionsSeen) {
+      versionsSeen = storedKey;
       const select = $("#ckpt-version");
       const chosen = select.value;
       select.replaceChildren(h("option", { value: "" }, defaultCheckpoint()),
-        ...versions.filter((v) => v.available).reverse()
-          .map((v) => h("option", { value: String(v.version) }, `Version ${v.version} (step ${v.step})`)));
+        ...stored.reverse().map((v) => h("option", { value: String(v.version) }, `Version ${v.version} (step ${v.step})`)));
       select.value = chosen;
     }
   }
