@@ -22,44 +22,16 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from contextlib import contextmanager
 from datetime import date
 from pathlib import Path
-from typing import Any
 
-ADMIN_KEY = "e2u_bench-admin-key-0123456789abcdef0123456789"
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-
-@contextmanager
-def control_plane(work: Path):  # type: ignore[no-untyped-def]
-    from api.local import free_port, wait_port
-
-    port = free_port()
-    env = {**os.environ, "ECHO2_DATABASE_URL": f"sqlite:///{work / 'echo2.db'}", "ECHO2_DATA_DIR": str(work),
-           "ECHO2_PORT": str(port), "ECHO2_HOST": "127.0.0.1", "ECHO2_BOOTSTRAP_API_KEY": ADMIN_KEY,
-           "ECHO2_LOG_LEVEL": "WARNING", "ECHO2_HEARTBEAT_INTERVAL_S": "1"}
-    log = open(work / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "api"], env=env, stdout=log, stderr=subprocess.STDOUT,
-                            cwd=REPO)
-    try:
-        wait_port(port, timeout=120, proc=proc)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.terminate()
-        proc.wait(30)
-        log.close()
-
-
-def ok(response: Any, status: int = 200) -> Any:
-    if response.status_code != status:
-        raise RuntimeError(f"{response.request.url.path}: {response.status_code} {response.text[:300]}")
-    return response.json() if response.content else None
+from learner_staleness import ADMIN_KEY, control_plane, ok  # noqa: E402 - the same control plane helper
 
 
 def setup_job(url: str, work: Path, model: Path, args: argparse.Namespace) -> tuple[str, str, str, list[dict]]:
