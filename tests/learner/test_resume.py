@@ -55,14 +55,15 @@ def test_kill_and_resume(api, tmp_path):
     first.wait(timeout=30)
     step_at_kill = ok(alice.get(f"/v1/jobs/{jid}"))["step"]
     before = {r["id"] for r in trained(alice, jid)}
-    checkpoints = sorted(p.name for p in (tmp_path / "learner" / jid / "checkpoints").glob("ckpt-*"))
-    assert checkpoints and checkpoints[-1] in {f"ckpt-{s}" for s in range(3, step_at_kill + 1, 3)}
+    # The kill may land while ckpt-N.tmp is being written; `latest` names the newest complete one.
+    latest = (tmp_path / "learner" / jid / "checkpoints" / "latest").read_text()
+    assert latest in {f"ckpt-{s}" for s in range(3, step_at_kill + 1, 3)}
 
     second = start_learner(api, jid, token, tmp_path / "learner")
     out, _ = second.communicate(timeout=600)
     driver.stop()
     assert second.returncode == 0, out[-3000:]
-    assert f"resumed from checkpoint at step {checkpoints[-1].split('-')[1]}" in out
+    assert f"resumed from checkpoint at step {latest.split('-')[1]}" in out
     final = ok(alice.get(f"/v1/jobs/{jid}"))
     assert final["status"] == "succeeded" and final["step"] == 12
     versions = [v["version"] for v in ok(alice.get(f"/v1/jobs/{jid}/versions"))]
