@@ -154,6 +154,8 @@ class Job(Base):
     learner_launches: Mapped[int] = mapped_column(Integer, default=0)
     idempotency_key: Mapped[str | None] = mapped_column(String(128))
     request_hash: Mapped[str | None] = mapped_column(String(64))
+    # Never leaves the control plane: each version's relay key is derived from it (services.fleet).
+    relay_secret: Mapped[str] = mapped_column(String(64), default=lambda: secrets.token_hex(32))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]

@@ -17,8 +17,8 @@ saturate it at B = 8 MB/s; the default B keeps the run bandwidth-bound and the w
 Topologies, with parents given exactly as the control plane gives them (`api.services.fleet.RelayTree`:
 peers in upload order, worker i under peer (i-1)//k, the origin last):
   star    every worker fetches from the origin: ~N*M/B.
-  chain   relay tree of fan-out k=1: a pipeline, ~(M + N*chunk)/B.
-  tree-2  fan-out k=2 (the server's default relay_fanout): each relay feeds two children at B/2.
+  chain   relay tree of fan-out k=1 (the server's default relay_fanout): a pipeline, ~(M + N*chunk)/B.
+  tree-2  fan-out k=2: each relay feeds two children at B/2.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from datetime import date
 from pathlib import Path
 
 JOB = "job_relaybench"
+KEY = "b" * 64  # the version's relay key; the origin stand-in takes it as the worker token too
 
 
 # ---------------------------------------------------------------- one process: origin or worker relay
@@ -54,15 +55,15 @@ def node_main(argv: list[str]) -> None:
 
     manifest = Manifest.model_validate_json(args.manifest.read_bytes())
     store = VersionStore(args.store)
-    store.open(JOB, manifest)  # known before "go", as a worker knows the version from its heartbeat
+    store.open(JOB, manifest, KEY)  # known before "go", as a worker knows the version from its heartbeat
     relay = RelayServer(store, upload_bytes_per_s=args.cap).start()
-    dl = Downloader(store)  # made before "go", as a running worker has it already
+    dl = Downloader(store, origin_token=KEY)  # made before "go", as a running worker has it already
     sys.stdout.write(json.dumps({"url": relay.url}) + "\n")
     sys.stdout.flush()
     if sys.stdin.readline().strip() != "go":
         return
     if args.parents:
-        result = dl.fetch(JOB, manifest, args.parents.split(","))
+        result = dl.fetch(JOB, manifest, args.parents.split(","), relay_key=KEY)
         sys.stdout.write(json.dumps({"done": time.time(), "bytes_from": result.bytes_from}) + "\n")
         sys.stdout.flush()
     sys.stdin.readline()  # keep serving children until the driver closes stdin
@@ -84,7 +85,7 @@ def make_snapshot(root: Path, size: int, chunk: int) -> Path:
             fh.write(os.urandom(2**20))
     (folder / "config.json").write_text("{}")
     manifest = build_manifest(folder, 0, 0, chunk)
-    held = VersionStore(root / "origin").open(JOB, manifest)
+    held = VersionStore(root / "origin").open(JOB, manifest, KEY)
     for i, data in enumerate(iter_stream(folder, manifest.files, chunk)):
         held.put(i, data)
     held.assemble()

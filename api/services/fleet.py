@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Callable
 
 from echo2.protocol import Assignment, DesiredState, Heartbeat, JobStatus
@@ -41,8 +43,14 @@ def assignment_for(job: Job, settings: Settings) -> Callable[[list[str]], Assign
     fields = dict(job_id=job.id, version=job.version, min_version=max(0, job.step - spec.staleness),
                   staleness=spec.staleness,
                   manifest_url=f"{settings.public_url}/v1/jobs/{job.id}/versions/{job.version}/manifest",
-                  sampling=sampling_of(spec))
+                  sampling=sampling_of(spec), relay_key=relay_key(job, job.version))
     return lambda parents: Assignment(relay_parents=parents, **fields)
+
+
+def relay_key(job: Job, version: int) -> str:
+    """The credential for `version`'s chunks on relay peers. Only workers told to hold that version
+    learn it, so a worker that left the job (or anyone who found a relay port) cannot read later ones."""
+    return hmac.new(bytes.fromhex(job.relay_secret), f"version:{version}".encode(), hashlib.sha256).hexdigest()
 
 
 class RelayTree:

@@ -59,6 +59,28 @@ def test_heartbeat_idle_then_active_with_assignment(api, tmp_path):
     assert a["sampling"]["group_size"] == 2
 
 
+def test_relay_key_is_per_job_and_version(api, tmp_path):
+    from tests.factories import fake_model_folder, publish
+
+    _, provider = new_provider(api)
+    _, alice = new_user(api)
+    folder = fake_model_folder(tmp_path / "m")
+    (job_a, learner_a), (job_b, _) = running_job(api, alice, folder), running_job(api, alice, folder)
+    workers = [new_worker(api, provider, name=f"w{i}") for i in range(3)]
+    for (wid, _), job in zip(workers, (job_a, job_a, job_b), strict=True):
+        activate(api, wid, job["id"])
+
+    def keys() -> list[str]:
+        return [ok(w.post(f"/v1/workers/{wid}/heartbeat", json={}))["assignment"]["relay_key"] for wid, w in workers]
+
+    a1, a2, b = keys()
+    assert a1 == a2 != b and len(a1) == 64  # every worker on a version can serve it to the others
+    assert keys() == [a1, a2, b]
+    publish(learner_a, job_a["id"], folder, version=1, step=0)
+    new_a1, new_a2, same_b = keys()
+    assert new_a1 == new_a2 != a1 and same_b == b  # a worker that left at version 0 cannot read version 1
+
+
 def test_assigned_worker_waits_until_a_version_exists(api):
     _, provider = new_provider(api)
     worker_id, worker = new_worker(api, provider)

@@ -1,5 +1,6 @@
 """The relay on its own: verified chunks only, pipelined serving, the upload cap, fallback from a lying
-or killed parent. Origins here are RelayServers over a complete store (same paths as the API)."""
+or killed parent, the per-version relay key. Origins here are RelayServers over a complete store (same
+paths as the API); the downloader presents the key to them as its origin token."""
 
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ from .conftest import LyingRelay, wait_for
 
 JOB = "job_relaytest"
 CHUNK = 16 * 1024
+KEY = "k" * 64
+AUTH = {"Authorization": f"Bearer {KEY}"}
 
 
 def fill_store(root: Path, folder: Path, version: int = 0, chunk: int = CHUNK):
     manifest = build_manifest(folder, version, 0, chunk)
     store = VersionStore(root)
-    held = store.open(JOB, manifest)
+    held = store.open(JOB, manifest, KEY)
     for i, data in enumerate(iter_stream(folder, manifest.files, chunk)):
         held.put(i, data)
     held.assemble()
@@ -60,26 +63,59 @@ def test_relay_serves_while_receiving(tmp_path: Path, tiny_model_dir: Path) -> N
     manifest = build_manifest(tiny_model_dir, 0, 0, CHUNK)
     chunks = list(iter_stream(tiny_model_dir, manifest.files, CHUNK))
     store = VersionStore(tmp_path)
-    held = store.open(JOB, manifest)
+    held = store.open(JOB, manifest, KEY)
+    http = httpx.Client(headers=AUTH)
     with RelayServer(store, wait_s=1.0) as relay:
         base = f"{relay.url}/v1/jobs/{JOB}/versions/0"
         held.put(0, chunks[0])
-        assert httpx.get(f"{base}/chunks/0").content == chunks[0]
+        assert http.get(f"{base}/chunks/0").content == chunks[0]
         got: dict[str, bytes] = {}
-        asker = threading.Thread(target=lambda: got.update(c=httpx.get(f"{base}/chunks/3", timeout=10).content))
+        asker = threading.Thread(target=lambda: got.update(c=http.get(f"{base}/chunks/3", timeout=10).content))
         asker.start()
         time.sleep(0.3)
         assert asker.is_alive()  # waiting for chunk 3, which has not arrived yet
         held.put(3, chunks[3])
         asker.join(5)
         assert got["c"] == chunks[3]
-        r = httpx.get(f"{base}/chunks/1", headers={"Range": "bytes=10-19"})
+        r = http.get(f"{base}/chunks/1", headers={"Range": "bytes=10-19"})
         assert r.status_code == 404 and r.headers["retry-after"] == "1"  # still missing after wait_s
         held.put(1, chunks[1])
-        r = httpx.get(f"{base}/chunks/1", headers={"Range": "bytes=10-19"})
+        r = http.get(f"{base}/chunks/1", headers={"Range": "bytes=10-19"})
         assert r.status_code == 206 and r.content == chunks[1][10:20]
-        assert httpx.get(f"{base}/manifest").json()["version"] == 0
-        assert httpx.get(f"{relay.url}/v1/jobs/{JOB}/versions/7/chunks/0").status_code == 404
+        assert http.get(f"{base}/manifest").json()["version"] == 0
+        assert http.get(f"{relay.url}/v1/jobs/{JOB}/versions/7/chunks/0").status_code == 404
+
+
+def test_relay_serves_a_version_only_for_its_key(tmp_path: Path, tiny_model_dir: Path) -> None:
+    store, manifest = fill_store(tmp_path, tiny_model_dir)
+    unkeyed = store.open("job_other", manifest)  # held without a key (e.g. opened before one was given)
+    unkeyed.put(0, next(iter_stream(tiny_model_dir, manifest.files, CHUNK)))
+    with RelayServer(store) as relay:
+        chunk = f"{relay.url}/v1/jobs/{JOB}/versions/0/chunks/0"
+        r = httpx.get(chunk)
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and "relay key" in r.json()["detail"]
+        assert httpx.get(f"{relay.url}/v1/jobs/{JOB}/versions/0/manifest").status_code == 401
+        assert httpx.get(chunk, headers={"Authorization": "Bearer " + "x" * 64}).status_code == 403
+        assert httpx.get(chunk, headers={"Authorization": f"Basic {KEY}"}).status_code == 401
+        assert httpx.get(chunk, headers=AUTH).status_code == 200
+        assert httpx.get(f"{relay.url}/v1/jobs/job_other/versions/0/chunks/0", headers=AUTH).status_code == 403
+        assert httpx.get(f"{relay.url}/healthz").status_code == 200
+
+
+def test_downloader_sends_the_relay_key_to_peers_and_the_token_to_the_origin(tmp_path: Path,
+                                                                             tiny_model_dir: Path) -> None:
+    origin_store, manifest = fill_store(tmp_path / "origin", tiny_model_dir)
+    origin_store.get(JOB, 0).relay_key = "o" * 64  # stands in for the worker's token at the API
+    parent_store, _ = fill_store(tmp_path / "parent", tiny_model_dir)
+    with RelayServer(origin_store) as origin, RelayServer(parent_store) as parent:
+        results = []
+        for child, parents in (("via-peer", [parent.url, origin.url]), ("via-origin", [origin.url])):
+            dl = Downloader(VersionStore(tmp_path / child), origin_token="o" * 64)
+            results.append(dl.fetch(JOB, manifest, parents, relay_key=KEY))
+            dl.close()
+    assert results[0].bytes_from == {parent.url: manifest.total_size}  # a wrong header would have been a 403
+    assert results[1].bytes_from == {origin.url: manifest.total_size}
+    assert results[0].held.relay_key == KEY  # what this worker's own relay will ask its children for
 
 
 def test_upload_cap(tmp_path: Path, tiny_model_dir: Path) -> None:
@@ -87,7 +123,8 @@ def test_upload_cap(tmp_path: Path, tiny_model_dir: Path) -> None:
     rate = 1_000_000
     with RelayServer(store, upload_bytes_per_s=rate) as relay:
         t0 = time.monotonic()
-        total = sum(len(httpx.get(f"{relay.url}/v1/jobs/{JOB}/versions/0/chunks/{i}").content) for i in range(3))
+        total = sum(len(httpx.get(f"{relay.url}/v1/jobs/{JOB}/versions/0/chunks/{i}", headers=AUTH).content)
+                    for i in range(3))
         elapsed = time.monotonic() - t0
     assert total == 3 * 256 * 1024
     assert elapsed >= (total - relay.bucket.burst) / rate * 0.95
@@ -104,8 +141,8 @@ def test_lying_parent_is_banned_reported_and_never_stored(tmp_path: Path, tiny_m
     reports: list[tuple[str, str]] = []
     with RelayServer(origin_store) as origin:
         store = VersionStore(tmp_path / "child")
-        dl = Downloader(store, on_bad_source=lambda u, r: reports.append((u, r)))
-        result = dl.fetch(JOB, manifest, [liar.url, origin.url])
+        dl = Downloader(store, origin_token=KEY, on_bad_source=lambda u, r: reports.append((u, r)))
+        result = dl.fetch(JOB, manifest, [liar.url, origin.url], relay_key=KEY)
         dl.close()
     liar.close()
     assert same_files(result.held.model_dir, tiny_model_dir)
@@ -120,10 +157,10 @@ PARENT = textwrap.dedent("""
     from echo2.protocol import Manifest
     from echo2_worker.relay import RelayServer
     from echo2_worker.store import VersionStore
-    root, job, rate = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3])
+    root, job, rate, key = Path(sys.argv[1]), sys.argv[2], float(sys.argv[3]), sys.argv[4]
     store = VersionStore(root)
     for mf in root.glob("*/v*/manifest.json"):
-        store.open(mf.parent.parent.name, Manifest.model_validate_json(mf.read_bytes()))
+        store.open(mf.parent.parent.name, Manifest.model_validate_json(mf.read_bytes()), key)
     relay = RelayServer(store, upload_bytes_per_s=rate).start()
     print(relay.url, flush=True)
     time.sleep(3600)
@@ -134,16 +171,17 @@ def test_parent_killed_mid_transfer_costs_one_retry(tmp_path: Path, tiny_model_d
     origin_store, manifest = fill_store(tmp_path / "origin", tiny_model_dir)
     fill_store(tmp_path / "parent", tiny_model_dir)
     rate = 400_000  # the parent trickles, so the kill lands mid-download
-    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "parent"), JOB, str(rate)],
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "parent"), JOB, str(rate), KEY],
                               stdout=subprocess.PIPE, text=True)
     try:
         parent_url = parent.stdout.readline().strip()
         reports: list[tuple[str, str]] = []
         with RelayServer(origin_store) as origin:
             store = VersionStore(tmp_path / "child")
-            dl = Downloader(store, on_bad_source=lambda u, r: reports.append((u, r)))
+            dl = Downloader(store, origin_token=KEY, on_bad_source=lambda u, r: reports.append((u, r)))
             result: dict = {}
-            t = threading.Thread(target=lambda: result.update(r=dl.fetch(JOB, manifest, [parent_url, origin.url])))
+            t = threading.Thread(target=lambda: result.update(
+                r=dl.fetch(JOB, manifest, [parent_url, origin.url], relay_key=KEY)))
             t.start()
             held = wait_for(lambda: store.get(JOB, 0), 10, "download to start")
             wait_for(lambda: held.held_count() >= len(manifest.chunks) // 3, 30, "a third of the chunks")

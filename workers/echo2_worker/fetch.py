@@ -3,10 +3,11 @@ against the manifest before it is stored (and so before it is loaded or re-serve
 the next parent - the origin is last - when one is slow, failing or lying.
 
 Parents are base URLs serving `/v1/jobs/{job}/versions/{v}/chunks/{i}`, peers and origin alike. The
-worker's token is sent to the origin only, never to a peer. A peer answering 404 does not hold that
-chunk yet (it may still be receiving it): it is asked again for a short while before moving on. A
-hash mismatch bans the peer for this version; an error or a stall puts it on a short cooldown. Both
-are reported (`on_bad_source`) so the next heartbeat can tell the control plane.
+worker's token is sent to the origin only; a peer gets the version's relay key from the assignment.
+A peer answering 404 does not hold that chunk yet (it may still be receiving it): it is asked again
+for a short while before moving on. A hash mismatch bans the peer for this version; an error or a
+stall puts it on a short cooldown. Both are reported (`on_bad_source`) so the next heartbeat can tell
+the control plane.
 """
 
 from __future__ import annotations
@@ -86,9 +87,10 @@ class Downloader:
         self._http.close()
 
     def fetch(self, job_id: str, manifest: Manifest, parents: Callable[[], list[str]] | list[str],
-              wanted: Callable[[], bool] = lambda: True) -> FetchResult:
+              wanted: Callable[[], bool] = lambda: True, relay_key: str | None = None) -> FetchResult:
         """Hold every chunk of `manifest`, assemble the HF folder, and return it.
 
+        `relay_key` is presented to peers and kept with the version for this worker's own relay.
         `parents()` is asked again for each chunk, so a changed relay tree takes effect mid-download.
         Up to `parallel` chunks are in flight at once, taken in index order, so a parent's per-request
         latency is hidden and children still receive the stream roughly in order (pipelining).
@@ -96,7 +98,7 @@ class Downloader:
         the version is gone.
         """
         t0 = time.monotonic()
-        held = self.store.open(job_id, manifest)
+        held = self.store.open(job_id, manifest, relay_key)
         result = FetchResult(held=held, seconds=0.0)
         sources: dict[str, _Source] = {}
         todo = iter(held.missing())
@@ -165,7 +167,7 @@ class Downloader:
             if held.has(index):
                 return True
             try:
-                status, data = self._get(src, url, held.manifest.chunks[index].size)
+                status, data = self._get(url, self._headers(src, held), held.manifest.chunks[index].size)
             except httpx.HTTPError as exc:
                 return self._failed(src, f"chunk {index}: {type(exc).__name__}: {exc}"[:400])
             if status == 200:
@@ -184,9 +186,13 @@ class Downloader:
                 return False  # this peer does not have it: try the next parent
             return self._failed(src, f"chunk {index}: HTTP {status}")
 
-    def _get(self, src: _Source, url: str, size: int) -> tuple[int, bytes]:
+    def _headers(self, src: _Source, held: HeldVersion) -> dict[str, str]:
+        if src.is_origin:
+            return self._origin_headers
+        return {"Authorization": f"Bearer {held.relay_key}"} if held.relay_key else {}
+
+    def _get(self, url: str, headers: dict[str, str], size: int) -> tuple[int, bytes]:
         deadline = time.monotonic() + 15.0 + size / MIN_RATE
-        headers = self._origin_headers if src.is_origin else {}
         with self._http.stream("GET", url, headers=headers) as response:
             if response.status_code != 200:
                 return response.status_code, b""

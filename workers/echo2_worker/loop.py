@@ -237,7 +237,7 @@ class Worker:
         try:
             log.info("fetching version %d of job %s (parents: %s)", a.version, a.job_id, ", ".join(self._parents(a)))
             manifest = self.control.manifest(a.manifest_url)
-            result = self.downloader.fetch(a.job_id, manifest, lambda: self._parents(a), wanted)
+            result = self.downloader.fetch(a.job_id, manifest, lambda: self._parents(a), wanted, a.relay_key)
             self.stats.last_download_s = result.seconds
             self.stats.version_held = max(a.version, self.stats.version_held or 0)
             self._heartbeat_now.set()  # tell the control plane at once: it times each version's spread

@@ -7,13 +7,17 @@ over plain HTTP on the origin's paths, while later chunks are still arriving.
 
 A chunk that is not here yet, of a version being received, is waited for up to `wait_s` (pipelining);
 otherwise the answer is 404 with Retry-After, and the child asks again or goes to another parent.
-Upload is paced by one token bucket shared by all connections. No authentication: chunks are
-content-addressed by the manifest, which children fetch from the origin and verify against.
+Upload is paced by one token bucket shared by all connections. Every version path needs
+`Authorization: Bearer <relay key>`, the key the control plane gave this worker with that version
+(401 without one, 403 for another): the weights are the job owner's, and only workers assigned to
+the version know its key. Integrity does not rest on the relay: children verify every chunk against
+the manifest they fetch from the origin.
 Stdlib only (ThreadingHTTPServer), so the worker needs no web framework.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 import logging
 import re
@@ -120,10 +124,18 @@ class _Handler(BaseHTTPRequestHandler):
         if m is None:
             self._problem(404, "no such path on a relay")
             return
+        given = _bearer(self.headers.get("Authorization"))
+        if given is None:
+            self._problem(401, "send the version's relay key (from your assignment) as a Bearer token",
+                          headers={"WWW-Authenticate": "Bearer"})
+            return
         job_id, version = m.group(1), int(m.group(2))
         held = self.relay.store.get(job_id, version)
         if held is None:
             self._problem(404, f"version {version} of {job_id} is not held here (yet)", retry_after=1)
+            return
+        if held.relay_key is None or not hmac.compare_digest(given.encode(), held.relay_key.encode()):
+            self._problem(403, "that is not this version's relay key")
             return
         if m.group(3) == "manifest":
             self._send(200, held.manifest.model_dump_json().encode(), "application/json")
@@ -184,8 +196,16 @@ class _Handler(BaseHTTPRequestHandler):
         self.end_headers()
         self.wfile.write(body)
 
-    def _problem(self, status: int, detail: str, retry_after: int | None = None) -> None:
+    def _problem(self, status: int, detail: str, retry_after: int | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         body = json.dumps({"type": "about:blank", "title": self.responses.get(status, ("Error",))[0],
                            "status": status, "detail": detail}).encode()
-        headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+        headers = dict(headers or {})
+        if retry_after is not None:
+            headers["Retry-After"] = str(retry_after)
         self._send(status, body, "application/problem+json", headers)
+
+
+def _bearer(header: str | None) -> str | None:
+    scheme, _, token = (header or "").partition(" ")
+    return (token.strip() or None) if scheme.lower() == "bearer" else None

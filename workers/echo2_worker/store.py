@@ -31,6 +31,7 @@ class HeldVersion:
         self.job_id = job_id
         self.manifest = manifest
         self.version = manifest.version
+        self.relay_key: str | None = None  # what children must present; None: serve it to no one
         self.path = path
         self.model_dir = path / "model"
         self._chunk_dir = path / "chunks"
@@ -147,8 +148,9 @@ class VersionStore:
         with self._lock:
             return self._versions.get((job_id, version))
 
-    def open(self, job_id: str, manifest: Manifest) -> HeldVersion:
-        """The version's entry, created (or resumed from disk) for this manifest."""
+    def open(self, job_id: str, manifest: Manifest, relay_key: str | None = None) -> HeldVersion:
+        """The version's entry, created (or resumed from disk) for this manifest; `relay_key` (from the
+        assignment, kept in memory only) is what the relay server will ask children for."""
         if not _SAFE_ID.match(job_id):
             raise ValueError(f"unsafe job id {job_id!r}")
         key = (job_id, manifest.version)
@@ -157,6 +159,7 @@ class VersionStore:
             if held is not None:
                 if _digest(held.manifest) != _digest(manifest):
                     raise SnapshotError(f"version {manifest.version} of {job_id} changed its manifest")
+                held.relay_key = relay_key or held.relay_key
                 return held
             path = self.root / job_id / f"v{manifest.version}"
             saved = path / "manifest.json"
@@ -165,6 +168,7 @@ class VersionStore:
             path.mkdir(parents=True, exist_ok=True)
             atomic_write(saved, manifest.model_dump_json().encode())
             held = HeldVersion(job_id, manifest, path)
+            held.relay_key = relay_key
             self._versions[key] = held
             return held
 

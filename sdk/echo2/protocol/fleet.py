@@ -131,6 +131,11 @@ class Assignment(ReadModel):
     staleness: int
     manifest_url: str
     relay_parents: list[str] = Field(description="Peers to fetch chunks from, best first; the origin is last.")
+    relay_key: str = Field(
+        min_length=64, max_length=64,
+        description="Bearer credential for this version on relay peers: send it (never the worker token) "
+        "when fetching from a peer, and accept only it on your own relay for this version.",
+    )
     sampling: SamplingParams
 
 

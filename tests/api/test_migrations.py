@@ -1,0 +1,61 @@
+"""Migrations on both databases: head matches the ORM models exactly, and 0005 gives every job that
+already exists its own relay secret."""
+
+from __future__ import annotations
+
+import uuid
+from datetime import UTC, datetime
+
+import pytest
+import sqlalchemy as sa
+from alembic.autogenerate import compare_metadata
+from alembic.migration import MigrationContext
+
+from api.migrate import upgrade
+from api.models import Base
+
+
+@pytest.fixture(params=["sqlite", "postgres"])
+def empty_database(request: pytest.FixtureRequest, tmp_path) -> str:
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'fresh.db'}"
+    server = sa.make_url(request.getfixturevalue("postgres_url"))
+    name = f"migrations_{uuid.uuid4().hex[:8]}"
+    admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'CREATE DATABASE "{name}"'))
+    request.addfinalizer(lambda: _drop(admin, name))
+    return server.set(database=name).render_as_string(hide_password=False)
+
+
+def _drop(admin: sa.Engine, name: str) -> None:
+    with admin.connect() as conn:
+        conn.execute(sa.text(f'DROP DATABASE "{name}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def test_head_matches_the_models(empty_database):
+    upgrade(empty_database)
+    engine = sa.create_engine(empty_database)
+    with engine.connect() as conn:
+        assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
+    engine.dispose()
+
+
+def test_existing_jobs_get_their_own_relay_secret(empty_database):
+    upgrade(empty_database, "0004")
+    engine = sa.create_engine(empty_database)
+    meta = sa.MetaData()
+    users, jobs = (sa.Table(name, meta, autoload_with=engine) for name in ("users", "jobs"))
+    now = datetime.now(UTC)
+    with engine.begin() as conn:
+        conn.execute(users.insert().values(id="usr_1", name="alice", role="user", created_at=now))
+        conn.execute(jobs.insert(), [
+            {"id": f"job_{i}", "owner_id": "usr_1", "name": "old", "status": "running", "spec": {}, "step": 0,
+             "num_prompts": 0, "learner_usd": 0.0, "workers_usd": 0.0, "learner_busy_s": 0.0,
+             "learner_wall_s": 0.0, "learner_launches": 0, "created_at": now} for i in range(3)])
+    upgrade(empty_database)
+    with engine.connect() as conn:
+        secrets = [row[0] for row in conn.execute(sa.text("SELECT relay_secret FROM jobs"))]
+    engine.dispose()
+    assert len(set(secrets)) == 3 and all(len(bytes.fromhex(s)) == 32 for s in secrets)
