@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import gc
 import logging
 from collections.abc import AsyncIterator
@@ -14,6 +16,7 @@ import web
 from . import errors, openapi
 from .db import Database
 from .routes import datasets, fleet, health, jobs, learner, leases, users, weights
+from .services import retention
 from .services.heartbeats import Heartbeats
 from .settings import Settings, get_settings
 from .storage import BlobStore
@@ -41,7 +44,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # request for ~0.1 s (they were the whole p99 of the heartbeat route).
         gc.collect()
         gc.freeze()
+        sweeper = asyncio.create_task(retention.sweep_periodically(db, app.state.blobs, settings))
         yield
+        sweeper.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sweeper
         db.dispose()
 
     app = FastAPI(title="Echo2", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)

@@ -38,6 +38,8 @@ class Settings(BaseSettings):
     relay_max_bad_chunks: int = Field(3, ge=1, description="Peers reported bad this often stop being parents.")
     keep_versions_every: int = Field(0, ge=0, description="Also keep the weights of every n-th version for "
                                      "download (0: only the final or newest one and those rollouts may still use).")
+    retention_sweep_s: float = Field(300.0, ge=0, description="Each API process looks for weights left "
+                                     "to collect at start and then this often (0: at start only).")
     log_level: str = Field("INFO", description="Python logging level.")
 
     @model_validator(mode="after")

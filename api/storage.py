@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import tarfile
 from collections.abc import Iterator
@@ -13,6 +14,8 @@ from pathlib import Path
 
 from echo2.protocol import Manifest
 from echo2.snapshots import atomic_write
+
+_FOLDER = re.compile(r"^v(\d+)(\.staging)?$")
 
 
 class ChunkError(ValueError):
@@ -69,6 +72,17 @@ class BlobStore:
         """Delete the files of collected versions (after the commit that marked them collected)."""
         for version in versions:
             shutil.rmtree(self._final(job_id, version), ignore_errors=True)
+
+    def drop_staging(self, job_id: str, version: int) -> None:
+        shutil.rmtree(self._staging(job_id, version), ignore_errors=True)
+
+    def stored(self) -> Iterator[tuple[str, int, bool]]:
+        """(job id, version, is a staging upload) of every version folder on disk."""
+        for job_dir in self.root.iterdir():
+            for folder in job_dir.iterdir() if job_dir.is_dir() else ():
+                m = _FOLDER.match(folder.name)
+                if m:
+                    yield job_dir.name, int(m.group(1)), m.group(2) is not None
 
     def chunk_path(self, job_id: str, version: int, index: int) -> Path:
         return self._final(job_id, version) / f"{index}.chunk"

@@ -5,19 +5,30 @@ the job runs; the final checkpoint (or, for a job that ended without one, the ne
 forever; and every n-th version when ECHO2_KEEP_VERSIONS_EVERY = n > 0, for users who want
 intermediate checkpoints. The row of a collected version stays (timeline, timings) with
 `collected_at` set; its manifest, chunks and checkpoint download answer 410.
+
+Versions are collected where the API changes a job (publish, finish, cancel). `sweep`, run by each API
+process at start and then every ECHO2_RETENTION_SWEEP_S, catches the rest: jobs the scheduler closed
+(budget, dead learner after its last step), files left by a crash between the commit and the delete,
+and staging uploads of jobs that ended before publishing them.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterable
 
 from echo2.protocol import JobStatus
-from sqlalchemy import select, update
+from sqlalchemy import Select, func, select, update
 from sqlalchemy.orm import Session
 
+from ..db import Database
 from ..models import Job, WeightVersion, utcnow
+from ..settings import Settings
 from ..storage import BlobStore
 from .jobs import spec_of
+
+log = logging.getLogger(__name__)
 
 
 def kept(job: Job, versions: Iterable[int], every: int) -> set[int]:
@@ -29,12 +40,68 @@ def kept(job: Job, versions: Iterable[int], every: int) -> set[int]:
     return keep
 
 
-def commit_and_collect(db: Session, blobs: BlobStore, job: Job, every: int) -> None:
+def commit_and_collect(db: Session, blobs: BlobStore, job: Job, every: int) -> list[int]:
     """Commit the caller's transaction with the versions that may go marked collected, then delete
     their files: a failed transaction never leaves a row pointing at deleted files."""
     dropped = _mark_collected(db, job, every)
     db.commit()
     blobs.drop(job.id, dropped)
+    return dropped
+
+
+async def sweep_periodically(database: Database, blobs: BlobStore, settings: Settings) -> None:
+    """`sweep` now and every `settings.retention_sweep_s` (0: once), off the event loop."""
+    while True:
+        try:
+            deleted = await asyncio.to_thread(_sweep_once, database, blobs, settings.keep_versions_every)
+            if deleted:
+                log.info("retention sweep deleted %d version folders", deleted)
+        except Exception:  # a database hiccup must not end the loop: the next period retries
+            log.exception("retention sweep failed")
+        if not settings.retention_sweep_s:
+            return
+        await asyncio.sleep(settings.retention_sweep_s)
+
+
+def _sweep_once(database: Database, blobs: BlobStore, every: int) -> int:
+    with database.session() as db:
+        return sweep(db, blobs, every)
+
+
+def sweep(db: Session, blobs: BlobStore, every: int) -> int:
+    """Collect what the routes did not; returns how many version folders it deleted."""
+    deleted = 0
+    for job in db.scalars(select(Job).where(Job.id.in_(_ended_with_extra_versions(every)))).all():
+        deleted += len(commit_and_collect(db, blobs, job, every))
+    return deleted + _sweep_disk(db, blobs)
+
+
+def _ended_with_extra_versions(every: int) -> Select[tuple[str]]:
+    final = func.coalesce(Job.final_version, Job.version)
+    extra = select(WeightVersion.job_id).join(Job, Job.id == WeightVersion.job_id).where(
+        Job.status.in_([s.value for s in JobStatus if s.is_terminal()]),
+        WeightVersion.collected_at.is_(None), WeightVersion.version != final)
+    if every:
+        extra = extra.where(WeightVersion.version % every != 0)
+    return extra.distinct()
+
+
+def _sweep_disk(db: Session, blobs: BlobStore) -> int:
+    on_disk = list(blobs.stored())
+    if not on_disk:
+        return 0
+    jobs = {job.id: job for job in db.scalars(select(Job).where(Job.id.in_({j for j, _, _ in on_disk})))}
+    collected = set(db.execute(select(WeightVersion.job_id, WeightVersion.version).where(
+        WeightVersion.job_id.in_(jobs), WeightVersion.collected_at.is_not(None))).all())
+    deleted = 0
+    for job_id, version, staging in on_disk:
+        job = jobs.get(job_id)
+        if staging and job is not None and JobStatus(job.status).is_terminal():
+            blobs.drop_staging(job_id, version)
+        elif not staging and (job_id, version) in collected:
+            blobs.drop(job_id, [version])
+            deleted += 1
+    return deleted
 
 
 def _mark_collected(db: Session, job: Job, every: int) -> list[int]:

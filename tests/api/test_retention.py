@@ -1,14 +1,21 @@
 """Weight retention: versions nothing can use any more are deleted; kept ones stay downloadable."""
 
+import asyncio
+import shutil
+from datetime import timedelta
+
 import pytest
 
+from api.models import Job, utcnow
+from api.services import retention
+from scheduler.reconcile import tick
 from tests.factories import fake_model_folder, new_user, ok, publish, running_job, step_report
 
 
-def _train(api, tmp_path, steps: int, staleness: int = 1):
+def _train(api, tmp_path, steps: int, staleness: int = 1, **overrides):
     _, alice = new_user(api)
     folder = fake_model_folder(tmp_path / "m")
-    job, learner = running_job(api, alice, folder, staleness=staleness, max_steps=20)
+    job, learner = running_job(api, alice, folder, staleness=staleness, max_steps=20, **overrides)
     for step in range(steps):
         ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(step, [])))
         publish(learner, job["id"], folder, version=step + 1, step=step + 1)
@@ -61,3 +68,36 @@ def test_keep_every_n_keeps_intermediate_checkpoints(api, tmp_path, keep_every_t
     alice, job_id, learner = _train(api, tmp_path, steps=5, staleness=0)
     ok(learner.post(f"/v1/jobs/{job_id}/learner/finish", json={"outcome": "succeeded", "final_version": 5}))
     assert [v for v, kept in _available(alice, job_id).items() if kept] == [0, 2, 4, 5]
+
+
+def _stop_over_budget(api, job_id: str) -> None:
+    """What the scheduler does to a job over budget: it closes it without the API's finish route."""
+    now = utcnow()
+    for seconds in (0, 1):
+        with api.db.session() as s:
+            s.get(Job, job_id).learner_heartbeat_at = now
+            tick(s, api.server.settings, lambda job, token: None, now=now + timedelta(seconds=seconds))
+    assert api.admin.get(f"/v1/jobs/{job_id}").json()["status"] == "failed"
+
+
+def test_sweep_collects_what_the_routes_did_not(api, tmp_path):
+    alice, job_id, _ = _train(api, tmp_path, steps=3, staleness=2, budget_usd=0.5,
+                              learner={"price_per_hour": 3600.0})
+    _stop_over_budget(api, job_id)
+    assert _version_dirs(api, job_id) == {"v1", "v2", "v3"}  # the scheduler cannot reach the blobs
+    blobs = api.server.app.state.blobs
+    shutil.copytree(blobs.root / job_id / "v3", blobs.root / job_id / "v4.staging")  # never published
+    _, running_id, _ = _train(api, tmp_path / "other", steps=1)
+    (blobs.root / running_id / "v2.staging").mkdir()  # a running job's upload in progress
+
+    with api.db.session() as s:
+        assert retention.sweep(s, blobs, every=0) == 2
+    assert [v for v, kept in _available(alice, job_id).items() if kept] == [3]
+    assert _version_dirs(api, job_id) == {"v3"}
+    assert _version_dirs(api, running_id) == {"v0", "v1", "v2.staging"}
+
+    shutil.copytree(blobs.root / job_id / "v3", blobs.root / job_id / "v1")  # a crash after the commit
+    asyncio.run(retention.sweep_periodically(api.db, blobs, api.server.settings.model_copy(
+        update={"retention_sweep_s": 0})))  # 0: one sweep, as at start-up
+    assert _version_dirs(api, job_id) == {"v3"}
+    assert alice.get(f"/v1/jobs/{job_id}/checkpoint").status_code == 200
