@@ -34,6 +34,7 @@ import itertools
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -676,7 +677,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", type=Path, help="py-spy the server during each phase; collapsed stacks here")
     p.add_argument("--profile-mode", choices=["cpu", "wall"], default="cpu",
                    help="cpu: GIL holder only (what caps the process); wall: all threads, lock waits included")
-    p.add_argument("--py-spy", default="py-spy", help="py-spy executable (pip install py-spy)")
+    p.add_argument("--py-spy", default=shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy")),
+                   help="py-spy executable (pip install py-spy; default: on PATH, else beside this Python)")
     p.add_argument("--top", type=int, default=25, help="functions to list per profiled phase")
     return p
 
