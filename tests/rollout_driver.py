@@ -49,9 +49,9 @@ class RolloutDriver:
                 try:
                     self._iteration()
                 except httpx.HTTPStatusError as exc:
-                    if exc.response.status_code not in (403, 404, 409):
+                    if exc.response.status_code not in (403, 404, 409, 410):
                         raise
-                    time.sleep(0.1)  # the job moved on (finished, or our version went stale): ask again
+                    time.sleep(0.1)  # the job moved on (finished, our version went stale or was deleted)
         except BaseException as exc:  # surfaced by stop()
             self.error = exc
 

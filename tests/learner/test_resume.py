@@ -16,11 +16,12 @@ from tests.rollout_driver import RolloutDriver
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
 
 
-def start_learner(api, job_id, token, work_dir):
+def start_learner(api, job_id, token, work_dir, log):
+    """The learner CLI in its own process; its output goes to `log` (a pipe nobody reads would fill)."""
     env = {**os.environ, "ECHO2_LEARNER_TOKEN": token, "ECHO2_LOG_LEVEL": "INFO"}
-    return subprocess.Popen([sys.executable, "-m", "api.cli", "learner", "--job", job_id, "--server", api.url,
-                             "--work-dir", str(work_dir)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    with open(log, "w") as out:
+        return subprocess.Popen([sys.executable, "-m", "api.cli", "learner", "--job", job_id, "--server", api.url,
+                                 "--work-dir", str(work_dir)], env=env, stdout=out, stderr=subprocess.STDOUT)
 
 
 def trained(alice, jid):
@@ -49,20 +50,28 @@ def test_kill_and_resume(api, tmp_path):
     wid, worker = new_worker(api, provider)
     activate(api, wid, jid)
     driver = RolloutDriver(api.url, wid, worker.headers["Authorization"].split()[1], tmp_path / "w").start()
-    first = start_learner(api, jid, token, tmp_path / "learner")
-    wait_for(lambda: ok(alice.get(f"/v1/jobs/{jid}"))["step"] >= 5)
-    first.send_signal(signal.SIGKILL)
-    first.wait(timeout=30)
-    step_at_kill = ok(alice.get(f"/v1/jobs/{jid}"))["step"]
-    before = {r["id"] for r in trained(alice, jid)}
-    # The kill may land while ckpt-N.tmp is being written; `latest` names the newest complete one.
-    latest = (tmp_path / "learner" / jid / "checkpoints" / "latest").read_text()
-    assert latest in {f"ckpt-{s}" for s in range(3, step_at_kill + 1, 3)}
+    learners: list[subprocess.Popen] = []
+    try:
+        learners.append(start_learner(api, jid, token, tmp_path / "learner", tmp_path / "first.log"))
+        wait_for(lambda: ok(alice.get(f"/v1/jobs/{jid}"))["step"] >= 5)
+        learners[0].send_signal(signal.SIGKILL)
+        learners[0].wait(timeout=30)
+        step_at_kill = ok(alice.get(f"/v1/jobs/{jid}"))["step"]
+        before = {r["id"] for r in trained(alice, jid)}
+        # The kill may land while ckpt-N.tmp is being written; `latest` names the newest complete one.
+        latest = (tmp_path / "learner" / jid / "checkpoints" / "latest").read_text()
+        assert latest in {f"ckpt-{s}" for s in range(3, step_at_kill + 1, 3)}
 
-    second = start_learner(api, jid, token, tmp_path / "learner")
-    out, _ = second.communicate(timeout=600)
-    driver.stop()
-    assert second.returncode == 0, out[-3000:]
+        learners.append(start_learner(api, jid, token, tmp_path / "learner", tmp_path / "second.log"))
+        learners[1].wait(timeout=600)
+    finally:
+        for proc in learners:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        driver.stop()
+    out = (tmp_path / "second.log").read_text()
+    assert learners[1].returncode == 0, out[-3000:]
     assert f"resumed from checkpoint at step {latest.split('-')[1]}" in out
     final = ok(alice.get(f"/v1/jobs/{jid}"))
     assert final["status"] == "succeeded" and final["step"] == 12

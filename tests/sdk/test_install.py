@@ -22,14 +22,14 @@ def test_sdk_installs_alone_and_starts_fast(tmp_path):
     venv = tmp_path / "venv"
     # Nothing of the calling environment may leak in: the fresh venv must stand on its own.
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV")}
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, env=env, timeout=120)
     bin_dir = venv / "bin"
     subprocess.run([str(bin_dir / "python"), "-m", "pip", "install", "--quiet", str(source)], check=True,
                    timeout=600, env=env)
 
     started = time.monotonic()
     help_run = subprocess.run([str(bin_dir / "echo2"), "--help"], capture_output=True, text=True, check=True,
-                              env=env)
+                              env=env, timeout=60)
     assert time.monotonic() - started < 1.0
     assert "checkpoints" in help_run.stdout
 

@@ -74,7 +74,8 @@ def test_429_without_retry_after_backs_off_exponentially(stub):
     with Client(stub.url, "k") as client:
         assert client.jobs.get("job1").id == "job1"
     gaps = [b.at - a.at for a, b in pairwise(stub.seen)]
-    assert len(gaps) == 2 and 0.3 <= gaps[0] < gaps[1] < 2.0  # ~0.5 s then ~1 s, with jitter
+    # ~0.5 s then ~1 s, jitter taking off up to a quarter; only lower bounds (a busy box adds delay)
+    assert len(gaps) == 2 and gaps[0] >= 0.37 and gaps[1] >= 0.74
 
 
 def test_retry_after_beyond_the_cap_is_left_to_the_caller(stub):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import tarfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -393,7 +394,9 @@ def test_polling_pauses_while_the_tab_is_hidden(api, ui):
     calls: list[str] = []
     ui.page.on("request", lambda r: "/v1/jobs?" in r.url and calls.append(r.url))
     ui.login(key)
-    ui.page.wait_for_timeout(2500)
+    deadline = time.monotonic() + 15
+    while len(calls) < 2 and time.monotonic() < deadline:  # the list polls every 2 s
+        ui.page.wait_for_timeout(200)
     assert len(calls) >= 2
     ui.page.evaluate("""() => {
         Object.defineProperty(document, "hidden", {configurable: true, get: () => true});
@@ -409,7 +412,7 @@ def test_polling_pauses_while_the_tab_is_hidden(api, ui):
         Object.defineProperty(document, "visibilityState", {configurable: true, get: () => "visible"});
         document.dispatchEvent(new Event("visibilitychange"));
     }""")
-    ui.page.wait_for_timeout(500)
+    ui.page.wait_for_timeout(1000)
     assert len(calls) > before  # resumes at once when visible again
 
 

@@ -30,12 +30,13 @@ def test_help_is_fast_and_never_imports_torch() -> None:
             "    try: build_parser().parse_args([*cmd, '--help'])\n"
             "    except SystemExit: pass\n"
             "print(time.perf_counter() - t, 'torch' in sys.modules, 'transformers' in sys.modules)")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=60).stdout
     seconds, torch, transformers = out.split()[-3:]
     assert (torch, transformers) == ("False", "False")
     assert float(seconds) < 1.0
     t0 = time.perf_counter()
-    proc = subprocess.run([*CLI, "join", "--help"], capture_output=True, text=True)
+    proc = subprocess.run([*CLI, "join", "--help"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0 and "--max-upload-mbps" in proc.stdout and "--no-relay" in proc.stdout
     assert time.perf_counter() - t0 < 1.5  # interpreter start included
 

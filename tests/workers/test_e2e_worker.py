@@ -39,7 +39,7 @@ def test_pip_installed_worker_joins_produces_accepted_rollouts_and_drains(
         api: Api, tiny_model_dir: Path, worker_venv: Path, tmp_path: Path) -> None:
     exe = worker_venv / "bin" / "echo2-worker"
     probe = subprocess.run([str(worker_venv / "bin" / "python"), "-c", "import echo2_worker, echo2; "
-                            "print(echo2_worker.__file__)"], capture_output=True, text=True, check=True)
+                            "print(echo2_worker.__file__)"], capture_output=True, text=True, check=True, timeout=60)
     assert str(worker_venv) in probe.stdout  # the installed copy, not this checkout
     assert subprocess.run([str(exe), "--help"], capture_output=True, timeout=30).returncode == 0
 

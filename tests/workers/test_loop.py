@@ -30,6 +30,22 @@ def active_leases(api: Api, worker_id: str) -> list[Lease]:
         return list(s.scalars(select(Lease).where(Lease.worker_id == worker_id, Lease.status == "active")))
 
 
+def since_first_of(version: int, newest_first: list[dict]) -> list[dict]:
+    """The rollouts from the first one of `version` on. Submissions leave one network thread in
+    order, so a group generated before a swap never lands after one generated after it."""
+    oldest = max(i for i, r in enumerate(newest_first) if r["version"] == version)
+    return newest_first[: oldest + 1]
+
+
+def wait_for_version(api: Api, job_id: str, version: int, count: int = 3) -> list[dict]:
+    """All rollouts, newest first, once `count` of them are of `version`."""
+    def enough() -> list[dict] | None:
+        rows = rollouts(api, job_id)
+        return rows if sum(r["version"] == version for r in rows) >= count else None
+
+    return wait_for(enough, 60, f"{count} rollouts at version {version}")
+
+
 def test_leaf_worker_produces_accepted_rollouts_then_drains(api: Api, tiny_model_dir: Path, worker_factory) -> None:
     setup = start_job(api, tiny_model_dir)
     w = worker_factory(setup, relay=False)  # --no-relay: a leaf fetches from the origin only
@@ -55,13 +71,7 @@ def test_newer_version_is_swapped_in_and_tags_later_rollouts(api: Api, tiny_mode
     wait_for(lambda: rollouts(api, setup.id, "accepted"), 120, "rollouts at version 0")
     publish(setup.learner, setup.id, next_model_dir, version=1, step=0)
     wait_for(lambda: w.worker._loaded == (setup.id, 1), 60, "the swap to version 1")
-    seen = len(rollouts(api, setup.id))
-
-    def later() -> list[dict]:
-        newest_first = rollouts(api, setup.id)
-        return newest_first[: len(newest_first) - seen]
-
-    later = wait_for(later, 60, "rollouts after the swap")
+    later = since_first_of(1, wait_for_version(api, setup.id, 1))
     assert {r["version"] for r in later} == {1} and {r["status"] for r in later} == {"accepted"}
     v0 = w.store.root / setup.id / "v0"
     wait_for(lambda: not v0.exists(), 10, "version 0 to be deleted from disk")  # only versions still needed stay
@@ -82,28 +92,32 @@ def test_a_too_stale_lease_is_released_not_generated(api: Api, tiny_model_dir: P
         s.get(Job, setup.id).step = 1
         s.commit()
     wait_for(lambda: w.worker._loaded == (setup.id, 1), 60, "the swap to version 1")
-    n = len(rollouts(api, setup.id))
-    wait_for(lambda: len(rollouts(api, setup.id)) > n + 2, 60, "rollouts at version 1")
-    stale = [r for r in rollouts(api, setup.id) if r["version"] == 0 and r["status"] == "rejected"]
+    rows = wait_for_version(api, setup.id, 1)
+    stale = [r for r in rows if r["version"] == 0 and r["status"] == "rejected"]
     # Only the leases in flight when the step landed (the current one and the prefetched next one, 4
     # prompts each) can arrive late; nothing is leased with version 0 after the worker hears of it.
     assert len(stale) <= 8
-    assert {r["version"] for r in rollouts(api, setup.id)[:2]} == {1}
+    assert {r["version"] for r in since_first_of(1, rows)} == {1}
     assert w.drain() == 0
 
 
 class SlowBackend(TransformersBackend):
-    """The real transformers backend on a slow machine: each generate call takes at least a second."""
+    """The real transformers backend on a slow machine: each generate call takes at least `delay_s`."""
+
+    def __init__(self, delay_s: float) -> None:
+        super().__init__(device="cpu")
+        self.delay_s = delay_s
 
     def generate(self, requests):  # type: ignore[no-untyped-def]
-        time.sleep(1.0)
+        time.sleep(self.delay_s)
         return super().generate(requests)
 
 
 def test_a_lease_going_stale_mid_way_is_released(api: Api, tiny_model_dir: Path, next_model_dir: Path,
                                                  worker_factory) -> None:
     setup = start_job(api, tiny_model_dir, staleness=0, publish_period=1)
-    w = worker_factory(setup, backend_factory=lambda: SlowBackend(device="cpu"), gen_batch_prompts=1)
+    # 3 s a group: the lease (4 groups) cannot finish while version 1 is published and announced.
+    w = worker_factory(setup, backend_factory=lambda: SlowBackend(3.0), gen_batch_prompts=1)
     wait_for(lambda: w.worker.active_leases() and rollouts(api, setup.id), 120, "a lease half done")
     lease_id = w.worker.active_leases()[0].id
     publish(setup.learner, setup.id, next_model_dir, version=1, step=1)
@@ -185,17 +199,18 @@ def test_control_plane_restart_is_survived(api: Api, tiny_model_dir: Path, worke
 
 def test_a_lease_longer_than_its_ttl_is_renewed(api: Api, tiny_model_dir: Path, worker_factory) -> None:
     port = free_port()
-    server, thread = serve(api, port, lease_ttl_s=3)  # a lease of 4 slow batches outlives its TTL twice
+    # A lease of 4 batches of 2.5 s outlives its TTL; renewal (the first heartbeat after TTL/2) has 2-3 s.
+    server, thread = serve(api, port, lease_ttl_s=6)
     try:
         setup = start_job(api, tiny_model_dir)
         w = worker_factory(setup, server_url=f"http://127.0.0.1:{port}", gen_batch_prompts=1,
-                           backend_factory=lambda: SlowBackend(device="cpu"))
+                           backend_factory=lambda: SlowBackend(2.5))
         wait_for(lambda: w.stats.leases_done >= 1, 120, "a whole lease")
         with api.db.session() as s:
             first = s.scalars(select(Lease).where(Lease.worker_id == w.worker_id).order_by(Lease.created_at)).first()
             assert first.status == "completed"
             last = max(r.created_at for r in s.scalars(select(Rollout).where(Rollout.lease_id == first.id)))
-            assert (last - first.created_at).total_seconds() > 3  # its last group came after one TTL
+            assert (last - first.created_at).total_seconds() > 6  # its last group came after one TTL
         assert w.stats.rollouts_rejected == 0
         assert w.drain() == 0
     finally:

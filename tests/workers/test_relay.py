@@ -65,18 +65,19 @@ def test_relay_serves_while_receiving(tmp_path: Path, tiny_model_dir: Path) -> N
     store = VersionStore(tmp_path)
     held = store.open(JOB, manifest, KEY)
     http = httpx.Client(headers=AUTH)
-    with RelayServer(store, wait_s=1.0) as relay:
+    with RelayServer(store, wait_s=10.0) as relay:
         base = f"{relay.url}/v1/jobs/{JOB}/versions/0"
         held.put(0, chunks[0])
         assert http.get(f"{base}/chunks/0").content == chunks[0]
         got: dict[str, bytes] = {}
-        asker = threading.Thread(target=lambda: got.update(c=http.get(f"{base}/chunks/3", timeout=10).content))
+        asker = threading.Thread(target=lambda: got.update(c=http.get(f"{base}/chunks/3", timeout=20).content))
         asker.start()
         time.sleep(0.3)
         assert asker.is_alive()  # waiting for chunk 3, which has not arrived yet
         held.put(3, chunks[3])
-        asker.join(5)
+        asker.join(15)
         assert got["c"] == chunks[3]
+        relay.wait_s = 1.0
         r = http.get(f"{base}/chunks/1", headers={"Range": "bytes=10-19"})
         assert r.status_code == 404 and r.headers["retry-after"] == "1"  # still missing after wait_s
         held.put(1, chunks[1])
@@ -170,7 +171,7 @@ PARENT = textwrap.dedent("""
 def test_parent_killed_mid_transfer_costs_one_retry(tmp_path: Path, tiny_model_dir: Path) -> None:
     origin_store, manifest = fill_store(tmp_path / "origin", tiny_model_dir)
     fill_store(tmp_path / "parent", tiny_model_dir)
-    rate = 400_000  # the parent trickles, so the kill lands mid-download
+    rate = 200_000  # the parent trickles, so the kill lands mid-download
     parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tmp_path / "parent"), JOB, str(rate), KEY],
                               stdout=subprocess.PIPE, text=True)
     try:
