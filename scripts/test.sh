@@ -22,4 +22,4 @@ fi
 bash scripts/setup_vllm_venv.sh
 
 "$ROOT/.venv/bin/ruff" check .
-exec "$PY" -m pytest -ra "$@"
+exec "$PY" -m pytest -ra --durations=15 "$@"
