@@ -18,7 +18,7 @@ from api.settings import Settings
 from api.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
-STEPS = 30
+STEPS = 40
 
 
 def wait_until(predicate, stack, timeout=600):
@@ -27,6 +27,15 @@ def wait_until(predicate, stack, timeout=600):
         assert time.monotonic() < deadline, "timed out"
         stack.supervise()  # what a process manager does: restart what crashed
         time.sleep(0.5)
+
+
+def accepted_by(settings: Settings, name: str) -> int:
+    db = Database(settings.database_url)
+    try:
+        with db.session() as s:
+            return s.scalar(select(Worker.accepted_rollouts).where(Worker.name == name)) or 0
+    finally:
+        db.dispose()
 
 
 def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, monkeypatch):
@@ -50,7 +59,8 @@ def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, mo
             victim.restarts = 10**6  # stays dead: churn, not a restart
             os.killpg(victim.proc.pid, signal.SIGKILL)
             stack.add_worker()  # a newcomer the scheduler should put to work in the victim's place
-            wait_until(lambda: client.jobs.get(job.id).step >= 12, stack)
+            # It must join, be activated, fetch and generate before the job ends: wait for its rollouts.
+            wait_until(lambda: client.jobs.get(job.id).step >= 12 and accepted_by(settings, "local-3") > 0, stack)
             host = next(c for c in stack.children if c.name == "learner-host")
             os.killpg(host.proc.pid, signal.SIGKILL)  # the learner runs inside its Celery task
             wait_until(lambda: client.jobs.get(job.id).status.is_terminal(), stack)

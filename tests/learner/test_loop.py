@@ -15,7 +15,11 @@ from tests.rollout_driver import RolloutDriver
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
 
 
-def run_job(api, tmp_path, staleness: int, lag: int, max_steps: int = 130):
+MAX_STEPS = 170  # the bound; runs reach the target at 82-112 steps (docs/BENCHMARKS.md), one took > 130
+TARGET = 0.8
+
+
+def run_job(api, tmp_path, staleness: int, lag: int, max_steps: int = MAX_STEPS):
     _, alice = new_user(api)
     job = ok(alice.post("/v1/jobs", json=demo_spec("tiny", max_steps, staleness)), 201)
     token = learner_for(api, job["id"]).headers["Authorization"].split()[1]
@@ -51,7 +55,9 @@ def test_learner_reaches_the_target_over_http(api, tmp_path, staleness, lag):
     job = ok(alice.get(f"/v1/jobs/{job_id}"))
     assert job["status"] == "succeeded", job
     assert curve[0] <= 0.2, curve
-    assert max(curve[-3:]) >= 0.8, curve
+    # The target as bench/learner_staleness.py defines it: a 3-step mean of the step's mean reward.
+    windows = [sum(curve[i - 3:i]) / 3 for i in range(3, len(curve) + 1)]
+    assert max(windows) >= TARGET, curve
     metrics = ok(alice.get(f"/v1/jobs/{job_id}/metrics"))
     assert all(len(m["staleness_hist"]) == staleness + 1 for m in metrics)
     if lag:
