@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 from echo2.snapshots import build_manifest, iter_stream
 
-from api.models import Job, Worker
+from api.models import Job, Worker, utcnow
 from api.services.fleet import assign
+from scheduler.reconcile import TickReport, tick
 
 from .conftest import Api
 
@@ -146,3 +148,22 @@ def drive_job(api: Api, job_id: str, folder: Path, **report: Any) -> DrivenJob:
     ok(learner.post(f"/v1/jobs/{job_id}/learner/steps", json=step_report(0, ids, **report)))
     publish(learner, job_id, folder, version=1, step=1)
     return DrivenJob(job_id, folder, worker_id, ids, learner)
+
+
+def run_tick(api: Api, now: Any = None) -> tuple[TickReport, list[tuple[str, str]]]:
+    """One reconcile tick of the real scheduler; returns its report and the learners it launched."""
+    launched: list[tuple[str, str]] = []
+    with api.db.session() as s:
+        report = tick(s, api.server.settings, lambda job, token: launched.append((job, token)), now=now)
+    return report, launched
+
+
+def bill_past_budget(api: Api, job_id: str) -> None:
+    """Two ticks a second apart with a live learner (so only the budget can stop the job): enough
+    to exhaust the budget of a job created with a tiny budget and a high learner price."""
+    now = utcnow()
+    with api.db.session() as s:
+        s.get(Job, job_id).learner_heartbeat_at = now
+        s.commit()
+    run_tick(api, now=now)
+    run_tick(api, now=now + timedelta(seconds=1))

@@ -2,14 +2,11 @@
 
 import asyncio
 import shutil
-from datetime import timedelta
 
 import pytest
 
-from api.models import Job, utcnow
 from api.services import retention
-from scheduler.reconcile import tick
-from tests.factories import fake_model_folder, new_user, ok, publish, running_job, step_report
+from tests.factories import bill_past_budget, fake_model_folder, new_user, ok, publish, running_job, step_report
 
 
 def _train(api, tmp_path, steps: int, staleness: int = 1, **overrides):
@@ -70,20 +67,11 @@ def test_keep_every_n_keeps_intermediate_checkpoints(api, tmp_path, keep_every_t
     assert [v for v, kept in _available(alice, job_id).items() if kept] == [0, 2, 4, 5]
 
 
-def _stop_over_budget(api, job_id: str) -> None:
-    """What the scheduler does to a job over budget: it closes it without the API's finish route."""
-    now = utcnow()
-    for seconds in (0, 1):
-        with api.db.session() as s:
-            s.get(Job, job_id).learner_heartbeat_at = now
-            tick(s, api.server.settings, lambda job, token: None, now=now + timedelta(seconds=seconds))
-    assert api.admin.get(f"/v1/jobs/{job_id}").json()["status"] == "failed"
-
-
 def test_sweep_collects_what_the_routes_did_not(api, tmp_path):
     alice, job_id, _ = _train(api, tmp_path, steps=3, staleness=2, budget_usd=0.5,
                               learner={"price_per_hour": 3600.0})
-    _stop_over_budget(api, job_id)
+    bill_past_budget(api, job_id)  # the scheduler closes it, without the API's finish route
+    assert api.admin.get(f"/v1/jobs/{job_id}").json()["status"] == "failed"
     assert _version_dirs(api, job_id) == {"v1", "v2", "v3"}  # the scheduler cannot reach the blobs
     blobs = api.server.app.state.blobs
     shutil.copytree(blobs.root / job_id / "v3", blobs.root / job_id / "v4.staging")  # never published

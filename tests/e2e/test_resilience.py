@@ -29,13 +29,9 @@ def wait_until(predicate, stack, timeout=600):
         time.sleep(0.5)
 
 
-def accepted_by(settings: Settings, name: str) -> int:
-    db = Database(settings.database_url)
-    try:
-        with db.session() as s:
-            return s.scalar(select(Worker.accepted_rollouts).where(Worker.name == name)) or 0
-    finally:
-        db.dispose()
+def accepted_by(db: Database, name: str) -> int:
+    with db.session() as s:
+        return s.scalar(select(Worker.accepted_rollouts).where(Worker.name == name)) or 0
 
 
 def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, monkeypatch):
@@ -47,6 +43,7 @@ def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, mo
     port = free_port()
     settings = Settings(data_dir=tmp_path / ".echo2", port=port)
     stack = Stack(settings, workers=3).start()
+    db = Database(settings.database_url)
     try:
         with Client(base_url=stack.url, api_key=stack.admin_key) as client:
             job = client.jobs.create(demo_spec("tiny", STEPS, 2))
@@ -60,7 +57,7 @@ def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, mo
             os.killpg(victim.proc.pid, signal.SIGKILL)
             stack.add_worker()  # a newcomer the scheduler should put to work in the victim's place
             # It must join, be activated, fetch and generate before the job ends: wait for its rollouts.
-            wait_until(lambda: client.jobs.get(job.id).step >= 12 and accepted_by(settings, "local-3") > 0, stack)
+            wait_until(lambda: client.jobs.get(job.id).step >= 12 and accepted_by(db, "local-3") > 0, stack)
             host = next(c for c in stack.children if c.name == "learner-host")
             os.killpg(host.proc.pid, signal.SIGKILL)  # the learner runs inside its Celery task
             wait_until(lambda: client.jobs.get(job.id).status.is_terminal(), stack)
@@ -68,7 +65,6 @@ def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, mo
     finally:
         stack.stop()
     assert final.status.value == "succeeded" and final.step == STEPS, final
-    db = Database(settings.database_url)
     with db.session() as s:
         workers = {w.name: w for w in s.scalars(select(Worker))}
         assert workers["local-0"].status == "offline" and workers["local-0"].job_id is None

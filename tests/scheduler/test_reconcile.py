@@ -4,15 +4,17 @@ budgets, learner launches (with fencing tokens) and cost-aware activation with r
 from datetime import timedelta
 
 from api.models import Job, Worker, utcnow
-from scheduler.reconcile import tick
-from tests.factories import fake_model_folder, new_job, new_provider, new_user, new_worker, ok, running_job
-
-
-def run_tick(api, now=None):
-    launched = []
-    with api.db.session() as s:
-        report = tick(s, api.server.settings, lambda job, token: launched.append((job, token)), now=now)
-    return report, launched
+from tests.factories import (
+    bill_past_budget,
+    fake_model_folder,
+    new_job,
+    new_provider,
+    new_user,
+    new_worker,
+    ok,
+    run_tick,
+    running_job,
+)
 
 
 def test_queued_job_gets_a_learner_launched_once_with_a_working_token(api):
@@ -79,12 +81,7 @@ def test_cost_ledger_and_budget_stop(api, tmp_path):
     _, alice = new_user(api)
     job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), budget_usd=0.5,
                          learner={"price_per_hour": 3600.0})
-    now = utcnow()
-    with api.db.session() as s:  # a live learner, so only the budget can stop the job
-        s.get(Job, job["id"]).learner_heartbeat_at = now
-        s.commit()
-    run_tick(api, now=now)
-    run_tick(api, now=now + timedelta(seconds=1))
+    bill_past_budget(api, job["id"])
     got = ok(alice.get(f"/v1/jobs/{job['id']}"))
     assert got["status"] == "failed" and "budget" in got["status_reason"]
     assert got["cost"]["learner_usd"] >= 0.5
