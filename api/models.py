@@ -109,6 +109,19 @@ class Worker(Base):
     bad_chunks: Mapped[int] = mapped_column(Integer, default=0)
     earned_usd: Mapped[float] = mapped_column(Float, default=0.0)
     active_since: Mapped[datetime | None]
+    # Trust (api/services/trust.py): the learner's audits and the door's checks move a worker along
+    # probation -> trusted <-> suspect -> quarantined -> banned.
+    trust: Mapped[str] = mapped_column(String(16), default="probation")
+    audits_passed: Mapped[int] = mapped_column(Integer, default=0)
+    audits_failed: Mapped[int] = mapped_column(Integer, default=0)
+    strikes: Mapped[int] = mapped_column(Integer, default=0)  # failures since it was last in good standing
+    clean_streak: Mapped[int] = mapped_column(Integer, default=0)  # audits passed in a row
+    quarantines: Mapped[int] = mapped_column(Integer, default=0)
+    quarantined_until: Mapped[datetime | None]
+    trust_reason: Mapped[str | None] = mapped_column(String(512))
+    # Pay for work (scheduler/billing.py): the rate it was activated for, and active time not yet paid.
+    activated_mu: Mapped[float | None] = mapped_column(Float)
+    unbilled_s: Mapped[float] = mapped_column(Float, default=0.0)
     last_heartbeat_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -152,6 +165,14 @@ class Job(Base):
     learner_heartbeat_at: Mapped[datetime | None]
     learner_launched_at: Mapped[datetime | None]
     learner_launches: Mapped[int] = mapped_column(Integer, default=0)
+    # Launches in a row that ended without a committed step: the job fails after a few (a crash loop).
+    learner_failures: Mapped[int] = mapped_column(Integer, default=0)
+    learner_failure_step: Mapped[int | None] = mapped_column(Integer)
+    learner_error: Mapped[str | None] = mapped_column(String(512))
+    learner_crashed_at: Mapped[datetime | None]
+    # From the first published version's config (api/services/versions.py): bounds for the door's checks.
+    vocab_size: Mapped[int | None] = mapped_column(Integer)
+    eos_token_ids: Mapped[list[Any] | None]
     idempotency_key: Mapped[str | None] = mapped_column(String(128))
     request_hash: Mapped[str | None] = mapped_column(String(64))
     # Never leaves the control plane: each version's relay key is derived from it (services.fleet).
@@ -213,6 +234,9 @@ class Rollout(Base):
     samples: Mapped[list[Any]]
     rewards: Mapped[list[Any] | None]
     gen_seconds: Mapped[float] = mapped_column(Float, default=0.0)
+    fault: Mapped[str | None] = mapped_column(String(16))  # of a rejection (echo2.protocol.Fault)
+    audit: Mapped[str | None] = mapped_column(String(16))  # "passed" / "failed" once audited
+    paid_entry_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
     claim_step: Mapped[int | None] = mapped_column(Integer)
     trained_step: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -265,6 +289,39 @@ class StepMetric(Base):
     learner_utilization: Mapped[float | None] = mapped_column(Float)
     rollouts_per_s: Mapped[float | None] = mapped_column(Float)
     cost_usd: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class LedgerEntry(Base):
+    """Money moving: a worker paid for the rollouts named here, or a learner for its time."""
+
+    __tablename__ = "ledger_entries"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # "worker" | "learner"
+    worker_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    provider_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    amount_usd: Mapped[float] = mapped_column(Float)
+    seconds: Mapped[float] = mapped_column(Float)  # billed time
+    groups: Mapped[int] = mapped_column(Integer, default=0)
+    rollout_ids: Mapped[list[Any]] = mapped_column(default=list)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class Audit(Base):
+    """The learner's re-scoring of one worker's group under the version it claimed: the evidence a
+    quarantine or ban points to."""
+
+    __tablename__ = "audits"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
+    worker_id: Mapped[str] = mapped_column(String(32), index=True)
+    rollout_id: Mapped[str] = mapped_column(String(32))
+    version: Mapped[int] = mapped_column(Integer)
+    step: Mapped[int] = mapped_column(Integer)
+    passed: Mapped[bool]
+    reason: Mapped[str | None] = mapped_column(String(512))
+    stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

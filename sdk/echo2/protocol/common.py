@@ -126,6 +126,26 @@ class RolloutStatus(StrEnum):
     rejected = "rejected"
 
 
+class TrustState(StrEnum):
+    """Where a worker stands after the learner's audits of its rollouts (api/services/trust.py)."""
+
+    probation = "probation"  # new: every group audited until it has passed enough audits
+    trusted = "trusted"  # a sampled fraction of its groups is audited
+    suspect = "suspect"  # failed a check lately: every group audited again
+    quarantined = "quarantined"  # no leases until its quarantine ends; its queued rollouts were discarded
+    banned = "banned"  # failed again after a quarantine: never leased to again
+
+    def can_work(self) -> bool:
+        return self not in (TrustState.quarantined, TrustState.banned)
+
+
+class Fault(StrEnum):
+    """Whose fault a rejected rollout is: the worker's counts against its trust and is never paid."""
+
+    worker = "worker"  # invalid at the door, failed its audit, poisoned the loss, sender quarantined
+    platform = "platform"  # accepted in time, then not trained in time (stale at claim): still paid
+
+
 class Backend(StrEnum):
     transformers = "transformers"
     vllm = "vllm"
