@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
-from fastapi import Depends, Request
+from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -36,6 +36,7 @@ SessionDep = Annotated[Session, Depends(_db)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 BlobsDep = Annotated[BlobStore, Depends(_blobs)]
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
+PassedFilter = Annotated[bool | None, Query(description="Only passed (true) or failed (false) audits.")]
 
 
 @dataclass

@@ -284,6 +284,9 @@ class StepMetric(Base):
     clip_frac: Mapped[float | None] = mapped_column(Float)
     groups: Mapped[int] = mapped_column(Integer)
     groups_dropped: Mapped[int] = mapped_column(Integer)
+    groups_rejected: Mapped[int] = mapped_column(Integer, default=0)  # refused by the learner (sender's fault)
+    audits: Mapped[int] = mapped_column(Integer, default=0)
+    audit_s: Mapped[float] = mapped_column(Float, default=0.0)
     staleness_hist: Mapped[list[Any]]
     tokens: Mapped[int] = mapped_column(BigInteger)
     learner_utilization: Mapped[float | None] = mapped_column(Float)

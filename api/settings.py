@@ -40,6 +40,20 @@ class Settings(BaseSettings):
                                      "download (0: only the final or newest one and those rollouts may still use).")
     retention_sweep_s: float = Field(300.0, ge=0, description="Each API process looks for weights left "
                                      "to collect at start and then this often (0: at start only).")
+    audit_rate: float = Field(0.1, ge=0, le=1, description="Share of a trusted worker's groups the learner "
+                              "re-scores (new and suspect workers: every group).")
+    probation_audits: int = Field(5, ge=0, le=1000, description="Audits a new worker must pass to be trusted.")
+    quarantine_s: float = Field(3600.0, ge=0, description="How long a worker that failed twice gets no leases.")
+    learner_max_failures: int = Field(3, ge=1, le=100, description="Learner launches in a row without a "
+                                      "committed step before the job fails.")
+    pay_rate_fraction: float = Field(0.5, gt=0, le=1, description="A worker is paid in full only while it "
+                                     "delivers paid rollouts at this fraction of the rate it was activated for.")
+    pay_window_s: float = Field(300.0, gt=0, description="Active time older than this that no rollout paid for "
+                                "is never paid.")
+    trial_share: float = Field(0.25, gt=0, le=1, description="A worker with no measured output counts for at "
+                               "most this share of a job's needed throughput, whatever it claims.")
+    delivery_grace_s: float = Field(120.0, gt=0, description="An activated worker that delivers nothing for this "
+                                    "long is measured at zero throughput (and deactivated).")
     log_level: str = Field("INFO", description="Python logging level.")
 
     @model_validator(mode="after")

@@ -84,6 +84,27 @@ class BlobStore:
                 if m:
                     yield job_dir.name, int(m.group(1)), m.group(2) is not None
 
+    def read_file(self, job_id: str, manifest: Manifest, path: str, max_bytes: int) -> bytes | None:
+        """One file of a published version, out of its chunks; None if absent or larger than max_bytes."""
+        info = next((f for f in manifest.files if f.path == path), None)
+        if info is None or info.size > max_bytes:
+            return None
+        out, pos, end = bytearray(), info.offset, info.offset + info.size
+        while pos < end:
+            index, skip = divmod(pos, manifest.chunk_size)
+            with open(self.chunk_path(job_id, manifest.version, index), "rb") as fh:
+                fh.seek(skip)
+                piece = fh.read(min(end - pos, manifest.chunk_size - skip))
+            if not piece:
+                raise ChunkError(f"chunk {index} of version {manifest.version} is shorter than its manifest says")
+            out += piece
+            pos += len(piece)
+        return bytes(out)
+
+    def job_file(self, job_id: str, name: str) -> Path:
+        """A file kept for the job's whole life beside its versions (e.g. the tokenizer for display)."""
+        return self.root / job_id / name
+
     def chunk_path(self, job_id: str, version: int, index: int) -> Path:
         return self._final(job_id, version) / f"{index}.chunk"
 

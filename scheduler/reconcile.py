@@ -14,14 +14,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from echo2.protocol import JobStatus
+from echo2.protocol import Fault, JobStatus, TrustState
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
 from api.models import (
     Decision,
     Job,
-    Provider,
     Rollout,
     SchedulerState,
     StepMetric,
@@ -34,9 +33,11 @@ from api.services import fleet
 from api.services.jobs import finish_job, spec_of
 from api.services.learning import issue_learner_token
 from api.services.pool import expire_leases
+from api.services.trust import release_quarantines
 from api.settings import Settings
 
-from .capacity import JobProfile, WorkerProfile
+from . import billing
+from .capacity import JobProfile, WorkerPerf, WorkerProfile, required_throughput
 from .solver import Action, SolverConfig, SolverState, decide
 
 log = logging.getLogger(__name__)
@@ -44,6 +45,7 @@ Launcher = Callable[[str, str], None]  # (job id, learner token) -> enqueue its 
 DEFAULT_T_TRAIN_S = 2.0
 MU_WINDOW_S = 60.0
 BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
+WORKING = [s.value for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
 
 
 @dataclass
@@ -60,11 +62,15 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
     report = TickReport(launched=[])
     report.offline = _mark_offline(db, settings, now)
     report.prompts_returned = expire_leases(db, now)
-    _bill(db, settings, now)
+    release_quarantines(db, now)
+    billing.bill(db, settings, now, _state(db, "last_tick").get("at"))
+    _put_state(db, "last_tick", {"at": now.timestamp()})
     for job in db.scalars(select(Job).where(Job.status.in_(("queued", "running"))).with_for_update()):
         _enforce_budget(db, job)
         _close_orphan(db, job, settings, now)
         if not JobStatus(job.status).is_terminal() and _learner_needed(job, settings, now):
+            if _crash_loop(db, job, settings):
+                continue
             job.learner_launched_at, job.learner_launches = now, job.learner_launches + 1
             report.launched.append((job.id, issue_learner_token(db, job)))
     db.flush()
@@ -88,27 +94,6 @@ def _mark_offline(db: Session, settings: Settings, now: datetime) -> int:
     return count
 
 
-def _bill(db: Session, settings: Settings, now: datetime) -> None:
-    """Advance the cost ledger by the time since the last tick (capped, so scheduler downtime is not
-    billed as if everything ran): learners at their reserved price, active workers at theirs."""
-    last = _state(db, "last_tick").get("at")
-    _put_state(db, "last_tick", {"at": now.timestamp()})
-    if last is None:
-        return
-    hours = min(max(now.timestamp() - last, 0.0), 10 * settings.reconcile_interval_s) / 3600
-    for job in db.scalars(select(Job).where(Job.status == "running")):
-        job.learner_usd += (spec_of(job).learner.price_per_hour or 0.0) * hours
-    for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == "active")):
-        cost = worker.price_per_hour * hours
-        worker.earned_usd += cost
-        job = db.get(Job, worker.job_id)
-        provider = db.get(Provider, worker.provider_id)
-        if job is not None:
-            job.workers_usd += cost
-        if provider is not None:
-            provider.earnings_usd += cost
-
-
 def _enforce_budget(db: Session, job: Job) -> None:
     budget = spec_of(job).budget_usd
     spent = job.learner_usd + job.workers_usd
@@ -127,10 +112,29 @@ def _close_orphan(db: Session, job: Job, settings: Settings, now: datetime) -> N
         job.final_version = job.version
 
 
+def _crash_loop(db: Session, job: Job, settings: Settings) -> bool:
+    """Count a relaunch that follows no committed step; after `learner_max_failures` of them in a row the
+    job fails with the learner's last error instead of being relaunched forever. True if it failed."""
+    if job.learner_launched_at is None:
+        return False
+    if job.learner_failure_step == job.step:
+        job.learner_failures += 1
+    else:
+        job.learner_failures, job.learner_failure_step = 1, job.step
+    if job.learner_failures < settings.learner_max_failures:
+        return False
+    error = job.learner_error or "it stopped heartbeating without reporting an error"
+    finish_job(db, job, JobStatus.failed,
+               f"the learner failed {job.learner_failures} times in a row at step {job.step}: {error}"[:512])
+    return True
+
+
 def _learner_needed(job: Job, settings: Settings, now: datetime) -> bool:
     launched = job.learner_launched_at
     if launched is None:
         return True
+    if job.learner_crashed_at is not None and job.learner_crashed_at >= launched:
+        return True  # it reported its own death: no need to wait for silence
     beat = job.learner_heartbeat_at
     if beat is not None and beat >= launched:  # it started: relaunch once it falls silent
         return now - beat > timedelta(seconds=settings.learner_dead_after_s)
@@ -140,9 +144,12 @@ def _learner_needed(job: Job, settings: Settings, now: datetime) -> bool:
 
 def _activate(db: Session, settings: Settings, now: datetime) -> tuple[int, int]:
     jobs = list(db.scalars(select(Job).where(Job.status == "running", Job.version.is_not(None))))
-    workers = list(db.scalars(select(Worker).where(Worker.status.in_(("idle", "active")))))
+    workers = list(db.scalars(select(Worker).where(Worker.status.in_(("idle", "active")),
+                                                   Worker.trust.in_(WORKING))))
+    job_profiles = [_job_profile(db, j) for j in jobs]
+    profiles = {w.id: _worker_profile(db, w, now, job_profiles, settings) for w in workers}
     stored = _state(db, "solver")
-    decision = decide([_job_profile(db, j) for j in jobs], [_worker_profile(db, w, now) for w in workers],
+    decision = decide(job_profiles, list(profiles.values()),
                       now=now.timestamp(), state=SolverState.from_dict(stored) if stored else None,
                       config=SolverConfig(method=settings.solver, min_dwell_s=settings.min_dwell_s))
     _put_state(db, "solver", decision.state.to_dict())
@@ -154,6 +161,7 @@ def _activate(db: Session, settings: Settings, now: datetime) -> tuple[int, int]
             continue
         if line.action is Action.ACTIVATE and line.job_id in jobs_by_id:
             fleet.assign(worker, jobs_by_id[line.job_id])
+            worker.activated_mu = profiles[worker.id].perf_for(line.job_id).mu  # what its pay is measured against
             activated += 1
         elif line.action is Action.DEACTIVATE or (line.job_id is None and worker.job_id is not None):
             fleet.unassign(db, worker)
@@ -180,18 +188,31 @@ def _job_profile(db: Session, job: Job) -> JobProfile:
                       submitted_at=job.created_at.timestamp())
 
 
-def _worker_profile(db: Session, worker: Worker, now: datetime) -> WorkerProfile:
-    """μ from accepted groups in the last minute of work (raw generation rate); the registration
-    benchmark until there is a measurement."""
+def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobProfile],
+                    settings: Settings) -> WorkerProfile:
+    """μ from the groups it delivered that were worth something (accepted, and not rejected for its own
+    fault) in the last minute of work: the raw generation rate. A worker with no such measurement yet
+    counts, whatever it claims, for at most `trial_share` of each job's need; one activated for
+    `delivery_grace_s` that delivered nothing is measured at zero."""
     since = now - timedelta(seconds=MU_WINDOW_S)
     done, gen = db.execute(select(func.count(), func.avg(Rollout.gen_seconds)).where(
-        Rollout.worker_id == worker.id, Rollout.created_at >= since)).one()
+        Rollout.worker_id == worker.id, Rollout.created_at >= since,
+        func.coalesce(Rollout.fault, "") != Fault.worker.value)).one()
     active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
-    mu = done / min(active_s, MU_WINDOW_S) if done and active_s >= 5 else (worker.rollouts_per_s or 1.0)
-    t_gen = float(gen) if gen else 1.0 / mu
+    trial = None
+    if done and active_s >= 5:
+        mu = done / min(active_s, MU_WINDOW_S)
+    elif active_s >= settings.delivery_grace_s:
+        mu = 0.0
+    else:
+        mu, trial = worker.rollouts_per_s or 1.0, worker.rollouts_per_s or 1.0
+    t_gen = float(gen) if gen else 1.0 / max(mu, 1e-9)
+    t_bcast = _t_bcast(db, worker)
+    per_job = {j.job_id: WorkerPerf(min(trial, settings.trial_share * required_throughput(j)), t_gen, t_bcast)
+               for j in jobs} if trial is not None else {}
     return WorkerProfile(worker_id=worker.id, price_per_h=worker.price_per_hour, vram_gb=worker.vram_gb,
-                         backends=frozenset(worker.backends), mu=mu, t_gen_s=t_gen,
-                         t_bcast_s=_t_bcast(db, worker))
+                         backends=frozenset(worker.backends), mu=mu, t_gen_s=t_gen, t_bcast_s=t_bcast,
+                         perf_by_job=per_job)
 
 
 def _t_bcast(db: Session, worker: Worker) -> float:

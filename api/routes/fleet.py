@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated
 
 from echo2.protocol import (
+    AuditRead,
     DesiredState,
     Heartbeat,
     HeartbeatReply,
@@ -26,14 +27,15 @@ from ..deps import (
     AnyPrincipal,
     Credentials,
     CurrentProvider,
+    PassedFilter,
     Principal,
     SessionDep,
     SettingsDep,
     Token,
 )
 from ..errors import ApiError
-from ..models import Job, Provider, User, Worker
-from ..services import fleet
+from ..models import Audit, Job, Provider, User, Worker
+from ..services import fleet, trust
 
 router = APIRouter(prefix="/v1", tags=["fleet"])
 
@@ -111,6 +113,18 @@ async def heartbeat(worker_id: str, body: Heartbeat, token: Token, request: Requ
     reply = await request.app.state.heartbeats.submit(token, worker_id, body)
     # Serialised here, once: the reply is built from our own model, so re-validating it is waste.
     return Response(reply.model_dump_json(), media_type="application/json")
+
+
+@router.get("/workers/{worker_id}/audits", operation_id="list_worker_audits",
+            summary="The learner's audits of this worker's groups, newest first: the evidence behind its trust",
+            description="Visible to the worker itself, its provider and admins.")
+def list_worker_audits(worker_id: str, p: AnyPrincipal, db: SessionDep,
+                       passed: PassedFilter = None,
+                       limit: Annotated[int, Query(ge=1, le=500)] = 100) -> list[AuditRead]:
+    worker = _visible_worker(db, p, worker_id)
+    if p.kind == "user" and not p.is_admin:
+        raise ApiError(403, "a worker's audits are for the worker, its provider and admins")
+    return trust.audit_reads(db, select(Audit).where(Audit.worker_id == worker.id), passed, limit)
 
 
 @router.delete("/workers/{worker_id}", status_code=204, operation_id="deregister_worker",

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Annotated
 
 from echo2.protocol import (
+    AuditRead,
     DecisionRead,
     JobRead,
     JobSpec,
@@ -21,10 +23,10 @@ from sqlalchemy import func, select
 
 from learner.tasks import get_task, list_tasks
 
-from ..deps import BlobsDep, CurrentUser, SessionDep, SettingsDep, owned_job
-from ..models import Decision, Job, Prompt, Rollout, StepMetric
+from ..deps import BlobsDep, CurrentUser, PassedFilter, SessionDep, SettingsDep, owned_job
+from ..models import Audit, Decision, Job, Prompt, Rollout, StepMetric
 from ..services import jobs as svc
-from ..services import retention
+from ..services import modelinfo, retention, trust
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 Limit = Annotated[int, Query(ge=1, le=200, description="Page size.")]
@@ -90,15 +92,16 @@ def list_prompts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 
 
 
 @router.get("/jobs/{job_id}/rollouts", operation_id="list_job_rollouts", summary="A job's rollouts, newest first")
-def list_rollouts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 20, offset: Offset = 0,
-                  status: RolloutStatus | None = None) -> Page[RolloutRead]:
+def list_rollouts(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, limit: Limit = 20,
+                  offset: Offset = 0, status: RolloutStatus | None = None) -> Page[RolloutRead]:
     owned_job(db, user, job_id)
     query = select(Rollout, Prompt.text).join(Prompt, Prompt.id == Rollout.prompt_id).where(Rollout.job_id == job_id)
     if status is not None:
         query = query.where(Rollout.status == status.value)
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
     rows = db.execute(query.order_by(Rollout.created_at.desc(), Rollout.id).limit(limit).offset(offset))
-    items = [_rollout_read(r, text) for r, text in rows]
+    decode = modelinfo.decoder(blobs, job_id)
+    items = [_rollout_read(r, text, decode) for r, text in rows]
     return Page[RolloutRead](items=items, total=total, next_offset=_next(offset, len(items), total))
 
 
@@ -121,6 +124,15 @@ def list_decisions(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit 
     return [DecisionRead.model_validate(d) for d in rows]
 
 
+@router.get("/jobs/{job_id}/audits", operation_id="list_job_audits",
+            summary="The learner's audits of this job's rollouts, newest first (failed ones name the worker)")
+def list_job_audits(job_id: str, user: CurrentUser, db: SessionDep,
+                    passed: PassedFilter = None,
+                    limit: Limit = 50) -> list[AuditRead]:
+    owned_job(db, user, job_id)
+    return trust.audit_reads(db, select(Audit).where(Audit.job_id == job_id), passed, limit)
+
+
 @router.get("/tasks", operation_id="list_tasks", summary="Registered task adapters and their parameters")
 def tasks(_: CurrentUser) -> list[TaskInfo]:
     out = []
@@ -131,12 +143,12 @@ def tasks(_: CurrentUser) -> list[TaskInfo]:
     return out
 
 
-def _rollout_read(r: Rollout, prompt_text: str) -> RolloutRead:
+def _rollout_read(r: Rollout, prompt_text: str, decode: Callable[[list[int]], str]) -> RolloutRead:
     return RolloutRead(
         id=r.id, job_id=r.job_id, prompt_id=r.prompt_id, prompt_text=prompt_text, worker_id=r.worker_id,
-        lease_id=r.lease_id, version=r.version, status=RolloutStatus(r.status), reason=r.reason,
-        trained_step=r.trained_step, completions=[s["text"] for s in r.samples], rewards=r.rewards,
-        created_at=r.created_at,
+        lease_id=r.lease_id, version=r.version, status=RolloutStatus(r.status), reason=r.reason, fault=r.fault,
+        audit=r.audit, trained_step=r.trained_step, completions=[decode(s["token_ids"]) for s in r.samples],
+        rewards=r.rewards, created_at=r.created_at,
     )
 
 

@@ -16,10 +16,12 @@ from echo2.protocol import (
     StepReport,
 )
 from fastapi import APIRouter
+from sqlalchemy import select
 
 from ..deps import AdminUser, BlobsDep, LearnerJobId, SessionDep, SettingsDep, learner_job, owned_job
 from ..errors import ApiError
-from ..services import admission, learning, retention
+from ..models import Worker
+from ..services import admission, learning, retention, trust
 from ..services.jobs import finish_job, job_read
 
 router = APIRouter(prefix="/v1/jobs/{job_id}/learner", tags=["learner"])
@@ -45,7 +47,8 @@ def start(job_id: str, token_job: LearnerJobId, db: SessionDep) -> LearnerStartR
 
 @router.post("/claim", operation_id="learner_claim",
              summary="Claim admissible rollouts (t - x <= S) for step t; staler ones are rejected and re-pooled")
-def claim(job_id: str, body: LearnerClaim, token_job: LearnerJobId, db: SessionDep) -> LearnerBatch:
+def claim(job_id: str, body: LearnerClaim, token_job: LearnerJobId, db: SessionDep,
+          settings: SettingsDep) -> LearnerBatch:
     job = learner_job(db, token_job, job_id, for_update=True)
     if job.status != JobStatus.running.value:
         raise ApiError(409, f"job {job_id} is {job.status}")
@@ -53,10 +56,12 @@ def claim(job_id: str, body: LearnerClaim, token_job: LearnerJobId, db: SessionD
         raise ApiError(409, f"claims are for step {job.step} (steps committed so far), not {body.step}", field="step")
     rows, rejected = admission.claim(db, job, body.step, body.max_groups)
     prompts = admission.prompts_by_id(db, [r.prompt_id for r in rows])
+    senders = {w.id: w for w in db.scalars(select(Worker).where(Worker.id.in_({r.worker_id for r in rows})))}
     groups = [
         ClaimedGroup(rollout_id=r.id, prompt_id=r.prompt_id, prompt_text=prompts[r.prompt_id].text,
                      reference=prompts[r.prompt_id].reference, version=r.version, worker_id=r.worker_id,
-                     prompt_token_ids=r.prompt_token_ids, samples=r.samples)
+                     prompt_token_ids=r.prompt_token_ids, samples=r.samples,
+                     audit=trust.should_audit(senders.get(r.worker_id), r.id, settings))
         for r in rows
     ]
     db.commit()
@@ -65,9 +70,10 @@ def claim(job_id: str, body: LearnerClaim, token_job: LearnerJobId, db: SessionD
 
 @router.post("/steps", operation_id="learner_report_step",
              summary="Commit a trained step: its rollouts become trained, metrics are stored")
-def report_step(job_id: str, body: StepReport, token_job: LearnerJobId, db: SessionDep) -> StepAck:
+def report_step(job_id: str, body: StepReport, token_job: LearnerJobId, db: SessionDep,
+                settings: SettingsDep) -> StepAck:
     job = learner_job(db, token_job, job_id, for_update=True)
-    ack = learning.commit_step(db, job, body)
+    ack = learning.commit_step(db, job, body, settings)
     db.commit()
     return ack
 
@@ -75,7 +81,7 @@ def report_step(job_id: str, body: StepReport, token_job: LearnerJobId, db: Sess
 @router.post("/heartbeat", operation_id="learner_heartbeat", summary="Learner liveness and utilisation")
 def heartbeat(job_id: str, body: LearnerHeartbeat, token_job: LearnerJobId, db: SessionDep) -> StepAck:
     job = learner_job(db, token_job, job_id, for_update=True)
-    learning.record_heartbeat(job, body.busy_s, body.wall_s)
+    learning.record_heartbeat(job, body)
     db.commit()
     return learning.ack(job)
 

@@ -4,13 +4,21 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from echo2.protocol import JobStatus, LeaseRead, LeaseRequest, LeaseStatus, RolloutSubmit, RolloutSubmitResult
+from echo2.protocol import (
+    JobStatus,
+    LeaseRead,
+    LeaseRequest,
+    LeaseStatus,
+    RolloutSubmit,
+    RolloutSubmitResult,
+    TrustState,
+)
 from fastapi import APIRouter
 
 from ..deps import CurrentWorker, SessionDep, SettingsDep
 from ..errors import ApiError
 from ..models import Job, Lease, Worker, utcnow
-from ..services import admission, pool
+from ..services import admission, pool, trust
 from ..services.jobs import sampling_of, spec_of
 
 router = APIRouter(prefix="/v1", tags=["leases"])
@@ -18,9 +26,11 @@ router = APIRouter(prefix="/v1", tags=["leases"])
 
 @router.post("/leases", status_code=201, operation_id="create_lease",
              summary="Lease a batch of server-chosen prompts of the job this worker is assigned to",
-             responses={403: {"description": "Not assigned to this job."},
+             responses={403: {"description": "Not assigned to this job, or quarantined or banned."},
                         409: {"description": "Version too stale, or no prompts free (Retry-After)."}})
 def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, settings: SettingsDep) -> LeaseRead:
+    if not TrustState(worker.trust).can_work():
+        raise ApiError(403, f"this worker gets no leases: {trust.notice(worker)}")
     if worker.job_id != body.job_id or worker.desired != "active":
         raise ApiError(403, f"this worker is not assigned to job {body.job_id}; follow the heartbeat reply",
                        field="job_id")
@@ -58,13 +68,14 @@ def release_lease(lease_id: str, worker: CurrentWorker, db: SessionDep) -> Lease
 
 @router.post("/leases/{lease_id}/rollouts", operation_id="submit_rollouts",
              summary="Submit version-tagged groups for prompts of this lease (idempotent per prompt)")
-def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, db: SessionDep) -> RolloutSubmitResult:
+def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, db: SessionDep,
+                    settings: SettingsDep) -> RolloutSubmitResult:
     lease, job = _own(db, worker, lease_id)  # no job lock: the claim re-checks staleness
     if JobStatus(job.status).is_terminal():
         raise ApiError(409, f"job {job.id} is {job.status}; rollouts are no longer accepted")
     if lease.status == LeaseStatus.active.value and lease.expires_at < utcnow():
         pool.end_lease(db, lease, LeaseStatus.expired.value)
-    results = admission.submit_groups(db, job, lease, worker, body.groups)
+    results = admission.submit_groups(db, job, lease, worker, body.groups, settings)
     db.commit()
     return RolloutSubmitResult(results=results)
 

@@ -14,7 +14,7 @@ from sqlalchemy import select
 from ..deps import AnyPrincipal, BlobsDep, LearnerJobId, Principal, SessionDep, SettingsDep, learner_job
 from ..errors import ApiError
 from ..models import Job, WeightVersion
-from ..services import dissemination, retention
+from ..services import dissemination, modelinfo, retention
 from ..storage import ChunkError, manifest_bytes
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["weights"])
@@ -56,6 +56,7 @@ def publish_version(job_id: str, manifest: Manifest, token_job: LearnerJobId, db
                         targets=dissemination.targets(db, job_id))
     db.add(row)
     job.version = manifest.version
+    modelinfo.record(blobs, job, manifest)
     retention.commit_and_collect(db, blobs, job, settings.keep_versions_every)
     return dissemination.version_reads(db, [row])[0]
 

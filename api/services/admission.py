@@ -1,21 +1,35 @@
 """Rollout admission. A group made with version x is trainable at learner step t only if t - x <= S;
 this is checked when a worker submits and again when the learner claims. Rejected groups keep their
-row (with the reason) and their prompt goes back to the pool: nothing is lost."""
+row (with the reason and whose fault it was) and their prompt goes back to the pool: nothing is lost.
+
+Everything a worker sends is hostile until checked. At the door each sample must fit the job: at most
+`max_new_tokens` tokens, every token id (prompt and completion) inside the version's vocabulary,
+`finish_reason` consistent with the tokens, and every logprob at or above `logprob_floor(V)`: the
+total probability of all tokens less likely than e^floor is at most V * e^floor = 1e-9, so an honest
+sampler draws such a token less than once in a billion tokens, whatever the temperature. A group
+that fails is the worker's fault: it counts against its trust (services/trust.py). The rest is
+checked by the learner, which re-scores a share of the groups (learner/audit.py)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from echo2.protocol import GroupResult, GroupSubmit, RolloutStatus
+from echo2.protocol import Fault, GroupResult, GroupSubmit, JobSpec, RolloutStatus, SampleSubmit, TrustState
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
 from ..models import Job, Lease, Prompt, Rollout, Worker, new_id, utcnow
+from ..settings import Settings
+from . import trust
 from .jobs import spec_of
 from .pool import return_prompts
 
+HONEST_MISS = 1e-9  # chance an honest sampler draws a token below the logprob floor, per token
 
-def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: list[GroupSubmit]) -> list[GroupResult]:
+
+def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: list[GroupSubmit],
+                  settings: Settings) -> list[GroupResult]:
     spec = spec_of(job)
     existing = {
         r.prompt_id: r
@@ -25,56 +39,106 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
     in_lease = set(lease.prompt_ids)
     results: list[GroupResult] = []
     rows: list[dict[str, Any]] = []
-    back_to_pool: list[int] = []
     for group in groups:
         if group.prompt_id in existing:  # idempotent per (lease, prompt): replay the first answer
             r = existing[group.prompt_id]
             results.append(GroupResult(prompt_id=r.prompt_id, rollout_id=r.id, status=r.status, reason=r.reason))
             continue
         if group.prompt_id not in in_lease:
+            trust.strike(db, worker, f"submitted prompt {group.prompt_id}, which is not part of lease {lease.id}",
+                         settings)
             results.append(GroupResult(prompt_id=group.prompt_id, rollout_id=None, status=RolloutStatus.rejected,
                                        reason="prompt is not part of this lease"))
             continue
-        reason = _rejection(job, lease, group, spec.staleness, spec.grpo.group_size)
-        row = _row(job, lease, worker, group, reason)
+        reason, fault = _rejection(job, spec, lease, group)
+        row = _row(job, lease, worker, group, reason, fault)
+        if fault is Fault.worker:
+            trust.strike(db, worker, f"rollout {row['id']} refused at the door: {reason}", settings)
         rows.append(row)
         existing[group.prompt_id] = Rollout(**row)
-        if reason:
-            back_to_pool.append(group.prompt_id)
         results.append(GroupResult(prompt_id=group.prompt_id, rollout_id=row["id"], status=row["status"],
                                    reason=reason))
-    _store(db, lease, worker, rows, back_to_pool)
+    if not TrustState(worker.trust).can_work():  # shut out by a strike above: nothing of it is taken
+        _refuse_all(rows, results, f"sender {worker.trust}")
+    _store(db, lease, worker, rows)
     return results
 
 
-def _rejection(job: Job, lease: Lease, group: GroupSubmit, staleness: int, group_size: int) -> str | None:
+def _refuse_all(rows: list[dict[str, Any]], results: list[GroupResult], reason: str) -> None:
+    by_id = {r.rollout_id: r for r in results}
+    for row in rows:
+        if row["status"] == RolloutStatus.accepted.value:
+            row.update(status=RolloutStatus.rejected.value, reason=reason, fault=Fault.worker.value)
+            by_id[row["id"]].status, by_id[row["id"]].reason = RolloutStatus.rejected, reason
+
+
+def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> tuple[str | None, Fault | None]:
     if lease.status != "active":
-        return f"lease is {lease.status}"
+        return f"lease is {lease.status}", Fault.late
+    if job.step - group.version > spec.staleness and group.version == lease.version:
+        return f"stale: step {job.step} - version {group.version} > S={spec.staleness}", Fault.late
+    problem = _invalid(job, spec, lease, group)
+    return (problem, Fault.worker) if problem else (None, None)
+
+
+def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> str | None:
+    """Why the group cannot be a real sample of the leased version under the job's settings, or None."""
+    g = spec.grpo
     if group.version != lease.version:
         return f"version {group.version} differs from the leased version {lease.version}"
     if job.version is None or group.version > job.version:
         return f"version {group.version} was never published"
-    if job.step - group.version > staleness:
-        return f"stale: step {job.step} - version {group.version} > S={staleness}"
-    if len(group.samples) != group_size:
-        return f"group has {len(group.samples)} samples, the job's group size is {group_size}"
+    if len(group.samples) != g.group_size:
+        return f"group has {len(group.samples)} samples, the job's group size is {g.group_size}"
+    vocab = job.vocab_size
+    if vocab is not None and max(group.prompt_token_ids) >= vocab:
+        return f"prompt token id {max(group.prompt_token_ids)} is outside the vocabulary (size {vocab})"
+    for k, sample in enumerate(group.samples):
+        problem = _invalid_sample(sample, g.max_new_tokens, vocab, set(job.eos_token_ids or ()))
+        if problem:
+            return f"sample {k}: {problem}"
     return None
 
 
-def _row(job: Job, lease: Lease, worker: Worker, group: GroupSubmit, reason: str | None) -> dict[str, Any]:
+def _invalid_sample(sample: SampleSubmit, max_new: int, vocab: int | None, eos: set[int]) -> str | None:
+    n = len(sample.token_ids)
+    if n > max_new:
+        return f"{n} tokens, but the job's max_new_tokens is {max_new}"
+    if vocab is not None and max(sample.token_ids) >= vocab:
+        return f"token id {max(sample.token_ids)} is outside the vocabulary (size {vocab})"
+    if vocab is not None and sample.logprobs and min(sample.logprobs) < logprob_floor(vocab):
+        return (f"logprob {min(sample.logprobs):.1f} is below {logprob_floor(vocab):.1f}: no sampler draws a token "
+                f"that unlikely (all such tokens together have probability < {HONEST_MISS:g})")
+    if sample.finish_reason == "length" and n != max_new:
+        return f"finish_reason is length after {n} tokens, but max_new_tokens is {max_new}"
+    if sample.finish_reason == "stop" and eos and sample.token_ids[-1] not in eos:
+        return f"finish_reason is stop, but the last token {sample.token_ids[-1]} is not an end-of-sequence token"
+    return None
+
+
+def logprob_floor(vocab_size: int) -> float:
+    """The lowest behaviour logprob an honest sample has, but with probability < HONEST_MISS per token."""
+    return -(math.log(vocab_size) - math.log(HONEST_MISS))
+
+
+def _row(job: Job, lease: Lease, worker: Worker, group: GroupSubmit, reason: str | None,
+         fault: Fault | None) -> dict[str, Any]:
     return {
         "id": new_id("rol"), "job_id": job.id, "prompt_id": group.prompt_id, "lease_id": lease.id,
         "worker_id": worker.id, "version": group.version,
         "status": RolloutStatus.rejected.value if reason else RolloutStatus.accepted.value, "reason": reason,
-        "prompt_token_ids": group.prompt_token_ids,
-        "samples": [s.model_dump(mode="json") for s in group.samples], "gen_seconds": group.gen_seconds,
+        "fault": fault.value if fault else None, "prompt_token_ids": group.prompt_token_ids,
+        # The worker's text is not kept: the platform shows its own decoding of the tokens.
+        "samples": [s.model_dump(mode="json", exclude={"text"}) for s in group.samples],
+        "gen_seconds": group.gen_seconds,
     }
 
 
-def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]], back: list[int]) -> None:
+def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]) -> None:
     if rows:
         db.execute(insert(Rollout), rows)
     accepted = [r["prompt_id"] for r in rows if r["status"] == RolloutStatus.accepted.value]
+    back = [r["prompt_id"] for r in rows if r["status"] != RolloutStatus.accepted.value]
     if accepted:
         db.execute(update(Prompt).where(Prompt.id.in_(accepted), Prompt.lease_id == lease.id)
                    .values(state="submitted"))
@@ -98,6 +162,7 @@ def reject_stale(db: Session, job: Job, step: int, staleness: int) -> int:
     ))
     for r in stale:
         r.status, r.reason = "rejected", f"stale at claim: step {step} - version {r.version} > S={staleness}"
+        r.fault = Fault.platform.value
     return_prompts(db, [r.prompt_id for r in stale], from_state="submitted")
     return len(stale)
 

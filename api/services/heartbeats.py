@@ -30,7 +30,7 @@ from ..db import Database
 from ..errors import ApiError, unauthorized
 from ..models import Job, VersionHold, WeightVersion, Worker, utcnow
 from ..settings import Settings
-from . import fleet
+from . import fleet, trust
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 256  # bounds one transaction's length, so a burst cannot hold the write lock for long
@@ -94,7 +94,8 @@ def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
     identities = [auth.lookup(db, p.token) for p in batch]
     ids = {i.principal_id for i in identities if i is not None and i.kind == "worker"}
     rows = {r.id: r for r in db.execute(
-        select(Worker.id, Worker.status, Worker.job_id, Worker.desired, Worker.version_held)
+        select(Worker.id, Worker.status, Worker.job_id, Worker.desired, Worker.version_held, Worker.trust,
+               Worker.quarantined_until, Worker.trust_reason)
         .where(Worker.id.in_(ids)))} if ids else {}
     out: list[_Row | ApiError] = []
     for pending, identity in zip(batch, identities, strict=True):
@@ -145,7 +146,7 @@ def _replies(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tup
             desired = DesiredState.idle.value  # active on a job with no published version yet: wait
         replies[id(p)] = HeartbeatReply(desired=DesiredState(desired), assignment=assignment,
                                         heartbeat_interval_s=settings.heartbeat_interval_s,
-                                        server_time=server_time)
+                                        server_time=server_time, notice=trust.notice(row))
     return replies
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
-from echo2.protocol import JobStatus, StepAck, StepReport
+from echo2.protocol import Fault, JobStatus, LearnerHeartbeat, RolloutStatus, StepAck, StepReport
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
 from .. import auth
 from ..errors import ApiError
-from ..models import Job, Prompt, Rollout, StepMetric, utcnow
+from ..models import Audit, Job, Prompt, Rollout, StepMetric, Worker, utcnow
+from ..settings import Settings
+from . import trust
 from .admission import release_claims
 from .jobs import spec_of
+from .pool import return_prompts
 
 
 def start(db: Session, job: Job) -> int:
@@ -23,14 +26,17 @@ def start(db: Session, job: Job) -> int:
     return release_claims(db, job.id)
 
 
-def commit_step(db: Session, job: Job, report: StepReport) -> StepAck:
+def commit_step(db: Session, job: Job, report: StepReport, settings: Settings) -> StepAck:
     if report.step < job.step and db.get(StepMetric, (job.id, report.step)) is not None:
         return _ack(job)  # a retried report of a committed step
     if JobStatus(job.status) is not JobStatus.running:
         raise ApiError(409, f"job {job.id} is {job.status}; steps can only be reported while running")
     if report.step != job.step:
         raise ApiError(409, f"expected a report for step {job.step}, got {report.step}", field="step")
-    rollouts = _claimed(db, job, report)
+    _check_disjoint(report)
+    rollouts = _claimed(db, job, report, report.rollout_ids, "rollout_ids")
+    refused = _claimed(db, job, report, [r.rollout_id for r in report.rejected], "rejected")
+    _judge(db, job, report, {r.id: r for r in rollouts + refused}, settings)
     _mark_trained(db, job, report, rollouts)
     db.add(_metric_row(db, job, report, len(rollouts)))
     job.step += 1
@@ -38,17 +44,51 @@ def commit_step(db: Session, job: Job, report: StepReport) -> StepAck:
     return _ack(job)
 
 
-def _claimed(db: Session, job: Job, report: StepReport) -> list[Rollout]:
-    ids = set(report.rollout_ids)
-    rows = list(db.scalars(select(Rollout).where(Rollout.id.in_(ids), Rollout.job_id == job.id)))
+def _check_disjoint(report: StepReport) -> None:
+    trained, refused = set(report.rollout_ids), {r.rollout_id for r in report.rejected}
+    if trained & refused:
+        raise ApiError(422, f"rollouts both trained and rejected: {sorted(trained & refused)[:5]}", field="rejected")
+    unknown = {a.rollout_id for a in report.audits} - trained - refused
+    if unknown:
+        raise ApiError(422, f"audits of rollouts this step neither trained nor rejected: {sorted(unknown)[:5]}",
+                       field="audits")
+
+
+def _claimed(db: Session, job: Job, report: StepReport, wanted: list[str], field: str) -> list[Rollout]:
+    ids = set(wanted)
+    rows = list(db.scalars(select(Rollout).where(Rollout.id.in_(ids), Rollout.job_id == job.id))) if ids else []
     bad = ids - {r.id for r in rows if r.status == "claimed" and r.claim_step == report.step}
     if bad:
-        raise ApiError(409, f"rollouts not claimed for step {report.step}: {sorted(bad)[:5]}", field="rollout_ids")
+        raise ApiError(409, f"rollouts not claimed for step {report.step}: {sorted(bad)[:5]}", field=field)
     staleness = spec_of(job).staleness
     too_old = [r.id for r in rows if report.step - r.version > staleness]
     if too_old:  # cannot happen through claim(); refuse rather than record a violation
-        raise ApiError(409, f"rollouts too stale for step {report.step}: {too_old[:5]}", field="rollout_ids")
+        raise ApiError(409, f"rollouts too stale for step {report.step}: {too_old[:5]}", field=field)
     return rows
+
+
+def _judge(db: Session, job: Job, report: StepReport, rows: dict[str, Rollout], settings: Settings) -> None:
+    """The learner's verdicts: audits are recorded as evidence, refused groups go back to the pool,
+    and each sender's trust moves (services/trust.py)."""
+    senders = {w.id: w for w in db.scalars(select(Worker).where(
+        Worker.id.in_({r.worker_id for r in rows.values()})).with_for_update())} if rows else {}
+    for audit in report.audits:
+        rollout = rows[audit.rollout_id]
+        rollout.audit = "passed" if audit.passed else "failed"
+        db.add(Audit(job_id=job.id, worker_id=rollout.worker_id, rollout_id=rollout.id, version=rollout.version,
+                     step=report.step, passed=audit.passed, reason=audit.reason, stats=audit.stats))
+        if audit.passed and rollout.worker_id in senders:
+            trust.passed(senders[rollout.worker_id], settings)
+    for refusal in report.rejected:
+        rollout = rows[refusal.rollout_id]
+        rollout.status, rollout.reason = RolloutStatus.rejected.value, f"refused by the learner: {refusal.reason}"
+        rollout.fault, rollout.claim_step = Fault.worker.value, None
+        if rollout.worker_id in senders:
+            sender = senders[rollout.worker_id]
+            sender.rejected_rollouts += 1
+            trust.strike(db, sender, f"rollout {rollout.id}: {refusal.reason}", settings,
+                         audited=rollout.audit == "failed")
+    return_prompts(db, [rows[r.rollout_id].prompt_id for r in report.rejected], from_state="submitted")
 
 
 def _mark_trained(db: Session, job: Job, report: StepReport, rollouts: list[Rollout]) -> None:
@@ -71,7 +111,8 @@ def _metric_row(db: Session, job: Job, report: StepReport, groups: int) -> StepM
     return StepMetric(
         job_id=job.id, step=report.step, t_train_s=report.t_train_s, reward_mean=report.reward_mean,
         reward_std=report.reward_std, loss=report.loss, kl=report.kl, clip_frac=report.clip_frac,
-        groups=groups, groups_dropped=report.groups_dropped, staleness_hist=report.staleness_hist,
+        groups=groups, groups_dropped=report.groups_dropped, groups_rejected=len(report.rejected),
+        audits=len(report.audits), audit_s=report.audit_s, staleness_hist=report.staleness_hist,
         tokens=report.tokens, learner_utilization=util, rollouts_per_s=groups / elapsed,
         cost_usd=job.learner_usd + job.workers_usd,
     )
@@ -84,9 +125,13 @@ def _ack(job: Job) -> StepAck:
     return StepAck(step=job.step, job_status=JobStatus(job.status), stop=stop)
 
 
-def record_heartbeat(job: Job, busy_s: float, wall_s: float) -> None:
+def record_heartbeat(job: Job, beat: LearnerHeartbeat) -> None:
+    """Liveness and utilisation; an error report marks the learner crashed, so the scheduler relaunches
+    it at once (and counts the launch against the job's crash-loop limit)."""
     job.learner_heartbeat_at = utcnow()
-    job.learner_busy_s, job.learner_wall_s = busy_s, wall_s
+    job.learner_busy_s, job.learner_wall_s = beat.busy_s, beat.wall_s
+    if beat.error is not None:
+        job.learner_error, job.learner_crashed_at = beat.error, utcnow()
 
 
 def ack(job: Job) -> StepAck:

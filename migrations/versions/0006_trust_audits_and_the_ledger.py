@@ -68,6 +68,11 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('paid_entry_id', sa.BigInteger(), nullable=True))
         batch_op.create_index(batch_op.f('ix_rollouts_paid_entry_id'), ['paid_entry_id'], unique=False)
 
+    with op.batch_alter_table('step_metrics', schema=None) as batch_op:
+        batch_op.add_column(sa.Column('groups_rejected', sa.Integer(), nullable=False, server_default='0'))
+        batch_op.add_column(sa.Column('audits', sa.Integer(), nullable=False, server_default='0'))
+        batch_op.add_column(sa.Column('audit_s', sa.Float(), nullable=False, server_default='0'))
+
     with op.batch_alter_table('workers', schema=None) as batch_op:
         batch_op.add_column(sa.Column('trust', sa.String(length=16), nullable=False, server_default='probation'))
         batch_op.add_column(sa.Column('audits_passed', sa.Integer(), nullable=False, server_default='0'))
@@ -96,6 +101,11 @@ def downgrade() -> None:
         batch_op.drop_column('audits_failed')
         batch_op.drop_column('audits_passed')
         batch_op.drop_column('trust')
+
+    with op.batch_alter_table('step_metrics', schema=None) as batch_op:
+        batch_op.drop_column('audit_s')
+        batch_op.drop_column('audits')
+        batch_op.drop_column('groups_rejected')
 
     with op.batch_alter_table('rollouts', schema=None) as batch_op:
         batch_op.drop_index(batch_op.f('ix_rollouts_paid_entry_id'))

@@ -134,7 +134,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     explain = jc.add_parser("explain", parents=[conn], help="why the scheduler activated or released workers",
                             description="The scheduler's activation decisions for a job, newest first: "
-                                        "one line each with its time, action and explanation.")
+                                        "one line each with its time, action and explanation; then the "
+                                        "failed audits of its rollouts, each with the worker's trust state.")
     explain.add_argument("job_id", metavar="JOB_ID")
     explain.add_argument("--limit", type=int, default=50, metavar="N", help="decisions shown (default 50, max 200)")
     explain.add_argument("--json", action="store_true", help="print the decisions as JSON (with their triggers)")
@@ -318,13 +319,19 @@ def _jobs_metrics(args: argparse.Namespace) -> int:
 def _jobs_explain(args: argparse.Namespace) -> int:
     with _client(args) as client:
         decisions = client.jobs.decisions(args.job_id, limit=args.limit)
+        failed = client.jobs.audits(args.job_id, passed=False, limit=args.limit)
     if args.json:
-        print(json.dumps([d.model_dump(mode="json") for d in decisions], indent=2))
+        print(json.dumps({"decisions": [d.model_dump(mode="json") for d in decisions],
+                          "failed_audits": [a.model_dump(mode="json") for a in failed]}, indent=2))
         return 0
     for d in decisions:
         print(f"{d.created_at.strftime('%Y-%m-%d %H:%M:%S')}  {d.action:<11}  {' '.join(d.line.split())}")
     if not decisions:
         print("(no activation decisions yet)")
+    for a in failed:
+        state = a.worker_trust.value if a.worker_trust else "unknown"
+        print(f"{a.created_at.strftime('%Y-%m-%d %H:%M:%S')}  audit fail   {a.worker_id} ({state}): "
+              f"rollout {a.rollout_id} of version {a.version}: {a.reason}")
     return 0
 
 

@@ -38,6 +38,7 @@ from . import __version__, errors
 from ._retry import RetryPolicy, retry_after
 from .protocol import (
     ApiKeyCreated,
+    AuditRead,
     DatasetCreate,
     DatasetItems,
     DatasetRead,
@@ -367,6 +368,10 @@ class _JobsBase(_Resource):
         return _Req("GET", f"/v1/jobs/{_seg(job_id, 'job_id')}/decisions", list[DecisionRead],
                     params=_params(limit=limit))
 
+    def _audits(self, job_id: str, passed: bool | None, limit: int) -> _Req[list[AuditRead]]:
+        return _Req("GET", f"/v1/jobs/{_seg(job_id, 'job_id')}/audits", list[AuditRead],
+                    params=_params(passed=passed, limit=limit))
+
 
 class Jobs(_JobsBase):
     """`client.jobs`: submit, list, inspect, cancel and follow GRPO training jobs."""
@@ -413,6 +418,10 @@ class Jobs(_JobsBase):
         why in one `line`, and the `trigger` that made the scheduler re-solve.
         """
         return self._client._call(self._decisions(job_id, limit))
+
+    def audits(self, job_id: str, *, passed: bool | None = None, limit: int = 50) -> builtins.list[AuditRead]:
+        """The learner's audits of this job's rollouts, newest first; `passed=False` for the failures."""
+        return self._client._call(self._audits(job_id, passed, limit))
 
     def follow(self, job_id: str, *, poll_interval: float = DEFAULT_POLL_INTERVAL,
                timeout: float | None = None) -> Iterator[JobRead]:
@@ -480,6 +489,10 @@ class AsyncJobs(_JobsBase):
 
     async def decisions(self, job_id: str, *, limit: int = 50) -> builtins.list[DecisionRead]:
         return await self._client._call(self._decisions(job_id, limit))
+
+    async def audits(self, job_id: str, *, passed: bool | None = None,
+                     limit: int = 50) -> builtins.list[AuditRead]:
+        return await self._client._call(self._audits(job_id, passed, limit))
 
     async def follow(self, job_id: str, *, poll_interval: float = DEFAULT_POLL_INTERVAL,
                      timeout: float | None = None) -> AsyncIterator[JobRead]:
@@ -613,6 +626,10 @@ class _WorkersBase(_Resource):
     def _get(self, worker_id: str) -> _Req[WorkerRead]:
         return _Req("GET", f"/v1/workers/{_seg(worker_id, 'worker_id')}", WorkerRead)
 
+    def _audits(self, worker_id: str, passed: bool | None, limit: int) -> _Req[list[AuditRead]]:
+        return _Req("GET", f"/v1/workers/{_seg(worker_id, 'worker_id')}/audits", list[AuditRead],
+                    params=_params(passed=passed, limit=limit))
+
 
 class Workers(_WorkersBase):
     """`client.workers`: the workers on your jobs (a provider sees its own; an admin sees all)."""
@@ -624,7 +641,12 @@ class Workers(_WorkersBase):
         return self._client._call(self._list(status, job_id, limit, offset))
 
     def get(self, worker_id: str) -> WorkerRead:
+        """A worker, with its trust state (`trust`, `trust_reason`, `quarantined_until`)."""
         return self._client._call(self._get(worker_id))
+
+    def audits(self, worker_id: str, *, passed: bool | None = None, limit: int = 100) -> builtins.list[AuditRead]:
+        """The evidence behind a worker's trust, newest first (the worker, its provider and admins)."""
+        return self._client._call(self._audits(worker_id, passed, limit))
 
 
 class AsyncWorkers(_WorkersBase):
@@ -636,6 +658,10 @@ class AsyncWorkers(_WorkersBase):
 
     async def get(self, worker_id: str) -> WorkerRead:
         return await self._client._call(self._get(worker_id))
+
+    async def audits(self, worker_id: str, *, passed: bool | None = None,
+                     limit: int = 100) -> builtins.list[AuditRead]:
+        return await self._client._call(self._audits(worker_id, passed, limit))
 
 
 class _ProvidersBase(_Resource):

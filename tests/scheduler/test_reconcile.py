@@ -3,9 +3,13 @@ budgets, learner launches (with fencing tokens) and cost-aware activation with r
 
 from datetime import timedelta
 
-from api.models import Job, Worker, utcnow
+import pytest
+from sqlalchemy import select
+
+from api.models import Job, LedgerEntry, Worker, utcnow
 from tests.factories import (
     bill_past_budget,
+    drive_job,
     fake_model_folder,
     new_job,
     new_provider,
@@ -64,16 +68,18 @@ def test_activation_prefers_the_cheapest_sufficient_workers_and_explains(api, tm
     job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), grpo={"group_size": 2, "prompts_per_step": 2})
     _, provider = new_provider(api)
     ids = {}
-    for name, price in (("cheap", 0.1), ("pricey", 9.0)):
+    # Unmeasured, each counts for at most trial_share (1/4) of the need, whatever it claims: four are needed.
+    for name, price in (*((f"cheap{i}", 0.1) for i in range(5)), ("pricey", 9.0)):
         wid, w = new_worker(api, provider, name, price_per_hour=price, rollouts_per_s=100.0)
         ok(w.post(f"/v1/workers/{wid}/heartbeat", json={}))
         ids[name] = wid
     report, _ = run_tick(api)
-    assert report.activated == 1
-    assert ok(api.admin.get(f"/v1/workers/{ids['cheap']}"))["desired"] == "active"
+    assert report.activated == 4
+    assert sum(ok(api.admin.get(f"/v1/workers/{ids[f'cheap{i}']}"))["desired"] == "active" for i in range(5)) == 4
     assert ok(api.admin.get(f"/v1/workers/{ids['pricey']}"))["desired"] == "idle"
     lines = ok(alice.get(f"/v1/jobs/{job['id']}/decisions"))
-    assert any(d["worker_id"] == ids["cheap"] and d["action"] == "activated" for d in lines)
+    activated = {d["worker_id"] for d in lines if d["action"] == "activated"}
+    assert len(activated) == 4 and activated <= {ids[f"cheap{i}"] for i in range(5)}
     assert all(d["line"] for d in lines)
 
 
@@ -87,22 +93,30 @@ def test_cost_ledger_and_budget_stop(api, tmp_path):
     assert got["cost"]["learner_usd"] >= 0.5
 
 
-def test_worker_earnings_accrue_to_the_provider(api, tmp_path):
+def test_workers_are_paid_for_trained_rollouts_named_in_the_ledger(api, tmp_path):
     _, alice = new_user(api)
-    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
-    _, provider = new_provider(api)
-    wid, worker = new_worker(api, provider, price_per_hour=3600.0, rollouts_per_s=100.0)
-    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={"status": "active"}))
+    job = new_job(alice)
+    driven = drive_job(api, job["id"], fake_model_folder(tmp_path / "m"))
+    _, provider = new_provider(api, "idle-co")
+    idle_id, idle = new_worker(api, provider, "idle", price_per_hour=3600.0, rollouts_per_s=1e6)
     now = utcnow()
     with api.db.session() as s:
-        w = s.get(Worker, wid)
-        w.status = "active"
+        for wid in (driven.worker_id, idle_id):
+            w = s.get(Worker, wid)
+            w.status, w.job_id, w.desired, w.price_per_hour, w.activated_mu = "active", job["id"], "active", 3600.0, 1.0
         s.get(Job, job["id"]).learner_heartbeat_at = now
         s.commit()
     run_tick(api, now=now)
     run_tick(api, now=now + timedelta(seconds=2))
-    assert ok(provider.get("/v1/providers/me"))["earnings_usd"] > 0
-    assert ok(alice.get(f"/v1/jobs/{job['id']}"))["cost"]["workers_usd"] > 0
+    with api.db.session() as s:
+        entries = s.scalars(select(LedgerEntry).where(LedgerEntry.kind == "worker")).all()
+        paid, idle_row = s.get(Worker, driven.worker_id), s.get(Worker, idle_id)
+        assert [e.worker_id for e in entries] == [driven.worker_id]
+        assert sorted(entries[0].rollout_ids) == sorted(driven.rollout_ids)
+        # two trained groups at f = 0.5 of the activated 1 group/s buy 4 s, capped by the 2 s it was active
+        assert entries[0].seconds == pytest.approx(2.0) and entries[0].amount_usd == pytest.approx(2.0)
+        assert paid.earned_usd == pytest.approx(2.0) and idle_row.earned_usd == 0.0
+    assert ok(alice.get(f"/v1/jobs/{job['id']}"))["cost"]["workers_usd"] == pytest.approx(2.0)
 
 
 def test_dissemination_time_is_measured_by_the_control_plane_not_reported(api, tmp_path):
@@ -125,3 +139,48 @@ def test_dissemination_time_is_measured_by_the_control_plane_not_reported(api, t
         reported = _t_bcast(s, s.get_one(Worker, silent_id))
     assert 0 <= measured < 30  # announcement to its heartbeat, not the 999 s it claims
     assert reported == 999.0  # nothing measured yet: its own figure
+
+
+def test_a_learner_crashing_at_the_same_step_fails_the_job_with_its_error(api, tmp_path):
+    _, alice = new_user(api)
+    job = new_job(alice)
+    _, launched = run_tick(api)
+    for attempt in range(api.server.settings.learner_max_failures):
+        learner = api.client(launched[-1][1])
+        ok(learner.post(f"/v1/jobs/{job['id']}/learner/start"))
+        ok(learner.post(f"/v1/jobs/{job['id']}/learner/heartbeat",
+                        json={"step": 0, "state": "failed", "error": "RuntimeError: loss is inf"}))
+        _, launched = run_tick(api)  # relaunched at once: it reported its own death
+        if attempt < api.server.settings.learner_max_failures - 1:
+            assert [j for j, _ in launched] == [job["id"]]
+    got = ok(alice.get(f"/v1/jobs/{job['id']}"))
+    assert got["status"] == "failed" and "failed 3 times in a row at step 0: RuntimeError: loss is inf" in \
+        got["status_reason"]
+    assert launched == []
+
+
+def test_a_learner_that_makes_progress_between_crashes_is_relaunched(api, tmp_path):
+    _, alice = new_user(api)
+    job = new_job(alice)
+    driven = drive_job(api, job["id"], fake_model_folder(tmp_path / "m"))  # committed step 0
+    for _ in range(api.server.settings.learner_max_failures + 1):
+        ok(driven.learner.post(f"/v1/jobs/{job['id']}/learner/heartbeat", json={"step": 1, "error": "killed"}))
+        _, launched = run_tick(api)
+        assert [j for j, _ in launched] == [job["id"]]
+        driven.learner = api.client(launched[0][1])
+        with api.db.session() as s:  # as if each relaunch committed a step before it crashed
+            s.get(Job, job["id"]).step += 1
+            s.commit()
+    assert ok(alice.get(f"/v1/jobs/{job['id']}"))["status"] == "running"
+
+
+def test_a_dead_learner_is_not_billed(api, tmp_path):
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), learner={"price_per_hour": 3600.0})
+    now = utcnow()
+    with api.db.session() as s:
+        s.get(Job, job["id"]).learner_heartbeat_at = now - timedelta(hours=1)
+        s.commit()
+    run_tick(api, now=now)
+    run_tick(api, now=now + timedelta(seconds=2))
+    assert ok(alice.get(f"/v1/jobs/{job['id']}"))["cost"]["learner_usd"] == 0.0

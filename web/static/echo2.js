@@ -292,10 +292,11 @@
   /** One row of the shared workers table (_workers_table.html): 11 columns. */
   function workerRow(w) {
     const gpu = w.gpu_count ? `${w.gpu_count} × ${w.gpu_model} (${fmt.num(w.vram_gb, 0)} GB)` : w.gpu_model;
-    const trust = w.bad_chunks > 0
-      ? h("span", { class: "badge s-failed", title: "Chunks this worker served failed sha256 verification" },
-        `${w.bad_chunks} bad chunk${w.bad_chunks === 1 ? "" : "s"}`)
-      : h("span", { class: "muted" }, "ok");
+    const trust = [h("span", { class: "badge s-" + w.trust, title: w.trust_reason || "" }, w.trust)];
+    if (w.bad_chunks > 0) {
+      trust.push(" ", h("span", { class: "badge s-failed", title: "Chunks this worker served failed sha256 verification" },
+        `${w.bad_chunks} bad chunk${w.bad_chunks === 1 ? "" : "s"}`));
+    }
     const relay = w.relay_url ? [h("span", { class: "badge s-relay" }, "relay"), " ", h("code", { title: w.relay_url }, hostOf(w.relay_url))]
       : h("span", { class: "muted" }, "leaf");
     return h("tr", { dataset: { key: w.id } },

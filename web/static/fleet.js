@@ -35,9 +35,19 @@
       setText("#worker-name", w.name);
       $("#worker-status").replaceWith(Object.assign(badge(w.status), { id: "worker-status" }));
       const trust = $("#worker-trust");
-      trust.hidden = !w.bad_chunks;
-      trust.textContent = w.bad_chunks
-        ? `Trust flag: ${w.bad_chunks} chunk(s) served by this worker failed sha256 verification at its peers.` : "";
+      const flags = [];
+      if (!["probation", "trusted"].includes(w.trust)) flags.push(`${w.trust[0].toUpperCase()}${w.trust.slice(1)}: ${w.trust_reason}`);
+      if (w.bad_chunks) flags.push(`${w.bad_chunks} chunk(s) served by this worker failed sha256 verification at its peers.`);
+      trust.hidden = !flags.length;
+      trust.textContent = flags.join(" ");
+      props("#worker-audits", [
+        ["Trust", badge(w.trust)],
+        ["Audits passed", String(w.audits_passed)],
+        ["Audits failed", String(w.audits_failed)],
+        ["Quarantined until", w.quarantined_until ? timeEl(w.quarantined_until) : "–"],
+        ["Latest evidence", w.trust_reason || "–"],
+      ]);
+      await failedAudits(id);
       props("#worker-hw", [
         ["GPU", w.gpu_count ? `${w.gpu_count} × ${w.gpu_model}` : w.gpu_model],
         ["VRAM", `${fmt.num(w.vram_gb, 1)} GB`],
@@ -66,6 +76,18 @@
     }
     poll(load);
   });
+
+  /** The failed audits behind the trust state; only the worker's provider and admins may read them. */
+  async function failedAudits(id) {
+    const list = $("#worker-failed-audits"), box = list.closest("div");
+    let audits;
+    try { audits = await api(`/v1/workers/${encodeURIComponent(id)}/audits?passed=false&limit=20`); }
+    catch (_) { box.hidden = true; return; }
+    box.hidden = false;
+    fillRows(list, audits.map((a) => h("tr", {},
+      h("td", {}, timeEl(a.created_at, true)), h("td", {}, E2.jobRef(a.job_id)),
+      h("td", { class: "num" }, String(a.version)), h("td", {}, a.reason || ""))), "No failed audits.", 4);
+  }
 
   function props(sel, pairs) {
     $(sel).replaceChildren(...pairs.flatMap(([k, v]) => [h("dt", {}, k), h("dd", {}, v)]));

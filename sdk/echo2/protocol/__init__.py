@@ -3,6 +3,7 @@
 from .common import (
     Backend,
     DesiredState,
+    Fault,
     FieldError,
     JobStatus,
     LeaseStatus,
@@ -10,6 +11,7 @@ from .common import (
     Problem,
     Role,
     RolloutStatus,
+    TrustState,
     WorkerStatus,
 )
 from .datasets import DatasetCreate, DatasetItems, DatasetRead
@@ -42,6 +44,7 @@ from .jobs import (
     TaskSpec,
 )
 from .learner import (
+    AuditReport,
     ClaimedGroup,
     FinishOutcome,
     LearnerBatch,
@@ -50,6 +53,7 @@ from .learner import (
     LearnerHeartbeat,
     LearnerStartReply,
     LearnerTokenIssued,
+    RolloutRejection,
     RolloutRewards,
     StepAck,
     StepReport,
@@ -67,10 +71,13 @@ from .rollouts import (
     RolloutSubmitResult,
     SampleSubmit,
 )
+from .trust import AuditRead
 from .users import ApiKeyCreated, TokenKind, TokenRead, UserCreate, UserCreated, UserRead
 from .weights import ChunkInfo, FileInfo, Manifest, VersionRead
 
 __all__ = [
+    "AuditRead",
+    "AuditReport",
     "DecisionRead",
     "ApiKeyCreated",
     "Assignment",
@@ -83,6 +90,7 @@ __all__ = [
     "DatasetRead",
     "DesiredState",
     "Device",
+    "Fault",
     "FieldError",
     "FileInfo",
     "FinishOutcome",
@@ -118,6 +126,7 @@ __all__ = [
     "ProviderRead",
     "Role",
     "RolloutRead",
+    "RolloutRejection",
     "RolloutRewards",
     "RolloutStatus",
     "RolloutSubmit",
@@ -131,6 +140,7 @@ __all__ = [
     "TaskSpec",
     "TokenKind",
     "TokenRead",
+    "TrustState",
     "UserCreate",
     "UserCreated",
     "UserRead",

@@ -140,10 +140,12 @@ class TrustState(StrEnum):
 
 
 class Fault(StrEnum):
-    """Whose fault a rejected rollout is: the worker's counts against its trust and is never paid."""
+    """Whose fault a rejected rollout is. Only `worker` counts against the worker's trust; only
+    `platform` is still paid (the worker delivered what was asked, in time)."""
 
     worker = "worker"  # invalid at the door, failed its audit, poisoned the loss, sender quarantined
-    platform = "platform"  # accepted in time, then not trained in time (stale at claim): still paid
+    late = "late"  # arrived after its lease ended or its version went stale: not paid, no strike
+    platform = "platform"  # accepted in time, then not trained in time (stale at claim): paid
 
 
 class Backend(StrEnum):

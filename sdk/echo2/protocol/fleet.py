@@ -17,6 +17,7 @@ from .common import (
     Price,
     ReadModel,
     ShortText,
+    TrustState,
     Url,
     Version,
     WorkerStatus,
@@ -82,6 +83,13 @@ class WorkerRead(ReadModel):
     accepted_rollouts: int = 0
     rejected_rollouts: int = 0
     bad_chunks: int = Field(0, description="Chunks this worker served that failed verification (trust flag).")
+    trust: TrustState = Field(TrustState.probation, description="Standing after the learner's audits and the "
+                              "door's checks: probation, trusted, suspect, quarantined or banned.")
+    audits_passed: int = 0
+    audits_failed: int = 0
+    quarantined_until: datetime | None = None
+    trust_reason: str | None = Field(None, description="The latest evidence behind the trust state; "
+                                     "GET /v1/workers/{id}/audits lists every audit.")
     last_heartbeat_at: datetime | None
     created_at: datetime
 
@@ -142,5 +150,7 @@ class Assignment(ReadModel):
 class HeartbeatReply(ReadModel):
     desired: DesiredState
     assignment: Assignment | None = None
+    notice: str | None = Field(None, description="Something the worker's operator should read, e.g. why it is "
+                               "quarantined or banned.")
     heartbeat_interval_s: float
     server_time: datetime

@@ -36,6 +36,8 @@ class ClaimedGroup(ReadModel):
     worker_id: str
     prompt_token_ids: list[int]
     samples: list[SampleSubmit]
+    audit: bool = Field(False, description="Re-score this group under `version` before training on it (the "
+                        "control plane picks by the sender's trust); report the outcome in the step's `audits`.")
 
 
 class LearnerBatch(ReadModel):
@@ -49,9 +51,32 @@ class RolloutRewards(Model):
     rewards: list[Reward | None] = Field(max_length=64)
 
 
+class RolloutRejection(Model):
+    """A claimed group the learner refused to train on; always the sender's fault (its trust pays)."""
+
+    rollout_id: RolloutId
+    reason: ShortText
+
+
+class AuditReport(Model):
+    """The learner's re-scoring of one group under the version its sender claimed."""
+
+    rollout_id: RolloutId
+    passed: bool
+    reason: ShortText | None = None
+    stats: dict[Annotated[str, StringConstraints(max_length=32)], Annotated[float, Field(ge=-1e12, le=1e12)]] = \
+        Field(default_factory=dict, max_length=16, description="e.g. tokens, max_abs_diff, mean_abs_diff, z.")
+
+
 class StepReport(Model):
     step: Step
     rollout_ids: list[RolloutId] = Field(max_length=4096, description="Rollouts consumed by this step.")
+    rejected: list[RolloutRejection] = Field(
+        default_factory=list, max_length=4096,
+        description="Claimed rollouts not trained: failed audit, poisoned loss, tokens that do not fit the model. "
+        "They are rejected as the sender's fault and their prompts return to the pool.")
+    audits: list[AuditReport] = Field(default_factory=list, max_length=4096)
+    audit_s: float = Field(0.0, ge=0, le=86_400, description="Learner seconds spent auditing in this step.")
     rewards: list[RolloutRewards] = Field(default_factory=list, max_length=4096)
     t_train_s: float = Field(ge=0, le=86_400)
     reward_mean: float | None = Field(None, ge=-1e6, le=1e6)
@@ -75,6 +100,9 @@ class LearnerHeartbeat(Model):
     busy_s: float = Field(0, ge=0, le=1e9, description="Seconds spent training since the learner started.")
     wall_s: float = Field(0, ge=0, le=1e9)
     state: ShortText = "training"
+    error: ShortText | None = Field(None, description="Set by a learner that is about to exit on an error: the "
+                                    "scheduler relaunches it at once, and fails the job after a few launches in "
+                                    "a row without a committed step.")
 
 
 class FinishOutcome(StrEnum):

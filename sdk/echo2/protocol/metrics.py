@@ -17,6 +17,9 @@ class StepMetrics(ReadModel):
     clip_frac: float | None
     groups: int
     groups_dropped: int
+    groups_rejected: int = 0
+    audits: int = 0
+    audit_s: float = 0.0
     staleness_hist: list[int]
     tokens: int
     learner_utilization: float | None

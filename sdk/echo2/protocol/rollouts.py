@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from .common import Id, LeaseStatus, Logprob, Model, ReadModel, RolloutStatus, Text, TokenId, Version
+from .common import Fault, Id, LeaseStatus, Logprob, Model, ReadModel, RolloutStatus, Text, TokenId, Version
 from .fleet import SamplingParams
 
 
@@ -42,9 +42,13 @@ class FinishReason(StrEnum):
 
 
 class SampleSubmit(Model):
+    """One sample. The control plane checks it against the job at the door: at most the job's
+    `max_new_tokens` tokens, every id inside the vocabulary, logprobs finite and no lower than a
+    token an honest sampler could have drawn, and `finish_reason` consistent with the tokens."""
+
     token_ids: list[TokenId] = Field(min_length=1, max_length=16_384, description="Completion tokens only.")
     logprobs: list[Logprob] = Field(max_length=16_384, description="Behaviour log-probs, one per token.")
-    text: Text
+    text: Text = Field("", description="Ignored: the platform decodes the tokens itself and shows only that text.")
     finish_reason: FinishReason
 
     @model_validator(mode="after")
@@ -89,7 +93,10 @@ class RolloutRead(ReadModel):
     version: int
     status: RolloutStatus
     reason: str | None
+    fault: Fault | None = Field(None, description="Whose fault a rejection is (worker, late, platform).")
+    audit: str | None = Field(None, description="`passed` or `failed` when the learner audited this group.")
     trained_step: int | None
-    completions: list[str]
+    completions: list[str] = Field(description="Each sample's tokens as decoded by the platform with the job's "
+                                   "tokenizer (never the text a worker sent).")
     rewards: list[float | None] | None
     created_at: datetime

@@ -10,11 +10,12 @@ This module must stay free of torch / vllm imports: `echo2-worker --help` import
 
 from __future__ import annotations
 
-import json
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
+
+from echo2.modelinfo import eos_token_ids, folder_reader
 
 FinishReason = Literal["stop", "length"]
 
@@ -112,28 +113,5 @@ def safetensors_files(model_dir: Path) -> list[Path]:
 
 
 def model_eos_token_ids(model_dir: Path) -> set[int]:
-    """The eos ids a folder declares (generation_config.json, config.json, tokenizer_config.json's
-    eos_token resolved through tokenizer.json), so both backends stop at exactly the same ids."""
-    model_dir = Path(model_dir)
-    ids: set[int] = set()
-    for name in ("generation_config.json", "config.json"):
-        value = _read_json(model_dir / name).get("eos_token_id")
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    eos = _read_json(model_dir / "tokenizer_config.json").get("eos_token")
-    if isinstance(eos, dict):
-        eos = eos.get("content")
-    if isinstance(eos, str):
-        added = _read_json(model_dir / "tokenizer.json").get("added_tokens") or []
-        ids.update(t["id"] for t in added if isinstance(t, dict) and t.get("content") == eos)
-    return ids
-
-
-def _read_json(path: Path) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
+    """The eos ids a folder declares (echo2.modelinfo, the rule the control plane checks samples by)."""
+    return eos_token_ids(folder_reader(model_dir))

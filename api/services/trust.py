@@ -1,0 +1,123 @@
+"""Worker trust: what the learner's audits and the door's checks do to a worker.
+
+    probation --(passes `probation_audits` audits)--> trusted
+    probation / trusted --(a strike)--> suspect --(passes `RECOVER_AFTER` audits in a row)--> trusted
+    suspect --(a second strike)--> quarantined --(after `quarantine_s`)--> suspect (strikes cleared)
+    any state, once quarantined before --(a strike)--> banned
+
+A strike is a group the worker sent that was invalid at the door, failed its audit, or that the
+learner refused to train on (poisoned loss, tokens that do not fit the model). Probation and suspect
+workers have every group audited; trusted ones a sampled `audit_rate` of them. A quarantined or
+banned worker gets no leases and is not activated; its rollouts still waiting to be trained are
+discarded and their prompts go back to the pool. The evidence stays in the `audits` table and in
+`trust_reason`, which its provider can read.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import datetime, timedelta
+
+from echo2.protocol import AuditRead, Fault, RolloutStatus, TrustState
+from sqlalchemy import Select, select, update
+from sqlalchemy.orm import Session
+
+from ..models import Audit, Rollout, Worker, utcnow
+from ..settings import Settings
+from .fleet import unassign
+from .pool import return_prompts
+
+RECOVER_AFTER = 20  # audits passed in a row that clear a suspect's strikes
+STRIKES_TO_QUARANTINE = 2
+
+
+def audit_rate(worker: Worker, settings: Settings) -> float:
+    if TrustState(worker.trust) is TrustState.trusted:
+        return settings.audit_rate
+    return 1.0
+
+
+def should_audit(worker: Worker | None, rollout_id: str, settings: Settings) -> bool:
+    """A pure function of the rollout id: a retried claim audits the same groups. A sender the
+    control plane no longer knows is audited."""
+    rate = audit_rate(worker, settings) if worker is not None else 1.0
+    draw = int.from_bytes(hashlib.sha256(rollout_id.encode()).digest()[:8], "big") / 2**64
+    return draw < rate
+
+
+def passed(worker: Worker, settings: Settings) -> None:
+    worker.audits_passed += 1
+    worker.clean_streak += 1
+    state = TrustState(worker.trust)
+    if state is TrustState.probation and worker.audits_passed >= settings.probation_audits:
+        worker.trust = TrustState.trusted.value
+    elif state is TrustState.suspect and worker.clean_streak >= RECOVER_AFTER:
+        worker.trust, worker.strikes = TrustState.trusted.value, 0
+
+
+def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audited: bool = False) -> None:
+    """One more piece of evidence against the worker; moves it along the states above."""
+    if audited:
+        worker.audits_failed += 1
+    worker.strikes += 1
+    worker.clean_streak = 0
+    worker.trust_reason = reason[:512]
+    state = TrustState(worker.trust)
+    if not state.can_work():
+        return
+    if worker.quarantines:
+        _shut_out(db, worker, TrustState.banned, f"banned (a strike after a quarantine): {reason}")
+    elif worker.strikes < STRIKES_TO_QUARANTINE:
+        worker.trust = TrustState.suspect.value
+    else:
+        worker.quarantined_until = utcnow() + timedelta(seconds=settings.quarantine_s)
+        worker.quarantines += 1
+        _shut_out(db, worker, TrustState.quarantined, f"quarantined: {worker.strikes} strikes, latest: {reason}")
+
+
+def release_quarantines(db: Session, now: datetime) -> int:
+    """Quarantines that ran out: back to suspect (every group audited), strikes cleared."""
+    result = db.execute(update(Worker).where(Worker.trust == TrustState.quarantined.value,
+                                             Worker.quarantined_until < now)
+                        .values(trust=TrustState.suspect.value, strikes=0, clean_streak=0))
+    return result.rowcount or 0
+
+
+def audit_reads(db: Session, query: Select[tuple[Audit]], passed: bool | None, limit: int) -> list[AuditRead]:
+    """Audits, newest first, each with its worker's trust state now."""
+    if passed is not None:
+        query = query.where(Audit.passed == passed)
+    audits = list(db.scalars(query.order_by(Audit.id.desc()).limit(limit)))
+    states = dict(db.execute(select(Worker.id, Worker.trust).where(Worker.id.in_({a.worker_id for a in audits}))).all())
+    return [AuditRead.model_validate({**_columns(a), "worker_trust": states.get(a.worker_id)}) for a in audits]
+
+
+def _columns(row: Audit) -> dict[str, object]:
+    return {c.key: getattr(row, c.key) for c in Audit.__table__.columns}
+
+
+def notice(worker: Worker) -> str | None:
+    """What the worker is told in its heartbeat when it may not work."""
+    state = TrustState(worker.trust)
+    if state is TrustState.quarantined:
+        return f"quarantined until {worker.quarantined_until:%Y-%m-%d %H:%M:%S} UTC: {worker.trust_reason}"
+    if state is TrustState.banned:
+        return f"banned: {worker.trust_reason}; see GET /v1/workers/{worker.id}/audits"
+    return None
+
+
+def _shut_out(db: Session, worker: Worker, state: TrustState, reason: str) -> None:
+    worker.trust, worker.trust_reason = state.value, reason[:512]
+    unassign(db, worker)
+    discard_queued(db, worker.id, f"sender {state.value}")
+
+
+def discard_queued(db: Session, worker_id: str, reason: str) -> int:
+    """Rollouts of the worker not yet claimed are rejected; their prompts go back to the pool."""
+    rows = list(db.scalars(select(Rollout).where(Rollout.worker_id == worker_id,
+                                                 Rollout.status == RolloutStatus.accepted.value)
+                           .with_for_update(skip_locked=True)))
+    for r in rows:
+        r.status, r.reason, r.fault = RolloutStatus.rejected.value, reason, Fault.worker.value
+    return_prompts(db, [r.prompt_id for r in rows], from_state="submitted")
+    return len(rows)

@@ -1,0 +1,82 @@
+"""The cost ledger: pay for work, not for claims.
+
+Each tick advances it by the time since the last tick (capped, so scheduler downtime is not billed as if
+everything ran):
+
+- a learner is billed its reserved price only while it is alive (heartbeating), so a job whose
+  learner crashed or is being relaunched costs nothing meanwhile;
+- a worker accrues its active time (at most `pay_window_s` of it waiting to be paid), and is paid out
+  of it only for rollouts that were worth something: trained, or accepted in time but then not
+  trained in time (Fault.platform). Each such group buys 1 / (f · μ_a) seconds, where μ_a is the rate
+  the worker was activated for and f = `pay_rate_fraction`: delivering at f · μ_a or better is paid in
+  full, less is paid pro rata, nothing is paid nothing — however much a worker claims to be able to do.
+
+Every payment is a ledger entry naming the rollouts it pays for; job and provider totals are their sums.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from datetime import datetime, timedelta
+
+from echo2.protocol import Fault, RolloutStatus
+from sqlalchemy import and_, or_, select
+from sqlalchemy.orm import Session
+
+from api.models import Job, LedgerEntry, Provider, Rollout, Worker
+from api.services.jobs import spec_of
+from api.settings import Settings
+
+MIN_MU = 1e-3  # groups/s: a floor for an activation rate that was never measured
+
+
+def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> None:
+    if last is None:
+        return
+    seconds = min(max(now.timestamp() - last, 0.0), 10 * settings.reconcile_interval_s)
+    _bill_learners(db, settings, now, seconds)
+    for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == "active")):
+        worker.unbilled_s = min(worker.unbilled_s + seconds, settings.pay_window_s)
+    payable = _payable(db)
+    for worker in db.scalars(select(Worker).where(Worker.id.in_(payable)).with_for_update()):
+        _pay(db, settings, worker, payable[worker.id])
+
+
+def _bill_learners(db: Session, settings: Settings, now: datetime, seconds: float) -> None:
+    alive_since = now - timedelta(seconds=settings.learner_dead_after_s)
+    for job in db.scalars(select(Job).where(Job.status == "running", Job.learner_heartbeat_at >= alive_since)):
+        amount = (spec_of(job).learner.price_per_hour or 0.0) * seconds / 3600
+        job.learner_usd += amount
+        db.add(LedgerEntry(job_id=job.id, kind="learner", amount_usd=amount, seconds=seconds))
+
+
+def _payable(db: Session) -> dict[str, dict[str, list[str]]]:
+    """worker -> job -> ids of its unpaid rollouts that are worth paying for."""
+    worth = or_(Rollout.status == RolloutStatus.trained.value,
+                and_(Rollout.status == RolloutStatus.rejected.value, Rollout.fault == Fault.platform.value))
+    rows = db.execute(select(Rollout.worker_id, Rollout.job_id, Rollout.id)
+                      .where(Rollout.paid_entry_id.is_(None), worth).order_by(Rollout.created_at))
+    out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for worker_id, job_id, rollout_id in rows:
+        out[worker_id][job_id].append(rollout_id)
+    return out
+
+
+def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list[str]]) -> None:
+    per_group_s = 1.0 / (settings.pay_rate_fraction * max(worker.activated_mu or MIN_MU, MIN_MU))
+    provider = db.get(Provider, worker.provider_id)
+    for job_id, ids in by_job.items():
+        seconds = min(worker.unbilled_s, len(ids) * per_group_s)
+        worker.unbilled_s -= seconds
+        amount = worker.price_per_hour * seconds / 3600
+        entry = LedgerEntry(job_id=job_id, kind="worker", worker_id=worker.id, provider_id=worker.provider_id,
+                            amount_usd=amount, seconds=seconds, groups=len(ids), rollout_ids=ids)
+        db.add(entry)
+        db.flush()
+        db.execute(Rollout.__table__.update().where(Rollout.id.in_(ids)).values(paid_entry_id=entry.id))
+        worker.earned_usd += amount
+        if provider is not None:
+            provider.earnings_usd += amount
+        job = db.get(Job, job_id)
+        if job is not None:
+            job.workers_usd += amount

@@ -1,0 +1,91 @@
+"""The door: what a hostile worker submits is checked against the job and the published model before
+anything is stored as trainable — lengths, vocabulary, logprobs, finish reasons — each refusal with
+its own reason, counted against the worker, which two strikes quarantine. The completion text shown
+to the job's owner is the platform's own decoding of the tokens, never the worker's text."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from tests.factories import activate, new_job, new_provider, new_user, new_worker, ok, publish, start_learner
+
+MAX_NEW = 8
+
+
+@pytest.fixture
+def door(api, tiny_model_dir):
+    _, alice = new_user(api)
+    job = new_job(alice, grpo={"group_size": 2, "prompts_per_step": 4, "max_new_tokens": MAX_NEW})
+    learner = start_learner(api, job["id"])
+    publish(learner, job["id"], tiny_model_dir, version=0, step=0)
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 8, "version": 0}), 201)
+    return job, alice, wid, worker, lease
+
+
+def sample(tokens=(5, 6, 0), logprobs=None, finish="stop", text="42"):
+    return {"token_ids": list(tokens), "logprobs": list(logprobs or [-4.5] * len(tokens)), "text": text,
+            "finish_reason": finish}
+
+
+def submit(worker, lease, i, samples):
+    group = {"prompt_id": lease["prompts"][i]["prompt_id"], "version": 0, "prompt_token_ids": [1, 2, 3],
+             "samples": samples}
+    return ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
+
+
+@pytest.mark.parametrize(("bad", "reason"), [
+    (sample(tokens=[5] * 16_000, finish="length"), "max_new_tokens is 8"),
+    (sample(tokens=(5, 96, 0)), "outside the vocabulary (size 96)"),
+    (sample(logprobs=[-4.5, -1e4, -4.5]), "no sampler draws a token that unlikely"),
+    (sample(finish="length"), "finish_reason is length after 3 tokens"),
+    (sample(tokens=(5, 6, 7)), "not an end-of-sequence token"),
+])
+def test_each_invalid_sample_is_refused_with_its_own_reason_and_a_strike(api, door, bad, reason):
+    job, alice, wid, worker, lease = door
+    result = submit(worker, lease, 0, [sample(), bad])
+    assert result["status"] == "rejected" and reason in result["reason"]
+    got = ok(api.admin.get(f"/v1/workers/{wid}"))
+    assert got["trust"] == "suspect" and reason in got["trust_reason"]
+    row = ok(alice.get(f"/v1/jobs/{job['id']}/rollouts"))["items"][0]
+    assert row["status"] == "rejected" and row["fault"] == "worker"
+    prompts = ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 200}))["items"]
+    assert next(p for p in prompts if p["id"] == result["prompt_id"])["state"] == "available"
+
+
+def test_completions_shown_are_the_platforms_decoding_not_the_workers_text(api, door, tiny_model_dir):
+    job, alice, _, worker, lease = door
+    result = submit(worker, lease, 0, [sample(text="the answer is 42"), sample(tokens=(7, 8, 0), text="42")])
+    assert result["status"] == "accepted"
+    shown = ok(alice.get(f"/v1/jobs/{job['id']}/rollouts"))["items"][0]["completions"]
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert shown == [tok.decode([5, 6, 0], skip_special_tokens=True), tok.decode([7, 8, 0], skip_special_tokens=True)]
+    assert "42" not in "".join(shown)
+
+
+def test_two_strikes_quarantine_the_worker_and_discard_what_it_queued(api, door):
+    job, alice, wid, worker, lease = door
+    assert submit(worker, lease, 0, [sample(), sample()])["status"] == "accepted"
+    submit(worker, lease, 1, [sample(), sample(tokens=(5, 96, 0))])
+    third = submit(worker, lease, 2, [sample(), sample(finish="length")])
+    assert third["status"] == "rejected"
+    got = ok(api.admin.get(f"/v1/workers/{wid}"))
+    assert got["trust"] == "quarantined" and got["quarantined_until"] and got["job_id"] is None
+    assert all(r["status"] == "rejected" for r in ok(alice.get(f"/v1/jobs/{job['id']}/rollouts"))["items"])
+    prompts = ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 200}))["items"]
+    assert all(p["state"] == "available" for p in prompts)  # nothing lost: every prompt is back in the pool
+    refused = worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 2, "version": 0})
+    assert refused.status_code == 403 and "quarantined until" in refused.json()["detail"]
+    beat = ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
+    assert beat["desired"] == "idle" and "quarantined" in beat["notice"]
+
+
+def test_a_prompt_outside_the_lease_is_a_strike(api, door):
+    _, _, wid, worker, lease = door
+    group = {"prompt_id": 10**12, "version": 0, "prompt_token_ids": [1], "samples": [sample(), sample()]}
+    result = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
+    assert result["status"] == "rejected" and result["rollout_id"] is None
+    assert ok(api.admin.get(f"/v1/workers/{wid}"))["trust"] == "suspect"

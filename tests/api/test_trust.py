@@ -1,0 +1,140 @@
+"""Worker trust over HTTP: the control plane picks which groups the learner audits, takes the learner's
+verdicts, and moves the sender along probation -> trusted <-> suspect -> quarantined -> banned; the
+evidence is readable by the worker's provider, and by the job's owner for the audits of its job."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+
+from api.models import Worker, utcnow
+from tests.factories import (
+    activate,
+    fake_model_folder,
+    new_provider,
+    new_user,
+    new_worker,
+    ok,
+    running_job,
+    step_report,
+    submit_group,
+)
+from tests.sdk.test_cli import echo2
+
+
+@pytest.fixture
+def setup(api, tmp_path):
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=2, max_steps=50,
+                               num_prompts=200)
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    return job, learner, wid, worker, provider, alice
+
+
+def submit(worker, job, n: int, version: int = 0) -> list[str]:
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": n, "version": version}), 201)
+    return [ok(submit_group(worker, lease, p, version))["results"][0]["rollout_id"] for p in lease["prompts"]]
+
+
+def one_step(api, job, learner, worker, verdicts: list[bool], step: int, queue_meanwhile: int = 0) -> list[dict]:
+    """The worker submits len(verdicts) groups; the learner claims them, audits them as asked, and
+    reports verdicts[i] for group i (a failed audit is rejected); returns the claimed groups. With
+    `queue_meanwhile`, the worker submits that many more while the step trains (they stay queued)."""
+    jid = job["id"]
+    submit(worker, job, len(verdicts))
+    groups = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 64}))["groups"]
+    if queue_meanwhile:
+        submit(worker, job, queue_meanwhile)
+    audits = [{"rollout_id": g["rollout_id"], "passed": ok_, "reason": None if ok_ else "logprob mismatch: forged",
+               "stats": {"tokens": 6.0, "max_abs_diff": 0.0 if ok_ else 3.2}}
+              for g, ok_ in zip(groups, verdicts, strict=True) if g["audit"]]
+    failed = {a["rollout_id"] for a in audits if not a["passed"]}
+    trained = [g["rollout_id"] for g in groups if g["rollout_id"] not in failed]
+    report = step_report(step, trained, audits=audits, audit_s=0.01,
+                         rejected=[{"rollout_id": r, "reason": "failed its audit: logprob mismatch"} for r in failed])
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
+    return groups
+
+
+def trust_of(api, wid):
+    return ok(api.admin.get(f"/v1/workers/{wid}"))
+
+
+def test_probation_audits_every_group_then_trusted_workers_a_sample(api, setup):
+    job, learner, wid, worker, _, _ = setup
+    groups = one_step(api, job, learner, worker, [True] * 5, step=0)
+    assert all(g["audit"] for g in groups)
+    got = trust_of(api, wid)
+    assert got["trust"] == "trusted" and got["audits_passed"] == 5
+    sampled = one_step(api, job, learner, worker, [True] * 40, step=1)
+    share = sum(g["audit"] for g in sampled) / len(sampled)
+    assert 0 < share < 0.4  # ECHO2_AUDIT_RATE = 0.1, decided per rollout id
+
+
+def test_a_failed_audit_rejects_the_group_and_two_quarantine_the_worker(api, setup):
+    job, learner, wid, worker, provider, alice = setup
+    groups = one_step(api, job, learner, worker, [True, False, True], step=0)
+    got = trust_of(api, wid)
+    assert got["trust"] == "suspect" and got["audits_failed"] == 1 and "logprob mismatch" in got["trust_reason"]
+    rollouts = {r["id"]: r for r in ok(alice.get(f"/v1/jobs/{job['id']}/rollouts"))["items"]}
+    refused = rollouts[groups[1]["rollout_id"]]
+    assert refused["status"] == "rejected" and refused["fault"] == "worker" and refused["audit"] == "failed"
+    assert rollouts[groups[0]["rollout_id"]]["status"] == "trained"
+    prompt = next(p for p in ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 200}))["items"]
+                  if p["id"] == refused["prompt_id"])
+    assert prompt["state"] == "available"  # nothing lost
+
+    one_step(api, job, learner, worker, [False], step=1, queue_meanwhile=1)
+    got = trust_of(api, wid)
+    assert got["trust"] == "quarantined" and got["job_id"] is None and got["quarantined_until"]
+    latest = ok(alice.get(f"/v1/jobs/{job['id']}/rollouts", params={"limit": 1}))["items"][0]
+    assert latest["status"] == "rejected" and "sender quarantined" in latest["reason"]  # its queue is discarded
+
+    evidence = ok(provider.get(f"/v1/workers/{wid}/audits", params={"passed": "false"}))
+    assert len(evidence) == 2 and all(not a["passed"] and a["reason"] for a in evidence)
+    assert alice.get(f"/v1/workers/{wid}/audits").status_code in (403, 404)  # not the job owner's to read
+    mine = ok(alice.get(f"/v1/jobs/{job['id']}/audits", params={"passed": "false"}))
+    assert {a["worker_id"] for a in mine} == {wid} and all(a["worker_trust"] == "quarantined" for a in mine)
+    explain = echo2("jobs", "explain", job["id"], url=api.url, key=alice.headers["Authorization"].split()[1])
+    assert explain.returncode == 0 and f"audit fail   {wid} (quarantined)" in explain.stdout
+
+
+def test_quarantine_ends_on_probation_and_a_strike_after_it_bans(api, setup):
+    job, learner, wid, worker, _, _ = setup
+    one_step(api, job, learner, worker, [False, False], step=0)
+    assert trust_of(api, wid)["trust"] == "quarantined"
+    with api.db.session() as s:  # as if quarantine_s had passed
+        s.get(Worker, wid).quarantined_until = utcnow() - timedelta(seconds=1)
+        s.commit()
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))  # not offline
+    with api.db.session() as s:
+        from api.services.trust import release_quarantines
+
+        assert release_quarantines(s, utcnow()) == 1
+        s.commit()
+    assert trust_of(api, wid)["trust"] == "suspect"
+    activate(api, wid, job["id"])
+    groups = one_step(api, job, learner, worker, [False], step=1)
+    assert groups[0]["audit"]  # a suspect has every group audited
+    got = trust_of(api, wid)
+    assert got["trust"] == "banned" and "banned" in got["trust_reason"]
+    with api.db.session() as s:
+        s.get(Worker, wid).job_id = job["id"]  # even if something assigned it again
+        s.commit()
+    refused = worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0})
+    assert refused.status_code == 403 and "banned" in refused.json()["detail"]
+    beat = ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
+    assert "banned" in beat["notice"] and f"/v1/workers/{wid}/audits" in beat["notice"]
+
+
+def test_a_report_must_account_for_its_rollouts(api, setup):
+    job, learner, wid, worker, _, _ = setup
+    (rid,) = submit(worker, job, 1)
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": 0, "max_groups": 4}))
+    both = step_report(0, [rid], rejected=[{"rollout_id": rid, "reason": "x"}])
+    assert learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=both).status_code == 422
+    stray = step_report(0, [rid], audits=[{"rollout_id": "rol_elsewhere", "passed": True}])
+    assert learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=stray).status_code == 422
