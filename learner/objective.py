@@ -14,10 +14,12 @@ of the sampled token under three policies, all computed as log softmax(logits / 
    A group whose rewards are all equal carries no signal (all A_i = 0); it is dropped: its samples
    get keep_i = 0 and count neither in the loss nor in its normaliser.
 
-2. Importance ratio against the behaviour policy, capped for stale samples:
-       rho_{i,t} = exp(logp_{i,t} - logq_{i,t})
-       rho_{i,t} <- min(rho_{i,t}, ratio_cap)      only when s_i > 0
-   (the cap bounds the update from old, off-policy samples; capped tokens carry no gradient.)
+2. Importance ratio against the behaviour policy, capped in log space before the exponential:
+       rho_{i,t} = exp(min(logp_{i,t} - logq_{i,t}, log c_i)),   c_i = ratio_cap when s_i > 0, else FRESH_CAP
+   (the cap bounds the update from old, off-policy samples; capped tokens carry no gradient. A fresh
+   sample was generated with the weights being trained, so its ratio is 1 up to numerics; FRESH_CAP
+   only bounds what a worker's forged logprobs could do: logq = -1e4 would otherwise overflow exp
+   to inf and make the loss inf.)
 
 3. Per-token surrogate with two-sided clipping (PPO, asymmetric eps as in DAPO):
        u_{i,t} = min(rho_{i,t} * A_i, clip(rho_{i,t}, 1 - eps_low, 1 + eps_high) * A_i)
@@ -43,6 +45,7 @@ from typing import Literal
 import torch
 
 LengthNorm = Literal["token_mean", "seq_mean", "max_len"]
+FRESH_CAP = 10.0  # far above any honest fresh ratio (1 +- numerics), far below float overflow
 
 
 @dataclass(frozen=True)
@@ -146,10 +149,10 @@ def grpo_loss(
     if denominator is None:
         denominator = loss_denominator(completion_mask, keep, cfg)
     adv = advantages.to(logprobs.dtype).unsqueeze(-1)
-    ratio = torch.exp(logprobs - behaviour_logprobs)
-    stale = (staleness > 0).unsqueeze(-1)
-    capped = stale & (ratio > cfg.ratio_cap)
-    ratio = torch.where(capped, torch.full_like(ratio, cfg.ratio_cap), ratio)
+    log_ratio = logprobs - behaviour_logprobs
+    cap = torch.where(staleness > 0, cfg.ratio_cap, FRESH_CAP).to(log_ratio).log().unsqueeze(-1)
+    capped = log_ratio > cap
+    ratio = torch.exp(torch.where(capped, cap.expand_as(log_ratio), log_ratio))
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
     surrogate = torch.minimum(unclipped, clipped)

@@ -17,8 +17,10 @@ vocabulary: no top-k/top-p truncation. Workers report exactly this; the learner 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -212,16 +214,41 @@ def _collect(tokens: list[torch.Tensor], logps: list[torch.Tensor], eos_id: int,
     return samples
 
 
-@dataclass(frozen=True)
+@dataclass
 class Rollouts:
-    """One optimiser step's worth of scored rollouts (rows = samples; a group = one prompt's samples)."""
+    """One optimiser step's worth of scored rollouts (rows = samples; a group = one prompt's samples).
+    The trainer fills it row by row (`add`); `grpo_update` takes it whole."""
 
-    prompt_ids: Sequence[Sequence[int]]
-    completion_ids: Sequence[Sequence[int]]
-    behaviour_logprobs: Sequence[Sequence[float]]
-    rewards: Sequence[float]
-    group_ids: Sequence[int]
-    staleness: Sequence[int]  # learner step - policy version that sampled the row
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    completion_ids: list[list[int]] = field(default_factory=list)
+    behaviour_logprobs: list[list[float]] = field(default_factory=list)
+    rewards: list[float] = field(default_factory=list)
+    group_ids: list[int] = field(default_factory=list)
+    staleness: list[int] = field(default_factory=list)  # learner step - policy version that sampled the row
+
+    def add(self, prompt: list[int], completion: list[int], logprobs: list[float], reward: float, group: int,
+            staleness: int) -> None:
+        self.prompt_ids.append(prompt)
+        self.completion_ids.append(completion)
+        self.behaviour_logprobs.append(logprobs)
+        self.rewards.append(reward)
+        self.group_ids.append(group)
+        self.staleness.append(staleness)
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """Everything one optimiser step needs besides the model: the padded batch, advantages, the
+    global loss divisor, and which rows are trained."""
+
+    batch: PaddedBatch
+    behaviour: torch.Tensor
+    staleness: torch.Tensor
+    advantages: torch.Tensor
+    denominator: float
+    rows: list[int]  # kept rows
+    lengths: list[int]  # of every row
+    dropped: int  # groups whose rewards were all equal (no signal)
 
 
 def grpo_update(
@@ -237,63 +264,120 @@ def grpo_update(
     pad_id: int = 0,
     rank: int = 0,
     world_size: int = 1,
-) -> dict[str, float]:
+) -> dict[str, Any]:
     """Advantages -> micro-batched loss with one global divisor -> one optimiser step.
 
     Skips the step (stats["stepped"] = 0) when every group was dropped. Stats are token-weighted means.
+    A loss or gradient that is not finite never reaches the weights: the groups causing it are found
+    one by one (`_poisoned_groups`), dropped and listed in stats["poisoned_groups"], and the step is
+    taken on the others.
 
     With world_size > 1 (an FSDP-wrapped model, every rank calling with the same rollouts), each rank
-    takes rows rank, rank + world_size, ... of every micro-batch. Advantages and the divisor are
-    computed over the whole step as above, so the per-rank losses add up to the single-process loss;
-    FSDP averages gradients over ranks, hence each rank's loss is scaled by world_size. Every rank runs
-    one pass per micro-batch, because FSDP's collectives must line up: a rank with no row of its own
-    runs one with weight 0. Stats are summed over ranks.
+    takes its share of every micro-batch (`_share`). Advantages and the divisor are computed over the
+    whole step as above, so the per-rank losses add up to the single-process loss; FSDP averages
+    gradients over ranks, hence each rank's loss is scaled by world_size. Every rank runs one pass per
+    micro-batch, because FSDP's collectives must line up: a rank with no row of its own runs one with
+    weight 0. Stats and the finiteness checks are over all ranks, so every rank drops the same groups.
     """
-    adv = group_advantages(
-        torch.tensor(list(rollouts.rewards), dtype=torch.float32),
-        torch.tensor(list(rollouts.group_ids)),
-        scale_by_std=cfg.scale_by_std,
-        eps=cfg.std_eps,
-    )
-    stats = {"stepped": 0.0, "dropped_groups": float(adv.num_dropped), "kept_samples": float(adv.keep.sum())}
-    kept = [i for i, k in enumerate(adv.keep.tolist()) if k]
-    if not kept:
+    pass_ = _Pass(model, ref_model, cfg, temperature, max_tokens_per_micro_batch, grad_clip, rank, world_size)
+    plan = _plan(rollouts, cfg, pad_id, exclude=set())
+    stats: dict[str, Any] = {"stepped": 0.0, "dropped_groups": float(plan.dropped),
+                             "kept_samples": float(len(plan.rows)), "poisoned_groups": []}
+    if not plan.rows:
         return stats
-    batch = pad_batch(rollouts.prompt_ids, rollouts.completion_ids, pad_id)
-    behaviour = pad_values(rollouts.behaviour_logprobs, batch.completion_len)
-    staleness = torch.tensor(list(rollouts.staleness))
-    denominator = loss_denominator(batch.completion_mask, adv.keep, cfg)
-    lengths = [len(rollouts.prompt_ids[i]) + len(rollouts.completion_ids[i]) for i in kept]
     model.train()
-    optimizer.zero_grad(set_to_none=True)
-    totals: dict[str, float] = {}
-    device = next(model.parameters()).device
-    for part in micro_batches(lengths, max_tokens_per_micro_batch):
-        mine = part[rank::world_size]
-        rows = [kept[j] for j in (mine or part[:1])]
-        mb = batch.select(rows).to(device)
-        with _autocast(device):
-            logprobs = completion_logprobs(model, mb, temperature=temperature)
-            ref = None
-            if ref_model is not None:
-                with torch.no_grad():
-                    ref = completion_logprobs(ref_model, mb, temperature=temperature)
-        loss, mb_stats = grpo_loss(
-            logprobs.float(), behaviour[rows, : mb.completion_len].to(device), adv.advantages[rows].to(device),
-            mb.completion_mask, staleness[rows].to(device), cfg,
-            ref_logprobs=None if ref is None else ref.float(), denominator=denominator,
-        )
-        (loss * (world_size if mine else 0.0)).backward()
-        if mine:
-            _accumulate(totals, mb_stats, float(loss.detach()))
-    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip or float("inf"))
+    totals, grad_norm = pass_.backward(plan, plan.rows)
+    if not _finite(totals, grad_norm):
+        poisoned = _poisoned_groups(pass_, plan, rollouts.group_ids)
+        plan = _plan(rollouts, cfg, pad_id, exclude=poisoned)
+        stats.update(poisoned_groups=sorted(poisoned), kept_samples=float(len(plan.rows)))
+        if not plan.rows:
+            optimizer.zero_grad(set_to_none=True)
+            return stats
+        totals, grad_norm = pass_.backward(plan, plan.rows)
     optimizer.step()
-    if world_size > 1:
-        totals, grad_norm = _sum_over_ranks(totals, device), grad_norm.full_tensor()
     tokens = max(totals.pop("tokens"), 1.0)
     stats.update({k: v / tokens for k, v in totals.items() if k != "loss"})
-    stats.update({"stepped": 1.0, "loss": totals["loss"], "grad_norm": float(grad_norm), "tokens": tokens})
+    stats.update({"stepped": 1.0, "loss": totals["loss"], "grad_norm": grad_norm, "tokens": tokens})
     return stats
+
+
+def _plan(rollouts: Rollouts, cfg: ObjectiveConfig, pad_id: int, exclude: set[int]) -> _Plan:
+    """Advantages over the step (groups in `exclude` left out), the padded batch and the divisor."""
+    adv = group_advantages(torch.tensor(list(rollouts.rewards), dtype=torch.float32),
+                           torch.tensor(list(rollouts.group_ids)), scale_by_std=cfg.scale_by_std, eps=cfg.std_eps)
+    keep = adv.keep & torch.tensor([g not in exclude for g in rollouts.group_ids], dtype=torch.bool)
+    batch = pad_batch(rollouts.prompt_ids, rollouts.completion_ids, pad_id)
+    return _Plan(
+        batch=batch, behaviour=pad_values(rollouts.behaviour_logprobs, batch.completion_len),
+        staleness=torch.tensor(list(rollouts.staleness)), advantages=adv.advantages,
+        denominator=loss_denominator(batch.completion_mask, keep, cfg),
+        rows=[i for i, k in enumerate(keep.tolist()) if k],
+        lengths=[len(p) + len(c) for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)],
+        dropped=adv.num_dropped,
+    )
+
+
+@dataclass(frozen=True)
+class _Pass:
+    """Forward + backward of chosen rows of a plan, micro-batched, gradients clipped (not stepped)."""
+
+    model: torch.nn.Module
+    ref_model: torch.nn.Module | None
+    cfg: ObjectiveConfig
+    temperature: float
+    max_tokens: int
+    grad_clip: float | None
+    rank: int
+    world_size: int
+
+    def backward(self, plan: _Plan, rows: list[int]) -> tuple[dict[str, float], float]:
+        """Returns the summed stats (over ranks) and the gradient norm before clipping."""
+        self.model.zero_grad(set_to_none=True)
+        totals: dict[str, float] = {}
+        device = next(self.model.parameters()).device
+        for part in micro_batches([plan.lengths[i] for i in rows], self.max_tokens):
+            mine = _share(part, self.rank, self.world_size)
+            chosen = [rows[j] for j in (mine or part[:1])]
+            loss, mb_stats = self._loss(plan, chosen, device)
+            (loss * (self.world_size if mine else 0.0)).backward()
+            if mine:
+                _accumulate(totals, mb_stats, float(loss.detach()))
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
+        if self.world_size > 1:
+            totals, grad_norm = _sum_over_ranks(totals, device), grad_norm.full_tensor()
+        return totals, float(grad_norm)
+
+    def _loss(self, plan: _Plan, rows: list[int], device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
+        mb = plan.batch.select(rows).to(device)
+        with _autocast(device):
+            logprobs = completion_logprobs(self.model, mb, temperature=self.temperature)
+            ref = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref = completion_logprobs(self.ref_model, mb, temperature=self.temperature)
+        return grpo_loss(
+            logprobs.float(), plan.behaviour[rows, : mb.completion_len].to(device),
+            plan.advantages[rows].to(device), mb.completion_mask, plan.staleness[rows].to(device), self.cfg,
+            ref_logprobs=None if ref is None else ref.float(), denominator=plan.denominator,
+        )
+
+
+def _share(part: list[int], rank: int, world_size: int) -> list[int]:
+    """The rows of a micro-batch this rank computes: every world_size-th, from its rank."""
+    return part[rank::world_size]
+
+
+def _poisoned_groups(pass_: _Pass, plan: _Plan, group_ids: Sequence[int]) -> set[int]:
+    """Groups whose own loss or gradient is not finite (every rank tests the same groups in order)."""
+    by_group: dict[int, list[int]] = {}
+    for i in plan.rows:
+        by_group.setdefault(group_ids[i], []).append(i)
+    return {g for g, rows in by_group.items() if not _finite(*pass_.backward(plan, rows))}
+
+
+def _finite(totals: dict[str, float], grad_norm: float) -> bool:
+    return math.isfinite(grad_norm) and all(math.isfinite(v) for v in totals.values())
 
 
 def _autocast(device: torch.device) -> torch.autocast:

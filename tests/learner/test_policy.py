@@ -145,7 +145,7 @@ def test_grpo_update_steps_only_on_signal(tiny_dir):
                         [0, 0, 1, 1], [0, 0, 1, 1])
 
     flat = grpo_update(model, opt, rollouts([1.0, 1.0, 0.0, 0.0]), ObjectiveConfig(), pad_id=tok.pad_token_id)
-    assert flat == {"stepped": 0.0, "dropped_groups": 2.0, "kept_samples": 0.0}
+    assert flat == {"stepped": 0.0, "dropped_groups": 2.0, "kept_samples": 0.0, "poisoned_groups": []}
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
     stats = grpo_update(model, opt, rollouts([1.0, 0.0, 0.0, 0.0]), ObjectiveConfig(), pad_id=tok.pad_token_id,
@@ -154,3 +154,44 @@ def test_grpo_update_steps_only_on_signal(tiny_dir):
     assert stats["ratio_mean"] == pytest.approx(1.0, abs=1e-4)  # on-policy: learner recomputes the same logprobs
     assert stats["clip_frac"] == 0.0 and stats["grad_norm"] > 0
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def _update_with(tiny_dir, poison):
+    """One grpo_update of three groups of two samples; `poison(behaviour)` forges group 1's logprobs."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from learner.objective import ObjectiveConfig
+    from learner.policy import Rollouts, grpo_update
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    prompts = [tok(f"{i}+{i}=")["input_ids"] for i in range(3) for _ in range(2)]
+    model.eval()
+    out = sample(model, prompts, max_new_tokens=4, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                 generator=torch.Generator().manual_seed(0))
+    behaviour = [list(s.logprobs) for s in out]
+    poison(behaviour)
+    rollouts = Rollouts(prompts, [s.completion_ids for s in out], behaviour, [1.0, 0.0] * 3, [0, 0, 1, 1, 2, 2],
+                        [0] * 6)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    stats = grpo_update(model, opt, rollouts, ObjectiveConfig(), pad_id=tok.pad_token_id)
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    return stats
+
+
+def test_forged_logprobs_cannot_overflow_the_loss(tiny_dir):
+    def forge(behaviour):  # finding 1: logprobs of -1e4 made exp(logp - logq) inf and the loss inf
+        behaviour[2] = [-1e4] * len(behaviour[2])
+        behaviour[3] = [-1e4] * len(behaviour[3])
+
+    stats = _update_with(tiny_dir, forge)
+    assert stats["stepped"] == 1.0 and stats["poisoned_groups"] == []
+    assert abs(stats["loss"]) <= 10.0 + 1e-6  # ratio capped at FRESH_CAP = 10, |A| = 1 for rewards 1 and 0
+
+
+def test_a_group_whose_loss_is_not_finite_is_dropped_and_the_step_goes_on(tiny_dir):
+    def forge(behaviour):  # a value the door would refuse, standing for anything that slips through
+        behaviour[3][0] = float("nan")
+
+    stats = _update_with(tiny_dir, forge)
+    assert stats["poisoned_groups"] == [1] and stats["stepped"] == 1.0 and stats["kept_samples"] == 4.0
