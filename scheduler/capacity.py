@@ -37,16 +37,18 @@ Throughput   Σ_{i∈A} u_i · μ_i ≥ (1 + h) · R / T_train — otherwise the
     PRIME-RL k = 1 setting — u = 1: one step of asynchrony hides generation of equal length.
     Feed μ as the raw generation rate; a measured accepted-rollouts rate already includes u.
 
-Synchronous mode (S = 0, which forces κ = 1)
+Windowed-synchronous mode (S − κ + 1 = 0: S = 0 with κ = 1, or any κ = S + 1)
     The slack (S − κ + 1) · T_train is 0: no worker with non-zero latency can overlap its work
-    with training, so applied literally the rule would exclude every worker. In synchronous mode
-    freshness is instead guaranteed by construction — a worker only generates with the version
-    being trained and the learner waits for it — and latency turns into learner idle time every
-    step: wall per step ≈ T_train + max_A T_bcast,i + max(max_A T_gen,i, R / Σ_A μ_i). So for
-    S = 0 we (a) qualify a worker when L_i ≤ T_train, which caps the idle time any single worker
-    can add to one step, (b) keep the throughput rule with u_i = 1, which bounds the generation
-    phase to T_train / (1 + h), and (c) predict utilisation below 1 with the formula above.
-    Utilisation ≥ 95 % is only reachable with S ≥ 1.
+    with training, so applied literally the rule would exclude every worker. Here freshness is
+    instead guaranteed by construction — the version published at step x stays admissible through
+    step x + S = x + κ − 1, the last step before the next version, so at the start of each
+    publication window the learner waits for rollouts of the newest version — and latency turns
+    into learner idle time once per window: a window lasts
+    κ · T_train + max_A T_bcast,i + max(max_A T_gen,i, R / Σ_A μ_i). So in this mode we (a) qualify
+    a worker when L_i ≤ T_train, which caps the idle time any single worker can add to a window,
+    (b) keep the throughput rule with u_i = 1, which bounds the generation phase to
+    T_train / (1 + h), and (c) predict utilisation below 1 with the formula above. Utilisation ≥ 95 %
+    is only reachable with slack, i.e. κ ≤ S.
 """
 
 from __future__ import annotations
@@ -54,6 +56,8 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+
+from echo2.protocol import max_publish_period, slack_steps
 
 DEFAULT_HEADROOM = 0.1
 
@@ -130,11 +134,9 @@ def validate_job(job: JobProfile) -> list[str]:
         problems.append(f"staleness S must be ≥ 0, got {job.staleness}")
     if job.publish_period < 1:
         problems.append(f"publish period κ must be ≥ 1, got {job.publish_period}")
-    elif job.staleness == 0 and job.publish_period != 1:
-        problems.append(f"synchronous mode (S=0) needs κ=1, got κ={job.publish_period}")
-    elif job.staleness > 0 and job.publish_period > job.staleness:
+    elif job.publish_period > max_publish_period(job.staleness):
         problems.append(
-            f"publish period κ={job.publish_period} exceeds staleness bound S={job.staleness}: "
+            f"publish period κ={job.publish_period} exceeds S + 1 = {job.staleness + 1}: "
             "no worker can deliver admissible rollouts"
         )
     if job.headroom < 0:
@@ -142,8 +144,9 @@ def validate_job(job: JobProfile) -> list[str]:
     return problems
 
 
-def is_synchronous(job: JobProfile) -> bool:
-    return job.staleness == 0
+def waits_each_window(job: JobProfile) -> bool:
+    """No slack (S − κ + 1 = 0): the learner waits for the newest version's rollouts once per window."""
+    return slack_steps(job.staleness, job.publish_period) == 0
 
 
 def required_throughput(job: JobProfile) -> float:
@@ -152,10 +155,10 @@ def required_throughput(job: JobProfile) -> float:
 
 
 def freshness_slack_s(job: JobProfile) -> float:
-    """(S − κ + 1) · T_train; T_train in synchronous mode (see the module docstring)."""
-    if is_synchronous(job):
+    """(S − κ + 1) · T_train; T_train in windowed-synchronous mode (see the module docstring)."""
+    if waits_each_window(job):
         return job.t_train_s
-    return (job.staleness - job.publish_period + 1) * job.t_train_s
+    return slack_steps(job.staleness, job.publish_period) * job.t_train_s
 
 
 def hard_constraint_violation(worker: WorkerProfile, job: JobProfile) -> str | None:
@@ -176,8 +179,8 @@ def hard_constraint_violation(worker: WorkerProfile, job: JobProfile) -> str | N
 
 def admissible_share(perf: WorkerPerf, job: JobProfile) -> float:
     """u: the share of a worker's generation that is still admissible when the learner gets to
-    it (module docstring). 1 in synchronous mode, where the learner waits instead."""
-    if is_synchronous(job):
+    it (module docstring). 1 in windowed-synchronous mode, where the learner waits instead."""
+    if waits_each_window(job):
         return 1.0
     window = job.staleness * job.t_train_s - (perf.t_bcast_s + perf.t_gen_s)
     if window < 0:
@@ -216,19 +219,20 @@ def meets_throughput(workers: Iterable[WorkerProfile], job: JobProfile) -> bool:
 def predict_utilisation(job: JobProfile, workers: Iterable[WorkerProfile]) -> float:
     """Steady-state learner busy / wall for this set (pipeline fill at the start not included).
 
-    Asynchronous (S ≥ 1): a step lasts max(T_train, R / Σ u·μ), so the utilisation is
+    With slack (κ ≤ S): a step lasts max(T_train, R / Σ u·μ), so the utilisation is
     min(1, Σ u·μ · T_train / R) over qualifying workers.
-    Synchronous (S = 0): T_train / (T_train + max T_bcast + max(max T_gen, R / Σμ)).
+    Windowed-synchronous (κ = S + 1): κ·T_train / (κ·T_train + max T_bcast + max(max T_gen, R / Σμ)).
     """
     fresh = [q for q in (qualify(w, job) for w in workers) if q.ok]
     total_mu = sum(q.mu for q in fresh)
     if total_mu <= 0:
         return 0.0
     gen_phase = job.rollouts_per_step / total_mu
-    if not is_synchronous(job):
+    if not waits_each_window(job):
         return min(1.0, job.t_train_s / gen_phase)
     wait = max(q.perf.t_bcast_s for q in fresh) + max(max(q.perf.t_gen_s for q in fresh), gen_phase)
-    return job.t_train_s / (job.t_train_s + wait)
+    window = job.publish_period * job.t_train_s
+    return window / (window + wait)
 
 
 def estimate_bcast_s(

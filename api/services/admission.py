@@ -75,7 +75,7 @@ def _refuse_all(rows: list[dict[str, Any]], results: list[GroupResult], reason: 
 def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> tuple[str | None, Fault | None]:
     if lease.status != "active":
         return f"lease is {lease.status}", Fault.late
-    if job.step - group.version > spec.staleness and group.version == lease.version:
+    if group.version == lease.version and group.version <= job.step and not spec.admissible(job.step, group.version):
         return f"stale: step {job.step} - version {group.version} > S={spec.staleness}", Fault.late
     problem = _invalid(job, spec, lease, group)
     return (problem, Fault.worker) if problem else (None, None)
@@ -154,14 +154,14 @@ def _all_answered(db: Session, lease: Lease) -> bool:
     return answered >= len(lease.prompt_ids)
 
 
-def reject_stale(db: Session, job: Job, step: int, staleness: int) -> int:
+def reject_stale(db: Session, job: Job, step: int, spec: JobSpec) -> int:
     """Queued groups too old for step t are rejected and their prompts re-pooled."""
     stale = list(db.scalars(
         select(Rollout).where(Rollout.job_id == job.id, Rollout.status == "accepted",
-                              Rollout.version < step - staleness).with_for_update(skip_locked=True)
+                              Rollout.version < spec.oldest_admissible(step)).with_for_update(skip_locked=True)
     ))
     for r in stale:
-        r.status, r.reason = "rejected", f"stale at claim: step {step} - version {r.version} > S={staleness}"
+        r.status, r.reason = "rejected", f"stale at claim: step {step} - version {r.version} > S={spec.staleness}"
         r.fault = Fault.platform.value
     return_prompts(db, [r.prompt_id for r in stale], from_state="submitted")
     return len(stale)
@@ -169,7 +169,7 @@ def reject_stale(db: Session, job: Job, step: int, staleness: int) -> int:
 
 def claim(db: Session, job: Job, step: int, max_groups: int) -> tuple[list[Rollout], int]:
     spec = spec_of(job)
-    rejected = reject_stale(db, job, step, spec.staleness)
+    rejected = reject_stale(db, job, step, spec)
     query = (
         select(Rollout)
         .where(Rollout.job_id == job.id, Rollout.status == "accepted")

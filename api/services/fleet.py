@@ -40,7 +40,7 @@ def assignment_for(job: Job, settings: Settings) -> Callable[[list[str]], Assign
     if job.status != JobStatus.running.value or job.version is None:
         return None
     spec = spec_of(job)
-    fields = dict(job_id=job.id, version=job.version, min_version=max(0, job.step - spec.staleness),
+    fields = dict(job_id=job.id, version=job.version, min_version=spec.oldest_admissible(job.step),
                   staleness=spec.staleness,
                   manifest_url=f"{settings.public_url}/v1/jobs/{job.id}/versions/{job.version}/manifest",
                   sampling=sampling_of(spec), relay_key=relay_key(job, job.version))

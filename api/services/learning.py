@@ -60,8 +60,8 @@ def _claimed(db: Session, job: Job, report: StepReport, wanted: list[str], field
     bad = ids - {r.id for r in rows if r.status == "claimed" and r.claim_step == report.step}
     if bad:
         raise ApiError(409, f"rollouts not claimed for step {report.step}: {sorted(bad)[:5]}", field=field)
-    staleness = spec_of(job).staleness
-    too_old = [r.id for r in rows if report.step - r.version > staleness]
+    spec = spec_of(job)
+    too_old = [r.id for r in rows if not spec.admissible(report.step, r.version)]
     if too_old:  # cannot happen through claim(); refuse rather than record a violation
         raise ApiError(409, f"rollouts too stale for step {report.step}: {too_old[:5]}", field=field)
     return rows

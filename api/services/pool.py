@@ -63,7 +63,7 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
 def _check_version(job: Job, version: int, staleness: int) -> None:
     if job.version is None or version > job.version:
         raise ApiError(409, f"version {version} is not published; the latest is {job.version}", field="version")
-    if job.step - version > staleness:
+    if version < job.step - staleness:  # JobSpec.oldest_admissible
         raise ApiError(
             409, f"version {version} is too stale for step {job.step} (S={staleness}): "
             f"fetch version {job.version} first", field="version")

@@ -35,8 +35,8 @@ def kept(job: Job, versions: Iterable[int], every: int) -> set[int]:
     final = job.final_version if job.final_version is not None else job.version
     keep = {v for v in versions if v == final or (every and v % every == 0)}
     if not JobStatus(job.status).is_terminal():
-        oldest_admissible = job.step - spec_of(job).staleness
-        keep |= {v for v in versions if v == job.version or v >= oldest_admissible}
+        oldest = spec_of(job).oldest_admissible(job.step)
+        keep |= {v for v in versions if v == job.version or v >= oldest}
     return keep
 
 

@@ -14,7 +14,6 @@ from scheduler.capacity import (
     estimate_bcast_s,
     freshness_slack_s,
     hard_constraint_violation,
-    is_synchronous,
     meets_throughput,
     predict_utilisation,
     qualify,
@@ -22,6 +21,7 @@ from scheduler.capacity import (
     sort_jobs,
     throughput,
     validate_job,
+    waits_each_window,
 )
 
 
@@ -57,7 +57,7 @@ def test_freshness_excludes_slow_broadcast_worker_and_says_why():
 
 def test_synchronous_mode_caps_latency_at_one_step_and_predicts_idle_learner():
     sync = job(staleness=0, publish_period=1, t_train_s=10.0, rollouts_per_step=10, headroom=0.0)
-    assert is_synchronous(sync)
+    assert waits_each_window(sync)
     assert validate_job(sync) == []
     # the literal slack (S − κ + 1)·T_train would be 0: nobody with any latency could qualify
     assert freshness_slack_s(sync) == pytest.approx(10.0)
@@ -70,11 +70,21 @@ def test_synchronous_mode_caps_latency_at_one_step_and_predicts_idle_learner():
     assert predict_utilisation(job(staleness=2, rollouts_per_step=10, t_train_s=10.0), ws) == 1.0
 
 
-def test_validate_job_rejects_publish_period_beyond_staleness():
-    assert any("exceeds staleness bound" in p for p in validate_job(job(staleness=1, publish_period=2)))
-    assert any("needs κ=1" in p for p in validate_job(job(staleness=0, publish_period=2)))
+def test_validate_job_rejects_publish_period_beyond_staleness_plus_one():
+    assert any("exceeds S + 1 = 2" in p for p in validate_job(job(staleness=1, publish_period=3)))
+    assert any("exceeds S + 1 = 1" in p for p in validate_job(job(staleness=0, publish_period=2)))
+    assert validate_job(job(staleness=1, publish_period=2)) == []  # κ = S + 1: the protocol allows it
     assert any("headroom" in p for p in validate_job(job(headroom=-0.2)))
     assert validate_job(job(staleness=3, publish_period=3)) == []
+
+
+def test_publish_period_of_s_plus_one_waits_once_per_window_instead_of_qualifying_nobody():
+    j = job(staleness=1, publish_period=2, t_train_s=10.0, rollouts_per_step=10, headroom=0.0)
+    assert waits_each_window(j) and freshness_slack_s(j) == pytest.approx(10.0)
+    ws = [worker(f"w{i}", mu=1.0, t_bcast=3.0, t_gen=2.0) for i in range(5)]
+    assert all(qualify(w, j).ok for w in ws)  # literally (S − κ + 1)·T = 0 s: nobody would
+    # a 20 s window (κ = 2 steps) plus one wait of max T_bcast + max(max T_gen, R/Σμ) = 3 + 2
+    assert predict_utilisation(j, ws) == pytest.approx(20.0 / 25.0)
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,8 @@ from .jobs import (
     PromptRead,
     TaskInfo,
     TaskSpec,
+    max_publish_period,
+    slack_steps,
 )
 from .learner import (
     AuditReport,
@@ -150,4 +152,6 @@ __all__ = [
     "WorkerRegistered",
     "WorkerStats",
     "WorkerStatus",
+    "max_publish_period",
+    "slack_steps",
 ]

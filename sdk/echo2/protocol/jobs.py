@@ -100,7 +100,7 @@ class JobSpec(Model):
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:
-        if self.publish_period > self.staleness + 1:
+        if self.publish_period > max_publish_period(self.staleness):
             raise ValueError(
                 f"publish_period (κ={self.publish_period}) must be <= staleness + 1 ({self.staleness + 1}): "
                 "otherwise every rollout would be too stale to train"
@@ -108,6 +108,28 @@ class JobSpec(Model):
         if self.dataset_id is not None and self.prompts is not None:
             raise ValueError("give either dataset_id or inline prompts, not both")
         return self
+
+    def admissible(self, step: int, version: int) -> bool:
+        """The staleness rule, stated once: a rollout of version x trains at step t only if 0 <= t - x <= S."""
+        return 0 <= step - version <= self.staleness
+
+    def oldest_admissible(self, step: int) -> int:
+        """The oldest version whose rollouts may still train at step t."""
+        return max(0, step - self.staleness)
+
+
+def max_publish_period(staleness: int) -> int:
+    """The κ rule: κ <= S + 1. Rollouts of the version published at step x train until step x + S, so with
+    κ = S + 1 they cover exactly the steps until the next version; a larger κ leaves steps with no
+    admissible version at all."""
+    return staleness + 1
+
+
+def slack_steps(staleness: int, publish_period: int) -> int:
+    """S - κ + 1: how many learner steps of dissemination plus generation latency a worker's rollouts
+    can absorb and still be admissible when the learner gets to them. 0 (S = 0, or κ = S + 1) means the
+    learner must wait for rollouts of the newest version at the start of each publication window."""
+    return staleness - publish_period + 1
 
 
 class JobCost(ReadModel):
