@@ -18,6 +18,7 @@ from .db import Database
 from .routes import datasets, fleet, health, jobs, learner, leases, users, weights
 from .services import retention
 from .services.heartbeats import Heartbeats
+from .services.notices import Announcer
 from .settings import Settings, get_settings
 from .storage import BlobStore
 from .telemetry import MetricsMiddleware, Telemetry
@@ -44,6 +45,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # request for ~0.1 s (they were the whole p99 of the heartbeat route).
         gc.collect()
         gc.freeze()
+        app.state.announcer.bind(asyncio.get_running_loop())
         sweeper = asyncio.create_task(retention.sweep_periodically(db, app.state.blobs, settings))
         yield
         sweeper.cancel()
@@ -55,6 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings, app.state.db = settings, db
     app.state.blobs = BlobStore(settings.blob_dir)
     app.state.heartbeats = Heartbeats(db, settings)
+    app.state.announcer = Announcer()
     app.state.registry = telemetry.registry
     errors.install(app)
     openapi.install(app)

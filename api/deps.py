@@ -66,7 +66,12 @@ Token = Annotated[str, Depends(_token)]
 
 
 def _principal(db: SessionDep, creds: Credentials) -> Principal:
-    identity = auth.lookup(db, bearer_token(creds))
+    return principal_of(db, bearer_token(creds))
+
+
+def principal_of(db: Session, token: str) -> Principal:
+    """Who a bearer token is (401 when nobody); for routes that must not hold a session while they wait."""
+    identity = auth.lookup(db, token)
     if identity is None:
         raise unauthorized("unknown or revoked token")
     principal = Principal(kind=identity.kind, id=identity.principal_id)

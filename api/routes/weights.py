@@ -4,17 +4,30 @@ download with Range and sha256 headers (workers, relays), checkpoint download (o
 from __future__ import annotations
 
 import hashlib
+import time
 from typing import Annotated
 
-from echo2.protocol import Manifest, VersionRead
-from fastapi import APIRouter, Body, Header, Path, Query
+import anyio
+from echo2.protocol import JobStatus, Manifest, VersionNotice, VersionRead
+from fastapi import APIRouter, Body, Header, Path, Query, Request
 from fastapi.responses import FileResponse, StreamingResponse
 from sqlalchemy import select
 
-from ..deps import AnyPrincipal, BlobsDep, LearnerJobId, Principal, SessionDep, SettingsDep, learner_job
+from ..db import Database
+from ..deps import (
+    AnyPrincipal,
+    BlobsDep,
+    LearnerJobId,
+    Principal,
+    SessionDep,
+    SettingsDep,
+    Token,
+    learner_job,
+    principal_of,
+)
 from ..errors import ApiError
 from ..models import Job, WeightVersion
-from ..services import dissemination, modelinfo, retention
+from ..services import dissemination, modelinfo, notices, retention
 from ..storage import ChunkError, manifest_bytes
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["weights"])
@@ -42,7 +55,7 @@ def upload_chunk(job_id: str, version: VersionPath, index: IndexPath, token_job:
 @router.post("/versions", status_code=201, operation_id="publish_version",
              summary="Publish a version: every chunk must be uploaded and match; then it is announced")
 def publish_version(job_id: str, manifest: Manifest, token_job: LearnerJobId, db: SessionDep,
-                    blobs: BlobsDep, settings: SettingsDep) -> VersionRead:
+                    blobs: BlobsDep, settings: SettingsDep, request: Request) -> VersionRead:
     job = learner_job(db, token_job, job_id, for_update=True)
     _check_new_version(job, manifest.version)
     try:
@@ -58,6 +71,7 @@ def publish_version(job_id: str, manifest: Manifest, token_job: LearnerJobId, db
     job.version = manifest.version
     modelinfo.record(blobs, job, manifest)
     retention.commit_and_collect(db, blobs, job, settings.keep_versions_every)
+    request.app.state.announcer.announce(job_id)  # after the commit: whoever wakes sees the version
     return dissemination.version_reads(db, [row])[0]
 
 
@@ -67,6 +81,37 @@ def list_versions(job_id: str, p: AnyPrincipal, db: SessionDep) -> list[VersionR
     _readable_job(db, p, job_id)
     rows = db.scalars(select(WeightVersion).where(WeightVersion.job_id == job_id).order_by(WeightVersion.version))
     return dissemination.version_reads(db, list(rows))
+
+
+@router.get("/versions/next", operation_id="wait_for_version",
+            summary="Long-poll: answers as soon as a version newer than `after` is published (or the job ends)",
+            description="Workers keep one of these open to hear of a new version at once instead of at their "
+                        "next heartbeat; on `changed: false` (the wait timed out) they poll again.")
+async def wait_for_version(job_id: str, token: Token, request: Request,
+                           after: Annotated[int, Query(ge=-1, le=10_000_000, description="The version you have.")],
+                           timeout_s: Annotated[float, Query(ge=0, le=60)] = 25.0) -> VersionNotice:
+    db = request.app.state.db  # a session per check: a waiting worker holds no database connection
+    await anyio.to_thread.run_sync(_readable_in_session, db, token, job_id)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        notice = await anyio.to_thread.run_sync(_notice, db, job_id, after)
+        left = deadline - time.monotonic()
+        if notice.changed or left <= 0:
+            return notice
+        await request.app.state.announcer.wait(job_id, min(left, notices.RECHECK_S))
+
+
+def _readable_in_session(db: Database, token: str, job_id: str) -> None:
+    with db.session() as session:
+        _readable_job(session, principal_of(session, token), job_id)
+
+
+def _notice(db: Database, job_id: str, after: int) -> VersionNotice:
+    with db.session() as session:
+        job = session.get_one(Job, job_id)
+        status = JobStatus(job.status)
+        changed = (job.version is not None and job.version > after) or status.is_terminal()
+        return VersionNotice(job_id=job_id, version=job.version, job_status=status, changed=changed)
 
 
 @router.get("/versions/{version}/manifest", operation_id="get_manifest", summary="A published version's manifest")

@@ -3,27 +3,37 @@ every prompt is always available, leased, submitted or trained."""
 
 from __future__ import annotations
 
+import math
 from datetime import datetime, timedelta
 
+from echo2.protocol import JobSpec, RolloutStatus
 from echo2.seeds import order_key, prompt_seed
-from sqlalchemy import func, select, update
+from sqlalchemy import and_, case, func, select, update
 from sqlalchemy.orm import Session
 
 from ..errors import ApiError
-from ..models import Job, Lease, Prompt, Worker, utcnow
+from ..models import Job, Lease, Prompt, Rollout, StepMetric, Worker, utcnow
 from .jobs import spec_of
+
+STARVING = 3  # returns after which a prompt is leased before the rest of its epoch
+FRONT = 2**31  # order keys are in [0, 2**31): subtracting this puts a prompt before all of them
 
 
 def return_prompts(db: Session, prompt_ids: list[int], lease_id: str | None = None,
                    from_state: str = "leased") -> int:
     """Put prompts back into the pool (one more attempt each): by default leased ones that got no
-    accepted rollout; `from_state="submitted"` for ones whose queued rollout was rejected later."""
+    accepted rollout; `from_state="submitted"` for ones whose queued rollout was rejected later.
+    A prompt returned STARVING times goes first: its order key drops below every other of its epoch,
+    so no prompt waits behind the pool forever."""
     if not prompt_ids:
         return 0
     query = update(Prompt).where(Prompt.id.in_(prompt_ids), Prompt.state == from_state)
     if lease_id is not None:
         query = query.where(Prompt.lease_id == lease_id)
-    result = db.execute(query.values(state="available", lease_id=None, attempts=Prompt.attempts + 1))
+    starving = case((and_(Prompt.attempts + 1 >= STARVING, Prompt.order_key >= 0), Prompt.order_key - FRONT),
+                    else_=Prompt.order_key)
+    result = db.execute(query.values(state="available", lease_id=None, attempts=Prompt.attempts + 1,
+                                     order_key=starving))
     return result.rowcount or 0
 
 
@@ -46,18 +56,55 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
     spec = spec_of(job)
     _check_version(job, version, spec.staleness)
     expire_leases(db, job_id=job.id)
-    chosen = _take_available(db, job, max_prompts)
+    db.execute(select(Job.id).where(Job.id == job.id).with_for_update())  # room is counted per job, exactly
+    room = lease_room(db, job, spec, version)
+    if room <= 0:
+        wait = _step_period_s(db, job)
+        raise ApiError(409, f"no room: the groups queued and in flight already cover what the learner can train "
+                       f"before version {version} goes stale (S={spec.staleness}); retry after its next step",
+                       headers=_retry_after(wait))
+    chosen = _take_available(db, job, min(max_prompts, room))
     if not chosen and _start_next_epoch(db, job, spec.seed):
-        chosen = _take_available(db, job, max_prompts)
+        chosen = _take_available(db, job, min(max_prompts, room))
     if not chosen:
         raise ApiError(409, "no prompts available right now: all are leased or awaiting training; retry later",
-                       headers={"Retry-After": "1"})
+                       headers=_retry_after(_step_period_s(db, job)))
     lease = Lease(job_id=job.id, worker_id=worker.id, version=version, step_at_lease=job.step,
                   prompt_ids=[p.id for p in chosen], expires_at=utcnow() + timedelta(seconds=ttl_s))
     db.add(lease)
     db.flush()
     db.execute(update(Prompt).where(Prompt.id.in_(lease.prompt_ids)).values(state="leased", lease_id=lease.id))
     return lease
+
+
+def lease_room(db: Session, job: Job, spec: JobSpec, version: int) -> int:
+    """How many more groups of `version` the learner can still train before that version goes stale:
+    the steps left until then (t .. x + S) times R, less what this step has claimed and what is queued
+    or leased already (all of which the learner takes first: it claims oldest first). Leasing beyond
+    this only makes groups that arrive too late — the staleness contract."""
+    steps_left = version + spec.staleness - job.step + 1
+    taken = db.execute(select(
+        select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.accepted.value)
+        .scalar_subquery(),
+        select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.claimed.value,
+                                   Rollout.claim_step == job.step).scalar_subquery(),
+        select(func.count()).where(Prompt.job_id == job.id, Prompt.state == "leased").scalar_subquery(),
+    )).one()
+    return steps_left * spec.grpo.prompts_per_step - sum(taken)
+
+
+def _step_period_s(db: Session, job: Job) -> float:
+    """Recent seconds between the learner's step commits: when room is likely to free up."""
+    times = list(db.scalars(select(StepMetric.created_at).where(StepMetric.job_id == job.id)
+                            .order_by(StepMetric.step.desc()).limit(6)))
+    if len(times) < 2:
+        return 1.0
+    return (times[0] - times[-1]).total_seconds() / (len(times) - 1)
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    seconds = min(max(seconds, 0.1), 30.0)
+    return {"Retry-After": str(math.ceil(seconds)), "Retry-After-Ms": str(round(seconds * 1000))}
 
 
 def _check_version(job: Job, version: int, staleness: int) -> None:

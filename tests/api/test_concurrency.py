@@ -10,7 +10,9 @@ CLAIMERS, PROMPTS = 32, 2000
 
 def test_32_concurrent_claimers_over_2000_prompts(api, tmp_path):
     _, alice = new_user(api)
-    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), num_prompts=PROMPTS)
+    # R = 1024 and S = 1: room for (S + 1) R = 2048 groups ahead, so pacing lets all 2000 be leased
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), num_prompts=PROMPTS,
+                         grpo={"group_size": 2, "prompts_per_step": 1024})
     _, provider = new_provider(api)
     workers = []
     for i in range(CLAIMERS):

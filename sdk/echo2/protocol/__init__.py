@@ -75,7 +75,7 @@ from .rollouts import (
 )
 from .trust import AuditRead
 from .users import ApiKeyCreated, TokenKind, TokenRead, UserCreate, UserCreated, UserRead
-from .weights import ChunkInfo, FileInfo, Manifest, VersionRead
+from .weights import ChunkInfo, FileInfo, Manifest, VersionNotice, VersionRead
 
 __all__ = [
     "AuditRead",
@@ -146,6 +146,7 @@ __all__ = [
     "UserCreate",
     "UserCreated",
     "UserRead",
+    "VersionNotice",
     "VersionRead",
     "WorkerRead",
     "WorkerRegister",

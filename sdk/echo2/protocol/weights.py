@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, Field, StringConstraints, model_validator
 
-from .common import Model, NoNul, ReadModel, Sha256, Step, Version
+from .common import JobStatus, Model, NoNul, ReadModel, Sha256, Step, Version
 
 
 def _relative(path: str) -> str:
@@ -88,3 +88,13 @@ class VersionRead(ReadModel):
         "went offline or moved on to a newer version are not waited for. Null while some still fetch, or "
         "when no worker was targeted.")
     created_at: datetime
+
+
+class VersionNotice(ReadModel):
+    """The answer to a long-poll for a job's next version (GET /v1/jobs/{id}/versions/next)."""
+
+    job_id: str
+    version: int | None = Field(description="The newest published version.")
+    job_status: JobStatus
+    changed: bool = Field(description="True when `version` is newer than the one asked about, or the job ended; "
+                          "false when the wait timed out (poll again).")
