@@ -234,7 +234,7 @@ class Rollout(Base):
     samples: Mapped[list[Any]]
     rewards: Mapped[list[Any] | None]
     gen_seconds: Mapped[float] = mapped_column(Float, default=0.0)
-    fault: Mapped[str | None] = mapped_column(String(16))  # of a rejection (echo2.protocol.Fault)
+    reject_kind: Mapped[str | None] = mapped_column(String(24))  # echo2.protocol.RejectKind
     audit: Mapped[str | None] = mapped_column(String(16))  # "passed" / "failed" once audited
     paid_entry_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
     claim_step: Mapped[int | None] = mapped_column(Integer)

@@ -7,7 +7,7 @@ everything ran):
   learner crashed or is being relaunched costs nothing meanwhile;
 - a worker accrues its active time (at most `pay_window_s` of it waiting to be paid), and is paid out
   of it only for rollouts that were worth something: trained, or accepted in time but then not
-  trained in time (Fault.platform). Each such group buys 1 / (f · μ_a) seconds, where μ_a is the rate
+  trained in time (RejectKind.stale_at_claim). Each such group buys 1 / (f · μ_a) seconds, where μ_a is the rate
   the worker was activated for and f = `pay_rate_fraction`: delivering at f · μ_a or better is paid in
   full, less is paid pro rata, nothing is paid nothing — however much a worker claims to be able to do.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime, timedelta
 
-from echo2.protocol import Fault, RolloutStatus
+from echo2.protocol import Fault, RejectKind, RolloutStatus
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
@@ -28,6 +28,7 @@ from api.services.jobs import spec_of
 from api.settings import Settings
 
 MIN_MU = 1e-3  # groups/s: a floor for an activation rate that was never measured
+PAID_REJECTIONS = [k.value for k in RejectKind if k.fault() is Fault.platform]
 
 
 def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> None:
@@ -53,7 +54,7 @@ def _bill_learners(db: Session, settings: Settings, now: datetime, seconds: floa
 def _payable(db: Session) -> dict[str, dict[str, list[str]]]:
     """worker -> job -> ids of its unpaid rollouts that are worth paying for."""
     worth = or_(Rollout.status == RolloutStatus.trained.value,
-                and_(Rollout.status == RolloutStatus.rejected.value, Rollout.fault == Fault.platform.value))
+                and_(Rollout.status == RolloutStatus.rejected.value, Rollout.reject_kind.in_(PAID_REJECTIONS)))
     rows = db.execute(select(Rollout.worker_id, Rollout.job_id, Rollout.id)
                       .where(Rollout.paid_entry_id.is_(None), worth).order_by(Rollout.created_at))
     out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))

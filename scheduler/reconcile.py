@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from echo2.protocol import Fault, JobStatus, TrustState
+from echo2.protocol import Fault, JobStatus, RejectKind, TrustState
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
@@ -45,6 +45,7 @@ Launcher = Callable[[str, str], None]  # (job id, learner token) -> enqueue its 
 DEFAULT_T_TRAIN_S = 2.0
 MU_WINDOW_S = 60.0
 BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
+WORKER_FAULTS = [k.value for k in RejectKind if k.fault() is Fault.worker]
 WORKING = [s.value for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
 
 
@@ -197,7 +198,7 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     since = now - timedelta(seconds=MU_WINDOW_S)
     done, gen = db.execute(select(func.count(), func.avg(Rollout.gen_seconds)).where(
         Rollout.worker_id == worker.id, Rollout.created_at >= since,
-        func.coalesce(Rollout.fault, "") != Fault.worker.value)).one()
+        Rollout.reject_kind.not_in(WORKER_FAULTS) | Rollout.reject_kind.is_(None))).one()
     active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
     trial = None
     if done and active_s >= 5:

@@ -9,10 +9,12 @@ from echo2.protocol import (
     AuditRead,
     DecisionRead,
     JobRead,
+    JobReport,
     JobSpec,
     JobStatus,
     Page,
     PromptRead,
+    RejectKind,
     RolloutRead,
     RolloutStatus,
     StepMetrics,
@@ -26,7 +28,7 @@ from learner.tasks import get_task, list_tasks
 from ..deps import BlobsDep, CurrentUser, PassedFilter, SessionDep, SettingsDep, owned_job
 from ..models import Audit, Decision, Job, Prompt, Rollout, StepMetric
 from ..services import jobs as svc
-from ..services import modelinfo, retention, trust
+from ..services import modelinfo, reports, retention, trust
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 Limit = Annotated[int, Query(ge=1, le=200, description="Page size.")]
@@ -115,6 +117,12 @@ def get_metrics(job_id: str, user: CurrentUser, db: SessionDep,
     return [StepMetrics.model_validate(m) for m in rows]
 
 
+@router.get("/jobs/{job_id}/report", operation_id="get_job_report",
+            summary="Learner utilisation and waste: the learner's busy and idle time, every group by its fate")
+def get_report(job_id: str, user: CurrentUser, db: SessionDep) -> JobReport:
+    return reports.job_report(db, owned_job(db, user, job_id))
+
+
 @router.get("/jobs/{job_id}/decisions", operation_id="list_job_decisions",
             summary="The scheduler's activation decisions for this job, newest first, each explained in one line")
 def list_decisions(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 50) -> list[DecisionRead]:
@@ -146,7 +154,8 @@ def tasks(_: CurrentUser) -> list[TaskInfo]:
 def _rollout_read(r: Rollout, prompt_text: str, decode: Callable[[list[int]], str]) -> RolloutRead:
     return RolloutRead(
         id=r.id, job_id=r.job_id, prompt_id=r.prompt_id, prompt_text=prompt_text, worker_id=r.worker_id,
-        lease_id=r.lease_id, version=r.version, status=RolloutStatus(r.status), reason=r.reason, fault=r.fault,
+        lease_id=r.lease_id, version=r.version, status=RolloutStatus(r.status), reason=r.reason,
+        reject_kind=r.reject_kind, fault=RejectKind(r.reject_kind).fault() if r.reject_kind else None,
         audit=r.audit, trained_step=r.trained_step, completions=[decode(s["token_ids"]) for s in r.samples],
         rewards=r.rewards, created_at=r.created_at,
     )

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from echo2.protocol import Fault, GroupResult, GroupSubmit, JobSpec, RolloutStatus, SampleSubmit, TrustState
+from echo2.protocol import Fault, GroupResult, GroupSubmit, JobSpec, RejectKind, RolloutStatus, SampleSubmit, TrustState
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
@@ -50,9 +50,9 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
             results.append(GroupResult(prompt_id=group.prompt_id, rollout_id=None, status=RolloutStatus.rejected,
                                        reason="prompt is not part of this lease"))
             continue
-        reason, fault = _rejection(job, spec, lease, group)
-        row = _row(job, lease, worker, group, reason, fault)
-        if fault is Fault.worker:
+        reason, kind = _rejection(job, spec, lease, group)
+        row = _row(job, lease, worker, group, reason, kind)
+        if kind is not None and kind.fault() is Fault.worker:
             trust.strike(db, worker, f"rollout {row['id']} refused at the door: {reason}", settings)
         rows.append(row)
         existing[group.prompt_id] = Rollout(**row)
@@ -68,17 +68,17 @@ def _refuse_all(rows: list[dict[str, Any]], results: list[GroupResult], reason: 
     by_id = {r.rollout_id: r for r in results}
     for row in rows:
         if row["status"] == RolloutStatus.accepted.value:
-            row.update(status=RolloutStatus.rejected.value, reason=reason, fault=Fault.worker.value)
+            row.update(status=RolloutStatus.rejected.value, reason=reason, reject_kind=RejectKind.sender_shut_out)
             by_id[row["id"]].status, by_id[row["id"]].reason = RolloutStatus.rejected, reason
 
 
-def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> tuple[str | None, Fault | None]:
+def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> tuple[str | None, RejectKind | None]:
     if lease.status != "active":
-        return f"lease is {lease.status}", Fault.late
+        return f"lease is {lease.status}", RejectKind.lease_ended
     if group.version == lease.version and group.version <= job.step and not spec.admissible(job.step, group.version):
-        return f"stale: step {job.step} - version {group.version} > S={spec.staleness}", Fault.late
+        return f"stale: step {job.step} - version {group.version} > S={spec.staleness}", RejectKind.stale_at_submit
     problem = _invalid(job, spec, lease, group)
-    return (problem, Fault.worker) if problem else (None, None)
+    return (problem, RejectKind.invalid) if problem else (None, None)
 
 
 def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> str | None:
@@ -122,12 +122,12 @@ def logprob_floor(vocab_size: int) -> float:
 
 
 def _row(job: Job, lease: Lease, worker: Worker, group: GroupSubmit, reason: str | None,
-         fault: Fault | None) -> dict[str, Any]:
+         kind: RejectKind | None) -> dict[str, Any]:
     return {
         "id": new_id("rol"), "job_id": job.id, "prompt_id": group.prompt_id, "lease_id": lease.id,
         "worker_id": worker.id, "version": group.version,
         "status": RolloutStatus.rejected.value if reason else RolloutStatus.accepted.value, "reason": reason,
-        "fault": fault.value if fault else None, "prompt_token_ids": group.prompt_token_ids,
+        "reject_kind": kind.value if kind else None, "prompt_token_ids": group.prompt_token_ids,
         # The worker's text is not kept: the platform shows its own decoding of the tokens.
         "samples": [s.model_dump(mode="json", exclude={"text"}) for s in group.samples],
         "gen_seconds": group.gen_seconds,
@@ -162,7 +162,7 @@ def reject_stale(db: Session, job: Job, step: int, spec: JobSpec) -> int:
     ))
     for r in stale:
         r.status, r.reason = "rejected", f"stale at claim: step {step} - version {r.version} > S={spec.staleness}"
-        r.fault = Fault.platform.value
+        r.reject_kind = RejectKind.stale_at_claim.value
     return_prompts(db, [r.prompt_id for r in stale], from_state="submitted")
     return len(stale)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from echo2.protocol import Fault, JobStatus, LearnerHeartbeat, RolloutStatus, StepAck, StepReport
+from echo2.protocol import JobStatus, LearnerHeartbeat, RejectKind, RolloutStatus, StepAck, StepReport
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
@@ -82,12 +82,13 @@ def _judge(db: Session, job: Job, report: StepReport, rows: dict[str, Rollout], 
     for refusal in report.rejected:
         rollout = rows[refusal.rollout_id]
         rollout.status, rollout.reason = RolloutStatus.rejected.value, f"refused by the learner: {refusal.reason}"
-        rollout.fault, rollout.claim_step = Fault.worker.value, None
+        failed = rollout.audit == "failed"
+        rollout.claim_step = None
+        rollout.reject_kind = (RejectKind.audit_failed if failed else RejectKind.refused_by_learner).value
         if rollout.worker_id in senders:
             sender = senders[rollout.worker_id]
             sender.rejected_rollouts += 1
-            trust.strike(db, sender, f"rollout {rollout.id}: {refusal.reason}", settings,
-                         audited=rollout.audit == "failed")
+            trust.strike(db, sender, f"rollout {rollout.id}: {refusal.reason}", settings, audited=failed)
     return_prompts(db, [rows[r.rollout_id].prompt_id for r in report.rejected], from_state="submitted")
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime, timedelta
 
-from echo2.protocol import AuditRead, Fault, RolloutStatus, TrustState
+from echo2.protocol import AuditRead, RejectKind, RolloutStatus, TrustState
 from sqlalchemy import Select, select, update
 from sqlalchemy.orm import Session
 
@@ -118,6 +118,6 @@ def discard_queued(db: Session, worker_id: str, reason: str) -> int:
                                                  Rollout.status == RolloutStatus.accepted.value)
                            .with_for_update(skip_locked=True)))
     for r in rows:
-        r.status, r.reason, r.fault = RolloutStatus.rejected.value, reason, Fault.worker.value
+        r.status, r.reason, r.reject_kind = RolloutStatus.rejected.value, reason, RejectKind.sender_shut_out.value
     return_prompts(db, [r.prompt_id for r in rows], from_state="submitted")
     return len(rows)

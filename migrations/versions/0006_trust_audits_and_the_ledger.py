@@ -63,7 +63,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('eos_token_ids', sa.JSON(), nullable=True))
 
     with op.batch_alter_table('rollouts', schema=None) as batch_op:
-        batch_op.add_column(sa.Column('fault', sa.String(length=16), nullable=True))
+        batch_op.add_column(sa.Column('reject_kind', sa.String(length=24), nullable=True))
         batch_op.add_column(sa.Column('audit', sa.String(length=16), nullable=True))
         batch_op.add_column(sa.Column('paid_entry_id', sa.BigInteger(), nullable=True))
         batch_op.create_index(batch_op.f('ix_rollouts_paid_entry_id'), ['paid_entry_id'], unique=False)
@@ -111,7 +111,7 @@ def downgrade() -> None:
         batch_op.drop_index(batch_op.f('ix_rollouts_paid_entry_id'))
         batch_op.drop_column('paid_entry_id')
         batch_op.drop_column('audit')
-        batch_op.drop_column('fault')
+        batch_op.drop_column('reject_kind')
 
     with op.batch_alter_table('jobs', schema=None) as batch_op:
         batch_op.drop_column('eos_token_ids')

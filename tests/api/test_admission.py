@@ -51,7 +51,7 @@ def test_each_invalid_sample_is_refused_with_its_own_reason_and_a_strike(api, do
     got = ok(api.admin.get(f"/v1/workers/{wid}"))
     assert got["trust"] == "suspect" and reason in got["trust_reason"]
     row = ok(alice.get(f"/v1/jobs/{job['id']}/rollouts"))["items"][0]
-    assert row["status"] == "rejected" and row["fault"] == "worker"
+    assert row["status"] == "rejected" and row["fault"] == "worker" and row["reject_kind"] == "invalid"
     prompts = ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 200}))["items"]
     assert next(p for p in prompts if p["id"] == result["prompt_id"])["state"] == "available"
 

@@ -72,3 +72,20 @@ def test_a_prompt_returned_three_times_goes_first(api, tmp_path):
     starving = {p["prompt_id"] for p in again["prompts"]}
     ok(worker.post(f"/v1/leases/{held['id']}/release"))  # now available again, and first in the order
     assert {p["prompt_id"] for p in ok(lease(worker, job, 2), 201)["prompts"]} == starving
+
+
+def test_the_job_report_counts_every_group_by_its_fate(api, tmp_path):
+    job, learner, worker, alice, folder = setup(api, tmp_path)  # S = 1
+    first = ok(lease(worker, job, 4), 201)
+    for p in first["prompts"]:
+        ok(submit_group(worker, first, p, 0))
+    ids = [g["rollout_id"] for g in ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim",
+                                                    json={"step": 0, "max_groups": 2}))["groups"]]
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(0, ids)))
+    publish(learner, job["id"], folder, version=1, step=1)
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(1, [])))
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": 2, "max_groups": 4}))  # v0 is stale now
+    report = ok(alice.get(f"/v1/jobs/{job['id']}/report"))
+    assert report["rollouts"] == {"generated": 4, "waiting": 0, "trained": 2, "rejected": {"stale_at_claim": 2}}
+    assert report["stale_fraction"] == 0.5 and report["wasted_fraction"] == 0.5 and report["step"] == 2
+    assert report["learner_idle_s"] >= 0 and report["audits"] == 0

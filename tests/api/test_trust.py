@@ -27,7 +27,7 @@ from tests.sdk.test_cli import echo2
 def setup(api, tmp_path):
     _, alice = new_user(api)
     job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=2, max_steps=50,
-                               num_prompts=200)
+                               num_prompts=200, grpo={"group_size": 2, "prompts_per_step": 64})
     _, provider = new_provider(api)
     wid, worker = new_worker(api, provider)
     activate(api, wid, job["id"])
@@ -81,7 +81,8 @@ def test_a_failed_audit_rejects_the_group_and_two_quarantine_the_worker(api, set
     assert got["trust"] == "suspect" and got["audits_failed"] == 1 and "logprob mismatch" in got["trust_reason"]
     rollouts = {r["id"]: r for r in ok(alice.get(f"/v1/jobs/{job['id']}/rollouts"))["items"]}
     refused = rollouts[groups[1]["rollout_id"]]
-    assert refused["status"] == "rejected" and refused["fault"] == "worker" and refused["audit"] == "failed"
+    assert refused["status"] == "rejected" and refused["fault"] == "worker" and refused["reject_kind"] == "audit_failed"
+    assert refused["audit"] == "failed"
     assert rollouts[groups[0]["rollout_id"]]["status"] == "trained"
     prompt = next(p for p in ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 200}))["items"]
                   if p["id"] == refused["prompt_id"])

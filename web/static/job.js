@@ -18,7 +18,7 @@ E2.page("job", () => {
   async function load() {
     job = await api(base);
     renderJob();
-    await Promise.all([loadMetrics(), loadVersions(), loadWorkers().then(loadDecisions), loadRollouts()]);
+    await Promise.all([loadMetrics(), loadVersions(), loadWorkers().then(loadDecisions), loadRollouts(), loadReport()]);
     if (TERMINAL.has(job.status)) {
       if (finalDone) poller.stop();
       finalDone = true; // one more round after the end, then stop polling a job that cannot change
@@ -213,6 +213,19 @@ E2.page("job", () => {
         ...stored.reverse().map((v) => h("option", { value: String(v.version) }, `Version ${v.version} (step ${v.step})`)));
       select.value = chosen;
     }
+  }
+
+  // ---- utilisation and waste ----------------------------------------------------------------
+  async function loadReport() {
+    const r = await api(base + "/report");
+    const pct = (x) => (x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)}%`);
+    setText("#rep-util", `${pct(r.learner_utilization)} of ${fmt.num(r.learner_wall_s, 0)} s`);
+    setText("#rep-generated", String(r.rollouts.generated));
+    setText("#rep-trained", `${r.rollouts.trained} · ${r.rollouts.waiting}`);
+    setText("#rep-stale", pct(r.stale_fraction));
+    const kinds = Object.entries(r.rollouts.rejected);
+    setText("#rep-rejected", kinds.length ? kinds.map(([k, n]) => `${k.replaceAll("_", " ")} ${n}`).join(", ") : "none");
+    setText("#rep-audits", `${r.audits} (${r.audits_failed})`);
   }
 
   // ---- workers ----------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from .common import (
     LeaseStatus,
     Page,
     Problem,
+    RejectKind,
     Role,
     RolloutStatus,
     TrustState,
@@ -60,7 +61,7 @@ from .learner import (
     StepAck,
     StepReport,
 )
-from .metrics import StepMetrics
+from .metrics import JobReport, RolloutCounts, StepMetrics
 from .rollouts import (
     FinishReason,
     GroupResult,
@@ -104,6 +105,7 @@ __all__ = [
     "HeartbeatReply",
     "JobCost",
     "JobRead",
+    "JobReport",
     "JobSpec",
     "JobStatus",
     "LearnerBatch",
@@ -123,10 +125,12 @@ __all__ = [
     "Problem",
     "PromptIn",
     "PromptRead",
+    "RejectKind",
     "ProviderCreate",
     "ProviderCreated",
     "ProviderRead",
     "Role",
+    "RolloutCounts",
     "RolloutRead",
     "RolloutRejection",
     "RolloutRewards",

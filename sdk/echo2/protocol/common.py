@@ -143,9 +143,28 @@ class Fault(StrEnum):
     """Whose fault a rejected rollout is. Only `worker` counts against the worker's trust; only
     `platform` is still paid (the worker delivered what was asked, in time)."""
 
-    worker = "worker"  # invalid at the door, failed its audit, poisoned the loss, sender quarantined
-    late = "late"  # arrived after its lease ended or its version went stale: not paid, no strike
-    platform = "platform"  # accepted in time, then not trained in time (stale at claim): paid
+    worker = "worker"
+    late = "late"  # not paid, no strike
+    platform = "platform"
+
+
+class RejectKind(StrEnum):
+    """Why a rollout was rejected, as data (its `reason` says it in words for people)."""
+
+    lease_ended = "lease_ended"  # arrived after its lease expired or was released
+    stale_at_submit = "stale_at_submit"  # its version was already too old when it arrived
+    stale_at_claim = "stale_at_claim"  # accepted in time, not trained before its version went stale
+    invalid = "invalid"  # refused at the door: does not fit the job or the model
+    audit_failed = "audit_failed"  # the learner's re-scoring under the claimed version disagreed
+    refused_by_learner = "refused_by_learner"  # tokens that do not fit the model, or a poisoned loss
+    sender_shut_out = "sender_shut_out"  # still queued when its sender was quarantined or banned
+
+    def fault(self) -> Fault:
+        if self is RejectKind.stale_at_claim:
+            return Fault.platform
+        if self in (RejectKind.lease_ended, RejectKind.stale_at_submit):
+            return Fault.late
+        return Fault.worker
 
 
 class Backend(StrEnum):

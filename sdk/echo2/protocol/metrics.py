@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from .common import ReadModel
+from pydantic import Field
+
+from .common import ReadModel, RejectKind
 
 
 class StepMetrics(ReadModel):
@@ -26,3 +28,33 @@ class StepMetrics(ReadModel):
     rollouts_per_s: float | None
     cost_usd: float | None
     created_at: datetime
+
+
+class RolloutCounts(ReadModel):
+    """A job's rollout groups by what became of them."""
+
+    generated: int = Field(description="Groups workers submitted (each a prompt with its G samples).")
+    waiting: int = Field(description="Accepted and not yet trained (queued or claimed).")
+    trained: int
+    rejected: dict[RejectKind, int] = Field(default_factory=dict, description="Rejected groups by why.")
+
+
+class JobReport(ReadModel):
+    """How well a job used its learner, and how much generated work went to waste."""
+
+    job_id: str
+    step: int
+    learner_busy_s: float = Field(description="Seconds the current learner spent training (since it started).")
+    learner_wall_s: float = Field(description="Seconds since the current learner started.")
+    learner_idle_s: float
+    learner_utilization: float | None = Field(description="busy / wall.")
+    rollouts: RolloutCounts
+    stale_fraction: float | None = Field(
+        description="Groups rejected as stale (at submission or at claim) over groups generated: the work the "
+        "staleness contract should keep near zero.")
+    wasted_fraction: float | None = Field(
+        description="Every group generated and not trained for a reason that is not the sender's fault (stale, "
+        "or after its lease ended) over groups generated.")
+    audits: int = 0
+    audits_failed: int = 0
+    audit_s: float = Field(0.0, description="Learner seconds spent auditing.")

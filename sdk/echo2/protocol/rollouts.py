@@ -8,7 +8,7 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from .common import Fault, Id, LeaseStatus, Logprob, Model, ReadModel, RolloutStatus, Text, TokenId, Version
+from .common import Fault, Id, LeaseStatus, Logprob, Model, ReadModel, RejectKind, RolloutStatus, Text, TokenId, Version
 from .fleet import SamplingParams
 
 
@@ -93,6 +93,7 @@ class RolloutRead(ReadModel):
     version: int
     status: RolloutStatus
     reason: str | None
+    reject_kind: RejectKind | None = Field(None, description="Why it was rejected, as a code.")
     fault: Fault | None = Field(None, description="Whose fault a rejection is (worker, late, platform).")
     audit: str | None = Field(None, description="`passed` or `failed` when the learner audited this group.")
     trained_step: int | None

@@ -1,0 +1,35 @@
+"""A job's learner utilisation and waste: what its learner did with its time, and what became of every
+group its workers generated."""
+
+from __future__ import annotations
+
+from echo2.protocol import Fault, JobReport, RejectKind, RolloutCounts, RolloutStatus
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ..models import Audit, Job, Rollout, StepMetric
+
+STALE = (RejectKind.stale_at_submit, RejectKind.stale_at_claim)
+
+
+def job_report(db: Session, job: Job) -> JobReport:
+    by_status = dict(db.execute(select(Rollout.status, func.count()).where(Rollout.job_id == job.id)
+                                .group_by(Rollout.status)).all())
+    rejected = {RejectKind(kind): n for kind, n in db.execute(
+        select(Rollout.reject_kind, func.count()).where(Rollout.job_id == job.id, Rollout.reject_kind.is_not(None))
+        .group_by(Rollout.reject_kind)).all()}
+    generated = sum(by_status.values())
+    waiting = by_status.get(RolloutStatus.accepted.value, 0) + by_status.get(RolloutStatus.claimed.value, 0)
+    audits, failed = db.execute(select(func.count(), func.count().filter(Audit.passed.is_(False)))
+                                .where(Audit.job_id == job.id)).one()
+    audit_s = db.scalar(select(func.coalesce(func.sum(StepMetric.audit_s), 0.0)).where(StepMetric.job_id == job.id))
+    wasted = sum(n for kind, n in rejected.items() if kind.fault() is not Fault.worker)
+    return JobReport(
+        job_id=job.id, step=job.step, learner_busy_s=job.learner_busy_s, learner_wall_s=job.learner_wall_s,
+        learner_idle_s=max(0.0, job.learner_wall_s - job.learner_busy_s),
+        learner_utilization=job.learner_busy_s / job.learner_wall_s if job.learner_wall_s > 0 else None,
+        rollouts=RolloutCounts(generated=generated, waiting=waiting,
+                               trained=by_status.get(RolloutStatus.trained.value, 0), rejected=rejected),
+        stale_fraction=sum(rejected.get(k, 0) for k in STALE) / generated if generated else None,
+        wasted_fraction=wasted / generated if generated else None,
+        audits=audits, audits_failed=failed, audit_s=float(audit_s or 0.0))
