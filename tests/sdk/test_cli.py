@@ -123,7 +123,10 @@ def test_watch_follows_a_job_to_the_end(api, alice, driven):
     lines = result.stdout.strip().splitlines()
     assert "running" in lines[0] and "step 1/3" in lines[0] and "staleness 0.50 (S=1)" in lines[0]
     assert "reward 0.500" in lines[0] and "cost $" in lines[0]
-    assert lines[-1].startswith(f"job {driven.id} succeeded")
+    assert lines[-2].startswith(f"job {driven.id} succeeded")
+    assert lines[-1].startswith("learner busy ") and "groups: 2 generated, 2 trained, 0 waiting" in lines[-1]
+    report = echo2("jobs", "report", driven.id, url=api.url, key=alice.key)
+    assert report.returncode == 0 and report.stdout.strip() == lines[-1]
 
 
 def test_watch_exit_status_and_timeout(api, alice):
