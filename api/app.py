@@ -15,7 +15,7 @@ import web
 
 from . import errors, openapi
 from .db import Database
-from .routes import datasets, fleet, health, jobs, learner, leases, users, weights
+from .routes import datasets, fleet, health, jobs, learner, learner_state, leases, users, weights
 from .services import retention
 from .services.heartbeats import Heartbeats
 from .services.notices import Announcer
@@ -46,7 +46,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         gc.collect()
         gc.freeze()
         app.state.announcer.bind(asyncio.get_running_loop())
-        sweeper = asyncio.create_task(retention.sweep_periodically(db, app.state.blobs, settings))
+        sweeper = asyncio.create_task(retention.sweep_periodically(db, app.state.blobs, app.state.checkpoints,
+                                                                   settings))
         yield
         sweeper.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -56,6 +57,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Echo2", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
     app.state.settings, app.state.db = settings, db
     app.state.blobs = BlobStore(settings.blob_dir)
+    app.state.checkpoints = BlobStore(settings.blob_dir, prefix="c")
     app.state.heartbeats = Heartbeats(db, settings)
     app.state.announcer = Announcer()
     app.state.registry = telemetry.registry
@@ -64,7 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(errors.BodyLimit, default_limit=settings.max_body_bytes,
                        large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
     app.add_middleware(MetricsMiddleware, telemetry=telemetry)
-    for module in (health, users, jobs, datasets, fleet, leases, learner, weights):
+    for module in (health, users, jobs, datasets, fleet, leases, learner, learner_state, weights):
         app.include_router(module.router)
     web.install(app)
     logging.basicConfig(level=settings.log_level)

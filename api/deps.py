@@ -32,9 +32,14 @@ def _blobs(request: Request) -> BlobStore:
     return request.app.state.blobs
 
 
+def _checkpoints(request: Request) -> BlobStore:
+    return request.app.state.checkpoints
+
+
 SessionDep = Annotated[Session, Depends(_db)]
 SettingsDep = Annotated[Settings, Depends(_settings)]
 BlobsDep = Annotated[BlobStore, Depends(_blobs)]
+CheckpointsDep = Annotated[BlobStore, Depends(_checkpoints)]  # the learner's own checkpoints
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)]
 PassedFilter = Annotated[bool | None, Query(description="Only passed (true) or failed (false) audits.")]
 

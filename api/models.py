@@ -173,6 +173,9 @@ class Job(Base):
     # From the first published version's config (api/services/versions.py): bounds for the door's checks.
     vocab_size: Mapped[int | None] = mapped_column(Integer)
     eos_token_ids: Mapped[list[Any] | None]
+    # The learner's latest checkpoint stored through the control plane (api/routes/learner_state.py):
+    # a relaunched learner loads it and replays the steps committed since.
+    checkpoint_step: Mapped[int | None] = mapped_column(Integer)
     idempotency_key: Mapped[str | None] = mapped_column(String(128))
     request_hash: Mapped[str | None] = mapped_column(String(64))
     # Never leaves the control plane: each version's relay key is derived from it (services.fleet).
@@ -287,6 +290,7 @@ class StepMetric(Base):
     groups_rejected: Mapped[int] = mapped_column(Integer, default=0)  # refused by the learner (sender's fault)
     audits: Mapped[int] = mapped_column(Integer, default=0)
     audit_s: Mapped[float] = mapped_column(Float, default=0.0)
+    rollout_ids: Mapped[list[Any]] = mapped_column(default=list)  # trained, in the learner's order (replay)
     staleness_hist: Mapped[list[Any]]
     tokens: Mapped[int] = mapped_column(BigInteger)
     learner_utilization: Mapped[float | None] = mapped_column(Float)

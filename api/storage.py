@@ -1,5 +1,7 @@
 """The origin's blob store for weight versions: chunks land in a staging folder, verified, and the
-version becomes visible only by renaming the folder after its manifest is written (completion last)."""
+version becomes visible only by renaming the folder after its manifest is written (completion last).
+The learner's own checkpoints are stored the same way, by a second store over the same root whose
+folders carry another prefix (`c12` beside `v12`)."""
 
 from __future__ import annotations
 
@@ -15,23 +17,22 @@ from pathlib import Path
 from echo2.protocol import Manifest
 from echo2.snapshots import atomic_write
 
-_FOLDER = re.compile(r"^v(\d+)(\.staging)?$")
-
 
 class ChunkError(ValueError):
     pass
 
 
 class BlobStore:
-    def __init__(self, root: Path) -> None:
-        self.root = root
+    def __init__(self, root: Path, prefix: str = "v") -> None:
+        self.root, self.prefix = root, prefix
+        self._folder = re.compile(rf"^{prefix}(\d+)(\.staging)?$")
         root.mkdir(parents=True, exist_ok=True)
 
     def _final(self, job_id: str, version: int) -> Path:
-        return self.root / job_id / f"v{version}"
+        return self.root / job_id / f"{self.prefix}{version}"
 
     def _staging(self, job_id: str, version: int) -> Path:
-        return self.root / job_id / f"v{version}.staging"
+        return self.root / job_id / f"{self.prefix}{version}.staging"
 
     def put_chunk(self, job_id: str, version: int, index: int, data: bytes, sha256: str) -> None:
         digest = hashlib.sha256(data).hexdigest()
@@ -80,9 +81,13 @@ class BlobStore:
         """(job id, version, is a staging upload) of every version folder on disk."""
         for job_dir in self.root.iterdir():
             for folder in job_dir.iterdir() if job_dir.is_dir() else ():
-                m = _FOLDER.match(folder.name)
+                m = self._folder.match(folder.name)
                 if m:
                     yield job_dir.name, int(m.group(1)), m.group(2) is not None
+
+    def finals(self, job_id: str) -> list[int]:
+        """The numbers of the job's completed folders (versions, or checkpoints), ascending."""
+        return sorted(v for j, v, staging in self.stored() if j == job_id and not staging)
 
     def read_file(self, job_id: str, manifest: Manifest, path: str, max_bytes: int) -> bytes | None:
         """One file of a published version, out of its chunks; None if absent or larger than max_bytes."""

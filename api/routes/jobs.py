@@ -25,7 +25,7 @@ from sqlalchemy import func, select
 
 from learner.tasks import get_task, list_tasks
 
-from ..deps import BlobsDep, CurrentUser, PassedFilter, SessionDep, SettingsDep, owned_job
+from ..deps import BlobsDep, CheckpointsDep, CurrentUser, PassedFilter, SessionDep, SettingsDep, owned_job
 from ..models import Audit, Decision, Job, Prompt, Rollout, StepMetric
 from ..services import jobs as svc
 from ..services import modelinfo, reports, retention, trust
@@ -76,10 +76,12 @@ def get_job(job_id: str, user: CurrentUser, db: SessionDep) -> JobRead:
 
 @router.post("/jobs/{job_id}/cancel", operation_id="cancel_job", summary="Cancel a job",
              responses={409: {"description": "The job already finished."}})
-def cancel_job(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, settings: SettingsDep) -> JobRead:
+def cancel_job(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, checkpoints: CheckpointsDep,
+               settings: SettingsDep) -> JobRead:
     job = owned_job(db, user, job_id, for_update=True)
     svc.finish_job(db, job, JobStatus.cancelled, f"cancelled by {user.name}")
     retention.commit_and_collect(db, blobs, job, settings.keep_versions_every)
+    retention.drop_learner_state(checkpoints, job)
     return svc.job_read(job)
 
 

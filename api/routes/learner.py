@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from echo2.protocol import (
-    ClaimedGroup,
     JobRead,
     JobStatus,
     LearnerBatch,
@@ -18,7 +17,7 @@ from echo2.protocol import (
 from fastapi import APIRouter
 from sqlalchemy import select
 
-from ..deps import AdminUser, BlobsDep, LearnerJobId, SessionDep, SettingsDep, learner_job, owned_job
+from ..deps import AdminUser, BlobsDep, CheckpointsDep, LearnerJobId, SessionDep, SettingsDep, learner_job, owned_job
 from ..errors import ApiError
 from ..models import Worker
 from ..services import admission, learning, retention, trust
@@ -42,7 +41,8 @@ def start(job_id: str, token_job: LearnerJobId, db: SessionDep) -> LearnerStartR
     job = learner_job(db, token_job, job_id, for_update=True)
     released = learning.start(db, job)
     db.commit()
-    return LearnerStartReply(job=job_read(job), step=job.step, version=job.version, released=released)
+    return LearnerStartReply(job=job_read(job), step=job.step, version=job.version, released=released,
+                             checkpoint_step=job.checkpoint_step)
 
 
 @router.post("/claim", operation_id="learner_claim",
@@ -55,15 +55,9 @@ def claim(job_id: str, body: LearnerClaim, token_job: LearnerJobId, db: SessionD
     if body.step != job.step:
         raise ApiError(409, f"claims are for step {job.step} (steps committed so far), not {body.step}", field="step")
     rows, rejected = admission.claim(db, job, body.step, body.max_groups)
-    prompts = admission.prompts_by_id(db, [r.prompt_id for r in rows])
     senders = {w.id: w for w in db.scalars(select(Worker).where(Worker.id.in_({r.worker_id for r in rows})))}
-    groups = [
-        ClaimedGroup(rollout_id=r.id, prompt_id=r.prompt_id, prompt_text=prompts[r.prompt_id].text,
-                     reference=prompts[r.prompt_id].reference, version=r.version, worker_id=r.worker_id,
-                     prompt_token_ids=r.prompt_token_ids, samples=r.samples,
-                     audit=trust.should_audit(senders.get(r.worker_id), r.id, settings))
-        for r in rows
-    ]
+    groups = admission.claimed_groups(
+        db, rows, lambda r: trust.should_audit(senders.get(r.worker_id), r.id, settings))
     db.commit()
     return LearnerBatch(step=body.step, groups=groups, rejected_stale=rejected)
 
@@ -88,7 +82,7 @@ def heartbeat(job_id: str, body: LearnerHeartbeat, token_job: LearnerJobId, db: 
 
 @router.post("/finish", operation_id="learner_finish", summary="Finish the job, naming the final checkpoint version")
 def finish(job_id: str, body: LearnerFinish, token_job: LearnerJobId, db: SessionDep, blobs: BlobsDep,
-           settings: SettingsDep) -> JobRead:
+           checkpoints: CheckpointsDep, settings: SettingsDep) -> JobRead:
     job = learner_job(db, token_job, job_id, for_update=True)
     if body.final_version is not None and (job.version is None or body.final_version > job.version):
         raise ApiError(422, f"version {body.final_version} was never published", field="final_version")
@@ -97,4 +91,5 @@ def finish(job_id: str, body: LearnerFinish, token_job: LearnerJobId, db: Sessio
     finish_job(db, job, JobStatus(body.outcome.value), body.reason)
     job.final_version = body.final_version
     retention.commit_and_collect(db, blobs, job, settings.keep_versions_every)
+    retention.drop_learner_state(checkpoints, job)
     return job_read(job)

@@ -13,9 +13,20 @@ checked by the learner, which re-scores a share of the groups (learner/audit.py)
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
-from echo2.protocol import Fault, GroupResult, GroupSubmit, JobSpec, RejectKind, RolloutStatus, SampleSubmit, TrustState
+from echo2.protocol import (
+    ClaimedGroup,
+    Fault,
+    GroupResult,
+    GroupSubmit,
+    JobSpec,
+    RejectKind,
+    RolloutStatus,
+    SampleSubmit,
+    TrustState,
+)
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
@@ -191,5 +202,10 @@ def release_claims(db: Session, job_id: str, step: int | None = None) -> int:
     return db.execute(query.values(status="accepted", claim_step=None)).rowcount or 0
 
 
-def prompts_by_id(db: Session, ids: list[int]) -> dict[int, Prompt]:
-    return {p.id: p for p in db.scalars(select(Prompt).where(Prompt.id.in_(ids)))}
+def claimed_groups(db: Session, rows: list[Rollout], audit: Callable[[Rollout], bool]) -> list[ClaimedGroup]:
+    """Rollouts as the learner gets them: with their prompt and reference (trusted side only)."""
+    prompts = {p.id: p for p in db.scalars(select(Prompt).where(Prompt.id.in_([r.prompt_id for r in rows])))}
+    return [ClaimedGroup(rollout_id=r.id, prompt_id=r.prompt_id, prompt_text=prompts[r.prompt_id].text,
+                         reference=prompts[r.prompt_id].reference, version=r.version, worker_id=r.worker_id,
+                         prompt_token_ids=r.prompt_token_ids, samples=r.samples, audit=audit(r))
+            for r in rows]

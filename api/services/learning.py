@@ -113,7 +113,8 @@ def _metric_row(db: Session, job: Job, report: StepReport, groups: int) -> StepM
         job_id=job.id, step=report.step, t_train_s=report.t_train_s, reward_mean=report.reward_mean,
         reward_std=report.reward_std, loss=report.loss, kl=report.kl, clip_frac=report.clip_frac,
         groups=groups, groups_dropped=report.groups_dropped, groups_rejected=len(report.rejected),
-        audits=len(report.audits), audit_s=report.audit_s, staleness_hist=report.staleness_hist,
+        audits=len(report.audits), audit_s=report.audit_s, rollout_ids=list(report.rollout_ids),
+        staleness_hist=report.staleness_hist,
         tokens=report.tokens, learner_utilization=util, rollouts_per_s=groups / elapsed,
         cost_usd=job.learner_usd + job.workers_usd,
     )

@@ -49,11 +49,12 @@ def commit_and_collect(db: Session, blobs: BlobStore, job: Job, every: int) -> l
     return dropped
 
 
-async def sweep_periodically(database: Database, blobs: BlobStore, settings: Settings) -> None:
+async def sweep_periodically(database: Database, blobs: BlobStore, checkpoints: BlobStore,
+                             settings: Settings) -> None:
     """`sweep` now and every `settings.retention_sweep_s` (0: once), off the event loop."""
     while True:
         try:
-            deleted = await asyncio.to_thread(_sweep_once, database, blobs, settings.keep_versions_every)
+            deleted = await asyncio.to_thread(_sweep_once, database, blobs, checkpoints, settings.keep_versions_every)
             if deleted:
                 log.info("retention sweep deleted %d version folders", deleted)
         except Exception:  # a database hiccup must not end the loop: the next period retries
@@ -63,17 +64,36 @@ async def sweep_periodically(database: Database, blobs: BlobStore, settings: Set
         await asyncio.sleep(settings.retention_sweep_s)
 
 
-def _sweep_once(database: Database, blobs: BlobStore, every: int) -> int:
+def _sweep_once(database: Database, blobs: BlobStore, checkpoints: BlobStore, every: int) -> int:
     with database.session() as db:
-        return sweep(db, blobs, every)
+        return sweep(db, blobs, every, checkpoints)
 
 
-def sweep(db: Session, blobs: BlobStore, every: int) -> int:
+def sweep(db: Session, blobs: BlobStore, every: int, checkpoints: BlobStore | None = None) -> int:
     """Collect what the routes did not; returns how many version folders it deleted."""
     deleted = 0
     for job in db.scalars(select(Job).where(Job.id.in_(_ended_with_extra_versions(every)))).all():
         deleted += len(commit_and_collect(db, blobs, job, every))
+    if checkpoints is not None:
+        _sweep_learner_state(db, checkpoints)
     return deleted + _sweep_disk(db, blobs)
+
+
+def drop_learner_state(checkpoints: BlobStore, job: Job) -> None:
+    """An ended job's learner checkpoints: nothing will resume from them (its final version is the model)."""
+    if not JobStatus(job.status).is_terminal():
+        return
+    for job_id, step, staging in list(checkpoints.stored()):
+        if job_id == job.id and staging:
+            checkpoints.drop_staging(job_id, step)
+        elif job_id == job.id:
+            checkpoints.drop(job_id, [step])
+
+
+def _sweep_learner_state(db: Session, checkpoints: BlobStore) -> None:
+    job_ids = {j for j, _, _ in checkpoints.stored()}
+    for job in db.scalars(select(Job).where(Job.id.in_(job_ids))) if job_ids else ():
+        drop_learner_state(checkpoints, job)
 
 
 def _ended_with_extra_versions(every: int) -> Select[tuple[str]]:

@@ -1,5 +1,6 @@
 """trust, audits and the ledger: worker trust states, audit evidence, ledger entries that name the rollouts
-they pay for, learner crash-loop counters, and the first version's vocabulary bounds
+they pay for, learner crash-loop counters, the first version's vocabulary bounds, and what exact resume
+needs (the learner's checkpoint step, each step's trained rollouts in order)
 
 Revision ID: 0006
 Revises: 0005
@@ -61,6 +62,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('learner_crashed_at', api.models.UTCDateTime(timezone=True), nullable=True))
         batch_op.add_column(sa.Column('vocab_size', sa.Integer(), nullable=True))
         batch_op.add_column(sa.Column('eos_token_ids', sa.JSON(), nullable=True))
+        batch_op.add_column(sa.Column('checkpoint_step', sa.Integer(), nullable=True))
 
     with op.batch_alter_table('rollouts', schema=None) as batch_op:
         batch_op.add_column(sa.Column('reject_kind', sa.String(length=24), nullable=True))
@@ -72,6 +74,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('groups_rejected', sa.Integer(), nullable=False, server_default='0'))
         batch_op.add_column(sa.Column('audits', sa.Integer(), nullable=False, server_default='0'))
         batch_op.add_column(sa.Column('audit_s', sa.Float(), nullable=False, server_default='0'))
+        batch_op.add_column(sa.Column('rollout_ids', sa.JSON(), nullable=False, server_default='[]'))
 
     with op.batch_alter_table('workers', schema=None) as batch_op:
         batch_op.add_column(sa.Column('trust', sa.String(length=16), nullable=False, server_default='probation'))
@@ -103,6 +106,7 @@ def downgrade() -> None:
         batch_op.drop_column('trust')
 
     with op.batch_alter_table('step_metrics', schema=None) as batch_op:
+        batch_op.drop_column('rollout_ids')
         batch_op.drop_column('audit_s')
         batch_op.drop_column('audits')
         batch_op.drop_column('groups_rejected')
@@ -114,6 +118,7 @@ def downgrade() -> None:
         batch_op.drop_column('reject_kind')
 
     with op.batch_alter_table('jobs', schema=None) as batch_op:
+        batch_op.drop_column('checkpoint_step')
         batch_op.drop_column('eos_token_ids')
         batch_op.drop_column('vocab_size')
         batch_op.drop_column('learner_crashed_at')

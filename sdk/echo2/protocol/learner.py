@@ -20,6 +20,8 @@ class LearnerStartReply(ReadModel):
     step: int = Field(description="Steps committed so far: resume training at this step index.")
     version: int | None = Field(description="Latest published version; the next one must be larger.")
     released: int = Field(description="Rollouts claimed but never committed, returned to the queue.")
+    checkpoint_step: int | None = Field(None, description="The latest learner checkpoint stored through the "
+                                        "control plane: load it and replay the steps committed since.")
 
 
 class LearnerClaim(Model):
@@ -38,6 +40,15 @@ class ClaimedGroup(ReadModel):
     samples: list[SampleSubmit]
     audit: bool = Field(False, description="Re-score this group under `version` before training on it (the "
                         "control plane picks by the sender's trust); report the outcome in the step's `audits`.")
+
+
+class ReplayStep(ReadModel):
+    """A committed step as the learner trained it: its groups in order and the rewards it computed, so a
+    learner resuming from an older checkpoint re-trains it to the same weights."""
+
+    step: int
+    groups: list[ClaimedGroup]
+    rewards: dict[str, list[float | None]]
 
 
 class LearnerBatch(ReadModel):
