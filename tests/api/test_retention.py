@@ -85,7 +85,8 @@ def test_sweep_collects_what_the_routes_did_not(api, tmp_path):
     assert _version_dirs(api, running_id) == {"v0", "v1", "v2.staging"}
 
     shutil.copytree(blobs.root / job_id / "v3", blobs.root / job_id / "v1")  # a crash after the commit
-    asyncio.run(retention.sweep_periodically(api.db, blobs, api.server.settings.model_copy(
-        update={"retention_sweep_s": 0})))  # 0: one sweep, as at start-up
-    assert _version_dirs(api, job_id) == {"v3"}
+    shutil.copytree(blobs.root / job_id / "v3", blobs.root / job_id / "c3")  # a learner checkpoint it left
+    asyncio.run(retention.sweep_periodically(api.db, blobs, api.server.app.state.checkpoints,
+                                             api.server.settings.model_copy(update={"retention_sweep_s": 0})))
+    assert _version_dirs(api, job_id) == {"v3"} and not (blobs.root / job_id / "c3").exists()
     assert alice.get(f"/v1/jobs/{job_id}/checkpoint").status_code == 200
