@@ -10,6 +10,7 @@ weights for a version or a checkpoint, stop) is announced to the other ranks, wh
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -23,11 +24,13 @@ from echo2.protocol import (
     JobSpec,
     LearnerFinish,
     LearnerHeartbeat,
+    RolloutRejection,
     StepAck,
     StepReport,
 )
 
 from . import checkpoint
+from .auditor import Auditor
 from .models import resolve_model
 from .parallel import Solo
 from .publisher import Publisher
@@ -57,6 +60,24 @@ class Learner:
         self._stop = threading.Event()
 
     def run(self) -> None:
+        """Train the job to its end. An error is reported to the control plane before it propagates, so
+        the scheduler relaunches at once and can tell a crash loop from progress."""
+        try:
+            self._run()
+        except Exception as exc:
+            self._report_error(exc)
+            raise
+
+    def _report_error(self, exc: Exception) -> None:
+        wall = time.monotonic() - self.started
+        error = f"{type(exc).__name__}: {exc}"[:500]
+        try:
+            self.plane.heartbeat(LearnerHeartbeat(step=self.step, busy_s=self.busy_s, wall_s=wall, state="failed",
+                                                  error=error))
+        except Exception as report_exc:  # the control plane may be what failed; the relaunch still comes
+            log.warning("could not report the learner's error (%s): %s", report_exc, error)
+
+    def _run(self) -> None:
         reply = self.plane.start()
         spec = reply.job.spec
         self.step = reply.step
@@ -64,6 +85,8 @@ class Learner:
         model_path = resolve_model(spec.base_model, self.opt.work_dir / "models", seed=spec.seed)
         self.world.announce("start", (spec, model_path))
         trainer, restored = build_trainer(spec, model_path, self.opt, self.world, work / "checkpoints")
+        trainer.auditor = Auditor(model_path, spec, trainer.pad_id,
+                                  fetch=lambda v: self.plane.fetch_version(v, work / "audit" / f"v{v}"))
         consumed = restored.consumed if restored else set()
         if restored is not None:
             log.info("resumed from checkpoint at step %d; the control plane has committed %d steps",
@@ -88,7 +111,10 @@ class Learner:
             publisher.wait()
 
     def _submit(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
-        publisher.submit(self.step, self.step, self.world.model_state(trainer.model))
+        state = self.world.model_state(trainer.model)
+        publisher.submit(self.step, self.step, state)
+        if trainer.auditor is not None:  # rollouts of this version may be audited until it is S steps old
+            trainer.auditor.remember(self.step, state)
 
     def _train(self, spec: JobSpec, trainer: GRPOTrainer, publisher: Publisher, consumed: set[str],
                work: Path) -> None:
@@ -99,10 +125,12 @@ class Learner:
             start = time.perf_counter()
             result = trainer.step(groups, self.step)
             self.busy_s += time.perf_counter() - start
-            ids = [g.rollout_id for g in groups]
+            ids = [g.rollout_id for g in groups if g.rollout_id not in result.rejected]
             assert not consumed.intersection(ids), "a rollout would be trained twice"
             ack = self.plane.report(_report(self.step, ids, result))
             consumed.update(ids)
+            if trainer.auditor is not None:
+                trainer.auditor.keep_from(spec.oldest_admissible(ack.step))
             self.step, self.last_ack = ack.step, ack
             self._after_step(spec, trainer, publisher, consumed, work)
             if ack.stop and ack.job_status.is_terminal():
@@ -187,7 +215,14 @@ def _reference(model: Any, spec: JobSpec) -> Any:
 def _report(step: int, ids: list[str], r: StepResult) -> StepReport:
     return StepReport(
         step=step, rollout_ids=ids, t_train_s=r.seconds, reward_mean=r.reward_mean, reward_std=r.reward_std,
-        loss=r.loss, kl=r.kl, clip_frac=min(1.0, r.clip_frac), groups_dropped=r.groups_dropped,
+        loss=_bounded(r.loss), kl=_bounded(r.kl), clip_frac=min(1.0, r.clip_frac), groups_dropped=r.groups_dropped,
         staleness_hist=r.staleness_hist, tokens=r.tokens,
         rewards=[{"rollout_id": k, "rewards": v} for k, v in r.rewards.items()],
+        rejected=[RolloutRejection(rollout_id=k, reason=v[:500]) for k, v in r.rejected.items()],
+        audits=r.audits, audit_s=r.audit_s,
     )
+
+
+def _bounded(value: float, limit: float = 1e9) -> float | None:
+    """A metric the report can carry: never let an odd value fail the whole step report."""
+    return max(-limit, min(limit, value)) if math.isfinite(value) else None

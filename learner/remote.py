@@ -24,7 +24,7 @@ from echo2.protocol import (
     StepReport,
     VersionRead,
 )
-from echo2.snapshots import iter_stream
+from echo2.snapshots import assemble, is_complete, iter_stream
 from pydantic import BaseModel
 
 log = logging.getLogger(__name__)
@@ -95,6 +95,14 @@ class ControlPlane:
             headers = {"X-Echo2-Sha256": info.sha256, "Content-Type": "application/octet-stream"}
             self._send("PUT", f"{self.prefix}/versions/{v}/chunks/{info.index}", content=data, headers=headers)
         return self._post("/versions", manifest, VersionRead)
+
+    def fetch_version(self, version: int, out: Path) -> Path:
+        """A published version rebuilt into `out` from its chunks, each checked against the manifest."""
+        if is_complete(out):
+            return out
+        base = f"{self.prefix}/versions/{version}"
+        manifest = Manifest.model_validate(self._send("GET", f"{base}/manifest").json())
+        return assemble(manifest, lambda i: self._send("GET", f"{base}/chunks/{i}").content, out)
 
     def latest_version(self) -> int | None:
         versions = self._send("GET", f"{self.prefix}/versions").json()

@@ -1,27 +1,28 @@
-"""One GRPO step over claimed groups, top to bottom: score on the trusted side, build the padded batch,
-advantages, loss with gradient accumulation, optimiser step. The loss itself is in objective.py.
+"""One GRPO step over claimed groups, top to bottom: refuse groups that do not fit the model or fail the
+audit the control plane asked for (learner/auditor.py), score the rest on the trusted side, build the
+padded batch, advantages, loss with gradient accumulation, optimiser step (policy.grpo_update, which
+also drops groups whose loss or gradient is not finite). The loss itself is in objective.py. Every
+refused group is reported with its reason; none of them is trained.
 
 With FSDP (`parallel.Sharded`), rank 0 scores (rewards stay computed once, on the trusted side) and
 announces the scored rows; every rank then runs `optimise` on its share of them (policy.grpo_update)."""
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from echo2.prompting import encode_prompt
-from echo2.protocol import ClaimedGroup, JobSpec
+from echo2.protocol import AuditReport, ClaimedGroup, JobSpec
 
 from learner.tasks import TaskPrompt, get_task
 
+from .auditor import Auditor
 from .objective import ObjectiveConfig
 from .parallel import Solo
-from .policy import grpo_update
-
-log = logging.getLogger(__name__)
+from .policy import Rollouts, grpo_update
 
 
 @dataclass
@@ -36,18 +37,9 @@ class StepResult:
     tokens: int = 0
     staleness_hist: list[int] = field(default_factory=list)
     seconds: float = 0.0
-
-
-@dataclass
-class _Rows:
-    """Scored samples of one step, in the shape `policy.grpo_update` takes (`policy.Rollouts`)."""
-
-    prompt_ids: list[list[int]] = field(default_factory=list)
-    completion_ids: list[list[int]] = field(default_factory=list)
-    behaviour_logprobs: list[list[float]] = field(default_factory=list)
-    rewards: list[float] = field(default_factory=list)
-    group_ids: list[int] = field(default_factory=list)
-    staleness: list[int] = field(default_factory=list)
+    rejected: dict[str, str] = field(default_factory=dict)  # rollout id -> why it was not trained
+    audits: list[AuditReport] = field(default_factory=list)
+    audit_s: float = 0.0
 
 
 def objective_config(spec: JobSpec) -> ObjectiveConfig:
@@ -57,9 +49,11 @@ def objective_config(spec: JobSpec) -> ObjectiveConfig:
 
 
 class GRPOTrainer:
-    def __init__(self, model: Any, tokenizer: Any, spec: JobSpec, ref_model: Any = None, world: Solo | None = None):
+    def __init__(self, model: Any, tokenizer: Any, spec: JobSpec, ref_model: Any = None, world: Solo | None = None,
+                 auditor: Auditor | None = None):
         self.model, self.tokenizer, self.spec, self.ref_model = model, tokenizer, spec, ref_model
         self.world = world or Solo()
+        self.auditor = auditor
         self.task = get_task(spec.task.name)
         self.task_params = self.task.parse_params(spec.task.params)
         self.cfg = objective_config(spec)
@@ -70,60 +64,75 @@ class GRPOTrainer:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def step(self, groups: list[ClaimedGroup], t: int) -> StepResult:
+        """Check, audit, score, train. Groups refused on the way are in `rejected`, never trained."""
         start = time.perf_counter()
         result = StepResult()
+        groups = self._admit(groups, result)
         rows = self._score(groups, t, result)
         if rows.rewards:
             self.world.announce("optimise", rows)
-            self.optimise(rows, result)
+            for gi in self.optimise(rows, result):
+                result.rejected[groups[gi].rollout_id] = "its loss or gradient was not finite (poisoned logprobs)"
+                result.rewards.pop(groups[gi].rollout_id, None)
+        _reward_stats(result)
         result.seconds = time.perf_counter() - start
         return result
 
-    def _score(self, groups: list[ClaimedGroup], t: int, result: StepResult) -> _Rows:
+    def _admit(self, groups: list[ClaimedGroup], result: StepResult) -> list[ClaimedGroup]:
+        """Groups that fit the model and, when picked for an audit, pass it."""
+        kept = []
+        audit_start = self.auditor.seconds if self.auditor else 0.0
+        for group in groups:
+            why = self._misfit(group) or self._audit(group, result)
+            if why:
+                result.rejected[group.rollout_id] = why
+            else:
+                kept.append(group)
+        result.audit_s = (self.auditor.seconds - audit_start) if self.auditor else 0.0
+        return kept
+
+    def _misfit(self, group: ClaimedGroup) -> str | None:
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if max(max(s.token_ids) for s in group.samples) >= vocab:
+            return f"a token id is outside the model's vocabulary ({vocab})"
+        if list(group.prompt_token_ids) != encode_prompt(self.tokenizer, group.prompt_text):
+            return "its prompt tokens are not the encoding of the leased prompt"
+        return None
+
+    def _audit(self, group: ClaimedGroup, result: StepResult) -> str | None:
+        if not group.audit or self.auditor is None:
+            return None
+        verdict = self.auditor.audit(group)
+        result.audits.append(AuditReport(rollout_id=group.rollout_id, passed=verdict.passed,
+                                         reason=verdict.reason, stats=verdict.stats()))
+        return None if verdict.passed else f"failed its audit: {verdict.reason}"
+
+    def _score(self, groups: list[ClaimedGroup], t: int, result: StepResult) -> Rollouts:
         """Rewards are computed here (trusted), from the learner's own decoding of the tokens."""
-        rows, all_rewards = _Rows(), []
+        rows = Rollouts()
         hist = [0] * (self.spec.staleness + 1)
         for gi, group in enumerate(groups):
             staleness = t - group.version
-            assert 0 <= staleness <= self.spec.staleness, f"rollout {group.rollout_id} has staleness {staleness}"
+            assert self.spec.admissible(t, group.version), f"rollout {group.rollout_id} has staleness {staleness}"
             hist[staleness] += 1
             rewards = self._group_rewards(group)
             result.rewards[group.rollout_id] = rewards
-            all_rewards += [r for r in rewards if r is not None]
             if any(r is None for r in rewards):
                 result.groups_dropped += 1
                 continue
-            prompt_ids = list(group.prompt_token_ids)
             for sample, reward in zip(group.samples, rewards, strict=True):
-                rows.prompt_ids.append(prompt_ids)
-                rows.completion_ids.append(list(sample.token_ids))
-                rows.behaviour_logprobs.append(list(sample.logprobs))
-                rows.rewards.append(float(reward))  # type: ignore[arg-type]
-                rows.group_ids.append(gi)
-                rows.staleness.append(staleness)
+                rows.add(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs),
+                         float(reward), gi, staleness)  # type: ignore[arg-type]
         result.staleness_hist = hist
-        if all_rewards:
-            r = torch.tensor(all_rewards, dtype=torch.float64)
-            result.reward_mean, result.reward_std = float(r.mean()), float(r.std(unbiased=False))
         return rows
 
     def _group_rewards(self, group: ClaimedGroup) -> list[float | None]:
-        expected = encode_prompt(self.tokenizer, group.prompt_text)
-        vocab = self.model.get_input_embeddings().num_embeddings
-        if list(group.prompt_token_ids) != expected:
-            log.warning("rollout %s: prompt tokens differ from the learner's; group ignored", group.rollout_id)
-            return [None] * len(group.samples)
         prompt = TaskPrompt(text=group.prompt_text, reference=group.reference)
-        out: list[float | None] = []
-        for sample in group.samples:
-            if max(sample.token_ids) >= vocab:
-                out.append(None)
-                continue
-            text = self.tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-            out.append(self.task.reward(prompt, text, self.task_params))
-        return out
+        return [self.task.reward(prompt, self.tokenizer.decode(s.token_ids, skip_special_tokens=True),
+                                 self.task_params) for s in group.samples]
 
-    def optimise(self, rows: _Rows, result: StepResult) -> None:
+    def optimise(self, rows: Rollouts, result: StepResult) -> list[int]:
+        """One optimiser step; returns the groups (indices) dropped for a non-finite loss or gradient."""
         g = self.spec.grpo
         stats = grpo_update(self.model, self.optimizer, rows, self.cfg, temperature=g.temperature,
                             max_tokens_per_micro_batch=g.micro_batch_tokens, grad_clip=g.max_grad_norm,
@@ -134,5 +143,11 @@ class GRPOTrainer:
         result.groups_dropped += int(stats["dropped_groups"])
         result.loss, result.kl = stats.get("loss", 0.0), stats.get("kl", 0.0)
         result.clip_frac, result.tokens = stats.get("clip_frac", 0.0), int(stats.get("tokens", 0))
+        return list(stats["poisoned_groups"])
 
 
+def _reward_stats(result: StepResult) -> None:
+    rewards = [r for group in result.rewards.values() for r in group if r is not None]
+    if rewards:
+        r = torch.tensor(rewards, dtype=torch.float64)
+        result.reward_mean, result.reward_std = float(r.mean()), float(r.std(unbiased=False))

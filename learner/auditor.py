@@ -1,0 +1,80 @@
+"""The learner's auditor: it keeps the weights of every version a rollout may still claim (the last S+1
+published), and re-scores the groups the control plane picks under the version each one claims
+(learner/audit.py says how). A version it does not hold — after a resume, say — is fetched from the
+control plane, chunk by verified chunk, like a worker would.
+
+It runs on a model of its own (a second instance of the architecture, loaded with one version's
+weights at a time), so auditing never touches the weights being trained."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from echo2.protocol import ClaimedGroup, JobSpec
+
+from .audit import AuditConfig, AuditResult, audit_group
+
+log = logging.getLogger(__name__)
+Fetch = Callable[[int], Path]  # version -> a local folder holding its safetensors
+
+
+class Auditor:
+    def __init__(self, model_path: str, spec: JobSpec, pad_id: int, fetch: Fetch,
+                 config: AuditConfig | None = None) -> None:
+        self.model_path, self.spec, self.pad_id, self.fetch = model_path, spec, pad_id, fetch
+        self.config = config or AuditConfig()
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self._model: Any = None
+        self._loaded: int | None = None
+        self.seconds = 0.0
+
+    def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
+        """A published version's weights (a CPU copy nobody mutates; shared, not copied)."""
+        self.versions[version] = state
+
+    def keep_from(self, oldest: int) -> None:
+        """Forget versions no rollout may claim any more (older than t - S)."""
+        for version in [v for v in self.versions if v < oldest]:
+            del self.versions[version]
+        if self._loaded is not None and self._loaded < oldest:
+            self._loaded = None
+
+    def audit(self, group: ClaimedGroup) -> AuditResult:
+        start = time.perf_counter()
+        try:
+            model = self._model_at(group.version)
+            g = self.spec.grpo
+            samples = [(list(s.token_ids), list(s.logprobs)) for s in group.samples]
+            return audit_group(model, list(group.prompt_token_ids), samples, temperature=g.temperature,
+                               top_p=g.top_p, pad_id=self.pad_id, config=self.config)
+        finally:
+            self.seconds += time.perf_counter() - start
+
+    def _model_at(self, version: int) -> Any:
+        if self._model is None:
+            from transformers import AutoModelForCausalLM
+
+            self._model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
+                                                               use_safetensors=True).eval()
+        if self._loaded != version:
+            state = self.versions.get(version)
+            if state is None:
+                state = self.versions[version] = _load_folder(self.fetch(version))
+            self._model.load_state_dict(state, strict=False)  # tied weights are stored twice; either loads
+            self._loaded = version
+        return self._model
+
+
+def _load_folder(folder: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    state: dict[str, torch.Tensor] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        state.update(load_file(str(file)))
+    log.info("audit weights loaded from %s", folder)
+    return state

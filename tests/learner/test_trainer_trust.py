@@ -1,0 +1,83 @@
+"""The trainer's side of trust, on the real tiny model: groups that do not fit the model or fail the audit
+the control plane asked for are refused with a reason and never trained; forged logprobs that pass
+unaudited cannot make the step fail."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from echo2.prompting import encode_prompt
+from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit
+
+from learner.auditor import Auditor
+from learner.parallel import Solo
+from learner.policy import sample
+from learner.trainer import GRPOTrainer
+
+
+@pytest.fixture
+def trainer(tiny_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    spec = JobSpec.model_validate({"name": "t", "base_model": str(tiny_dir), "task": {"name": "arithmetic"},
+                                   "grpo": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 6}})
+    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    t = GRPOTrainer(model, tok, spec)
+    t.auditor = Auditor(str(tiny_dir), spec, t.pad_id, fetch=lambda v: pytest.fail("no fetch expected"))
+    t.auditor.remember(0, Solo().model_state(model))
+    return t
+
+
+def group(trainer, i: int, audit: bool = False, forge=None) -> ClaimedGroup:
+    text = f"What is {i} + {i}?"
+    ids = encode_prompt(trainer.tokenizer, text)
+    trainer.model.eval()
+    out = sample(trainer.model, [ids] * 4, max_new_tokens=6, eos_id=trainer.tokenizer.eos_token_id,
+                 pad_id=trainer.pad_id, generator=torch.Generator().manual_seed(i))
+    samples = [SampleSubmit(token_ids=s.completion_ids or [trainer.tokenizer.eos_token_id],
+                            logprobs=s.logprobs or [0.0], finish_reason="stop" if s.finished else "length")
+               for s in out]
+    samples = [SampleSubmit(**forge(s.model_dump())) for s in samples] if forge else samples
+    return ClaimedGroup(rollout_id=f"rol_{i}", prompt_id=i, prompt_text=text, reference=str(2 * i), version=0,
+                        worker_id="wrk_1", prompt_token_ids=ids, samples=samples, audit=audit)
+
+
+def test_misfits_and_failed_audits_are_refused_and_honest_audits_pass(trainer):
+    vocab = trainer.model.get_input_embeddings().num_embeddings
+    groups = [
+        group(trainer, 1, audit=True),
+        group(trainer, 2, audit=True, forge=lambda s: {**s, "logprobs": [-20.0] * len(s["token_ids"])}),
+        group(trainer, 3, forge=lambda s: {**s, "token_ids": [vocab] * len(s["token_ids"])}),
+        group(trainer, 4).model_copy(update={"prompt_token_ids": [1, 2, 3]}),
+    ]
+    result = trainer.step(groups, 0)
+    assert set(result.rejected) == {"rol_2", "rol_3", "rol_4"}
+    assert result.rejected["rol_2"].startswith("failed its audit: logprob mismatch")
+    assert "outside the model's vocabulary" in result.rejected["rol_3"]
+    assert "not the encoding of the leased prompt" in result.rejected["rol_4"]
+    verdicts = {a.rollout_id: a.passed for a in result.audits}
+    assert verdicts == {"rol_1": True, "rol_2": False} and result.audit_s > 0
+    assert set(result.rewards) == {"rol_1"}
+
+
+def test_unaudited_forged_logprobs_leave_the_step_finite(trainer):
+    """Finding 1: every logprob -1e4 and one sample spelling the answer (so the group carries a signal)."""
+    tok = trainer.tokenizer
+    forged = []
+    for i in range(1, 5):
+        honest = group(trainer, i)
+        samples = [s.model_dump() for s in honest.samples]
+        samples[0].update(token_ids=tok(str(2 * i))["input_ids"] + [tok.eos_token_id], finish_reason="stop")
+        for s in samples:
+            s["logprobs"] = [-1e4] * len(s["token_ids"])
+        forged.append(honest.model_copy(update={"samples": [SampleSubmit(**s) for s in samples]}))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    result = trainer.step(forged, 0)
+    assert not result.rejected and result.reward_mean == pytest.approx(0.25)  # one sample in four right
+    assert math.isfinite(result.loss) and abs(result.loss) <= 10.0 + 1e-6  # ratios capped at FRESH_CAP
+    after = list(trainer.model.parameters())
+    # every token's ratio hit the cap, and capped tokens carry no gradient: the poison moves nothing
+    assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
