@@ -121,6 +121,7 @@ class Worker(Base):
     trust_reason: Mapped[str | None] = mapped_column(String(512))
     # Pay for work (scheduler/billing.py): the rate it was activated for, and active time not yet paid.
     activated_mu: Mapped[float | None] = mapped_column(Float)
+    trial_failed_at: Mapped[datetime | None]  # activated on its claims, delivered nothing (scheduler/reconcile.py)
     unbilled_s: Mapped[float] = mapped_column(Float, default=0.0)
     last_heartbeat_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)

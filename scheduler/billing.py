@@ -10,6 +10,7 @@ everything ran):
   trained in time (RejectKind.stale_at_claim). Each such group buys 1 / (f · μ_a) seconds, where μ_a is the rate
   the worker was activated for and f = `pay_rate_fraction`: delivering at f · μ_a or better is paid in
   full, less is paid pro rata, nothing is paid nothing — however much a worker claims to be able to do.
+  A quarantined or banned worker is paid nothing more.
 
 Every payment is a ledger entry naming the rollouts it pays for; job and provider totals are their sums.
 """
@@ -19,7 +20,7 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime, timedelta
 
-from echo2.protocol import Fault, RejectKind, RolloutStatus
+from echo2.protocol import Fault, RejectKind, RolloutStatus, TrustState
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
@@ -29,6 +30,7 @@ from api.settings import Settings
 
 MIN_MU = 1e-3  # groups/s: a floor for an activation rate that was never measured
 PAID_REJECTIONS = [k.value for k in RejectKind if k.fault() is Fault.platform]
+WORKING = [s.value for s in TrustState if s.can_work()]
 
 
 def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> None:
@@ -39,7 +41,9 @@ def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> 
     for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == "active")):
         worker.unbilled_s = min(worker.unbilled_s + seconds, settings.pay_window_s)
     payable = _payable(db)
-    for worker in db.scalars(select(Worker).where(Worker.id.in_(payable)).with_for_update()):
+    # A quarantined or banned worker forfeits what it has not been paid yet: it was caught cheating.
+    for worker in db.scalars(select(Worker).where(Worker.id.in_(payable), Worker.trust.in_(WORKING))
+                             .with_for_update()):
         _pay(db, settings, worker, payable[worker.id])
 
 

@@ -46,6 +46,7 @@ DEFAULT_T_TRAIN_S = 2.0
 MU_WINDOW_S = 60.0
 BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
 WORKER_FAULTS = [k.value for k in RejectKind if k.fault() is Fault.worker]
+TRIAL_RETRY = 10  # grace periods before a worker whose trial delivered nothing is tried again
 WORKING = [s.value for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
 
 
@@ -192,18 +193,23 @@ def _job_profile(db: Session, job: Job) -> JobProfile:
 def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobProfile],
                     settings: Settings) -> WorkerProfile:
     """μ from the groups it delivered that were worth something (accepted, and not rejected for its own
-    fault) in the last minute of work: the raw generation rate. A worker with no such measurement yet
-    counts, whatever it claims, for at most `trial_share` of each job's need; one activated for
-    `delivery_grace_s` that delivered nothing is measured at zero."""
+    fault) in the last minute of work: the raw generation rate. A worker with no such measurement yet is
+    on trial: it counts, whatever it claims, for at most `trial_share` of each job's need. A trial that
+    delivered nothing for `delivery_grace_s` fails: the worker is measured at zero (and so not
+    activated) until `TRIAL_RETRY` grace periods later."""
     since = now - timedelta(seconds=MU_WINDOW_S)
     done, gen = db.execute(select(func.count(), func.avg(Rollout.gen_seconds)).where(
         Rollout.worker_id == worker.id, Rollout.created_at >= since,
         Rollout.reject_kind.not_in(WORKER_FAULTS) | Rollout.reject_kind.is_(None))).one()
     active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
+    if not done and active_s >= settings.delivery_grace_s:
+        worker.trial_failed_at = now
+    retry_at = worker.trial_failed_at + timedelta(seconds=TRIAL_RETRY * settings.delivery_grace_s) \
+        if worker.trial_failed_at else now
     trial = None
     if done and active_s >= 5:
         mu = done / min(active_s, MU_WINDOW_S)
-    elif active_s >= settings.delivery_grace_s:
+    elif now < retry_at:
         mu = 0.0
     else:
         mu, trial = worker.rollouts_per_s or 1.0, worker.rollouts_per_s or 1.0

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -16,13 +17,19 @@ from echo2.seeds import sample_seed
 from echo2.snapshots import assemble
 from echo2_worker.backends.base import GenRequest
 from echo2_worker.backends.transformers_backend import TransformersBackend
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+# Resolved here, once: transformers' lazy attribute imports race when several drivers load at once.
+_LOADERS = (AutoModelForCausalLM, AutoTokenizer)
 
 
 class RolloutDriver:
     def __init__(self, base_url: str, worker_id: str, token: str, work_dir: Path, lag: int = 0,
-                 prompts_per_lease: int = 8) -> None:
+                 prompts_per_lease: int = 8, forge: Callable[[list[dict[str, Any]]], None] | None = None) -> None:
         self.http = httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
         self.worker_id, self.work_dir, self.lag, self.per_lease = worker_id, work_dir, lag, prompts_per_lease
+        self.forge = forge  # an attacker's edit of the groups before they are submitted
+        self.results: list[dict[str, Any]] = []  # the control plane's answer to every group submitted
         self.backend = TransformersBackend(device="cpu")
         self.tokenizer: Any = None
         self.held: int | None = None
@@ -77,8 +84,6 @@ class RolloutDriver:
             self.work_dir / f"v{version}")
         if self.held is None:
             self.backend.load(folder)
-            from transformers import AutoTokenizer
-
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
         else:
             self.backend.reload(folder)
@@ -99,7 +104,9 @@ class RolloutDriver:
                    "samples": [{"token_ids": x.token_ids, "logprobs": x.logprobs, "text": x.text,
                                 "finish_reason": x.finish_reason} for x in out]}
                   for p, req, out in zip(lease.prompts, requests, self.backend.generate(requests), strict=True)]
-        self._post(f"/v1/leases/{lease.id}/rollouts", {"groups": groups})
+        if self.forge is not None:
+            self.forge(groups)
+        self.results += self._post(f"/v1/leases/{lease.id}/rollouts", {"groups": groups})["results"]
         self.versions_used.append(lease.version)
 
     def _post(self, path: str, body: dict[str, Any]) -> Any:
