@@ -48,6 +48,19 @@ def _field(loc: tuple) -> str:  # type: ignore[type-arg]
     return ".".join(str(p) for p in loc)
 
 
+def _unparsable_body(exc: StarletteHTTPException) -> str:
+    """Why the framework could not parse a body. No route of ours answers 400: FastAPI does, with a bare
+    "error parsing the body", when json.loads fails other than with a JSONDecodeError (bytes that are not
+    UTF-8, nesting past the recursion limit, an integer of over 4300 digits), and Starlette does for a
+    malformed multipart form. Both are invalid input, so they become a 422 on `body` like any other."""
+    cause = exc.__cause__
+    if isinstance(cause, UnicodeDecodeError):
+        return "body is not valid UTF-8 JSON"
+    if isinstance(cause, RecursionError):
+        return "body is nested too deeply"
+    return str(cause or exc.detail)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -57,6 +70,9 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and not isinstance(exc, ApiError):
+            reason = _unparsable_body(exc)
+            return _problem(422, f"body: {reason}", [{"field": "body", "reason": reason}])
         return _problem(exc.status_code, str(exc.detail), getattr(exc, "errors", []), exc.headers)
 
     @app.exception_handler(Exception)

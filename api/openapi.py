@@ -38,11 +38,19 @@ def _build(app: FastAPI) -> dict[str, Any]:
     ref = {"application/problem+json": {"schema": {"$ref": "#/components/schemas/Problem"}}}
     for path_item in schema["paths"].values():
         for op in path_item.values():
-            responses = op.setdefault("responses", {})
-            for code, description in ERRORS.items():
-                if code in ("401", "403") and "security" not in op:
-                    continue
-                existing = responses.get(code, {})
-                responses[code] = {"description": existing.get("description", description), "content": ref}
-            responses.setdefault("500", {"description": "Server error.", "content": ref})
+            _document_errors(op, ref)
     return schema
+
+
+def _document_errors(op: dict[str, Any], ref: dict[str, Any]) -> None:
+    """The errors every route can answer, and problem+json as the body of each error a route declares
+    itself (e.g. 410, 416, 503)."""
+    responses = op.setdefault("responses", {})
+    for code, description in ERRORS.items():
+        if code in ("401", "403") and "security" not in op:
+            continue
+        responses.setdefault(code, {"description": description})
+    responses.setdefault("500", {"description": "Server error."})
+    for code, response in responses.items():
+        if code.startswith(("4", "5")):
+            response["content"] = ref

@@ -16,7 +16,8 @@ def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz", operation_id="readyz", summary="The database answers")
+@router.get("/readyz", operation_id="readyz", summary="The database answers",
+            responses={503: {"description": "The database does not answer."}})
 def readyz(request: Request) -> dict[str, str]:
     try:
         with request.app.state.db.engine.connect() as conn:

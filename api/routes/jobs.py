@@ -41,7 +41,8 @@ IdempotencyKey = Annotated[
 ]
 
 
-@router.post("/jobs", status_code=201, operation_id="create_job", summary="Submit a GRPO training job")
+@router.post("/jobs", status_code=201, operation_id="create_job", summary="Submit a GRPO training job",
+             responses={200: {"model": JobRead, "description": "A replay of an Idempotency-Key: the job it created."}})
 def create_job(spec: JobSpec, user: CurrentUser, db: SessionDep, settings: SettingsDep, response: Response,
                idempotency_key: IdempotencyKey = None) -> JobRead:
     job, created = svc.create_job(db, user, spec, idempotency_key, settings)

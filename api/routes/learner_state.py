@@ -8,11 +8,11 @@ from typing import Annotated
 
 from echo2.protocol import Manifest, ReplayStep
 from fastapi import APIRouter, Body, Header, Path
-from fastapi.responses import FileResponse
 from sqlalchemy import select
 
 from ..deps import CheckpointsDep, LearnerJobId, SessionDep, learner_job
 from ..errors import ApiError
+from ..files import RangedFileResponse
 from ..models import Rollout, StepMetric
 from ..services import admission
 from ..storage import ChunkError
@@ -70,16 +70,18 @@ def latest(job_id: str, token_job: LearnerJobId, db: SessionDep, store: Checkpoi
 
 @router.get("/checkpoints/{step}/chunks/{index}", operation_id="get_learner_checkpoint_chunk",
             summary="Download one chunk of a learner checkpoint; its sha256 is in X-Echo2-Sha256",
-            response_class=FileResponse, responses={200: {"content": {"application/octet-stream": {}}}})
+            response_class=RangedFileResponse,
+            responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "Partial content"},
+                       416: {"description": "The Range starts past the end of the chunk."}})
 def get_chunk(job_id: str, step: StepPath, index: IndexPath, token_job: LearnerJobId, db: SessionDep,
-              store: CheckpointsDep) -> FileResponse:
+              store: CheckpointsDep) -> RangedFileResponse:
     learner_job(db, token_job, job_id)
     path = store.chunk_path(job_id, step, index)
     if not path.exists():
         raise ApiError(404, f"checkpoint {step} of job {job_id} has no chunk {index}")
     db.close()
-    return FileResponse(path, media_type="application/octet-stream",
-                        headers={SHA_HEADER: path.with_suffix(".sha256").read_text()})
+    return RangedFileResponse(path, media_type="application/octet-stream",
+                              headers={SHA_HEADER: path.with_suffix(".sha256").read_text()})
 
 
 @router.get("/steps/{step}", operation_id="get_committed_step",

@@ -10,7 +10,7 @@ from typing import Annotated
 import anyio
 from echo2.protocol import JobStatus, Manifest, VersionNotice, VersionRead
 from fastapi import APIRouter, Body, Header, Path, Query, Request
-from fastapi.responses import FileResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
 from ..db import Database
@@ -26,6 +26,7 @@ from ..deps import (
     principal_of,
 )
 from ..errors import ApiError
+from ..files import RangedFileResponse
 from ..models import Job, WeightVersion
 from ..services import dissemination, modelinfo, notices, retention
 from ..storage import ChunkError, manifest_bytes
@@ -114,7 +115,8 @@ def _notice(db: Database, job_id: str, after: int) -> VersionNotice:
         return VersionNotice(job_id=job_id, version=job.version, job_status=status, changed=changed)
 
 
-@router.get("/versions/{version}/manifest", operation_id="get_manifest", summary="A published version's manifest")
+@router.get("/versions/{version}/manifest", operation_id="get_manifest", summary="A published version's manifest",
+            responses={410: {"description": "Its weights were deleted."}})
 def get_manifest(job_id: str, version: VersionPath, p: AnyPrincipal, db: SessionDep) -> Manifest:
     _readable_job(db, p, job_id)
     return Manifest.model_validate(_version(db, job_id, version).manifest)
@@ -122,18 +124,19 @@ def get_manifest(job_id: str, version: VersionPath, p: AnyPrincipal, db: Session
 
 @router.get("/versions/{version}/chunks/{index}", operation_id="get_chunk",
             summary="Download one chunk (HTTP Range supported); its sha256 is in X-Echo2-Sha256",
-            response_class=FileResponse,
+            response_class=RangedFileResponse,
             responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "Partial content"},
-                       410: {"description": "Its weights were deleted."}})
+                       410: {"description": "Its weights were deleted."},
+                       416: {"description": "The Range starts past the end of the chunk."}})
 def get_chunk(job_id: str, version: VersionPath, index: IndexPath, p: AnyPrincipal, db: SessionDep,
-              blobs: BlobsDep) -> FileResponse:
+              blobs: BlobsDep) -> RangedFileResponse:
     _readable_job(db, p, job_id)
     chunks = _version(db, job_id, version).manifest["chunks"]
     if index >= len(chunks):
         raise ApiError(404, f"version {version} has {len(chunks)} chunks; no chunk {index}")
     db.close()  # the file is sent after this returns: do not hold a database connection meanwhile
-    return FileResponse(blobs.chunk_path(job_id, version, index), media_type="application/octet-stream",
-                        headers={SHA_HEADER: chunks[index]["sha256"]})
+    return RangedFileResponse(blobs.chunk_path(job_id, version, index), media_type="application/octet-stream",
+                              headers={SHA_HEADER: chunks[index]["sha256"]})
 
 
 @router.get("/checkpoint", operation_id="download_checkpoint",
