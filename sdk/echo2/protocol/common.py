@@ -6,11 +6,12 @@ so the control plane can reject oversized input before it touches the database.
 
 from __future__ import annotations
 
+import math
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Generic, TypeVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StringConstraints
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
 
 
 def _no_nul(value: str) -> str:
@@ -20,7 +21,16 @@ def _no_nul(value: str) -> str:
     return value
 
 
+def _finite(value: object) -> object:
+    # Python's json module, which parses request bodies, reads NaN and ±Infinity; no field means them,
+    # and a JSON column cannot hold them. Checked before a union so the one error names the field.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("must be a finite number, not NaN or Infinity")
+    return value
+
+
 NoNul = AfterValidator(_no_nul)
+Finite = BeforeValidator(_finite)
 Id = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=128, strip_whitespace=True), NoNul]
 Text = Annotated[str, StringConstraints(max_length=32_768), NoNul]
@@ -34,14 +44,15 @@ Logprob = Annotated[float, Field(ge=-1e4, le=0.0)]
 Version = Annotated[int, Field(ge=0, le=10_000_000)]
 Step = Annotated[int, Field(ge=0, le=10_000_000)]
 
-Scalar = int | float | bool | Annotated[str, StringConstraints(max_length=2048), NoNul]
+Scalar = Annotated[int | float | bool | Annotated[str, StringConstraints(max_length=2048), NoNul], Finite]
 ParamValue = Scalar | Annotated[list[Scalar], Field(max_length=64)] | None
 
 
 class Model(BaseModel):
-    """Base of every wire model: unknown fields are an error, not silently dropped."""
+    """Base of every wire model: unknown fields are an error, not silently dropped, and no float may be
+    NaN or infinite."""
 
-    model_config = ConfigDict(extra="forbid", frozen=False)
+    model_config = ConfigDict(extra="forbid", frozen=False, allow_inf_nan=False)
 
 
 class ReadModel(BaseModel):

@@ -7,9 +7,9 @@ from typing import Annotated
 
 from pydantic import Field
 
-from .common import Key, Model, Name, ReadModel, Text
+from .common import Finite, Key, Model, Name, ReadModel, Text
 
-Item = dict[Key, Text | int | float | None]
+Item = dict[Key, Annotated[Text | int | float | None, Finite]]
 
 
 class DatasetCreate(Model):

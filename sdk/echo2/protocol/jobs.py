@@ -8,7 +8,8 @@ from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, model_validator
 
-from .common import Id, JobStatus, Key, Model, Name, NoNul, ParamValue, Price, ReadModel, Text
+from .common import Id, JobStatus, Key, Model, Name, NoNul, ParamValue, Price, ReadModel
+from .datasets import Item
 
 ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512, strip_whitespace=True), NoNul]
 
@@ -70,9 +71,7 @@ class LearnerResources(Model):
 class PromptIn(Model):
     """One inline prompt item; keys depend on the task (e.g. `question`/`answer` for gsm8k)."""
 
-    item: dict[Key, Text | int | float | None] = Field(
-        max_length=16
-    )
+    item: Item = Field(max_length=16)
 
 
 class JobSpec(Model):
