@@ -46,7 +46,7 @@ def world(api, tmp_path):
     bob_wid, bob_worker = new_worker(api, bob_provider)
     activate(api, bob_wid, bob_job["id"])
     ids = {"job_id": job["id"], "worker_id": wid, "lease_id": lease["id"], "dataset_id": dataset["id"],
-           "user_id": alice_id, "token_id": key, "version": 0, "index": 0}
+           "user_id": alice_id, "token_id": key, "version": 0, "index": 0, "step": 0}
     attackers = {"user": bob, "provider": bob_provider, "worker": bob_worker, "learner": bob_learner}
     manifest = build_manifest(folder, 1, 1, 64 * 1024).model_dump(mode="json")
     bodies = {
@@ -61,7 +61,9 @@ def world(api, tmp_path):
         "upload_chunk": {"content": b"abc", "headers": {SHA: hashlib.sha256(b"abc").hexdigest(),
                                                         "Content-Type": "application/octet-stream"}},
         "publish_version": {"json": manifest},
+        "commit_learner_checkpoint": {"json": manifest},
     }
+    bodies["upload_learner_checkpoint_chunk"] = bodies["upload_chunk"]
     return ids, attackers, bodies
 
 
