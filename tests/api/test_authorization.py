@@ -62,6 +62,7 @@ def world(api, tmp_path):
                                                         "Content-Type": "application/octet-stream"}},
         "publish_version": {"json": manifest},
         "commit_learner_checkpoint": {"json": manifest},
+        "wait_for_version": {"params": {"after": 0, "timeout_s": 0}},
     }
     bodies["upload_learner_checkpoint_chunk"] = bodies["upload_chunk"]
     return ids, attackers, bodies
