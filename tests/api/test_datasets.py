@@ -37,3 +37,10 @@ def test_datasets_are_private(api):
     assert bob.delete(f"/v1/datasets/{ds['id']}").status_code == 404
     r = bob.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, dataset_id=ds["id"]))
     assert r.status_code == 404 and r.json()["errors"][0]["field"] == "dataset_id"
+
+
+def test_item_values_are_stored_as_sent(api):
+    _, alice = new_user(api)
+    item = {"question": "q", "answer": "1", "flag": True, "n": 3, "x": 0.5, "none": None}
+    dataset = ok(alice.post("/v1/datasets", json={"name": "kinds", "items": [item]}), 201)
+    assert ok(alice.get(f"/v1/datasets/{dataset['id']}/items"))["items"] == [item]

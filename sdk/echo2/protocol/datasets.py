@@ -9,7 +9,7 @@ from pydantic import Field
 
 from .common import Finite, Key, Model, Name, ReadModel, Text
 
-Item = dict[Key, Annotated[Text | int | float | None, Finite]]
+Item = dict[Key, Annotated[Text | bool | int | float | None, Finite]]  # bool before int: true stays true
 
 
 class DatasetCreate(Model):
