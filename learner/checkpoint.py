@@ -47,12 +47,22 @@ def save(root: Path, step: int, version: int | None, weights: dict[str, torch.Te
     return final
 
 
+def latest_step(root: Path) -> int | None:
+    """The step of the checkpoint `latest` points to, without loading it."""
+    pointer = root / "latest"
+    if not pointer.exists():
+        return None
+    return int(json.loads((root / pointer.read_text().strip() / "meta.json").read_text())["step"])
+
+
 def load_latest(root: Path, model: Any, optimizer: Any, scheduler: Any, world: Solo) -> Restored | None:
     pointer = root / "latest"
     if not pointer.exists():
         return None
     folder = root / pointer.read_text().strip()
-    trainer = torch.load(folder / "trainer.pt", weights_only=False)  # our own file, written above
+    # weights_only: tensors and plain containers only, no code, even from a checkpoint fetched back from
+    # the control plane
+    trainer = torch.load(folder / "trainer.pt", weights_only=True)
     world.restore(model, optimizer, load_file(str(folder / "model.safetensors")), trainer["optimizer"])
     scheduler.load_state_dict(trainer["scheduler"])
     torch.set_rng_state(trainer["torch_rng"])

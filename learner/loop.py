@@ -29,7 +29,7 @@ from echo2.protocol import (
     StepReport,
 )
 
-from . import checkpoint
+from . import checkpoint, resume
 from .auditor import Auditor
 from .models import resolve_model
 from .parallel import Solo
@@ -57,6 +57,8 @@ class Learner:
         self.busy_s = 0.0
         self.step = 0
         self.last_ack: StepAck | None = None
+        self.replayed = resume.Replay()  # what the start had to re-train to catch up with the job's records
+        self.uploader = resume.CheckpointUploader(plane, options.chunk_size)
         self._stop = threading.Event()
 
     def run(self) -> None:
@@ -82,6 +84,7 @@ class Learner:
         spec = reply.job.spec
         self.step = reply.step
         work = self.opt.work_dir / self.plane.job_id
+        resume.sync_checkpoint(self.plane, work / "checkpoints", reply.checkpoint_step)
         model_path = resolve_model(spec.base_model, self.opt.work_dir / "models", seed=spec.seed)
         self.world.announce("start", (spec, model_path))
         trainer, restored = build_trainer(spec, model_path, self.opt, self.world, work / "checkpoints")
@@ -91,16 +94,19 @@ class Learner:
         if restored is not None:
             log.info("resumed from checkpoint at step %d; the control plane has committed %d steps",
                      restored.step, self.step)
+        self.replayed = resume.replay(self.plane, trainer, self.world, restored.step if restored else 0, self.step,
+                                      consumed, reply.version)
         publisher = Publisher(self.plane, trainer.model, trainer.tokenizer, work / "publish", self.opt.chunk_size)
         beat = threading.Thread(target=self._heartbeat_loop, name="learner-heartbeat", daemon=True)
         beat.start()
         try:
-            self._publish_initial(publisher, trainer, reply.version, restored is not None)
+            self._publish_initial(publisher, trainer, reply.version, restored is not None or self.step > 0)
             self._train(spec, trainer, publisher, consumed, work)
             self.world.announce("stop")
         finally:
             self._stop.set()
             publisher.close()
+            self.uploader.wait()
 
     def _publish_initial(self, publisher: Publisher, trainer: GRPOTrainer, server_version: int | None,
                          resumed: bool) -> None:
@@ -146,7 +152,9 @@ class Learner:
         if self.step % spec.checkpoint_every == 0:
             weights = self.world.model_state(trainer.model)
             optim = self.world.optimizer_state(trainer.model, trainer.optimizer)
-            checkpoint.save(work / "checkpoints", self.step, self.step, weights, optim, trainer.scheduler, consumed)
+            folder = checkpoint.save(work / "checkpoints", self.step, self.step, weights, optim, trainer.scheduler,
+                                     consumed)
+            self.uploader.submit(folder, self.step)
 
     def _collect(self, spec: JobSpec, t: int) -> list[ClaimedGroup] | None:
         """Claim until the step has prompts_per_step groups (waiting is what utilisation measures)."""

@@ -20,6 +20,7 @@ from echo2.protocol import (
     LearnerHeartbeat,
     LearnerStartReply,
     Manifest,
+    ReplayStep,
     StepAck,
     StepReport,
     VersionRead,
@@ -91,10 +92,30 @@ class ControlPlane:
         latest = self.latest_version()
         if latest is not None and latest >= v:
             return None
+        self._upload_chunks(folder, manifest, f"{self.prefix}/versions/{v}")
+        return self._post("/versions", manifest, VersionRead)
+
+    def upload_checkpoint(self, folder: Path, manifest: Manifest) -> None:
+        """Store a learner checkpoint folder through the control plane (chunks, then the manifest)."""
+        self._upload_chunks(folder, manifest, f"{self.prefix}/learner/checkpoints/{manifest.step}")
+        self._post("/learner/checkpoints", manifest, Manifest)
+
+    def fetch_checkpoint(self, out: Path) -> Path:
+        """The newest learner checkpoint stored through the control plane, rebuilt and checked in `out`."""
+        manifest = Manifest.model_validate(self._send("GET", f"{self.prefix}/learner/checkpoints/latest").json())
+        base = f"{self.prefix}/learner/checkpoints/{manifest.step}"
+        return assemble(manifest, lambda i: self._send("GET", f"{base}/chunks/{i}").content, out)
+
+    def manifest(self, version: int) -> Manifest:
+        return Manifest.model_validate(self._send("GET", f"{self.prefix}/versions/{version}/manifest").json())
+
+    def committed_step(self, step: int) -> ReplayStep:
+        return ReplayStep.model_validate(self._send("GET", f"{self.prefix}/learner/steps/{step}").json())
+
+    def _upload_chunks(self, folder: Path, manifest: Manifest, base: str) -> None:
         for info, data in zip(manifest.chunks, iter_stream(folder, manifest.files, manifest.chunk_size), strict=True):
             headers = {"X-Echo2-Sha256": info.sha256, "Content-Type": "application/octet-stream"}
-            self._send("PUT", f"{self.prefix}/versions/{v}/chunks/{info.index}", content=data, headers=headers)
-        return self._post("/versions", manifest, VersionRead)
+            self._send("PUT", f"{base}/chunks/{info.index}", content=data, headers=headers)
 
     def fetch_version(self, version: int, out: Path) -> Path:
         """A published version rebuilt into `out` from its chunks, each checked against the manifest."""

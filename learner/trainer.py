@@ -107,7 +107,18 @@ class GRPOTrainer:
                                          reason=verdict.reason, stats=verdict.stats()))
         return None if verdict.passed else f"failed its audit: {verdict.reason}"
 
-    def _score(self, groups: list[ClaimedGroup], t: int, result: StepResult) -> Rollouts:
+    def replay(self, groups: list[ClaimedGroup], rewards: dict[str, list[float | None]], t: int) -> StepResult:
+        """Train a committed step again exactly as it was: its trained groups in order, with the rewards
+        computed then (learner/resume.py)."""
+        result = StepResult()
+        rows = self._score(groups, t, result, rewards)
+        if rows.rewards:
+            self.world.announce("optimise", rows)
+            self.optimise(rows, result)
+        return result
+
+    def _score(self, groups: list[ClaimedGroup], t: int, result: StepResult,
+               given: dict[str, list[float | None]] | None = None) -> Rollouts:
         """Rewards are computed here (trusted), from the learner's own decoding of the tokens."""
         rows = Rollouts()
         hist = [0] * (self.spec.staleness + 1)
@@ -115,7 +126,7 @@ class GRPOTrainer:
             staleness = t - group.version
             assert self.spec.admissible(t, group.version), f"rollout {group.rollout_id} has staleness {staleness}"
             hist[staleness] += 1
-            rewards = self._group_rewards(group)
+            rewards = given[group.rollout_id] if given is not None else self._group_rewards(group)
             result.rewards[group.rollout_id] = rewards
             if any(r is None for r in rewards):
                 result.groups_dropped += 1

@@ -57,9 +57,10 @@ def iter_stream(folder: Path, files: list[FileInfo], chunk_size: int) -> Iterato
 
 
 def build_manifest(folder: Path, version: int, step: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
-                   tensor_index: dict[str, str] | None = None) -> Manifest:
-    """Hash every file and every chunk of a model folder (reads the folder twice, holds one chunk)."""
-    files = _file_infos(folder, model_files(folder))
+                   tensor_index: dict[str, str] | None = None, paths: list[Path] | None = None) -> Manifest:
+    """Hash every file and every chunk of a model folder (reads the folder twice, holds one chunk).
+    `paths` names other files than a model folder's (a learner checkpoint's)."""
+    files = _file_infos(folder, paths if paths is not None else model_files(folder))
     chunks = [ChunkInfo(index=i, size=len(c), sha256=hashlib.sha256(c).hexdigest())
               for i, c in enumerate(iter_stream(folder, files, chunk_size))]
     return Manifest(version=version, step=step, chunk_size=chunk_size, total_size=sum(f.size for f in files),
