@@ -39,12 +39,17 @@ def run_demo(stack: Stack, model: str, steps: int | None, staleness: int, out: T
               f"{job.spec.max_steps} steps; dashboard {stack.url}/jobs/{job.id}", file=out, flush=True)
         rewards = _follow(client, job.id, out)
         final = client.jobs.get(job.id)
+        report = client.jobs.report(job.id)
     took = time.monotonic() - start
     first = f"{rewards[0]:.2f}" if rewards else "n/a"
     last = f"{max(rewards[-3:]):.2f}" if rewards else "n/a"
     print(f"{final.status.value}: reward {first} -> {last} in {final.step} steps, {took:.0f}s wall, "
           f"${final.cost.total_usd:.4f}" + (f" ({final.status_reason})" if final.status_reason else ""),
           file=out, flush=True)
+    stale = f"{report.stale_fraction:.1%}" if report.stale_fraction is not None else "n/a"
+    util = f"{report.learner_utilization:.0%}" if report.learner_utilization is not None else "n/a"
+    print(f"rollout groups: {report.rollouts.generated} generated, {report.rollouts.trained} trained, "
+          f"{stale} rejected as stale; learner busy {util} of its wall time", file=out, flush=True)
     return 0 if final.status.value == "succeeded" else 1
 
 
