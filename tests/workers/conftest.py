@@ -24,7 +24,9 @@ from echo2_worker.store import VersionStore
 from tests.conftest import Api
 from tests.factories import activate, new_user, ok, running_job
 
-JOB = {"grpo": {"group_size": 2, "prompts_per_step": 4, "max_new_tokens": 12}, "num_prompts": 400,
+# No learner trains these jobs, so the staleness contract's room ((S + 1) R groups ahead) must outlast each
+# test's rollouts: R = 256.
+JOB = {"grpo": {"group_size": 2, "prompts_per_step": 256, "max_new_tokens": 12}, "num_prompts": 400,
        "staleness": 1, "max_steps": 50}
 
 

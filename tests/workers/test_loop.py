@@ -165,16 +165,37 @@ def test_peers_relay_chunks_and_a_lying_peer_is_rejected_and_reported(api: Api, 
         liar.close()
 
 
-def serve(api: Api, port: int, lease_ttl_s: float = 30) -> tuple[uvicorn.Server, threading.Thread]:
+def serve(api: Api, port: int, lease_ttl_s: float = 30,
+          heartbeat_interval_s: float = 1) -> tuple[uvicorn.Server, threading.Thread]:
     """A second control-plane process-alike on the same database and blob store, on a fixed port."""
     base = api.server.settings
     settings = Settings(data_dir=base.data_dir, database_url=base.database_url, port=port, lease_ttl_s=lease_ttl_s,
-                        heartbeat_interval_s=1)
+                        heartbeat_interval_s=heartbeat_interval_s)
     server = uvicorn.Server(uvicorn.Config(create_app(settings), host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     wait_for(lambda: server.started, 30, "uvicorn to start", every=0.05)
     return server, thread
+
+
+def test_a_new_version_is_heard_of_long_before_the_next_heartbeat(api: Api, tiny_model_dir: Path,
+                                                                  next_model_dir: Path, worker_factory) -> None:
+    port = free_port()
+    server, thread = serve(api, port, heartbeat_interval_s=60)  # heartbeats alone would bring it in a minute
+    try:
+        setup = start_job(api, tiny_model_dir)
+        w = worker_factory(setup, server_url=f"http://127.0.0.1:{port}")
+        wait_for(lambda: w.worker._loaded == (setup.id, 0), 120, "version 0 loaded")
+        time.sleep(2)  # the worker's notice poll is waiting now
+        publish(setup.learner, setup.id, next_model_dir, version=1, step=1)  # through the other API process
+        published = time.monotonic()
+        wait_for(lambda: w.worker._loaded == (setup.id, 1), 30, "the swap to version 1", every=0.05)
+        # the other process's waiters recheck the database every 2 s (notices.RECHECK_S)
+        assert time.monotonic() - published < 10
+        assert w.drain() == 0
+    finally:
+        server.should_exit = True
+        thread.join(30)
 
 
 def test_control_plane_restart_is_survived(api: Api, tiny_model_dir: Path, worker_factory) -> None:

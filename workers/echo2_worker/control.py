@@ -25,6 +25,7 @@ from echo2.protocol import (
     Manifest,
     RolloutSubmit,
     RolloutSubmitResult,
+    VersionNotice,
     WorkerRead,
     WorkerRegister,
     WorkerRegistered,
@@ -67,6 +68,11 @@ class ControlPlane:
     def manifest(self, url: str) -> Manifest:
         return self._call("GET", url, Manifest)
 
+    def wait_for_version(self, job_id: str, after: int, timeout_s: float) -> VersionNotice:
+        """Long-poll: returns when a version newer than `after` is announced, or after `timeout_s`."""
+        return self._call("GET", f"/v1/jobs/{job_id}/versions/next?after={int(after)}&timeout_s={timeout_s:g}",
+                          VersionNotice, timeout=timeout_s + 30)
+
     # -- leases and rollouts ---------------------------------------------------------------------
 
     def lease(self, body: LeaseRequest) -> LeaseRead:
@@ -88,7 +94,8 @@ class ControlPlane:
     # -- plumbing --------------------------------------------------------------------------------
 
     def _call(self, method: str, path: str, cast: type[M] | None, body: BaseModel | None = None, *,
-              token: str | None = None, replay: bool = True, retry_conflict: bool = False) -> Any:
+              token: str | None = None, replay: bool = True, retry_conflict: bool = False,
+              timeout: float | None = None) -> Any:
         token = token or self.token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         content = body.model_dump_json(exclude_unset=False).encode() if body is not None else None
@@ -97,7 +104,8 @@ class ControlPlane:
         attempt = 0
         while True:
             try:
-                response = self._http.request(method, path, content=content, headers=headers)
+                response = self._http.request(method, path, content=content, headers=headers,
+                                              **({"timeout": timeout} if timeout is not None else {}))
             except httpx.TransportError as exc:
                 if attempt < self.max_retries and (replay or isinstance(exc, NOT_SENT)):
                     self._sleep(attempt, None)

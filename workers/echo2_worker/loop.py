@@ -1,10 +1,12 @@
 """The worker loop: heartbeat -> follow the desired state -> hold the assigned version -> lease
 prompts -> generate G samples each -> submit version-tagged groups -> repeat.
 
-Three threads share one `Worker`:
+Four threads share one `Worker`:
 - the heartbeat thread reports liveness, progress and bad relay sources every interval (even while a
-  long generation runs) and at once when a version download completes, keeps the latest reply, and
-  renews the lease in progress before it expires;
+  long generation runs) and at once when a version download completes or a new version is announced,
+  keeps the latest reply, and renews the lease in progress before it expires;
+- the notice thread (notice.VersionWatcher) long-polls for the next version of the job and asks for
+  that heartbeat as soon as one is published;
 - a download thread fetches the assigned version through the relay tree (fetch.Downloader) while the
   current, still admissible version keeps generating;
 - the main thread leases, generates and submits, and swaps weights between leases.
@@ -54,6 +56,7 @@ from echo2.seeds import sample_seed
 from .backends import GenerationBackend, GenRequest, GenSample
 from .control import ControlPlane
 from .fetch import DownloadCancelled, Downloader, VersionUnavailable
+from .notice import VersionWatcher
 from .progress import Stats
 from .store import VersionStore
 
@@ -125,6 +128,7 @@ class Worker:
         self.downloader = Downloader(store, origin_token=control.token, on_bad_source=self._report_bad,
                                      meter=self.stats.download, self_url=options.relay_url)
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="echo2-heartbeat", daemon=True)
+        self._watcher = VersionWatcher(control, self._watching, self._heartbeat_now.set)
 
     # -- public ----------------------------------------------------------------------------------
 
@@ -140,6 +144,7 @@ class Worker:
     def run(self) -> int:
         """Work until drained; returns the process exit code."""
         self._hb_thread.start()
+        self._watcher.start()
         try:
             while not self._drain.is_set():
                 if self._fatal is not None:
@@ -525,6 +530,13 @@ class Worker:
 
     # -- helpers ---------------------------------------------------------------------------------
 
+    def _watching(self) -> tuple[str, int] | None:
+        """The job and newest version the last heartbeat named, for the version watcher."""
+        reply = self._latest()
+        if reply is None or reply.assignment is None:
+            return None
+        return reply.assignment.job_id, reply.assignment.version
+
     def _latest(self) -> HeartbeatReply | None:
         with self._reply_lock:
             return self._reply
@@ -554,6 +566,7 @@ class Worker:
         self._net.shutdown(wait=True)  # the batch in flight is submitted; releases go out
         for lease in self.active_leases():
             self._release(lease, 0)
+        self._watcher.stop()
         self._stop_heartbeat.set()
         self._heartbeat_now.set()
         if self._hb_thread.is_alive():
