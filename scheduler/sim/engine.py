@@ -1,19 +1,23 @@
 """Discrete-event model of one Echo2 deployment, driven by the real capacity + solver code.
 
 What is modelled
-  * Learner (one per job): a step takes T_train (± jitter) and starts only when R admissible
-    groups are buffered; it claims the oldest admissible groups first. A group made with
-    version x is admissible at step t iff t − x ≤ S; staler groups are dropped and their prompts
-    return to the pool. Every κ steps it publishes the version it is about to train.
+  * Learner (one per job), as learner/loop.py runs: a step takes T_train (± jitter) plus
+    `step_overhead_s` outside training, and starts only when R admissible groups are buffered;
+    a learner waiting for groups claims again every `learner_poll_s`. It claims in arrival order
+    (the control plane's queue is by submission time). A group made with version x is admissible
+    at step t iff JobSpec.admissible(t, x) (t − x ≤ S); staler groups are dropped at the claim
+    and their prompts return to the pool. Every κ steps it publishes the version it is about
+    to train; workers hear of it `notice_s` later (0: the live long-poll) and then fetch it.
   * Relay dissemination of each version over the job's active workers (scheduler.sim.relay).
   * Workers: `concurrency` groups at once, T_gen each, always with the newest version they
     hold; billed from activation to deactivation or death. Preemption (per type or as a
     scenario event) and rejoin.
-  * Server: prompts are leased, never chosen. A prompt is leased to a worker only if its group
-    is predicted to be admissible when the learner reaches it (queue position and predicted
-    claim times), which is both freshness gating and back-pressure. Leases carry a TTL renewed
-    by heartbeats (every `tick_s`); a dead worker's leases expire and return at the next
-    reconcile tick, i.e. at most TTL + one heartbeat after the death.
+  * Server: prompts are leased, never chosen, under the live staleness contract
+    (api/services/pool.py lease_room): a worker holding version x gets a prompt only while the
+    groups queued and in flight are fewer than the learner can train before x goes stale,
+    (x + S − t + 1)·R less the step in training. Leases carry a TTL renewed by heartbeats
+    (every `tick_s`); a dead worker's leases expire and return at the next reconcile tick,
+    i.e. at most TTL + one heartbeat after the death.
   * Scheduler: every tick it builds WorkerProfile/JobProfile from what a server could measure
     (heartbeat liveness, nominal μ and T_gen, last observed T_bcast or an estimate for workers
     that have not fetched yet) and applies `scheduler.solver.decide` — the same code the
@@ -29,7 +33,7 @@ import heapq
 import math
 import random
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from scheduler.capacity import WorkerPerf, WorkerProfile, estimate_bcast_s
@@ -39,7 +43,7 @@ from scheduler.sim.scenario import JobSpec, Scenario, WorkerSpec, expand_workers
 from scheduler.solver import Decision, SolverState, decide
 
 POOL, LEASED, READY, CONSUMED = 0, 1, 2, 3
-TICK, DONE, VERSION, STEP, KILL, REJOIN, SUBMIT, EVENT = range(8)
+TICK, DONE, VERSION, STEP, KILL, REJOIN, SUBMIT, EVENT, CLAIM = range(9)
 
 
 class InvariantError(AssertionError):
@@ -68,7 +72,10 @@ class _Job:
     busy_s: float = 0.0
     first_step_at: float | None = None
     finished_at: float | None = None
-    ready: list[tuple[int, int, int]] = field(default_factory=list)  # (version, seq, pid) heap
+    ready: deque[tuple[int, int]] = field(default_factory=deque)  # (version, pid), in arrival order
+    ready_versions: Counter[int] = field(default_factory=Counter)  # how many of `ready` per version
+    waiting_since: float | None = None  # the learner ran out of groups at this time
+    claim_due: bool = False  # a CLAIM event (the learner's next poll) is scheduled
     in_flight: int = 0  # leased, server view (includes leases of undetected dead workers)
     consumed: int = 0
     dropped: int = 0
@@ -149,6 +156,7 @@ class Simulation:
         handlers = {
             TICK: self._tick, DONE: self._done, VERSION: self._version, STEP: self._step,
             KILL: self._kill_event, REJOIN: self._rejoin, SUBMIT: self._submit, EVENT: self._scenario_event,
+            CLAIM: self._claim,
         }  # fmt: skip
         while self.heap:
             at, _, kind, payload = heapq.heappop(self.heap)
@@ -173,31 +181,70 @@ class Simulation:
     def _try_start(self, job: _Job) -> None:
         if job.busy or job.done or not job.submitted:
             return
-        spec = job.spec
-        floor = job.step - spec.staleness
+        returned = self._drop_stale(job)
+        if len(job.ready) < job.spec.rollouts_per_step:
+            if job.waiting_since is None:
+                job.waiting_since = self.now
+            if returned:
+                self._wake(job)
+            return
+        due = self._next_poll(job)
+        if due > self.now:  # a waiting learner sees the groups only at its next claim
+            if not job.claim_due:
+                job.claim_due = True
+                self.push(due, CLAIM, job)
+            return
+        self._start(job)
+
+    def _next_poll(self, job: _Job) -> float:
+        poll = self.sc.learner_poll_s
+        if job.waiting_since is None or poll <= 0:
+            return self.now
+        waited = self.now - job.waiting_since
+        return job.waiting_since + math.ceil(waited / poll - 1e-9) * poll
+
+    def _claim(self, job: _Job) -> None:
+        job.claim_due = False
+        self._try_start(job)
+
+    def _drop_stale(self, job: _Job) -> int:
+        """Queued groups no longer admissible are rejected at the claim; their prompts return."""
+        floor = job.step - job.spec.staleness
+        if not job.ready or min(job.ready_versions) >= floor:
+            return 0
+        kept: deque[tuple[int, int]] = deque()
         returned = 0
-        while job.ready and job.ready[0][0] < floor:
-            _, _, pid = heapq.heappop(job.ready)
+        for version, pid in job.ready:
+            if version >= floor:
+                kept.append((version, pid))
+                continue
             self._set(job, pid, READY, POOL)
             job.pool.appendleft(pid)
-            job.dropped += 1
+            job.ready_versions[version] -= 1
             returned += 1
-        if len(job.ready) >= spec.rollouts_per_step:
-            for _ in range(spec.rollouts_per_step):
-                _, _, pid = heapq.heappop(job.ready)
-                self._set(job, pid, READY, CONSUMED)
-            job.consumed += spec.rollouts_per_step
-            jitter = spec.t_train_jitter
-            duration = spec.t_train_s * (1 + self.rng.uniform(-jitter, jitter)) if jitter else spec.t_train_s
-            job.busy = True
-            job.step_started = self.now
-            job.busy_s += duration
-            if job.first_step_at is None:
-                job.first_step_at = self.now
-            self.push(self.now + duration, STEP, job, duration)
-            self._wake(job)
-        elif returned:
-            self._wake(job)
+        job.ready_versions = Counter({v: n for v, n in job.ready_versions.items() if n})
+        job.ready = kept
+        job.dropped += returned
+        return returned
+
+    def _start(self, job: _Job) -> None:
+        spec = job.spec
+        for _ in range(spec.rollouts_per_step):
+            version, pid = job.ready.popleft()
+            job.ready_versions[version] -= 1
+            if not job.ready_versions[version]:
+                del job.ready_versions[version]
+            self._set(job, pid, READY, CONSUMED)
+        job.consumed += spec.rollouts_per_step
+        jitter = spec.t_train_jitter
+        duration = spec.t_train_s * (1 + self.rng.uniform(-jitter, jitter)) if jitter else spec.t_train_s
+        job.busy, job.waiting_since = True, None
+        job.step_started = self.now
+        job.busy_s += duration
+        if job.first_step_at is None:
+            job.first_step_at = self.now
+        self.push(self.now + duration + self.sc.step_overhead_s, STEP, job, duration)
+        self._wake(job)
 
     def _step(self, job: _Job, duration: float) -> None:
         job.step += 1
@@ -234,7 +281,7 @@ class Simulation:
             job.hint_depth = b.max_depth if relay.topology == "star" else b.max_depth + 1
         for key, t in b.times.items():
             w = self.workers[key]
-            self.push(self.now + t, VERSION, w, w.inc, version, t)
+            self.push(self.now + self.sc.notice_s + t, VERSION, w, w.inc, version, t)
 
     # ------------------------------------------------------------ workers
 
@@ -253,22 +300,16 @@ class Simulation:
             relay.hop_latency_s,
         )
 
-    def _admissible_if_started(self, job: _Job, version: int, t_gen: float) -> bool:
-        """Server-side lease gate: will a group started now still be admissible when claimed?"""
+    def _room(self, job: _Job, version: int) -> int:
+        """The live lease rule (api/services/pool.py lease_room): groups of `version` the learner can
+        still train before it goes stale, less the step in training and what is queued and in flight
+        (in flight counted whatever its version: the server sees leases, not their fate)."""
         spec = job.spec
-        arrival = self.now + t_gen
-        ahead = len(job.ready) + job.in_flight
-        if job.busy:
-            t_next, first_claim = job.step + 1, job.step_started + job.t_meas
-        else:
-            t_next, first_claim = job.step, self.now
-        by_queue = t_next + ahead // spec.rollouts_per_step
-        if not job.busy and by_queue == t_next:
-            step = t_next  # the waiting learner needs this very group
-        else:
-            by_time = t_next + max(0, math.ceil((arrival - first_claim) / job.t_meas - 1e-9))
-            step = max(by_queue, by_time)
-        return step - version <= spec.staleness
+        floor = job.step - spec.staleness
+        queued = sum(n for v, n in job.ready_versions.items() if v >= floor)
+        claimed = spec.rollouts_per_step if job.busy else 0
+        steps_left = version + spec.staleness - job.step + 1
+        return steps_left * spec.rollouts_per_step - claimed - queued - job.in_flight
 
     def _fill(self, w: _Worker) -> None:
         job = w.job
@@ -276,7 +317,7 @@ class Simulation:
             return
         t_gen = self._t_gen(w, job)
         while w.busy < w.spec.concurrency and job.pool:
-            if not self._admissible_if_started(job, w.version, t_gen):
+            if self._room(job, w.version) <= 0:
                 return
             pid = job.pool.popleft()
             self._set(job, pid, POOL, LEASED)
@@ -298,10 +339,14 @@ class Simulation:
         del w.leases[pid]
         job.in_flight -= 1
         self._set(job, pid, LEASED, READY)
-        self.seq += 1
-        heapq.heappush(job.ready, (version, self.seq, pid))
+        self._queue(job, version, pid)
         self._try_start(job)
         self._fill(w)
+
+    @staticmethod
+    def _queue(job: _Job, version: int, pid: int) -> None:
+        job.ready.append((version, pid))
+        job.ready_versions[version] += 1
 
     def _version(self, w: _Worker, inc: int, version: int, took: float) -> None:
         if w.inc != inc or w.job is None:

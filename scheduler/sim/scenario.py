@@ -104,6 +104,10 @@ class Scenario:
     dead_after_s: float = 30.0  # a worker silent for this long is reported not alive
     max_sim_s: float = 10 * 86400.0
     measure_noise: float = 0.0  # spread of the scheduler's measurement errors on μ and T_bcast
+    # The live loop's own latencies (defaults: what the live system does):
+    notice_s: float = 0.0  # publication to a worker hearing of it (long-poll: ~0; heartbeat only: ~tick_s / 2)
+    learner_poll_s: float = 0.25  # a learner waiting for groups claims again this often (learner/loop.py)
+    step_overhead_s: float = 0.0  # wall time per step outside training: claim, report, hand-off to publishing
     relay: RelaySpec = field(default_factory=RelaySpec)
     solver: SolverConfig = field(default_factory=SolverConfig)
     events: tuple[EventSpec, ...] = ()
@@ -249,6 +253,8 @@ def check(scenario: Scenario) -> None:
         raise ScenarioError("relay.fanout and relay.origin_fanout must be ≥ 1")
     if scenario.tick_s <= 0 or scenario.lease_ttl_s <= 0:
         raise ScenarioError("tick_s and lease_ttl_s must be > 0")
+    if scenario.notice_s < 0 or scenario.learner_poll_s < 0 or scenario.step_overhead_s < 0:
+        raise ScenarioError("notice_s, learner_poll_s and step_overhead_s must be ≥ 0")
     for ev in scenario.events:
         if ev.kind not in ("kill_active", "price"):
             raise ScenarioError(f"events: kind must be kill_active or price, got {ev.kind!r}")

@@ -99,7 +99,7 @@ def test_stale_groups_are_dropped_and_their_prompts_return():
     for pid in range(r + 5):
         sim._set(job, job.pool.popleft(), engine.POOL, engine.LEASED)
         sim._set(job, pid, engine.LEASED, engine.READY)
-        job.ready.append((6 if pid < 5 else 9, pid, pid))  # five made with version 6: stale
+        sim._queue(job, 6 if pid < 5 else 9, pid)  # five made with version 6: stale
     sim._try_start(job)
     assert job.dropped == 5
     assert list(job.pool)[:5] == [4, 3, 2, 1, 0]  # back at the head of the pool
