@@ -224,7 +224,8 @@ def test_job_page_explains_activation_decisions(api, ui, tmp_path):
                          grpo={"group_size": 2, "prompts_per_step": 2})
     _, provider = new_provider(api, "gpu-co")
     ids = {}
-    for name, price in (("cheap", 0.1), ("pricey", 9.0)):
+    # Unmeasured workers each count for at most a quarter of the need: the cheap one and three peers.
+    for name, price in (("cheap", 0.1), *((f"peer{i}", 0.1) for i in range(3)), ("pricey", 9.0)):
         wid, worker = new_worker(api, provider, name, price_per_hour=price, rollouts_per_s=100.0)
         ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
         ids[name] = wid
