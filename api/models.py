@@ -106,7 +106,12 @@ class Worker(Base):
     stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
     accepted_rollouts: Mapped[int] = mapped_column(Integer, default=0)
     rejected_rollouts: Mapped[int] = mapped_column(Integer, default=0)
+    # Distinct other providers that reported bad chunks from this worker's relay (services/relay.py).
     bad_chunks: Mapped[int] = mapped_column(Integer, default=0)
+    relay_confirmed_bad_at: Mapped[datetime | None]  # the control plane fetched a bad chunk itself
+    relay_probed_at: Mapped[datetime | None]
+    measured_upload_mbps: Mapped[float | None] = mapped_column(Float)  # from other providers' downloads
+    versions_held: Mapped[list[Any]] = mapped_column(default=list)  # complete versions of its job on disk
     earned_usd: Mapped[float] = mapped_column(Float, default=0.0)
     active_since: Mapped[datetime | None]
     # Trust (api/services/trust.py): the learner's audits and the door's checks move a worker along
@@ -125,6 +130,19 @@ class Worker(Base):
     unbilled_s: Mapped[float] = mapped_column(Float, default=0.0)
     last_heartbeat_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class RelayReport(Base):
+    """A worker's report that chunks from another worker's relay failed verification."""
+
+    __tablename__ = "relay_reports"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    reported_worker_id: Mapped[str] = mapped_column(String(32), index=True)
+    reporter_worker_id: Mapped[str] = mapped_column(String(32))
+    reporter_provider_id: Mapped[str] = mapped_column(String(32))
+    reason: Mapped[str] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (UniqueConstraint("reported_worker_id", "reporter_provider_id"),)
 
 
 class Dataset(Base):

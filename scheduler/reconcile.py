@@ -1,7 +1,8 @@
 """One reconcile tick: the control loop that keeps the database's desired state true.
 
 In order: workers that stopped heartbeating go offline (their leases return); expired leases return
-their prompts; the cost ledger advances; jobs over budget stop; learners are launched or relaunched
+their prompts; quarantines that ran out end; reported relays are probed (relay_probe.py); the cost
+ledger advances (billing.py); jobs over budget stop; learners are launched or relaunched
 when missing or dead; finished-but-orphaned jobs are closed; then the activation solver picks which
 workers serve which job and the choice is applied and recorded. Every step is idempotent, so a tick
 delivered twice (at-least-once Celery) or interrupted half-way does no harm.
@@ -36,7 +37,7 @@ from api.services.pool import expire_leases
 from api.services.trust import release_quarantines
 from api.settings import Settings
 
-from . import billing
+from . import billing, relay_probe
 from .capacity import JobProfile, WorkerPerf, WorkerProfile, required_throughput
 from .solver import Action, SolverConfig, SolverState, decide
 
@@ -65,6 +66,7 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
     report.offline = _mark_offline(db, settings, now)
     report.prompts_returned = expire_leases(db, now)
     release_quarantines(db, now)
+    relay_probe.probe_reported(db, settings, now)
     billing.bill(db, settings, now, _state(db, "last_tick").get("at"))
     _put_state(db, "last_tick", {"at": now.timestamp()})
     for job in db.scalars(select(Job).where(Job.status.in_(("queued", "running"))).with_for_update()):

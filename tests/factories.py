@@ -102,12 +102,20 @@ def running_job(api: Api, user: httpx.Client, folder: Path, **overrides: Any) ->
 
 
 def activate(api: Api, worker_id: str, job_id: str) -> None:
-    """What the scheduler does when it picks a worker for a job."""
+    """What the scheduler does when it picks a worker for a job, and the worker fetching the versions
+    published so far (a lease is granted only at a version the worker reported holding: see `hold`)."""
     with api.db.session() as s:
         worker, job = s.get(Worker, worker_id), s.get(Job, job_id)
         assert worker is not None and job is not None
         assign(worker, job)
+        worker.versions_held = [] if job.version is None else list(range(job.version + 1))
         s.commit()
+
+
+def hold(worker: httpx.Client, *versions: int) -> None:
+    """The worker's heartbeat after fetching `versions` (a worker token lists only its own worker)."""
+    worker_id = ok(worker.get("/v1/workers"))["items"][0]["id"]
+    ok(worker.post(f"/v1/workers/{worker_id}/heartbeat", json={"versions_held": list(versions)}))
 
 
 def submit_group(worker: httpx.Client, lease: dict[str, Any], prompt: dict[str, Any], version: int,

@@ -35,7 +35,7 @@ from ..deps import (
 )
 from ..errors import ApiError
 from ..models import Audit, Job, Provider, User, Worker
-from ..services import fleet, trust
+from ..services import fleet, relay, trust
 
 router = APIRouter(prefix="/v1", tags=["fleet"])
 
@@ -71,6 +71,8 @@ def my_provider(provider: CurrentProvider, db: SessionDep) -> ProviderRead:
 @router.post("/workers", status_code=201, operation_id="register_worker", summary="Register a worker (provider token)")
 def register_worker(body: WorkerRegister, provider: CurrentProvider, db: SessionDep,
                     settings: SettingsDep) -> WorkerRegistered:
+    if body.relay_url and settings.env == "production":
+        relay.check_public_url(body.relay_url)
     data = body.model_dump(mode="json", exclude={"relay_url"})
     worker = Worker(provider_id=provider.id, relay_url=body.relay_url.rstrip("/") if body.relay_url else None,
                     status=WorkerStatus.idle.value, desired=DesiredState.idle.value, stats={}, **data)

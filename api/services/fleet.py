@@ -6,8 +6,8 @@ import hashlib
 import hmac
 from collections.abc import Callable
 
-from echo2.protocol import Assignment, DesiredState, Heartbeat, JobStatus
-from sqlalchemy import select, update
+from echo2.protocol import Assignment, DesiredState, JobStatus
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..models import Job, Lease, Worker, utcnow
@@ -27,12 +27,6 @@ def unassign(db: Session, worker: Worker, desired: DesiredState = DesiredState.i
     for lease in db.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.status == "active")):
         end_lease(db, lease, "released")
     worker.job_id, worker.desired, worker.active_since = None, desired.value, None
-
-
-def flag_bad_sources(db: Session, hb: Heartbeat) -> None:
-    for bad in hb.bad_sources:
-        db.execute(update(Worker).where(Worker.relay_url == bad.url.rstrip("/"))
-                   .values(bad_chunks=Worker.bad_chunks + 1))
 
 
 def assignment_for(job: Job, settings: Settings) -> Callable[[list[str]], Assignment] | None:
@@ -56,18 +50,20 @@ def relay_key(job: Job, version: int) -> str:
 class RelayTree:
     """Base URLs to fetch chunks from, best first, the origin last.
 
-    Relay-capable peers on the job form a k-ary tree ordered by upload bandwidth (high uplinks near
-    the root, fed by the origin; k = 1 is a pipelined chain); leaves (no relay URL) hang under the
-    relays by a stable hash. Peers reported bad too often are left out. A peer serves the same
-    paths as the origin, so a parent is just a base URL.
+    Relay-capable peers on the job form a k-ary tree ordered by the upload rate other providers'
+    workers measured from them (high uplinks near the root, fed by the origin; unmeasured peers after
+    the measured ones; k = 1 is a pipelined chain); leaves (no relay URL) hang under the relays by a
+    stable hash. Peers reported bad by enough providers, or confirmed bad by the control plane, are
+    left out (services/relay.py). A peer serves the same paths as the origin, so a parent is just a
+    base URL.
     """
 
     def __init__(self, db: Session, job_id: str, settings: Settings) -> None:
         self.peers: list[tuple[str, str]] = [tuple(row) for row in db.execute(  # type: ignore[misc]
             select(Worker.id, Worker.relay_url)
             .where(Worker.job_id == job_id, Worker.status != "offline", Worker.relay_url.is_not(None),
-                   Worker.bad_chunks < settings.relay_max_bad_chunks)
-            .order_by(Worker.upload_mbps.desc(), Worker.id))]
+                   Worker.bad_chunks < settings.relay_max_bad_chunks, Worker.relay_confirmed_bad_at.is_(None))
+            .order_by(Worker.measured_upload_mbps.is_(None), Worker.measured_upload_mbps.desc(), Worker.id))]
         self.rank = {worker_id: i for i, (worker_id, _) in enumerate(self.peers)}
         self.fanout, self.origin = settings.relay_fanout, settings.public_url
 

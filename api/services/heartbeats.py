@@ -30,7 +30,7 @@ from ..db import Database
 from ..errors import ApiError, unauthorized
 from ..models import Job, VersionHold, WeightVersion, Worker, utcnow
 from ..settings import Settings
-from . import fleet, trust
+from . import fleet, relay, trust
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 256  # bounds one transaction's length, so a burst cannot hold the write lock for long
@@ -94,7 +94,8 @@ def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
     identities = [auth.lookup(db, p.token) for p in batch]
     ids = {i.principal_id for i in identities if i is not None and i.kind == "worker"}
     rows = {r.id: r for r in db.execute(
-        select(Worker.id, Worker.status, Worker.job_id, Worker.desired, Worker.version_held, Worker.trust,
+        select(Worker.id, Worker.provider_id, Worker.status, Worker.job_id, Worker.desired, Worker.version_held,
+               Worker.trust,
                Worker.quarantined_until, Worker.trust_reason)
         .where(Worker.id.in_(ids)))} if ids else {}
     out: list[_Row | ApiError] = []
@@ -125,10 +126,17 @@ def _apply(db: Session, ok: list[tuple[_Pending, _Row]], now: datetime,
     _record_holds(db, ok, placed, now)
     db.execute(update(Worker), [
         {"id": row.id, "last_heartbeat_at": now, "version_held": p.hb.version_held,
-         "stats": p.hb.stats.model_dump(mode="json"), "status": p.hb.status.value} for p, row in ok])
-    for p, _ in ok:
-        fleet.flag_bad_sources(db, p.hb)
+         "versions_held": _held(p.hb), "stats": p.hb.stats.model_dump(mode="json"), "status": p.hb.status.value}
+        for p, row in ok])
+    for p, row in ok:
+        relay.record(db, row.id, row.provider_id, p.hb)
     return _replies(db, ok, placed, jobs, settings)
+
+
+def _held(hb: Heartbeat) -> list[int]:
+    """What the worker holds: `versions_held`, and `version_held` from workers that only send that."""
+    held = set(hb.versions_held) | ({hb.version_held} if hb.version_held is not None else set())
+    return sorted(held)
 
 
 def _replies(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tuple[str | None, str]],

@@ -54,7 +54,7 @@ def expire_leases(db: Session, now: datetime | None = None, job_id: str | None =
 
 def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, version: int, ttl_s: float) -> Lease:
     spec = spec_of(job)
-    _check_version(job, version, spec.staleness)
+    _check_version(job, worker, version, spec)
     expire_leases(db, job_id=job.id)
     db.execute(select(Job.id).where(Job.id == job.id).with_for_update())  # room is counted per job, exactly
     room = lease_room(db, job, spec, version)
@@ -109,13 +109,16 @@ def _retry_after(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(math.ceil(seconds)), "Retry-After-Ms": str(round(seconds * 1000))}
 
 
-def _check_version(job: Job, version: int, staleness: int) -> None:
+def _check_version(job: Job, worker: Worker, version: int, spec: JobSpec) -> None:
     if job.version is None or version > job.version:
         raise ApiError(409, f"version {version} is not published; the latest is {job.version}", field="version")
-    if version < job.step - staleness:  # JobSpec.oldest_admissible
+    if version < spec.oldest_admissible(job.step):
         raise ApiError(
-            409, f"version {version} is too stale for step {job.step} (S={staleness}): "
+            409, f"version {version} is too stale for step {job.step} (S={spec.staleness}): "
             f"fetch version {job.version} first", field="version")
+    if version not in (worker.versions_held or []):
+        raise ApiError(409, f"this worker has not reported holding version {version}: send a heartbeat with it "
+                       "in versions_held first", field="version")
 
 
 def _take_available(db: Session, job: Job, limit: int) -> list[Prompt]:

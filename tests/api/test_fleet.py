@@ -91,73 +91,124 @@ def test_assigned_worker_waits_until_a_version_exists(api):
     assert reply["desired"] == "idle" and reply["assignment"] is None
 
 
-def test_relay_tree_puts_high_uplinks_near_the_origin(api, tmp_path):
+def measure(api, url: str, mbps: float) -> None:
+    """A worker of another provider reports downloading 8 MB from `url` at `mbps`."""
+    _, provider = new_provider(api, f"measurer-{url}")
+    wid, client = new_worker(api, provider, "measurer")
+    size = 8 * 2**20
+    ok(client.post(f"/v1/workers/{wid}/heartbeat",
+                   json={"fetched_from": [{"url": url, "bytes": size, "seconds": size * 8 / (mbps * 1e6)}]}))
+
+
+def relays(api, job_id, claims_and_rates):
+    """Relay workers of one provider on the job: {measured rate: (id, client)}; claims are wildly off."""
+    _, provider = new_provider(api)
+    out = {}
+    for i, (claimed, rate) in enumerate(claims_and_rates):
+        url = f"http://127.0.0.{i + 2}:7000"
+        wid, client = new_worker(api, provider, f"w{i}", upload_mbps=claimed, relay_url=url)
+        activate(api, wid, job_id)
+        if rate is not None:
+            measure(api, url, rate)
+        out[rate] = (wid, client)
+    return out
+
+
+def parents_of(worker):
+    wid, client = worker
+    return ok(client.post(f"/v1/workers/{wid}/heartbeat", json={}))["assignment"]["relay_parents"]
+
+
+def test_relay_tree_puts_measured_uplinks_near_the_origin(api, tmp_path):
     from tests.factories import fake_model_folder
 
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
     api.server.settings.relay_fanout = 2
-    try:
-        _binary_tree(api, tmp_path, fake_model_folder)
+    try:  # the one claiming 1e6 Mbit/s measures slowest; the most modest claim measures fastest
+        workers = relays(api, job["id"], [(1e6, 10.0), (10, 1000.0), (500, 500.0), (100, 100.0), (1e6, None)])
+        _, provider = new_provider(api, "leaves")
+        leaf_id, leaf = new_worker(api, provider, "leaf")
+        activate(api, leaf_id, job["id"])
+        assert parents_of(workers[1000.0]) == [api.url]
+        assert parents_of(workers[500.0]) == ["http://127.0.0.3:7000", api.url]
+        assert parents_of(workers[100.0]) == ["http://127.0.0.3:7000", api.url]
+        assert parents_of(workers[10.0]) == ["http://127.0.0.4:7000", api.url]
+        assert parents_of(workers[None]) == ["http://127.0.0.4:7000", api.url]  # unmeasured: last
+        leaf_parents = parents_of((leaf_id, leaf))
+        assert len(leaf_parents) == 2 and leaf_parents[-1] == api.url
     finally:
         api.server.settings.relay_fanout = 1
 
 
-def test_default_relay_is_a_chain_by_uplink_skipping_bad_peers(api, tmp_path):
+def test_default_relay_is_a_chain_by_measured_uplink_skipping_peers_others_report(api, tmp_path):
     from tests.factories import fake_model_folder
 
-    _, provider = new_provider(api)
     _, alice = new_user(api)
     job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
-    clients = {}
-    for i, up in enumerate([100, 1000, 500]):
-        wid, client = new_worker(api, provider, f"w{i}", upload_mbps=up, relay_url=f"http://127.0.0.{i + 2}:7000")
-        activate(api, wid, job["id"])
-        clients[up] = (wid, client)
-
-    def parents(up):
-        wid, client = clients[up]
-        return ok(client.post(f"/v1/workers/{wid}/heartbeat", json={}))["assignment"]["relay_parents"]
-
-    assert parents(1000) == [api.url]
-    assert parents(500) == ["http://127.0.0.3:7000", api.url]
-    assert parents(100) == ["http://127.0.0.4:7000", api.url]
-    wid, client = clients[100]
+    workers = relays(api, job["id"], [(100, 100.0), (1000, 1000.0), (500, 500.0)])
+    assert parents_of(workers[1000.0]) == [api.url]
+    assert parents_of(workers[500.0]) == ["http://127.0.0.3:7000", api.url]
+    assert parents_of(workers[100.0]) == ["http://127.0.0.4:7000", api.url]
     bad = {"bad_sources": [{"url": "http://127.0.0.4:7000", "reason": "sha256 mismatch"}]}
-    for _ in range(api.server.settings.relay_max_bad_chunks):
+    wid, client = workers[100.0]  # its own provider's reports, however many, do not count
+    for _ in range(32):
         ok(client.post(f"/v1/workers/{wid}/heartbeat", json=bad))
-    assert parents(100) == ["http://127.0.0.3:7000", api.url]
+    _, other = new_provider(api, "other")
+    rival_id, rival = new_worker(api, other, "rival")
+    for _ in range(32):  # nor do 32 from one other provider
+        ok(rival.post(f"/v1/workers/{rival_id}/heartbeat", json={"bad_sources": bad["bad_sources"] * 32}))
+    assert ok(api.admin.get(f"/v1/workers/{workers[500.0][0]}"))["bad_chunks"] == 1
+    assert parents_of(workers[100.0]) == ["http://127.0.0.4:7000", api.url]
+    for i in range(api.server.settings.relay_max_bad_chunks - 1):  # distinct providers: evicted
+        _, p = new_provider(api, f"reporter-{i}")
+        rid, r = new_worker(api, p, "r")
+        ok(r.post(f"/v1/workers/{rid}/heartbeat", json=bad))
+    assert parents_of(workers[100.0]) == ["http://127.0.0.3:7000", api.url]
 
 
-def _binary_tree(api, tmp_path, fake_model_folder):
-    _, provider = new_provider(api)
-    _, alice = new_user(api)
-    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
-    workers = {}
-    for i, up in enumerate([100, 1000, 500, 10]):
-        wid, client = new_worker(api, provider, f"w{i}", upload_mbps=up, relay_url=f"http://127.0.0.{i + 2}:7000")
-        activate(api, wid, job["id"])
-        workers[up] = (wid, client)
-    leaf_id, leaf = new_worker(api, provider, "leaf")
-    activate(api, leaf_id, job["id"])
-
-    def parents(up):
-        wid, client = workers[up]
-        return ok(client.post(f"/v1/workers/{wid}/heartbeat", json={}))["assignment"]["relay_parents"]
-
-    assert parents(1000) == [api.url]
-    assert parents(500) == ["http://127.0.0.3:7000", api.url]
-    assert parents(100) == ["http://127.0.0.3:7000", api.url]
-    assert parents(10) == ["http://127.0.0.4:7000", api.url]
-    leaf_parents = ok(leaf.post(f"/v1/workers/{leaf_id}/heartbeat", json={}))["assignment"]["relay_parents"]
-    assert len(leaf_parents) == 2 and leaf_parents[-1] == api.url
-
-
-def test_bad_source_reports_flag_the_relay(api):
+def test_bad_source_reports_count_distinct_other_providers(api):
     _, provider = new_provider(api)
     liar_id, _ = new_worker(api, provider, "liar", relay_url="http://127.0.0.9:7000")
-    wid, worker = new_worker(api, provider, "honest")
     hb = {"bad_sources": [{"url": "http://127.0.0.9:7000", "reason": "chunk 3 sha256 mismatch"}]}
+    sibling_id, sibling = new_worker(api, provider, "sibling")
+    ok(sibling.post(f"/v1/workers/{sibling_id}/heartbeat", json=hb))
+    assert ok(api.admin.get(f"/v1/workers/{liar_id}"))["bad_chunks"] == 0
+    _, other = new_provider(api, "other")
+    wid, worker = new_worker(api, other, "honest")
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json=hb))
     ok(worker.post(f"/v1/workers/{wid}/heartbeat", json=hb))
     assert ok(api.admin.get(f"/v1/workers/{liar_id}"))["bad_chunks"] == 1
+
+
+def test_production_relay_urls_must_be_public(api):
+    _, provider = new_provider(api)
+    api.server.settings.env = "production"
+    try:
+        for url in ("http://127.0.0.1:7000", "http://10.0.0.5:7000", "http://169.254.1.1:7000",
+                    "http://localhost:7000", "http://0.0.0.0:7000", "http://[::1]:7000", "http://192.168.1.2/"):
+            r = provider.post("/v1/workers", json={"name": "r", "relay_url": url})
+            assert r.status_code == 422 and r.json()["errors"][0]["field"] == "relay_url", (url, r.text)
+        assert provider.post("/v1/workers", json={"name": "r", "relay_url": "http://93.184.216.34:7000"}).status_code \
+            == 201
+    finally:
+        api.server.settings.env = "dev"
+
+
+def test_a_lease_needs_the_version_reported_held(api, tmp_path):
+    from tests.factories import fake_model_folder, hold
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    hold(worker)  # reports holding nothing
+    lease = {"job_id": job["id"], "max_prompts": 1, "version": 0}
+    r = worker.post("/v1/leases", json=lease)
+    assert r.status_code == 409 and "has not reported holding version 0" in r.json()["detail"]
+    hold(worker, 0)
+    ok(worker.post("/v1/leases", json=lease), 201)
 
 
 def test_heartbeat_for_another_worker_is_403(api):

@@ -2,6 +2,7 @@ import pytest
 
 from tests.factories import (
     activate,
+    hold,
     fake_model_folder,
     new_provider,
     new_user,
@@ -26,6 +27,7 @@ def setup(api, tmp_path):
 
 
 def produce(worker, job, n, version):
+    hold(worker, version)
     got = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": n, "version": version}), 201)
     return [ok(submit_group(worker, got, p, version))["results"][0]["rollout_id"] for p in got["prompts"]]
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from tests.factories import (
     activate,
     fake_model_folder,
+    hold,
     new_provider,
     new_user,
     new_worker,
@@ -54,6 +55,7 @@ def test_leases_stop_at_what_can_be_trained_before_the_version_goes_stale(api, t
     # step 1: version 0 has one step left (R = 4), all of it taken by the 4 groups still leased
     assert lease(worker, job, 1, version=0).status_code == 409
     # version 1 has two: 8, less the 4 in flight
+    hold(worker, 0, 1)
     assert len(ok(lease(worker, job, 8, version=1), 201)["prompts"]) == 4
 
 

@@ -20,7 +20,7 @@ from api.models import Job, Lease, Rollout, Worker
 from api.services.fleet import unassign
 from api.settings import Settings
 from tests.conftest import Api
-from tests.factories import activate, publish
+from tests.factories import activate, new_provider, new_worker, ok, publish
 
 from .conftest import LyingRelay, rollouts, start_job, wait_for, worker_row
 
@@ -141,10 +141,16 @@ def test_peers_relay_chunks_and_a_lying_peer_is_rejected_and_reported(api: Api, 
     manifest = Manifest.model_validate(api.admin.get(f"/v1/jobs/{setup.id}/versions/0/manifest").json())
     liar = LyingRelay(lambda job, v, i: manifest.chunks[i].size if i < len(manifest.chunks) else None)
     try:
-        # The liar claims the best uplink, so the control plane puts it at the root of the relay tree.
-        liar_id = setup.provider.post("/v1/workers", json={"name": "liar", "relay_url": liar.url,
-                                                            "upload_mbps": 10_000}).json()["worker"]["id"]
+        # The liar, another provider's, has been measured fast by a third provider's download, so the
+        # control plane puts it at the root of the relay tree.
+        _, other = new_provider(api, "liar-co")
+        liar_id, _ = new_worker(api, other, "liar", relay_url=liar.url)
         activate(api, liar_id, setup.id)
+        _, third = new_provider(api, "measurer-co")
+        measurer_id, measurer = new_worker(api, third, "measurer")
+        size = 8 * 2**20
+        ok(measurer.post(f"/v1/workers/{measurer_id}/heartbeat",
+                         json={"fetched_from": [{"url": liar.url, "bytes": size, "seconds": 0.1}]}))
         honest = worker_factory(setup, "honest", relay=True, upload_mbps=100)
         wait_for(lambda: rollouts(api, setup.id, "accepted"), 120, "accepted rollouts despite the liar")
         assert liar.requests >= 1

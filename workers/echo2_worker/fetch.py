@@ -57,6 +57,11 @@ class FetchResult:
     held: HeldVersion
     seconds: float
     bytes_from: dict[str, int] = field(default_factory=dict)
+    spans: dict[str, tuple[float, float]] = field(default_factory=dict)  # source -> (first start, last end)
+
+    def seconds_from(self, url: str) -> float:
+        start, end = self.spans[url]
+        return end - start
 
 
 def chunk_url(base: str, job_id: str, version: int, index: int) -> str:
@@ -148,10 +153,13 @@ class Downloader:
                 raise DownloadCancelled(f"version {held.version} is no longer wanted")
             now = time.monotonic()
             for src in [s for s in sources if s.usable(now)]:
+                started = time.monotonic()
                 if self._try(src, held, index, wanted):
                     with self._lock:
                         size = held.manifest.chunks[index].size
                         result.bytes_from[src.url] = result.bytes_from.get(src.url, 0) + size
+                        first, _ = result.spans.get(src.url, (started, started))
+                        result.spans[src.url] = (min(first, started), time.monotonic())
                     return
             # Nobody could serve it (the origin too): wait, bounded, then go round again.
             delay = min(10.0, 0.5 * 2**attempt) * (0.75 + 0.5 * random.random())

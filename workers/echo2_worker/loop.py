@@ -40,6 +40,7 @@ from echo2.protocol import (
     Assignment,
     BadSource,
     DesiredState,
+    Fetched,
     GroupSubmit,
     Heartbeat,
     HeartbeatReply,
@@ -117,6 +118,8 @@ class Worker:
         self._net = ThreadPoolExecutor(max_workers=1, thread_name_prefix="echo2-net")
         self._prefetched: Future[LeaseRead | None] | None = None
         self._bad: dict[str, str] = {}
+        self._fetched: list[Fetched] = []  # what the last download took from each source, for the next beat
+        self._reported: tuple[str | None, frozenset[int]] = (None, frozenset())  # what the last beat said
         self._bad_lock = threading.Lock()
         self._target: tuple[str, int] | None = None
         self._dl_thread: threading.Thread | None = None
@@ -245,6 +248,9 @@ class Worker:
             result = self.downloader.fetch(a.job_id, manifest, lambda: self._parents(a), wanted, a.relay_key)
             self.stats.last_download_s = result.seconds
             self.stats.version_held = max(a.version, self.stats.version_held or 0)
+            with self._bad_lock:  # the control plane measures its relays' upload rates from these
+                self._fetched = [Fetched(url=u, bytes=n, seconds=result.seconds_from(u))
+                                 for u, n in result.bytes_from.items()]
             self._heartbeat_now.set()  # tell the control plane at once: it times each version's spread
             mb = manifest.total_size / 1e6
             log.info("version %d held: %.1f MB in %.1fs (%s)", a.version, mb, result.seconds,
@@ -303,6 +309,8 @@ class Worker:
                 return prefetched
             self._net_call(self._finish, prefetched, 0, False)
         job_id, version = self._loaded
+        if not self._reported_holding(job_id, version):
+            return "unreported"
         try:
             lease = self.control.lease(LeaseRequest(job_id=job_id, max_prompts=self.opt.max_prompts, version=version))
         except errors.ConflictError as exc:
@@ -326,6 +334,16 @@ class Worker:
         self._lease_attempts = 0
         self._track(lease)
         return lease
+
+    def _reported_holding(self, job_id: str, version: int) -> bool:
+        """A lease is granted only at a version a heartbeat reported: after a download, wait for one."""
+        deadline = time.monotonic() + 10.0
+        while self._reported[0] != job_id or version not in self._reported[1]:
+            if self._drain.is_set() or time.monotonic() > deadline:
+                return False
+            self._heartbeat_now.set()
+            self._wait(0.05)
+        return True
 
     def _prefetch(self) -> None:
         """Ask for the next lease in the background, unless a swap or a drain is coming."""
@@ -481,7 +499,9 @@ class Worker:
         while not self._stop_heartbeat.is_set():
             interval = self.opt.heartbeat_interval_s
             try:
-                reply = self.control.heartbeat(self.opt.worker_id, self._heartbeat_body())
+                body = self._heartbeat_body()
+                reply = self.control.heartbeat(self.opt.worker_id, body)
+                self._reported = (body.job_id, frozenset(body.versions_held))
                 if failures:
                     log.info("control plane reachable again")
                 failures = 0
@@ -506,11 +526,13 @@ class Worker:
         with self._bad_lock:
             bad = [BadSource(url=u, reason=r[:500]) for u, r in list(self._bad.items())[:32]]
             self._bad.clear()
+            fetched, self._fetched = self._fetched, []
         # The job whose weights are loaded, or before the first load the one being fetched.
         job = self._loaded[0] if self._loaded else self._target[0] if self._target else None
-        held = [v.version for v in self.store.versions(job) if v.complete] if job else []
+        held = sorted(v.version for v in self.store.versions(job) if v.complete)[-8:] if job else []
         return Heartbeat(status=self._status, job_id=job, version_held=max(held) if held else None,
-                         stats=self.stats.worker_stats(), bad_sources=bad)
+                         versions_held=held, stats=self.stats.worker_stats(), bad_sources=bad,
+                         fetched_from=fetched[:16])
 
     def _renew_leases(self) -> None:
         now = time.monotonic()

@@ -19,6 +19,7 @@ from .datasets import DatasetCreate, DatasetItems, DatasetRead
 from .fleet import (
     Assignment,
     BadSource,
+    Fetched,
     Heartbeat,
     HeartbeatReply,
     ProviderCreate,
@@ -95,6 +96,7 @@ __all__ = [
     "DesiredState",
     "Device",
     "Fault",
+    "Fetched",
     "FieldError",
     "FileInfo",
     "FinishOutcome",

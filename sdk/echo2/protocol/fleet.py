@@ -52,12 +52,15 @@ class WorkerRegister(Model):
     vram_gb: float = Field(0, ge=0, le=4096)
     price_per_hour: Price = 0.0
     region: Label = "local"
-    upload_mbps: float = Field(100.0, ge=0, le=1_000_000, description="Measured upload bandwidth (Mbit/s).")
+    upload_mbps: float = Field(100.0, ge=0, le=1_000_000, description="Claimed upload bandwidth (Mbit/s), shown "
+                               "only: relay placement uses the rate other providers' workers measure.")
     download_mbps: float = Field(100.0, ge=0, le=1_000_000)
     max_upload_mbps: float | None = Field(None, ge=0, le=1_000_000, description="Cap on relay upload rate.")
-    relay_url: Url | None = Field(None, description="Where peers can fetch chunks from; null = leaf only.")
+    relay_url: Url | None = Field(None, description="Where peers can fetch chunks from; null = leaf only. With "
+                                  "ECHO2_ENV=production it must be a public http(s) address.")
     backends: list[Backend] = Field(default_factory=lambda: [Backend.transformers], min_length=1, max_length=4)
-    rollouts_per_s: float = Field(0.0, ge=0, le=1_000_000, description="Benchmarked μ (groups/s).")
+    rollouts_per_s: float = Field(0.0, ge=0, le=1_000_000, description="Benchmarked μ (groups/s), a claim: an "
+                                  "unmeasured worker counts for a small trial share of any job's need.")
     tokens_per_s: float = Field(0.0, ge=0, le=1e9)
     software: Label = "echo2-worker"
 
@@ -82,7 +85,12 @@ class WorkerRead(ReadModel):
     rollouts_per_s: float
     accepted_rollouts: int = 0
     rejected_rollouts: int = 0
-    bad_chunks: int = Field(0, description="Chunks this worker served that failed verification (trust flag).")
+    bad_chunks: int = Field(0, description="Distinct other providers whose workers reported bad chunks from this "
+                            "worker's relay; at ECHO2_RELAY_MAX_BAD_CHUNKS it serves no peer.")
+    relay_confirmed_bad_at: datetime | None = Field(None, description="When the control plane fetched a chunk from "
+                                                    "this relay itself and found it corrupt: it serves no peer.")
+    measured_upload_mbps: float | None = Field(None, description="Upload rate other providers' workers measured "
+                                               "downloading from this relay; relay placement goes by it.")
     trust: TrustState = Field(TrustState.probation, description="Standing after the learner's audits and the "
                               "door's checks: probation, trusted, suspect, quarantined or banned.")
     audits_passed: int = 0
@@ -106,6 +114,14 @@ class BadSource(Model):
     reason: ShortText
 
 
+class Fetched(Model):
+    """What a download took from one source: the control plane measures relays' upload rates by it."""
+
+    url: Url
+    bytes: int = Field(ge=0, le=2**42)
+    seconds: float = Field(ge=0, le=86_400)
+
+
 class WorkerStats(Model):
     rollouts_done: int = Field(0, ge=0, le=10**12)
     tokens_per_s: float = Field(0, ge=0, le=1e9)
@@ -118,8 +134,12 @@ class Heartbeat(Model):
     status: WorkerStatus = WorkerStatus.idle
     job_id: Id | None = None
     version_held: Version | None = None
+    versions_held: list[Version] = Field(default_factory=list, max_length=8, description="Every complete version "
+                                         "of the job on disk: a lease is granted only at a version reported here.")
     stats: WorkerStats = Field(default_factory=WorkerStats)
     bad_sources: list[BadSource] = Field(default_factory=list, max_length=32)
+    fetched_from: list[Fetched] = Field(default_factory=list, max_length=16,
+                                        description="Per source, what the last download took from it.")
 
 
 class SamplingParams(ReadModel):
