@@ -2,8 +2,8 @@ import pytest
 
 from tests.factories import (
     activate,
-    hold,
     fake_model_folder,
+    hold,
     new_provider,
     new_user,
     new_worker,
