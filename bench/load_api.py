@@ -143,9 +143,11 @@ def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace
                       "upload_mbps": 100 + i}
             body = _ok(provider.post("/v1/workers", json={**fields, **relay}), 201)
             workers.append((body["worker"]["id"], body["token"]))
+        # No learner trains here, so paced leasing must not be what limits the lease phases: R and S at their
+        # maxima give the job room for (S + 1) R = 66,560 groups in flight.
         spec = {"name": "bench", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
-                "grpo": {"group_size": args.group_size, "prompts_per_step": 64}, "num_prompts": args.prompts,
-                "staleness": 2, "max_steps": 1000}
+                "grpo": {"group_size": args.group_size, "prompts_per_step": 1024}, "num_prompts": args.prompts,
+                "staleness": 64, "max_steps": 1000}
         job_id = _ok(user.post("/v1/jobs", json=spec), 201)["id"]
         learner_token = _ok(admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"]
         learner = stack.enter_context(client(learner_token))
@@ -294,7 +296,7 @@ async def _timed(client: Any, rec: Record, window: Window, kind: str, path: str,
 
 def _heartbeat_body(spec: ClientSpec) -> bytes:
     return json.dumps({"status": "active", "job_id": spec.job_id, "version_held": 0,
-                       "stats": {"rollouts_done": 10, "tokens_per_s": 2500.0}}).encode()
+                       "versions_held": [0], "stats": {"rollouts_done": 10, "tokens_per_s": 2500.0}}).encode()
 
 
 async def _heartbeat_paced(client: Any, spec: ClientSpec, rec: Record, window: Window) -> None:

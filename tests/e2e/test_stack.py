@@ -29,7 +29,7 @@ def test_demo_learns_with_three_workers_and_keeps_the_invariants(tmp_path):
                            "--staleness", str(STALENESS)], env=stack_env(tmp_path), capture_output=True,
                           text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    summary = done.stdout.strip().splitlines()[-1]
+    summary = next(line for line in done.stdout.splitlines() if line.startswith("succeeded: reward"))
     first, last = map(float, re.search(r"reward ([\d.]+) -> ([\d.]+)", summary).groups())
     assert first <= 0.2 and last >= 0.8, summary
     db = Database(f"sqlite:///{tmp_path / '.echo2' / 'echo2.db'}")

@@ -11,6 +11,7 @@ from tests.factories import (
     bill_past_budget,
     drive_job,
     fake_model_folder,
+    hold,
     new_job,
     new_provider,
     new_user,
@@ -52,6 +53,7 @@ def test_silent_worker_goes_offline_and_its_lease_returns(api, tmp_path):
     ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
     run_tick(api)  # activation: the only worker
     assert ok(api.admin.get(f"/v1/workers/{wid}"))["job_id"] == job["id"]
+    hold(worker, 0)  # fetched version 0
     lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 3, "version": 0}), 201)
     later = utcnow() + timedelta(seconds=api.server.settings.worker_offline_after_s + 1)
     report, _ = run_tick(api, now=later)
