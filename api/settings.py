@@ -42,7 +42,8 @@ class Settings(BaseSettings):
                                      "to collect at start and then this often (0: at start only).")
     audit_rate: float = Field(0.1, ge=0, le=1, description="Share of a trusted worker's groups the learner "
                               "re-scores (new and suspect workers: every group).")
-    probation_audits: int = Field(5, ge=0, le=1000, description="Audits a new worker must pass to be trusted.")
+    probation_audits: int = Field(5, ge=0, le=1000, description="Audits a new worker must pass to be trusted "
+                                  "(0: it starts trusted).")
     quarantine_s: float = Field(3600.0, ge=0, description="How long a worker that failed twice gets no leases.")
     learner_max_failures: int = Field(3, ge=1, le=100, description="Learner launches in a row without a "
                                       "committed step before the job fails.")

@@ -13,6 +13,7 @@ from echo2.protocol import (
     ProviderCreate,
     ProviderCreated,
     ProviderRead,
+    TrustState,
     WorkerRead,
     WorkerRegister,
     WorkerRegistered,
@@ -74,8 +75,10 @@ def register_worker(body: WorkerRegister, provider: CurrentProvider, db: Session
     if body.relay_url and settings.env == "production":
         relay.check_public_url(body.relay_url)
     data = body.model_dump(mode="json", exclude={"relay_url"})
+    probation = TrustState.probation if settings.probation_audits else TrustState.trusted  # 0: no probation
     worker = Worker(provider_id=provider.id, relay_url=body.relay_url.rstrip("/") if body.relay_url else None,
-                    status=WorkerStatus.idle.value, desired=DesiredState.idle.value, stats={}, **data)
+                    status=WorkerStatus.idle.value, desired=DesiredState.idle.value, stats={}, trust=probation.value,
+                    **data)
     db.add(worker)
     db.flush()
     _, plain = auth.issue_token(db, "worker", worker.id)

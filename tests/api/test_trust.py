@@ -74,6 +74,22 @@ def test_probation_audits_every_group_then_trusted_workers_a_sample(api, setup):
     assert 0 < share < 0.4  # ECHO2_AUDIT_RATE = 0.1, decided per rollout id
 
 
+def test_with_no_probation_a_new_worker_starts_trusted_and_only_a_sample_is_audited(api, tmp_path):
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=2, max_steps=50,
+                               num_prompts=200, grpo={"group_size": 2, "prompts_per_step": 64})
+    _, provider = new_provider(api)
+    api.server.settings.probation_audits = 0
+    try:
+        wid, worker = new_worker(api, provider)
+    finally:
+        api.server.settings.probation_audits = 5
+    activate(api, wid, job["id"])
+    assert trust_of(api, wid)["trust"] == "trusted"
+    sampled = one_step(api, job, learner, worker, [True] * 40, step=0)
+    assert 0 < sum(g["audit"] for g in sampled) / len(sampled) < 0.4
+
+
 def test_a_failed_audit_rejects_the_group_and_two_quarantine_the_worker(api, setup):
     job, learner, wid, worker, provider, alice = setup
     groups = one_step(api, job, learner, worker, [True, False, True], step=0)
