@@ -22,4 +22,5 @@ fi
 bash scripts/setup_vllm_venv.sh
 
 "$ROOT/.venv/bin/ruff" check .
-exec "$PY" -m pytest -ra --durations=15 "$@"
+# Long learning runs (marked slow) are benchmarks in all but name: left out unless asked for (-m slow).
+exec "$PY" -m pytest -ra --durations=15 -m "not slow" "$@"

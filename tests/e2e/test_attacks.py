@@ -33,7 +33,7 @@ from api.settings import Settings
 from api.stack import Stack
 from tests.rollout_driver import RolloutDriver
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 STEPS = 60
 VOCAB = 96  # the tiny model's
 

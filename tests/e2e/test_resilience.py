@@ -17,7 +17,7 @@ from api.models import Decision, Job, Lease, Prompt, Rollout, Worker
 from api.settings import Settings
 from api.stack import Stack
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 STEPS = 40
 
 

@@ -16,7 +16,7 @@ from api.db import Database
 from api.local import free_port
 from api.models import Lease, Rollout
 
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 STALENESS = 2
 
 

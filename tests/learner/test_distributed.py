@@ -108,7 +108,6 @@ def wait_for(predicate, timeout: float = 300) -> None:
         time.sleep(0.2)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_two_process_learner_over_http(api, tmp_path, capsys):
     """Train with 2 ranks; stop the group (SIGTERM to torchrun) after the step-4 checkpoint; a second

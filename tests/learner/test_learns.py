@@ -116,7 +116,6 @@ def _run_grpo(workdir: Path, *, seed: int, staleness: int, max_steps: int) -> di
     return result
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize(("seed", "staleness"), [(0, 0), (1, 1)])
 def test_tiny_model_learns_arithmetic(tmp_path, seed, staleness):
     r = run_grpo(tmp_path, seed=seed, staleness=staleness, max_steps=D["max_steps"])

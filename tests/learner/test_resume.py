@@ -15,7 +15,7 @@ from api.demo import demo_spec
 from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
 from tests.rollout_driver import RolloutDriver
 
-pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
+pytestmark = [pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
 
 
 def start_learner(api, job_id, token, work_dir, log):

@@ -67,7 +67,6 @@ def test_forward_pass_runs(tiny):
     assert torch.isfinite(logits).all()
 
 
-@pytest.mark.slow
 def test_import_smollm2(tmp_path):
     """GGUF (Q4_1) -> HF safetensors folder that loads with the Auto classes and answers sensibly."""
     pytest.importorskip("gguf")

@@ -9,12 +9,9 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
-
 SDK = Path(__file__).resolve().parents[2] / "sdk"
 
 
-@pytest.mark.slow
 def test_sdk_installs_alone_and_starts_fast(tmp_path):
     # Build from a copy: an in-place build would write build/ and egg-info into the shared work tree.
     source = tmp_path / "sdk"

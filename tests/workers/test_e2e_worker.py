@@ -21,7 +21,7 @@ from tests.factories import activate
 from .conftest import rollouts, start_job, wait_for, worker_row
 
 REPO = Path(__file__).resolve().parents[2]
-pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+pytestmark = pytest.mark.e2e
 
 
 @pytest.fixture(scope="session")
