@@ -91,16 +91,25 @@ def principal_of(db: Session, token: str) -> Principal:
     return principal
 
 
-def _require(kind: str, what: str):  # type: ignore[no-untyped-def]
+WHAT = {"user": "a user API key", "provider": "a provider token", "worker": "a worker token",
+        "learner": "the job's learner token"}
+
+
+def require_kind(p: Principal, kind: str) -> Principal:
+    """403 unless the caller is of this kind (for routes that authenticate inside their own session)."""
+    if p.kind != kind:
+        raise ApiError(403, f"this route needs {WHAT[kind]}, not a {p.kind} token")
+    return p
+
+
+def _require(kind: str):  # type: ignore[no-untyped-def]
     def dep(p: Annotated[Principal, Depends(_principal)]) -> Principal:
-        if p.kind != kind:
-            raise ApiError(403, f"this route needs {what}, not a {p.kind} token")
-        return p
+        return require_kind(p, kind)
 
     return dep
 
 
-def _user(p: Annotated[Principal, Depends(_require("user", "a user API key"))]) -> User:
+def _user(p: Annotated[Principal, Depends(_require("user"))]) -> User:
     assert p.user is not None
     return p.user
 
@@ -111,19 +120,19 @@ def _admin(user: Annotated[User, Depends(_user)]) -> User:
     return user
 
 
-def _provider(db: SessionDep, p: Annotated[Principal, Depends(_require("provider", "a provider token"))]) -> Provider:
+def _provider(db: SessionDep, p: Annotated[Principal, Depends(_require("provider"))]) -> Provider:
     provider = db.get(Provider, p.id)
     if provider is None:
         raise unauthorized("provider no longer exists")
     return provider
 
 
-def _worker(p: Annotated[Principal, Depends(_require("worker", "a worker token"))]) -> Worker:
+def _worker(p: Annotated[Principal, Depends(_require("worker"))]) -> Worker:
     assert p.worker is not None
     return p.worker
 
 
-def _learner(p: Annotated[Principal, Depends(_require("learner", "the job's learner token"))]) -> str:
+def _learner(p: Annotated[Principal, Depends(_require("learner"))]) -> str:
     return p.id
 
 

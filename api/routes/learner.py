@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import time
+
+import anyio
 from echo2.protocol import (
     JobRead,
     JobStatus,
@@ -14,14 +17,28 @@ from echo2.protocol import (
     StepAck,
     StepReport,
 )
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 from sqlalchemy import select
 
-from ..deps import AdminUser, BlobsDep, CheckpointsDep, LearnerJobId, SessionDep, SettingsDep, learner_job, owned_job
+from ..db import Database
+from ..deps import (
+    AdminUser,
+    BlobsDep,
+    CheckpointsDep,
+    LearnerJobId,
+    SessionDep,
+    SettingsDep,
+    Token,
+    learner_job,
+    owned_job,
+    principal_of,
+    require_kind,
+)
 from ..errors import ApiError
 from ..models import Worker
-from ..services import admission, learning, retention, trust
+from ..services import admission, learning, notices, retention, trust
 from ..services.jobs import finish_job, job_read
+from ..settings import Settings
 
 router = APIRouter(prefix="/v1/jobs/{job_id}/learner", tags=["learner"])
 
@@ -46,20 +63,35 @@ def start(job_id: str, token_job: LearnerJobId, db: SessionDep) -> LearnerStartR
 
 
 @router.post("/claim", operation_id="learner_claim",
-             summary="Claim admissible rollouts (t - x <= S) for step t; staler ones are rejected and re-pooled")
-def claim(job_id: str, body: LearnerClaim, token_job: LearnerJobId, db: SessionDep,
-          settings: SettingsDep) -> LearnerBatch:
-    job = learner_job(db, token_job, job_id, for_update=True)
-    if job.status != JobStatus.running.value:
-        raise ApiError(409, f"job {job_id} is {job.status}")
-    if body.step != job.step:
-        raise ApiError(409, f"claims are for step {job.step} (steps committed so far), not {body.step}", field="step")
-    rows, rejected = admission.claim(db, job, body.step, body.max_groups)
-    senders = {w.id: w for w in db.scalars(select(Worker).where(Worker.id.in_({r.worker_id for r in rows})))}
-    groups = admission.claimed_groups(
-        db, rows, lambda r: trust.should_audit(senders.get(r.worker_id), r.id, settings))
-    db.commit()
-    return LearnerBatch(step=body.step, groups=groups, rejected_stale=rejected)
+             summary="Claim admissible rollouts (t - x <= S) for step t or t + 1; staler ones are rejected, re-pooled",
+             description="Claims for step t + 1 may be made while step t trains (its rollouts must be admissible at "
+                         "t + 1). With `wait_s` the answer waits until some rollout can be claimed, or that long.")
+async def claim(job_id: str, body: LearnerClaim, token: Token, request: Request) -> LearnerBatch:
+    state = request.app.state
+    deadline = time.monotonic() + body.wait_s
+    while True:
+        batch = await anyio.to_thread.run_sync(_claim_once, state.db, state.settings, token, job_id, body)
+        left = deadline - time.monotonic()
+        if batch.groups or left <= 0:
+            return batch
+        await state.announcer.wait(notices.rollouts(job_id), min(left, notices.RECHECK_S))
+
+
+def _claim_once(database: Database, settings: Settings, token: str, job_id: str, body: LearnerClaim) -> LearnerBatch:
+    """One claim in its own session: a waiting learner holds no database connection."""
+    with database.session() as db:
+        job = learner_job(db, require_kind(principal_of(db, token), "learner").id, job_id, for_update=True)
+        if job.status != JobStatus.running.value:
+            raise ApiError(409, f"job {job_id} is {job.status}")
+        if body.step not in (job.step, job.step + 1):
+            raise ApiError(409, f"claims are for step {job.step} (steps committed so far) or the next one, not "
+                           f"{body.step}", field="step")
+        rows, rejected = admission.claim(db, job, body.step, body.max_groups)
+        senders = {w.id: w for w in db.scalars(select(Worker).where(Worker.id.in_({r.worker_id for r in rows})))}
+        groups = admission.claimed_groups(
+            db, rows, lambda r: trust.should_audit(senders.get(r.worker_id), r.id, settings))
+        db.commit()
+        return LearnerBatch(step=body.step, groups=groups, rejected_stale=rejected)
 
 
 @router.post("/steps", operation_id="learner_report_step",

@@ -9,16 +9,17 @@ from echo2.protocol import (
     LeaseRead,
     LeaseRequest,
     LeaseStatus,
+    RolloutStatus,
     RolloutSubmit,
     RolloutSubmitResult,
     TrustState,
 )
-from fastapi import APIRouter
+from fastapi import APIRouter, Request
 
 from ..deps import CurrentWorker, SessionDep, SettingsDep
 from ..errors import ApiError
 from ..models import Job, Lease, Worker, utcnow
-from ..services import admission, pool, trust
+from ..services import admission, notices, pool, trust
 from ..services.jobs import sampling_of, spec_of
 
 router = APIRouter(prefix="/v1", tags=["leases"])
@@ -69,7 +70,7 @@ def release_lease(lease_id: str, worker: CurrentWorker, db: SessionDep) -> Lease
 @router.post("/leases/{lease_id}/rollouts", operation_id="submit_rollouts",
              summary="Submit version-tagged groups for prompts of this lease (idempotent per prompt)")
 def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, db: SessionDep,
-                    settings: SettingsDep) -> RolloutSubmitResult:
+                    settings: SettingsDep, request: Request) -> RolloutSubmitResult:
     lease, job = _own(db, worker, lease_id)  # no job lock: the claim re-checks staleness
     if JobStatus(job.status).is_terminal():
         raise ApiError(409, f"job {job.id} is {job.status}; rollouts are no longer accepted")
@@ -77,6 +78,8 @@ def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, d
         pool.end_lease(db, lease, LeaseStatus.expired.value)
     results = admission.submit_groups(db, job, lease, worker, body.groups, settings)
     db.commit()
+    if any(r.status is RolloutStatus.accepted for r in results):  # a learner waiting to claim hears at once
+        request.app.state.announcer.announce(notices.rollouts(job.id))
     return RolloutSubmitResult(results=results)
 
 

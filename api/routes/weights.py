@@ -72,7 +72,7 @@ def publish_version(job_id: str, manifest: Manifest, token_job: LearnerJobId, db
     job.version = manifest.version
     modelinfo.record(blobs, job, manifest)
     retention.commit_and_collect(db, blobs, job, settings.keep_versions_every)
-    request.app.state.announcer.announce(job_id)  # after the commit: whoever wakes sees the version
+    request.app.state.announcer.announce(notices.versions(job_id))  # after the commit: whoever wakes sees the version
     return dissemination.version_reads(db, [row])[0]
 
 
@@ -99,7 +99,7 @@ async def wait_for_version(job_id: str, token: Token, request: Request,
         left = deadline - time.monotonic()
         if notice.changed or left <= 0:
             return notice
-        await request.app.state.announcer.wait(job_id, min(left, notices.RECHECK_S))
+        await request.app.state.announcer.wait(notices.versions(job_id), min(left, notices.RECHECK_S))
 
 
 def _readable_in_session(db: Database, token: str, job_id: str) -> None:

@@ -79,16 +79,17 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
 
 def lease_room(db: Session, job: Job, spec: JobSpec, version: int) -> int:
     """How many more groups of `version` the learner can still train before that version goes stale:
-    the steps left until then (t .. x + S) times R, less what this step has claimed and what is queued
-    or leased already with a version still admissible (all of which the learner takes first: it claims
-    oldest first). Leasing beyond this only makes groups that arrive too late — the staleness contract."""
+    the steps left until then (t .. x + S) times R, less what this step and the next have claimed and
+    what is queued or leased already with a version still admissible (all of which the learner takes
+    first: it claims oldest first). Leasing beyond this only makes groups that arrive too late — the
+    staleness contract."""
     steps_left = version + spec.staleness - job.step + 1
     oldest = spec.oldest_admissible(job.step)  # what is already too stale will be rejected, not trained
     taken = db.execute(select(
         select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.accepted.value,
                                    Rollout.version >= oldest).scalar_subquery(),
         select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.claimed.value,
-                                   Rollout.claim_step == job.step).scalar_subquery(),
+                                   Rollout.claim_step >= job.step).scalar_subquery(),
         select(func.count()).select_from(Prompt).join(Lease, Lease.id == Prompt.lease_id)
         .where(Prompt.job_id == job.id, Prompt.state == "leased", Lease.version >= oldest).scalar_subquery(),
     )).one()

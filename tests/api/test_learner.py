@@ -1,3 +1,6 @@
+import threading
+import time
+
 import pytest
 
 from tests.factories import (
@@ -75,6 +78,70 @@ def test_staleness_is_enforced_at_submit_lease_and_claim(api, setup):
     # and a worker still holding version 0 cannot lease any more
     r = worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0})
     assert r.status_code == 409 and "fetch version 2" in r.json()["detail"]
+
+
+def test_the_next_step_is_claimed_while_this_one_trains_and_its_claims_survive_the_commit(api, setup):
+    job, learner, worker, _, _ = setup  # S = 1
+    jid = job["id"]
+    now = produce(worker, job, 2, 0)
+    mine = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 2}))["groups"]
+    nxt = produce(worker, job, 2, 0)  # version 0 is still admissible at step 1 (S = 1)
+    ahead = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 1, "max_groups": 10}))
+    assert ahead["step"] == 1 and {g["rollout_id"] for g in ahead["groups"]} == set(nxt)
+    r = learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 2})
+    assert r.status_code == 409 and r.json()["errors"][0]["field"] == "step"  # one step ahead at most
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(0, [g["rollout_id"] for g in mine])))
+    assert {g["rollout_id"] for g in mine} == set(now)
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(1, nxt)))  # still claimed for step 1
+
+
+def test_claiming_ahead_leaves_what_only_this_step_may_train(api, setup):
+    job, learner, worker, _, folder = setup  # S = 1
+    jid = job["id"]
+    first = produce(worker, job, 1, 0)
+    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 1}))
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(0, first)))
+    publish(learner, jid, folder, version=1, step=1)
+    old = produce(worker, job, 1, 0)  # admissible at step 1, not at step 2
+    new = produce(worker, job, 1, 1)
+    ahead = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 2, "max_groups": 10}))
+    assert [g["rollout_id"] for g in ahead["groups"]] == new and ahead["rejected_stale"] == 0
+    now = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 1, "max_groups": 10}))
+    assert [g["rollout_id"] for g in now["groups"]] == old
+
+
+def test_ahead_claims_count_against_lease_room_and_go_stale_at_their_own_step(api, tmp_path):
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=1, max_steps=5,
+                               grpo={"group_size": 2, "prompts_per_step": 2})
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    jid = job["id"]
+    produce(worker, job, 4, 0)  # room at step 0 for version 0: (0 + 1 - 0 + 1) * 2 = 4 groups
+    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 2}))
+    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 1, "max_groups": 2}))
+    r = worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0})
+    assert r.status_code == 409 and "no room" in r.json()["detail"]
+
+
+def test_a_waiting_claim_answers_as_soon_as_a_rollout_arrives(api, setup):
+    job, learner, worker, _, _ = setup
+    jid = job["id"]
+    hold(worker, 0)
+    lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0}), 201)
+    start = time.monotonic()
+    idle = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "wait_s": 0.5}))
+    assert idle["groups"] == [] and time.monotonic() - start >= 0.5
+    got: dict = {}
+    waiter = threading.Thread(target=lambda: got.update(ok(learner.post(
+        f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "wait_s": 20}))))
+    waiter.start()
+    time.sleep(0.5)
+    ok(submit_group(worker, lease, lease["prompts"][0], 0))
+    submitted = time.monotonic()
+    waiter.join(timeout=30)
+    assert len(got["groups"]) == 1 and time.monotonic() - submitted < 1.5  # woken by the submission
 
 
 def test_reports_are_checked(api, setup):

@@ -25,8 +25,11 @@ class LearnerStartReply(ReadModel):
 
 
 class LearnerClaim(Model):
-    step: Step = Field(description="Index t of the step being assembled (= steps already committed).")
+    step: Step = Field(description="Index of the step being assembled: t (= steps already committed), or t + 1 "
+                       "to gather the next step's rollouts while step t trains.")
     max_groups: int = Field(16, ge=1, le=4096)
+    wait_s: float = Field(0.0, ge=0, le=30, description="When nothing can be claimed yet, wait up to this long for "
+                          "rollouts to arrive instead of answering with none.")
 
 
 class ClaimedGroup(ReadModel):
