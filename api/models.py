@@ -264,7 +264,7 @@ class Rollout(Base):
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     __table_args__ = (
         UniqueConstraint("lease_id", "prompt_id"),
-        Index("ix_rollouts_queue", "job_id", "status", "created_at"),
+        Index("ix_rollouts_queue", "job_id", "status", "version", "created_at"),
     )
 
 

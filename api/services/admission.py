@@ -179,12 +179,17 @@ def reject_stale(db: Session, job: Job, step: int, spec: JobSpec) -> int:
 
 
 def claim(db: Session, job: Job, step: int, max_groups: int) -> tuple[list[Rollout], int]:
+    """The queued rollouts admissible at `step` (the committed step t, or t + 1 while t trains), oldest
+    version first, then in arrival order: a group waits only behind groups at least as stale, all of
+    which lease_room counted, so one that was leased in room is trained before its version goes stale.
+    Those too stale for t are rejected; those admissible at t but not at t + 1 stay for t."""
     spec = spec_of(job)
-    rejected = reject_stale(db, job, step, spec)
+    rejected = reject_stale(db, job, job.step, spec)
     query = (
         select(Rollout)
-        .where(Rollout.job_id == job.id, Rollout.status == "accepted")
-        .order_by(Rollout.created_at, Rollout.id)
+        .where(Rollout.job_id == job.id, Rollout.status == "accepted",
+               Rollout.version >= spec.oldest_admissible(step))
+        .order_by(Rollout.version, Rollout.created_at, Rollout.id)
         .limit(max_groups)
         .with_for_update(skip_locked=True)
     )
