@@ -259,9 +259,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--prompts", type=int, nargs="+", default=[16, 64],
                         help="prompts per step; several values are measured one after the other")
-    parser.add_argument("--nice", type=int, nargs="+",
-                        help="publisher thread nice values, each an 'on' mode of the cycle "
-                             "(default: the publisher's own, learner.publisher.NICE)")
+    parser.add_argument("--nice", type=int, nargs="+", default=[0],
+                        help="publisher thread nice values, each an 'on' mode of the cycle (default: 0, "
+                             "the publisher's own normal priority)")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt (G)")
     parser.add_argument("--chunk-mib", type=int, default=8)
     parser.add_argument("--pin", action="store_true",
@@ -269,10 +269,6 @@ def main() -> None:
     args = parser.parse_args()
     if args.steps % args.block:
         parser.error("--steps must be a multiple of --block")
-    if args.nice is None:
-        from learner.publisher import NICE
-
-        args.nice = [NICE]
 
     import logging
 

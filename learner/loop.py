@@ -33,12 +33,13 @@ from . import checkpoint, resume
 from .auditor import Auditor
 from .models import resolve_model
 from .parallel import Solo
+from .pipeline import Ahead, Committer
 from .publisher import Publisher
 from .remote import ControlPlane
 from .trainer import GRPOTrainer, StepResult
 
 log = logging.getLogger(__name__)
-POLL_S = 0.25
+CLAIM_WAIT_S = 2.0  # a claim with nothing to take waits this long for rollouts to arrive
 
 
 @dataclass
@@ -117,55 +118,88 @@ class Learner:
             publisher.wait()
 
     def _submit(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
+        publisher.submit(self.step, self.step, self._snapshot(trainer, self.step))
+
+    def _snapshot(self, trainer: GRPOTrainer, version: int) -> dict[str, torch.Tensor]:
+        """The weights as version `version` (a CPU copy), remembered for audits: rollouts of it may be
+        audited until it is S steps old."""
         state = self.world.model_state(trainer.model)
-        publisher.submit(self.step, self.step, state)
-        if trainer.auditor is not None:  # rollouts of this version may be audited until it is S steps old
-            trainer.auditor.remember(self.step, state)
+        if trainer.auditor is not None:
+            trainer.auditor.remember(version, state)
+        return state
 
     def _train(self, spec: JobSpec, trainer: GRPOTrainer, publisher: Publisher, consumed: set[str],
                work: Path) -> None:
-        while self.step < spec.max_steps and not self._stopped():
-            groups = self._collect(spec, self.step)
-            if groups is None:
-                return  # the job was stopped from outside (cancel, budget): nothing to finish
-            start = time.perf_counter()
-            result = trainer.step(groups, self.step)
-            self.busy_s += time.perf_counter() - start
-            ids = [g.rollout_id for g in groups if g.rollout_id not in result.rejected]
-            assert not consumed.intersection(ids), "a rollout would be trained twice"
-            ack = self.plane.report(_report(self.step, ids, result))
-            consumed.update(ids)
-            if trainer.auditor is not None:
-                trainer.auditor.keep_from(spec.oldest_admissible(ack.step))
-            self.step, self.last_ack = ack.step, ack
-            self._after_step(spec, trainer, publisher, consumed, work)
-            if ack.stop and ack.job_status.is_terminal():
+        """Train step after step; the report of each and the claims of the next overlap the training of
+        the one after (pipeline.py). A step trained after the job ended is not reported."""
+        committer, ahead = Committer(self.plane), Ahead(self.plane, spec.grpo.prompts_per_step)
+        t = self.step
+        try:
+            while t < spec.max_steps:
+                groups = self._collect(spec, t, ahead.take(t))
+                if groups is None:
+                    return  # the job was stopped from outside (cancel, budget): nothing to finish
+                result = self._trained(trainer, groups, t)
+                previous = committer.wait()  # in long ago: it went out when step t started
+                if previous is not None and previous.stop and previous.job_status.is_terminal():
+                    return
+                self._commit(spec, trainer, publisher, committer, ahead, _report(t, _kept(groups, result), result),
+                             consumed)
+                t += 1
+                if t % spec.checkpoint_every == 0:
+                    committer.wait()  # a checkpoint holds only committed steps
+                    self._checkpoint(trainer, consumed, work)
+                if previous is not None and previous.stop:
+                    break  # over budget: this step was still reported; finish with it
+            last = committer.wait()
+            if last is not None and last.job_status.is_terminal():
                 return
-            if ack.stop:
-                break
+        finally:
+            ahead.close()
+            committer.close()
         self._finish(publisher, trainer)
 
-    def _after_step(self, spec: JobSpec, trainer: GRPOTrainer, publisher: Publisher, consumed: set[str],
-                    work: Path) -> None:
-        if self.step % spec.publish_period == 0 or self.step >= spec.max_steps:
-            self._submit(publisher, trainer)
-        if self.step % spec.checkpoint_every == 0:
-            weights = self.world.model_state(trainer.model)
-            optim = self.world.optimizer_state(trainer.model, trainer.optimizer)
-            folder = checkpoint.save(work / "checkpoints", self.step, self.step, weights, optim, trainer.scheduler,
-                                     consumed)
-            self.uploader.submit(folder, self.step)
+    def _trained(self, trainer: GRPOTrainer, groups: list[ClaimedGroup], t: int) -> StepResult:
+        if trainer.auditor is not None:  # versions no rollout of this step can claim any more
+            trainer.auditor.keep_from(trainer.spec.oldest_admissible(t))
+        start = time.perf_counter()
+        result = trainer.step(groups, t)
+        self.busy_s += time.perf_counter() - start
+        return result
 
-    def _collect(self, spec: JobSpec, t: int) -> list[ClaimedGroup] | None:
-        """Claim until the step has prompts_per_step groups (waiting is what utilisation measures)."""
-        want, groups = spec.grpo.prompts_per_step, []
+    def _commit(self, spec: JobSpec, trainer: GRPOTrainer, publisher: Publisher, committer: Committer,
+                ahead: Ahead, report: StepReport, consumed: set[str]) -> None:
+        """Report the step in the background; once it is acknowledged, publish the version it made (when
+        one is due) and start claiming for the step after the next."""
+        assert not consumed.intersection(report.rollout_ids), "a rollout would be trained twice"
+        consumed.update(report.rollout_ids)
+        t = report.step + 1
+        state = self._snapshot(trainer, t) if t % spec.publish_period == 0 or t >= spec.max_steps else None
+
+        def committed(ack: StepAck) -> None:
+            self.step, self.last_ack = ack.step, ack
+            if state is not None:
+                publisher.submit(ack.step, ack.step, state)
+            if spec.staleness > 0 and ack.step + 1 < spec.max_steps and not ack.stop:
+                ahead.start(ack.step + 1)
+
+        committer.submit(report, committed)
+
+    def _checkpoint(self, trainer: GRPOTrainer, consumed: set[str], work: Path) -> None:
+        weights = self.world.model_state(trainer.model)
+        optim = self.world.optimizer_state(trainer.model, trainer.optimizer)
+        folder = checkpoint.save(work / "checkpoints", self.step, self.step, weights, optim, trainer.scheduler,
+                                 consumed)
+        self.uploader.submit(folder, self.step)
+
+    def _collect(self, spec: JobSpec, t: int, groups: list[ClaimedGroup]) -> list[ClaimedGroup] | None:
+        """Claim until the step has prompts_per_step groups, starting from those claimed ahead (waiting
+        is what utilisation measures)."""
+        want = spec.grpo.prompts_per_step
         while len(groups) < want:
             if self._stopped():
                 return None
-            batch = self.plane.claim(t, want - len(groups))
-            groups += batch.groups
-            if not batch.groups:
-                time.sleep(POLL_S)
+            groups += self.plane.claim(t, want - len(groups), wait_s=CLAIM_WAIT_S).groups
         return groups
 
     def _finish(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
@@ -218,6 +252,10 @@ def _reference(model: Any, spec: JobSpec) -> Any:
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def _kept(groups: list[ClaimedGroup], result: StepResult) -> list[str]:
+    return [g.rollout_id for g in groups if g.rollout_id not in result.rejected]
 
 
 def _report(step: int, ids: list[str], r: StepResult) -> StepReport:

@@ -9,15 +9,15 @@ plane requires (`api/routes/weights.py` accepts any version newer than the last)
 told the newest version. Memory stays bounded at two CPU copies of the weights (one being published,
 one waiting) however far training runs ahead of publication.
 
-The thread runs at nice 10: on a CPU learner it shares cores with training, and at 16 prompts/step
-bench/publish_overlap.py measured it roughly halving the training thread's run-queue wait per step
-(docs/BENCHMARKS.md, Learner).
+The thread runs at normal priority. At nice 10 it slowed training less on a shared core
+(bench/publish_overlap.py), but in the live loop it then took most of a step to publish each version,
+workers fell behind, and the learner waited for rollouts: with it at normal priority, learner
+utilisation went from about 80 % to 99 % (bench/live_loop.py; docs/BENCHMARKS.md, Live loop).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import threading
 import time
@@ -30,7 +30,6 @@ from echo2.snapshots import DEFAULT_CHUNK_SIZE, build_manifest
 from .remote import ControlPlane
 
 log = logging.getLogger(__name__)
-NICE = 10  # os.setpriority on a native thread id: on Linux a thread is a task with its own nice
 
 
 class Publisher:
@@ -77,7 +76,6 @@ class Publisher:
             raise RuntimeError(f"publishing a weight version failed: {self._error}") from self._error
 
     def _run(self) -> None:
-        _lower_priority()
         while (item := self._next()) is not None:
             try:
                 if self._error is None:
@@ -110,9 +108,3 @@ class Publisher:
         self.seconds.append(time.perf_counter() - start)
         log.info("published version %d (step %d) in %.2fs", version, step, self.seconds[-1])
 
-
-def _lower_priority() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICE)
-    except (AttributeError, OSError):  # not Linux, or not permitted: publish at normal priority
-        log.debug("could not lower the publisher thread's priority")

@@ -73,8 +73,9 @@ class ControlPlane:
     def start(self) -> LearnerStartReply:
         return self._post("/learner/start", None, LearnerStartReply)
 
-    def claim(self, step: int, max_groups: int) -> LearnerBatch:
-        return self._post("/learner/claim", LearnerClaim(step=step, max_groups=max_groups), LearnerBatch)
+    def claim(self, step: int, max_groups: int, wait_s: float = 0.0) -> LearnerBatch:
+        body = LearnerClaim(step=step, max_groups=max_groups, wait_s=wait_s)
+        return self._post("/learner/claim", body, LearnerBatch)
 
     def report(self, report: StepReport) -> StepAck:
         return self._post("/learner/steps", report, StepAck)

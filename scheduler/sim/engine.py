@@ -3,7 +3,8 @@
 What is modelled
   * Learner (one per job), as learner/loop.py runs: a step takes T_train (± jitter) plus
     `step_overhead_s` outside training, and starts only when R admissible groups are buffered;
-    a learner waiting for groups claims again every `learner_poll_s`. It claims in arrival order
+    a learner waiting for groups sees them `learner_poll_s` after they arrive (0: the live learner's
+    claims long-poll, so it sees them at once). It claims in arrival order
     (the control plane's queue is by submission time). A group made with version x is admissible
     at step t iff JobSpec.admissible(t, x) (t − x ≤ S); staler groups are dropped at the claim
     and their prompts return to the pool. Every κ steps it publishes the version it is about

@@ -106,7 +106,7 @@ class Scenario:
     measure_noise: float = 0.0  # spread of the scheduler's measurement errors on μ and T_bcast
     # The live loop's own latencies (defaults: what the live system does):
     notice_s: float = 0.0  # publication to a worker hearing of it (long-poll: ~0; heartbeat only: ~tick_s / 2)
-    learner_poll_s: float = 0.25  # a learner waiting for groups claims again this often (learner/loop.py)
+    learner_poll_s: float = 0.0  # a learner waiting for groups sees them after this (0: the live long-poll claim)
     step_overhead_s: float = 0.0  # wall time per step outside training: claim, report, hand-off to publishing
     relay: RelaySpec = field(default_factory=RelaySpec)
     solver: SolverConfig = field(default_factory=SolverConfig)

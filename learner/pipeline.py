@@ -1,0 +1,100 @@
+"""What keeps the learner's core busy: the round trips to the control plane overlap training.
+
+While step t trains,
+- the report of step t - 1 goes out (`Committer`, one background thread, reports in order), and once
+  it is acknowledged the version it made is published and
+- the rollouts of step t + 1 are claimed (`ClaimAhead`; the control plane accepts claims one step
+  ahead of the steps it has committed, for rollouts admissible at that step).
+So after training step t the learner finds the next batch already claimed and the previous report
+already answered, and starts step t + 1 at once: the control plane's latency leaves the critical path.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from echo2.protocol import ClaimedGroup, StepAck, StepReport
+
+from .remote import ControlPlane
+
+log = logging.getLogger(__name__)
+AHEAD_WAIT_S = 0.25  # a claim ahead waits this long for rollouts; the step then waits for it to answer
+
+
+class Committer:
+    """Step reports in the background, one at a time and in order. After a report is acknowledged,
+    `then(ack)` runs in the committer's thread."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-commit")
+        self._last: Future[StepAck] | None = None
+
+    def submit(self, report: StepReport, then: Callable[[StepAck], None]) -> None:
+        def run() -> StepAck:
+            ack = self.plane.report(report)
+            then(ack)
+            return ack
+
+        self._last = self._pool.submit(run)
+
+    def wait(self) -> StepAck | None:
+        """The newest report's acknowledgement once it is in (its error, if it failed); None before any."""
+        return self._last.result() if self._last is not None else None
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+
+
+class ClaimAhead(threading.Thread):
+    """Claims for one step in the background, until it has `want` groups or is taken. Every group it
+    claimed is handed over by `take` (it stops only between claims)."""
+
+    def __init__(self, plane: ControlPlane, step: int, want: int) -> None:
+        super().__init__(name=f"learner-claim-ahead-{step}", daemon=True)
+        self.plane, self.step, self.want = plane, step, want
+        self.groups: list[ClaimedGroup] = []
+        self._taken = threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        try:
+            while not self._taken.is_set() and len(self.groups) < self.want:
+                self.groups += self.plane.claim(self.step, self.want - len(self.groups), wait_s=AHEAD_WAIT_S).groups
+        except Exception as exc:  # e.g. the job ended meanwhile: the step's own claims will say so
+            log.info("claiming ahead for step %d stopped: %s", self.step, exc)
+
+    def take(self) -> list[ClaimedGroup]:
+        self._taken.set()
+        self.join()
+        return self.groups
+
+
+class Ahead:
+    """The claims-ahead in flight, by step: started from the committer's thread, taken by the trainer's."""
+
+    def __init__(self, plane: ControlPlane, want: int) -> None:
+        self.plane, self.want = plane, want
+        self._by_step: dict[int, ClaimAhead] = {}
+        self._lock = threading.Lock()
+
+    def start(self, step: int) -> None:
+        with self._lock:
+            if step not in self._by_step:
+                self._by_step[step] = ClaimAhead(self.plane, step, self.want)
+
+    def take(self, step: int) -> list[ClaimedGroup]:
+        """What was claimed ahead for `step` (nothing if no claim ran for it)."""
+        with self._lock:
+            claim = self._by_step.pop(step, None)
+        return claim.take() if claim is not None else []
+
+    def close(self) -> None:
+        """Stop every claim in flight; what they claimed is released when the job resumes or ends."""
+        with self._lock:
+            claims, self._by_step = list(self._by_step.values()), {}
+        for claim in claims:
+            claim.take()
