@@ -20,6 +20,7 @@ from .fleet import (
     Assignment,
     BadSource,
     Fetched,
+    FetchStep,
     Heartbeat,
     HeartbeatReply,
     ProviderCreate,
@@ -44,6 +45,8 @@ from .jobs import (
     PromptRead,
     TaskInfo,
     TaskSpec,
+    WeightDtype,
+    WeightsConfig,
     max_publish_period,
     slack_steps,
 )
@@ -78,9 +81,21 @@ from .rollouts import (
 )
 from .trust import AuditRead
 from .users import ApiKeyCreated, TokenKind, TokenRead, UserCreate, UserCreated, UserRead
-from .weights import ChunkInfo, FileInfo, Manifest, VersionNotice, VersionRead
+from .weights import (
+    AdapterInfo,
+    ChunkInfo,
+    DeltaInfo,
+    FileInfo,
+    FileRef,
+    Form,
+    Manifest,
+    VersionNotice,
+    VersionPublish,
+    VersionRead,
+)
 
 __all__ = [
+    "AdapterInfo",
     "AuditRead",
     "AuditReport",
     "DecisionRead",
@@ -93,14 +108,18 @@ __all__ = [
     "DatasetCreate",
     "DatasetItems",
     "DatasetRead",
+    "DeltaInfo",
     "DesiredState",
     "Device",
     "Fault",
+    "FetchStep",
     "Fetched",
     "FieldError",
     "FileInfo",
+    "FileRef",
     "FinishOutcome",
     "FinishReason",
+    "Form",
     "GRPOConfig",
     "GroupResult",
     "GroupSubmit",
@@ -155,7 +174,10 @@ __all__ = [
     "UserCreated",
     "UserRead",
     "VersionNotice",
+    "VersionPublish",
     "VersionRead",
+    "WeightDtype",
+    "WeightsConfig",
     "WorkerRead",
     "WorkerRegister",
     "WorkerRegistered",

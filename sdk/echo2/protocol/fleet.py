@@ -22,6 +22,7 @@ from .common import (
     Version,
     WorkerStatus,
 )
+from .weights import Form
 
 Label = Annotated[str, StringConstraints(max_length=64), NoNul]
 
@@ -149,6 +150,13 @@ class SamplingParams(ReadModel):
     top_p: float
 
 
+class FetchStep(ReadModel):
+    version: int
+    form: Form
+    manifest_url: str
+    size: int = Field(description="Bytes to download for this step.")
+
+
 class Assignment(ReadModel):
     job_id: str
     version: int = Field(description="Version to hold: the newest published one.")
@@ -157,8 +165,11 @@ class Assignment(ReadModel):
         "right after a step), nothing admissible can be generated yet: wait for the next version."
     )
     staleness: int
-    manifest_url: str
-    relay_parents: list[str] = Field(description="Peers to fetch chunks from, best first; the origin is last.")
+    fetch: list[FetchStep] = Field(description="What to download, in order, to hold `version`: the fewest bytes "
+                                   "from the versions your last heartbeat reported holding (deltas after one of "
+                                   "them, or a keyframe and the deltas after it). Empty when you hold it.")
+    relay_parents: list[str] = Field(description="Peers to fetch the last step's chunks from, best first; the origin "
+                                     "is last. Earlier steps come from the origin.")
     relay_key: str = Field(
         min_length=64, max_length=64,
         description="Bearer credential for this version on relay peers: send it (never the worker token) "

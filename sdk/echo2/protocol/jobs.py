@@ -59,6 +59,25 @@ class GRPOConfig(Model):
     max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Gradient clipping norm.")
 
 
+class WeightDtype(StrEnum):
+    auto = "auto"  # the base model's own dtype (its config.json): bfloat16 for most released models
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class WeightsConfig(Model):
+    """How versions are published. The learner keeps float32 master weights and optimiser state
+    whatever the published dtype; workers load what is published."""
+
+    dtype: WeightDtype = Field(WeightDtype.auto, description="dtype of the published weights; `auto` is the base "
+                               "model's own (bfloat16 for most released models, float32 for `echo2:tiny`).")
+    delta: bool = Field(True, description="Publish each version after the first also as a delta against the one "
+                        "before it: workers holding that one fetch only what changed.")
+    keyframe_every: int = Field(10, ge=1, le=10_000, description="Every K-th publication (and the first and the "
+                                "final one) is also published in full, for workers that hold no recent version.")
+
+
 class LearnerResources(Model):
     gpus: int = Field(0, ge=0, le=64, description="GPUs on the reserved learner cluster (0 = CPU). More than 1 "
                       "runs the learner as torchrun with FSDP, one process per GPU (CPU processes without CUDA).")
@@ -66,6 +85,8 @@ class LearnerResources(Model):
     price_per_hour: Price | None = Field(
         None, description="Reserved learner price in $/h; the server default applies when omitted."
     )
+    activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass "
+                                           "instead of keeping them: less memory, about a third more compute.")
 
 
 class PromptIn(Model):
@@ -93,6 +114,7 @@ class JobSpec(Model):
     max_steps: int = Field(100, ge=1, le=100_000)
     budget_usd: float | None = Field(None, ge=0, le=1_000_000, description="Stop the job when spent.")
     learner: LearnerResources = Field(default_factory=LearnerResources)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="Learner checkpoint period in steps.")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     priority: int = Field(0, ge=-100, le=100, description="Higher first when jobs compete for workers.")
