@@ -273,10 +273,15 @@ class WeightVersion(Base):
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     step: Mapped[int] = mapped_column(Integer)
-    manifest: Mapped[dict[str, Any]]
-    manifest_sha256: Mapped[str] = mapped_column(String(64))
-    total_size: Mapped[int] = mapped_column(BigInteger)
-    num_chunks: Mapped[int] = mapped_column(Integer)
+    # The full form (a keyframe), null when the version was published only as a delta.
+    manifest: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))  # SQL NULL, not 'null'
+    manifest_sha256: Mapped[str | None] = mapped_column(String(64))
+    total_size: Mapped[int | None] = mapped_column(BigInteger)
+    num_chunks: Mapped[int | None] = mapped_column(Integer)
+    # The delta against the version published before it (echo2.deltas), null for a job's first version.
+    delta_manifest: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    delta_size: Mapped[int | None] = mapped_column(BigInteger)
+    delta_base: Mapped[int | None] = mapped_column(Integer)
     publish_seconds: Mapped[float | None] = mapped_column(Float)
     # Workers active on the job when it was announced: dissemination is done when they hold it.
     targets: Mapped[list[Any]] = mapped_column(default=list)

@@ -1,7 +1,8 @@
 """The origin's blob store for weight versions: chunks land in a staging folder, verified, and the
 version becomes visible only by renaming the folder after its manifest is written (completion last).
-The learner's own checkpoints are stored the same way, by a second store over the same root whose
-folders carry another prefix (`c12` beside `v12`)."""
+A version's two forms have a folder each: `v12` (full) and `v12.delta`. The learner's own checkpoints
+are stored the same way, by a second store over the same root whose folders carry another prefix
+(`c12` beside `v12`)."""
 
 from __future__ import annotations
 
@@ -14,8 +15,10 @@ import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from echo2.protocol import Manifest
+from echo2.protocol import Form, Manifest
 from echo2.snapshots import atomic_write
+
+_SUFFIX = {Form.full: "", Form.delta: ".delta"}
 
 
 class ChunkError(ValueError):
@@ -25,27 +28,28 @@ class ChunkError(ValueError):
 class BlobStore:
     def __init__(self, root: Path, prefix: str = "v") -> None:
         self.root, self.prefix = root, prefix
-        self._folder = re.compile(rf"^{prefix}(\d+)(\.staging)?$")
+        self._folder = re.compile(rf"^{prefix}(\d+)(?:\.delta)?(\.staging)?$")
         root.mkdir(parents=True, exist_ok=True)
 
-    def _final(self, job_id: str, version: int) -> Path:
-        return self.root / job_id / f"{self.prefix}{version}"
+    def _final(self, job_id: str, version: int, form: Form = Form.full) -> Path:
+        return self.root / job_id / f"{self.prefix}{version}{_SUFFIX[form]}"
 
-    def _staging(self, job_id: str, version: int) -> Path:
-        return self.root / job_id / f"{self.prefix}{version}.staging"
+    def _staging(self, job_id: str, version: int, form: Form = Form.full) -> Path:
+        return self.root / job_id / f"{self.prefix}{version}{_SUFFIX[form]}.staging"
 
-    def put_chunk(self, job_id: str, version: int, index: int, data: bytes, sha256: str) -> None:
+    def put_chunk(self, job_id: str, version: int, index: int, data: bytes, sha256: str,
+                  form: Form = Form.full) -> None:
         digest = hashlib.sha256(data).hexdigest()
         if digest != sha256:
             raise ChunkError(f"chunk {index}: sha256 of the body is {digest}, header says {sha256}")
-        staging = self._staging(job_id, version)
+        staging = self._staging(job_id, version, form)
         staging.mkdir(parents=True, exist_ok=True)
         atomic_write(staging / f"{index}.chunk", data)
         atomic_write(staging / f"{index}.sha256", digest.encode())
 
     def publish(self, job_id: str, manifest: Manifest) -> float:
         """Check every chunk the manifest names, then make the version visible. Returns upload seconds."""
-        staging = self._staging(job_id, manifest.version)
+        staging = self._staging(job_id, manifest.version, manifest.form)
         for chunk in manifest.chunks:
             self._check_staged(staging, chunk.index, chunk.size, chunk.sha256)
         extra = {p.name for p in staging.glob("*.chunk")} - {f"{c.index}.chunk" for c in manifest.chunks}
@@ -53,7 +57,7 @@ class BlobStore:
             raise ChunkError(f"uploaded chunks not named by the manifest: {sorted(extra)[:5]}")
         atomic_write(staging / "manifest.json", manifest.model_dump_json().encode())
         first_upload = min(p.stat().st_mtime for p in staging.glob("*.chunk"))
-        final = self._final(job_id, manifest.version)
+        final = self._final(job_id, manifest.version, manifest.form)
         if final.exists():
             shutil.rmtree(final)
         os.replace(staging, final)
@@ -70,15 +74,17 @@ class BlobStore:
             raise ChunkError(f"chunk {index}: uploaded sha256 differs from the manifest")
 
     def drop(self, job_id: str, versions: list[int]) -> None:
-        """Delete the files of collected versions (after the commit that marked them collected)."""
+        """Delete the files of collected versions, both forms (after the commit that marked them collected)."""
         for version in versions:
-            shutil.rmtree(self._final(job_id, version), ignore_errors=True)
+            for form in Form:
+                shutil.rmtree(self._final(job_id, version, form), ignore_errors=True)
 
     def drop_staging(self, job_id: str, version: int) -> None:
-        shutil.rmtree(self._staging(job_id, version), ignore_errors=True)
+        for form in Form:
+            shutil.rmtree(self._staging(job_id, version, form), ignore_errors=True)
 
     def stored(self) -> Iterator[tuple[str, int, bool]]:
-        """(job id, version, is a staging upload) of every version folder on disk."""
+        """(job id, version, is a staging upload) of every version folder on disk (each form)."""
         for job_dir in self.root.iterdir():
             for folder in job_dir.iterdir() if job_dir.is_dir() else ():
                 m = self._folder.match(folder.name)
@@ -87,7 +93,7 @@ class BlobStore:
 
     def finals(self, job_id: str) -> list[int]:
         """The numbers of the job's completed folders (versions, or checkpoints), ascending."""
-        return sorted(v for j, v, staging in self.stored() if j == job_id and not staging)
+        return sorted({v for j, v, staging in self.stored() if j == job_id and not staging})
 
     def read_file(self, job_id: str, manifest: Manifest, path: str, max_bytes: int) -> bytes | None:
         """One file of a published version, out of its chunks; None if absent or larger than max_bytes."""
@@ -97,7 +103,7 @@ class BlobStore:
         out, pos, end = bytearray(), info.offset, info.offset + info.size
         while pos < end:
             index, skip = divmod(pos, manifest.chunk_size)
-            with open(self.chunk_path(job_id, manifest.version, index), "rb") as fh:
+            with open(self.chunk_path(job_id, manifest.version, index, manifest.form), "rb") as fh:
                 fh.seek(skip)
                 piece = fh.read(min(end - pos, manifest.chunk_size - skip))
             if not piece:
@@ -110,8 +116,8 @@ class BlobStore:
         """A file kept for the job's whole life beside its versions (e.g. the tokenizer for display)."""
         return self.root / job_id / name
 
-    def chunk_path(self, job_id: str, version: int, index: int) -> Path:
-        return self._final(job_id, version) / f"{index}.chunk"
+    def chunk_path(self, job_id: str, version: int, index: int, form: Form = Form.full) -> Path:
+        return self._final(job_id, version, form) / f"{index}.chunk"
 
     def iter_tar(self, job_id: str, manifest: Manifest, block: int = 1 << 20) -> Iterator[bytes]:
         """Stream the version's files as an uncompressed tar, reading chunks in order."""

@@ -115,7 +115,7 @@ def _publish_v0(learner: Any, job_id: str, folder: Path) -> None:
         headers = {"X-Echo2-Sha256": info.sha256, "Content-Type": "application/octet-stream"}
         path = f"/v1/jobs/{job_id}/versions/0/chunks/{info.index}"
         _ok(learner.put(path, content=data, headers=headers), 204)
-    _ok(learner.post(f"/v1/jobs/{job_id}/versions", json=manifest.model_dump(mode="json")), 201)
+    _ok(learner.post(f"/v1/jobs/{job_id}/versions", json={"full": manifest.model_dump(mode="json")}), 201)
 
 
 def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace) -> Fleet:

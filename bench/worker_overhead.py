@@ -58,7 +58,7 @@ def setup_job(url: str, work: Path, model: Path, args: argparse.Namespace) -> tu
     for info, data in zip(manifest.chunks, iter_stream(model, manifest.files, manifest.chunk_size), strict=True):
         ok(learner.put(f"/v1/jobs/{job['id']}/versions/0/chunks/{info.index}", content=data,
                        headers={"X-Echo2-Sha256": info.sha256, "Content-Type": "application/octet-stream"}), 204)
-    ok(learner.post(f"/v1/jobs/{job['id']}/versions", json=manifest.model_dump(mode="json")), 201)
+    ok(learner.post(f"/v1/jobs/{job['id']}/versions", json={"full": manifest.model_dump(mode="json")}), 201)
     provider = client(ok(admin.post("/v1/providers", json={"name": "bench"}), 201)["token"])
     reg = ok(provider.post("/v1/workers", json={"name": "w0"}), 201)
     db = Database(f"sqlite:///{work / 'echo2.db'}")

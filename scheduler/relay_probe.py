@@ -53,28 +53,34 @@ def probe_reported(db: Session, settings: Settings, now: datetime) -> int:
 
 
 def _probe(db: Session, worker: Worker) -> bool | None:
-    """True: every chunk fetched was right; False: one was wrong; None: nothing could be checked."""
+    """True: every chunk fetched was right; False: one was wrong; None: nothing could be checked. A relay
+    serves the forms of the version it fetched (mostly the delta): each stored form is tried."""
     version = db.get(WeightVersion, (worker.job_id, worker.version_held)) if worker.job_id else None
     if version is None or version.collected_at is not None or worker.version_held is None:
         return None
     job = db.get_one(Job, worker.job_id)
-    chunks = version.manifest["chunks"]
-    picked = random.sample(range(len(chunks)), min(CHUNKS, len(chunks)))
     headers = {"Authorization": f"Bearer {relay_key(job, version.version)}"}
-    base = f"{worker.relay_url}/v1/jobs/{job.id}/versions/{version.version}/chunks"
-    checked = 0
+    base = f"{worker.relay_url}/v1/jobs/{job.id}/versions/{version.version}"
+    forms = [(f"{base}/delta/chunks", version.delta_manifest), (f"{base}/chunks", version.manifest)]
     with httpx.Client(timeout=TIMEOUT_S, headers=headers) as http:
-        for index in picked:
-            try:
-                r = http.get(f"{base}/{index}")
-            except httpx.HTTPError as exc:
-                log.info("relay %s unreachable for a probe: %s", worker.relay_url, exc)
-                return None if not checked else True
-            if r.status_code != 200:
-                continue
-            if hashlib.sha256(r.content).hexdigest() != chunks[index]["sha256"]:
-                log.warning("relay %s served a corrupt chunk %d of version %d", worker.relay_url, index,
-                            version.version)
-                return False
-            checked += 1
+        for url, manifest in forms:
+            if manifest is not None and (verdict := _probe_form(http, worker, url, manifest["chunks"])) is not None:
+                return verdict
+    return None
+
+
+def _probe_form(http: httpx.Client, worker: Worker, url: str, chunks: list[dict[str, object]]) -> bool | None:
+    checked = 0
+    for index in random.sample(range(len(chunks)), min(CHUNKS, len(chunks))):
+        try:
+            r = http.get(f"{url}/{index}")
+        except httpx.HTTPError as exc:
+            log.info("relay %s unreachable for a probe: %s", worker.relay_url, exc)
+            return None if not checked else True
+        if r.status_code != 200:
+            continue
+        if hashlib.sha256(r.content).hexdigest() != chunks[index]["sha256"]:
+            log.warning("relay %s served a corrupt chunk %s/%d", worker.relay_url, url, index)
+            return False
+        checked += 1
     return True if checked else None

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from echo2.protocol import Manifest
 from echo2.snapshots import build_manifest, iter_stream
 
 from api.models import Job, Worker, utcnow
@@ -73,12 +74,20 @@ def step_report(step: int, ids: list[str], **fields: Any) -> dict[str, Any]:
 
 def publish(learner: httpx.Client, job_id: str, folder: Path, version: int, step: int,
             chunk_size: int = 64 * 1024) -> dict[str, Any]:
-    manifest = build_manifest(folder, version, step, chunk_size)
-    for info, data in zip(manifest.chunks, iter_stream(folder, manifest.files, chunk_size), strict=True):
-        r = learner.put(f"/v1/jobs/{job_id}/versions/{version}/chunks/{info.index}", content=data,
-                        headers={SHA: info.sha256, "Content-Type": "application/octet-stream"})
-        assert r.status_code == 204, r.text
-    return ok(learner.post(f"/v1/jobs/{job_id}/versions", json=manifest.model_dump(mode="json")), 201)
+    return publish_forms(learner, job_id, [(folder, build_manifest(folder, version, step, chunk_size))])
+
+
+def publish_forms(learner: httpx.Client, job_id: str, forms: list[tuple[Path, Manifest]]) -> dict[str, Any]:
+    """Upload each form's chunks (a full folder, or a delta's payload folder), then publish them together."""
+    body: dict[str, Any] = {}
+    for folder, manifest in forms:
+        base = f"/v1/jobs/{job_id}/versions/{manifest.version}" + ("/delta" if manifest.delta else "")
+        for info, data in zip(manifest.chunks, iter_stream(folder, manifest.files, manifest.chunk_size), strict=True):
+            r = learner.put(f"{base}/chunks/{info.index}", content=data,
+                            headers={SHA: info.sha256, "Content-Type": "application/octet-stream"})
+            assert r.status_code == 204, r.text
+        body[manifest.form.value] = manifest.model_dump(mode="json")
+    return ok(learner.post(f"/v1/jobs/{job_id}/versions", json=body), 201)
 
 
 def fake_model_folder(root: Path, seed: int = 0) -> Path:

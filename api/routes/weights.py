@@ -3,12 +3,11 @@ download with Range and sha256 headers (workers, relays), checkpoint download (o
 
 from __future__ import annotations
 
-import hashlib
 import time
-from typing import Annotated
+from typing import Annotated, Any
 
 import anyio
-from echo2.protocol import JobStatus, Manifest, VersionNotice, VersionRead
+from echo2.protocol import Form, JobStatus, Manifest, VersionNotice, VersionPublish, VersionRead
 from fastapi import APIRouter, Body, Header, Path, Query, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
@@ -28,8 +27,8 @@ from ..deps import (
 from ..errors import ApiError
 from ..files import RangedFileResponse
 from ..models import Job, WeightVersion
-from ..services import dissemination, modelinfo, notices, retention
-from ..storage import ChunkError, manifest_bytes
+from ..services import dissemination, modelinfo, notices, retention, versions
+from ..storage import ChunkError
 
 router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["weights"])
 SHA_HEADER = "X-Echo2-Sha256"
@@ -38,41 +37,56 @@ IndexPath = Annotated[int, Path(ge=0, le=1_000_000)]
 
 
 @router.put("/versions/{version}/chunks/{index}", status_code=204, operation_id="upload_chunk",
-            summary="Upload one chunk of an unpublished version (learner); the body's sha256 must match")
+            summary="Upload one chunk of an unpublished version's full form (learner); the body's sha256 must match")
 def upload_chunk(job_id: str, version: VersionPath, index: IndexPath, token_job: LearnerJobId,
                  db: SessionDep, blobs: BlobsDep,
                  body: Annotated[bytes, Body(media_type="application/octet-stream")],
                  sha256: Annotated[str, Header(alias=SHA_HEADER, pattern=r"^[0-9a-f]{64}$")]) -> None:
+    _upload(db, blobs, token_job, job_id, version, index, body, sha256, Form.full)
+
+
+@router.put("/versions/{version}/delta/chunks/{index}", status_code=204, operation_id="upload_delta_chunk",
+            summary="Upload one chunk of an unpublished version's delta (learner); the body's sha256 must match")
+def upload_delta_chunk(job_id: str, version: VersionPath, index: IndexPath, token_job: LearnerJobId,
+                       db: SessionDep, blobs: BlobsDep,
+                       body: Annotated[bytes, Body(media_type="application/octet-stream")],
+                       sha256: Annotated[str, Header(alias=SHA_HEADER, pattern=r"^[0-9a-f]{64}$")]) -> None:
+    _upload(db, blobs, token_job, job_id, version, index, body, sha256, Form.delta)
+
+
+def _upload(db: SessionDep, blobs: BlobsDep, token_job: str, job_id: str, version: int, index: int, body: bytes,
+            sha256: str, form: Form) -> None:
     job = learner_job(db, token_job, job_id)
     _check_new_version(job, version)
     if not body:
         raise ApiError(422, "empty chunk", field="body")
     try:
-        blobs.put_chunk(job_id, version, index, body, sha256)
+        blobs.put_chunk(job_id, version, index, body, sha256, form)
     except ChunkError as exc:
         raise ApiError(422, str(exc), field=SHA_HEADER) from None
 
 
 @router.post("/versions", status_code=201, operation_id="publish_version",
-             summary="Publish a version: every chunk must be uploaded and match; then it is announced")
-def publish_version(job_id: str, manifest: Manifest, token_job: LearnerJobId, db: SessionDep,
+             summary="Publish a version, in full, as a delta, or both: every chunk must be uploaded and match; "
+                     "then it is announced",
+             description="A delta applies to the version published just before it and names that version's files "
+                         "by digest; the first version, and a LoRA job's base, must be published in full.")
+def publish_version(job_id: str, body: VersionPublish, token_job: LearnerJobId, db: SessionDep,
                     blobs: BlobsDep, settings: SettingsDep, request: Request) -> VersionRead:
     job = learner_job(db, token_job, job_id, for_update=True)
-    _check_new_version(job, manifest.version)
+    _check_new_version(job, body.version)
+    versions.check_forms(db, job, body)
     try:
-        seconds = blobs.publish(job_id, manifest)
+        seconds = max(blobs.publish(job_id, m) for m in (body.full, body.delta) if m is not None)
     except ChunkError as exc:
-        raise ApiError(422, f"version {manifest.version} not published: {exc}", field="chunks") from None
-    row = WeightVersion(job_id=job_id, version=manifest.version, step=manifest.step,
-                        manifest=manifest.model_dump(mode="json"),
-                        manifest_sha256=hashlib.sha256(manifest_bytes(manifest)).hexdigest(),
-                        total_size=manifest.total_size, num_chunks=len(manifest.chunks), publish_seconds=seconds,
-                        targets=dissemination.targets(db, job_id))
+        raise ApiError(422, f"version {body.version} not published: {exc}", field="chunks") from None
+    row = versions.row(job, body, seconds, dissemination.targets(db, job_id))
     db.add(row)
-    job.version = manifest.version
-    modelinfo.record(blobs, job, manifest)
+    job.version = body.version
+    if body.full is not None:
+        modelinfo.record(blobs, job, body.full)
     retention.commit_and_collect(db, blobs, job, settings.keep_versions_every)
-    request.app.state.announcer.announce(notices.versions(job_id))  # after the commit: whoever wakes sees the version
+    request.app.state.announcer.announce(notices.versions(job_id))  # after the commit: whoever wakes sees it
     return dissemination.version_reads(db, [row])[0]
 
 
@@ -115,41 +129,73 @@ def _notice(db: Database, job_id: str, after: int) -> VersionNotice:
         return VersionNotice(job_id=job_id, version=job.version, job_status=status, changed=changed)
 
 
-@router.get("/versions/{version}/manifest", operation_id="get_manifest", summary="A published version's manifest",
-            responses={410: {"description": "Its weights were deleted."}})
+@router.get("/versions/{version}/manifest", operation_id="get_manifest",
+            summary="A published version's manifest (its full form)",
+            responses={404: {"description": "Not published, or published only as a delta."},
+                       410: {"description": "Its weights were deleted."}})
 def get_manifest(job_id: str, version: VersionPath, p: AnyPrincipal, db: SessionDep) -> Manifest:
     _readable_job(db, p, job_id)
-    return Manifest.model_validate(_version(db, job_id, version).manifest)
+    return Manifest.model_validate(_form(_version(db, job_id, version), Form.full))
+
+
+@router.get("/versions/{version}/delta/manifest", operation_id="get_delta_manifest",
+            summary="A published version's delta manifest: the payload that rebuilds it from the version before",
+            responses={404: {"description": "Not published, or published without a delta."},
+                       410: {"description": "Its weights were deleted."}})
+def get_delta_manifest(job_id: str, version: VersionPath, p: AnyPrincipal, db: SessionDep) -> Manifest:
+    _readable_job(db, p, job_id)
+    return Manifest.model_validate(_form(_version(db, job_id, version), Form.delta))
+
+
+CHUNK_RESPONSES: dict[int | str, dict[str, Any]] = {
+    200: {"content": {"application/octet-stream": {}}}, 206: {"description": "Partial content"},
+    410: {"description": "Its weights were deleted."},
+    416: {"description": "The Range starts past the end of the chunk."}}
 
 
 @router.get("/versions/{version}/chunks/{index}", operation_id="get_chunk",
-            summary="Download one chunk (HTTP Range supported); its sha256 is in X-Echo2-Sha256",
-            response_class=RangedFileResponse,
-            responses={200: {"content": {"application/octet-stream": {}}}, 206: {"description": "Partial content"},
-                       410: {"description": "Its weights were deleted."},
-                       416: {"description": "The Range starts past the end of the chunk."}})
+            summary="Download one chunk of the full form (HTTP Range supported); its sha256 is in X-Echo2-Sha256",
+            response_class=RangedFileResponse, responses=CHUNK_RESPONSES)
 def get_chunk(job_id: str, version: VersionPath, index: IndexPath, p: AnyPrincipal, db: SessionDep,
               blobs: BlobsDep) -> RangedFileResponse:
+    return _chunk(db, blobs, p, job_id, version, index, Form.full)
+
+
+@router.get("/versions/{version}/delta/chunks/{index}", operation_id="get_delta_chunk",
+            summary="Download one chunk of the delta (HTTP Range supported); its sha256 is in X-Echo2-Sha256",
+            response_class=RangedFileResponse, responses=CHUNK_RESPONSES)
+def get_delta_chunk(job_id: str, version: VersionPath, index: IndexPath, p: AnyPrincipal, db: SessionDep,
+                    blobs: BlobsDep) -> RangedFileResponse:
+    return _chunk(db, blobs, p, job_id, version, index, Form.delta)
+
+
+def _chunk(db: SessionDep, blobs: BlobsDep, p: Principal, job_id: str, version: int, index: int,
+           form: Form) -> RangedFileResponse:
     _readable_job(db, p, job_id)
-    chunks = _version(db, job_id, version).manifest["chunks"]
+    chunks = _form(_version(db, job_id, version), form)["chunks"]
     if index >= len(chunks):
-        raise ApiError(404, f"version {version} has {len(chunks)} chunks; no chunk {index}")
+        raise ApiError(404, f"the {form.value} form of version {version} has {len(chunks)} chunks; no chunk {index}")
     db.close()  # the file is sent after this returns: do not hold a database connection meanwhile
-    return RangedFileResponse(blobs.chunk_path(job_id, version, index), media_type="application/octet-stream",
+    return RangedFileResponse(blobs.chunk_path(job_id, version, index, form), media_type="application/octet-stream",
                               headers={SHA_HEADER: chunks[index]["sha256"]})
 
 
 @router.get("/checkpoint", operation_id="download_checkpoint",
             summary="Download a version (default: the final one) as a tar of the HF model folder",
             response_class=StreamingResponse,
-            responses={200: {"content": {"application/x-tar": {}}}, 410: {"description": "Its weights were deleted."}})
+            responses={200: {"content": {"application/x-tar": {}}}, 410: {"description": "Its weights were deleted."},
+                       409: {"description": "That version was published only as a delta."}})
 def download_checkpoint(job_id: str, p: AnyPrincipal, db: SessionDep, blobs: BlobsDep,
                         version: Annotated[int | None, Query(ge=0, le=10_000_000)] = None) -> StreamingResponse:
     job = _readable_job(db, p, job_id, owner_only=True)
     chosen = version if version is not None else (job.final_version if job.final_version is not None else job.version)
     if chosen is None:
         raise ApiError(404, f"job {job_id} has no published version yet")
-    manifest = Manifest.model_validate(_version(db, job_id, chosen).manifest)
+    row = _version(db, job_id, chosen)
+    if row.manifest is None:
+        raise ApiError(409, f"version {chosen} was published only as a delta; download one published in full "
+                       f"(the final version, or a keyframe: {versions.keyframes(db, job_id)[-5:]})", field="version")
+    manifest = Manifest.model_validate(row.manifest)
     db.close()  # the tar streams after this returns: do not hold a database connection meanwhile
     filename = f"{job_id}-v{chosen}.tar"
     return StreamingResponse(blobs.iter_tar(job_id, manifest), media_type="application/x-tar",
@@ -160,6 +206,15 @@ def download_checkpoint(job_id: str, p: AnyPrincipal, db: SessionDep, blobs: Blo
 def _check_new_version(job: Job, version: int) -> None:
     if job.version is not None and version <= job.version:
         raise ApiError(409, f"version {version} is not newer than the published {job.version}", field="version")
+
+
+def _form(row: WeightVersion, form: Form) -> dict[str, Any]:
+    manifest = row.manifest if form is Form.full else row.delta_manifest
+    if manifest is None:
+        why = {Form.full: "it was published only as a delta (see its delta/manifest)",
+               Form.delta: "it was published only in full (a job's first version, or a base)"}[form]
+        raise ApiError(404, f"version {row.version} has no {form.value} form: {why}")
+    return manifest
 
 
 def _version(db: SessionDep, job_id: str, version: int) -> WeightVersion:

@@ -40,7 +40,9 @@ def _read(row: WeightVersion, held: dict[str, datetime], now: dict[str, Row[Any]
     reached = [held[w] for w in row.targets if w in held]
     waiting = [w for w in row.targets if w not in held and _still_fetching(now.get(w), row)]
     seconds = (max(reached) - row.created_at).total_seconds() if reached and not waiting else None
+    manifest = row.manifest if row.manifest is not None else row.delta_manifest
     return VersionRead.model_validate(row).model_copy(update={
+        "adapter": bool(manifest and manifest.get("adapter")),
         "available": row.collected_at is None, "workers_targeted": len(row.targets),
         "workers_holding": len(held), "dissemination_s": seconds})
 

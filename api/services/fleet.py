@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from ..models import Job, Lease, Worker, utcnow
 from ..settings import Settings
+from . import versions
 from .jobs import sampling_of, spec_of
 from .pool import end_lease
 
@@ -29,16 +30,17 @@ def unassign(db: Session, worker: Worker, desired: DesiredState = DesiredState.i
     worker.job_id, worker.desired, worker.active_since = None, desired.value, None
 
 
-def assignment_for(job: Job, settings: Settings) -> Callable[[list[str]], Assignment] | None:
-    """What every worker active on `job` is told, given its relay parents; None before version 0."""
+def assignment_for(db: Session, job: Job, settings: Settings) -> Callable[[list[str], set[int]], Assignment] | None:
+    """What every worker active on `job` is told, given its relay parents and the versions it holds;
+    None before version 0."""
     if job.status != JobStatus.running.value or job.version is None:
         return None
-    spec = spec_of(job)
-    fields = dict(job_id=job.id, version=job.version, min_version=spec.oldest_admissible(job.step),
-                  staleness=spec.staleness,
-                  manifest_url=f"{settings.public_url}/v1/jobs/{job.id}/versions/{job.version}/manifest",
-                  sampling=sampling_of(spec), relay_key=relay_key(job, job.version))
-    return lambda parents: Assignment(relay_parents=parents, **fields)
+    spec, target = spec_of(job), job.version
+    forms, base_url = versions.stored_forms(db, job.id), f"{settings.public_url}/v1/jobs/{job.id}"
+    fields = dict(job_id=job.id, version=target, min_version=spec.oldest_admissible(job.step),
+                  staleness=spec.staleness, sampling=sampling_of(spec), relay_key=relay_key(job, target))
+    return lambda parents, held: Assignment(relay_parents=parents,
+                                            fetch=versions.fetch_steps(forms, target, held, base_url), **fields)
 
 
 def relay_key(job: Job, version: int) -> str:

@@ -142,14 +142,14 @@ def _held(hb: Heartbeat) -> list[int]:
 def _replies(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tuple[str | None, str]],
              jobs: dict[str, Job], settings: Settings) -> dict[int, HeartbeatReply]:
     live = {job_id for job_id, _ in placed.values() if job_id is not None}
-    makers = {job_id: fleet.assignment_for(jobs[job_id], settings) for job_id in live}
+    makers = {job_id: fleet.assignment_for(db, jobs[job_id], settings) for job_id in live}
     trees = {job_id: fleet.RelayTree(db, job_id, settings) for job_id, make in makers.items() if make}
     server_time = utcnow()
     replies = {}
     for p, row in ok:
         job_id, desired = placed[row.id]
         make = makers.get(job_id) if job_id else None
-        assignment = make(trees[job_id].parents(row.id)) if make else None
+        assignment = make(trees[job_id].parents(row.id), set(_held(p.hb))) if make else None
         if desired == DesiredState.active.value and assignment is None:
             desired = DesiredState.idle.value  # active on a job with no published version yet: wait
         replies[id(p)] = HeartbeatReply(desired=DesiredState(desired), assignment=assignment,

@@ -1,10 +1,12 @@
 """Weight retention: a version's chunks are deleted once nothing can need them.
 
 Kept: the newest version and every version a rollout may still be admitted with (x >= t - S) while
-the job runs; the final checkpoint (or, for a job that ended without one, the newest version)
-forever; and every n-th version when ECHO2_KEEP_VERSIONS_EVERY = n > 0, for users who want
-intermediate checkpoints. The row of a collected version stays (timeline, timings) with
-`collected_at` set; its manifest, chunks and checkpoint download answer 410.
+the job runs, and what a worker needs to reach them: the newest keyframe (a version stored in full) at
+or below the oldest of them and every version after it, since each delta applies to the version before
+it; the final checkpoint (or, for a job that ended without one, the newest version) forever; and every
+n-th version stored in full when ECHO2_KEEP_VERSIONS_EVERY = n > 0, for users who want intermediate
+checkpoints. The row of a collected version stays (timeline, timings) with `collected_at` set; its
+manifests, chunks and checkpoint download answer 410.
 
 Versions are collected where the API changes a job (publish, finish, cancel). `sweep`, run by each API
 process at start and then every ECHO2_RETENTION_SWEEP_S, catches the rest: jobs the scheduler closed
@@ -16,27 +18,32 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
 
 from echo2.protocol import JobStatus
-from sqlalchemy import Select, func, select, update
+from sqlalchemy import Select, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ..db import Database
 from ..models import Job, WeightVersion, utcnow
 from ..settings import Settings
 from ..storage import BlobStore
+from . import versions
 from .jobs import spec_of
+from .plans import Forms
 
 log = logging.getLogger(__name__)
 
 
-def kept(job: Job, versions: Iterable[int], every: int) -> set[int]:
+def kept(job: Job, forms: dict[int, Forms], every: int) -> set[int]:
+    """Of the stored versions (and their forms), those to keep (module docstring)."""
     final = job.final_version if job.final_version is not None else job.version
-    keep = {v for v in versions if v == final or (every and v % every == 0)}
+    keep = {v for v, f in forms.items() if v == final or (every and v % every == 0 and f.full_size is not None)}
     if not JobStatus(job.status).is_terminal():
         oldest = spec_of(job).oldest_admissible(job.step)
-        keep |= {v for v in versions if v == job.version or v >= oldest}
+        needed = {v for v in forms if v == job.version or v >= oldest}
+        floor = min(needed, default=oldest)
+        keyframe = max((v for v, f in forms.items() if v <= floor and f.full_size is not None), default=floor)
+        keep |= needed | {v for v in forms if v >= keyframe}
     return keep
 
 
@@ -102,7 +109,7 @@ def _ended_with_extra_versions(every: int) -> Select[tuple[str]]:
         Job.status.in_([s.value for s in JobStatus if s.is_terminal()]),
         WeightVersion.collected_at.is_(None), WeightVersion.version != final)
     if every:
-        extra = extra.where(WeightVersion.version % every != 0)
+        extra = extra.where(or_(WeightVersion.version % every != 0, WeightVersion.manifest.is_(None)))
     return extra.distinct()
 
 
@@ -125,9 +132,8 @@ def _sweep_disk(db: Session, blobs: BlobStore) -> int:
 
 
 def _mark_collected(db: Session, job: Job, every: int) -> list[int]:
-    stored = set(db.scalars(select(WeightVersion.version).where(WeightVersion.job_id == job.id,
-                                                                WeightVersion.collected_at.is_(None))))
-    drop = sorted(stored - kept(job, stored, every))
+    stored = versions.stored_forms(db, job.id)
+    drop = sorted(set(stored) - kept(job, stored, every))
     if drop:
         db.execute(update(WeightVersion).where(WeightVersion.job_id == job.id, WeightVersion.version.in_(drop))
                    .values(collected_at=utcnow()))

@@ -60,11 +60,11 @@ def world(api, tmp_path):
         "learner_finish": {"json": {"outcome": "failed"}},
         "upload_chunk": {"content": b"abc", "headers": {SHA: hashlib.sha256(b"abc").hexdigest(),
                                                         "Content-Type": "application/octet-stream"}},
-        "publish_version": {"json": manifest},
+        "publish_version": {"json": {"full": manifest}},
         "commit_learner_checkpoint": {"json": manifest},
         "wait_for_version": {"params": {"after": 0, "timeout_s": 0}},
     }
-    bodies["upload_learner_checkpoint_chunk"] = bodies["upload_chunk"]
+    bodies["upload_learner_checkpoint_chunk"] = bodies["upload_delta_chunk"] = bodies["upload_chunk"]
     return ids, attackers, bodies
 
 

@@ -55,8 +55,12 @@ def test_heartbeat_idle_then_active_with_assignment(api, tmp_path):
     a = reply["assignment"]
     assert a["job_id"] == job["id"] and a["version"] == 0 and a["min_version"] == 0
     assert a["relay_parents"] == [api.url]
-    assert a["manifest_url"].endswith(f"/v1/jobs/{job['id']}/versions/0/manifest")
+    [step] = a["fetch"]  # a newcomer fetches version 0, the keyframe
+    assert step["version"] == 0 and step["form"] == "full" and step["size"] > 0
+    assert step["manifest_url"].endswith(f"/v1/jobs/{job['id']}/versions/0/manifest")
     assert a["sampling"]["group_size"] == 2
+    reply = ok(worker.post(f"/v1/workers/{worker_id}/heartbeat", json={"versions_held": [0]}))
+    assert reply["assignment"]["fetch"] == []  # holding it: nothing to fetch
 
 
 def test_relay_key_is_per_job_and_version(api, tmp_path):

@@ -71,7 +71,7 @@ def test_corrupted_chunk_is_refused_and_never_announced(api, setup):
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == SHA
     for info, data in zip(manifest.chunks[1:], chunks[1:], strict=True):
         assert upload(learner, jid, 0, info.index, data).status_code == 204
-    r = learner.post(f"/v1/jobs/{jid}/versions", json=manifest.model_dump(mode="json"))
+    r = learner.post(f"/v1/jobs/{jid}/versions", json={"full": manifest.model_dump(mode="json")})
     assert r.status_code == 422 and "chunk 0 was not uploaded" in r.json()["detail"]
     assert ok(alice.get(f"/v1/jobs/{jid}"))["version"] is None
     assert alice.get(f"/v1/jobs/{jid}/versions/0/manifest").status_code == 404
@@ -84,11 +84,11 @@ def test_manifest_that_disagrees_with_uploads_is_refused(api, setup):
         upload(learner, jid, 0, info.index, data)
     lying = manifest.model_dump(mode="json")
     lying["chunks"][2]["sha256"] = "0" * 64
-    r = learner.post(f"/v1/jobs/{jid}/versions", json=lying)
+    r = learner.post(f"/v1/jobs/{jid}/versions", json={"full": lying})
     assert r.status_code == 422 and "chunk 2" in r.json()["detail"]
     inconsistent = manifest.model_dump(mode="json")
     inconsistent["total_size"] += 1
-    assert learner.post(f"/v1/jobs/{jid}/versions", json=inconsistent).status_code == 422
+    assert learner.post(f"/v1/jobs/{jid}/versions", json={"full": inconsistent}).status_code == 422
     assert ok(alice.get(f"/v1/jobs/{jid}"))["version"] is None
 
 
@@ -98,7 +98,7 @@ def test_versions_must_increase(api, setup):
     r = upload(learner, jid, 1, 0, b"data")
     assert r.status_code == 409 and r.json()["errors"][0]["field"] == "version"
     manifest = build_manifest(folder, 0, 0, CHUNK)
-    assert learner.post(f"/v1/jobs/{jid}/versions", json=manifest.model_dump(mode="json")).status_code == 409
+    assert learner.post(f"/v1/jobs/{jid}/versions", json={"full": manifest.model_dump(mode="json")}).status_code == 409
 
 
 def test_chunk_access_is_limited_to_the_jobs_parties(api, setup):
@@ -129,5 +129,5 @@ def test_manifest_paths_cannot_escape_the_folder(api, setup):
     manifest = build_manifest(folder, 0, 0, CHUNK).model_dump(mode="json")
     for bad in ("../evil.safetensors", "/etc/passwd", "a//b"):
         manifest["files"][0]["path"] = bad
-        r = learner.post(f"/v1/jobs/{jid}/versions", json=manifest)
-        assert r.status_code == 422 and "files.0.path" in r.json()["errors"][0]["field"]
+        r = learner.post(f"/v1/jobs/{jid}/versions", json={"full": manifest})
+        assert r.status_code == 422 and "full.files.0.path" in r.json()["errors"][0]["field"]

@@ -1,0 +1,93 @@
+"""Published versions and their forms (echo2.protocol.weights): what a publication must satisfy, the row
+it becomes, and which artifacts a worker fetches to hold the newest one (services/plans.py)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from echo2.deltas import files_digest
+from echo2.protocol import FetchStep, FileRef, Form, Manifest, VersionPublish
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ..errors import ApiError
+from ..models import Job, WeightVersion
+from .plans import Forms, plan
+
+
+def check_forms(db: Session, job: Job, body: VersionPublish) -> None:
+    """A delta applies to the version published just before it, whose files it names by digest; the first
+    version and any base are full; an adapter names a base this job published."""
+    if job.version is None and body.full is None:
+        raise ApiError(422, "a job's first version must be published in full", field="full")
+    if body.delta is not None:
+        assert body.delta.delta is not None
+        base = body.delta.delta.base_version
+        if base != job.version:
+            raise ApiError(422, f"a delta applies to the version published just before it ({job.version}), "
+                           f"not to {base}", field="delta.delta.base_version")
+        _check_digest(db, job, base, body.delta.delta.base_digest, "delta.delta.base_digest")
+    adapter = (body.full or body.delta).adapter  # type: ignore[union-attr]
+    if adapter is not None:
+        _check_digest(db, job, adapter.base_version, adapter.base_digest, "adapter.base_digest")
+
+
+def _check_digest(db: Session, job: Job, version: int, digest: str, field: str) -> None:
+    row = db.get(WeightVersion, (job.id, version))
+    if row is None:
+        raise ApiError(422, f"version {version} of job {job.id} is not published", field=field)
+    if files_digest(target_files(row)) != digest:
+        raise ApiError(422, f"the files of version {version} do not have this digest", field=field)
+
+
+def target_files(row: WeightVersion) -> list[FileRef]:
+    """The model files a published version stands for, whichever form it was published in."""
+    manifest = row.manifest if row.manifest is not None else row.delta_manifest
+    assert manifest is not None
+    return Manifest.model_validate(manifest).target_files()
+
+
+def row(job: Job, body: VersionPublish, seconds: float, targets: list[str]) -> WeightVersion:
+    full, delta = body.full, body.delta
+    any_form = full or delta
+    assert any_form is not None
+    return WeightVersion(
+        job_id=job.id, version=any_form.version, step=any_form.step, publish_seconds=seconds, targets=targets,
+        manifest=full.model_dump(mode="json") if full else None,
+        manifest_sha256=hashlib.sha256(_canonical(full)).hexdigest() if full else None,
+        total_size=full.total_size if full else None, num_chunks=len(full.chunks) if full else None,
+        delta_manifest=delta.model_dump(mode="json") if delta else None,
+        delta_size=delta.total_size if delta else None,
+        delta_base=delta.delta.base_version if delta and delta.delta else None)
+
+
+def _canonical(manifest: Manifest) -> bytes:
+    return json.dumps(manifest.model_dump(mode="json"), sort_keys=True).encode()
+
+
+def keyframes(db: Session, job_id: str) -> list[int]:
+    """Versions still stored in full, ascending."""
+    return list(db.scalars(select(WeightVersion.version).where(
+        WeightVersion.job_id == job_id, WeightVersion.manifest.is_not(None), WeightVersion.collected_at.is_(None))
+        .order_by(WeightVersion.version)))
+
+
+def stored_forms(db: Session, job_id: str) -> dict[int, Forms]:
+    """The forms of every version whose weights are still stored, for fetch plans."""
+    rows = db.execute(select(WeightVersion.version, WeightVersion.total_size, WeightVersion.delta_size,
+                             WeightVersion.delta_base)
+                      .where(WeightVersion.job_id == job_id, WeightVersion.collected_at.is_(None)))
+    return {r.version: Forms(r.total_size, r.delta_size, r.delta_base) for r in rows}
+
+
+def fetch_steps(forms: dict[int, Forms], target: int, held: set[int], base_url: str) -> list[FetchStep]:
+    """What a worker holding `held` downloads to hold `target`, cheapest in bytes (plans.plan)."""
+    steps = plan(forms, target, held) or []
+    out = []
+    for version, form in steps:
+        size = forms[version].full_size if form is Form.full else forms[version].delta_size
+        suffix = "manifest" if form is Form.full else "delta/manifest"
+        out.append(FetchStep(version=version, form=form, size=size or 0,
+                             manifest_url=f"{base_url}/versions/{version}/{suffix}"))
+    return out
