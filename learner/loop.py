@@ -31,7 +31,7 @@ from echo2.protocol import (
 
 from . import checkpoint, resume
 from .auditor import Auditor
-from .models import resolve_model
+from .models import cast, published_dtype, resolve_model
 from .parallel import Solo
 from .pipeline import Ahead, Committer
 from .publisher import Publisher
@@ -97,7 +97,8 @@ class Learner:
                      restored.step, self.step)
         self.replayed = resume.replay(self.plane, trainer, self.world, restored.step if restored else 0, self.step,
                                       consumed, reply.version)
-        publisher = Publisher(self.plane, trainer.model, trainer.tokenizer, work / "publish", self.opt.chunk_size)
+        publisher = Publisher(self.plane, trainer.model, trainer.tokenizer, work / "publish", self.opt.chunk_size,
+                              spec.weights)
         beat = threading.Thread(target=self._heartbeat_loop, name="learner-heartbeat", daemon=True)
         beat.start()
         try:
@@ -117,13 +118,13 @@ class Learner:
             self._submit(publisher, trainer)
             publisher.wait()
 
-    def _submit(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
-        publisher.submit(self.step, self.step, self._snapshot(trainer, self.step))
+    def _submit(self, publisher: Publisher, trainer: GRPOTrainer, keyframe: bool = False) -> None:
+        publisher.submit(self.step, self.step, self._snapshot(trainer, self.step), keyframe)
 
     def _snapshot(self, trainer: GRPOTrainer, version: int) -> dict[str, torch.Tensor]:
-        """The weights as version `version` (a CPU copy), remembered for audits: rollouts of it may be
-        audited until it is S steps old."""
-        state = self.world.model_state(trainer.model)
+        """The weights as version `version` (a CPU copy in the published dtype), remembered for audits:
+        rollouts of it may be audited until it is S steps old, under exactly the weights workers load."""
+        state = cast(self.world.model_state(trainer.model), trainer.publish_dtype)
         if trainer.auditor is not None:
             trainer.auditor.remember(version, state)
         return state
@@ -178,8 +179,8 @@ class Learner:
 
         def committed(ack: StepAck) -> None:
             self.step, self.last_ack = ack.step, ack
-            if state is not None:
-                publisher.submit(ack.step, ack.step, state)
+            if state is not None:  # the job's last version (it stops) is published in full
+                publisher.submit(ack.step, ack.step, state, keyframe=ack.stop)
             if spec.staleness > 0 and ack.step + 1 < spec.max_steps and not ack.stop:
                 ahead.start(ack.step + 1)
 
@@ -204,7 +205,7 @@ class Learner:
 
     def _finish(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
         if publisher.submitted != self.step:
-            self._submit(publisher, trainer)
+            self._submit(publisher, trainer, keyframe=True)
         publisher.wait()
         self.plane.finish(LearnerFinish(outcome=FinishOutcome.succeeded, final_version=publisher.published,
                                         reason=f"finished {self.step} steps"))
@@ -238,8 +239,11 @@ def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: So
     model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32, use_safetensors=True)
     torch.manual_seed(spec.seed)
     model = model.to(world.device(wanted))
+    if spec.learner.activation_checkpointing:
+        model.gradient_checkpointing_enable()  # recompute activations in backward: memory for compute
     reference = _reference(model, spec)  # a full replica on every rank: it is only read
     trainer = GRPOTrainer(world.wrap(model), tokenizer, spec, reference, world)
+    trainer.publish_dtype = published_dtype(spec, model_path)
     return trainer, checkpoint.load_latest(checkpoints, trainer.model, trainer.optimizer, trainer.scheduler, world)
 
 

@@ -1,6 +1,10 @@
 """Weight publication in a background thread, so training never waits for serialisation or upload.
 A version is announced by the control plane only after every chunk arrived and matched.
 
+Each version is published in full (a keyframe: the first, every `keyframe_every`-th, the final one)
+and/or as a delta against the version published before it (echo2.deltas): workers that hold that one
+fetch only what changed. The learner keeps the last published folder on disk as the next delta's base.
+
 At most one snapshot waits. A version submitted while an older one is still waiting (not yet being
 published) replaces it: the older version is never published, and is logged and counted in
 `skipped`. Version numbers keep their meaning — version v is always the weights after step v — so a
@@ -21,10 +25,13 @@ import logging
 import shutil
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from echo2.deltas import Folder, build_delta
+from echo2.protocol import Manifest, WeightsConfig
 from echo2.snapshots import DEFAULT_CHUNK_SIZE, build_manifest
 
 from .remote import ControlPlane
@@ -32,30 +39,47 @@ from .remote import ControlPlane
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Snapshot:
+    version: int
+    step: int
+    state: dict[str, torch.Tensor]  # a CPU copy of the weights in the published dtype (never mutated)
+    keyframe: bool  # publish it in full whatever the count since the last keyframe (the final version)
+
+
 class Publisher:
+    """Publishes versions in the background: each in full (a keyframe) and/or as a delta against the one
+    published before it (WeightsConfig: delta, keyframe_every). The last published folder stays on disk
+    as the next delta's base."""
+
     def __init__(self, plane: ControlPlane, model: Any, tokenizer: Any, work_dir: Path,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE) -> None:
+                 chunk_size: int = DEFAULT_CHUNK_SIZE, weights: WeightsConfig | None = None) -> None:
         self.plane, self.model, self.tokenizer = plane, model, tokenizer
         self.work_dir, self.chunk_size = work_dir, chunk_size
+        self.weights = weights or WeightsConfig()
         self.published: int | None = None
         self.submitted: int | None = None
         self.skipped: list[int] = []
         self.seconds: list[float] = []
-        self._pending: tuple[int, int, dict[str, torch.Tensor]] | None = None
+        self.sizes: list[tuple[int, int | None, int | None]] = []  # (version, full bytes, delta bytes)
+        self._base: Folder | None = None  # the last published version's folder, the next delta's base
+        self._since_keyframe = 0
+        self._pending: Snapshot | None = None
         self._busy = self._closed = False
         self._changed = threading.Condition()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, version: int, step: int, state: dict[str, torch.Tensor]) -> None:
+    def submit(self, version: int, step: int, state: dict[str, torch.Tensor], keyframe: bool = False) -> None:
         """Publish `state` (a CPU copy of the weights, see parallel.Solo.model_state) in the background."""
         self._raise_if_failed()
         with self._changed:
             if self._pending is not None:
-                self.skipped.append(self._pending[0])
-                log.info("version %d replaced by version %d before it was published", self._pending[0], version)
-            self._pending, self.submitted = (version, step, state), version
+                self.skipped.append(self._pending.version)
+                log.info("version %d replaced by version %d before it was published", self._pending.version, version)
+                keyframe = keyframe or self._pending.keyframe
+            self._pending, self.submitted = Snapshot(version, step, state, keyframe), version
             self._changed.notify_all()
 
     def wait(self) -> None:
@@ -79,32 +103,60 @@ class Publisher:
         while (item := self._next()) is not None:
             try:
                 if self._error is None:
-                    self._publish(*item)
+                    self._publish(item)
             except BaseException as exc:  # surfaced to the training thread on its next call
-                log.exception("publishing version %s failed", item[0])
+                log.exception("publishing version %s failed", item.version)
                 self._error = exc
             finally:
                 with self._changed:
                     self._busy = False
                     self._changed.notify_all()
 
-    def _next(self) -> tuple[int, int, dict[str, torch.Tensor]] | None:
+    def _next(self) -> Snapshot | None:
         with self._changed:
             self._changed.wait_for(lambda: self._pending is not None or self._closed)
             item, self._pending = self._pending, None
             self._busy = item is not None
             return item
 
-    def _publish(self, version: int, step: int, state: dict[str, torch.Tensor]) -> None:
+    def _publish(self, snap: Snapshot) -> None:
         start = time.perf_counter()
-        folder = self.work_dir / f"v{version}"
-        shutil.rmtree(folder, ignore_errors=True)
-        self.model.save_pretrained(folder, state_dict=state, safe_serialization=True)
-        self.tokenizer.save_pretrained(folder)
-        manifest = build_manifest(folder, version, step, self.chunk_size)
-        self.plane.publish(folder, manifest)
-        shutil.rmtree(folder, ignore_errors=True)
-        self.published = version
+        folder = self.work_dir / f"v{snap.version}"
+        write_version(self.model, self.tokenizer, snap.state, folder)
+        full = build_manifest(folder, snap.version, snap.step, self.chunk_size)
+        target = Folder(snap.version, folder, full.target_files())
+        delta = self._delta(target, snap.step, full.total_size)
+        keyframe = delta is None or snap.keyframe or self._since_keyframe + 1 >= self.weights.keyframe_every
+        forms = ([(folder, full)] if keyframe else []) + ([delta] if delta is not None else [])
+        self.plane.publish(forms)
+        self._since_keyframe = 0 if keyframe else self._since_keyframe + 1
+        if delta is not None:
+            shutil.rmtree(delta[0], ignore_errors=True)
+        if self._base is not None:
+            shutil.rmtree(self._base.path, ignore_errors=True)
+        self._base, self.published = target, snap.version
         self.seconds.append(time.perf_counter() - start)
-        log.info("published version %d (step %d) in %.2fs", version, step, self.seconds[-1])
+        self.sizes.append((snap.version, full.total_size if keyframe else None,
+                           delta[1].total_size if delta else None))
+        log.info("published version %d (step %d) in %.2fs: %s", snap.version, snap.step, self.seconds[-1],
+                 ", ".join(f"{m.form.value} {m.total_size / 1e6:.2f} MB" for _, m in forms))
 
+    def _delta(self, target: Folder, step: int, full_size: int) -> tuple[Path, Manifest] | None:
+        """The delta against the last published version, when deltas are on and it is worth sending (at
+        most half the full form's bytes; otherwise the version goes out in full)."""
+        if self._base is None or not self.weights.delta:
+            return None
+        out = self.work_dir / f"d{target.version}"
+        shutil.rmtree(out, ignore_errors=True)
+        manifest = build_delta(self._base, target, out, step, self.chunk_size)
+        if manifest is None or manifest.total_size * 2 > full_size:
+            shutil.rmtree(out, ignore_errors=True)
+            return None
+        return out, manifest
+
+
+def write_version(model: Any, tokenizer: Any, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """A version's model folder: the weights as given (in the published dtype) and the tokenizer."""
+    shutil.rmtree(folder, ignore_errors=True)
+    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+    tokenizer.save_pretrained(folder)

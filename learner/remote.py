@@ -5,14 +5,18 @@ errors and 5xx answers are retried with backoff for a while: a control-plane res
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
 from echo2._retry import RetryPolicy
+from echo2.deltas import Folder, apply_delta
 from echo2.errors import error_from_response
 from echo2.protocol import (
+    FileRef,
+    Form,
     JobRead,
     LearnerBatch,
     LearnerClaim,
@@ -23,6 +27,7 @@ from echo2.protocol import (
     ReplayStep,
     StepAck,
     StepReport,
+    VersionPublish,
     VersionRead,
 )
 from echo2.snapshots import assemble, is_complete, iter_stream
@@ -86,15 +91,19 @@ class ControlPlane:
     def finish(self, finish: LearnerFinish) -> JobRead:
         return self._post("/learner/finish", finish, JobRead)
 
-    def publish(self, folder: Path, manifest: Manifest) -> VersionRead | None:
-        """Upload every chunk, then the manifest. Returns None if this version was already published
-        (a retried publish whose first answer was lost)."""
-        v = manifest.version
+    def publish(self, forms: list[tuple[Path, Manifest]]) -> VersionRead | None:
+        """Upload every chunk of each form of a version (full and/or delta: the manifest says which, and the
+        folder holds its files), then publish them together. Returns None if this version was already
+        published (a retried publish whose first answer was lost)."""
+        v = forms[0][1].version
         latest = self.latest_version()
         if latest is not None and latest >= v:
             return None
-        self._upload_chunks(folder, manifest, f"{self.prefix}/versions/{v}")
-        return self._post("/versions", manifest, VersionRead)
+        for folder, manifest in forms:
+            self._upload_chunks(folder, manifest, self._form_path(v, manifest.form))
+        body = VersionPublish(full=next((m for _, m in forms if m.form is Form.full), None),
+                              delta=next((m for _, m in forms if m.form is Form.delta), None))
+        return self._post("/versions", body, VersionRead)
 
     def upload_checkpoint(self, folder: Path, manifest: Manifest) -> None:
         """Store a learner checkpoint folder through the control plane (chunks, then the manifest)."""
@@ -107,8 +116,10 @@ class ControlPlane:
         base = f"{self.prefix}/learner/checkpoints/{manifest.step}"
         return assemble(manifest, lambda i: self._send("GET", f"{base}/chunks/{i}").content, out)
 
-    def manifest(self, version: int) -> Manifest:
-        return Manifest.model_validate(self._send("GET", f"{self.prefix}/versions/{version}/manifest").json())
+    def version_files(self, version: int) -> list[FileRef]:
+        """The model files a published version stands for, whichever form it was published in."""
+        info = next(v for v in self.versions() if v.version == version)
+        return self._manifest(version, Form.full if info.total_size is not None else Form.delta).target_files()
 
     def committed_step(self, step: int) -> ReplayStep:
         return ReplayStep.model_validate(self._send("GET", f"{self.prefix}/learner/steps/{step}").json())
@@ -119,13 +130,42 @@ class ControlPlane:
             self._send("PUT", f"{base}/chunks/{info.index}", content=data, headers=headers)
 
     def fetch_version(self, version: int, out: Path) -> Path:
-        """A published version rebuilt into `out` from its chunks, each checked against the manifest."""
+        """A published version's model folder in `out`: downloaded whole when it was published in full,
+        else rebuilt from the newest keyframe before it and the deltas after (every chunk and every rebuilt
+        file checked against its manifest)."""
         if is_complete(out):
             return out
-        base = f"{self.prefix}/versions/{version}"
-        manifest = Manifest.model_validate(self._send("GET", f"{base}/manifest").json())
+        published = {v.version: v for v in self.versions()}
+        chain = [version]
+        while published[chain[-1]].total_size is None:
+            base = published[chain[-1]].delta_base
+            assert base is not None, f"version {chain[-1]} has neither a full form nor a delta"
+            chain.append(base)
+        folder = self._download(chain[-1], Form.full, out if len(chain) == 1 else out.with_name(f"{out.name}.base"))
+        for base, v in zip(reversed(chain), reversed(chain[:-1]), strict=False):
+            manifest = self._manifest(v, Form.delta)
+            payload = self._download(v, Form.delta, out.with_name(f"{out.name}.d{v}"), manifest)
+            files = Manifest.model_validate_json((folder / "manifest.json").read_bytes()).target_files()
+            rebuilt = apply_delta(manifest, payload, Folder(base, folder, files), out.with_name(f"{out.name}.v{v}"))
+            shutil.rmtree(payload)
+            shutil.rmtree(folder)
+            folder = rebuilt
+        return folder if folder == out else folder.rename(out)
+
+    def _download(self, version: int, form: Form, out: Path, manifest: Manifest | None = None) -> Path:
+        manifest = manifest or self._manifest(version, form)
+        base = self._form_path(version, form)
         return assemble(manifest, lambda i: self._send("GET", f"{base}/chunks/{i}").content, out)
 
+    def _manifest(self, version: int, form: Form) -> Manifest:
+        return Manifest.model_validate(self._send("GET", f"{self._form_path(version, form)}/manifest").json())
+
+    def _form_path(self, version: int, form: Form) -> str:
+        return f"{self.prefix}/versions/{version}" + ("/delta" if form is Form.delta else "")
+
+    def versions(self) -> list[VersionRead]:
+        return [VersionRead.model_validate(v) for v in self._send("GET", f"{self.prefix}/versions").json()]
+
     def latest_version(self) -> int | None:
-        versions = self._send("GET", f"{self.prefix}/versions").json()
-        return versions[-1]["version"] if versions else None
+        versions = self.versions()
+        return versions[-1].version if versions else None

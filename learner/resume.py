@@ -25,7 +25,9 @@ from typing import Any
 from echo2.snapshots import atomic_write, build_manifest
 
 from . import checkpoint
+from .models import cast
 from .parallel import Solo
+from .publisher import write_version
 from .remote import ControlPlane
 
 log = logging.getLogger(__name__)
@@ -102,11 +104,11 @@ def replay(plane: ControlPlane, trainer: Any, world: Solo, start: int, end: int,
 
 
 def matches_version(plane: ControlPlane, trainer: Any, world: Solo, version: int) -> bool:
-    """Whether the model's weights serialise to exactly the published version's weight files."""
-    manifest = plane.manifest(version)
-    expected = {f.path: f.sha256 for f in manifest.files if f.path.endswith(".safetensors")}
-    state = world.model_state(trainer.model)
+    """Whether the model's weights serialise (as the publisher writes them) to exactly the published
+    version's weight files."""
+    expected = {f.path: f.sha256 for f in plane.version_files(version) if f.path.endswith(".safetensors")}
+    state = cast(world.model_state(trainer.model), trainer.publish_dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        trainer.model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        write_version(trainer.model, trainer.tokenizer, state, Path(tmp))
         got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(tmp).glob("*.safetensors")}
     return bool(expected) and got == expected

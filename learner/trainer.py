@@ -54,6 +54,7 @@ class GRPOTrainer:
         self.model, self.tokenizer, self.spec, self.ref_model = model, tokenizer, spec, ref_model
         self.world = world or Solo()
         self.auditor = auditor
+        self.publish_dtype = torch.float32  # versions' dtype (learner.models.published_dtype); training stays fp32
         self.task = get_task(spec.task.name)
         self.task_params = self.task.parse_params(spec.task.params)
         self.cfg = objective_config(spec)

@@ -125,6 +125,23 @@ def test_gradient_accumulation_matches_full_batch(tiny_dir):
     assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-4)
 
 
+def test_activation_checkpointing_gives_the_same_gradients(tiny_dir):
+    """The job option learner.activation_checkpointing recomputes activations in backward: same maths."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    batch = pad_batch([tok("1+2=")["input_ids"], tok("4-1=")["input_ids"]], [tok("3")["input_ids"],
+                      tok("3 3")["input_ids"]], tok.pad_token_id)
+    grads = []
+    for checkpointed in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).train()
+        if checkpointed:
+            model.gradient_checkpointing_enable()
+        (completion_logprobs(model, batch) * batch.completion_mask).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.allclose(grads[0], grads[1], atol=1e-6, rtol=1e-5)
+
+
 def test_grpo_update_steps_only_on_signal(tiny_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

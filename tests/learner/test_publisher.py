@@ -9,12 +9,12 @@ import weakref
 
 import pytest
 import torch
-from echo2.protocol import Manifest
-from echo2.snapshots import assemble
+from echo2.protocol import WeightsConfig
 from safetensors.torch import load_file
 
+from learner.models import cast
 from learner.parallel import Solo
-from learner.publisher import Publisher
+from learner.publisher import Publisher, write_version
 from learner.remote import ControlPlane
 from tests.factories import job_spec, learner_for, new_user, ok
 
@@ -45,7 +45,6 @@ def test_rapid_submits_coalesce(api, tmp_path, tiny):
         del state
     publisher.wait()
     publisher.close()
-    plane.close()
 
     versions = [r["version"] for r in ok(alice.get(f"/v1/jobs/{jid}/versions"))]
     assert versions == sorted(set(versions)) and versions[-1] == 6 == publisher.published, versions
@@ -53,7 +52,38 @@ def test_rapid_submits_coalesce(api, tmp_path, tiny):
     assert sorted(publisher.skipped + versions) == list(range(7))
     gc.collect()
     assert all(alive[v]() is None for v in publisher.skipped), "a replaced snapshot is still held"
-    manifest = Manifest.model_validate(ok(alice.get(f"/v1/jobs/{jid}/versions/6/manifest")))
-    folder = assemble(manifest, lambda i: alice.get(f"/v1/jobs/{jid}/versions/6/chunks/{i}").content, tmp_path / "v6")
+    folder = plane.fetch_version(6, tmp_path / "v6")  # a delta: rebuilt from the keyframe and the deltas
     marker = load_file(folder / "model.safetensors")[MARKER]
     assert torch.equal(marker, torch.full_like(marker, 6.0)), "the last published weights are not the last submitted"
+    plane.close()
+
+
+def test_bf16_versions_travel_as_small_deltas_and_rebuild_bit_for_bit(api, tmp_path, tiny):
+    model, tok = tiny
+    _, alice = new_user(api)
+    jid = ok(alice.post("/v1/jobs", json=job_spec()), 201)["id"]
+    plane = ControlPlane(api.url, learner_for(api, jid).headers["Authorization"].split()[1], jid)
+    plane.start()
+    publisher = Publisher(plane, model, tok, tmp_path / "publish", chunk_size=64 * 1024,
+                          weights=WeightsConfig(keyframe_every=3))
+    master = {k: v.float().clone() for k, v in Solo().model_state(model).items()}
+    gen = torch.Generator().manual_seed(0)
+    published = {}
+    for v in range(7):  # fp32 master weights take Adam-sized steps; versions are published in bf16
+        for t in master.values():
+            t -= 2e-6 * torch.sign(torch.randn(t.shape, generator=gen))
+        published[v] = cast(master, torch.bfloat16)
+        publisher.submit(v, v, published[v], keyframe=v == 6)
+        publisher.wait()
+    reads = {r["version"]: r for r in ok(alice.get(f"/v1/jobs/{jid}/versions"))}
+    assert [v for v, r in reads.items() if r["total_size"] is not None] == [0, 3, 6]  # the first, every 3rd, final
+    assert all(reads[v]["delta_base"] == v - 1 for v in range(1, 7))
+    full = reads[0]["total_size"]
+    assert max(reads[v]["delta_size"] for v in range(1, 7)) < 0.1 * full
+    for v in range(7):
+        expected = tmp_path / f"expected-{v}"
+        write_version(model, tok, published[v], expected)
+        got = plane.fetch_version(v, tmp_path / f"got-{v}")
+        assert (got / "model.safetensors").read_bytes() == (expected / "model.safetensors").read_bytes(), v
+    publisher.close()
+    plane.close()
