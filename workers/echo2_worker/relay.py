@@ -1,8 +1,10 @@
 """The relay server: serves every verified chunk this worker holds to its children in the relay tree,
 over plain HTTP on the origin's paths, while later chunks are still arriving.
 
-    GET /v1/jobs/{job}/versions/{v}/chunks/{i}   the chunk (Range supported), sha256 in X-Echo2-Sha256
-    GET /v1/jobs/{job}/versions/{v}/manifest     the manifest this worker verifies against
+    GET /v1/jobs/{job}/versions/{v}/chunks/{i}         a chunk of the full form (Range supported), sha256 in
+                                                       X-Echo2-Sha256
+    GET /v1/jobs/{job}/versions/{v}/delta/chunks/{i}   a chunk of the delta
+    GET /v1/jobs/{job}/versions/{v}[/delta]/manifest   the manifest this worker verifies against
     GET /healthz
 
 A chunk that is not here yet, of a version being received, is waited for up to `wait_s` (pipelining);
@@ -25,13 +27,15 @@ import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
+from echo2.protocol import Form
+
 from .ratelimit import RateMeter, TokenBucket
 from .store import VersionStore
 
 log = logging.getLogger(__name__)
 
 SHA_HEADER = "X-Echo2-Sha256"
-_ROUTE = re.compile(r"^/v1/jobs/([A-Za-z0-9_\-]{1,64})/versions/(\d{1,8})/(manifest|chunks/(\d{1,7}))$")
+_ROUTE = re.compile(r"^/v1/jobs/([A-Za-z0-9_\-]{1,64})/versions/(\d{1,8})(/delta)?/(manifest|chunks/(\d{1,7}))$")
 _RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
 WRITE_SLICE = 64 * 1024
 
@@ -129,18 +133,19 @@ class _Handler(BaseHTTPRequestHandler):
             self._problem(401, "send the version's relay key (from your assignment) as a Bearer token",
                           headers={"WWW-Authenticate": "Bearer"})
             return
-        job_id, version = m.group(1), int(m.group(2))
-        held = self.relay.store.get(job_id, version)
+        job_id, version, form = m.group(1), int(m.group(2)), Form.delta if m.group(3) else Form.full
+        held = self.relay.store.get(job_id, version, form)
         if held is None:
-            self._problem(404, f"version {version} of {job_id} is not held here (yet)", retry_after=1)
+            self._problem(404, f"the {form.value} form of version {version} of {job_id} is not held here (yet)",
+                          retry_after=1)
             return
         if held.relay_key is None or not hmac.compare_digest(given.encode(), held.relay_key.encode()):
             self._problem(403, "that is not this version's relay key")
             return
-        if m.group(3) == "manifest":
+        if m.group(4) == "manifest":
             self._send(200, held.manifest.model_dump_json().encode(), "application/json")
             return
-        index = int(m.group(4))
+        index = int(m.group(5))
         if index >= held.num_chunks:
             self._problem(404, f"version {version} has {held.num_chunks} chunks; no chunk {index}")
             return

@@ -1,10 +1,13 @@
-"""Weight versions on this worker's disk: verified chunks while a version arrives, the assembled HF
-folder once it is complete, and chunk reads for the relay server in both states.
+"""Weight versions on this worker's disk: verified chunks while a version arrives, the assembled folder
+once it is complete, and chunk reads for the relay server in both states.
 
-Layout: `{root}/{job_id}/v{version}/manifest.json` (what the chunks must hash to),
-`chunks/{i}` (verified chunks, deleted after assembly) and `model/` (the HF folder that the backend
-loads; `model/manifest.json` is the completion marker written last by `echo2.snapshots.assemble`).
-Nothing unverified is ever written under `chunks/` or `model/`.
+A version is held in one or both of its forms (echo2.protocol.weights). Layout:
+`{root}/{job_id}/v{version}/` (the full form) or `v{version}.delta/` (the delta), each with
+`manifest.json` (what the chunks must hash to), `chunks/{i}` (verified chunks, deleted after assembly)
+and `model/` (the assembled files, `model/manifest.json` written last by `echo2.snapshots.assemble`):
+for the full form the HF folder the backend loads, for a delta its payload, which `rebuilt/` holds the
+HF folder made from (`echo2.deltas.apply_delta`, which checks every file and writes its marker last).
+Nothing unverified is ever written under `chunks/`, `model/` or `rebuilt/`.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ import shutil
 import threading
 from pathlib import Path
 
-from echo2.protocol import Manifest
+from echo2.deltas import Folder
+from echo2.protocol import Form, Manifest
 from echo2.snapshots import SnapshotError, assemble, atomic_write, is_complete, verify_chunk
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
+_FOLDER = re.compile(r"^v(\d{1,8})(\.delta)?$")
+_SUFFIX = {Form.full: "", Form.delta: ".delta"}
 
 
 class HeldVersion:
@@ -30,10 +36,11 @@ class HeldVersion:
     def __init__(self, job_id: str, manifest: Manifest, path: Path) -> None:
         self.job_id = job_id
         self.manifest = manifest
-        self.version = manifest.version
+        self.version, self.form = manifest.version, manifest.form
         self.relay_key: str | None = None  # what children must present; None: serve it to no one
         self.path = path
         self.model_dir = path / "model"
+        self.rebuilt_dir = path / "rebuilt"  # a delta's HF folder, once applied
         self._chunk_dir = path / "chunks"
         self._held = [False] * len(manifest.chunks)
         self._cond = threading.Condition()
@@ -88,6 +95,15 @@ class HeldVersion:
                     raise
         return self._read_assembled(index)
 
+    def loadable(self) -> Folder | None:
+        """The HF folder of this version, once there is one: the full form's assembled folder, or the
+        folder a delta rebuilt."""
+        if self.form is Form.full:
+            return Folder(self.version, self.model_dir, self.manifest.target_files()) if self.complete else None
+        if self.complete and _marker_matches(self.rebuilt_dir, self.manifest):
+            return Folder(self.version, self.rebuilt_dir, self.manifest.target_files())
+        return None
+
     def assemble(self) -> Path:
         """Write the HF folder from the verified chunks (files checked whole), then drop the chunks."""
         if self.complete:
@@ -114,11 +130,7 @@ class HeldVersion:
         return bytes(out)
 
     def _marker_matches(self) -> bool:
-        try:
-            marker = Manifest.model_validate_json((self.model_dir / "manifest.json").read_bytes())
-        except (OSError, ValueError):
-            return False
-        return [c.sha256 for c in marker.chunks] == [c.sha256 for c in self.manifest.chunks]
+        return _marker_matches(self.model_dir, self.manifest)
 
     def _recover_chunks(self) -> None:
         """After a restart, keep the chunks already on disk that still verify."""
@@ -141,19 +153,39 @@ class VersionStore:
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
-        self._versions: dict[tuple[str, int], HeldVersion] = {}
+        self._versions: dict[tuple[str, int, Form], HeldVersion] = {}
         self._lock = threading.Lock()
 
-    def get(self, job_id: str, version: int) -> HeldVersion | None:
+    def get(self, job_id: str, version: int, form: Form = Form.full) -> HeldVersion | None:
         with self._lock:
-            return self._versions.get((job_id, version))
+            return self._versions.get((job_id, version, form))
+
+    def loadable(self, job_id: str, version: int) -> Folder | None:
+        """The HF folder of a version, in whichever form it arrived."""
+        for form in Form:
+            held = self.get(job_id, version, form)
+            if held is not None and (folder := held.loadable()) is not None:
+                return folder
+        return None
+
+    def held(self, job_id: str) -> list[int]:
+        """The job's versions that have a loadable folder, ascending."""
+        return sorted({v.version for v in self.versions(job_id) if v.loadable() is not None})
+
+    def drop(self, job_id: str, version: int) -> None:
+        """Forget a version (both forms) and delete it from disk: e.g. a base a delta did not match."""
+        with self._lock:
+            for form in Form:
+                self._versions.pop((job_id, version, form), None)
+        for form in Form:
+            shutil.rmtree(self.root / job_id / f"v{version}{_SUFFIX[form]}", ignore_errors=True)
 
     def open(self, job_id: str, manifest: Manifest, relay_key: str | None = None) -> HeldVersion:
         """The version's entry, created (or resumed from disk) for this manifest; `relay_key` (from the
         assignment, kept in memory only) is what the relay server will ask children for."""
         if not _SAFE_ID.match(job_id):
             raise ValueError(f"unsafe job id {job_id!r}")
-        key = (job_id, manifest.version)
+        key = (job_id, manifest.version, manifest.form)
         with self._lock:
             held = self._versions.get(key)
             if held is not None:
@@ -161,7 +193,7 @@ class VersionStore:
                     raise SnapshotError(f"version {manifest.version} of {job_id} changed its manifest")
                 held.relay_key = relay_key or held.relay_key
                 return held
-            path = self.root / job_id / f"v{manifest.version}"
+            path = self.root / job_id / f"v{manifest.version}{_SUFFIX[manifest.form]}"
             saved = path / "manifest.json"
             if saved.exists() and saved.read_bytes() != manifest.model_dump_json().encode():
                 shutil.rmtree(path, ignore_errors=True)  # another job database or a bad run: start over
@@ -174,30 +206,39 @@ class VersionStore:
 
     def versions(self, job_id: str) -> list[HeldVersion]:
         with self._lock:
-            return sorted((v for (j, _), v in self._versions.items() if j == job_id), key=lambda v: v.version)
+            return sorted((v for (j, _, _), v in self._versions.items() if j == job_id), key=lambda v: v.version)
 
     def keep_only(self, job_id: str | None, versions: set[int]) -> list[int]:
-        """Delete every version not in `versions` of `job_id` (and everything of other jobs)."""
+        """Delete every version not in `versions` of `job_id`, both forms (and everything of other jobs)."""
         with self._lock:
             doomed = [k for k in self._versions if k[0] != job_id or k[1] not in versions]
             for key in doomed:
                 del self._versions[key]
-        for job, version in doomed:
-            shutil.rmtree(self.root / job / f"v{version}", ignore_errors=True)
+        for job, version, form in doomed:
+            shutil.rmtree(self.root / job / f"v{version}{_SUFFIX[form]}", ignore_errors=True)
         self._sweep_disk(job_id, versions)
-        return sorted(v for j, v in doomed if j == job_id)
+        return sorted({v for j, v, _ in doomed if j == job_id})
 
     def _sweep_disk(self, job_id: str | None, keep: set[int]) -> None:
         """Delete leftovers of earlier runs that this run never opened and does not want."""
         for job_dir in [d for d in self.root.iterdir() if d.is_dir()]:
             for vdir in [d for d in job_dir.iterdir() if d.is_dir()]:
-                version = int(vdir.name[1:]) if vdir.name[1:].isdigit() else -1
+                m = _FOLDER.match(vdir.name)
+                version, form = (int(m.group(1)), Form.delta if m.group(2) else Form.full) if m else (-1, Form.full)
                 with self._lock:
-                    opened = (job_dir.name, version) in self._versions
+                    opened = (job_dir.name, version, form) in self._versions
                 if not opened and not (job_dir.name == job_id and version in keep):
                     shutil.rmtree(vdir, ignore_errors=True)
             if not any(job_dir.iterdir()):
                 job_dir.rmdir()
+
+
+def _marker_matches(folder: Path, manifest: Manifest) -> bool:
+    try:
+        marker = Manifest.model_validate_json((folder / "manifest.json").read_bytes())
+    except (OSError, ValueError):
+        return False
+    return [c.sha256 for c in marker.chunks] == [c.sha256 for c in manifest.chunks]
 
 
 def _digest(manifest: Manifest) -> str:

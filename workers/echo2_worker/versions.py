@@ -1,0 +1,217 @@
+"""The worker's weights: hold the version its assignment names, keep the backend on an admissible one,
+and swap between leases.
+
+Holding a version means carrying out the assignment's fetch plan: a keyframe and/or deltas, chosen by
+the control plane as the fewest bytes from what this worker reported holding. Each step is downloaded
+through the relay tree (fetch.Downloader: every chunk checked against its manifest); a delta is then
+applied to the version before it (echo2.deltas.apply_delta: every rebuilt file checked against the
+sha256 the learner published) before anything loads it. A delta that does not fit (the held base is not
+what the delta was made against, or a file does not rebuild to its hash) is refused: the base is
+dropped, the next heartbeat no longer reports it, and the control plane's next plan starts from a
+keyframe. Downloads run in a thread while the loaded version, still admissible, keeps generating.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from echo2 import errors
+from echo2.deltas import DeltaError, apply_delta
+from echo2.protocol import Assignment, Fetched, FetchStep, Form, Manifest
+
+from .backends import GenerationBackend
+from .control import ControlPlane
+from .fetch import DownloadCancelled, Downloader, FetchResult, VersionUnavailable
+from .progress import Stats
+from .store import VersionStore
+
+log = logging.getLogger(__name__)
+MAX_BACKOFF_S = 30.0
+
+
+def backoff(attempt: int, base: float = 0.5) -> float:
+    return min(MAX_BACKOFF_S, base * 2**attempt) * (0.75 + 0.5 * random.random())
+
+
+class Versions:
+    """The versions on disk and the one in the backend. `ready` runs on the worker's main thread; the
+    download runs in its own."""
+
+    def __init__(self, control: ControlPlane, store: VersionStore, stats: Stats,
+                 backend_factory: Callable[[], GenerationBackend], *, relay_url: str | None,
+                 on_held: Callable[[], None], on_bad_source: Callable[[str, str], None]) -> None:
+        self.control, self.store, self.stats = control, store, stats
+        self._backend_factory, self._on_held = backend_factory, on_held
+        self.backend: GenerationBackend | None = None
+        self.tokenizer: Any = None
+        self.loaded: tuple[str, int] | None = None  # (job, version) in the backend
+        self.target: tuple[str, int] | None = None
+        self._fetched: list[Fetched] = []  # what the last download took from each source, for the next beat
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._plan: tuple[str, set[int]] = ("", set())  # job and versions the download in flight writes
+        self._retry_at = 0.0
+        self._failures = 0
+        self.downloader = Downloader(store, origin_token=control.token, on_bad_source=on_bad_source,
+                                     meter=stats.download, self_url=relay_url)
+
+    def ready(self, a: Assignment, parents: Callable[[], list[str]]) -> bool:
+        """True when the backend holds an admissible version to lease with, swapping to the assigned one
+        once it is on disk; starts fetching it otherwise."""
+        self.target = (a.job_id, a.version)
+        if self.loaded == self.target:
+            return True
+        if self.store.loadable(a.job_id, a.version) is not None:
+            self.swap(a.job_id, a.version)
+            return True
+        self._ensure_download(a, parents)
+        return self.loaded is not None and self.loaded[0] == a.job_id and self.loaded[1] >= a.min_version
+
+    def swap(self, job_id: str, version: int) -> None:
+        folder = self.store.loadable(job_id, version)
+        assert folder is not None
+        t0 = time.monotonic()
+        if self.backend is not None and (self.loaded is None or self.loaded[0] != job_id):
+            self.backend.close()  # another job's model: start from a fresh backend
+            self.backend = None
+        if self.backend is None:
+            self.backend = self._backend_factory()
+        if self.loaded is not None and self.loaded[0] == job_id:
+            self.backend.reload(folder.path)
+            action = "swapped to"
+        else:
+            self.backend.load(folder.path)
+            self.tokenizer = _tokenizer_of(self.backend, folder.path)
+            action = "loaded"
+        self.loaded = (job_id, version)
+        self.stats.job_id, self.stats.version_loaded = job_id, version
+        log.info("%s version %d of job %s in %.1fs", action, version, job_id, time.monotonic() - t0)
+        self._gc()
+
+    def held(self, job_id: str | None) -> list[int]:
+        """The newest loadable versions of the job, for the heartbeat."""
+        return self.store.held(job_id)[-8:] if job_id else []
+
+    def take_fetched(self) -> list[Fetched]:
+        """What the last download took from each source (the control plane measures relays by it), once."""
+        with self._lock:
+            fetched, self._fetched = self._fetched, []
+        return fetched
+
+    def cancel(self) -> None:
+        """Stop fetching (drain, shutdown): the download in flight ends at its next chunk."""
+        self._stop.set()
+
+    def close(self) -> None:
+        self.cancel()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        self.downloader.close()
+        if self.backend is not None:
+            self.backend.close()
+
+    def _gc(self) -> None:
+        if self.target is None:
+            return
+        job_id, keep = self.target[0], {self.target[1]}
+        if self.loaded is not None and self.loaded[0] == job_id:
+            keep.add(self.loaded[1])
+        with self._lock:  # never delete what a download in flight reads or writes
+            if self._thread is not None and self._thread.is_alive() and self._plan[0] == job_id:
+                keep |= self._plan[1]
+        dropped = self.store.keep_only(job_id, keep)
+        if dropped:
+            log.info("deleted versions %s from disk (no longer needed)", dropped)
+
+    def _ensure_download(self, a: Assignment, parents: Callable[[], list[str]]) -> None:
+        with self._lock:
+            if self._thread is not None and self._thread.is_alive():
+                return  # an older target notices `wanted()` turning false and stops; this one starts then
+            if time.monotonic() < self._retry_at or not a.fetch:
+                return
+            # What the plan writes, and every held version (a delta's base is one of them or an earlier step).
+            self._plan = (a.job_id, {s.version for s in a.fetch} | set(self.store.held(a.job_id)))
+            self._thread = threading.Thread(target=self._download, args=(a, parents), name="echo2-download",
+                                            daemon=True)
+            self._thread.start()
+
+    def _download(self, a: Assignment, parents: Callable[[], list[str]]) -> None:
+        key = (a.job_id, a.version)
+
+        def wanted() -> bool:
+            return self.target == key and not self._stop.is_set()
+
+        try:
+            log.info("fetching version %d of job %s: %s", a.version, a.job_id,
+                     ", ".join(f"{s.form.value} {s.version} ({s.size / 1e6:.2f} MB)" for s in a.fetch))
+            for i, step in enumerate(a.fetch):
+                last = i == len(a.fetch) - 1
+                result = self._fetch_step(a, step, parents if last else (lambda: [self.control.server_url]),
+                                          wanted, a.relay_key if last else None)
+            self._done(a, result)
+        except DownloadCancelled:
+            log.info("stopped fetching version %d: a newer one is wanted", a.version)
+        except DeltaError as exc:
+            self._failed(a, f"a delta did not fit: {exc}")
+        except (VersionUnavailable, errors.Echo2Error, OSError, ValueError) as exc:
+            self._failed(a, str(exc))
+
+    def _fetch_step(self, a: Assignment, step: FetchStep, parents: Callable[[], list[str]],
+                    wanted: Callable[[], bool], relay_key: str | None) -> FetchResult:
+        manifest = self.control.manifest(step.manifest_url)
+        if (manifest.version, manifest.form) != (step.version, step.form):
+            raise ValueError(f"{step.manifest_url} is not the {step.form.value} form of version {step.version}")
+        result = self.downloader.fetch(a.job_id, manifest, parents, wanted, relay_key)
+        if manifest.form is Form.delta:
+            self._apply(a.job_id, manifest, result.held.model_dir, result.held.rebuilt_dir)
+        return result
+
+    def _apply(self, job_id: str, manifest: Manifest, payload: Path, out: Path) -> None:
+        assert manifest.delta is not None
+        base = self.store.loadable(job_id, manifest.delta.base_version)
+        if base is None:
+            raise DeltaError(f"version {manifest.delta.base_version}, the base of version {manifest.version}, "
+                             "is not held")
+        try:
+            apply_delta(manifest, payload, base, out)
+        except DeltaError:
+            self.store.drop(job_id, manifest.delta.base_version)  # the next plan starts from a keyframe
+            raise
+
+    def _done(self, a: Assignment, result: FetchResult) -> None:
+        self.stats.last_download_s = result.seconds
+        self.stats.version_held = max(a.version, self.stats.version_held or 0)
+        with self._lock:
+            self._fetched = [Fetched(url=u, bytes=n, seconds=result.seconds_from(u))
+                             for u, n in result.bytes_from.items()]
+        self._failures = 0
+        log.info("version %d held (%s)", a.version,
+                 ", ".join(f"{_host(u)}: {n / 1e6:.2f} MB" for u, n in result.bytes_from.items()) or "resumed")
+        self._on_held()  # tell the control plane at once: it times each version's spread
+
+    def _failed(self, a: Assignment, why: str) -> None:
+        self._failures += 1
+        self._retry_at = time.monotonic() + backoff(self._failures, 1.0)
+        log.warning("could not fetch version %d: %s", a.version, why)
+        self._on_held()  # what this worker holds changed, or may have: a fresh plan comes with the reply
+
+
+def _tokenizer_of(backend: GenerationBackend, model_dir: Path) -> Any:
+    """The tokenizer the prompt ids come from (echo2.prompting.encode_prompt is the shared rule)."""
+    tok = getattr(backend, "tokenizer", None)
+    if tok is not None:
+        return tok
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _host(url: str) -> str:
+    return url.split("://", 1)[-1]
