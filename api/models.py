@@ -282,6 +282,7 @@ class WeightVersion(Base):
     delta_manifest: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     delta_size: Mapped[int | None] = mapped_column(BigInteger)
     delta_base: Mapped[int | None] = mapped_column(Integer)
+    adapter_base: Mapped[int | None] = mapped_column(Integer)  # a LoRA adapter version: the base it applies to
     publish_seconds: Mapped[float | None] = mapped_column(Float)
     # Workers active on the job when it was announced: dissemination is done when they hold it.
     targets: Mapped[list[Any]] = mapped_column(default=list)

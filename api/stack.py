@@ -71,11 +71,12 @@ class Stack:
             self.add_worker()
         return self
 
-    def add_worker(self) -> Child:
-        """Start one more local CPU worker (its own process group and pid file)."""
+    def add_worker(self, python: str = sys.executable, backend: str = "transformers") -> Child:
+        """Start one more local CPU worker (its own process group and pid file); `python` is the
+        interpreter of the environment it runs in (the vLLM backend needs vLLM's)."""
         i = sum(1 for c in self.children if c.name.startswith("worker-"))
-        child = Child(f"worker-{i}", self._worker_args(i, self._provider_token()),
-                      {**self._env(), "OMP_NUM_THREADS": "1"})
+        child = Child(f"worker-{i}", [python, *self._worker_args(i, self._provider_token(), backend)],
+                      {**self._env(), "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"})
         self._spawn(child)
         return child
 
@@ -99,11 +100,11 @@ class Stack:
             fh.write(token)
         return token
 
-    def _worker_args(self, i: int, token: str) -> list[str]:
+    def _worker_args(self, i: int, token: str, backend: str) -> list[str]:
         home = self.settings.data_dir / "workers" / str(i)
-        return [sys.executable, "-m", "echo2_worker.cli", "--config-dir", str(home / "config"), "join",
+        return ["-m", "echo2_worker.cli", "--config-dir", str(home / "config"), "join",
                 "--server", self.url, "--token", token, "--name", f"local-{i}", "--price-per-hour", "0.05",
-                "--backend", "transformers", "--device", "cpu", "--data-dir", str(home / "versions"),
+                "--backend", backend, "--device", "cpu", "--data-dir", str(home / "versions"),
                 "--relay-host", "127.0.0.1", "--relay-port", str(free_port()), "--no-bench", "--json"]
 
     def _spawn(self, child: Child) -> None:

@@ -105,13 +105,14 @@ def fixed_groups(tokenizer: Any, prompts: int, group: int) -> list[Any]:
 def measure(base_url: str, work: Path, args: argparse.Namespace, prompts: int) -> dict[str, Any]:
     import httpx
     import torch
-    from echo2.protocol import JobSpec
+    from echo2.protocol import JobSpec, WeightsConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from learner.parallel import Solo
     from learner.publisher import Publisher
     from learner.remote import ControlPlane
     from learner.trainer import GRPOTrainer
+    from learner.weights import Weights
 
     torch.set_num_threads(args.threads)
     model_dir = build_model(work / "model", args.layers, args.hidden)
@@ -127,7 +128,8 @@ def measure(base_url: str, work: Path, args: argparse.Namespace, prompts: int) -
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     trainer = GRPOTrainer(model, tokenizer, JobSpec.model_validate(spec))
-    publisher = Publisher(plane, model, tokenizer, work / "publish", args.chunk_mib * 2**20)
+    publisher = Publisher(plane, Weights(model, tokenizer, torch.float32), work / "publish", args.chunk_mib * 2**20,
+                          WeightsConfig(delta=False))  # the whole model every version: what this bench measures
     groups = fixed_groups(tokenizer, prompts, args.group)
     publisher.submit(0, 0, Solo().model_state(model))
     publisher.wait()

@@ -4,7 +4,9 @@ published), and re-scores the groups the control plane picks under the version e
 control plane, chunk by verified chunk, like a worker would.
 
 It runs on a model of its own (a second instance of the architecture, loaded with one version's
-weights at a time), so auditing never touches the weights being trained."""
+weights at a time), so auditing never touches the weights being trained. For a LoRA job that model
+carries an adapter of the job's shape, and a version's weights are its adapter's (version 0, the base,
+is the adapter at zero)."""
 
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ import torch
 from echo2.protocol import ClaimedGroup, JobSpec
 
 from .audit import AuditConfig, AuditResult, audit_group
+from .models import with_adapter
+from .weights import ADAPTER_DIR
 
 log = logging.getLogger(__name__)
 Fetch = Callable[[int], Path]  # version -> a local folder holding its safetensors
@@ -30,6 +34,7 @@ class Auditor:
         self.config = config or AuditConfig()
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self._model: Any = None
+        self._zero_adapter: dict[str, torch.Tensor] = {}
         self._loaded: int | None = None
         self.seconds = 0.0
 
@@ -57,24 +62,42 @@ class Auditor:
 
     def _model_at(self, version: int) -> Any:
         if self._model is None:
-            from transformers import AutoModelForCausalLM
-
-            self._model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
-                                                               use_safetensors=True).eval()
+            self._model = self._build()
         if self._loaded != version:
             state = self.versions.get(version)
             if state is None:
-                state = self.versions[version] = _load_folder(self.fetch(version))
-            self._model.load_state_dict(state, strict=False)  # tied weights are stored twice; either loads
+                state = self.versions[version] = self._load_folder(self.fetch(version))
+            if self.spec.lora is not None:
+                from peft import set_peft_model_state_dict
+
+                set_peft_model_state_dict(self._model, state)
+            else:
+                self._model.load_state_dict(state, strict=False)  # tied weights are stored twice; either loads
             self._loaded = version
         return self._model
 
+    def _build(self) -> Any:
+        from transformers import AutoModelForCausalLM
 
-def _load_folder(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, use_safetensors=True)
+        if self.spec.lora is not None:
+            model = with_adapter(model, self.spec.lora)
+            from peft import get_peft_model_state_dict
 
-    state: dict[str, torch.Tensor] = {}
-    for file in sorted(folder.glob("*.safetensors")):
-        state.update(load_file(str(file)))
-    log.info("audit weights loaded from %s", folder)
-    return state
+            self._zero_adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+        return model.eval()
+
+    def _load_folder(self, folder: Path) -> dict[str, torch.Tensor]:
+        """A fetched version's weights: its model files, or for a LoRA job its adapter's (the final
+        version keeps it in adapter/; the base, version 0, has none: the adapter at zero)."""
+        from safetensors.torch import load_file
+
+        if self.spec.lora is not None:
+            adapter = next((f for f in (folder / "adapter_model.safetensors",
+                                        folder / ADAPTER_DIR / "adapter_model.safetensors") if f.exists()), None)
+            return load_file(str(adapter)) if adapter is not None else self._zero_adapter
+        state: dict[str, torch.Tensor] = {}
+        for file in sorted(folder.glob("*.safetensors")):
+            state.update(load_file(str(file)))
+        log.info("audit weights loaded from %s", folder)
+        return state

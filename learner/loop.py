@@ -31,12 +31,13 @@ from echo2.protocol import (
 
 from . import checkpoint, resume
 from .auditor import Auditor
-from .models import cast, published_dtype, resolve_model
+from .models import resolve_model, with_adapter
 from .parallel import Solo
 from .pipeline import Ahead, Committer
 from .publisher import Publisher
 from .remote import ControlPlane
 from .trainer import GRPOTrainer, StepResult
+from .weights import LoraWeights, Weights, published_dtype
 
 log = logging.getLogger(__name__)
 CLAIM_WAIT_S = 2.0  # a claim with nothing to take waits this long for rollouts to arrive
@@ -97,8 +98,7 @@ class Learner:
                      restored.step, self.step)
         self.replayed = resume.replay(self.plane, trainer, self.world, restored.step if restored else 0, self.step,
                                       consumed, reply.version)
-        publisher = Publisher(self.plane, trainer.model, trainer.tokenizer, work / "publish", self.opt.chunk_size,
-                              spec.weights)
+        publisher = Publisher(self.plane, trainer.weights, work / "publish", self.opt.chunk_size, spec.weights)
         beat = threading.Thread(target=self._heartbeat_loop, name="learner-heartbeat", daemon=True)
         beat.start()
         try:
@@ -118,13 +118,13 @@ class Learner:
             self._submit(publisher, trainer)
             publisher.wait()
 
-    def _submit(self, publisher: Publisher, trainer: GRPOTrainer, keyframe: bool = False) -> None:
-        publisher.submit(self.step, self.step, self._snapshot(trainer, self.step), keyframe)
+    def _submit(self, publisher: Publisher, trainer: GRPOTrainer, final: bool = False) -> None:
+        publisher.submit(self.step, self.step, self._snapshot(trainer, self.step), final)
 
     def _snapshot(self, trainer: GRPOTrainer, version: int) -> dict[str, torch.Tensor]:
-        """The weights as version `version` (a CPU copy in the published dtype), remembered for audits:
-        rollouts of it may be audited until it is S steps old, under exactly the weights workers load."""
-        state = cast(self.world.model_state(trainer.model), trainer.publish_dtype)
+        """The weights as version `version` (weights.py: a CPU copy in the published dtype), remembered for
+        audits: rollouts of it may be audited until it is S steps old, under exactly what workers load."""
+        state = trainer.weights.snapshot()
         if trainer.auditor is not None:
             trainer.auditor.remember(version, state)
         return state
@@ -180,7 +180,7 @@ class Learner:
         def committed(ack: StepAck) -> None:
             self.step, self.last_ack = ack.step, ack
             if state is not None:  # the job's last version (it stops) is published in full
-                publisher.submit(ack.step, ack.step, state, keyframe=ack.stop)
+                publisher.submit(ack.step, ack.step, state, final=ack.stop)
             if spec.staleness > 0 and ack.step + 1 < spec.max_steps and not ack.stop:
                 ahead.start(ack.step + 1)
 
@@ -205,7 +205,7 @@ class Learner:
 
     def _finish(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
         if publisher.submitted != self.step:
-            self._submit(publisher, trainer, keyframe=True)
+            self._submit(publisher, trainer, final=True)
         publisher.wait()
         self.plane.finish(LearnerFinish(outcome=FinishOutcome.succeeded, final_version=publisher.published,
                                         reason=f"finished {self.step} steps"))
@@ -242,8 +242,11 @@ def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: So
     if spec.learner.activation_checkpointing:
         model.gradient_checkpointing_enable()  # recompute activations in backward: memory for compute
     reference = _reference(model, spec)  # a full replica on every rank: it is only read
+    if spec.lora is not None:
+        model = with_adapter(model, spec.lora)
     trainer = GRPOTrainer(world.wrap(model), tokenizer, spec, reference, world)
-    trainer.publish_dtype = published_dtype(spec, model_path)
+    kind = LoraWeights if spec.lora is not None else Weights
+    trainer.weights = kind(trainer.model, tokenizer, published_dtype(spec, model_path), world)
     return trainer, checkpoint.load_latest(checkpoints, trainer.model, trainer.optimizer, trainer.scheduler, world)
 
 

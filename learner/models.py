@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from echo2.protocol import JobSpec, WeightDtype
+from echo2.protocol import LoraConfig
 
 BUILTINS = ("echo2:tiny", "echo2:smollm2")
 
@@ -32,21 +32,16 @@ def resolve_model(ref: str, cache_dir: Path, seed: int = 0) -> str:
     return str(Path(ref).expanduser()) if Path(ref).expanduser().exists() else ref
 
 
-def published_dtype(spec: JobSpec, model_path: str) -> Any:
-    """The torch dtype versions are published in: the job's choice, or (`auto`) the base model's own as its
-    config states it (bfloat16 for most released models), float32 when it states none."""
-    import torch
 
-    if spec.weights.dtype is not WeightDtype.auto:
-        return getattr(torch, spec.weights.dtype.value)
-    from transformers import AutoConfig
+def with_adapter(model: Any, lora: LoraConfig) -> Any:
+    """The model wrapped with a fresh LoRA adapter (peft): only the adapter trains, and it starts at zero,
+    so the wrapped model computes what the base does."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
 
-    stated = getattr(AutoConfig.from_pretrained(model_path), "dtype", None)
-    if isinstance(stated, str):
-        stated = getattr(torch, stated, None)
-    return stated if stated in (torch.float32, torch.bfloat16, torch.float16) else torch.float32
-
-
-def cast(state: dict[str, Any], dtype: Any) -> dict[str, Any]:
-    """The weights in the published dtype (floating tensors only; a no-op copy-free for float32)."""
-    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
+    config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                            target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
+    try:
+        return get_peft_model(model, config)
+    except ValueError as exc:  # e.g. a target module the architecture does not have
+        raise ValueError(f"lora.target_modules {lora.target_modules} do not fit this model: {exc}") from exc

@@ -27,14 +27,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
-from echo2.deltas import Folder, build_delta
-from echo2.protocol import Manifest, WeightsConfig
+from echo2.deltas import Folder, build_delta, files_digest
+from echo2.protocol import AdapterInfo, Manifest, WeightsConfig
 from echo2.snapshots import DEFAULT_CHUNK_SIZE, build_manifest
 
 from .remote import ControlPlane
+from .weights import Role, Weights
 
 log = logging.getLogger(__name__)
 
@@ -43,26 +43,27 @@ log = logging.getLogger(__name__)
 class Snapshot:
     version: int
     step: int
-    state: dict[str, torch.Tensor]  # a CPU copy of the weights in the published dtype (never mutated)
-    keyframe: bool  # publish it in full whatever the count since the last keyframe (the final version)
+    state: dict[str, torch.Tensor]  # Weights.snapshot(): a CPU copy in the published dtype (never mutated)
+    final: bool  # the job's last version: published in full whatever the count since the last keyframe
 
 
 class Publisher:
     """Publishes versions in the background: each in full (a keyframe) and/or as a delta against the one
-    published before it (WeightsConfig: delta, keyframe_every). The last published folder stays on disk
-    as the next delta's base."""
+    published before it (WeightsConfig: delta, keyframe_every); a LoRA job's adapters always in full. The
+    last published folder stays on disk as the next delta's base."""
 
-    def __init__(self, plane: ControlPlane, model: Any, tokenizer: Any, work_dir: Path,
-                 chunk_size: int = DEFAULT_CHUNK_SIZE, weights: WeightsConfig | None = None) -> None:
-        self.plane, self.model, self.tokenizer = plane, model, tokenizer
+    def __init__(self, plane: ControlPlane, weights: Weights, work_dir: Path, chunk_size: int = DEFAULT_CHUNK_SIZE,
+                 config: WeightsConfig | None = None) -> None:
+        self.plane, self.weights = plane, weights
         self.work_dir, self.chunk_size = work_dir, chunk_size
-        self.weights = weights or WeightsConfig()
+        self.config = config or WeightsConfig()
         self.published: int | None = None
         self.submitted: int | None = None
         self.skipped: list[int] = []
         self.seconds: list[float] = []
         self.sizes: list[tuple[int, int | None, int | None]] = []  # (version, full bytes, delta bytes)
         self._base: Folder | None = None  # the last published version's folder, the next delta's base
+        self._first_digest: str | None = None  # of version 0's files: a LoRA job's adapters apply to it
         self._since_keyframe = 0
         self._pending: Snapshot | None = None
         self._busy = self._closed = False
@@ -71,15 +72,15 @@ class Publisher:
         self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
         self._thread.start()
 
-    def submit(self, version: int, step: int, state: dict[str, torch.Tensor], keyframe: bool = False) -> None:
-        """Publish `state` (a CPU copy of the weights, see parallel.Solo.model_state) in the background."""
+    def submit(self, version: int, step: int, state: dict[str, torch.Tensor], final: bool = False) -> None:
+        """Publish `state` (a Weights.snapshot()) in the background."""
         self._raise_if_failed()
         with self._changed:
             if self._pending is not None:
                 self.skipped.append(self._pending.version)
                 log.info("version %d replaced by version %d before it was published", self._pending.version, version)
-                keyframe = keyframe or self._pending.keyframe
-            self._pending, self.submitted = Snapshot(version, step, state, keyframe), version
+                final = final or self._pending.final
+            self._pending, self.submitted = Snapshot(version, step, state, final), version
             self._changed.notify_all()
 
     def wait(self) -> None:
@@ -121,12 +122,17 @@ class Publisher:
 
     def _publish(self, snap: Snapshot) -> None:
         start = time.perf_counter()
+        role = role_of(snap.version, snap.final)
         folder = self.work_dir / f"v{snap.version}"
-        write_version(self.model, self.tokenizer, snap.state, folder)
+        self.weights.write(snap.state, folder, role)
         full = build_manifest(folder, snap.version, snap.step, self.chunk_size)
+        if role is Role.first:
+            self._first_digest = files_digest(full.target_files())
+        elif self.weights.lora and role is Role.next:
+            full = full.model_copy(update={"adapter": AdapterInfo(base_version=0, base_digest=self._digest_of_first())})
         target = Folder(snap.version, folder, full.target_files())
-        delta = self._delta(target, snap.step, full.total_size)
-        keyframe = delta is None or snap.keyframe or self._since_keyframe + 1 >= self.weights.keyframe_every
+        delta = None if self.weights.lora else self._delta(target, snap.step, full.total_size)
+        keyframe = delta is None or snap.final or self._since_keyframe + 1 >= self.config.keyframe_every
         forms = ([(folder, full)] if keyframe else []) + ([delta] if delta is not None else [])
         self.plane.publish(forms)
         self._since_keyframe = 0 if keyframe else self._since_keyframe + 1
@@ -141,10 +147,15 @@ class Publisher:
         log.info("published version %d (step %d) in %.2fs: %s", snap.version, snap.step, self.seconds[-1],
                  ", ".join(f"{m.form.value} {m.total_size / 1e6:.2f} MB" for _, m in forms))
 
+    def _digest_of_first(self) -> str:
+        if self._first_digest is None:  # a resumed learner: version 0 was published by its predecessor
+            self._first_digest = files_digest(self.plane.version_files(0))
+        return self._first_digest
+
     def _delta(self, target: Folder, step: int, full_size: int) -> tuple[Path, Manifest] | None:
         """The delta against the last published version, when deltas are on and it is worth sending (at
         most half the full form's bytes; otherwise the version goes out in full)."""
-        if self._base is None or not self.weights.delta:
+        if self._base is None or not self.config.delta:
             return None
         out = self.work_dir / f"d{target.version}"
         shutil.rmtree(out, ignore_errors=True)
@@ -155,8 +166,6 @@ class Publisher:
         return out, manifest
 
 
-def write_version(model: Any, tokenizer: Any, state: dict[str, torch.Tensor], folder: Path) -> None:
-    """A version's model folder: the weights as given (in the published dtype) and the tokenizer."""
-    shutil.rmtree(folder, ignore_errors=True)
-    model.save_pretrained(folder, state_dict=state, safe_serialization=True)
-    tokenizer.save_pretrained(folder)
+def role_of(version: int, final: bool) -> Role:
+    """What a version is in its job: the first (a LoRA job's base), the final one, or one in between."""
+    return Role.first if version == 0 else Role.final if final else Role.next

@@ -25,9 +25,8 @@ from typing import Any
 from echo2.snapshots import atomic_write, build_manifest
 
 from . import checkpoint
-from .models import cast
 from .parallel import Solo
-from .publisher import write_version
+from .publisher import role_of
 from .remote import ControlPlane
 
 log = logging.getLogger(__name__)
@@ -96,19 +95,18 @@ def replay(plane: ControlPlane, trainer: Any, world: Solo, start: int, end: int,
         consumed.update(g.rollout_id for g in committed.groups)
         done.steps += 1
         if published == step + 1:
-            done.verified = matches_version(plane, trainer, world, published)
+            done.verified = matches_version(plane, trainer, published)
     if done.steps:
         log.info("replayed steps %d..%d committed after the checkpoint%s", start, end - 1,
                  {True: " (bit-exact with the published version)", False: " (NOT bit-exact)", None: ""}[done.verified])
     return done
 
 
-def matches_version(plane: ControlPlane, trainer: Any, world: Solo, version: int) -> bool:
+def matches_version(plane: ControlPlane, trainer: Any, version: int) -> bool:
     """Whether the model's weights serialise (as the publisher writes them) to exactly the published
     version's weight files."""
     expected = {f.path: f.sha256 for f in plane.version_files(version) if f.path.endswith(".safetensors")}
-    state = cast(world.model_state(trainer.model), trainer.publish_dtype)
     with tempfile.TemporaryDirectory() as tmp:
-        write_version(trainer.model, trainer.tokenizer, state, Path(tmp))
-        got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in Path(tmp).glob("*.safetensors")}
+        trainer.weights.write(trainer.weights.snapshot(), Path(tmp) / "v", role_of(version, final=False))
+        got = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in (Path(tmp) / "v").glob("*.safetensors")}
     return bool(expected) and got == expected

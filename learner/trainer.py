@@ -23,6 +23,7 @@ from .auditor import Auditor
 from .objective import ObjectiveConfig
 from .parallel import Solo
 from .policy import Rollouts, grpo_update
+from .weights import Weights
 
 
 @dataclass
@@ -54,12 +55,13 @@ class GRPOTrainer:
         self.model, self.tokenizer, self.spec, self.ref_model = model, tokenizer, spec, ref_model
         self.world = world or Solo()
         self.auditor = auditor
-        self.publish_dtype = torch.float32  # versions' dtype (learner.models.published_dtype); training stays fp32
+        self.weights: Weights = Weights(model, tokenizer, torch.float32, self.world)  # what versions carry
         self.task = get_task(spec.task.name)
         self.task_params = self.task.parse_params(spec.task.params)
         self.cfg = objective_config(spec)
         g = spec.grpo
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=g.lr, weight_decay=0.0)
+        trainable = [p for p in model.parameters() if p.requires_grad]  # a LoRA job's adapter only
+        self.optimizer = torch.optim.AdamW(trainable, lr=g.lr, weight_decay=0.0)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: min(1.0, (s + 1) / g.warmup_steps) if g.warmup_steps else 1.0)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id

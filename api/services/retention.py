@@ -5,8 +5,9 @@ the job runs, and what a worker needs to reach them: the newest keyframe (a vers
 or below the oldest of them and every version after it, since each delta applies to the version before
 it; the final checkpoint (or, for a job that ended without one, the newest version) forever; and every
 n-th version stored in full when ECHO2_KEEP_VERSIONS_EVERY = n > 0, for users who want intermediate
-checkpoints. The row of a collected version stays (timeline, timings) with `collected_at` set; its
-manifests, chunks and checkpoint download answer 410.
+checkpoints; and the base model of any kept LoRA adapter version. The row of a collected version
+stays (timeline, timings) with `collected_at` set; its manifests, chunks and checkpoint download answer
+410.
 
 Versions are collected where the API changes a job (publish, finish, cancel). `sweep`, run by each API
 process at start and then every ECHO2_RETENTION_SWEEP_S, catches the rest: jobs the scheduler closed
@@ -44,7 +45,7 @@ def kept(job: Job, forms: dict[int, Forms], every: int) -> set[int]:
         floor = min(needed, default=oldest)
         keyframe = max((v for v, f in forms.items() if v <= floor and f.full_size is not None), default=floor)
         keep |= needed | {v for v in forms if v >= keyframe}
-    return keep
+    return keep | {forms[v].adapter_base for v in keep if forms[v].adapter_base is not None}  # LoRA bases
 
 
 def commit_and_collect(db: Session, blobs: BlobStore, job: Job, every: int) -> list[int]:

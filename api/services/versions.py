@@ -59,7 +59,8 @@ def row(job: Job, body: VersionPublish, seconds: float, targets: list[str]) -> W
         total_size=full.total_size if full else None, num_chunks=len(full.chunks) if full else None,
         delta_manifest=delta.model_dump(mode="json") if delta else None,
         delta_size=delta.total_size if delta else None,
-        delta_base=delta.delta.base_version if delta and delta.delta else None)
+        delta_base=delta.delta.base_version if delta and delta.delta else None,
+        adapter_base=full.adapter.base_version if full and full.adapter else None)
 
 
 def _canonical(manifest: Manifest) -> bytes:
@@ -76,18 +77,19 @@ def keyframes(db: Session, job_id: str) -> list[int]:
 def stored_forms(db: Session, job_id: str) -> dict[int, Forms]:
     """The forms of every version whose weights are still stored, for fetch plans."""
     rows = db.execute(select(WeightVersion.version, WeightVersion.total_size, WeightVersion.delta_size,
-                             WeightVersion.delta_base)
+                             WeightVersion.delta_base, WeightVersion.adapter_base)
                       .where(WeightVersion.job_id == job_id, WeightVersion.collected_at.is_(None)))
-    return {r.version: Forms(r.total_size, r.delta_size, r.delta_base) for r in rows}
+    return {r.version: Forms(r.total_size, r.delta_size, r.delta_base, r.adapter_base) for r in rows}
 
 
 def fetch_steps(forms: dict[int, Forms], target: int, held: set[int], base_url: str) -> list[FetchStep]:
     """What a worker holding `held` downloads to hold `target`, cheapest in bytes (plans.plan)."""
     steps = plan(forms, target, held) or []
+    bases = {f.adapter_base for f in forms.values() if f.adapter_base is not None}
     out = []
     for version, form in steps:
         size = forms[version].full_size if form is Form.full else forms[version].delta_size
         suffix = "manifest" if form is Form.full else "delta/manifest"
-        out.append(FetchStep(version=version, form=form, size=size or 0,
+        out.append(FetchStep(version=version, form=form, size=size or 0, shared=version in bases,
                              manifest_url=f"{base_url}/versions/{version}/{suffix}"))
     return out

@@ -1,5 +1,5 @@
 """delta versions: a version may be published in full (a keyframe), as a delta against the version before
-it, or both; the full form's columns become nullable
+it, or both; the full form's columns become nullable; a LoRA adapter version names its base
 
 Revision ID: 0009
 Revises: 0008
@@ -20,6 +20,7 @@ def upgrade() -> None:
         batch_op.add_column(sa.Column('delta_manifest', sa.JSON(), nullable=True))
         batch_op.add_column(sa.Column('delta_size', sa.BigInteger(), nullable=True))
         batch_op.add_column(sa.Column('delta_base', sa.Integer(), nullable=True))
+        batch_op.add_column(sa.Column('adapter_base', sa.Integer(), nullable=True))
         batch_op.alter_column('manifest', existing_type=sa.JSON(), nullable=True)
         batch_op.alter_column('manifest_sha256', existing_type=sa.String(length=64), nullable=True)
         batch_op.alter_column('total_size', existing_type=sa.BigInteger(), nullable=True)
@@ -33,6 +34,7 @@ def downgrade() -> None:
         batch_op.alter_column('total_size', existing_type=sa.BigInteger(), nullable=False)
         batch_op.alter_column('manifest_sha256', existing_type=sa.String(length=64), nullable=False)
         batch_op.alter_column('manifest', existing_type=sa.JSON(), nullable=False)
+        batch_op.drop_column('adapter_base')
         batch_op.drop_column('delta_base')
         batch_op.drop_column('delta_size')
         batch_op.drop_column('delta_manifest')

@@ -30,3 +30,9 @@ def test_holding_the_target_needs_nothing_and_a_gap_with_no_keyframe_has_no_path
     assert plan(chain(3, {0}), 2, {2}) == []
     gapped = {0: Forms(FULL, None, None), 2: Forms(None, DELTA, 1)}  # version 1 was collected
     assert plan(gapped, 2, set()) is None
+
+
+def test_a_lora_adapter_comes_with_its_base_for_a_worker_that_lacks_it():
+    forms = {0: Forms(FULL, None, None), 1: Forms(5, None, None, adapter_base=0), 2: Forms(5, None, None, 0)}
+    assert plan(forms, 2, set()) == [(0, Form.full), (2, Form.full)]
+    assert plan(forms, 2, {0, 1}) == [(2, Form.full)]

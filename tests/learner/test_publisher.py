@@ -12,10 +12,10 @@ import torch
 from echo2.protocol import WeightsConfig
 from safetensors.torch import load_file
 
-from learner.models import cast
 from learner.parallel import Solo
-from learner.publisher import Publisher, write_version
+from learner.publisher import Publisher
 from learner.remote import ControlPlane
+from learner.weights import Role, Weights, cast
 from tests.factories import job_spec, learner_for, new_user, ok
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -34,7 +34,7 @@ def test_rapid_submits_coalesce(api, tmp_path, tiny):
     jid = ok(alice.post("/v1/jobs", json=job_spec()), 201)["id"]
     plane = ControlPlane(api.url, learner_for(api, jid).headers["Authorization"].split()[1], jid)
     plane.start()
-    publisher = Publisher(plane, model, tok, tmp_path / "publish", chunk_size=64 * 1024)
+    publisher = Publisher(plane, Weights(model, tok, torch.float32), tmp_path / "publish", chunk_size=64 * 1024)
     publisher.submit(0, 0, snapshot(model, 0))
     publisher.wait()
     alive = {}
@@ -64,8 +64,9 @@ def test_bf16_versions_travel_as_small_deltas_and_rebuild_bit_for_bit(api, tmp_p
     jid = ok(alice.post("/v1/jobs", json=job_spec()), 201)["id"]
     plane = ControlPlane(api.url, learner_for(api, jid).headers["Authorization"].split()[1], jid)
     plane.start()
-    publisher = Publisher(plane, model, tok, tmp_path / "publish", chunk_size=64 * 1024,
-                          weights=WeightsConfig(keyframe_every=3))
+    weights = Weights(model, tok, torch.bfloat16)
+    publisher = Publisher(plane, weights, tmp_path / "publish", chunk_size=64 * 1024,
+                          config=WeightsConfig(keyframe_every=3))
     master = {k: v.float().clone() for k, v in Solo().model_state(model).items()}
     gen = torch.Generator().manual_seed(0)
     published = {}
@@ -73,7 +74,7 @@ def test_bf16_versions_travel_as_small_deltas_and_rebuild_bit_for_bit(api, tmp_p
         for t in master.values():
             t -= 2e-6 * torch.sign(torch.randn(t.shape, generator=gen))
         published[v] = cast(master, torch.bfloat16)
-        publisher.submit(v, v, published[v], keyframe=v == 6)
+        publisher.submit(v, v, published[v], final=v == 6)
         publisher.wait()
     reads = {r["version"]: r for r in ok(alice.get(f"/v1/jobs/{jid}/versions"))}
     assert [v for v, r in reads.items() if r["total_size"] is not None] == [0, 3, 6]  # the first, every 3rd, final
@@ -82,7 +83,7 @@ def test_bf16_versions_travel_as_small_deltas_and_rebuild_bit_for_bit(api, tmp_p
     assert max(reads[v]["delta_size"] for v in range(1, 7)) < 0.1 * full
     for v in range(7):
         expected = tmp_path / f"expected-{v}"
-        write_version(model, tok, published[v], expected)
+        weights.write(published[v], expected, Role.next)
         got = plane.fetch_version(v, tmp_path / f"got-{v}")
         assert (got / "model.safetensors").read_bytes() == (expected / "model.safetensors").read_bytes(), v
     publisher.close()

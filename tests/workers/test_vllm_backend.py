@@ -84,30 +84,54 @@ def models(tmp_path_factory) -> tuple[Path, Path]:
 
 @pytest.fixture(scope="module")
 def probe(models, tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("probe")
+    return run_probe(tmp_path_factory.mktemp("probe"), "--model", str(models[0]), "--reload", str(models[1]))
+
+
+def run_probe(work: Path, *args: str) -> dict:
     (work / "requests.json").write_text(json.dumps(REQUESTS))
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "PYTHONPATH": f"{REPO / 'workers'}:{REPO / 'sdk'}"}
-    cmd = [
-        str(VLLM_PYTHON),
-        str(PROBE),
-        "--model",
-        str(models[0]),
-        "--reload",
-        str(models[1]),
-        "--requests",
-        str(work / "requests.json"),
-        "--out",
-        str(work / "out.json"),
-    ]
+    cmd = [str(VLLM_PYTHON), str(PROBE), *args, "--requests", str(work / "requests.json"), "--out",
+           str(work / "out.json")]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env, cwd=REPO)
     assert proc.returncode == 0, f"vLLM probe failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     result = json.loads((work / "out.json").read_text())
     return {run["label"]: run["samples"] for run in result["runs"]} | {"timings": result["timings"]}
 
 
-def recompute(model_dir: Path, samples: list[list[dict]]) -> list[tuple[float, float]]:
-    """(reported, recomputed) logprob pairs for every token, recomputed in one fp32 forward each."""
+@pytest.fixture(scope="module")
+def adapters(models, tmp_path_factory) -> tuple[Path, Path]:
+    """Two versions of a LoRA adapter (rank 4 on q/v) for the tiny base, written by peft as the learner does."""
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("adapters")
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32),
+                           LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
+    gen = torch.Generator().manual_seed(3)
+    out = []
+    for i in range(2):
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_" in name:
+                    p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+        model.save_pretrained(root / f"a{i}")
+        out.append(root / f"a{i}")
+    return out[0], out[1]
+
+
+@pytest.fixture(scope="module")
+def lora_probe(models, adapters, tmp_path_factory) -> dict:
+    return run_probe(tmp_path_factory.mktemp("lora-probe"), "--model", str(models[0]), "--adapter", str(adapters[0]),
+                     "--reload-adapter", str(adapters[1]))
+
+
+def recompute(model_dir: Path, samples: list[list[dict]], adapter: Path | None = None) -> list[tuple[float, float]]:
+    """(reported, recomputed) logprob pairs for every token, recomputed in one fp32 forward each (with
+    transformers + peft when an adapter is given)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True).eval()
+    if adapter is not None:
+        from peft import PeftModel
+
+        model = PeftModel.from_pretrained(model, adapter).eval()
     pairs = []
     for req, group in zip(REQUESTS, samples, strict=True):
         prompt, temperature = req["prompt_token_ids"], req.get("temperature", 1.0)
@@ -158,3 +182,12 @@ def test_vllm_reload_uses_new_weights(probe, models):
     assert new_worst < LOGPROB_TOL, f"after reload: max {new_worst:.3g}, mean {new_mean:.3g} vs the new weights"
     old_worst, _ = diff_stats(recompute(models[0], probe["reloaded"]))
     assert old_worst > 100 * LOGPROB_TOL, "after reload vLLM still matches the old weights"
+
+
+def test_vllm_serves_a_lora_adapter_with_the_learners_logprobs_and_swaps_it(lora_probe, models, adapters):
+    worst, mean = diff_stats(recompute(models[0], lora_probe["first"], adapters[0]))
+    assert worst < LOGPROB_TOL, f"vLLM LoRA vs transformers + peft: max {worst:.3g}, mean {mean:.3g}"
+    new_worst, _ = diff_stats(recompute(models[0], lora_probe["reloaded adapter"], adapters[1]))
+    assert new_worst < LOGPROB_TOL, f"after the adapter swap: max {new_worst:.3g} vs the new adapter"
+    old_worst, _ = diff_stats(recompute(models[0], lora_probe["reloaded adapter"], adapters[0]))
+    assert old_worst > 100 * LOGPROB_TOL, "after the swap vLLM still serves the old adapter"

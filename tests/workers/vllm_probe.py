@@ -2,7 +2,7 @@
 
 Used by tests/workers/test_vllm_backend.py (the main venv has no vllm). Usage:
     .venv-vllm/bin/python tests/workers/vllm_probe.py --model DIR --requests REQ.json --out OUT.json
-        [--reload DIR2] [--dtype float32|bfloat16|auto]
+        [--reload DIR2] [--adapter ADAPTER [--reload-adapter ADAPTER2]] [--dtype float32|bfloat16|auto]
 REQ.json is a list of GenRequest field dicts. OUT.json holds {"runs": [{"model": DIR, "samples":
 [[{token_ids, logprobs, finish_reason, text}, ...], ...]}, ...], "timings": {...}}: one run on
 DIR, a second identical run on DIR (determinism), and with --reload a run after an in-place reload.
@@ -24,6 +24,8 @@ def main() -> None:
     parser.add_argument("--requests", type=Path, required=True)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--reload", type=Path)
+    parser.add_argument("--adapter", type=Path, help="a LoRA adapter folder applied to --model")
+    parser.add_argument("--reload-adapter", type=Path, help="with --adapter: swap to this adapter on the same base")
     parser.add_argument("--dtype", default="float32", help='engine dtype; "auto" is bf16 on CPU')
     parser.add_argument("--compile", action="store_true", help="let vLLM compile (slow start on CPU)")
     args = parser.parse_args()
@@ -37,7 +39,7 @@ def main() -> None:
     backend = create_backend("vllm", dtype=args.dtype, max_model_len=512, enforce_eager=not args.compile, seed=0)
     try:
         t0 = time.monotonic()
-        backend.load(args.model)
+        backend.load(args.model, args.adapter)
         timings["load_s"] = time.monotonic() - t0
         for label in ("first", "repeat"):
             t0 = time.monotonic()
@@ -48,6 +50,12 @@ def main() -> None:
             backend.reload(args.reload)
             timings["reload_s"] = time.monotonic() - t0
             runs.append({"model": str(args.reload), "label": "reloaded", "samples": _dump(backend.generate(requests))})
+        if args.reload_adapter is not None:
+            t0 = time.monotonic()
+            backend.reload(args.model, args.reload_adapter)
+            timings["reload_adapter_s"] = time.monotonic() - t0
+            runs.append({"model": str(args.reload_adapter), "label": "reloaded adapter",
+                         "samples": _dump(backend.generate(requests))})
     finally:
         backend.close()
     args.out.write_text(json.dumps({"runs": runs, "timings": timings}))

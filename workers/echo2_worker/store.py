@@ -7,7 +7,9 @@ A version is held in one or both of its forms (echo2.protocol.weights). Layout:
 and `model/` (the assembled files, `model/manifest.json` written last by `echo2.snapshots.assemble`):
 for the full form the HF folder the backend loads, for a delta its payload, which `rebuilt/` holds the
 HF folder made from (`echo2.deltas.apply_delta`, which checks every file and writes its marker last).
-Nothing unverified is ever written under `chunks/`, `model/` or `rebuilt/`.
+Nothing unverified is ever written under `chunks/`, `model/` or `rebuilt/`. Base models that LoRA
+adapters apply to are also kept in `{root}/_shared/{digest}/` (hard links), so a worker fetches a base
+once for every job on it.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _FOLDER = re.compile(r"^v(\d{1,8})(\.delta)?$")
 _SUFFIX = {Form.full: "", Form.delta: ".delta"}
+SHARED = "_shared"  # base models LoRA jobs share, by digest
 
 
 class HeldVersion:
@@ -94,6 +97,29 @@ class HeldVersion:
                 if not self.complete:  # deleted by assembly in between: read the folder instead
                     raise
         return self._read_assembled(index)
+
+    def adopt(self, folder: Path) -> bool:
+        """Take the files of an identical folder (a base model held for another job) instead of downloading
+        them: hard links, each file checked against this manifest. False when they do not match."""
+        tmp = self.path / "adopting"
+        shutil.rmtree(tmp, ignore_errors=True)
+        for f in self.manifest.files:
+            src, dst = folder / f.path, tmp / f.path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                os.link(src, dst)
+            except OSError:
+                return False
+            if _sha256(dst) != f.sha256:
+                shutil.rmtree(tmp, ignore_errors=True)
+                return False
+        atomic_write(tmp / "manifest.json", self.manifest.model_dump_json().encode())
+        shutil.rmtree(self.model_dir, ignore_errors=True)
+        os.replace(tmp, self.model_dir)
+        with self._cond:
+            self.complete, self._held = True, [True] * len(self._held)
+            self._cond.notify_all()
+        return True
 
     def loadable(self) -> Folder | None:
         """The HF folder of this version, once there is one: the full form's assembled folder, or the
@@ -168,6 +194,44 @@ class VersionStore:
                 return folder
         return None
 
+    def weights(self, job_id: str, version: int) -> tuple[Path, Path | None] | None:
+        """What a backend loads for a version: (model folder, adapter folder or None); None until every
+        part is here (a LoRA adapter needs its base)."""
+        folder = self.loadable(job_id, version)
+        if folder is None:
+            return None
+        base_version = self.adapter_base(job_id, version)
+        if base_version is None:
+            return folder.path, None
+        base = self.loadable(job_id, base_version)
+        return (base.path, folder.path) if base is not None else None
+
+    def adapter_base(self, job_id: str, version: int) -> int | None:
+        """The base version a held LoRA adapter version applies to (None for a model version)."""
+        held = self.get(job_id, version)
+        return held.manifest.adapter.base_version if held is not None and held.manifest.adapter else None
+
+    def shared(self, digest: str) -> Path | None:
+        """A base model kept for every job on it, by the digest of its files (echo2.deltas.files_digest)."""
+        folder = self.root / SHARED / digest
+        if not folder.is_dir():
+            return None
+        folder.touch()  # recently used: kept
+        return folder
+
+    def share(self, digest: str, folder: Path, keep: int = 2) -> None:
+        """Keep `folder` (hard links) as the base with this digest; only the `keep` most recently used stay."""
+        target = self.root / SHARED / digest
+        if target.is_dir():
+            return
+        tmp = target.with_name(f"{digest}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.copytree(folder, tmp, copy_function=os.link)
+        os.replace(tmp, target)
+        kept = sorted((d for d in target.parent.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
+        for old in kept[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+
     def held(self, job_id: str) -> list[int]:
         """The job's versions that have a loadable folder, ascending."""
         return sorted({v.version for v in self.versions(job_id) if v.loadable() is not None})
@@ -221,7 +285,7 @@ class VersionStore:
 
     def _sweep_disk(self, job_id: str | None, keep: set[int]) -> None:
         """Delete leftovers of earlier runs that this run never opened and does not want."""
-        for job_dir in [d for d in self.root.iterdir() if d.is_dir()]:
+        for job_dir in [d for d in self.root.iterdir() if d.is_dir() and d.name != SHARED]:
             for vdir in [d for d in job_dir.iterdir() if d.is_dir()]:
                 m = _FOLDER.match(vdir.name)
                 version, form = (int(m.group(1)), Form.delta if m.group(2) else Form.full) if m else (-1, Form.full)
@@ -239,6 +303,14 @@ def _marker_matches(folder: Path, manifest: Manifest) -> bool:
     except (OSError, ValueError):
         return False
     return [c.sha256 for c in marker.chunks] == [c.sha256 for c in manifest.chunks]
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _digest(manifest: Manifest) -> str:

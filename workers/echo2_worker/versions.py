@@ -8,7 +8,9 @@ applied to the version before it (echo2.deltas.apply_delta: every rebuilt file c
 sha256 the learner published) before anything loads it. A delta that does not fit (the held base is not
 what the delta was made against, or a file does not rebuild to its hash) is refused: the base is
 dropped, the next heartbeat no longer reports it, and the control plane's next plan starts from a
-keyframe. Downloads run in a thread while the loaded version, still admissible, keeps generating.
+keyframe. A LoRA job's versions are adapters: the backend loads the base (the job's version 0, kept by
+digest for every job on it) with the adapter. Downloads run in a thread while the loaded version, still
+admissible, keeps generating.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2 import errors
-from echo2.deltas import DeltaError, apply_delta
+from echo2.deltas import DeltaError, apply_delta, files_digest
 from echo2.protocol import Assignment, Fetched, FetchStep, Form, Manifest
 
 from .backends import GenerationBackend
@@ -68,15 +70,16 @@ class Versions:
         self.target = (a.job_id, a.version)
         if self.loaded == self.target:
             return True
-        if self.store.loadable(a.job_id, a.version) is not None:
+        if self.store.weights(a.job_id, a.version) is not None:
             self.swap(a.job_id, a.version)
             return True
         self._ensure_download(a, parents)
         return self.loaded is not None and self.loaded[0] == a.job_id and self.loaded[1] >= a.min_version
 
     def swap(self, job_id: str, version: int) -> None:
-        folder = self.store.loadable(job_id, version)
-        assert folder is not None
+        parts = self.store.weights(job_id, version)
+        assert parts is not None
+        model_dir, adapter_dir = parts
         t0 = time.monotonic()
         if self.backend is not None and (self.loaded is None or self.loaded[0] != job_id):
             self.backend.close()  # another job's model: start from a fresh backend
@@ -84,11 +87,11 @@ class Versions:
         if self.backend is None:
             self.backend = self._backend_factory()
         if self.loaded is not None and self.loaded[0] == job_id:
-            self.backend.reload(folder.path)
+            self.backend.reload(model_dir, adapter_dir)
             action = "swapped to"
         else:
-            self.backend.load(folder.path)
-            self.tokenizer = _tokenizer_of(self.backend, folder.path)
+            self.backend.load(model_dir, adapter_dir)
+            self.tokenizer = _tokenizer_of(self.backend, model_dir)
             action = "loaded"
         self.loaded = (job_id, version)
         self.stats.job_id, self.stats.version_loaded = job_id, version
@@ -123,6 +126,7 @@ class Versions:
         job_id, keep = self.target[0], {self.target[1]}
         if self.loaded is not None and self.loaded[0] == job_id:
             keep.add(self.loaded[1])
+        keep |= {b for v in keep if (b := self.store.adapter_base(job_id, v)) is not None}  # LoRA bases
         with self._lock:  # never delete what a download in flight reads or writes
             if self._thread is not None and self._thread.is_alive() and self._plan[0] == job_id:
                 keep |= self._plan[1]
@@ -168,9 +172,16 @@ class Versions:
         manifest = self.control.manifest(step.manifest_url)
         if (manifest.version, manifest.form) != (step.version, step.form):
             raise ValueError(f"{step.manifest_url} is not the {step.form.value} form of version {step.version}")
+        digest, held = files_digest(manifest.target_files()), self.store.open(a.job_id, manifest, relay_key)
+        if step.shared and not held.complete and (cached := self.store.shared(digest)) is not None \
+                and held.adopt(cached):
+            log.info("version %d of job %s is a base model this worker already holds", step.version, a.job_id)
+            return FetchResult(held=held, seconds=0.0)
         result = self.downloader.fetch(a.job_id, manifest, parents, wanted, relay_key)
         if manifest.form is Form.delta:
             self._apply(a.job_id, manifest, result.held.model_dir, result.held.rebuilt_dir)
+        elif step.shared:
+            self.store.share(digest, result.held.model_dir)
         return result
 
     def _apply(self, job_id: str, manifest: Manifest, payload: Path, out: Path) -> None:

@@ -155,6 +155,8 @@ class FetchStep(ReadModel):
     form: Form
     manifest_url: str
     size: int = Field(description="Bytes to download for this step.")
+    shared: bool = Field(False, description="A base model LoRA adapters apply to: keep it by the digest of its "
+                         "files, for every job on the same base.")
 
 
 class Assignment(ReadModel):

@@ -78,6 +78,22 @@ class WeightsConfig(Model):
                                 "final one) is also published in full, for workers that hold no recent version.")
 
 
+LoraTarget = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.]+$")]
+
+
+class LoraConfig(Model):
+    """Train a LoRA adapter (peft) instead of every weight. The job's first version is the base model;
+    later ones carry only the adapter (in full: it is small, and all of it changes every step); the final
+    one is the merged model with the adapter beside it, in `adapter/`."""
+
+    rank: int = Field(16, ge=1, le=256, description="r: the adapter's rank.")
+    alpha: float = Field(32.0, gt=0, le=4096, description="lora_alpha: the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: list[LoraTarget] = Field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"], min_length=1, max_length=32,
+        description="Names of the linear layers that get an adapter (the attention projections by default).")
+
+
 class LearnerResources(Model):
     gpus: int = Field(0, ge=0, le=64, description="GPUs on the reserved learner cluster (0 = CPU). More than 1 "
                       "runs the learner as torchrun with FSDP, one process per GPU (CPU processes without CUDA).")
@@ -115,6 +131,7 @@ class JobSpec(Model):
     budget_usd: float | None = Field(None, ge=0, le=1_000_000, description="Stop the job when spent.")
     learner: LearnerResources = Field(default_factory=LearnerResources)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    lora: LoraConfig | None = Field(None, description="Train a LoRA adapter instead of the full model.")
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="Learner checkpoint period in steps.")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     priority: int = Field(0, ge=-100, le=100, description="Higher first when jobs compete for workers.")
@@ -128,6 +145,8 @@ class JobSpec(Model):
             )
         if self.dataset_id is not None and self.prompts is not None:
             raise ValueError("give either dataset_id or inline prompts, not both")
+        if self.lora is not None and self.learner.gpus > 1:
+            raise ValueError("a LoRA job runs its learner in one process: set learner.gpus to 0 or 1")
         return self
 
     def admissible(self, step: int, version: int) -> bool:

@@ -72,17 +72,19 @@ class GenSample:
 
 
 class GenerationBackend(ABC):
-    """Loads an HF model folder (safetensors only) and samples groups of completions."""
+    """Loads an HF model folder (safetensors only), optionally with a LoRA adapter folder (peft's
+    adapter_config.json + adapter_model.safetensors) applied to it, and samples groups of completions."""
 
     name: str = "base"
 
     @abstractmethod
-    def load(self, model_dir: Path) -> None:
-        """Load weights, config and tokenizer from an HF folder."""
+    def load(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
+        """Load weights, config and tokenizer from an HF folder, and the adapter when given."""
 
     @abstractmethod
-    def reload(self, model_dir: Path) -> None:
-        """Swap in the weights of a newer version (same architecture) in place."""
+    def reload(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
+        """Swap in the weights of a newer version (same architecture) in place: a new model folder, or a
+        new adapter on the same base."""
 
     @abstractmethod
     def generate(self, requests: list[GenRequest]) -> list[list[GenSample]]:
@@ -110,6 +112,20 @@ def safetensors_files(model_dir: Path) -> list[Path]:
         hint = f" (found pickled weights {pickled}; only safetensors are loaded)" if pickled else ""
         raise BackendError(f"{model_dir} has no *.safetensors weights{hint}")
     return files
+
+
+def adapter_files(adapter_dir: Path) -> tuple[dict[str, object], Path]:
+    """An adapter folder's config and weights file; refuses folders that are not one."""
+    import json
+
+    config, weights = Path(adapter_dir) / "adapter_config.json", Path(adapter_dir) / "adapter_model.safetensors"
+    if not config.is_file() or not weights.is_file():
+        raise BackendError(f"{adapter_dir} is not a LoRA adapter folder (adapter_config.json and "
+                           "adapter_model.safetensors)")
+    try:
+        return json.loads(config.read_text()), weights
+    except ValueError as exc:
+        raise BackendError(f"{config} is not valid JSON: {exc}") from exc
 
 
 def model_eos_token_ids(model_dir: Path) -> set[int]:

@@ -20,6 +20,7 @@ from echo2_worker.backends.base import (
     GenerationBackend,
     GenRequest,
     GenSample,
+    adapter_files,
     model_eos_token_ids,
     safetensors_files,
 )
@@ -42,11 +43,12 @@ class TransformersBackend(GenerationBackend):
         self.model: Any = None
         self.tokenizer: Any = None
         self.model_dir: Path | None = None
+        self.adapter_dir: Path | None = None
         self._eos_ids: set[int] = set()
 
     # -- loading ---------------------------------------------------------------------------------
 
-    def load(self, model_dir: Path) -> None:
+    def load(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model_dir = Path(model_dir)
@@ -55,29 +57,48 @@ class TransformersBackend(GenerationBackend):
         dtype = self._resolve_dtype(device)
         t0 = time.monotonic()
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True).to(device)
+        self.adapter_dir = None
+        if adapter_dir is not None:
+            self._wrap(Path(adapter_dir))
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_dir = model_dir
         self._eos_ids = model_eos_token_ids(model_dir)
         if self.tokenizer.eos_token_id is not None:
             self._eos_ids.add(int(self.tokenizer.eos_token_id))
-        log.info("loaded %s on %s (%s) in %.1fs", model_dir, device, dtype, time.monotonic() - t0)
+        log.info("loaded %s%s on %s (%s) in %.1fs", model_dir, f" with adapter {adapter_dir}" if adapter_dir else "",
+                 device, dtype, time.monotonic() - t0)
 
-    def reload(self, model_dir: Path) -> None:
-        """Copy the new folder's tensors into the live parameters (no re-instantiation).
+    def _wrap(self, adapter_dir: Path) -> None:
+        from peft import PeftModel
+
+        adapter_files(adapter_dir)
+        self.model = PeftModel.from_pretrained(self.model, adapter_dir)
+        self.adapter_dir = adapter_dir
+
+    def reload(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
+        """Copy the new folder's tensors into the live parameters (no re-instantiation); with an adapter
+        on the base already loaded, only the adapter's.
 
         Every name and shape is checked from the safetensors headers before the first copy, so a
         folder of another architecture leaves the loaded weights untouched.
         """
+        if self.model is None or (self.adapter_dir is None) != (adapter_dir is None) or (
+                adapter_dir is not None and Path(model_dir) != self.model_dir):
+            self.load(model_dir, adapter_dir)  # another base, or adapters on or off: load afresh
+            return
+        if adapter_dir is not None:
+            self._copy_in(adapter_files(Path(adapter_dir))[1:], _adapter_params(self.model), adapter_dir)
+            self.adapter_dir = Path(adapter_dir)
+            return
+        model_dir = Path(model_dir)
+        self._copy_in(safetensors_files(model_dir), dict(self.model.state_dict()), model_dir)
+        self.model_dir = model_dir
+
+    def _copy_in(self, files: list[Path] | tuple[Path, ...], params: dict[str, Any], source: Path) -> None:
         import torch
         from safetensors import safe_open
 
-        if self.model is None:
-            self.load(model_dir)
-            return
-        model_dir = Path(model_dir)
-        files = safetensors_files(model_dir)
-        params = dict(self.model.state_dict())
         t0 = time.monotonic()
         covered: set[int] = set()  # storages that will be written; tied weights share one
         for file in files:
@@ -88,20 +109,19 @@ class TransformersBackend(GenerationBackend):
                     if target is None or tuple(target.shape) != shape:
                         have = None if target is None else tuple(target.shape)
                         raise BackendError(
-                            f"{model_dir}: tensor {key} {shape} does not fit the loaded model ({have}); "
+                            f"{source}: tensor {key} {shape} does not fit the loaded model ({have}); "
                             "not the same architecture"
                         )
                     covered.add(target.data_ptr())
         missing = [k for k, t in params.items() if t.data_ptr() not in covered]
         if missing:
-            raise BackendError(f"{model_dir} lacks {len(missing)} tensors, e.g. {missing[:3]}")
+            raise BackendError(f"{source} lacks {len(missing)} tensors, e.g. {missing[:3]}")
         with torch.no_grad():
             for file in files:
                 with safe_open(str(file), framework="pt") as f:
                     for key in f.keys():  # noqa: SIM118
                         params[key].copy_(f.get_tensor(key))  # copy_ casts dtype and moves device
-        self.model_dir = model_dir
-        log.info("reloaded weights from %s in %.1fs", model_dir, time.monotonic() - t0)
+        log.info("reloaded weights from %s in %.1fs", source, time.monotonic() - t0)
 
     def close(self) -> None:
         self.model = None
@@ -235,6 +255,11 @@ class _RowSampler:
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         picked = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(self.generators)])
         return picked, logp.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
+
+
+def _adapter_params(model: Any) -> dict[str, Any]:
+    """The loaded adapter's tensors under the names peft saves them by (no adapter name in them)."""
+    return {k.replace(".default.", "."): v for k, v in model.state_dict().items() if "lora_" in k}
 
 
 def _chunks(requests: list[GenRequest], max_rows: int) -> list[list[GenRequest]]:

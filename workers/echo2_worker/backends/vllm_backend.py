@@ -20,11 +20,16 @@ cross the process boundary, no pickled callables). On CPU the prepacked GEMM wei
 that shares a Parameter (a tied lm_head) are then re-packed (see _refresh_cpu_packed_weights).
 Finally the prefix cache is reset: its KV blocks were computed with the old weights. A vLLM
 without reload_weights, or a folder with another architecture, gets a new engine instead.
+
+LoRA. With an adapter the engine serves the base (enable_lora, max_lora_rank the smallest size that
+fits the adapter's r) and every request names the adapter (a LoRARequest); a newer adapter on the same
+base gets a new request id, and the engine stays.
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import json
 import logging
 import time
@@ -36,6 +41,7 @@ from echo2_worker.backends.base import (
     GenerationBackend,
     GenRequest,
     GenSample,
+    adapter_files,
     model_eos_token_ids,
     safetensors_files,
 )
@@ -43,6 +49,7 @@ from echo2_worker.backends.base import (
 log = logging.getLogger(__name__)
 
 LOGITS_PROCESSOR_FQCN = f"{__name__}:LogSoftmaxProcessor"
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
 WORKER_EXTENSION_FQCN = f"{__name__}.Echo2WorkerExtension"
 # config.json fields that must match for an in-place reload to be valid.
 _ARCH_FIELDS = (
@@ -84,15 +91,21 @@ class VLLMBackend(GenerationBackend):
         self.model_dir: Path | None = None
         self._eos_ids: set[int] = set()
         self._arch: dict[str, Any] = {}
+        self._rank: int | None = None  # the engine's max LoRA rank; None: no adapters
+        self._lora: Any = None  # the adapter every request uses (a vllm LoRARequest)
+        self._lora_ids = itertools.count(1)
 
-    def load(self, model_dir: Path) -> None:
+    def load(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
         from vllm import LLM
 
         model_dir = Path(model_dir)
         safetensors_files(model_dir)
+        rank = _lora_rank(adapter_dir) if adapter_dir is not None else None
         self.close()
         t0 = time.monotonic()
         kwargs = {k: v for k, v in self.engine_kwargs.items() if v is not None}
+        if rank is not None:  # LoRA: the engine serves the base; each request names the adapter
+            kwargs.update(enable_lora=True, max_lora_rank=rank, max_loras=1)
         self.llm = LLM(
             model=str(model_dir),
             tokenizer=str(model_dir),
@@ -102,7 +115,8 @@ class VLLMBackend(GenerationBackend):
             worker_extension_cls=WORKER_EXTENSION_FQCN,
             **kwargs,
         )
-        self.model_dir = model_dir
+        self.model_dir, self._rank = model_dir, rank
+        self._use_adapter(adapter_dir)
         self._arch = _arch_signature(model_dir)
         self._eos_ids = model_eos_token_ids(model_dir)
         eos = getattr(self.llm.get_tokenizer(), "eos_token_id", None)
@@ -110,12 +124,17 @@ class VLLMBackend(GenerationBackend):
             self._eos_ids.add(int(eos))
         log.info("vLLM engine for %s ready in %.1fs", model_dir, time.monotonic() - t0)
 
-    def reload(self, model_dir: Path) -> None:
+    def reload(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
         model_dir = Path(model_dir)
         safetensors_files(model_dir)
-        if self.llm is None or _arch_signature(model_dir) != self._arch:
-            log.info("architecture changed (or no engine): re-creating the vLLM engine")
-            self.load(model_dir)
+        if self._rank is not None and adapter_dir is not None and model_dir == self.model_dir and \
+                _lora_rank(adapter_dir) <= self._rank:
+            self._use_adapter(adapter_dir)  # a new adapter on the same base: the engine stays
+            return
+        adapters_changed = (self._rank is None) != (adapter_dir is None)
+        if self.llm is None or _arch_signature(model_dir) != self._arch or adapters_changed:
+            log.info("architecture or adapter use changed (or no engine): re-creating the vLLM engine")
+            self.load(model_dir, adapter_dir)
             return
         t0 = time.monotonic()
         results = self.llm.collective_rpc("echo2_reload_weights", args=(str(model_dir),))
@@ -155,13 +174,27 @@ class VLLMBackend(GenerationBackend):
                         include_stop_str_in_output=True,
                     )
                 )
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        outputs = self.llm.generate(prompts, params, use_tqdm=False, lora_request=self._lora)
         samples = [_to_sample(o.outputs[0]) for o in outputs]
         grouped, start = [], 0
         for r in requests:
             grouped.append(samples[start : start + r.n])
             start += r.n
         return grouped
+
+    def _use_adapter(self, adapter_dir: Path | None) -> None:
+        """Name `adapter_dir` in every request from now on. Each adapter gets a new id: vLLM caches
+        adapters by id, so a new version is never served from the old one's cache."""
+        if adapter_dir is None:
+            self._lora = None
+            return
+        from vllm.lora.request import LoRARequest
+
+        adapter_files(adapter_dir)
+        if self._lora is not None:
+            self.llm.llm_engine.remove_lora(self._lora.lora_int_id)
+        lora_id = next(self._lora_ids)
+        self._lora = LoRARequest(f"echo2-{lora_id}", lora_id, str(adapter_dir))
 
     def close(self) -> None:
         if self.llm is None:
@@ -220,6 +253,16 @@ def _refresh_cpu_packed_weights(worker: Any) -> int:
             dispatch_cpu_unquantized_gemm(module, remove_weight=False)
             count += 1
     return count
+
+
+def _lora_rank(adapter_dir: Path) -> int:
+    """The engine's max LoRA rank for this adapter: the smallest size vLLM offers that fits its r."""
+    config, _ = adapter_files(adapter_dir)
+    r = int(config.get("r", 0) or 0)  # type: ignore[call-overload]
+    fitting = [size for size in LORA_RANKS if size >= r]
+    if r < 1 or not fitting:
+        raise BackendError(f"{adapter_dir}: LoRA rank {r} is not one vLLM can serve (1..{LORA_RANKS[-1]})")
+    return fitting[0]
 
 
 def _arch_signature(model_dir: Path) -> dict[str, Any]:
