@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from echo2.deltas import Folder, build_delta, file_refs
 from echo2.protocol import Manifest
 from echo2.snapshots import build_manifest, iter_stream
 
@@ -17,6 +18,7 @@ from scheduler.reconcile import TickReport, tick
 
 from .conftest import Api
 
+DELTA_CHUNK = 4096
 SHA = "X-Echo2-Sha256"
 
 
@@ -88,6 +90,38 @@ def publish_forms(learner: httpx.Client, job_id: str, forms: list[tuple[Path, Ma
             assert r.status_code == 204, r.text
         body[manifest.form.value] = manifest.model_dump(mode="json")
     return ok(learner.post(f"/v1/jobs/{job_id}/versions", json=body), 201)
+
+
+def version_folder(root: Path, version: int) -> Path:
+    """Version v of a toy model: a float32 tensor of which version v changed 1 % of the elements."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 512)).astype("float32")
+    for v in range(1, version + 1):
+        changed = np.random.default_rng(v).choice(w.size, w.size // 100, replace=False)
+        w.flat[changed] += 1e-3
+    folder = root / f"v{version}"
+    folder.mkdir(parents=True)
+    save_file({"w": w}, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text('{"model_type": "test"}')
+    return folder
+
+
+def forms(root: Path, version: int, full: bool = True, delta: bool = True) -> list[tuple[Path, Manifest]]:
+    folder = version_folder(root, version)
+    out = []
+    if full:
+        out.append((folder, build_manifest(folder, version, version, DELTA_CHUNK)))
+    if delta:
+        base = root / f"v{version - 1}"
+        payload = root / f"d{version}"
+        manifest = build_delta(Folder(version - 1, base, file_refs(base)), Folder(version, folder, file_refs(folder)),
+                               payload, version, DELTA_CHUNK)
+        assert manifest is not None
+        out.append((payload, manifest))
+    return out
 
 
 def fake_model_folder(root: Path, seed: int = 0) -> Path:

@@ -3,17 +3,13 @@ is told to fetch."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import numpy as np
 import pytest
-from echo2.deltas import Folder, apply_delta, build_delta, file_refs
+from echo2.deltas import Folder, apply_delta, file_refs
 from echo2.protocol import Manifest
-from echo2.snapshots import build_manifest
-from safetensors.numpy import save_file
 
 from tests.factories import (
     activate,
+    forms,
     new_job,
     new_provider,
     new_user,
@@ -22,38 +18,8 @@ from tests.factories import (
     publish_forms,
     running_job,
     start_learner,
+    version_folder,
 )
-
-CHUNK = 4096
-
-
-def version_folder(root: Path, version: int) -> Path:
-    """Version v of a toy model: a float32 tensor of which version v changed 1 % of the elements."""
-    rng = np.random.default_rng(0)
-    w = rng.standard_normal((64, 512)).astype("float32")
-    for v in range(1, version + 1):
-        changed = np.random.default_rng(v).choice(w.size, w.size // 100, replace=False)
-        w.flat[changed] += 1e-3
-    folder = root / f"v{version}"
-    folder.mkdir(parents=True)
-    save_file({"w": w}, str(folder / "model.safetensors"))
-    (folder / "config.json").write_text('{"model_type": "test"}')
-    return folder
-
-
-def forms(root: Path, version: int, full: bool = True, delta: bool = True) -> list[tuple[Path, Manifest]]:
-    folder = version_folder(root, version)
-    out = []
-    if full:
-        out.append((folder, build_manifest(folder, version, version, CHUNK)))
-    if delta:
-        base = root / f"v{version - 1}"
-        payload = root / f"d{version}"
-        manifest = build_delta(Folder(version - 1, base, file_refs(base)), Folder(version, folder, file_refs(folder)),
-                               payload, version, CHUNK)
-        assert manifest is not None
-        out.append((payload, manifest))
-    return out
 
 
 @pytest.fixture

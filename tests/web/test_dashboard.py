@@ -21,14 +21,16 @@ from tests.conftest import ADMIN_KEY
 from tests.factories import (
     activate,
     fake_model_folder,
+    forms,
     new_job,
     new_provider,
     new_worker,
     ok,
-    publish,
+    publish_forms,
     running_job,
     step_report,
     submit_group,
+    version_folder,
 )
 from tests.web.conftest import Dashboard, close_dashboard, open_dashboard
 
@@ -44,9 +46,10 @@ def expect_text(ui: Dashboard, selector: str, pattern: str) -> None:
     ui.page.locator(selector).filter(has_text=re.compile(pattern)).first.wait_for()
 
 
-def train_step(api: Any, job: dict[str, Any], learner: httpx.Client, worker: httpx.Client, folder: Path,
+def train_step(api: Any, job: dict[str, Any], learner: httpx.Client, worker: httpx.Client, root: Path,
                step: int, reward: float) -> None:
-    """One learner step the way the real parts do it: lease, rollouts, claim, report, publish."""
+    """One learner step the way the real parts do it: lease, rollouts, claim, report, publish (in full
+    and as a delta; version 2 as a delta only)."""
     jid = job["id"]
     lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 2, "version": step}), 201)
     ids = [ok(submit_group(worker, lease, p, step))["results"][0]["rollout_id"] for p in lease["prompts"]]
@@ -56,7 +59,7 @@ def train_step(api: Any, job: dict[str, Any], learner: httpx.Client, worker: htt
     report = step_report(step, ids, t_train_s=0.5, reward_mean=reward, loss=0.3 - 0.05 * step, kl=0.01 * step,
                          clip_frac=0.05, tokens=24)
     ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
-    publish(learner, jid, folder, version=step + 1, step=step + 1)
+    publish_forms(learner, jid, forms(root, step + 1, full=step + 1 != 2))
     held = {"status": "active", "job_id": jid, "version_held": step + 1}
     ok(worker.post(f"/v1/workers/{lease['worker_id']}/heartbeat", json=held))  # the worker fetched it
 
@@ -71,7 +74,7 @@ def reconcile(api: Any) -> None:
 def training(api, tmp_path):
     """Alice's running job (version 0 published) with one active worker of a provider."""
     key, alice = user_key(api)
-    folder = fake_model_folder(tmp_path / "model")
+    folder = version_folder(tmp_path / "model", 0)
     job, learner = running_job(api, alice, folder, name="reward-climb", staleness=2, max_steps=5)
     _, provider = new_provider(api, "gpu-co")
     wid, worker = new_worker(api, provider, name="rtx-1", gpu_model="RTX 4090", gpu_count=1, vram_gb=24,
@@ -79,7 +82,7 @@ def training(api, tmp_path):
     activate(api, wid, job["id"])
     ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={"status": "active", "job_id": job["id"], "version_held": 0}))
     return {"key": key, "alice": alice, "job": job, "learner": learner, "worker": worker, "worker_id": wid,
-            "folder": folder}
+            "folder": folder, "root": folder.parent}
 
 
 def test_login_with_keyboard_then_logout(api, ui):
@@ -190,7 +193,7 @@ def test_reward_chart_gains_points_as_the_job_trains(api, ui, training):
     ui.page.evaluate("window.__sameDocument = true")
     chart = ui.page.locator('figure[data-chart="reward"]')
     for step, reward in enumerate([0.2, 0.45, 0.7]):
-        train_step(api, job, training["learner"], training["worker"], training["folder"], step, reward)
+        train_step(api, job, training["learner"], training["worker"], training["root"], step, reward)
         ui.page.locator(f'figure[data-chart="reward"][data-points="{step + 1}"]').wait_for()
     assert ui.page.evaluate("window.__sameDocument") is True  # updated in place, never reloaded
     assert re.search(r"3 points; at step 2: mean reward 0\.7", chart.locator(".plot").get_attribute("aria-label"))
@@ -202,10 +205,13 @@ def test_reward_chart_gains_points_as_the_job_trains(api, ui, training):
     expect_text(ui, "#versions-table tbody tr:first-child th", "^3$")
     assert ui.page.locator("#versions-table tbody tr").count() == 4
     expect_text(ui, "#versions-table tbody tr:first-child", r"1 · 1\s+\d+(\.\d+)? (ms|s)")  # its dissemination time
+    expect_text(ui, "#versions-table tbody tr:first-child", r"\d+(\.\d+)? KB\s*\d+(\.\d+)? (KB|B)")  # full, delta
+    expect_text(ui, "#versions-table tbody tr:nth-child(2)", "delta only")
     # S = 2 at step 3: no rollout can use version 0 any more, so its weights are gone and not offered
     expect_text(ui, "#versions-table tbody tr:last-child", "deleted")
     options = ui.page.locator("#ckpt-version option").all_inner_texts()
     assert not any(o.startswith("Version 0 ") for o in options) and any(o.startswith("Version 3 ") for o in options)
+    assert not any(o.startswith("Version 2 ") for o in options)  # a delta only: nothing to download
     expect_text(ui, "#workers-table tbody tr", "rtx-1")
     expect_text(ui, "#rollouts li.rollout", "trained at step 2")
     ui.page.locator("#rollouts li.rollout summary").first.click()
@@ -419,7 +425,7 @@ def test_polling_pauses_while_the_tab_is_hidden(api, ui):
 
 def test_pages_fit_a_phone(api, browser, api_routes, training):
     for step, reward in enumerate([0.3, 0.6]):
-        train_step(api, training["job"], training["learner"], training["worker"], training["folder"], step, reward)
+        train_step(api, training["job"], training["learner"], training["worker"], training["root"], step, reward)
     reconcile(api)
     context, ui = open_dashboard(browser, api, api_routes, viewport={"width": 390, "height": 844},
                                  is_mobile=True, has_touch=True, device_scale_factor=2)

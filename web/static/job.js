@@ -192,10 +192,12 @@ E2.page("job", () => {
     const rows = versions.slice().reverse().map((v) => h("tr", { dataset: { key: String(v.version) } },
       h("th", { scope: "row", class: "num" }, String(v.version)),
       h("td", { class: "num" }, String(v.step)),
-      h("td", { class: "num" }, v.available ? fmt.bytes(v.total_size)
-        : h("span", { class: "muted", title: "Weights deleted: no rollout can use them and they are not a kept checkpoint" },
-          "deleted")),
-      h("td", { class: "num" }, String(v.num_chunks)),
+      h("td", { class: "num" }, !v.available
+        ? h("span", { class: "muted", title: "Weights deleted: no rollout can use them and they are not a kept checkpoint" },
+          "deleted")
+        : v.total_size === null ? h("span", { class: "muted" }, "delta only")
+          : [fmt.bytes(v.total_size), v.adapter ? " adapter" : ""]),
+      h("td", { class: "num" }, v.available && v.delta_size !== null ? fmt.bytes(v.delta_size) : "–"),
       h("td", { class: "bar-cell" },
         h("meter", { min: 0, max: slowest, value: v.publish_seconds || 0, "aria-hidden": "true" }),
         " ", fmt.secs(v.publish_seconds)),
@@ -203,7 +205,7 @@ E2.page("job", () => {
       h("td", { class: "bar-cell" }, ...dissemination(v, slowestSpread)),
       h("td", {}, timeEl(v.created_at, true))));
     fillRows($("#versions-table tbody"), rows, "No version published yet.", 8);
-    const stored = versions.filter((v) => v.available);
+    const stored = versions.filter((v) => v.available && v.total_size !== null);  // a delta only: no download
     const storedKey = stored.map((v) => v.version).join();
     if (storedKey !== versionsSeen) {
       versionsSeen = storedKey;
