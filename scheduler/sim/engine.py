@@ -9,7 +9,9 @@ What is modelled
     at step t iff JobSpec.admissible(t, x) (t − x ≤ S); staler groups are dropped at the claim
     and their prompts return to the pool. Every κ steps it publishes the version it is about
     to train; workers hear of it `notice_s` later (0: the live long-poll) and then fetch it.
-  * Relay dissemination of each version over the job's active workers (scheduler.sim.relay).
+  * Relay dissemination of each version over the job's active workers (scheduler.sim.relay): the
+    job's `version_gb` (a delta or an adapter) to workers holding the previous version, the whole
+    `model_gb` to a newly activated one.
   * Workers: `concurrency` groups at once, T_gen each, always with the newest version they
     hold; billed from activation to deactivation or death. Preemption (per type or as a
     scenario event) and rejoin.
@@ -271,7 +273,7 @@ class Simulation:
         relay = self.sc.relay
         peers = [Peer(i, w.spec.down_Bps, w.spec.up_Bps) for i, w in enumerate(self.workers) if w.job is job]
         b = broadcast(
-            peers, job.spec.model_gb * 1e9, relay.chunk_mb * 1e6, relay.origin_up_mbps * 1e6 / 8,
+            peers, job.spec.version_bytes, relay.chunk_mb * 1e6, relay.origin_up_mbps * 1e6 / 8,
             relay.topology, relay.fanout, relay.hop_latency_s, relay.origin_fanout,
         )  # fmt: skip
         if peers:

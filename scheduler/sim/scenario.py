@@ -31,7 +31,10 @@ class JobSpec:
     max_steps: int
     publish_period: int = 1  # κ
     headroom: float = 0.1  # h; negative under-provisions on purpose
-    model_gb: float = 8.0  # bytes broadcast per version, in GB
+    model_gb: float = 8.0  # a whole version, in GB: what a newly activated worker fetches
+    # What a worker holding the previous version fetches per version (a delta, or a LoRA adapter), in GB;
+    # None: whole versions every time.
+    version_gb: float | None = None
     vram_need_gb: float = 0.0
     backends: tuple[str, ...] = ()
     priority: int = 0
@@ -39,6 +42,10 @@ class JobSpec:
     learner_price_per_h: float = 0.0  # the reserved learner cluster
     gen_scale: float = 1.0  # this job's T_gen relative to the worker type's reference T_gen
     t_train_jitter: float = 0.0  # relative spread of a step's duration (uniform ±)
+
+    @property
+    def version_bytes(self) -> float:
+        return (self.version_gb if self.version_gb is not None else self.model_gb) * 1e9
 
     def profile(self, t_train_s: float | None = None) -> JobProfile:
         return JobProfile(

@@ -210,3 +210,23 @@ def test_spot_preemption_and_rejoin_lose_nothing():
     assert job.completed and job.prompts_lost == 0 and job.prompts_consumed == job.prompts_total
     assert all(r.returned_at - r.killed_at <= sc.lease_ttl_s + sc.tick_s for r in result.lease_returns)
     assert job.utilisation > 0.85
+
+
+def test_deltas_let_workers_on_slow_links_stay_fresh():
+    """Home uplinks: whole 2 GB versions never arrive within S steps, 20 MB deltas do (bench/freshness_bytes.py)."""
+    from scheduler.sim.engine import simulate
+    from scheduler.sim.scenario import scenario_from_dict
+
+    def run(version_gb: float | None) -> float:
+        scenario = scenario_from_dict({
+            "name": "slow-links", "tick_s": 2.0, "solver": {"method": "all"},
+            "jobs": [{"id": "j", "rollouts_per_step": 8, "t_train_s": 20.0, "staleness": 2, "max_steps": 30,
+                      "model_gb": 2.0, "version_gb": version_gb}],
+            "worker_types": [{"name": "home", "count": 4, "price_per_h": 0.2, "vram_gb": 24,
+                              "backend": "transformers", "concurrency": 1, "t_gen_s": 2.0,
+                              "down_mbps": [100, 100], "up_mbps": [20, 20]}],
+        })
+        return simulate(scenario).jobs[0].steady_utilisation
+
+    whole, deltas = run(None), run(0.02)
+    assert deltas > 0.9 and deltas > whole + 0.2, (whole, deltas)
