@@ -21,9 +21,12 @@ def demo_spec(model: str, steps: int | None, staleness: int) -> dict[str, Any]:
     spec: dict[str, Any] = {
         "name": f"demo-{model}", "base_model": MODELS[model], "staleness": staleness, "publish_period": 1,
         "task": {"name": d["task"], "params": d["task_params"]}, "max_steps": steps or 130, "checkpoint_every": 10,
+        # The settings the learning test validated (tests/learner/test_learns.py), all of them.
         "grpo": {"group_size": d["group_size"], "prompts_per_step": d["prompts_per_step"], "lr": d["lr"],
+                 "adam_betas": d["adam_betas"], "weight_decay": d["weight_decay"], "max_grad_norm": d["grad_clip"],
                  "max_new_tokens": d["max_new_tokens"], "temperature": d["temperature"], "eps_low": d["eps_low"],
-                 "eps_high": d["eps_high"], "ratio_cap": d["ratio_cap"]},
+                 "eps_high": d["eps_high"], "ratio_cap": d["ratio_cap"], "kl_coef": d["kl_coef"],
+                 "loss_agg": d["length_norm"], "scale_rewards": d["scale_by_std"]},
     }
     if model == "smollm2":  # a real instruct model: gentler updates, smaller steps on CPU
         spec["grpo"].update({"lr": 1e-5, "prompts_per_step": 8, "group_size": 4, "max_new_tokens": 16})

@@ -8,7 +8,7 @@ holds them) and runs two tests on every completion token y_t of every sample:
    it; a token whose reported value is off by more than `token_tol` nats is a bad token, and more than
    `max_bad_tokens` of them fail the group. Catches invented logprobs, a flipped token whose logprob
    was left alone, another model's or another temperature's logprobs.
-2. Likelihood check. Tokens sampled honestly from p~_t (q_t truncated to its top-p nucleus and
+2. Likelihood check. Tokens sampled honestly from p~_t (q_t truncated to its top-k/top-p nucleus and
    renormalised) have E[log q_t(y_t)] = m_t = sum_y p~_t(y) log q_t(y) and variance v_t, so
        z = sum_t (log q_t(y_t) - m_t) / sqrt(sum_t v_t)
    is a sum of martingale differences, about N(0, 1) for an honest group. |z| > z_crit fails it.
@@ -67,15 +67,16 @@ class _Scores:
     reported: torch.Tensor  # [N]
     expected: torch.Tensor  # [N] m_t
     variance: torch.Tensor  # [N] v_t
-    outside: int  # tokens outside their top-p nucleus
+    outside: int  # tokens outside their top-k/top-p nucleus
 
 
 @torch.no_grad()
 def audit_group(model: Any, prompt_token_ids: list[int], samples: Sequence[tuple[list[int], list[float]]], *,
-                temperature: float, top_p: float, pad_id: int, config: AuditConfig | None = None) -> AuditResult:
+                temperature: float, top_p: float, pad_id: int, config: AuditConfig | None = None,
+                top_k: int = 0) -> AuditResult:
     """Re-score one group (every sample answers the same prompt) under `model` and test it."""
     config = config or AuditConfig()
-    scores = _score(model, prompt_token_ids, samples, temperature, top_p, pad_id)
+    scores = _score(model, prompt_token_ids, samples, temperature, top_p, top_k, pad_id)
     diff = (scores.picked - scores.reported).abs()
     bad = int((diff > config.token_tol).sum())
     spread = float(scores.variance.sum())
@@ -92,14 +93,15 @@ def _verdict(config: AuditConfig, bad: int, tokens: int, worst: float, z: float,
         return (f"logprob mismatch: {bad} of {tokens} tokens off by more than {config.token_tol:g} nat "
                 f"(largest {worst:.3g})")
     if outside:
-        return f"{outside} of {tokens} tokens lie outside the top-p nucleus: no sampler at these settings draws them"
+        return (f"{outside} of {tokens} tokens lie outside the top-k/top-p nucleus: no sampler at these settings "
+                "draws them")
     if not math.isfinite(z) or abs(z) > config.z_crit:
         return f"implausible tokens at temperature {temperature:g}: likelihood z = {z:.1f} (bound {config.z_crit:g})"
     return None
 
 
 def _score(model: Any, prompt: list[int], samples: Sequence[tuple[list[int], list[float]]], temperature: float,
-           top_p: float, pad_id: int) -> _Scores:
+           top_p: float, top_k: int, pad_id: int) -> _Scores:
     completions = [list(tokens) for tokens, _ in samples]
     batch = pad_batch([prompt] * len(samples), completions, pad_id).to(next(model.parameters()).device)
     c = batch.completion_len
@@ -109,10 +111,10 @@ def _score(model: Any, prompt: list[int], samples: Sequence[tuple[list[int], lis
     targets = batch.input_ids[:, -c:]
     mask = batch.completion_mask.bool()
     picked = logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    sampling = _nucleus(logq.exp(), top_p)
+    sampling = _nucleus(logq.exp(), top_p, top_k)
     expected = (sampling * logq).sum(-1)
     variance = (sampling * logq.square()).sum(-1) - expected.square()
-    possible = _nucleus(logq.exp(), min(1.0, top_p + NUCLEUS_SLACK)) if top_p < 1.0 else sampling
+    possible = _nucleus(logq.exp(), min(1.0, top_p + NUCLEUS_SLACK), top_k) if top_p < 1.0 else sampling
     outside = int(((possible.gather(-1, targets.unsqueeze(-1)).squeeze(-1) <= 0) & mask).sum())
     reported = torch.zeros_like(picked)
     for i, (_, logprobs) in enumerate(samples):
@@ -121,12 +123,15 @@ def _score(model: Any, prompt: list[int], samples: Sequence[tuple[list[int], lis
                    outside)
 
 
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """The distribution a top-p sampler draws from: the smallest prefix of tokens (by probability)
-    whose mass reaches top_p, renormalised — the same rule as the workers' samplers."""
-    if top_p >= 1.0:
+def _nucleus(probs: torch.Tensor, top_p: float, top_k: int = 0) -> torch.Tensor:
+    """The distribution a top-k/top-p sampler draws from: the k most likely tokens, then the smallest
+    prefix of them whose mass reaches top_p of theirs, renormalised — the same rule as the workers'
+    samplers (and vLLM's)."""
+    if top_p >= 1.0 and top_k <= 0:
         return probs
     sorted_p, order = probs.sort(dim=-1, descending=True)
-    sorted_p = sorted_p.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= top_p, 0.0)
+    if top_k > 0:
+        sorted_p[..., top_k:] = 0.0
+    sorted_p = sorted_p.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= top_p * sorted_p.sum(-1, keepdim=True), 0.0)
     kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)
     return kept / kept.sum(-1, keepdim=True)

@@ -56,7 +56,7 @@ class Auditor:
             g = self.spec.grpo
             samples = [(list(s.token_ids), list(s.logprobs)) for s in group.samples]
             return audit_group(model, list(group.prompt_token_ids), samples, temperature=g.temperature,
-                               top_p=g.top_p, pad_id=self.pad_id, config=self.config)
+                               top_p=g.top_p, top_k=g.top_k, pad_id=self.pad_id, config=self.config)
         finally:
             self.seconds += time.perf_counter() - start
 

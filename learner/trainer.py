@@ -9,13 +9,14 @@ announces the scored rows; every rank then runs `optimise` on its share of them 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from echo2.prompting import encode_prompt
-from echo2.protocol import AuditReport, ClaimedGroup, JobSpec
+from echo2.protocol import AuditReport, ClaimedGroup, JobSpec, LrSchedule
 
 from learner.tasks import TaskPrompt, get_task
 
@@ -61,9 +62,9 @@ class GRPOTrainer:
         self.cfg = objective_config(spec)
         g = spec.grpo
         trainable = [p for p in model.parameters() if p.requires_grad]  # a LoRA job's adapter only
-        self.optimizer = torch.optim.AdamW(trainable, lr=g.lr, weight_decay=0.0)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
-            self.optimizer, lambda s: min(1.0, (s + 1) / g.warmup_steps) if g.warmup_steps else 1.0)
+        self.optimizer = torch.optim.AdamW(trainable, lr=g.lr, betas=g.adam_betas, eps=g.adam_eps,
+                                           weight_decay=g.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, spec))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
     def step(self, groups: list[ClaimedGroup], t: int) -> StepResult:
@@ -158,6 +159,19 @@ class GRPOTrainer:
         result.loss, result.kl = stats.get("loss", 0.0), stats.get("kl", 0.0)
         result.clip_frac, result.tokens = stats.get("clip_frac", 0.0), int(stats.get("tokens", 0))
         return list(stats["poisoned_groups"])
+
+
+def lr_factor(step: int, spec: JobSpec) -> float:
+    """The learning rate at `step` as a share of grpo.lr: linear warm-up, then the schedule, which ends at
+    min_lr_ratio at max_steps."""
+    g = spec.grpo
+    if step < g.warmup_steps:
+        return (step + 1) / g.warmup_steps
+    if g.lr_schedule is LrSchedule.constant:
+        return 1.0
+    done = min(1.0, (step - g.warmup_steps) / max(1, spec.max_steps - g.warmup_steps))
+    decay = 1.0 - done if g.lr_schedule is LrSchedule.linear else 0.5 * (1.0 + math.cos(math.pi * done))
+    return g.min_lr_ratio + (1.0 - g.min_lr_ratio) * decay
 
 
 def _reward_stats(result: StepResult) -> None:

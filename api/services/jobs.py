@@ -140,4 +140,4 @@ def spec_of(job: Job) -> JobSpec:
 def sampling_of(spec: JobSpec) -> SamplingParams:
     g = spec.grpo
     return SamplingParams(group_size=g.group_size, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                          top_p=g.top_p)
+                          top_p=g.top_p, top_k=g.top_k)

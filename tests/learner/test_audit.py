@@ -23,8 +23,8 @@ def honest(tiny_dir):
     backend = create_backend("transformers", device="cpu")
     backend.load(tiny_dir)
     requests = [GenRequest(prompt_token_ids=tok(f"{i}+{i}=")["input_ids"], n=8, seeds=list(range(8)),
-                           max_new_tokens=12, temperature=t, top_p=p)
-                for i in range(6) for t, p in ((1.0, 1.0), (0.7, 0.9))]
+                           max_new_tokens=12, temperature=t, top_p=p, top_k=k)
+                for i in range(6) for t, p, k in ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 0.95, 5))]
     groups = backend.generate(requests)
     backend.close()
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
@@ -33,7 +33,7 @@ def honest(tiny_dir):
 
 def run(model, request, samples, config=None):
     return audit_group(model, request.prompt_token_ids, samples, temperature=request.temperature,
-                       top_p=request.top_p, pad_id=0, config=config)
+                       top_p=request.top_p, top_k=request.top_k, pad_id=0, config=config)
 
 
 def test_honest_groups_pass(honest):
@@ -69,7 +69,23 @@ def test_a_token_outside_the_nucleus_is_impossible(honest):
     rarest = int(logits.argmin())
     logprob = float(torch.log_softmax(logits, -1)[rarest])
     result = run(model, request, [([rarest], [logprob])] + samples[1:])
-    assert not result.passed and "outside the top-p nucleus" in result.reason
+    assert not result.passed and "outside the top-k/top-p nucleus" in result.reason
+
+
+def test_top_k_samples_stay_in_the_top_k_and_a_token_beyond_it_is_impossible(honest):
+    model, groups = honest
+    request, samples = next((r, s) for r, s in groups if r.top_k)
+    ids = torch.tensor([request.prompt_token_ids])
+    with torch.no_grad():
+        top = model(input_ids=ids).logits[0, -1].topk(request.top_k).indices.tolist()
+    assert all(tokens[0] in top for tokens, _ in samples)  # the first sampled token came from the top 5
+    rank = model(input_ids=ids).logits[0, -1].argsort(descending=True).tolist()
+    tokens, logprobs = samples[0]
+    beyond = rank[-1]  # the least likely token: never drawn with top_k = 5
+    with torch.no_grad():
+        lp = torch.log_softmax(model(input_ids=ids).logits[0, -1].float() / request.temperature, -1)[beyond]
+    result = run(model, request, [([beyond, *tokens[1:]], [float(lp), *logprobs[1:]]), *samples[1:]])
+    assert not result.passed and "outside the top-k/top-p nucleus" in result.reason
 
 
 def test_hostile_but_valid_input_never_raises(honest):

@@ -159,3 +159,35 @@ def test_micro_batches_sum_to_the_full_batch(length_norm):
 def test_config_validation(kwargs):
     with pytest.raises(ValueError):
         ObjectiveConfig(**kwargs)
+
+
+def test_the_learning_rate_warms_up_then_follows_its_schedule():
+    from echo2.protocol import JobSpec
+
+    from learner.trainer import lr_factor
+
+    def spec(schedule: str) -> JobSpec:
+        return JobSpec.model_validate({"name": "x", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
+                                       "max_steps": 12, "grpo": {"warmup_steps": 2, "lr_schedule": schedule,
+                                                                 "min_lr_ratio": 0.1}})
+
+    assert [lr_factor(s, spec("constant")) for s in (0, 1, 2, 11)] == [0.5, 1.0, 1.0, 1.0]
+    linear = [lr_factor(s, spec("linear")) for s in (2, 7, 12)]
+    assert linear == pytest.approx([1.0, 0.55, 0.1])
+    cosine = [lr_factor(s, spec("cosine")) for s in (2, 7, 12)]
+    assert cosine == pytest.approx([1.0, 0.55, 0.1])
+    assert lr_factor(4, spec("cosine")) > lr_factor(4, spec("linear"))  # cosine stays high longer
+
+
+def test_the_trainer_builds_the_optimiser_the_job_states(tiny):
+    from echo2.protocol import JobSpec
+
+    from learner.trainer import GRPOTrainer
+
+    model, tok = tiny
+    spec = JobSpec.model_validate({"name": "x", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
+                                   "grpo": {"lr": 5e-4, "adam_betas": [0.9, 0.99], "weight_decay": 0.01,
+                                            "adam_eps": 1e-6}})
+    opt = GRPOTrainer(model, tok, spec).optimizer
+    assert opt.defaults["betas"] == (0.9, 0.99) and opt.defaults["weight_decay"] == 0.01
+    assert opt.defaults["eps"] == 1e-6 and opt.param_groups[0]["lr"] == 5e-4

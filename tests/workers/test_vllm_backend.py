@@ -49,6 +49,7 @@ REQUESTS = [
         "max_new_tokens": 32,
         "temperature": 0.7,
         "top_p": 0.9,
+        "top_k": 8,
     },
     {
         "prompt_token_ids": [30, 31, 32],

@@ -314,7 +314,8 @@ class Worker:
         prompt_ids = [encode_prompt(self.versions.tokenizer, p.text) for p in prompts]
         requests = [GenRequest(prompt_token_ids=ids, n=g, seeds=[sample_seed(p.seed, k) for k in range(g)],
                                max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                               top_p=sampling.top_p) for p, ids in zip(prompts, prompt_ids, strict=True)]
+                               top_p=sampling.top_p, top_k=sampling.top_k)
+                    for p, ids in zip(prompts, prompt_ids, strict=True)]
         t0 = time.monotonic()
         outputs = backend.generate(requests)
         seconds = time.monotonic() - t0

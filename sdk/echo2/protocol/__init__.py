@@ -35,6 +35,7 @@ from .fleet import (
 from .jobs import (
     DecisionRead,
     Device,
+    EvalConfig,
     GRPOConfig,
     JobCost,
     JobRead,
@@ -42,6 +43,7 @@ from .jobs import (
     LearnerResources,
     LoraConfig,
     LossAggregation,
+    LrSchedule,
     PromptIn,
     PromptRead,
     TaskInfo,
@@ -54,6 +56,8 @@ from .jobs import (
 from .learner import (
     AuditReport,
     ClaimedGroup,
+    EvalPrompt,
+    EvalReport,
     FinishOutcome,
     LearnerBatch,
     LearnerClaim,
@@ -67,7 +71,7 @@ from .learner import (
     StepAck,
     StepReport,
 )
-from .metrics import JobReport, RolloutCounts, StepMetrics
+from .metrics import EvalRead, JobReport, RolloutCounts, StepMetrics
 from .rollouts import (
     FinishReason,
     GroupResult,
@@ -112,6 +116,10 @@ __all__ = [
     "DeltaInfo",
     "DesiredState",
     "Device",
+    "EvalConfig",
+    "EvalPrompt",
+    "EvalRead",
+    "EvalReport",
     "Fault",
     "FetchStep",
     "Fetched",
@@ -144,6 +152,7 @@ __all__ = [
     "LeaseStatus",
     "LeasedPrompt",
     "LossAggregation",
+    "LrSchedule",
     "Manifest",
     "Page",
     "Problem",

@@ -148,6 +148,7 @@ class SamplingParams(ReadModel):
     max_new_tokens: int
     temperature: float
     top_p: float
+    top_k: int = 0
 
 
 class FetchStep(ReadModel):

@@ -39,6 +39,12 @@ class TaskSpec(Model):
     )
 
 
+class LrSchedule(StrEnum):
+    constant = "constant"
+    linear = "linear"  # from lr down to lr * min_lr_ratio at max_steps
+    cosine = "cosine"  # likewise, along a half cosine
+
+
 class GRPOConfig(Model):
     group_size: int = Field(8, ge=2, le=64, description="G: samples generated per prompt.")
     prompts_per_step: int = Field(16, ge=1, le=1024, description="Prompt groups per learner step (R).")
@@ -52,11 +58,30 @@ class GRPOConfig(Model):
     max_new_tokens: int = Field(256, ge=1, le=8192)
     temperature: float = Field(1.0, ge=0.05, le=2.0)
     top_p: float = Field(1.0, gt=0, le=1.0)
+    top_k: int = Field(0, ge=0, le=100_000, description="Sample from the k most likely tokens only (0: all).")
     micro_batch_tokens: int = Field(
         16_384, ge=64, le=1_048_576, description="Padded tokens per forward pass; gradient accumulation beyond."
     )
     warmup_steps: int = Field(0, ge=0, le=100_000, description="Linear learning-rate warm-up.")
+    lr_schedule: LrSchedule = Field(LrSchedule.constant, description="The learning rate after warm-up.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1.0, description="Where a linear or cosine schedule ends, "
+                                "as a share of lr.")
+    adam_betas: tuple[Annotated[float, Field(ge=0, lt=1)], Annotated[float, Field(ge=0, lt=1)]] = Field(
+        (0.9, 0.999), description="AdamW's (beta1, beta2).")
+    adam_eps: float = Field(1e-8, gt=0, le=1e-2)
+    weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW's decoupled weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Gradient clipping norm.")
+
+
+class EvalConfig(Model):
+    """Held-out evaluation: the learner scores its own weights on prompts never leased for training, greedy
+    and sampled at the job's temperature, before the first step, every `every` steps and after the last."""
+
+    size: int = Field(64, ge=0, le=4096, description="Held-out prompts evaluated (0: no evaluation).")
+    every: int = Field(10, ge=0, le=100_000, description="Evaluate every this many steps (0: only before and after).")
+    fraction: float = Field(0.1, gt=0, lt=1, description="For a dataset or inline prompts: the share of items held "
+                            "out (at most `size`). Synthetic tasks generate held-out problems disjoint from the "
+                            "training ones by construction.")
 
 
 class WeightDtype(StrEnum):
@@ -131,6 +156,7 @@ class JobSpec(Model):
     budget_usd: float | None = Field(None, ge=0, le=1_000_000, description="Stop the job when spent.")
     learner: LearnerResources = Field(default_factory=LearnerResources)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     lora: LoraConfig | None = Field(None, description="Train a LoRA adapter instead of the full model.")
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="Learner checkpoint period in steps.")
     seed: int = Field(0, ge=0, le=2**31 - 1)

@@ -119,6 +119,24 @@ class LearnerHeartbeat(Model):
                                     "a row without a committed step.")
 
 
+class EvalPrompt(ReadModel):
+    """A held-out prompt with its reference: for the learner only (workers never see references)."""
+
+    id: int
+    text: str
+    reference: str | None
+
+
+class EvalReport(Model):
+    step: Step
+    version: Step
+    prompts: int = Field(ge=1, le=4096)
+    greedy_accuracy: float | None = Field(None, ge=0, le=1)
+    sampled_accuracy: float | None = Field(None, ge=0, le=1)
+    sampled_reward_mean: float | None = Field(None, ge=-1e6, le=1e6)
+    seconds: float = Field(ge=0, le=86_400)
+
+
 class FinishOutcome(StrEnum):
     succeeded = "succeeded"
     failed = "failed"

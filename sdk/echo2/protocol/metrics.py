@@ -39,6 +39,20 @@ class RolloutCounts(ReadModel):
     rejected: dict[RejectKind, int] = Field(default_factory=dict, description="Rejected groups by why.")
 
 
+class EvalRead(ReadModel):
+    """Held-out accuracy of one version: prompts the job never trains on, scored on the trusted side."""
+
+    step: int = Field(description="Steps trained when it was measured (0: the base model).")
+    version: int
+    prompts: int
+    greedy_accuracy: float | None = Field(description="Share of prompts whose greedy answer is right.")
+    sampled_accuracy: float | None = Field(description="pass@1 at the job's temperature: share of prompts whose one "
+                                           "sample is right.")
+    sampled_reward_mean: float | None = Field(description="Mean reward of the samples (the task's reward).")
+    seconds: float
+    created_at: datetime
+
+
 class JobReport(ReadModel):
     """How well a job used its learner, and how much generated work went to waste."""
 
@@ -58,3 +72,5 @@ class JobReport(ReadModel):
     audits: int = 0
     audits_failed: int = 0
     audit_s: float = Field(0.0, description="Learner seconds spent auditing.")
+    eval_before: EvalRead | None = Field(None, description="Held-out accuracy of the base model (step 0).")
+    eval_after: EvalRead | None = Field(None, description="Held-out accuracy of the newest evaluated version.")

@@ -2,8 +2,8 @@
 
 Behaviour logprob (both backends, and the learner's recomputation, use this exact definition):
     logprob(token_t) = log_softmax(logits_t / temperature)[token_t]
-computed on the full vocabulary BEFORE top-p truncation. Top-p only changes which tokens can be
-drawn, never the reported logprob, so the learner can recompute it from the weights alone.
+computed on the full vocabulary BEFORE top-k/top-p truncation. Truncation only changes which tokens can
+be drawn, never the reported logprob, so the learner can recompute it from the weights alone.
 
 This module must stay free of torch / vllm imports: `echo2-worker --help` imports it.
 """
@@ -34,6 +34,7 @@ class GenRequest:
     max_new_tokens: int
     temperature: float = 1.0
     top_p: float = 1.0
+    top_k: int = 0  # 0: no top-k; applied before top-p, which then keeps its share of the top-k mass (as vLLM)
     # Generation ends (finish_reason "stop") at the model's eos ids (see model_eos_token_ids) or at
     # any of these extra ids; the stopping token is kept in token_ids (and has a logprob).
     stop_token_ids: list[int] = field(default_factory=list)
@@ -51,6 +52,8 @@ class GenRequest:
             raise ValueError(f"temperature must be > 0 (greedy is not a sampling policy), got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
 
 
 @dataclass(frozen=True)

@@ -235,6 +235,7 @@ class _RowSampler:
 
         self.temps = torch.tensor([[r.temperature] for r, _ in flat], dtype=torch.float32, device=device)
         self.top_ps = torch.tensor([[r.top_p] for r, _ in flat], dtype=torch.float32, device=device)
+        self.top_ks = torch.tensor([[r.top_k] for r, _ in flat], dtype=torch.long, device=device)
         self.generators = []
         for _, seed in flat:
             g = torch.Generator(device=device)
@@ -247,10 +248,12 @@ class _RowSampler:
 
         logp = torch.log_softmax(logits.float() / self.temps, dim=-1)
         probs = logp.exp()
-        if bool((self.top_ps < 1).any()):
+        if bool((self.top_ps < 1).any()) or bool((self.top_ks > 0).any()):
             sorted_p, order = probs.sort(dim=-1, descending=True)
-            # Keep the smallest prefix whose mass reaches top_p (the top token always survives).
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= self.top_ps
+            rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)
+            sorted_p = sorted_p.masked_fill((self.top_ks > 0) & (rank >= self.top_ks), 0.0)  # top-k first
+            # Then the smallest prefix whose mass reaches top_p of what top-k kept (the top token survives).
+            drop = (sorted_p.cumsum(-1) - sorted_p) >= self.top_ps * sorted_p.sum(-1, keepdim=True)
             sorted_p = sorted_p.masked_fill(drop, 0.0)
             probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
         picked = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(self.generators)])

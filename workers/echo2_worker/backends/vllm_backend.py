@@ -165,7 +165,7 @@ class VLLMBackend(GenerationBackend):
                         seed=int(seed) % (2**63),
                         temperature=r.temperature,
                         top_p=r.top_p,
-                        top_k=0,
+                        top_k=r.top_k,
                         max_tokens=r.max_new_tokens,
                         stop_token_ids=stops,
                         logprobs=0,  # just the sampled token's value
