@@ -15,7 +15,7 @@ import web
 
 from . import errors, openapi
 from .db import Database
-from .routes import datasets, fleet, health, jobs, learner, learner_state, leases, users, weights
+from .routes import datasets, evals, fleet, health, jobs, learner, learner_state, leases, users, weights
 from .services import retention
 from .services.heartbeats import Heartbeats
 from .services.notices import Announcer
@@ -66,7 +66,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(errors.BodyLimit, default_limit=settings.max_body_bytes,
                        large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
     app.add_middleware(MetricsMiddleware, telemetry=telemetry)
-    for module in (health, users, jobs, datasets, fleet, leases, learner, learner_state, weights):
+    for module in (health, users, jobs, datasets, fleet, leases, learner, learner_state, evals, weights):
         app.include_router(module.router)
     web.install(app)
     logging.basicConfig(level=settings.log_level)

@@ -206,7 +206,8 @@ class Job(Base):
 
 
 class Prompt(Base):
-    """A prompt of a job. `order_key` is a seeded permutation: the server, not the worker, picks."""
+    """A prompt of a job. `order_key` is a seeded permutation: the server, not the worker, picks. A held-out
+    prompt has state "eval" from the start and keeps it: the pool never leases it (services/evals.py)."""
 
     __tablename__ = "prompts"
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
@@ -321,6 +322,21 @@ class StepMetric(Base):
     learner_utilization: Mapped[float | None] = mapped_column(Float)
     rollouts_per_s: Mapped[float | None] = mapped_column(Float)
     cost_usd: Mapped[float | None] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class EvalResult(Base):
+    """Held-out accuracy of one version (the learner's report), for a job's eval curve."""
+
+    __tablename__ = "eval_results"
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[int] = mapped_column(Integer)
+    prompts: Mapped[int] = mapped_column(Integer)
+    greedy_accuracy: Mapped[float | None] = mapped_column(Float)
+    sampled_accuracy: Mapped[float | None] = mapped_column(Float)
+    sampled_reward_mean: Mapped[float | None] = mapped_column(Float)
+    seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

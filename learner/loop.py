@@ -31,6 +31,7 @@ from echo2.protocol import (
 
 from . import checkpoint, resume
 from .auditor import Auditor
+from .evaluate import Evaluator
 from .models import resolve_model, with_adapter
 from .parallel import Solo
 from .pipeline import Ahead, Committer
@@ -61,6 +62,7 @@ class Learner:
         self.last_ack: StepAck | None = None
         self.replayed = resume.Replay()  # what the start had to re-train to catch up with the job's records
         self.uploader = resume.CheckpointUploader(plane, options.chunk_size)
+        self.evaluator: Evaluator | None = None
         self._stop = threading.Event()
 
     def run(self) -> None:
@@ -98,11 +100,14 @@ class Learner:
                      restored.step, self.step)
         self.replayed = resume.replay(self.plane, trainer, self.world, restored.step if restored else 0, self.step,
                                       consumed, reply.version)
+        self.evaluator = self._evaluator(spec, trainer)
         publisher = Publisher(self.plane, trainer.weights, work / "publish", self.opt.chunk_size, spec.weights)
         beat = threading.Thread(target=self._heartbeat_loop, name="learner-heartbeat", daemon=True)
         beat.start()
         try:
             self._publish_initial(publisher, trainer, reply.version, restored is not None or self.step > 0)
+            if self.evaluator is not None and self.evaluator.due(self.step):
+                self.plane.report_eval(self.evaluator.run(self.step, self.step))
             self._train(spec, trainer, publisher, consumed, work)
             self.world.announce("stop")
         finally:
@@ -141,6 +146,7 @@ class Learner:
                 if groups is None:
                     return  # the job was stopped from outside (cancel, budget): nothing to finish
                 result = self._trained(trainer, groups, t)
+                self._evaluate(committer, t + 1)
                 previous = committer.wait()  # in long ago: it went out when step t started
                 if previous is not None and previous.stop and previous.job_status.is_terminal():
                     return
@@ -159,6 +165,21 @@ class Learner:
             ahead.close()
             committer.close()
         self._finish(publisher, trainer)
+
+    def _evaluator(self, spec: JobSpec, trainer: GRPOTrainer) -> Evaluator | None:
+        if spec.eval.size == 0:
+            return None
+        if self.world.size > 1:
+            log.warning("held-out evaluation runs in single-process learners only; this job has %d ranks",
+                        self.world.size)
+            return None
+        return Evaluator(spec, self.plane.eval_prompts(), trainer.model, trainer.tokenizer, trainer.pad_id)
+
+    def _evaluate(self, committer: Committer, step: int) -> None:
+        """Held-out accuracy of the weights after `step` steps, reported once that step is committed."""
+        if self.evaluator is not None and self.evaluator.due(step):
+            report = self.evaluator.run(step, step)
+            committer.then(lambda: self.plane.report_eval(report), f"the evaluation of step {step}")
 
     def _trained(self, trainer: GRPOTrainer, groups: list[ClaimedGroup], t: int) -> StepResult:
         if trainer.auditor is not None:  # versions no rollout of this step can claim any more
@@ -206,6 +227,8 @@ class Learner:
     def _finish(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
         if publisher.submitted != self.step:
             self._submit(publisher, trainer, final=True)
+        if self.evaluator is not None and self.evaluator.prompts and not self.evaluator.due(self.step):
+            self.plane.report_eval(self.evaluator.run(self.step, self.step))  # the final weights, always
         publisher.wait()
         self.plane.finish(LearnerFinish(outcome=FinishOutcome.succeeded, final_version=publisher.published,
                                         reason=f"finished {self.step} steps"))

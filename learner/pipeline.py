@@ -41,6 +41,17 @@ class Committer:
 
         self._last = self._pool.submit(run)
 
+    def then(self, call: Callable[[], object], what: str) -> None:
+        """Run `call` after the reports submitted so far (e.g. an evaluation of a step, which the control
+        plane takes once the step is committed); a failure is logged, never fatal."""
+        def run() -> None:
+            try:
+                call()
+            except Exception as exc:
+                log.warning("%s failed: %s", what, exc)
+
+        self._pool.submit(run)
+
     def wait(self) -> StepAck | None:
         """The newest report's acknowledgement once it is in (its error, if it failed); None before any."""
         return self._last.result() if self._last is not None else None

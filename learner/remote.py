@@ -15,6 +15,9 @@ from echo2._retry import RetryPolicy
 from echo2.deltas import Folder, apply_delta
 from echo2.errors import error_from_response
 from echo2.protocol import (
+    EvalPrompt,
+    EvalRead,
+    EvalReport,
     FileRef,
     Form,
     JobRead,
@@ -87,6 +90,12 @@ class ControlPlane:
 
     def heartbeat(self, beat: LearnerHeartbeat) -> StepAck:
         return self._post("/learner/heartbeat", beat, StepAck)
+
+    def eval_prompts(self) -> list[EvalPrompt]:
+        return [EvalPrompt.model_validate(p) for p in self._send("GET", f"{self.prefix}/learner/eval-prompts").json()]
+
+    def report_eval(self, report: EvalReport) -> EvalRead:
+        return self._post("/learner/evals", report, EvalRead)
 
     def finish(self, finish: LearnerFinish) -> JobRead:
         return self._post("/learner/finish", finish, JobRead)

@@ -16,6 +16,7 @@ from learner.tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
 from ..errors import ApiError
 from ..models import Dataset, DatasetItem, Job, Lease, Prompt, User, Worker, utcnow
 from ..settings import Settings
+from . import evals
 
 MAX_GENERATED_PROMPTS = 50_000
 
@@ -31,7 +32,9 @@ def create_job(
             if existing.request_hash != request_hash:
                 raise ApiError(422, "Idempotency-Key was already used with a different body", field="Idempotency-Key")
             return existing, False
-    items = _prompt_items(db, user, spec)
+    items, held_out = _prompt_items(db, user, spec)
+    if not items:
+        raise ApiError(422, "no prompt is left to train on (the held-out share took them all)", field="eval.fraction")
     if spec.learner.price_per_hour is None:
         spec.learner.price_per_hour = settings.learner_price_per_hour
     job = Job(
@@ -53,14 +56,18 @@ def create_job(
         return existing, False
     rows = [
         {"job_id": job.id, "index": i, "text": text, "reference": ref,
-         "order_key": order_key(spec.seed, job.id, i, 0)}
-        for i, (text, ref) in enumerate(items)
+         "order_key": order_key(spec.seed, job.id, i, 0), "state": "available" if i < len(items) else evals.EVAL}
+        for i, (text, ref) in enumerate(items + held_out)
     ]
     db.execute(insert(Prompt), rows)
     return job, True
 
 
-def _prompt_items(db: Session, user: User, spec: JobSpec) -> list[tuple[str, str | None]]:
+Items = list[tuple[str, str | None]]
+
+
+def _prompt_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]:
+    """(training prompts, held-out prompts) as (text, reference)."""
     try:
         adapter = get_task(spec.task.name)
     except UnknownTaskError as exc:
@@ -77,10 +84,12 @@ def _prompt_items(db: Session, user: User, spec: JobSpec) -> list[tuple[str, str
         count = spec.num_prompts or min(spec.max_steps * spec.grpo.prompts_per_step, MAX_GENERATED_PROMPTS)
         try:
             generated = adapter.generate_prompts(params, spec.seed, count)
+            held = adapter.eval_prompts(params, spec.seed, spec.eval.size)
         except TaskError as exc:
             raise ApiError(422, str(exc), field="task.params") from None
-        return [(p.text, p.reference) for p in generated]
-    return [_from_item(adapter, params, item, i, spec) for i, item in enumerate(raw)]
+        return [(p.text, p.reference) for p in generated], [(p.text, p.reference) for p in held]
+    prompts = [_from_item(adapter, params, item, i, spec) for i, item in enumerate(raw)]
+    return evals.split_items(prompts, spec)
 
 
 def _raw_items(db: Session, user: User, spec: JobSpec) -> list[dict[str, Any]] | None:

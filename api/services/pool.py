@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from ..errors import ApiError
 from ..models import Job, Lease, Prompt, Rollout, StepMetric, Worker, utcnow
+from .evals import EVAL
 from .jobs import spec_of
 
 STARVING = 3  # returns after which a prompt is leased before the rest of its epoch
@@ -136,11 +137,13 @@ def _take_available(db: Session, job: Job, limit: int) -> list[Prompt]:
 
 
 def _start_next_epoch(db: Session, job: Job, seed: int) -> bool:
-    """When every prompt has been trained on, the pool starts over in a new seeded order."""
-    busy = db.scalar(select(func.count()).where(Prompt.job_id == job.id, Prompt.state != "trained"))
+    """When every training prompt has been trained on, the pool starts over in a new seeded order (held-out
+    prompts stay out)."""
+    busy = db.scalar(select(func.count()).where(Prompt.job_id == job.id, Prompt.state.not_in(["trained", EVAL])))
     if busy:
         return False
-    prompts = list(db.scalars(select(Prompt).where(Prompt.job_id == job.id).with_for_update()))
+    prompts = list(db.scalars(select(Prompt).where(Prompt.job_id == job.id, Prompt.state == "trained")
+                              .with_for_update()))
     for p in prompts:
         p.epoch += 1
         p.state = "available"

@@ -3,11 +3,12 @@ group its workers generated."""
 
 from __future__ import annotations
 
-from echo2.protocol import Fault, JobReport, RejectKind, RolloutCounts, RolloutStatus
+from echo2.protocol import EvalRead, Fault, JobReport, RejectKind, RolloutCounts, RolloutStatus
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..models import Audit, Job, Rollout, StepMetric
+from . import evals
 
 STALE = (RejectKind.stale_at_submit, RejectKind.stale_at_claim)
 
@@ -32,4 +33,11 @@ def job_report(db: Session, job: Job) -> JobReport:
                                trained=by_status.get(RolloutStatus.trained.value, 0), rejected=rejected),
         stale_fraction=sum(rejected.get(k, 0) for k in STALE) / generated if generated else None,
         wasted_fraction=wasted / generated if generated else None,
-        audits=audits, audits_failed=failed, audit_s=float(audit_s or 0.0))
+        audits=audits, audits_failed=failed, audit_s=float(audit_s or 0.0), **_evals(db, job))
+
+
+def _evals(db: Session, job: Job) -> dict[str, EvalRead | None]:
+    """Held-out accuracy of the base model and of the newest evaluated version."""
+    measured = evals.reads(db, job.id)
+    before = next((e for e in measured if e.step == 0), None)
+    return {"eval_before": before, "eval_after": measured[-1] if measured and measured[-1] is not before else None}

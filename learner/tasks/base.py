@@ -130,6 +130,12 @@ class TaskAdapter(ABC):
         """Dataset tasks: one prompt from one JSONL item."""
         raise TaskError(f"task {self.name!r} generates its own prompts; use generate_prompts")
 
+    def eval_prompts(self, params: TaskParams, seed: int, count: int) -> list[TaskPrompt]:
+        """Synthetic tasks: up to `count` held-out prompts that `generate_prompts` never returns (disjoint
+        by construction). None of them by default: a task without such a split has no held-out evaluation
+        of its own (a dataset task holds out some of its items instead)."""
+        return []
+
     @abstractmethod
     def reward(self, prompt: TaskPrompt, completion: str, params: TaskParams) -> float | None:
         """Score one completion; None when it could not be scored."""

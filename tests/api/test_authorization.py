@@ -63,6 +63,7 @@ def world(api, tmp_path):
         "publish_version": {"json": {"full": manifest}},
         "commit_learner_checkpoint": {"json": manifest},
         "wait_for_version": {"params": {"after": 0, "timeout_s": 0}},
+        "learner_report_eval": {"json": {"step": 0, "version": 0, "prompts": 1, "seconds": 0}},
     }
     bodies["upload_learner_checkpoint_chunk"] = bodies["upload_delta_chunk"] = bodies["upload_chunk"]
     return ids, attackers, bodies
