@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any, NoReturn
 
 if TYPE_CHECKING:
     from .client import Client
-    from .protocol import JobRead, JobReport, StepMetrics
+    from .protocol import EvalRead, JobRead, JobReport, StepMetrics
 
 PROG = "echo2"
 
@@ -395,6 +395,7 @@ def _watch(client: Client, job_id: str, interval: float, timeout: float | None) 
     """Redraw one progress line (or print a line per change when not a terminal) until the job ends."""
     tty = sys.stdout.isatty()
     latest: StepMetrics | None = None
+    held_out: list[EvalRead] = []
     shown = ""
     job: JobRead | None = None
     try:
@@ -402,7 +403,8 @@ def _watch(client: Client, job_id: str, interval: float, timeout: float | None) 
             if latest is None or job.step > latest.step + 1:
                 fresh = client.jobs.metrics(job_id, since_step=0 if latest is None else latest.step + 1)
                 latest = fresh[-1] if fresh else latest
-            line = _progress(job, latest)
+                held_out = client.jobs.evals(job_id)
+            line = _progress(job, latest, held_out[-1] if held_out else None)
             if tty:
                 width = shutil.get_terminal_size().columns - 1
                 sys.stdout.write("\r\033[K" + line[:width])
@@ -431,7 +433,20 @@ def _report_line(r: JobReport) -> str:
     stale = "-" if r.stale_fraction is None else f"{r.stale_fraction:.1%}"
     return (f"learner busy {r.learner_busy_s:.0f}s of {r.learner_wall_s:.0f}s ({util}); groups: "
             f"{r.rollouts.generated} generated, {r.rollouts.trained} trained, {r.rollouts.waiting} waiting; "
-            f"rejected: {rejected}; stale {stale}")
+            f"rejected: {rejected}; stale {stale}\n{_held_out_line(r)}")
+
+
+def _held_out_line(r: JobReport) -> str:
+    """Held-out accuracy before -> after: what the job learned on problems it never trained on."""
+    before, after = r.eval_before, r.eval_after
+    if before is None and after is None:
+        return "held-out accuracy: not measured (no held-out prompts)"
+    latest = after or before
+    assert latest is not None
+    step = f" at step {latest.step}" if after is not None else ""
+    return (f"held-out accuracy ({latest.prompts} prompts never trained on): greedy "
+            f"{_num(before.greedy_accuracy if before else None)} -> {_num(latest.greedy_accuracy)}, sampled "
+            f"{_num(before.sampled_accuracy if before else None)} -> {_num(latest.sampled_accuracy)}{step}")
 
 
 def _jobs_report(args: argparse.Namespace) -> int:
@@ -444,12 +459,13 @@ def _jobs_report(args: argparse.Namespace) -> int:
     return 0
 
 
-def _progress(job: JobRead, m: StepMetrics | None) -> str:
+def _progress(job: JobRead, m: StepMetrics | None, held_out: EvalRead | None = None) -> str:
     stale = _mean_staleness(m) if m is not None else None
     parts = [
         job.id, f"{job.status.value:<9}", f"step {job.step}/{job.spec.max_steps}",
         f"v{job.version}" if job.version is not None else "v-",
         f"reward {_num(job.reward_mean)}",
+        f"held-out {_num(held_out.greedy_accuracy)} (step {held_out.step})" if held_out else "held-out -",
         f"staleness {_num(stale, 2)} (S={job.spec.staleness})",
         f"cost ${job.cost.total_usd:.4f}",
     ]

@@ -18,6 +18,7 @@ from tests.factories import (
     step_report,
     submit_group,
 )
+from tests.sdk.test_cli import echo2
 
 ITEMS = [{"prompt": f"say {i}", "reference": str(i)} for i in range(30)]
 
@@ -83,3 +84,6 @@ def test_the_learner_reports_accuracy_and_the_owner_reads_the_curve(api, tmp_pat
     assert summary["eval_before"]["greedy_accuracy"] == 0.0 and summary["eval_after"]["step"] == 1
     _, bob = new_user(api, "bob")
     assert bob.get(f"/v1/jobs/{jid}/evals").status_code == 404
+    cli = echo2("jobs", "report", jid, url=api.url, key=alice.headers["Authorization"].split()[1])
+    assert cli.returncode == 0 and cli.stdout.strip().splitlines()[-1] == (
+        "held-out accuracy (3 prompts never trained on): greedy 0.000 -> 0.667, sampled 0.333 -> 0.333 at step 1")

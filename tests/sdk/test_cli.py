@@ -123,10 +123,12 @@ def test_watch_follows_a_job_to_the_end(api, alice, driven):
     lines = result.stdout.strip().splitlines()
     assert "running" in lines[0] and "step 1/3" in lines[0] and "staleness 0.50 (S=1)" in lines[0]
     assert "reward 0.500" in lines[0] and "cost $" in lines[0]
-    assert lines[-2].startswith(f"job {driven.id} succeeded")
-    assert lines[-1].startswith("learner busy ") and "groups: 2 generated, 2 trained, 0 waiting" in lines[-1]
+    assert "held-out -" in lines[0]  # the driven job reports no evaluation
+    assert lines[-3].startswith(f"job {driven.id} succeeded")
+    assert lines[-2].startswith("learner busy ") and "groups: 2 generated, 2 trained, 0 waiting" in lines[-2]
+    assert lines[-1] == "held-out accuracy: not measured (no held-out prompts)"
     report = echo2("jobs", "report", driven.id, url=api.url, key=alice.key)
-    assert report.returncode == 0 and report.stdout.strip() == lines[-1]
+    assert report.returncode == 0 and report.stdout.strip().splitlines() == lines[-2:]
 
 
 def test_watch_exit_status_and_timeout(api, alice):
