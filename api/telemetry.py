@@ -13,7 +13,7 @@ from sqlalchemy import func, select
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .db import Database
-from .models import Job, Rollout, Worker
+from .models import EvalResult, Job, Rollout, Worker
 
 
 class _DatabaseCollector(Collector):
@@ -25,6 +25,22 @@ class _DatabaseCollector(Collector):
             yield _family(s, "echo2_jobs", "Jobs by status", Job.status)
             yield _family(s, "echo2_workers", "Workers by status", Worker.status)
             yield _family(s, "echo2_rollouts", "Rollout groups by status", Rollout.status)
+            yield _held_out(s)
+
+
+def _held_out(session) -> GaugeMetricFamily:  # type: ignore[no-untyped-def]
+    """The latest held-out accuracy of every running job (its eval curve's last point)."""
+    family = GaugeMetricFamily("echo2_job_heldout_accuracy", "Held-out accuracy of the newest evaluated version "
+                               "(prompts the job never trains on)", labels=["job", "decoding"])
+    latest = select(EvalResult.job_id, func.max(EvalResult.step).label("step")).group_by(EvalResult.job_id).subquery()
+    rows = session.execute(select(EvalResult).join(latest, (EvalResult.job_id == latest.c.job_id)
+                                                   & (EvalResult.step == latest.c.step))
+                           .join(Job, Job.id == EvalResult.job_id).where(Job.status == "running"))
+    for (row,) in rows:
+        for decoding, value in (("greedy", row.greedy_accuracy), ("sampled", row.sampled_accuracy)):
+            if value is not None:
+                family.add_metric([row.job_id, decoding], value)
+    return family
 
 
 def _family(session, name: str, doc: str, column) -> GaugeMetricFamily:  # type: ignore[no-untyped-def]

@@ -201,6 +201,13 @@ def test_reward_chart_gains_points_as_the_job_trains(api, ui, training):
     expect_text(ui, "#sum-reward", "0.7")
     for name in ("util", "rps", "kl", "cost"):
         ui.page.locator(f'figure[data-chart="{name}"][data-points="3"]').wait_for()
+    for step, greedy in ((0, 0.1), (3, 0.6)):  # the learner's held-out evaluations
+        ok(training["learner"].post(f"/v1/jobs/{job['id']}/learner/evals", json={
+            "step": step, "version": step, "prompts": 10, "greedy_accuracy": greedy, "sampled_accuracy": 0.5,
+            "sampled_reward_mean": 0.5, "seconds": 1.0}))
+    heldout = ui.page.locator('figure[data-chart="heldout"][data-points="2"]')
+    heldout.wait_for()
+    assert re.search(r"at step 3: greedy 60%", heldout.locator(".plot").get_attribute("aria-label"))
     ui.page.locator('figure[data-chart="staleness"][data-points="6"]').wait_for()
     expect_text(ui, "#versions-table tbody tr:first-child th", "^3$")
     assert ui.page.locator("#versions-table tbody tr").count() == 4

@@ -18,7 +18,8 @@ E2.page("job", () => {
   async function load() {
     job = await api(base);
     renderJob();
-    await Promise.all([loadMetrics(), loadVersions(), loadWorkers().then(loadDecisions), loadRollouts(), loadReport()]);
+    await Promise.all([loadMetrics(), loadEvals(), loadVersions(), loadWorkers().then(loadDecisions), loadRollouts(),
+      loadReport()]);
     if (TERMINAL.has(job.status)) {
       if (finalDone) poller.stop();
       finalDone = true; // one more round after the end, then stop polling a job that cannot change
@@ -124,6 +125,11 @@ E2.page("job", () => {
     drawCharts();
   }
 
+  async function loadEvals() {
+    const evals = await api(base + "/evals");
+    charts.heldout.set([evals.map((e) => e.step), evals.map((e) => e.greedy_accuracy), evals.map((e) => e.sampled_accuracy)]);
+  }
+
   function makeCharts() {
     const fig = (name) => $(`figure[data-chart="${name}"]`);
     const pct = (v) => (v === null || v === undefined ? "–" : (100 * v).toFixed(0) + "%");
@@ -135,6 +141,10 @@ E2.page("job", () => {
           { label: "−1 std", color: "#93b4e8", width: 1, dash: [4, 4] },
         ],
         bands: [{ series: [2, 3], fill: "rgba(31, 111, 235, 0.12)" }],
+      }),
+      heldout: E2Charts.line(fig("heldout"), {
+        series: [{ label: "greedy", color: "#1f6feb" }, { label: "sampled", color: "#93b4e8", dash: [4, 4] }],
+        y: { min: 0, max: 1 }, format: pct,
       }),
       util: E2Charts.line(fig("util"), { series: [{ label: "utilisation", color: "#15803d" }], y: { min: 0, max: 1 }, format: pct }),
       rps: E2Charts.line(fig("rps"), { series: [{ label: "groups/s", color: "#7c3aed" }], y: { min: 0 } }),
