@@ -66,8 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     except errors.Echo2Error as exc:  # the server's message names the field (and line) to fix
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    print(f"job {job.id}: {job.status.value}, task {job.spec.task.name} on {job.num_prompts} prompts, "
-          f"model {job.spec.base_model}")
+    print(f"job {job.id}: {job.status.value}, task {job.spec.task.name} on {job.num_prompts} training prompts "
+          f"({job.spec.eval.fraction:.0%} held out for evaluation), model {job.spec.base_model}")
     print(f"follow it: python examples/submit_and_watch.py --job {job.id}")
     return 0
 

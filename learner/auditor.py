@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from echo2.loading import LOAD_LOCK
 from echo2.protocol import ClaimedGroup, JobSpec
 
 from .audit import AuditConfig, AuditResult, audit_group
@@ -79,7 +80,8 @@ class Auditor:
     def _build(self) -> Any:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, use_safetensors=True)
+        with LOAD_LOCK:
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, use_safetensors=True)
         if self.spec.lora is not None:
             model = with_adapter(model, self.spec.lora)
             from peft import get_peft_model_state_dict

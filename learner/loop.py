@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from echo2.loading import LOAD_LOCK
 from echo2.protocol import (
     ClaimedGroup,
     FinishOutcome,
@@ -259,7 +260,8 @@ def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: So
     if wanted == "auto":
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32, use_safetensors=True)
+    with LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, use_safetensors=True)
     torch.manual_seed(spec.seed)
     model = model.to(world.device(wanted))
     if spec.learner.activation_checkpointing:

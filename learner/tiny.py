@@ -22,6 +22,8 @@ import random
 import string
 from pathlib import Path
 
+from echo2.loading import LOAD_LOCK
+
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 TINY_ALPHABET = string.digits + string.ascii_lowercase + " +-*/=?.,:#\n"
@@ -156,7 +158,8 @@ def import_smollm2(out_dir: Path, *, dtype: str = "bfloat16") -> Path:
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    with LOAD_LOCK:
+        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # Transformers keeps the dequantised model flagged as GGUF-quantised and refuses to save it; copy
     # its (plain, dequantised) weights into an ordinary model built from the same config.
     config = loaded.config

@@ -117,12 +117,13 @@ def test_jsonl_dataset_uploads_and_creates_a_gsm8k_job(api):
                          capture_output=True, text=True, timeout=60, env={**os.environ, **env})
     assert run.returncode == 0, run.stderr
     dataset_id = re.search(r"^dataset (\S+): 12 items, keys answer, question$", run.stdout, re.M).group(1)
-    job_id = re.search(r"^job (\S+): queued, task gsm8k on 12 prompts", run.stdout, re.M).group(1)
+    job_id = re.search(r"^job (\S+): queued, task gsm8k on 11 training prompts \(10% held out", run.stdout,
+                       re.M).group(1)
 
     with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {env['ECHO2_API_KEY']}"}) as user:
         job = ok(user.get(f"/v1/jobs/{job_id}"))
         assert job["spec"]["dataset_id"] == dataset_id and job["spec"]["task"]["name"] == "gsm8k"
-        assert job["spec"]["max_steps"] == 5 and job["num_prompts"] == 12
+        assert job["spec"]["max_steps"] == 5 and job["num_prompts"] == 11  # one of 12 held out
         prompts = ok(user.get(f"/v1/jobs/{job_id}/prompts", params={"limit": 50}))["items"]
         first = json.loads(SAMPLE.read_text().splitlines()[0])["question"]
         assert any(first in p["text"] for p in prompts)

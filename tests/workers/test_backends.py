@@ -228,3 +228,20 @@ def test_cuda_sampling_matches_teacher_forcing(models, dtype, tol):
         ref = rows.gather(-1, torch.tensor(s.token_ids, device="cuda").unsqueeze(-1)).squeeze(-1).tolist()
         assert max(abs(a - c) for a, c in zip(ref, s.logprobs, strict=True)) < tol
     b.close()
+
+
+def test_backends_loading_in_several_threads_leave_the_process_able_to_load(models):
+    """torch keeps transformers' `with torch.device("meta")` in a process-wide global: loads racing in
+    threads once left it at "meta", after which every load in the process had parameters with no data."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    backends = [TransformersBackend(device="cpu") for _ in range(6)]
+    with ThreadPoolExecutor(len(backends)) as pool:
+        for _ in range(3):
+            list(pool.map(lambda b: b.load(models[0]), backends))
+    assert torch.get_default_device() == torch.device("cpu")
+    for b in backends:
+        assert all(p.device.type == "cpu" for p in b.model.parameters())
+        b.close()
+    fresh = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32, use_safetensors=True)
+    assert not any(p.is_meta for p in fresh.parameters())

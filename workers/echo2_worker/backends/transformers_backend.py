@@ -15,6 +15,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from echo2.loading import LOAD_LOCK
+
 from echo2_worker.backends.base import (
     BackendError,
     GenerationBackend,
@@ -56,10 +58,11 @@ class TransformersBackend(GenerationBackend):
         device = self._resolve_device()
         dtype = self._resolve_dtype(device)
         t0 = time.monotonic()
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True).to(device)
-        self.adapter_dir = None
-        if adapter_dir is not None:
-            self._wrap(Path(adapter_dir))
+        with LOAD_LOCK:
+            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True).to(device)
+            self.adapter_dir = None
+            if adapter_dir is not None:
+                self._wrap(Path(adapter_dir))
         self.model.eval()
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_dir = model_dir
@@ -73,7 +76,8 @@ class TransformersBackend(GenerationBackend):
         from peft import PeftModel
 
         adapter_files(adapter_dir)
-        self.model = PeftModel.from_pretrained(self.model, adapter_dir)
+        with LOAD_LOCK:
+            self.model = PeftModel.from_pretrained(self.model, adapter_dir)
         self.adapter_dir = adapter_dir
 
     def reload(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
