@@ -5,6 +5,11 @@ The default (operands 0..4, "+", bare "3+4=" prompts) is the demo task: a random
 (tests/learner/test_learns.py). The answer is extracted like every numeric task
 (learner/tasks/answers.py: "####", \\boxed{}, "answer is", else the last number); reward 1.0 when it
 equals a op b, else 0.0. No partial credit.
+
+Unlike gsm8k, this task does not use math-verify (learner/tasks/verify.py): its references are
+integers and its prompts ask for nothing but the number, which our parser reads in full, so
+math-verify could only change verdicts on LaTeX the task never asks for, at the cost of a round trip
+to a worker process per sample in the demo's hot loop.
 """
 
 from __future__ import annotations

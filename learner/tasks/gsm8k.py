@@ -1,8 +1,12 @@
 """`gsm8k`: math word problems from user JSONL items {"question": ..., "answer": ...}.
 
 The item's answer may be a bare number or a GSM8K solution ending in "#### 42"; the reference is its
-final answer. A completion scores 1.0 when its final answer (learner/tasks/answers.py) is numerically
-equal to the reference (commas, decimals, fractions, signs, $ and % tolerated), else 0.0.
+final answer. A completion scores 1.0 when its final answer equals the reference, else 0.0
+(learner/tasks/verify.py, `numeric_answer_equal`): the final answer is located as in
+learner/tasks/answers.py ("####", else the last \\boxed{}, else the text); a plain number there is
+compared by our parser (commas, decimals, fractions, signs, $ and % tolerated; `rel_tol` applies to
+it), anything else (\\frac{3}{4}, 1{,}200, words around the number) by math-verify, and by our parser
+when math-verify finds no answer in it or runs out of time (2 s, in a worker process).
 """
 
 from __future__ import annotations
@@ -12,9 +16,10 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from learner.tasks.answers import extract_final_answer, numbers_equal, parse_number
+from learner.tasks.answers import extract_final_answer, parse_number
 from learner.tasks.base import TaskAdapter, TaskItemError, TaskParams, TaskPrompt, require_key
 from learner.tasks.registry import register
+from learner.tasks.verify import numeric_answer_equal
 
 DEFAULT_TEMPLATE = "Question: {question}\nThink step by step, then end with \"#### <number>\".\nAnswer:"
 
@@ -58,8 +63,9 @@ class Gsm8kTask(TaskAdapter):
     def reward(self, prompt: TaskPrompt, completion: str, params: TaskParams) -> float | None:
         p = self.parse_params(params)
         assert isinstance(p, Gsm8kParams)
-        ok = numbers_equal(extract_final_answer(completion), prompt.reference, rel_tol=p.rel_tol)
-        return 1.0 if ok else 0.0
+        if prompt.reference is None:
+            return 0.0  # as before: nothing equals a missing reference
+        return 1.0 if numeric_answer_equal(completion, prompt.reference, rel_tol=p.rel_tol) else 0.0
 
 
 register(Gsm8kTask())
