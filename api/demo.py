@@ -8,6 +8,7 @@ import time
 from typing import Any, TextIO
 
 from echo2 import Client
+from echo2.protocol import JobReport
 
 from learner.tasks.arithmetic import DEMO_DEFAULTS
 
@@ -45,15 +46,24 @@ def run_demo(stack: Stack, model: str, steps: int | None, staleness: int, out: T
         report = client.jobs.report(job.id)
     took = time.monotonic() - start
     first = f"{rewards[0]:.2f}" if rewards else "n/a"
-    last = f"{max(rewards[-3:]):.2f}" if rewards else "n/a"
-    print(f"{final.status.value}: reward {first} -> {last} in {final.step} steps, {took:.0f}s wall, "
-          f"${final.cost.total_usd:.4f}" + (f" ({final.status_reason})" if final.status_reason else ""),
-          file=out, flush=True)
+    last = f"{sum(rewards[-3:]) / len(rewards[-3:]):.2f}" if rewards else "n/a"
+    print(f"{final.status.value}: held-out accuracy {_held_out(report)}; training reward {first} -> {last} "
+          f"(mean of the last 3 steps) in {final.step} steps, {took:.0f}s wall, ${final.cost.total_usd:.4f}"
+          + (f" ({final.status_reason})" if final.status_reason else ""), file=out, flush=True)
     stale = f"{report.stale_fraction:.1%}" if report.stale_fraction is not None else "n/a"
     util = f"{report.learner_utilization:.0%}" if report.learner_utilization is not None else "n/a"
     print(f"rollout groups: {report.rollouts.generated} generated, {report.rollouts.trained} trained, "
           f"{stale} rejected as stale; learner busy {util} of its wall time", file=out, flush=True)
     return 0 if final.status.value == "succeeded" else 1
+
+
+def _held_out(report: JobReport) -> str:
+    """Greedy accuracy on prompts the job never trained on, before -> after."""
+    before, after = report.eval_before, report.eval_after or report.eval_before
+    if before is None or after is None:
+        return "n/a (no held-out prompts)"
+    return (f"{before.greedy_accuracy:.2f} -> {after.greedy_accuracy:.2f} (greedy, {after.prompts} problems never "
+            f"trained on; sampled {before.sampled_accuracy:.2f} -> {after.sampled_accuracy:.2f})")
 
 
 def _follow(client: Client, job_id: str, out: TextIO) -> list[float]:

@@ -58,6 +58,19 @@ def test_a_dataset_holds_out_its_fraction_and_they_are_never_leased(api, tmp_pat
         assert {p.state for p in s.scalars(select(Prompt).where(Prompt.id.in_(held_ids)))} == {"eval"}
 
 
+def test_a_synthetic_task_holds_out_problems_it_never_trains_on(api):
+    _, alice = new_user(api)
+    spec = {"name": "held-out-arithmetic", "base_model": "echo2:tiny", "task": {"name": "arithmetic", "params": {
+        "max_operand": 9}}, "grpo": {"group_size": 2, "prompts_per_step": 8}, "max_steps": 20}
+    job = ok(alice.post("/v1/jobs", json=spec), 201)
+    with api.db.session() as s:
+        rows = s.scalars(select(Prompt).where(Prompt.job_id == job["id"])).all()
+    held = {p.text for p in rows if p.state == "eval"}
+    trained = {p.text for p in rows if p.state != "eval"}
+    assert len(held) == 19 and len(rows) - len(held) == job["num_prompts"] == 160  # 19 of the 100 sums held out
+    assert not held & trained
+
+
 def test_a_small_dataset_holds_nothing_out(api):
     _, alice = new_user(api)
     small = dataset_job(api, alice, prompts=[{"item": it} for it in ITEMS[:9]], grpo={"group_size": 2})

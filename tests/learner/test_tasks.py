@@ -76,6 +76,26 @@ def test_params_errors_name_each_field():
         task.parse_params({"min_operand": 5, "max_operand": 2})
 
 
+def test_arithmetic_holds_out_problems_it_never_generates_for_training():
+    task = get_task("arithmetic")
+    two_digit = task.parse_params({"min_operand": 10, "max_operand": 99, "style": "question"})
+    held = task.eval_prompts(two_digit, seed=0, count=64)
+    trained = task.generate_prompts(two_digit, seed=0, count=5000)
+    assert len({p.text for p in held}) == 64 and not {p.text for p in held} & {p.text for p in trained}
+    assert {p.text for p in held} <= {p.text for p in task.all_prompts(two_digit, held=True)}
+    assert len(task.all_prompts(two_digit, held=True)) == pytest.approx(0.2 * 8100, rel=0.05)
+    assert task.eval_prompts(two_digit, seed=1, count=64) != held  # another job draws another sample...
+    again = task.eval_prompts(two_digit, seed=1, count=5000)  # ...of the same held-out problems
+    assert {p.text for p in again} == {p.text for p in task.all_prompts(two_digit, held=True)}
+    huge = task.parse_params({"max_operand": 1000, "ops": ["+", "*"]})  # sampled, not enumerated
+    big_held = task.eval_prompts(huge, seed=0, count=64)
+    assert len(big_held) == 64 and not {p.text for p in big_held} & {p.text for p in
+                                                                      task.generate_prompts(huge, 0, 20_000)}
+    assert task.eval_prompts(task.parse_params({"held_out": 0}), seed=0, count=64) == []
+    with pytest.raises(TaskError, match="every one of the 1 problems is held out"):
+        task.generate_prompts(task.parse_params({"max_operand": 0, "held_out": 0.99}), seed=0, count=1)
+
+
 def test_arithmetic_prompts_are_seeded_and_verifiable():
     task = get_task("arithmetic")
     params = task.parse_params(DEMO_DEFAULTS["task_params"])
@@ -86,6 +106,7 @@ def test_arithmetic_prompts_are_seeded_and_verifiable():
         x, y = p.text.rstrip("=").split("+")
         assert 0 <= int(x) <= 4 and 0 <= int(y) <= 4 and p.reference == str(int(x) + int(y))
     assert len(task.all_prompts(params)) == 25
+    assert len(task.all_prompts(params, held=False)) + len(task.all_prompts(params, held=True)) == 25
     prompt = TaskPrompt(text="3+4=", reference="7")
     assert task.reward(prompt, "7", params) == 1.0
     assert task.reward(prompt, "x7", params) == 1.0  # junk around the final answer is not penalised
