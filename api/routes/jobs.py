@@ -27,8 +27,8 @@ from learner.tasks import get_task, list_tasks
 
 from ..deps import BlobsDep, CheckpointsDep, CurrentUser, PassedFilter, SessionDep, SettingsDep, owned_job
 from ..models import Audit, Decision, Job, Prompt, Rollout, StepMetric
+from ..services import evals, modelinfo, reports, retention, trust
 from ..services import jobs as svc
-from ..services import modelinfo, reports, retention, trust
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 Limit = Annotated[int, Query(ge=1, le=200, description="Page size.")]
@@ -87,11 +87,14 @@ def cancel_job(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, 
 
 
 @router.get("/jobs/{job_id}/prompts", operation_id="list_job_prompts", summary="A job's prompts and their state")
-def list_prompts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 50,
-                 offset: Offset = 0) -> Page[PromptRead]:
+def list_prompts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 50, offset: Offset = 0,
+                 held_out: Annotated[bool, Query(description="The held-out prompts (state `eval`, never trained "
+                                                 "on) instead of the training ones.")] = False) -> Page[PromptRead]:
     owned_job(db, user, job_id)
-    total = db.scalar(select(func.count()).where(Prompt.job_id == job_id)) or 0
-    rows = db.scalars(select(Prompt).where(Prompt.job_id == job_id).order_by(Prompt.index).limit(limit).offset(offset))
+    split = (Prompt.state == evals.EVAL) if held_out else (Prompt.state != evals.EVAL)
+    total = db.scalar(select(func.count()).where(Prompt.job_id == job_id, split)) or 0
+    rows = db.scalars(select(Prompt).where(Prompt.job_id == job_id, split).order_by(Prompt.index).limit(limit)
+                      .offset(offset))
     items = [PromptRead.model_validate(p) for p in rows]
     return Page[PromptRead](items=items, total=total, next_offset=_next(offset, len(items), total))
 

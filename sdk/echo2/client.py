@@ -353,9 +353,9 @@ class _JobsBase(_Resource):
     def _cancel(self, job_id: str) -> _Req[JobRead]:
         return _Req("POST", f"/v1/jobs/{_seg(job_id, 'job_id')}/cancel", JobRead)
 
-    def _prompts(self, job_id: str, limit: int, offset: int) -> _Req[Page[PromptRead]]:
+    def _prompts(self, job_id: str, limit: int, offset: int, held_out: bool) -> _Req[Page[PromptRead]]:
         return _Req("GET", f"/v1/jobs/{_seg(job_id, 'job_id')}/prompts", Page[PromptRead],
-                    params=_params(limit=limit, offset=offset))
+                    params=_params(limit=limit, offset=offset, held_out=held_out or None))
 
     def _rollouts(self, job_id: str, status: RolloutStatus | str | None, limit: int,
                   offset: int) -> _Req[Page[RolloutRead]]:
@@ -408,8 +408,9 @@ class Jobs(_JobsBase):
         """Cancel a job; `ConflictError` if it already finished."""
         return self._client._call(self._cancel(job_id))
 
-    def prompts(self, job_id: str, *, limit: int = 50, offset: int = 0) -> Page[PromptRead]:
-        return self._client._call(self._prompts(job_id, limit, offset))
+    def prompts(self, job_id: str, *, limit: int = 50, offset: int = 0, held_out: bool = False) -> Page[PromptRead]:
+        """The job's training prompts, or with `held_out` those kept for evaluation and never trained on."""
+        return self._client._call(self._prompts(job_id, limit, offset, held_out))
 
     def rollouts(self, job_id: str, *, status: RolloutStatus | str | None = None, limit: int = 20,
                  offset: int = 0) -> Page[RolloutRead]:
@@ -491,8 +492,9 @@ class AsyncJobs(_JobsBase):
     async def cancel(self, job_id: str) -> JobRead:
         return await self._client._call(self._cancel(job_id))
 
-    async def prompts(self, job_id: str, *, limit: int = 50, offset: int = 0) -> Page[PromptRead]:
-        return await self._client._call(self._prompts(job_id, limit, offset))
+    async def prompts(self, job_id: str, *, limit: int = 50, offset: int = 0,
+                      held_out: bool = False) -> Page[PromptRead]:
+        return await self._client._call(self._prompts(job_id, limit, offset, held_out))
 
     async def rollouts(self, job_id: str, *, status: RolloutStatus | str | None = None, limit: int = 20,
                        offset: int = 0) -> Page[RolloutRead]:

@@ -69,6 +69,10 @@ def test_a_synthetic_task_holds_out_problems_it_never_trains_on(api):
     trained = {p.text for p in rows if p.state != "eval"}
     assert len(held) == 19 and len(rows) - len(held) == job["num_prompts"] == 160  # 19 of the 100 sums held out
     assert not held & trained
+    listed = ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"held_out": True, "limit": 50}))
+    assert listed["total"] == 19 and {p["text"] for p in listed["items"]} == held
+    assert {p["state"] for p in listed["items"]} == {"eval"}
+    assert ok(alice.get(f"/v1/jobs/{job['id']}/prompts"))["total"] == 160  # the training prompts by default
 
 
 def test_a_small_dataset_holds_nothing_out(api):

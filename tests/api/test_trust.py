@@ -69,9 +69,9 @@ def test_probation_audits_every_group_then_trusted_workers_a_sample(api, setup):
     assert all(g["audit"] for g in groups)
     got = trust_of(api, wid)
     assert got["trust"] == "trusted" and got["audits_passed"] == 5
-    sampled = one_step(api, job, learner, worker, [True] * 40, step=1)
+    sampled = one_step(api, job, learner, worker, [True] * 64, step=1)
     share = sum(g["audit"] for g in sampled) / len(sampled)
-    assert 0 < share < 0.4  # ECHO2_AUDIT_RATE = 0.1, decided per rollout id
+    assert 0 < share < 0.3  # ECHO2_AUDIT_RATE = 0.1, decided per rollout id (none of 64: p = 0.001)
 
 
 def test_with_no_probation_a_new_worker_starts_trusted_and_only_a_sample_is_audited(api, tmp_path):
@@ -86,8 +86,8 @@ def test_with_no_probation_a_new_worker_starts_trusted_and_only_a_sample_is_audi
         api.server.settings.probation_audits = 5
     activate(api, wid, job["id"])
     assert trust_of(api, wid)["trust"] == "trusted"
-    sampled = one_step(api, job, learner, worker, [True] * 40, step=0)
-    assert 0 < sum(g["audit"] for g in sampled) / len(sampled) < 0.4
+    sampled = one_step(api, job, learner, worker, [True] * 64, step=0)
+    assert 0 < sum(g["audit"] for g in sampled) / len(sampled) < 0.3
 
 
 def test_a_failed_audit_rejects_the_group_and_two_quarantine_the_worker(api, setup):

@@ -73,7 +73,7 @@ def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, mo
         assert workers["local-3"].accepted_rollouts > 0, "the replacement was never activated"
         assert s.scalars(select(Decision).where(Decision.worker_id == workers["local-3"].id,
                                                 Decision.action == "activated")).first() is not None
-        prompts = list(s.scalars(select(Prompt).where(Prompt.job_id == job.id)))
+        prompts = list(s.scalars(select(Prompt).where(Prompt.job_id == job.id, Prompt.state != "eval")))
         active = {lease.id for lease in s.scalars(select(Lease).where(Lease.status == "active"))}
         queued = {r.prompt_id for r in s.scalars(select(Rollout).where(Rollout.status.in_(("accepted", "claimed"))))}
         for p in prompts:  # every prompt is somewhere it can still be trained from
