@@ -100,7 +100,9 @@ def _delta(prev: tuple[Path, Any], current: Path, work: Path, step: int) -> tupl
 
     base, target = Folder(step - 1, prev[0], file_refs(prev[0])), Folder(step, current, file_refs(current))
     manifest = build_delta(base, target, work / "delta", step, 8 * 2**20)
-    assert manifest is not None
+    if manifest is None:  # the step had no learning signal (every group's rewards equal): nothing changed
+        shutil.rmtree(prev[0])
+        return 0, True
     rebuilt = apply_delta(manifest, work / "delta", base, work / "rebuilt")
     exact = all((rebuilt / f.path).read_bytes() == (current / f.path).read_bytes() for f in target.files)
     size = manifest.total_size
@@ -147,11 +149,14 @@ def main() -> None:
     start = time.monotonic()
     full = full_run(model_dir, work, args.steps)
     lora = lora_run(model_dir, work, args.steps)
-    steady = full[1:]
+    # Steady state: the steps after the first that changed the weights (a step whose groups all had
+    # equal rewards has no signal and publishes nothing new: a 0-byte delta that would flatter the median).
+    steady = [r for r in full[1:] if r["delta"] > 0] or full[1:]
     bf16 = statistics.median(r["bf16"] for r in full)
     delta = statistics.median(r["delta"] for r in steady)
     adapter = statistics.median(r["adapter"] for r in lora[1:])
-    print(f"\n{args.steps} GRPO steps each, {time.monotonic() - start:.0f} s; medians over steps 1..{args.steps - 1}")
+    print(f"\n{args.steps} GRPO steps each, {time.monotonic() - start:.0f} s; medians over the {len(steady)} of steps "
+          f"1..{args.steps - 1} that changed the weights ({args.steps - 1 - len(steady)} had no learning signal)")
     print(f"{'form':<28} {'bytes per version':>18} {'× full bf16':>12}")
     for name, value in (("full fp32", statistics.median(r["fp32"] for r in full)), ("full bf16", bf16),
                         ("delta bf16 (vs the version before)", delta), ("LoRA r=16 adapter (bf16)", adapter)):
