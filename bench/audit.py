@@ -3,6 +3,7 @@ forgery, and what auditing costs the learner — measured, side by side, in one 
 
     python bench/audit.py                          # 400 honest groups per backend/dtype, 200 per forgery
     python bench/audit.py --groups 100 --forged 50 --no-vllm
+    python bench/audit.py --groups 200 --forged 80 --vllm-dtypes float32     # both backends, 1,040 groups
 
 Model: SmolLM2-135M-Instruct (the packaged GGUF, converted once to an HF folder in bf16, as a bf16
 version would be published) on two-digit addition ("what is 37+45?" with its chat template), G = 8,
@@ -193,11 +194,15 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     reqs = requests(tok, args.groups, seed=1)
+    start = time.perf_counter()
     honest = {"transformers fp32": generate_transformers(model_dir, reqs)}
+    print(f"generated {len(reqs)} groups with transformers in {time.perf_counter() - start:.0f} s", flush=True)
     if args.vllm and VLLM_PYTHON.exists():
-        for dtype in ("float32", "bfloat16"):
+        for dtype in args.vllm_dtypes:
+            start = time.perf_counter()
             honest[f"vLLM {dtype.replace('float32', 'fp32').replace('bfloat16', 'bf16')}"] = \
                 generate_vllm(model_dir, reqs, dtype, work)
+            print(f"generated {len(reqs)} groups with vLLM {dtype} in {time.perf_counter() - start:.0f} s", flush=True)
     forged_reqs = requests(tok, args.forged, seed=2)
     other = generate_transformers(perturbed(model_dir, work / "other"), forged_reqs)
     hot = generate_transformers(model_dir, forged_reqs, temperature_scale=2.0)
@@ -246,6 +251,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--groups", type=int, default=400, help="honest groups per backend/dtype")
     p.add_argument("--forged", type=int, default=200, help="groups per forgery kind")
     p.add_argument("--no-vllm", dest="vllm", action="store_false")
+    p.add_argument("--vllm-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                   help="vLLM's compute dtypes (bf16 on a CPU without native bf16 is the slowest part of the run)")
     return p.parse_args()
 
 

@@ -81,8 +81,8 @@ def make_snapshot(root: Path, size: int, chunk: int) -> Path:
     folder = root / "model"
     folder.mkdir(parents=True)
     with open(folder / "model.safetensors", "wb") as fh:
-        for _ in range(size // 2**20):
-            fh.write(os.urandom(2**20))
+        for offset in range(0, size, 2**20):
+            fh.write(os.urandom(min(2**20, size - offset)))
     (folder / "config.json").write_text("{}")
     manifest = build_manifest(folder, 0, 0, chunk)
     held = VersionStore(root / "origin").open(JOB, manifest, KEY)
@@ -142,16 +142,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--n", type=int, nargs="+", default=[4, 8, 16])
     ap.add_argument("--bandwidth-mb", type=float, default=4.0, help="B, MB/s (10^6 bytes)")
-    ap.add_argument("--size-mb", type=int, default=16, help="M, MiB")
+    ap.add_argument("--size-mb", type=float, default=16, help="M, MiB")
     ap.add_argument("--chunk-kb", type=int, default=128, help="chunk size, KiB")
     ap.add_argument("--topologies", nargs="+", default=["chain", "tree-2", "star"],
                     choices=["chain", "tree-2", "star"])
     args = ap.parse_args()
-    cap, size, chunk = args.bandwidth_mb * 1e6, args.size_mb * 2**20, args.chunk_kb * 1024
+    cap, size, chunk = args.bandwidth_mb * 1e6, int(args.size_mb * 2**20), args.chunk_kb * 1024
     ideal = size / cap
     fanouts = {"chain": 1, "tree-2": 2, "star": None}
     print(f"relay benchmark {date.today()}: B = {args.bandwidth_mb:g} MB/s (origin and every worker upload), "
-          f"M = {args.size_mb} MiB, chunk = {args.chunk_kb} KiB, ideal M/B = {ideal:.2f} s, {os.cpu_count()} CPUs, "
+          f"M = {args.size_mb:g} MiB, chunk = {args.chunk_kb} KiB, ideal M/B = {ideal:.2f} s, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.1f} at start")
     print(f"{'N':>3} {'topology':>8} {'seconds':>8} {'x ideal':>8} {'origin share':>13}")
     with tempfile.TemporaryDirectory(prefix="echo2-relay-bench-") as tmp:
