@@ -140,3 +140,11 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from learner.tiny import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny") / "model", seed=0)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    # Keeps CI inside its time budget: a long test marked postgres_only runs on SQLite only with -m slow.
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if item.get_closest_marker("postgres_only") and params.get("database_url") == "sqlite":
+            item.add_marker(pytest.mark.slow)

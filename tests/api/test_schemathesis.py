@@ -7,6 +7,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ADMIN_KEY
 from tests.factories import activate, fake_model_folder, new_provider, new_user, new_worker, ok, publish
 
@@ -38,6 +40,7 @@ def _run(url: str, token: str) -> tuple[int, str]:
     return done.returncode, done.stdout + done.stderr
 
 
+@pytest.mark.postgres_only
 def test_schemathesis_finds_no_server_errors_or_undocumented_answers(api, tmp_path):
     total = 0
     for who, token in _tokens(api, tmp_path).items():

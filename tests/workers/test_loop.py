@@ -7,6 +7,7 @@ import threading
 import time
 from pathlib import Path
 
+import pytest
 import uvicorn
 from echo2.prompting import encode_prompt
 from echo2.protocol import Manifest
@@ -184,6 +185,7 @@ def serve(api: Api, port: int, lease_ttl_s: float = 30,
     return server, thread
 
 
+@pytest.mark.postgres_only
 def test_a_new_version_is_heard_of_long_before_the_next_heartbeat(api: Api, tiny_model_dir: Path,
                                                                   next_model_dir: Path, worker_factory) -> None:
     port = free_port()
