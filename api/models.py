@@ -124,6 +124,10 @@ class Worker(Base):
     quarantines: Mapped[int] = mapped_column(Integer, default=0)
     quarantined_until: Mapped[datetime | None]
     trust_reason: Mapped[str | None] = mapped_column(String(512))
+    # Which of a trusted worker's groups are audited (trust.should_audit): its accepted groups are
+    # numbered in arrival order, and this secret, never sent to it, picks one per window.
+    groups_numbered: Mapped[int] = mapped_column(Integer, default=0)
+    audit_salt: Mapped[str] = mapped_column(String(32), default=lambda: secrets.token_hex(16))
     # Pay for work (scheduler/billing.py): the rate it was activated for, and active time not yet paid.
     activated_mu: Mapped[float | None] = mapped_column(Float)
     trial_failed_at: Mapped[datetime | None]  # activated on its claims, delivered nothing (scheduler/reconcile.py)
@@ -259,6 +263,7 @@ class Rollout(Base):
     gen_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     reject_kind: Mapped[str | None] = mapped_column(String(24))  # echo2.protocol.RejectKind
     audit: Mapped[str | None] = mapped_column(String(16))  # "passed" / "failed" once audited
+    seq: Mapped[int | None] = mapped_column(Integer)  # the sender's n-th accepted group (Worker.groups_numbered)
     paid_entry_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
     claim_step: Mapped[int | None] = mapped_column(Integer)
     trained_step: Mapped[int | None] = mapped_column(Integer)

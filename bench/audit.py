@@ -4,6 +4,7 @@ forgery, and what auditing costs the learner — measured, side by side, in one 
     python bench/audit.py                          # 400 honest groups per backend/dtype, 200 per forgery
     python bench/audit.py --groups 100 --forged 50 --no-vllm
     python bench/audit.py --groups 200 --forged 80 --vllm-dtypes float32     # both backends, 1,040 groups
+    python bench/audit.py --cost-only                # what auditing costs the learner, nothing else
 
 Model: SmolLM2-135M-Instruct (the packaged GGUF, converted once to an HF folder in bf16, as a bf16
 version would be published) on two-digit addition ("what is 37+45?" with its chat template), G = 8,
@@ -147,7 +148,7 @@ def audit_all(model: Any, groups: list[Group], pad_id: int) -> list[Any]:
             for g in groups]
 
 
-def train_seconds_per_group(model_dir: Path, groups: list[Group], pad_id: int) -> float:
+def train_seconds_per_group(model_dir: Path, groups: list[Group], pad_id: int, micro_batch_tokens: int) -> float:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -161,7 +162,8 @@ def train_seconds_per_group(model_dir: Path, groups: list[Group], pad_id: int) -
         for k, (t, lp) in enumerate(g.samples):
             rows.add(g.prompt, t, lp, float(k == 0), gi, 0)
     start = time.perf_counter()
-    grpo_update(model, opt, rows, ObjectiveConfig(), pad_id=pad_id, temperature=1.0)
+    grpo_update(model, opt, rows, ObjectiveConfig(), pad_id=pad_id, temperature=1.0,
+                max_tokens_per_micro_batch=micro_batch_tokens)
     return (time.perf_counter() - start) / len(groups)
 
 
@@ -193,6 +195,10 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    if args.cost_only:
+        groups = generate_transformers(model_dir, requests(tok, args.cost_groups, seed=4))
+        _report_cost(model, model_dir, groups, pad_id, args.micro_batch_tokens)
+        return
     reqs = requests(tok, args.groups, seed=1)
     start = time.perf_counter()
     honest = {"transformers fp32": generate_transformers(model_dir, reqs)}
@@ -211,7 +217,9 @@ def main() -> None:
     forged = forgeries(honest["transformers fp32"], model, pad_id, model.get_input_embeddings().num_embeddings,
                        tok.eos_token_id, other, hot, args.forged, rng)
     _report_forged(model, forged, pad_id)
-    _report_cost(model, model_dir, honest["transformers fp32"][:32], pad_id)
+    cost_groups = honest["transformers fp32"][:args.cost_groups]
+    del honest, forged, other, hot  # the cost stage's backward pass needs the memory
+    _report_cost(model, model_dir, cost_groups, pad_id, args.micro_batch_tokens)
 
 
 def _report_honest(model: Any, honest: dict[str, list[Group]], pad_id: int) -> None:
@@ -236,12 +244,13 @@ def _report_forged(model: Any, forged: dict[str, list[Group]], pad_id: int) -> N
         print(f"{name:<22} {len(results):>6} {len(caught) / len(results):>9.2%}  {reason}", flush=True)
 
 
-def _report_cost(model: Any, model_dir: Path, groups: list[Group], pad_id: int) -> None:
+def _report_cost(model: Any, model_dir: Path, groups: list[Group], pad_id: int, micro_batch_tokens: int) -> None:
     start = time.perf_counter()
     audit_all(model, groups, pad_id)
     audit_s = (time.perf_counter() - start) / len(groups)
-    train_s = train_seconds_per_group(model_dir, groups, pad_id)
-    print(f"\ncost: {audit_s * 1000:.0f} ms to audit a group, {train_s * 1000:.0f} ms to train it "
+    train_s = train_seconds_per_group(model_dir, groups, pad_id, micro_batch_tokens)
+    print(f"\ncost over {len(groups)} groups (micro-batches of {micro_batch_tokens} tokens): "
+          f"{audit_s * 1000:.0f} ms to audit a group, {train_s * 1000:.0f} ms to train it "
           f"(ratio {audit_s / train_s:.2f}); at the default audit rate 10 % auditing costs "
           f"{0.1 * audit_s / (train_s + 0.1 * audit_s):.1%} of learner time")
 
@@ -253,6 +262,11 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--no-vllm", dest="vllm", action="store_false")
     p.add_argument("--vllm-dtypes", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="vLLM's compute dtypes (bf16 on a CPU without native bf16 is the slowest part of the run)")
+    p.add_argument("--cost-only", action="store_true", help="measure only what auditing costs the learner")
+    p.add_argument("--cost-groups", type=int, default=32, help="groups the cost stage audits and trains on")
+    p.add_argument("--micro-batch-tokens", type=int, default=4096,
+                   help="the learner's micro-batch in the cost stage (16,384, JobSpec's default, needs ~20 GB "
+                        "for a 49k vocabulary in fp32)")
     return p.parse_args()
 
 

@@ -111,10 +111,9 @@ def _score(model: Any, prompt: list[int], samples: Sequence[tuple[list[int], lis
     targets = batch.input_ids[:, -c:]
     mask = batch.completion_mask.bool()
     picked = logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    sampling = _nucleus(logq.exp(), top_p, top_k)
+    sampling, possible = _nuclei(logq.exp(), (top_p, min(1.0, top_p + NUCLEUS_SLACK)), top_k)
     expected = (sampling * logq).sum(-1)
     variance = (sampling * logq.square()).sum(-1) - expected.square()
-    possible = _nucleus(logq.exp(), min(1.0, top_p + NUCLEUS_SLACK), top_k) if top_p < 1.0 else sampling
     outside = int(((possible.gather(-1, targets.unsqueeze(-1)).squeeze(-1) <= 0) & mask).sum())
     reported = torch.zeros_like(picked)
     for i, (_, logprobs) in enumerate(samples):
@@ -123,15 +122,19 @@ def _score(model: Any, prompt: list[int], samples: Sequence[tuple[list[int], lis
                    outside)
 
 
-def _nucleus(probs: torch.Tensor, top_p: float, top_k: int = 0) -> torch.Tensor:
-    """The distribution a top-k/top-p sampler draws from: the k most likely tokens, then the smallest
-    prefix of them whose mass reaches top_p of theirs, renormalised — the same rule as the workers'
-    samplers (and vLLM's)."""
-    if top_p >= 1.0 and top_k <= 0:
-        return probs
+def _nuclei(probs: torch.Tensor, top_ps: tuple[float, ...], top_k: int = 0) -> list[torch.Tensor]:
+    """For each top_p, the distribution a top-k/top-p sampler draws from: the k most likely tokens,
+    then the smallest prefix of them whose mass reaches top_p of theirs, renormalised — the same rule
+    as the workers' samplers (and vLLM's). One sort serves them all (it is most of an audit's cost)."""
+    if top_k <= 0 and all(p >= 1.0 for p in top_ps):
+        return [probs] * len(top_ps)
     sorted_p, order = probs.sort(dim=-1, descending=True)
     if top_k > 0:
         sorted_p[..., top_k:] = 0.0
-    sorted_p = sorted_p.masked_fill((sorted_p.cumsum(-1) - sorted_p) >= top_p * sorted_p.sum(-1, keepdim=True), 0.0)
-    kept = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-    return kept / kept.sum(-1, keepdim=True)
+    before = sorted_p.cumsum(-1) - sorted_p
+    total = sorted_p.sum(-1, keepdim=True)
+    out = []
+    for top_p in top_ps:
+        kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(before >= top_p * total, 0.0))
+        out.append(kept / kept.sum(-1, keepdim=True))
+    return out

@@ -141,11 +141,14 @@ def _row(job: Job, lease: Lease, worker: Worker, group: GroupSubmit, reason: str
         "reject_kind": kind.value if kind else None, "prompt_token_ids": group.prompt_token_ids,
         # The worker's text is not kept: the platform shows its own decoding of the tokens.
         "samples": [s.model_dump(mode="json", exclude={"text"}) for s in group.samples],
-        "gen_seconds": group.gen_seconds,
+        "gen_seconds": group.gen_seconds, "seq": None,
     }
 
 
 def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]) -> None:
+    for row in rows:  # numbered for the audit windows; a race between two submissions repeats a number, never skips
+        if row["status"] == RolloutStatus.accepted.value:
+            row["seq"], worker.groups_numbered = worker.groups_numbered, worker.groups_numbered + 1
     if rows:
         db.execute(insert(Rollout), rows)
     accepted = [r["prompt_id"] for r in rows if r["status"] == RolloutStatus.accepted.value]

@@ -37,12 +37,23 @@ def audit_rate(worker: Worker, settings: Settings) -> float:
     return 1.0
 
 
-def should_audit(worker: Worker | None, rollout_id: str, settings: Settings) -> bool:
-    """A pure function of the rollout id: a retried claim audits the same groups. A sender the
+def should_audit(worker: Worker | None, rollout: Rollout, settings: Settings) -> bool:
+    """Every group of a worker on probation or suspect; of a trusted one, exactly one in each window of
+    W = round(1 / audit_rate) consecutive groups, at a position drawn from the worker's secret salt.
+    So a worker that starts forging every group is audited within 2W - 1 of them (the rest of its
+    window, whose audit may be behind it, and the next) and, a suspect then, quarantined at the next:
+    within 20 groups at the default rate, always (a random draw per group would leave it unaudited for
+    20 groups 12 % of the time). It cannot tell which groups are safe to forge. A pure function of the rows: a retried claim audits the same groups. A sender the
     control plane no longer knows is audited."""
     rate = audit_rate(worker, settings) if worker is not None else 1.0
-    draw = int.from_bytes(hashlib.sha256(rollout_id.encode()).digest()[:8], "big") / 2**64
-    return draw < rate
+    if rate >= 1 or rate <= 0:
+        return rate >= 1
+    if rollout.seq is None:  # stored before groups were numbered: a draw from its id
+        return int.from_bytes(hashlib.sha256(rollout.id.encode()).digest()[:8], "big") / 2**64 < rate
+    window = max(1, round(1 / rate))
+    index, slot = divmod(rollout.seq, window)
+    pick = hashlib.sha256(f"{worker.audit_salt}:{index}".encode()).digest()
+    return slot == int.from_bytes(pick[:8], "big") % window
 
 
 def passed(worker: Worker, settings: Settings) -> None:

@@ -8,7 +8,8 @@ from datetime import timedelta
 
 import pytest
 
-from api.models import Worker, utcnow
+from api.models import Rollout, Worker, utcnow
+from api.services import trust
 from tests.factories import (
     activate,
     fake_model_folder,
@@ -70,8 +71,41 @@ def test_probation_audits_every_group_then_trusted_workers_a_sample(api, setup):
     got = trust_of(api, wid)
     assert got["trust"] == "trusted" and got["audits_passed"] == 5
     sampled = one_step(api, job, learner, worker, [True] * 64, step=1)
-    share = sum(g["audit"] for g in sampled) / len(sampled)
-    assert 0 < share < 0.3  # ECHO2_AUDIT_RATE = 0.1, decided per rollout id (none of 64: p = 0.001)
+    # audit_rate 0.1: one group in each window of 10 (groups 5..68 of this worker: 5 whole windows, 2 cut)
+    assert 5 <= sum(g["audit"] for g in sampled) <= 7
+
+
+def test_a_trusted_worker_that_starts_forging_is_quarantined_within_twenty_of_its_groups(api, tmp_path):
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=16, max_steps=50,
+                               num_prompts=200, grpo={"group_size": 2, "prompts_per_step": 64})
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    one_step(api, job, learner, worker, [True] * 5, step=0)
+    assert trust_of(api, wid)["trust"] == "trusted"
+    # Every group forged from here on, caught whenever audited: the audit of its window comes within
+    # 2 x 10 - 1 groups (the rest of this window, whose place may be behind, and the next one), then as
+    # a suspect its next group is audited too.
+    for forged in range(1, 21):
+        one_step(api, job, learner, worker, [False], step=forged)
+        if trust_of(api, wid)["trust"] == "quarantined":
+            break
+    assert trust_of(api, wid)["trust"] == "quarantined" and forged <= 20
+
+
+def test_audit_windows_take_exactly_one_group_in_ten_at_a_secret_place(api):
+    settings = api.server.settings
+    places = []
+    for salt in ("a" * 32, "b" * 32):
+        sender = Worker(id="wrk_x", trust="trusted", audit_salt=salt)
+        audited = [n for n in range(1000) if trust.should_audit(sender, Rollout(id=f"rol_{n}", seq=n), settings)]
+        assert [n // 10 for n in audited] == list(range(100))  # one per window of round(1 / 0.1) groups
+        places.append([n % 10 for n in audited])
+    assert places[0] != places[1] and len(set(places[0])) == 10  # the place varies by window and by worker
+    probation = Worker(id="wrk_y", trust="probation", audit_salt="c" * 32)
+    assert all(trust.should_audit(probation, Rollout(id="r", seq=n), settings) for n in range(20))
+    assert trust.should_audit(None, Rollout(id="r", seq=3), settings)  # a sender no longer known
 
 
 def test_with_no_probation_a_new_worker_starts_trusted_and_only_a_sample_is_audited(api, tmp_path):
@@ -87,7 +121,7 @@ def test_with_no_probation_a_new_worker_starts_trusted_and_only_a_sample_is_audi
     activate(api, wid, job["id"])
     assert trust_of(api, wid)["trust"] == "trusted"
     sampled = one_step(api, job, learner, worker, [True] * 64, step=0)
-    assert 0 < sum(g["audit"] for g in sampled) / len(sampled) < 0.3
+    assert 5 <= sum(g["audit"] for g in sampled) <= 7  # groups 0..63: one in each window of 10
 
 
 def test_a_failed_audit_rejects_the_group_and_two_quarantine_the_worker(api, setup):
