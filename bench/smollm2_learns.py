@@ -4,11 +4,12 @@
     python bench/smollm2_learns.py --staleness 0 --steps 60
 
 `echo2-server up` (api/stack.py: private Redis, the API, the Celery scheduler, a learner host, local
-CPU workers) runs a job on SmolLM2-135M-Instruct (the packaged GGUF, converted once to an HF folder):
-two-digit addition ("what is 37+45?" with the model's chat template; 8,100 problems, of which the task's
-`held_out` share is never trained on), G = 8, 8 prompts per step, 16 new tokens, lr 2e-6, Adam betas
-0.9/0.99, bf16 versions as deltas. The learner evaluates `--eval-size` held-out problems greedy and
-sampled at temperature 1 before the first step, every `--eval-every` steps and after the last.
+CPU workers) runs the demo's SmolLM2 job (api/demo.py: SMOLLM2_TWO_DIGIT) on SmolLM2-135M-Instruct (the
+packaged GGUF, converted once to an HF folder): two-digit addition ("what is 37+45?" with the model's
+chat template; 8,100 problems, 20 % of them held out and never trained on), G = 8, 8 prompts per step,
+16 new tokens, lr 2e-6, Adam betas 0.9/0.99, bf16 versions as deltas. The learner evaluates
+`--eval-size` held-out problems greedy and sampled at temperature 1 before the first step, every
+`--eval-every` steps and after the last.
 Reported: that held-out curve, the training reward by blocks of 10 steps, and the wall time.
 """
 
@@ -27,14 +28,13 @@ sys.path.insert(0, str(REPO))
 
 
 def spec(args: argparse.Namespace) -> dict[str, Any]:
-    return {
-        "name": f"smollm2-two-digit-S{args.staleness}", "base_model": "echo2:smollm2", "staleness": args.staleness,
-        "publish_period": 1, "max_steps": args.steps, "checkpoint_every": 20,
-        "task": {"name": "arithmetic", "params": {"min_operand": 10, "max_operand": 99, "style": "question"}},
-        "eval": {"size": args.eval_size, "every": args.eval_every},
-        "grpo": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 16, "lr": args.lr, "temperature": 1.0,
-                 "adam_betas": [0.9, 0.99], "max_grad_norm": 1.0},
-    }
+    from api.demo import demo_spec
+
+    job = demo_spec("smollm2", args.steps, args.staleness)
+    job["name"] = f"smollm2-two-digit-S{args.staleness}"
+    job["eval"] = {"size": args.eval_size, "every": args.eval_every}
+    job["grpo"]["lr"] = args.lr
+    return job
 
 
 def run(args: argparse.Namespace) -> None:

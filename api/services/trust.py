@@ -43,8 +43,9 @@ def should_audit(worker: Worker | None, rollout: Rollout, settings: Settings) ->
     So a worker that starts forging every group is audited within 2W - 1 of them (the rest of its
     window, whose audit may be behind it, and the next) and, a suspect then, quarantined at the next:
     within 20 groups at the default rate, always (a random draw per group would leave it unaudited for
-    20 groups 12 % of the time). It cannot tell which groups are safe to forge. A pure function of the rows: a retried claim audits the same groups. A sender the
-    control plane no longer knows is audited."""
+    20 groups 12 % of the time). It cannot tell which groups are safe to forge. A pure function of
+    the rows: a retried claim audits the same groups. A sender the control plane no longer knows is
+    audited."""
     rate = audit_rate(worker, settings) if worker is not None else 1.0
     if rate >= 1 or rate <= 0:
         return rate >= 1
