@@ -38,7 +38,7 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("--port", type=int, help="API port (default ECHO2_PORT)")
         if name == "demo":
             cmd.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
-            cmd.add_argument("--steps", type=int, help="max learner steps (default: 130 tiny, 5 smollm2)")
+            cmd.add_argument("--steps", type=int, help="max learner steps (default: 130 tiny, 10 smollm2)")
             cmd.add_argument("--staleness", type=int, default=2, help="staleness bound S")
     model = sub.add_parser("model", help="build or import the built-in models")
     model_sub = model.add_subparsers(dest="model_command", required=True)
