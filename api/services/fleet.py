@@ -38,7 +38,8 @@ def assignment_for(db: Session, job: Job, settings: Settings) -> Callable[[list[
     spec, target = spec_of(job), job.version
     forms, base_url = versions.stored_forms(db, job.id), f"{settings.public_url}/v1/jobs/{job.id}"
     fields = dict(job_id=job.id, version=target, min_version=spec.oldest_admissible(job.step),
-                  staleness=spec.staleness, sampling=sampling_of(spec), relay_key=relay_key(job, target))
+                  staleness=spec.staleness, sampling=sampling_of(spec), relay_key=relay_key(job, target),
+                  lora_rank=spec.lora.rank if spec.lora else None)
     return lambda parents, held: Assignment(relay_parents=parents,
                                             fetch=versions.fetch_steps(forms, target, held, base_url), **fields)
 

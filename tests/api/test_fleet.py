@@ -58,9 +58,21 @@ def test_heartbeat_idle_then_active_with_assignment(api, tmp_path):
     [step] = a["fetch"]  # a newcomer fetches version 0, the keyframe
     assert step["version"] == 0 and step["form"] == "full" and step["size"] > 0
     assert step["manifest_url"].endswith(f"/v1/jobs/{job['id']}/versions/0/manifest")
-    assert a["sampling"]["group_size"] == 2
+    assert a["sampling"]["group_size"] == 2 and a["lora_rank"] is None
     reply = ok(worker.post(f"/v1/workers/{worker_id}/heartbeat", json={"versions_held": [0]}))
     assert reply["assignment"]["fetch"] == []  # holding it: nothing to fetch
+
+
+def test_a_lora_job_tells_its_workers_the_adapter_rank_from_the_first_version(api, tmp_path):
+    from tests.factories import fake_model_folder
+
+    _, provider = new_provider(api)
+    worker_id, worker = new_worker(api, provider)
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), lora={"rank": 8})
+    activate(api, worker_id, job["id"])
+    a = ok(worker.post(f"/v1/workers/{worker_id}/heartbeat", json={}))["assignment"]
+    assert a["version"] == 0 and a["lora_rank"] == 8  # version 0 is the base alone; vLLM is built for adapters
 
 
 def test_relay_key_is_per_job_and_version(api, tmp_path):

@@ -122,7 +122,7 @@ def adapters(models, tmp_path_factory) -> tuple[Path, Path]:
 @pytest.fixture(scope="module")
 def lora_probe(models, adapters, tmp_path_factory) -> dict:
     return run_probe(tmp_path_factory.mktemp("lora-probe"), "--model", str(models[0]), "--adapter", str(adapters[0]),
-                     "--reload-adapter", str(adapters[1]))
+                     "--reload-adapter", str(adapters[1]), "--lora-rank", "4")
 
 
 def recompute(model_dir: Path, samples: list[list[dict]], adapter: Path | None = None) -> list[tuple[float, float]]:
@@ -186,6 +186,11 @@ def test_vllm_reload_uses_new_weights(probe, models):
 
 
 def test_vllm_serves_a_lora_adapter_with_the_learners_logprobs_and_swaps_it(lora_probe, models, adapters):
+    # Loaded as a LoRA job's first version (the base, no adapter yet) on an engine built for adapters,
+    # which then takes the first adapter without being re-created.
+    base_worst, _ = diff_stats(recompute(models[0], lora_probe["base"]))
+    assert base_worst < LOGPROB_TOL, f"vLLM's base on a LoRA engine vs transformers: max {base_worst:.3g}"
+    assert lora_probe["timings"]["engine_kept"] == 1.0
     worst, mean = diff_stats(recompute(models[0], lora_probe["first"], adapters[0]))
     assert worst < LOGPROB_TOL, f"vLLM LoRA vs transformers + peft: max {worst:.3g}, mean {mean:.3g}"
     new_worst, _ = diff_stats(recompute(models[0], lora_probe["reloaded adapter"], adapters[1]))

@@ -2,7 +2,8 @@
 
 Used by tests/workers/test_vllm_backend.py (the main venv has no vllm). Usage:
     .venv-vllm/bin/python tests/workers/vllm_probe.py --model DIR --requests REQ.json --out OUT.json
-        [--reload DIR2] [--adapter ADAPTER [--reload-adapter ADAPTER2]] [--dtype float32|bfloat16|auto]
+        [--reload DIR2] [--adapter ADAPTER [--reload-adapter ADAPTER2] [--lora-rank R]]
+        [--dtype float32|bfloat16|auto]
 REQ.json is a list of GenRequest field dicts. OUT.json holds {"runs": [{"model": DIR, "samples":
 [[{token_ids, logprobs, finish_reason, text}, ...], ...]}, ...], "timings": {...}}: one run on
 DIR, a second identical run on DIR (determinism), and with --reload a run after an in-place reload.
@@ -26,6 +27,8 @@ def main() -> None:
     parser.add_argument("--reload", type=Path)
     parser.add_argument("--adapter", type=Path, help="a LoRA adapter folder applied to --model")
     parser.add_argument("--reload-adapter", type=Path, help="with --adapter: swap to this adapter on the same base")
+    parser.add_argument("--lora-rank", type=int, help="with --adapter: load the base alone first, as a LoRA job's "
+                        "first version, on an engine built for adapters of this rank; then swap the adapter in")
     parser.add_argument("--dtype", default="float32", help='engine dtype; "auto" is bf16 on CPU')
     parser.add_argument("--compile", action="store_true", help="let vLLM compile (slow start on CPU)")
     args = parser.parse_args()
@@ -39,7 +42,14 @@ def main() -> None:
     backend = create_backend("vllm", dtype=args.dtype, max_model_len=512, enforce_eager=not args.compile, seed=0)
     try:
         t0 = time.monotonic()
-        backend.load(args.model, args.adapter)
+        if args.lora_rank is not None:
+            backend.load(args.model, lora_rank=args.lora_rank)
+            runs.append({"model": str(args.model), "label": "base", "samples": _dump(backend.generate(requests))})
+            engine = backend.llm
+            backend.reload(args.model, args.adapter)
+            timings["engine_kept"] = float(backend.llm is engine)
+        else:
+            backend.load(args.model, args.adapter)
         timings["load_s"] = time.monotonic() - t0
         for label in ("first", "repeat"):
             t0 = time.monotonic()

@@ -54,6 +54,7 @@ class Versions:
         self.tokenizer: Any = None
         self.loaded: tuple[str, int] | None = None  # (job, version) in the backend
         self.target: tuple[str, int] | None = None
+        self.lora_rank: int | None = None  # the assigned job's (Assignment.lora_rank)
         self._fetched: list[Fetched] = []  # what the last download took from each source, for the next beat
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -67,7 +68,7 @@ class Versions:
     def ready(self, a: Assignment, parents: Callable[[], list[str]]) -> bool:
         """True when the backend holds an admissible version to lease with, swapping to the assigned one
         once it is on disk; starts fetching it otherwise."""
-        self.target = (a.job_id, a.version)
+        self.target, self.lora_rank = (a.job_id, a.version), a.lora_rank
         if self.loaded == self.target:
             return True
         if self.store.weights(a.job_id, a.version) is not None:
@@ -90,7 +91,7 @@ class Versions:
             self.backend.reload(model_dir, adapter_dir)
             action = "swapped to"
         else:
-            self.backend.load(model_dir, adapter_dir)
+            self.backend.load(model_dir, adapter_dir, lora_rank=self.lora_rank)
             self.tokenizer = _tokenizer_of(self.backend, model_dir)
             action = "loaded"
         self.loaded = (job_id, version)

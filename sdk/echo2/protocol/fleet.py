@@ -179,6 +179,9 @@ class Assignment(ReadModel):
         "when fetching from a peer, and accept only it on your own relay for this version.",
     )
     sampling: SamplingParams
+    lora_rank: int | None = Field(None, description="Rank of the adapter the job trains (LoRA jobs): every version "
+                                  "after the first is an adapter on version 0, so a backend that must be built "
+                                  "for adapters (vLLM) can be from the first version on.")
 
 
 class HeartbeatReply(ReadModel):

@@ -81,8 +81,10 @@ class GenerationBackend(ABC):
     name: str = "base"
 
     @abstractmethod
-    def load(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
-        """Load weights, config and tokenizer from an HF folder, and the adapter when given."""
+    def load(self, model_dir: Path, adapter_dir: Path | None = None, *, lora_rank: int | None = None) -> None:
+        """Load weights, config and tokenizer from an HF folder, and the adapter when given. `lora_rank`:
+        the job trains an adapter of that rank (its first version, the base, has none yet), so a backend
+        that must be built for adapters is built for them now."""
 
     @abstractmethod
     def reload(self, model_dir: Path, adapter_dir: Path | None = None) -> None:

@@ -50,7 +50,7 @@ class TransformersBackend(GenerationBackend):
 
     # -- loading ---------------------------------------------------------------------------------
 
-    def load(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
+    def load(self, model_dir: Path, adapter_dir: Path | None = None, *, lora_rank: int | None = None) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         model_dir = Path(model_dir)

@@ -95,12 +95,14 @@ class VLLMBackend(GenerationBackend):
         self._lora: Any = None  # the adapter every request uses (a vllm LoRARequest)
         self._lora_ids = itertools.count(1)
 
-    def load(self, model_dir: Path, adapter_dir: Path | None = None) -> None:
+    def load(self, model_dir: Path, adapter_dir: Path | None = None, *, lora_rank: int | None = None) -> None:
         from vllm import LLM
 
         model_dir = Path(model_dir)
         safetensors_files(model_dir)
-        rank = _lora_rank(adapter_dir) if adapter_dir is not None else None
+        # Built for adapters from the job's first version on: re-creating the engine when the first
+        # adapter arrives took as long as creating it (73 s on a 2-core CPU).
+        rank = _lora_rank(adapter_dir) if adapter_dir is not None else _fit_rank(lora_rank) if lora_rank else None
         self.close()
         t0 = time.monotonic()
         kwargs = {k: v for k, v in self.engine_kwargs.items() if v is not None}
@@ -255,14 +257,17 @@ def _refresh_cpu_packed_weights(worker: Any) -> int:
     return count
 
 
-def _lora_rank(adapter_dir: Path) -> int:
-    """The engine's max LoRA rank for this adapter: the smallest size vLLM offers that fits its r."""
-    config, _ = adapter_files(adapter_dir)
-    r = int(config.get("r", 0) or 0)  # type: ignore[call-overload]
+def _fit_rank(r: int, what: str = "the job's adapter") -> int:
+    """The engine's max LoRA rank for an adapter of rank r: the smallest size vLLM offers that fits it."""
     fitting = [size for size in LORA_RANKS if size >= r]
     if r < 1 or not fitting:
-        raise BackendError(f"{adapter_dir}: LoRA rank {r} is not one vLLM can serve (1..{LORA_RANKS[-1]})")
+        raise BackendError(f"{what}: LoRA rank {r} is not one vLLM can serve (1..{LORA_RANKS[-1]})")
     return fitting[0]
+
+
+def _lora_rank(adapter_dir: Path) -> int:
+    config, _ = adapter_files(adapter_dir)
+    return _fit_rank(int(config.get("r", 0) or 0), str(adapter_dir))  # type: ignore[call-overload]
 
 
 def _arch_signature(model_dir: Path) -> dict[str, Any]:
