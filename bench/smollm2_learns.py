@@ -34,6 +34,7 @@ def spec(args: argparse.Namespace) -> dict[str, Any]:
     job["name"] = f"smollm2-two-digit-S{args.staleness}"
     job["eval"] = {"size": args.eval_size, "every": args.eval_every}
     job["grpo"]["lr"] = args.lr
+    job["weights"] = {"dtype": args.dtype}
     return job
 
 
@@ -87,6 +88,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--workers", type=int, default=1, help="CPU workers (transformers)")
     p.add_argument("--lr", type=float, default=2e-6)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="published weights (auto: the base model's own, bf16)")
     p.add_argument("--eval-size", type=int, default=100, help="held-out problems per evaluation")
     p.add_argument("--eval-every", type=int, default=20)
     return p.parse_args()

@@ -147,12 +147,12 @@ class Learner:
                 if groups is None:
                     return  # the job was stopped from outside (cancel, budget): nothing to finish
                 result = self._trained(trainer, groups, t)
-                self._evaluate(committer, t + 1)
                 previous = committer.wait()  # in long ago: it went out when step t started
                 if previous is not None and previous.stop and previous.job_status.is_terminal():
                     return
                 self._commit(spec, trainer, publisher, committer, ahead, _report(t, _kept(groups, result), result),
                              consumed)
+                self._evaluate(committer, t + 1)  # queued behind step t's report: the control plane wants it in
                 t += 1
                 if t % spec.checkpoint_every == 0:
                     committer.wait()  # a checkpoint holds only committed steps

@@ -14,7 +14,7 @@ from sqlalchemy import select
 
 from api.db import Database
 from api.local import free_port
-from api.models import Lease, Rollout
+from api.models import EvalResult, Lease, Rollout
 
 pytestmark = pytest.mark.e2e
 STALENESS = 2
@@ -38,6 +38,8 @@ def test_demo_learns_with_three_workers_and_keeps_the_invariants(tmp_path):
     with db.session() as s:
         trained = list(s.scalars(select(Rollout).where(Rollout.status == "trained")))
         leases = {lease.id: lease for lease in s.scalars(select(Lease))}
+        evaluated = sorted(s.scalars(select(EvalResult.step)))
+    assert evaluated == list(range(0, 131, 10)), evaluated  # before the first step, every 10 (eval.every), the last
     assert trained
     assert len({r.id for r in trained}) == len(trained)
     assert len({(r.prompt_id, r.trained_step) for r in trained}) == len(trained), "a prompt trained twice in a step"
