@@ -7,7 +7,7 @@
 CPU workers) runs the demo's SmolLM2 job (api/demo.py: SMOLLM2_TWO_DIGIT) on SmolLM2-135M-Instruct (the
 packaged GGUF, converted once to an HF folder): two-digit addition ("what is 37+45?" with the model's
 chat template; 8,100 problems, 20 % of them held out and never trained on), G = 8, 8 prompts per step,
-16 new tokens, lr 2e-6, Adam betas 0.9/0.99, bf16 versions as deltas. The learner evaluates
+16 new tokens, lr 2e-6, Adam betas 0.9/0.99, float32 versions (see api/demo.py for why not bf16). The learner evaluates
 `--eval-size` held-out problems greedy and sampled at temperature 1 before the first step, every
 `--eval-every` steps and after the last.
 Reported: that held-out curve, the training reward by blocks of 10 steps, and the wall time.
@@ -34,7 +34,7 @@ def spec(args: argparse.Namespace) -> dict[str, Any]:
     job["name"] = f"smollm2-two-digit-S{args.staleness}"
     job["eval"] = {"size": args.eval_size, "every": args.eval_every}
     job["grpo"]["lr"] = args.lr
-    job["weights"] = {"dtype": args.dtype}
+    job["weights"]["dtype"] = args.dtype
     return job
 
 
@@ -88,8 +88,8 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--staleness", type=int, default=2)
     p.add_argument("--workers", type=int, default=1, help="CPU workers (transformers)")
     p.add_argument("--lr", type=float, default=2e-6)
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="published weights (auto: the base model's own, bf16)")
+    p.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="published weights (the demo's float32; auto: the base model's own, bf16)")
     p.add_argument("--eval-size", type=int, default=100, help="held-out problems per evaluation")
     p.add_argument("--eval-every", type=int, default=20)
     return p.parse_args()
