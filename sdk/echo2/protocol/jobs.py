@@ -96,7 +96,11 @@ class WeightsConfig(Model):
     whatever the published dtype; workers load what is published."""
 
     dtype: WeightDtype = Field(WeightDtype.auto, description="dtype of the published weights; `auto` is the base "
-                               "model's own (bfloat16 for most released models, float32 for `echo2:tiny`).")
+                               "model's own (bfloat16 for most released models, float32 for `echo2:tiny`). A "
+                               "bf16 version moves a weight only once the learner's float32 copy has moved half "
+                               "a bf16 step from it: with small learning rates (≲ 1e-5) on a bf16 base, the "
+                               "policy workers sample can stay frozen for tens of steps, and a job that must "
+                               "learn in few steps should publish float32 (measured in docs/BENCHMARKS.md).")
     delta: bool = Field(True, description="Publish each version after the first also as a delta against the one "
                         "before it: workers holding that one fetch only what changed.")
     keyframe_every: int = Field(10, ge=1, le=10_000, description="Every K-th publication (and the first and the "
