@@ -46,7 +46,9 @@ def should_audit(worker: Worker | None, rollout: Rollout, settings: Settings) ->
     20 groups 12 % of the time). It cannot tell which groups are safe to forge. A pure function of
     the rows: a retried claim audits the same groups. A sender the control plane no longer knows is
     audited."""
-    rate = audit_rate(worker, settings) if worker is not None else 1.0
+    if worker is None:
+        return True
+    rate = audit_rate(worker, settings)
     if rate >= 1 or rate <= 0:
         return rate >= 1
     if rollout.seq is None:  # stored before groups were numbered: a draw from its id
