@@ -179,3 +179,9 @@ def serve_forever(stack: Stack) -> None:
             time.sleep(0.5)
     finally:
         stack.stop()
+
+
+def exit_on_sigterm() -> None:
+    """For a script that runs a Stack inside try/finally: SIGTERM raises SystemExit like Ctrl-C raises
+    KeyboardInterrupt, so the `finally` that stops the stack runs instead of leaving its children behind."""
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

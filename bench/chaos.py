@@ -52,11 +52,12 @@ def main() -> int:
     from api.demo import demo_spec
     from api.local import free_port
     from api.settings import Settings
-    from api.stack import Stack
+    from api.stack import Stack, exit_on_sigterm
 
     os.environ.update({"ECHO2_LEASE_TTL_S": "8", "ECHO2_WORKER_OFFLINE_AFTER_S": "5",
                        "ECHO2_LEARNER_DEAD_AFTER_S": "6", "ECHO2_LOG_LEVEL": "WARNING"})
     work = Path(tempfile.mkdtemp(prefix="echo2-chaos-"))
+    exit_on_sigterm()
     stack = Stack(Settings(data_dir=work / ".echo2", port=free_port()), workers=args.workers).start()
     rng, chaos = random.Random(args.seed), Chaos()
     started = time.monotonic()

@@ -39,9 +39,10 @@ def run(name: str, args: argparse.Namespace, lora: bool) -> dict[str, Any]:
     from api.demo import demo_spec
     from api.local import free_port
     from api.settings import Settings
-    from api.stack import Stack
+    from api.stack import Stack, exit_on_sigterm
 
     work = Path(tempfile.mkdtemp(prefix=f"echo2-lora-{name}-"))
+    exit_on_sigterm()
     stack = Stack(Settings(data_dir=work / ".echo2", port=free_port()), workers=args.workers).start()
     try:
         if args.vllm:

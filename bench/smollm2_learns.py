@@ -43,8 +43,9 @@ def run(args: argparse.Namespace) -> None:
 
     from api.local import free_port
     from api.settings import Settings
-    from api.stack import Stack
+    from api.stack import Stack, exit_on_sigterm
     work = Path(tempfile.mkdtemp(prefix="echo2-smollm2-"))
+    exit_on_sigterm()
     stack = Stack(Settings(data_dir=work / ".echo2", port=free_port()), workers=args.workers).start()
     try:
         with Client(base_url=stack.url, api_key=stack.admin_key, timeout=60) as client:
