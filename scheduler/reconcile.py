@@ -195,22 +195,24 @@ def _job_profile(db: Session, job: Job) -> JobProfile:
 def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobProfile],
                     settings: Settings) -> WorkerProfile:
     """μ from the groups it delivered that were worth something (accepted, and not rejected for its own
-    fault) in the last minute of work: the raw generation rate. A worker with no such measurement yet is
-    on trial: it counts, whatever it claims, for at most `trial_share` of each job's need. A trial that
-    delivered nothing for `delivery_grace_s` fails: the worker is measured at zero (and so not
-    activated) until `TRIAL_RETRY` grace periods later."""
-    since = now - timedelta(seconds=MU_WINDOW_S)
-    done, gen = db.execute(select(func.count(), func.avg(Rollout.gen_seconds)).where(
-        Rollout.worker_id == worker.id, Rollout.created_at >= since,
-        Rollout.reject_kind.not_in(WORKER_FAULTS) | Rollout.reject_kind.is_(None))).one()
+    fault) in the last minute of work, or over its whole activation when that minute holds none (a
+    slow worker, or one that waited for room in the queue): the raw generation rate. A worker that has
+    delivered nothing since it was activated is on trial: it counts, whatever it claims, for at most
+    `trial_share` of each job's need. A trial that delivered nothing for `delivery_grace_s` fails: the
+    worker is measured at zero (and so not activated) until `TRIAL_RETRY` grace periods later."""
     active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
+    window = min(active_s, MU_WINDOW_S)
+    done, gen = _delivered(db, worker.id, now - timedelta(seconds=MU_WINDOW_S))
+    if not done and worker.active_since is not None:
+        # A SmolLM2 worker on CPU, with a minute between two deliveries, was failed as if it never worked.
+        (done, gen), window = _delivered(db, worker.id, worker.active_since), active_s
     if not done and active_s >= settings.delivery_grace_s:
         worker.trial_failed_at = now
     retry_at = worker.trial_failed_at + timedelta(seconds=TRIAL_RETRY * settings.delivery_grace_s) \
         if worker.trial_failed_at else now
     trial = None
     if done and active_s >= 5:
-        mu = done / min(active_s, MU_WINDOW_S)
+        mu = done / window
     elif now < retry_at:
         mu = 0.0
     else:
@@ -222,6 +224,14 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     return WorkerProfile(worker_id=worker.id, price_per_h=worker.price_per_hour, vram_gb=worker.vram_gb,
                          backends=frozenset(worker.backends), mu=mu, t_gen_s=t_gen, t_bcast_s=t_bcast,
                          perf_by_job=per_job)
+
+
+def _delivered(db: Session, worker_id: str, since: datetime) -> tuple[int, float | None]:
+    """Groups the worker delivered since then that were worth something, and their mean generation time."""
+    done, gen = db.execute(select(func.count(), func.avg(Rollout.gen_seconds)).where(
+        Rollout.worker_id == worker_id, Rollout.created_at >= since,
+        Rollout.reject_kind.not_in(WORKER_FAULTS) | Rollout.reject_kind.is_(None))).one()
+    return int(done), gen
 
 
 def _t_bcast(db: Session, worker: Worker) -> float:

@@ -186,3 +186,29 @@ def test_a_dead_learner_is_not_billed(api, tmp_path):
     run_tick(api, now=now)
     run_tick(api, now=now + timedelta(seconds=2))
     assert ok(alice.get(f"/v1/jobs/{job['id']}"))["cost"]["learner_usd"] == 0.0
+
+
+def test_a_slow_worker_is_measured_not_failed_and_one_that_never_delivers_is(api, tmp_path):
+    from api.models import Rollout
+    from scheduler.reconcile import _worker_profile
+    from tests.factories import activate, submit_group
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    _, provider = new_provider(api)
+    (slow_id, slow), (idle_id, _) = [new_worker(api, provider, name) for name in ("slow", "idle")]
+    for wid in (slow_id, idle_id):
+        activate(api, wid, job["id"])
+    lease = ok(slow.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+    ok(submit_group(slow, lease, lease["prompts"][0], 0))
+    now = utcnow()
+    with api.db.session() as s:
+        for wid in (slow_id, idle_id):  # both active for 200 s; the slow one delivered once, 150 s ago
+            s.get_one(Worker, wid).active_since = now - timedelta(seconds=200)
+        s.scalars(select(Rollout).where(Rollout.worker_id == slow_id)).one().created_at = now - timedelta(seconds=150)
+        s.commit()
+        slow_row, idle_row = s.get_one(Worker, slow_id), s.get_one(Worker, idle_id)
+        measured = _worker_profile(s, slow_row, now, [], api.server.settings)
+        failed = _worker_profile(s, idle_row, now, [], api.server.settings)
+        assert slow_row.trial_failed_at is None and measured.mu == pytest.approx(1 / 200)
+        assert idle_row.trial_failed_at == now and failed.mu == 0.0  # grace 120 s, nothing delivered
