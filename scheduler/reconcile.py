@@ -163,6 +163,7 @@ def _activate(db: Session, settings: Settings, now: datetime) -> tuple[int, int]
         worker = by_id.get(line.worker_id)
         if worker is None:
             continue
+        job_id = line.job_id or worker.job_id  # before unassigning: a deactivation is explained on its job
         if line.action is Action.ACTIVATE and line.job_id in jobs_by_id:
             fleet.assign(worker, jobs_by_id[line.job_id])
             worker.activated_mu = profiles[worker.id].perf_for(line.job_id).mu  # what its pay is measured against
@@ -171,7 +172,7 @@ def _activate(db: Session, settings: Settings, now: datetime) -> tuple[int, int]
             fleet.unassign(db, worker)
             deactivated += 1
         if line.action in (Action.ACTIVATE, Action.DEACTIVATE) or decision.resolved:
-            db.add(Decision(job_id=line.job_id or worker.job_id, worker_id=worker.id, action=str(line.action),
+            db.add(Decision(job_id=job_id, worker_id=worker.id, action=str(line.action),
                             line=line.line()[:512], trigger=decision.trigger[:256],
                             inputs={"method": decision.method, "jobs": [_alloc(a) for a in decision.jobs]}))
     return activated, deactivated

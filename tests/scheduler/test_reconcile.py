@@ -212,3 +212,20 @@ def test_a_slow_worker_is_measured_not_failed_and_one_that_never_delivers_is(api
         failed = _worker_profile(s, idle_row, now, [], api.server.settings)
         assert slow_row.trial_failed_at is None and measured.mu == pytest.approx(1 / 200)
         assert idle_row.trial_failed_at == now and failed.mu == 0.0  # grace 120 s, nothing delivered
+
+
+def test_a_deactivation_is_explained_on_the_job_the_worker_left(api, tmp_path):
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), grpo={"group_size": 2, "prompts_per_step": 2})
+    _, provider = new_provider(api)
+    wid, w = new_worker(api, provider, "claimer", rollouts_per_s=100.0)
+    ok(w.post(f"/v1/workers/{wid}/heartbeat", json={}))
+    assert run_tick(api)[0].activated == 1
+    with api.db.session() as s:  # active for longer than the grace time, and nothing delivered
+        s.get_one(Worker, wid).active_since = utcnow() - timedelta(seconds=300)
+        s.commit()
+    ok(w.post(f"/v1/workers/{wid}/heartbeat", json={"status": "active"}))
+    assert run_tick(api)[0].deactivated == 1
+    lines = ok(alice.get(f"/v1/jobs/{job['id']}/decisions"))
+    assert [d["line"] for d in lines if d["action"] == "deactivated"] == [
+        f"deactivated {wid}: no longer qualifies: no measured throughput"]
