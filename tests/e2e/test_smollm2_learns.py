@@ -17,7 +17,6 @@ from api.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 STEPS, EVAL_SIZE = 24, 200
-THRESHOLD = 0.05  # sampled accuracy gained on held-out problems
 
 
 def test_smollm2_improves_its_held_out_accuracy_through_the_platform(tmp_path):
@@ -38,5 +37,7 @@ def test_smollm2_improves_its_held_out_accuracy_through_the_platform(tmp_path):
     before, after = report.eval_before, report.eval_after
     assert before is not None and after is not None and (before.step, after.step) == (0, STEPS)
     assert before.prompts == after.prompts == EVAL_SIZE
-    # Sampled accuracy starts near 0.02 (docs/BENCHMARKS.md); THRESHOLD is far above the noise of 200 problems.
-    assert after.sampled_accuracy >= before.sampled_accuracy + THRESHOLD, (before, after)
+    # bench/smollm2_learns.py measured greedy 0.15 -> 0.42 and sampled 0.02 -> 0.13 after 12 steps on 100
+    # problems; the margins here are several standard errors of 200 problems below that.
+    assert after.greedy_accuracy >= before.greedy_accuracy + 0.10, (before, after)
+    assert after.sampled_accuracy >= before.sampled_accuracy + 0.05, (before, after)
