@@ -27,8 +27,10 @@
     const poller = poll(load);
   });
 
-  E2.page("worker", () => {
+  E2.page("worker", (session) => {
     const id = $("#worker").dataset.workerId;
+    // The evidence is its provider's and admins' to read: a job owner's browser does not ask (a 403).
+    const seesAudits = session.kind !== "user" || session.role === "admin";
     async function load() {
       const w = await api("/v1/workers/" + encodeURIComponent(id));
       document.title = `${w.name} · Echo2`;
@@ -47,7 +49,7 @@
         ["Quarantined until", w.quarantined_until ? timeEl(w.quarantined_until) : "–"],
         ["Latest evidence", w.trust_reason || "–"],
       ]);
-      await failedAudits(id);
+      if (seesAudits) await failedAudits(id);  // else its box stays hidden
       props("#worker-hw", [
         ["GPU", w.gpu_count ? `${w.gpu_count} × ${w.gpu_model}` : w.gpu_model],
         ["VRAM", `${fmt.num(w.vram_gb, 1)} GB`],
