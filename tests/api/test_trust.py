@@ -24,15 +24,19 @@ from tests.factories import (
 from tests.sdk.test_cli import echo2
 
 
-@pytest.fixture
-def setup(api, tmp_path):
+def job_with_worker(api, tmp_path, staleness: int = 2):
     _, alice = new_user(api)
-    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=2, max_steps=50,
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=staleness, max_steps=50,
                                num_prompts=200, grpo={"group_size": 2, "prompts_per_step": 64})
     _, provider = new_provider(api)
     wid, worker = new_worker(api, provider)
     activate(api, wid, job["id"])
     return job, learner, wid, worker, provider, alice
+
+
+@pytest.fixture
+def setup(api, tmp_path):
+    return job_with_worker(api, tmp_path)
 
 
 def submit(worker, job, n: int, version: int = 0) -> list[str]:
@@ -76,12 +80,7 @@ def test_probation_audits_every_group_then_trusted_workers_a_sample(api, setup):
 
 
 def test_a_trusted_worker_that_starts_forging_is_quarantined_within_twenty_of_its_groups(api, tmp_path):
-    _, alice = new_user(api)
-    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=16, max_steps=50,
-                               num_prompts=200, grpo={"group_size": 2, "prompts_per_step": 64})
-    _, provider = new_provider(api)
-    wid, worker = new_worker(api, provider)
-    activate(api, wid, job["id"])
+    job, learner, wid, worker, _, _ = job_with_worker(api, tmp_path, staleness=16)  # 20 steps on version 0
     one_step(api, job, learner, worker, [True] * 5, step=0)
     assert trust_of(api, wid)["trust"] == "trusted"
     # Every group forged from here on, caught whenever audited: the audit of its window comes within
