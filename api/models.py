@@ -56,6 +56,9 @@ class User(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("usr"))
     name: Mapped[str] = mapped_column(String(128))
     role: Mapped[str] = mapped_column(String(16))
+    # Quotas an admin sets (None: no limit). Jobs beyond them wait in the queue, they do not fail.
+    max_concurrent_jobs: Mapped[int | None] = mapped_column(Integer)
+    max_usd_per_day: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -203,6 +206,12 @@ class Job(Base):
     request_hash: Mapped[str | None] = mapped_column(String(64))
     # Never leaves the control plane: each version's relay key is derived from it (services.fleet).
     relay_secret: Mapped[str] = mapped_column(String(64), default=lambda: secrets.token_hex(32))
+    # A queued job's place among those waiting for a learner slot (1 = next), set by each reconcile tick.
+    queue_position: Mapped[int | None] = mapped_column(Integer)
+    # Why a paused job is paused: "budget" (resumes when the budget is raised) or "quota" (by itself).
+    paused_for: Mapped[str | None] = mapped_column(String(16))
+    # The cost estimated when the job was submitted (services/estimate.py), to compare with the actual.
+    estimate_usd: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
@@ -358,6 +367,8 @@ class LedgerEntry(Base):
     seconds: Mapped[float] = mapped_column(Float)  # billed time
     groups: Mapped[int] = mapped_column(Integer, default=0)
     rollout_ids: Mapped[list[Any]] = mapped_column(default=list)
+    step: Mapped[int | None] = mapped_column(Integer)  # the job's step when the entry was made
+    memo: Mapped[str | None] = mapped_column(String(256))  # what it pays for, in words
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -390,6 +401,16 @@ class Decision(Base):
     trigger: Mapped[str] = mapped_column(String(256))
     inputs: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class LearnerHost(Base):
+    """A learner host (a Celery worker on the queue `learner`) and how many learners it runs at once;
+    it re-registers every few seconds, and the scheduler launches learners only into free slots."""
+
+    __tablename__ = "learner_hosts"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    slots: Mapped[int] = mapped_column(Integer)
+    seen_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
 class SchedulerState(Base):

@@ -88,14 +88,19 @@ class FieldError(ReadModel):
 
 
 class JobStatus(StrEnum):
-    queued = "queued"
+    queued = "queued"  # waiting for a learner slot or for its owner's quota (see status_reason)
     running = "running"
+    paused = "paused"  # its budget ran out (resumes when raised) or its owner's daily quota did (by itself)
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
 
     def is_terminal(self) -> bool:
         return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+
+    def stops_learner(self) -> bool:
+        """A learner that sees this status stops: finished, or paused (a new one resumes the job later)."""
+        return self is JobStatus.paused or self.is_terminal()
 
 
 class Role(StrEnum):
