@@ -5,17 +5,30 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+from echo2 import logs
 from fastapi import FastAPI
 
 import web
 
 from . import errors, openapi
 from .db import Database
-from .routes import datasets, evals, fleet, health, jobs, learner, learner_state, leases, users, weights
+from .routes import (
+    datasets,
+    estimates,
+    evals,
+    fleet,
+    health,
+    jobs,
+    learner,
+    learner_state,
+    leases,
+    ledger,
+    users,
+    weights,
+)
 from .services import retention
 from .services.heartbeats import Heartbeats
 from .services.notices import Announcer
@@ -66,8 +79,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(errors.BodyLimit, default_limit=settings.max_body_bytes,
                        large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
     app.add_middleware(MetricsMiddleware, telemetry=telemetry)
-    for module in (health, users, jobs, datasets, fleet, leases, learner, learner_state, evals, weights):
+    for module in (health, users, estimates, jobs, datasets, fleet, ledger, leases, learner, learner_state, evals,
+                   weights):
         app.include_router(module.router)
     web.install(app)
-    logging.basicConfig(level=settings.log_level)
+    logs.configure(settings.log_format, settings.log_level)  # no-op when the CLI configured it first
     return app

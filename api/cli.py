@@ -30,12 +30,14 @@ def _parser() -> argparse.ArgumentParser:
                    add_help=False)
     sub.add_parser("scheduler", help="run the scheduler: Celery worker with embedded beat (reconcile ticks)")
     host = sub.add_parser("learner-host", help="run a learner host: a Celery worker on the queue `learner`")
-    host.add_argument("--concurrency", type=int, default=1, help="learners run at once on this host")
+    host.add_argument("--slots", type=int, help="learners run at once on this host (default: one per GPU; "
+                      "without CUDA, one per two CPU cores)")
     for name, text in (("up", "run everything locally: Redis, API, scheduler, learner host, N CPU workers"),
                        ("demo", "`up`, then train the demo job and follow it live (exit 0 if it succeeded)")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--workers", type=int, default=2, help="local CPU workers")
         cmd.add_argument("--port", type=int, help="API port (default ECHO2_PORT)")
+        cmd.add_argument("--learner-slots", type=int, default=2, help="learners the local learner host runs at once")
         if name == "demo":
             cmd.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
             cmd.add_argument("--steps", type=int, help="max learner steps (default: 130 tiny, 10 smollm2)")
@@ -90,15 +92,39 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _celery(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
+    from echo2 import logs
+
     from scheduler.celery_app import DEFAULT_QUEUE, LEARNER_QUEUE, create_celery
 
+    logs.configure(settings.log_format, settings.log_level)  # Celery keeps a root logger it finds configured
     app = create_celery(settings)
+    options = ["--loglevel", settings.log_level, "--without-gossip", "--without-mingle"]
     if args.command == "scheduler":
         schedule = settings.data_dir / "celerybeat-schedule"
-        argv = ["worker", "-B", "-s", str(schedule), "-Q", DEFAULT_QUEUE, "-n", "scheduler@%h", "--concurrency", "1"]
-    else:
-        argv = ["worker", "-Q", LEARNER_QUEUE, "-n", "learner-host@%h", "--concurrency", str(args.concurrency)]
-    app.worker_main([*argv, "--loglevel", settings.log_level, "--without-gossip", "--without-mingle"])
+        app.worker_main(["worker", "-B", "-s", str(schedule), "-Q", DEFAULT_QUEUE, "-n", "scheduler@%h",
+                         "--concurrency", "1", *options])
+        return 0
+    return _learner_host(settings, app, args.slots, ["worker", "-Q", LEARNER_QUEUE, "-n", "learner-host@%h", *options])
+
+
+def _learner_host(settings, app, slots: int | None, argv: list[str]) -> int:  # type: ignore[no-untyped-def]
+    """A Celery worker with one process a slot, registered with its slots while it runs (scheduler/hosts.py)."""
+    import threading
+
+    from scheduler import hosts
+
+    from .db import Database
+
+    slots = slots or hosts.default_slots()
+    database, stop, name = Database(settings.database_url), threading.Event(), hosts.host_name()
+    hosts.keep_registered(database, name, slots, stop)
+    try:
+        app.worker_main([*argv, "--concurrency", str(slots)])
+    finally:
+        stop.set()
+        with database.session() as db:  # its slots are gone at once, not after the silence timeout
+            hosts.unregister(db, name)
+            db.commit()
     return 0
 
 
@@ -107,7 +133,8 @@ def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-d
 
     if args.port:
         settings = settings.model_copy(update={"port": args.port, "public_url": f"http://{settings.host}:{args.port}"})
-    stack = Stack(settings.model_copy(update={"data_dir": settings.data_dir.resolve()}), workers=args.workers)
+    stack = Stack(settings.model_copy(update={"data_dir": settings.data_dir.resolve()}), workers=args.workers,
+                  learner_slots=args.learner_slots)
     print(f"starting Echo2 in {stack.settings.data_dir} ...", flush=True)
     stack.start()
     print(f"Echo2 is up: dashboard {stack.url}/  (admin API key in {stack.settings.data_dir / 'admin.key'}: "
@@ -124,9 +151,10 @@ def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-d
 
 
 def _learner(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
-    import logging
     import os
     from pathlib import Path
+
+    from echo2 import logs
 
     from learner.launch import run_job
     from learner.loop import LearnerOptions
@@ -134,7 +162,7 @@ def _learner(settings, args: argparse.Namespace) -> int:  # type: ignore[no-unty
     token = os.environ.get("ECHO2_LEARNER_TOKEN")
     if not token:
         raise RuntimeError("set ECHO2_LEARNER_TOKEN to the job's learner token (POST /v1/jobs/ID/learner/token)")
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logs.configure(settings.log_format, settings.log_level)
     work = Path(args.work_dir) if args.work_dir else settings.data_dir / "learner"
     # In this process, or as a torchrun group with FSDP when the job asks for several GPUs.
     run_job(args.server or settings.public_url, token, args.job,
@@ -166,6 +194,7 @@ def _create_user(settings, name: str, role: str) -> int:  # type: ignore[no-unty
 
 def _serve(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     import uvicorn
+    from echo2 import logs
 
     from .bootstrap import first_run_admin
     from .db import Database
@@ -178,8 +207,11 @@ def _serve(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untype
         if key_file is not None:
             print(f"first run: created an admin; its API key is in {key_file}")
     print(f"Echo2 API on http://{host}:{port}  (OpenAPI docs at /docs)")
+    # After the migrations (alembic's INFO chatter stays out), before the app, which keeps this set-up;
+    # log_config=None: uvicorn's own lines go through the root logger too, in the same format.
+    logs.configure(settings.log_format, settings.log_level)
     uvicorn.run("api.main:app", host=host, port=port, workers=args.workers, log_level=settings.log_level.lower(),
-                access_log=False)
+                access_log=False, log_config=None)
     return 0
 
 

@@ -57,6 +57,8 @@ class Settings(BaseSettings):
     delivery_grace_s: float = Field(120.0, gt=0, description="An activated worker that delivers nothing for this "
                                     "long is measured at zero throughput (and deactivated).")
     log_level: str = Field("INFO", description="Python logging level.")
+    log_format: Literal["text", "json"] = Field("text", description="Log lines for people, or one JSON object "
+                                                "per line (ts, level, logger, msg, exc) for a log pipeline.")
 
     @model_validator(mode="after")
     def _derive(self) -> Settings:

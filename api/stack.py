@@ -1,9 +1,10 @@
 """`echo2-server up`: the whole platform as one process tree on the embedded defaults.
 
-A private Redis, the API, the scheduler (Celery worker + beat), one learner host and N local CPU
-workers, each in its own process group with a pid file under DATA_DIR/run. Ctrl-C (or SIGTERM) stops
-them all: TERM to every group, then KILL to whatever is left, so no process outlives `up`. Pid files
-left by an `up` that was itself killed are used to clean up its orphans at the next start.
+A private Redis, the API, the scheduler (Celery worker + beat), one learner host (two learner slots
+by default) and N local CPU workers, each in its own process group with a pid file under DATA_DIR/run.
+Ctrl-C (or SIGTERM) stops them all: TERM to every group, then KILL to whatever is left, so no process
+outlives `up`. Pid files left by an `up` that was itself killed are used to clean up its orphans at the
+next start.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class Child:
 class Stack:
     settings: Settings
     workers: int = 2
+    learner_slots: int = 2
     children: list[Child] = field(default_factory=list)
     redis: RedisServer | None = None
     admin_key: str = ""
@@ -66,7 +68,8 @@ class Stack:
         self._spawn(Child("api", [sys.executable, "-m", "api.cli", "api"], env))
         wait_port(self.settings.port, timeout=120, proc=self.children[0].proc)
         self._spawn(Child("scheduler", [sys.executable, "-m", "api.cli", "scheduler"], env))
-        self._spawn(Child("learner-host", [sys.executable, "-m", "api.cli", "learner-host"], env))
+        self._spawn(Child("learner-host", [sys.executable, "-m", "api.cli", "learner-host",
+                                           "--slots", str(self.learner_slots)], env))
         for _ in range(self.workers):
             self.add_worker()
         return self

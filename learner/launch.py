@@ -22,6 +22,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from echo2 import logs
+
 from . import tether
 from .loop import Learner, LearnerOptions, build_trainer
 from .parallel import Sharded
@@ -92,8 +94,9 @@ def _rank_main(args: argparse.Namespace) -> int:
     options = LearnerOptions(work_dir=args.work_dir, device=args.device, chunk_size=args.chunk_size,
                              heartbeat_s=args.heartbeat_s, threads=args.threads)
     world = Sharded(local_rank=int(os.environ["LOCAL_RANK"]))  # set by torchrun
-    logging.basicConfig(level=logging.INFO if world.rank == 0 else logging.WARNING,
-                        format=f"%(asctime)s rank {world.rank} %(levelname)s %(name)s: %(message)s")
+    # ECHO2_LOG_FORMAT comes down from the learner host in the environment torchrun passes on.
+    logs.configure(logs.env_format(), logging.INFO if world.rank == 0 else logging.WARNING,
+                   text=f"%(asctime)s rank {world.rank} %(levelname)s %(name)s: %(message)s")
     log.info("job %s: FSDP learner over %d processes", args.job, world.size)
     try:
         if world.rank == 0:

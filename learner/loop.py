@@ -145,10 +145,10 @@ class Learner:
             while t < spec.max_steps:
                 groups = self._collect(spec, t, ahead.take(t))
                 if groups is None:
-                    return  # the job was stopped from outside (cancel, budget): nothing to finish
+                    return  # stopped from outside (cancelled, or paused: a new learner resumes it)
                 result = self._trained(trainer, groups, t)
                 previous = committer.wait()  # in long ago: it went out when step t started
-                if previous is not None and previous.stop and previous.job_status.is_terminal():
+                if previous is not None and previous.stop and previous.job_status.stops_learner():
                     return
                 self._commit(spec, trainer, publisher, committer, ahead, _report(t, _kept(groups, result), result),
                              consumed)
@@ -158,9 +158,9 @@ class Learner:
                     committer.wait()  # a checkpoint holds only committed steps
                     self._checkpoint(trainer, consumed, work)
                 if previous is not None and previous.stop:
-                    break  # over budget: this step was still reported; finish with it
+                    break  # the last step: it was still reported; finish with it
             last = committer.wait()
-            if last is not None and last.job_status.is_terminal():
+            if last is not None and last.job_status.stops_learner():
                 return
         finally:
             ahead.close()
@@ -236,7 +236,7 @@ class Learner:
 
     def _stopped(self) -> bool:
         ack = self.last_ack
-        return ack is not None and ack.job_status.is_terminal()
+        return ack is not None and ack.job_status.stops_learner()
 
     def _heartbeat_loop(self) -> None:
         while not self._stop.wait(self.opt.heartbeat_s):

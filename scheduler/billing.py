@@ -12,7 +12,8 @@ everything ran):
   full, less is paid pro rata, nothing is paid nothing — however much a worker claims to be able to do.
   A quarantined or banned worker is paid nothing more.
 
-Every payment is a ledger entry naming the rollouts it pays for; job and provider totals are their sums.
+Every payment is a ledger entry naming the rollouts it pays for, the job's step when it was made, and
+what it pays for in words (its memo); job and provider totals are their sums.
 """
 
 from __future__ import annotations
@@ -50,38 +51,56 @@ def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> 
 def _bill_learners(db: Session, settings: Settings, now: datetime, seconds: float) -> None:
     alive_since = now - timedelta(seconds=settings.learner_dead_after_s)
     for job in db.scalars(select(Job).where(Job.status == "running", Job.learner_heartbeat_at >= alive_since)):
-        amount = (spec_of(job).learner.price_per_hour or 0.0) * seconds / 3600
+        price = spec_of(job).learner.price_per_hour or 0.0
+        amount = price * seconds / 3600
         job.learner_usd += amount
-        db.add(LedgerEntry(job_id=job.id, kind="learner", amount_usd=amount, seconds=seconds))
+        db.add(LedgerEntry(job_id=job.id, kind="learner", amount_usd=amount, seconds=seconds, step=job.step,
+                           memo=f"learner reserved {seconds:.1f} s at ${price:.2f}/h"))
 
 
-def _payable(db: Session) -> dict[str, dict[str, list[str]]]:
-    """worker -> job -> ids of its unpaid rollouts that are worth paying for."""
+def _payable(db: Session) -> dict[str, dict[str, list[tuple[str, bool]]]]:
+    """worker -> job -> (id, trained) of its unpaid rollouts that are worth paying for."""
     worth = or_(Rollout.status == RolloutStatus.trained.value,
                 and_(Rollout.status == RolloutStatus.rejected.value, Rollout.reject_kind.in_(PAID_REJECTIONS)))
-    rows = db.execute(select(Rollout.worker_id, Rollout.job_id, Rollout.id)
+    rows = db.execute(select(Rollout.worker_id, Rollout.job_id, Rollout.id, Rollout.status)
                       .where(Rollout.paid_entry_id.is_(None), worth).order_by(Rollout.created_at))
-    out: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
-    for worker_id, job_id, rollout_id in rows:
-        out[worker_id][job_id].append(rollout_id)
+    out: dict[str, dict[str, list[tuple[str, bool]]]] = defaultdict(lambda: defaultdict(list))
+    for worker_id, job_id, rollout_id, status in rows:
+        out[worker_id][job_id].append((rollout_id, status == RolloutStatus.trained.value))
     return out
 
 
-def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list[str]]) -> None:
+def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list[tuple[str, bool]]]) -> None:
     per_group_s = 1.0 / (settings.pay_rate_fraction * max(worker.activated_mu or MIN_MU, MIN_MU))
     provider = db.get(Provider, worker.provider_id)
-    for job_id, ids in by_job.items():
+    for job_id, paid in by_job.items():
+        ids = [rollout_id for rollout_id, _ in paid]
         seconds = min(worker.unbilled_s, len(ids) * per_group_s)
         worker.unbilled_s -= seconds
         amount = worker.price_per_hour * seconds / 3600
+        job = db.get(Job, job_id)
+        step = job.step if job is not None else None
         entry = LedgerEntry(job_id=job_id, kind="worker", worker_id=worker.id, provider_id=worker.provider_id,
-                            amount_usd=amount, seconds=seconds, groups=len(ids), rollout_ids=ids)
+                            amount_usd=amount, seconds=seconds, groups=len(ids), rollout_ids=ids, step=step,
+                            memo=_worker_memo(paid, step, seconds, worker.price_per_hour))
         db.add(entry)
         db.flush()
         db.execute(Rollout.__table__.update().where(Rollout.id.in_(ids)).values(paid_entry_id=entry.id))
         worker.earned_usd += amount
         if provider is not None:
             provider.earnings_usd += amount
-        job = db.get(Job, job_id)
         if job is not None:
             job.workers_usd += amount
+
+
+def _worker_memo(paid: list[tuple[str, bool]], step: int | None, seconds: float, price: float) -> str:
+    """E.g. "12 groups trained (job step 31), 84 s of active time at $0.05/h"."""
+    trained = sum(1 for _, was_trained in paid if was_trained)
+    groups = f"{_groups(trained)} trained"
+    if trained < len(paid):  # accepted in time, then not trained in time: the platform's loss, still paid
+        groups += f", {_groups(len(paid) - trained)} accepted but too stale to train when claimed"
+    return f"{groups} (job step {step}), {seconds:.0f} s of active time at ${price:.2f}/h"
+
+
+def _groups(n: int) -> str:
+    return f"{n} group" if n == 1 else f"{n} groups"

@@ -2,8 +2,9 @@
 
 In order: workers that stopped heartbeating go offline (their leases return); expired leases return
 their prompts; quarantines that ran out end; reported relays are probed (relay_probe.py); the cost
-ledger advances (billing.py); jobs over budget stop; learners are launched or relaunched
-when missing or dead; finished-but-orphaned jobs are closed; then the activation solver picks which
+ledger advances (billing.py); jobs over budget, or whose owner spent their daily quota, pause;
+finished-but-orphaned jobs are closed; learners are launched or relaunched when missing or dead, into
+the learner hosts' free slots, the rest wait in line (hosts.py, queue.py); then the activation solver picks which
 workers serve which job and the choice is applied and recorded. Every step is idempotent, so a tick
 delivered twice (at-least-once Celery) or interrupted half-way does no harm.
 """
@@ -11,6 +12,7 @@ delivered twice (at-least-once Celery) or interrupted half-way does no harm.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -31,15 +33,15 @@ from api.models import (
     utcnow,
 )
 from api.services import fleet
-from api.services.jobs import finish_job, spec_of
+from api.services.jobs import finish_job, over_budget, pause_job, spec_of
 from api.services.learning import issue_learner_token
 from api.services.pool import expire_leases
 from api.services.trust import release_quarantines
 from api.settings import Settings
 
-from . import billing, relay_probe
+from . import billing, hosts, queue, relay_probe
 from .capacity import JobProfile, WorkerPerf, WorkerProfile, required_throughput
-from .solver import Action, SolverConfig, SolverState, decide
+from .solver import Action, SolverConfig, SolverState, WorkerDecision, decide
 
 log = logging.getLogger(__name__)
 Launcher = Callable[[str, str], None]  # (job id, learner token) -> enqueue its learner
@@ -49,6 +51,7 @@ BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
 WORKER_FAULTS = [k.value for k in RejectKind if k.fault() is Fault.worker]
 TRIAL_RETRY = 10  # grace periods before a worker whose trial delivered nothing is tried again
 WORKING = [s.value for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
+LIVE = [s.value for s in JobStatus if not s.is_terminal()]
 
 
 @dataclass
@@ -69,14 +72,12 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
     relay_probe.probe_reported(db, settings, now)
     billing.bill(db, settings, now, _state(db, "last_tick").get("at"))
     _put_state(db, "last_tick", {"at": now.timestamp()})
-    for job in db.scalars(select(Job).where(Job.status.in_(("queued", "running"))).with_for_update()):
+    jobs = list(db.scalars(select(Job).where(Job.status.in_(LIVE)).with_for_update()))
+    for job in jobs:
         _enforce_budget(db, job)
         _close_orphan(db, job, settings, now)
-        if not JobStatus(job.status).is_terminal() and _learner_needed(job, settings, now):
-            if _crash_loop(db, job, settings):
-                continue
-            job.learner_launched_at, job.learner_launches = now, job.learner_launches + 1
-            report.launched.append((job.id, issue_learner_token(db, job)))
+    queue.apply_daily_quotas(db, jobs, now)
+    report.launched = _launch(db, settings, [j for j in jobs if j.status in ("queued", "running")], now)
     db.flush()
     report.activated, report.deactivated = _activate(db, settings, now)
     db.commit()
@@ -99,11 +100,25 @@ def _mark_offline(db: Session, settings: Settings, now: datetime) -> int:
 
 
 def _enforce_budget(db: Session, job: Job) -> None:
-    budget = spec_of(job).budget_usd
-    spent = job.learner_usd + job.workers_usd
-    if budget is not None and spent >= budget:
-        reason = f"budget of ${budget:.2f} exhausted (${spent:.2f} spent) at step {job.step}"
-        finish_job(db, job, JobStatus.failed, reason)
+    if job.status in ("queued", "running") and (why := over_budget(job)) is not None:
+        pause_job(db, job, "budget", why)
+
+
+def _launch(db: Session, settings: Settings, jobs: list[Job], now: datetime) -> list[tuple[str, str]]:
+    """Learners for the jobs that need one, into the free learner slots (scheduler/queue.py)."""
+    alive = [j for j in jobs if j.learner_launched_at is not None and not _learner_needed(j, settings, now)]
+    line = queue.Line(hosts.live_slots(db, now, settings.learner_dead_after_s), Counter(j.owner_id for j in alive))
+    launched: list[tuple[str, str]] = []
+
+    def launch(job: Job) -> bool:
+        if _crash_loop(db, job, settings):
+            return False
+        job.learner_launched_at, job.learner_launches = now, job.learner_launches + 1
+        launched.append((job.id, issue_learner_token(db, job)))
+        return True
+
+    queue.admit(db, [j for j in jobs if j not in alive and j.status in ("queued", "running")], line, launch)
+    return launched
 
 
 def _close_orphan(db: Session, job: Job, settings: Settings, now: datetime) -> None:
@@ -172,10 +187,22 @@ def _activate(db: Session, settings: Settings, now: datetime) -> tuple[int, int]
             fleet.unassign(db, worker)
             deactivated += 1
         if line.action in (Action.ACTIVATE, Action.DEACTIVATE) or decision.resolved:
-            db.add(Decision(job_id=job_id, worker_id=worker.id, action=str(line.action),
-                            line=line.line()[:512], trigger=decision.trigger[:256],
-                            inputs={"method": decision.method, "jobs": [_alloc(a) for a in decision.jobs]}))
+            inputs = {"method": decision.method, "jobs": [_alloc(a) for a in decision.jobs]}
+            _record(db, worker.id, job_id, line, decision.trigger, inputs, decision.resolved)
     return activated, deactivated
+
+
+def _record(db: Session, worker_id: str, job_id: str | None, line: WorkerDecision, trigger: str, inputs: dict,
+            resolved: bool) -> None:
+    """The line on the job it concerns; on a re-solve, also a line on every other running job saying why
+    the worker is not on it (a worker serving no job has no line of its own unless no job runs)."""
+    rows = [(job_id, str(line.action), line.line())] if job_id is not None or not line.others else []
+    if resolved:
+        rows += [(other, str(action), f"{action} {worker_id}: {why}") for other, action, why in line.others
+                 if other != job_id]
+    for job, action, text in rows:
+        db.add(Decision(job_id=job, worker_id=worker_id, action=action, line=text[:512], trigger=trigger[:256],
+                        inputs=inputs))
 
 
 def _alloc(a) -> dict:  # type: ignore[no-untyped-def]
@@ -190,7 +217,8 @@ def _job_profile(db: Session, job: Job) -> JobProfile:
     t_train = sum(recent) / len(recent) if recent else DEFAULT_T_TRAIN_S
     return JobProfile(job_id=job.id, rollouts_per_step=spec.grpo.prompts_per_step, t_train_s=max(t_train, 1e-3),
                       staleness=spec.staleness, publish_period=spec.publish_period, priority=spec.priority,
-                      submitted_at=job.created_at.timestamp())
+                      submitted_at=job.created_at.timestamp(), vram_need_gb=job.memory_need_gb or 0.0,
+                      backends=frozenset(b.value for b in spec.workers.backends))
 
 
 def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobProfile],

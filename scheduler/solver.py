@@ -7,14 +7,16 @@ the baseline; "all" (every live worker that can run the job) as the naive baseli
 
 Several jobs: one joint MILP (each job's throughput row, one job per worker) when every job can
 be satisfied together; otherwise jobs take, in priority order, the cheapest set their rule needs
-from what is left. A job that cannot be satisfied gets its best partial set: every qualifying
+from what is left, and jobs of equal priority that cannot all be met share it fairly (the least
+covered takes the next worker). A job that cannot be satisfied gets its best partial set: every qualifying
 worker left, then — so that it is never left with nothing — the live workers that miss only
 freshness, closest to fresh first, each marked as such, and a reason naming what excluded the
 rest.
 
 Hysteresis, so the set does not flap:
   * re-solve only on a trigger: first decision, job set changed, churn (an assigned worker lost,
-    a worker joined or came back), a price change, > `drift` relative change since the last
+    a worker joined or came back), a price change, the end of a worker's dwell time while a job is
+    short of its rule, > `drift` relative change since the last
     solve of a measured input the rule depends on — a job's T_train, an assigned worker's μ —
     an assigned worker whose freshness verdict flipped, a job whose set fell more than `drift`
     below its rule (latency matters only through that verdict and through the admissible
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from enum import StrEnum
 
 import numpy as np
@@ -85,6 +87,9 @@ class WorkerDecision:
     action: Action
     job_id: str | None  # the job it serves after this decision (None when not serving)
     reason: str
+    # For each other running job: why the worker does not serve it (IDLE: qualifies, not needed; SKIP:
+    # the constraint it misses, or the job it serves instead), so every job can explain every worker.
+    others: tuple[tuple[str, Action, str], ...] = ()
 
     def line(self) -> str:
         return f"{self.action} {self.worker_id}: {self.reason}"
@@ -245,6 +250,11 @@ def resolve_trigger(
         if q.ok != state.qualified.get(wid, True):
             verdict = "now meets freshness" if q.ok else "no longer qualifies"
             return f"drift: {wid} {verdict} ({q.reason})"
+    if state.infeasible_jobs:  # workers held by their dwell time at the last solve may now go where they are short
+        freed = sorted(wid for wid, at in state.activated_at.items()
+                       if wid in state.assignment and state.solved_at < at + config.min_dwell_s <= now)
+        if freed:
+            return f"dwell over: {freed[0]} may move to a job that is short"
     for job in jobs:
         if job.job_id in state.infeasible_jobs:
             if now - state.solved_at >= config.infeasible_retry_s:
@@ -399,12 +409,70 @@ def _select(jobs: list[JobProfile], cands: _Candidates, config: SolverConfig) ->
                 notes[job.job_id] = f"{note} (joint over {len(jobs)} jobs)"
             return chosen, notes
     taken: set[str] = set()
-    for job in jobs:  # priority order: each job takes what its rule needs from what is left
-        fresh = [p for p in cands.fresh[job.job_id] if p.worker.worker_id not in taken]
-        stale = [p for p in cands.stale[job.job_id] if p.worker.worker_id not in taken]
-        chosen[job.job_id], notes[job.job_id] = _solve_job(fresh, stale, required_throughput(job), config)
-        taken |= {p.worker.worker_id for p in chosen[job.job_id]}
+    for level in _priority_levels(jobs):
+        picked, level_notes = _take_in_order(level, cands, config, taken)
+        if len(level) > 1 and config.method != "all" and any(n == "partial" for n in level_notes.values()):
+            picked, level_notes = _fair_share(level, cands, taken)
+        chosen |= picked
+        notes |= level_notes
+        taken |= {p.worker.worker_id for ps in picked.values() for p in ps}
     return chosen, notes
+
+
+def _priority_levels(jobs: list[JobProfile]) -> list[list[JobProfile]]:
+    """The jobs (already in priority order) grouped by equal priority."""
+    levels: list[list[JobProfile]] = []
+    for job in jobs:
+        if levels and levels[-1][0].priority == job.priority:
+            levels[-1].append(job)
+        else:
+            levels.append([job])
+    return levels
+
+
+def _take_in_order(jobs: list[JobProfile], cands: _Candidates, config: SolverConfig,
+                   taken: set[str]) -> tuple[dict, dict]:
+    """Each job, oldest first, takes the cheapest set its rule needs from what is left."""
+    chosen: dict[str, list[_Pair]] = {}
+    notes: dict[str, str] = {}
+    used = set(taken)
+    for job in jobs:
+        fresh = [p for p in cands.fresh[job.job_id] if p.worker.worker_id not in used]
+        stale = [p for p in cands.stale[job.job_id] if p.worker.worker_id not in used]
+        chosen[job.job_id], notes[job.job_id] = _solve_job(fresh, stale, required_throughput(job), config)
+        used |= {p.worker.worker_id for p in chosen[job.job_id]}
+    return chosen, notes
+
+
+def _fair_share(jobs: list[JobProfile], cands: _Candidates, taken: set[str]) -> tuple[dict, dict]:
+    """Jobs of equal priority that cannot all be met share what is left: the job whose need is least
+    covered takes its next worker — the cheapest qualifying one, then live near-misses closest to fresh
+    — until each is met or nothing is left. Taken in order, the oldest job would take every worker and
+    the others none (or, where a job's slack is short, only workers too slow for it are left)."""
+    used = set(taken)
+    chosen = {j.job_id: [p for p in cands.fresh[j.job_id] if p.locked and p.worker.worker_id not in used]
+              for j in jobs}
+    used |= {p.worker.worker_id for ps in chosen.values() for p in ps}
+    demand = {j.job_id: required_throughput(j) for j in jobs}
+    have = {j: sum(p.mu for p in ps) for j, ps in chosen.items()}
+    pools = {j.job_id: sorted((p for p in cands.fresh[j.job_id] if not p.locked),
+                              key=lambda p: (p.cost / p.mu, p.cost, p.worker.worker_id))
+             + sorted(cands.stale[j.job_id], key=lambda p: (p.q.latency_s, p.cost / p.mu, p.worker.worker_id))
+             for j in jobs}
+    while True:
+        for pool in pools.values():
+            pool[:] = [p for p in pool if p.worker.worker_id not in used]
+        short = [j for j in demand if have[j] < demand[j] * (1 - _TOL) and pools[j]]
+        if not short:
+            break
+        job_id = min(short, key=lambda j: (have[j] / demand[j], j))
+        pair = pools[job_id].pop(0)
+        chosen[job_id].append(pair)
+        have[job_id] += pair.mu
+        used.add(pair.worker.worker_id)
+    note = f"fair share: {len(jobs)} jobs of equal priority split the workers by the share of their need met"
+    return chosen, {j.job_id: note if have[j.job_id] < demand[j.job_id] * (1 - _TOL) else "fair share (met)"
+                    for j in jobs}
 
 
 def _lp_bound(pairs: list[_Pair], demand: float) -> float:
@@ -565,6 +633,8 @@ def _activate_reason(p: _Pair, note: str, rank: int) -> str:
         return f"activate-all baseline ({fresh})"
     if note == "partial":
         return f"best partial set: every qualifying worker is needed (${per:.2f}/h per rollout/s, {fresh})"
+    if note.startswith("fair share"):
+        return f"its fair share of a fleet too small for every job (${per:.2f}/h per rollout/s, {fresh})"
     if note.startswith("greedy"):
         return f"cheapest per rollout (#{rank}, ${per:.2f}/h per rollout/s) that still meets freshness ({fresh})"
     return f"in the minimum-price set meeting throughput and freshness (${per:.2f}/h per rollout/s, {fresh})"
@@ -615,6 +685,7 @@ def _record(
                 why = _activate_reason(p, notes[job.job_id], rank)
                 lines.append(WorkerDecision(wid, Action.ACTIVATE, job.job_id, why))
     lines += _unassigned_lines(jobs, workers, state, cands, assignment)
+    lines = [replace(line, others=_others(line, jobs, cands)) for line in lines]
     new_state = SolverState(
         assignment, activated_at, qualified, now, _fingerprint(jobs, workers), infeasible
     )  # fmt: skip
@@ -624,6 +695,22 @@ def _record(
         now, trigger, True, method, tuple(allocations), tuple(lines), new_state,
         tuple(jobs), tuple(workers), time.perf_counter() - started,
     )  # fmt: skip
+
+
+def _others(line: WorkerDecision, jobs: list[JobProfile], cands: _Candidates) -> tuple[tuple[str, Action, str], ...]:
+    """Why the worker of this line does not serve each running job other than its own."""
+    skipped = cands.skipped.get(line.worker_id, {})
+    out = []
+    for job in jobs:
+        if job.job_id == line.job_id:
+            continue
+        if job.job_id in skipped:
+            out.append((job.job_id, Action.SKIP, skipped[job.job_id]))
+        elif line.job_id is not None:
+            out.append((job.job_id, Action.SKIP, f"serves job {line.job_id} (one job at a time)"))
+        else:
+            out.append((job.job_id, Action.IDLE, "qualifies but not needed (rule met by cheaper workers)"))
+    return tuple(out)
 
 
 def _unassigned_lines(

@@ -14,11 +14,13 @@ from echo2.snapshots import build_manifest, iter_stream
 
 from api.models import Job, Worker, utcnow
 from api.services.fleet import assign
+from scheduler import hosts
 from scheduler.reconcile import TickReport, tick
 
 from .conftest import Api
 
 DELTA_CHUNK = 4096
+TEST_SLOTS = 8  # learner slots run_tick offers: more than any test starts jobs
 SHA = "X-Echo2-Sha256"
 
 
@@ -38,7 +40,7 @@ def new_provider(api: Api, name: str = "gpu-co") -> tuple[str, httpx.Client]:
 
 
 def new_worker(api: Api, provider: httpx.Client, name: str = "w", **fields: Any) -> tuple[str, httpx.Client]:
-    body = ok(provider.post("/v1/workers", json={"name": name, **fields}), 201)
+    body = ok(provider.post("/v1/workers", json={"name": name, "vram_gb": 16, **fields}), 201)
     return body["worker"]["id"], api.client(body["token"])
 
 
@@ -201,9 +203,13 @@ def drive_job(api: Api, job_id: str, folder: Path, **report: Any) -> DrivenJob:
     return DrivenJob(job_id, folder, worker_id, ids, learner)
 
 
-def run_tick(api: Api, now: Any = None) -> tuple[TickReport, list[tuple[str, str]]]:
-    """One reconcile tick of the real scheduler; returns its report and the learners it launched."""
+def run_tick(api: Api, now: Any = None, slots: int = TEST_SLOTS) -> tuple[TickReport, list[tuple[str, str]]]:
+    """One reconcile tick of the real scheduler, with one learner host of `slots` registered as a live
+    host registers itself; returns the tick's report and the learners it launched."""
     launched: list[tuple[str, str]] = []
+    with api.db.session() as s:
+        hosts.register(s, "test-learner-host", slots, now)
+        s.commit()
     with api.db.session() as s:
         report = tick(s, api.server.settings, lambda job, token: launched.append((job, token)), now=now)
     return report, launched
@@ -218,3 +224,28 @@ def bill_past_budget(api: Api, job_id: str) -> None:
         s.commit()
     run_tick(api, now=now)
     run_tick(api, now=now + timedelta(seconds=1))
+
+
+def paid_job(api: Api, folder: Path, workers: list[tuple[str, httpx.Client]],
+             worker_price: float = 3600.0) -> tuple[str, httpx.Client]:
+    """A job (its learner at $1/h) trained one step on a group from each worker, then billed over two
+    seconds of ticks: an entry per worker and the learner's. Returns the job's id and its owner."""
+    _, owner = new_user(api, "payer")
+    job, learner = running_job(api, owner, folder, learner={"price_per_hour": 1.0})
+    ids = []
+    for wid, worker in workers:
+        activate(api, wid, job["id"])
+        lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+        ids += [ok(submit_group(worker, lease, p, 0))["results"][0]["rollout_id"] for p in lease["prompts"]]
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": 0, "max_groups": 10}))
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(0, ids)))
+    now = utcnow()
+    with api.db.session() as s:
+        for wid, _ in workers:
+            w = s.get_one(Worker, wid)
+            w.status, w.desired, w.price_per_hour, w.activated_mu = "active", "active", worker_price, 1.0
+        s.get_one(Job, job["id"]).learner_heartbeat_at = now
+        s.commit()
+    run_tick(api, now=now)
+    run_tick(api, now=now + timedelta(seconds=2))
+    return job["id"], owner

@@ -12,6 +12,7 @@ from echo2.protocol import (
     JobReport,
     JobSpec,
     JobStatus,
+    JobUpdate,
     Page,
     PromptRead,
     RejectKind,
@@ -73,6 +74,15 @@ def list_jobs(user: CurrentUser, db: SessionDep, limit: Limit = 20, offset: Offs
 @router.get("/jobs/{job_id}", operation_id="get_job", summary="Get a job")
 def get_job(job_id: str, user: CurrentUser, db: SessionDep) -> JobRead:
     return svc.job_read(owned_job(db, user, job_id))
+
+
+@router.patch("/jobs/{job_id}", operation_id="update_job", summary="Change a job's budget (resumes one it paused)",
+              responses={409: {"description": "The job already finished."}})
+def update_job(job_id: str, body: JobUpdate, user: CurrentUser, db: SessionDep) -> JobRead:
+    job = owned_job(db, user, job_id, for_update=True)
+    svc.update_job(job, body)
+    db.commit()
+    return svc.job_read(job)
 
 
 @router.post("/jobs/{job_id}/cancel", operation_id="cancel_job", summary="Cancel a job",

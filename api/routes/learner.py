@@ -81,6 +81,8 @@ def _claim_once(database: Database, settings: Settings, token: str, job_id: str,
     """One claim in its own session: a waiting learner holds no database connection."""
     with database.session() as db:
         job = learner_job(db, require_kind(principal_of(db, token), "learner").id, job_id, for_update=True)
+        if job.status == JobStatus.paused.value:  # nothing to claim; the next ack tells the learner to stop
+            return LearnerBatch(step=body.step, groups=[], rejected_stale=0)
         if job.status != JobStatus.running.value:
             raise ApiError(409, f"job {job_id} is {job.status}")
         if body.step not in (job.step, job.step + 1):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from echo2.protocol import ApiKeyCreated, TokenKind, TokenRead, UserCreate, UserCreated, UserRead
+from echo2.protocol import ApiKeyCreated, Quotas, TokenKind, TokenRead, UserCreate, UserCreated, UserRead
 from fastapi import APIRouter, Query
 from sqlalchemy import select
 
@@ -29,6 +29,17 @@ def create_user(body: UserCreate, _: AdminUser, db: SessionDep) -> UserCreated:
 @router.get("/users", operation_id="list_users", summary="List users (admin)")
 def list_users(_: AdminUser, db: SessionDep) -> list[UserRead]:
     return [UserRead.model_validate(u) for u in db.scalars(select(User).order_by(User.created_at))]
+
+
+@router.put("/users/{user_id}/quotas", operation_id="set_user_quotas",
+            summary="Set a user's quotas (admin): concurrent jobs and $ per day; jobs beyond them wait")
+def set_quotas(user_id: str, body: Quotas, _: AdminUser, db: SessionDep) -> UserRead:
+    user = db.get(User, user_id)
+    if user is None:
+        raise ApiError(404, f"user {user_id} not found")
+    user.max_concurrent_jobs, user.max_usd_per_day = body.max_concurrent_jobs, body.max_usd_per_day
+    db.commit()
+    return UserRead.model_validate(user)
 
 
 @router.get("/me", operation_id="get_me", summary="The calling user")

@@ -126,15 +126,20 @@ def _apply(db: Session, ok: list[tuple[_Pending, _Row]], now: datetime,
     _record_holds(db, ok, placed, now)
     db.execute(update(Worker), [
         {"id": row.id, "last_heartbeat_at": now, "version_held": p.hb.version_held,
-         "versions_held": _held(p.hb), "stats": p.hb.stats.model_dump(mode="json"), "status": p.hb.status.value}
+         "versions_held": _held(p.hb, placed[row.id][0]), "stats": p.hb.stats.model_dump(mode="json"),
+         "status": p.hb.status.value}
         for p, row in ok])
     for p, row in ok:
         relay.record(db, row.id, row.provider_id, p.hb)
     return _replies(db, ok, placed, jobs, settings)
 
 
-def _held(hb: Heartbeat) -> list[int]:
-    """What the worker holds: `versions_held`, and `version_held` from workers that only send that."""
+def _held(hb: Heartbeat, job_id: str | None) -> list[int]:
+    """The versions of `job_id` the worker holds: `versions_held`, and `version_held` from workers that only
+    send that. Nothing when they are another job's (a worker moved to a new job still holds the old one's
+    version 0, which is not the new job's version 0)."""
+    if hb.job_id is not None and hb.job_id != job_id:
+        return []
     held = set(hb.versions_held) | ({hb.version_held} if hb.version_held is not None else set())
     return sorted(held)
 
@@ -149,7 +154,7 @@ def _replies(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tup
     for p, row in ok:
         job_id, desired = placed[row.id]
         make = makers.get(job_id) if job_id else None
-        assignment = make(trees[job_id].parents(row.id), set(_held(p.hb))) if make else None
+        assignment = make(trees[job_id].parents(row.id), set(_held(p.hb, job_id))) if make else None
         if desired == DesiredState.active.value and assignment is None:
             desired = DesiredState.idle.value  # active on a job with no published version yet: wait
         replies[id(p)] = HeartbeatReply(desired=DesiredState(desired), assignment=assignment,

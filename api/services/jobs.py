@@ -5,13 +5,14 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from echo2.protocol import JobCost, JobRead, JobSpec, JobStatus, SamplingParams
+from echo2.protocol import JobCost, JobRead, JobSpec, JobStatus, JobUpdate, SamplingParams
 from echo2.seeds import order_key
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from learner.tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
+from scheduler.estimate import estimate
 
 from ..errors import ApiError
 from ..models import Dataset, DatasetItem, Job, Lease, Prompt, User, Worker, utcnow
@@ -32,9 +33,7 @@ def create_job(
             if existing.request_hash != request_hash:
                 raise ApiError(422, "Idempotency-Key was already used with a different body", field="Idempotency-Key")
             return existing, False
-    items, held_out = _prompt_items(db, user, spec)
-    if not items:
-        raise ApiError(422, "no prompt is left to train on (the held-out share took them all)", field="eval.fraction")
+    items, held_out = training_items(db, user, spec)
     if spec.learner.price_per_hour is None:
         spec.learner.price_per_hour = settings.learner_price_per_hour
     job = Job(
@@ -44,6 +43,7 @@ def create_job(
         num_prompts=len(items),
         idempotency_key=idempotency_key,
         request_hash=request_hash,
+        estimate_usd=estimate(db, spec, settings).cost_usd,
     )
     try:
         with db.begin_nested():  # a concurrent replay of the same key may insert first
@@ -64,6 +64,15 @@ def create_job(
 
 
 Items = list[tuple[str, str | None]]
+
+
+def training_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]:
+    """(training prompts, held-out prompts) of a spec, or the 422 that refuses it: everything a job
+    creation checks beyond the spec's own validation (also for an estimate, which creates nothing)."""
+    items, held_out = _prompt_items(db, user, spec)
+    if not items:
+        raise ApiError(422, "no prompt is left to train on (the held-out share took them all)", field="eval.fraction")
+    return items, held_out
 
 
 def _prompt_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]:
@@ -117,9 +126,10 @@ def job_read(job: Job) -> JobRead:
     cost = JobCost(learner_usd=job.learner_usd, workers_usd=job.workers_usd,
                    total_usd=job.learner_usd + job.workers_usd)
     return JobRead.model_validate(
-        {**{c: getattr(job, c) for c in ("id", "name", "owner_id", "status", "status_reason", "step", "version",
-                                         "final_version", "num_prompts", "reward_mean", "created_at", "started_at",
-                                         "finished_at")},
+        {**{c: getattr(job, c) for c in ("id", "name", "owner_id", "status", "status_reason", "queue_position",
+                                         "paused_for", "memory_need_gb", "step", "version", "final_version",
+                                         "num_prompts",
+                                         "reward_mean", "created_at", "started_at", "finished_at")},
          "spec": job.spec, "cost": cost}
     )
 
@@ -129,6 +139,29 @@ def finish_job(db: Session, job: Job, status: JobStatus, reason: str | None) -> 
     if JobStatus(job.status).is_terminal():
         raise ApiError(409, f"job {job.id} is already {job.status}; a finished job cannot change state")
     job.status, job.status_reason, job.finished_at = status.value, reason, utcnow()
+    job.queue_position = job.paused_for = None
+    _free_fleet(db, job)
+
+
+def pause_job(db: Session, job: Job, cause: str, reason: str) -> None:
+    """Stop a job without ending it: its learner stops at its next step or heartbeat (the ack says
+    paused), its workers and leases go back, and `resume_job` queues it for a new learner, which
+    resumes from the job's checkpoint. `cause` is "budget" (resumed when the budget is raised) or
+    "quota" (resumed by the scheduler once the owner's daily spending allows)."""
+    job.status, job.paused_for, job.status_reason = JobStatus.paused.value, cause, reason[:512]
+    job.learner_launched_at = job.queue_position = None
+    _free_fleet(db, job)
+
+
+def resume_job(job: Job) -> None:
+    """Back to the queue; the scheduler launches its learner when a slot (and the owner's quota) allows."""
+    job.status, job.paused_for, job.status_reason = JobStatus.queued.value, None, None
+    job.learner_launched_at = job.learner_crashed_at = None
+    job.learner_failures, job.learner_failure_step = 0, None
+
+
+def _free_fleet(db: Session, job: Job) -> None:
+    """Its workers go idle, its active leases end, its leased prompts return to the pool."""
     db.execute(
         update(Worker).where(Worker.job_id == job.id).values(job_id=None, desired="idle", active_since=None)
     )
@@ -140,6 +173,31 @@ def finish_job(db: Session, job: Job, status: JobStatus, reason: str | None) -> 
         update(Prompt).where(Prompt.job_id == job.id, Prompt.state == "leased")
         .values(state="available", lease_id=None)
     )
+
+
+def update_job(job: Job, update: JobUpdate) -> None:
+    """Change the budget; a job its budget paused is queued again once the new one leaves money to spend."""
+    if JobStatus(job.status).is_terminal():
+        raise ApiError(409, f"job {job.id} is already {job.status}; a finished job cannot change")
+    spec = spec_of(job)
+    spec.budget_usd = update.budget_usd
+    job.spec = spec.model_dump(mode="json")
+    if job.paused_for != "budget":
+        return
+    why = over_budget(job)
+    if why is None:
+        resume_job(job)
+    else:
+        job.status_reason = why
+
+
+def over_budget(job: Job) -> str | None:
+    """Why the job's budget stops it, or None while it has money left."""
+    budget, spent = spec_of(job).budget_usd, job.learner_usd + job.workers_usd
+    if budget is None or spent < budget:
+        return None
+    return (f"budget of ${budget:.2f} exhausted (${spent:.2f} spent) at step {job.step}: raise budget_usd "
+            "(PATCH /v1/jobs/{id}) to resume it")
 
 
 def spec_of(job: Job) -> JobSpec:

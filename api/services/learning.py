@@ -12,7 +12,7 @@ from ..models import Audit, Job, Prompt, Rollout, StepMetric, Worker, utcnow
 from ..settings import Settings
 from . import trust
 from .admission import release_claims
-from .jobs import spec_of
+from .jobs import over_budget, pause_job, spec_of
 from .pool import return_prompts
 
 
@@ -20,8 +20,11 @@ def start(db: Session, job: Job) -> int:
     """Mark the job running (first start) or resumed; claims of a dead learner are released."""
     if JobStatus(job.status).is_terminal():
         raise ApiError(409, f"job {job.id} is {job.status}; it cannot be (re)started")
+    if job.status == JobStatus.paused.value:
+        raise ApiError(409, f"job {job.id} is paused ({job.status_reason}); it resumes with a new learner")
     if job.status == JobStatus.queued.value:
-        job.status, job.started_at = JobStatus.running.value, utcnow()
+        job.status, job.started_at = JobStatus.running.value, job.started_at or utcnow()
+        job.status_reason = job.queue_position = None
     job.learner_heartbeat_at = utcnow()
     return release_claims(db, job.id)
 
@@ -29,7 +32,7 @@ def start(db: Session, job: Job) -> int:
 def commit_step(db: Session, job: Job, report: StepReport, settings: Settings) -> StepAck:
     if report.step < job.step and db.get(StepMetric, (job.id, report.step)) is not None:
         return _ack(job)  # a retried report of a committed step
-    if JobStatus(job.status) is not JobStatus.running:
+    if JobStatus(job.status) not in (JobStatus.running, JobStatus.paused):  # a step trained as it paused counts
         raise ApiError(409, f"job {job.id} is {job.status}; steps can only be reported while running")
     if report.step != job.step:
         raise ApiError(409, f"expected a report for step {job.step}, got {report.step}", field="step")
@@ -41,6 +44,9 @@ def commit_step(db: Session, job: Job, report: StepReport, settings: Settings) -
     db.add(_metric_row(db, job, report, len(rollouts)))
     job.step += 1
     job.reward_mean = report.reward_mean if report.reward_mean is not None else job.reward_mean
+    if job.status == JobStatus.running.value and job.step < spec_of(job).max_steps and \
+            (why := over_budget(job)) is not None:
+        pause_job(db, job, "budget", why)  # the ack tells the learner to stop; it resumes when raised
     return _ack(job)
 
 
@@ -121,9 +127,7 @@ def _metric_row(db: Session, job: Job, report: StepReport, groups: int) -> StepM
 
 
 def _ack(job: Job) -> StepAck:
-    spec = spec_of(job)
-    over_budget = spec.budget_usd is not None and job.learner_usd + job.workers_usd >= spec.budget_usd
-    stop = JobStatus(job.status).is_terminal() or job.step >= spec.max_steps or over_budget
+    stop = JobStatus(job.status).stops_learner() or job.step >= spec_of(job).max_steps
     return StepAck(step=job.step, job_status=JobStatus(job.status), stop=stop)
 
 

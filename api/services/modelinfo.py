@@ -7,8 +7,16 @@ from __future__ import annotations
 from functools import lru_cache
 from typing import Any
 
-from echo2.modelinfo import INFO_FILES, eos_token_ids, parse_json, vocab_size
-from echo2.protocol import Manifest
+from echo2.modelinfo import (
+    INFO_FILES,
+    Reader,
+    eos_token_ids,
+    generation_memory_gib,
+    parse_json,
+    vocab_size,
+    weight_bytes,
+)
+from echo2.protocol import JobSpec, Manifest
 from echo2.snapshots import atomic_write
 
 from ..models import Job
@@ -26,8 +34,18 @@ def record(blobs: BlobStore, job: Job, manifest: Manifest) -> None:
     parsed = {name: parse_json(data) for name, data in raw.items()}
     job.vocab_size = vocab_size(parsed.__getitem__)
     job.eos_token_ids = sorted(eos_token_ids(parsed.__getitem__))
+    job.memory_need_gb = memory_need(job, parsed.__getitem__, manifest)
     if raw[TOKENIZER]:
         atomic_write(blobs.job_file(job.id, TOKENIZER), raw[TOKENIZER])
+
+
+def memory_need(job: Job, read: Reader, manifest: Manifest) -> float:
+    """GiB a worker must offer for the job: what its spec says, or what one group of its model needs."""
+    spec = JobSpec.model_validate(job.spec)
+    if spec.workers.memory_gb is not None:
+        return spec.workers.memory_gb
+    weights = weight_bytes([(f.path, f.size) for f in manifest.files])
+    return generation_memory_gib(read, weights, spec.grpo.group_size, spec.grpo.max_new_tokens)
 
 
 def decoder(blobs: BlobStore, job_id: str) -> Any:

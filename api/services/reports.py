@@ -33,7 +33,8 @@ def job_report(db: Session, job: Job) -> JobReport:
                                trained=by_status.get(RolloutStatus.trained.value, 0), rejected=rejected),
         stale_fraction=sum(rejected.get(k, 0) for k in STALE) / generated if generated else None,
         wasted_fraction=wasted / generated if generated else None,
-        audits=audits, audits_failed=failed, audit_s=float(audit_s or 0.0), **_evals(db, job))
+        audits=audits, audits_failed=failed, audit_s=float(audit_s or 0.0), estimate_usd=job.estimate_usd,
+        cost_usd=job.learner_usd + job.workers_usd, **_evals(db, job))
 
 
 def _evals(db: Session, job: Job) -> dict[str, EvalRead | None]:

@@ -1,4 +1,5 @@
 """shared fleet: learner hosts and their slots, queue positions, pauses, user quotas, cost estimates,
+jobs' worker memory need,
 ledger entries that name their step and what they pay for
 
 Revision ID: 0012
@@ -31,6 +32,7 @@ def upgrade() -> None:
         batch.add_column(sa.Column('queue_position', sa.Integer(), nullable=True))
         batch.add_column(sa.Column('paused_for', sa.String(length=16), nullable=True))
         batch.add_column(sa.Column('estimate_usd', sa.Float(), nullable=True))
+        batch.add_column(sa.Column('memory_need_gb', sa.Float(), nullable=True))
     with op.batch_alter_table('ledger_entries') as batch:
         batch.add_column(sa.Column('step', sa.Integer(), nullable=True))
         batch.add_column(sa.Column('memo', sa.String(length=256), nullable=True))
@@ -41,6 +43,7 @@ def downgrade() -> None:
         batch.drop_column('memo')
         batch.drop_column('step')
     with op.batch_alter_table('jobs') as batch:
+        batch.drop_column('memory_need_gb')
         batch.drop_column('estimate_usd')
         batch.drop_column('paused_for')
         batch.drop_column('queue_position')

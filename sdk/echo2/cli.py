@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.add_argument("--lr", type=float, help="learning rate")
     submit.add_argument("--max-new-tokens", type=int, metavar="N", help="completion length cap")
     submit.add_argument("--num-prompts", type=int, metavar="N", help="prompts to generate (synthetic tasks)")
-    submit.add_argument("--budget", type=float, metavar="USD", help="stop the job when this much is spent")
+    submit.add_argument("--budget", type=float, metavar="USD", help="pause the job when this much is spent")
     submit.add_argument("--seed", type=int)
     submit.add_argument("--priority", type=int)
     submit.add_argument("--set", action="append", type=_key_value, default=[], dest="sets",
@@ -105,7 +105,7 @@ def build_parser() -> argparse.ArgumentParser:
     submit.set_defaults(func=_jobs_submit)
 
     lst = jc.add_parser("list", parents=[conn], help="list your jobs, newest first")
-    lst.add_argument("--status", choices=["queued", "running", "succeeded", "failed", "cancelled"])
+    lst.add_argument("--status", choices=["queued", "running", "paused", "succeeded", "failed", "cancelled"])
     lst.add_argument("--name", help="substring of the job name")
     lst.add_argument("--limit", type=int, default=20)
     lst.add_argument("--offset", type=int, default=0)
@@ -118,6 +118,12 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument("job_id", metavar="JOB_ID")
         p.add_argument("--json", action="store_true", help="print the job as JSON")
         p.set_defaults(func=func)
+
+    budget = jc.add_parser("budget", parents=[conn], help="change a job's budget (resumes a job it paused)")
+    budget.add_argument("job_id", metavar="JOB_ID")
+    budget.add_argument("usd", metavar="USD", help="the new budget in $, or `none`")
+    budget.add_argument("--json", action="store_true", help="print the job as JSON")
+    budget.set_defaults(func=_jobs_budget)
 
     watch = jc.add_parser("watch", parents=[conn], help="live progress until the job finishes",
                           description="Exit status 0 if the job succeeded, 1 if it failed or was cancelled.")
@@ -174,6 +180,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="weight version (default: the final checkpoint, else the latest)")
     down.add_argument("--overwrite", action="store_true", help="replace DIR if it is not empty")
     down.set_defaults(func=_checkpoints_download)
+    _money_commands(groups, jc, conn)
     return parser
 
 
@@ -305,6 +312,25 @@ def _jobs_cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _jobs_budget(args: argparse.Namespace) -> int:
+    usd = None if args.usd.lower() == "none" else _usd(args.usd)
+    with _client(args) as client:
+        job = client.jobs.update(args.job_id, budget_usd=usd)
+    if args.json:
+        _print_json(job)
+    else:
+        print(f"job {job.id} {job.status.value}, budget {'none' if usd is None else f'${usd:.2f}'}"
+              + (f": {job.status_reason}" if job.status_reason else ""))
+    return 0
+
+
+def _usd(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise _UsageError(f"budget: expected an amount in $ or `none`, got {text!r}") from None
+
+
 def _jobs_watch(args: argparse.Namespace) -> int:
     with _client(args) as client:
         return _watch(client, args.job_id, args.interval, args.watch_timeout)
@@ -385,6 +411,113 @@ def _checkpoints_download(args: argparse.Namespace) -> int:
     size = sum(p.stat().st_size for p in files)
     print(f"downloaded {len(files)} files ({size / 2**20:.1f} MiB) to {path}")
     return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# Money: `jobs estimate`, `jobs ledger`, `providers statement`
+
+
+def _money_commands(groups: Any, jobs: Any, conn: _Parser) -> None:
+    estimate = jobs.add_parser("estimate", parents=[conn], help="estimate a job's cost before submitting it",
+                               description="What a job spec would cost; nothing is created. Learner time comes "
+                                           "from earlier jobs like it, workers from the set the capacity rule "
+                                           "would activate now; the assumptions are printed with the figures.")
+    estimate.add_argument("--spec", "--file", "-f", dest="file", required=True, metavar="SPEC.json",
+                          help="job spec as JSON ('-' for stdin), as `jobs submit --file` reads it")
+    estimate.add_argument("--set", action="append", type=_key_value, default=[], dest="sets",
+                          metavar="PATH=VALUE", help="any spec field by dotted path, e.g. max_steps=50")
+    estimate.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    estimate.set_defaults(func=_jobs_estimate)
+
+    ledger = jobs.add_parser("ledger", parents=[conn], help="what a job cost, entry by entry",
+                             description="The job's ledger entries, oldest first, each saying what it paid for; "
+                                         "then the totals by kind, which sum to the job's cost.")
+    ledger.add_argument("job_id", metavar="JOB_ID")
+    ledger.add_argument("--limit", type=int, default=1000, metavar="N", help="entries shown (max 10000)")
+    ledger.add_argument("--offset", type=int, default=0, metavar="N")
+    ledger.add_argument("--json", action="store_true", help="print the ledger as JSON")
+    ledger.set_defaults(func=_jobs_ledger)
+
+    providers = groups.add_parser("providers", help="a GPU provider's earnings")
+    pc = providers.add_subparsers(dest="command", metavar="ACTION", required=True)
+    statement = pc.add_parser("statement", parents=[conn], help="ledger entries and totals per worker and job",
+                              description="Your statement with a provider token as the API key; any "
+                                          "provider's with --provider and an admin key.")
+    statement.add_argument("--provider", metavar="PROVIDER_ID", help="whose statement (admin)")
+    statement.add_argument("--since", metavar="TIME", help="entries from this time (ISO 8601; UTC without offset)")
+    statement.add_argument("--until", metavar="TIME", help="entries before this time")
+    statement.add_argument("--limit", type=int, default=1000, metavar="N", help="entries shown (max 10000)")
+    statement.add_argument("--offset", type=int, default=0, metavar="N")
+    form = statement.add_mutually_exclusive_group()
+    form.add_argument("--csv", action="store_true", help="print the entries as CSV with a header row")
+    form.add_argument("--json", action="store_true", help="print the statement as JSON")
+    statement.set_defaults(func=_providers_statement)
+
+
+def _jobs_estimate(args: argparse.Namespace) -> int:
+    spec = _read_spec(args.file)
+    for path, value in args.sets:
+        _set_path(spec, path, value)
+    with _client(args) as client:
+        e = client.jobs.estimate(spec)
+    if args.json:
+        _print_json(e)
+        return 0
+    print(f"estimate ${e.cost_usd:.4f}: learner ${e.learner_usd:.4f} (${e.learner_price_per_hour:.2f}/h), workers "
+          f"${e.workers_usd:.4f} (${e.workers_price_per_hour:.2f}/h) over {e.wall_s:.0f} s, {e.step_s:.2f} s a step")
+    _table(["WORKER", "NAME", "PRICE", "GROUPS/S", "FRESH", "RATE FROM"],
+           [[w.worker_id, w.name, f"${w.price_per_hour:.2f}/h", _num(w.mu), "yes" if w.fresh else "no",
+             w.mu_source] for w in e.workers])
+    for line in e.assumptions:
+        print(f"- {line}")
+    return 0
+
+
+def _jobs_ledger(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        ledger = client.jobs.ledger(args.job_id, limit=args.limit, offset=args.offset)
+    if args.json:
+        _print_json(ledger)
+        return 0
+    _table(["TIME", "KIND", "WORKER", "STEP", "SECONDS", "AMOUNT", "MEMO"],
+           [[_when(e.created_at), e.kind.value, e.worker_id or "-", "-" if e.step is None else e.step,
+             f"{e.seconds:.1f}", f"${e.amount_usd:.6f}", e.memo or ""] for e in ledger.entries])
+    _more(args.offset, len(ledger.entries), ledger.total_entries, ledger.next_offset)
+    kinds = ", ".join(f"{t.key} ${t.amount_usd:.4f}" for t in ledger.by_kind) or "nothing yet"
+    print(f"total ${ledger.total_usd:.4f} ({kinds}); the job's cost ${ledger.cost.total_usd:.4f}")
+    return 0
+
+
+def _providers_statement(args: argparse.Namespace) -> int:
+    with _client(args) as client:
+        if args.csv:
+            sys.stdout.write(client.providers.statement_csv(args.provider, since=args.since, until=args.until,
+                                                            limit=args.limit, offset=args.offset))
+            return 0
+        st = client.providers.statement(args.provider, since=args.since, until=args.until, limit=args.limit,
+                                        offset=args.offset)
+    if args.json:
+        _print_json(st)
+        return 0
+    _table(["TIME", "WORKER", "JOB", "STEP", "GROUPS", "SECONDS", "AMOUNT", "MEMO"],
+           [[_when(e.created_at), e.worker_id or "-", e.job_id, "-" if e.step is None else e.step, e.groups,
+             f"{e.seconds:.1f}", f"${e.amount_usd:.6f}", e.memo or ""] for e in st.entries])
+    _more(args.offset, len(st.entries), st.total_entries, st.next_offset)
+    for title, totals in (("WORKER", st.by_worker), ("JOB", st.by_job)):
+        print()
+        _table([title, "ENTRIES", "GROUPS", "SECONDS", "AMOUNT"],
+               [[t.key, t.entries, t.groups, f"{t.seconds:.1f}", f"${t.amount_usd:.4f}"] for t in totals])
+    print(f"\ntotal ${st.total_usd:.4f} in the period; earnings ${st.earnings_usd:.4f} since sign-up")
+    return 0
+
+
+def _when(t: Any) -> str:
+    return t.strftime("%Y-%m-%d %H:%M:%S")
+
+
+def _more(offset: int, shown: int, total: int, next_offset: int | None) -> None:
+    if next_offset is not None:
+        print(f"({offset + shown} of {total} entries; more with --offset {next_offset})")
 
 
 # --------------------------------------------------------------------------------------------------

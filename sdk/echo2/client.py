@@ -24,6 +24,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from functools import cache
 from pathlib import Path, PurePosixPath
 from types import TracebackType
@@ -44,16 +45,21 @@ from .protocol import (
     DatasetRead,
     DecisionRead,
     EvalRead,
+    JobEstimate,
+    JobLedger,
     JobRead,
     JobReport,
     JobSpec,
     JobStatus,
+    JobUpdate,
     Manifest,
     Page,
     PromptRead,
     ProviderCreate,
     ProviderCreated,
     ProviderRead,
+    ProviderStatement,
+    Quotas,
     Role,
     RolloutRead,
     RolloutStatus,
@@ -334,6 +340,85 @@ class _Resource:
         self._client = client
 
 
+# --------------------------------------------------------------------------------------------------
+# Money: a job's estimate and ledger, a provider's statement (mixed into the jobs and providers resources)
+
+
+def _iso(when: datetime | str | None) -> str | None:
+    return when.isoformat() if isinstance(when, datetime) else when
+
+
+class _JobsMoneyBase(_Resource):
+    def _estimate(self, spec: JobSpec | Mapping[str, Any] | None, fields: Mapping[str, Any]) -> _Req[JobEstimate]:
+        return _Req("POST", "/v1/jobs:estimate", JobEstimate, json=_job_body(spec, fields))
+
+    def _ledger(self, job_id: str, limit: int, offset: int) -> _Req[JobLedger]:
+        return _Req("GET", f"/v1/jobs/{_seg(job_id, 'job_id')}/ledger", JobLedger,
+                    params=_params(limit=limit, offset=offset))
+
+
+class _JobsMoney(_JobsMoneyBase):
+    _client: Client
+
+    def estimate(self, spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -> JobEstimate:
+        """What the job would cost, before it is submitted (nothing is created): learner time from earlier
+        jobs like it, the workers the capacity rule would activate now, and the assumptions in words.
+        Takes what `create` takes, and is refused the same way."""
+        return self._client._call(self._estimate(spec, fields))
+
+    def ledger(self, job_id: str, *, limit: int = 1000, offset: int = 0) -> JobLedger:
+        """What the job cost, entry by entry (a page of them), with totals by kind that sum to its cost."""
+        return self._client._call(self._ledger(job_id, limit, offset))
+
+
+class _AsyncJobsMoney(_JobsMoneyBase):
+    _client: AsyncClient
+
+    async def estimate(self, spec: JobSpec | Mapping[str, Any] | None = None, **fields: Any) -> JobEstimate:
+        return await self._client._call(self._estimate(spec, fields))
+
+    async def ledger(self, job_id: str, *, limit: int = 1000, offset: int = 0) -> JobLedger:
+        return await self._client._call(self._ledger(job_id, limit, offset))
+
+
+class _ProvidersMoneyBase(_Resource):
+    def _statement(self, provider_id: str | None, since: datetime | str | None, until: datetime | str | None,
+                   limit: int, offset: int, csv: bool = False) -> _Req[ProviderStatement]:
+        path = "/v1/providers/me/statement" if provider_id is None else \
+            f"/v1/providers/{_seg(provider_id, 'provider_id')}/statement"
+        params = _params(since=_iso(since), until=_iso(until), limit=limit, offset=offset,
+                         format="csv" if csv else None)
+        return _Req("GET", path, ProviderStatement, params=params)
+
+
+class _ProvidersMoney(_ProvidersMoneyBase):
+    _client: Client
+
+    def statement(self, provider_id: str | None = None, *, since: datetime | str | None = None,
+                  until: datetime | str | None = None, limit: int = 1000, offset: int = 0) -> ProviderStatement:
+        """A provider's ledger entries from `since` to `until` (a page of them) and its totals per worker and
+        per job over the whole period: your own with a provider token, any provider's with an admin key."""
+        return self._client._call(self._statement(provider_id, since, until, limit, offset))
+
+    def statement_csv(self, provider_id: str | None = None, *, since: datetime | str | None = None,
+                      until: datetime | str | None = None, limit: int = 1000, offset: int = 0) -> str:
+        """The same page of entries as CSV, with a header row."""
+        return self._client._send(self._statement(provider_id, since, until, limit, offset, csv=True)).text
+
+
+class _AsyncProvidersMoney(_ProvidersMoneyBase):
+    _client: AsyncClient
+
+    async def statement(self, provider_id: str | None = None, *, since: datetime | str | None = None,
+                        until: datetime | str | None = None, limit: int = 1000,
+                        offset: int = 0) -> ProviderStatement:
+        return await self._client._call(self._statement(provider_id, since, until, limit, offset))
+
+    async def statement_csv(self, provider_id: str | None = None, *, since: datetime | str | None = None,
+                            until: datetime | str | None = None, limit: int = 1000, offset: int = 0) -> str:
+        return (await self._client._send(self._statement(provider_id, since, until, limit, offset, csv=True))).text
+
+
 class _JobsBase(_Resource):
     def _create(self, spec: JobSpec | Mapping[str, Any] | None, idempotency_key: str | None,
                 fields: Mapping[str, Any]) -> _Req[JobRead]:
@@ -352,6 +437,10 @@ class _JobsBase(_Resource):
 
     def _cancel(self, job_id: str) -> _Req[JobRead]:
         return _Req("POST", f"/v1/jobs/{_seg(job_id, 'job_id')}/cancel", JobRead)
+
+    def _update(self, job_id: str, budget_usd: float | None) -> _Req[JobRead]:
+        body = _validated(JobUpdate, {"budget_usd": budget_usd})
+        return _Req("PATCH", f"/v1/jobs/{_seg(job_id, 'job_id')}", JobRead, json=body.model_dump(mode="json"))
 
     def _prompts(self, job_id: str, limit: int, offset: int, held_out: bool) -> _Req[Page[PromptRead]]:
         return _Req("GET", f"/v1/jobs/{_seg(job_id, 'job_id')}/prompts", Page[PromptRead],
@@ -381,7 +470,7 @@ class _JobsBase(_Resource):
         return _Req("GET", f"/v1/jobs/{_seg(job_id, 'job_id')}/evals", list[EvalRead])
 
 
-class Jobs(_JobsBase):
+class Jobs(_JobsBase, _JobsMoney):
     """`client.jobs`: submit, list, inspect, cancel and follow GRPO training jobs."""
     _client: Client
 
@@ -407,6 +496,11 @@ class Jobs(_JobsBase):
     def cancel(self, job_id: str) -> JobRead:
         """Cancel a job; `ConflictError` if it already finished."""
         return self._client._call(self._cancel(job_id))
+
+    def update(self, job_id: str, *, budget_usd: float | None) -> JobRead:
+        """Set the job's budget (None: no budget); a job its budget paused is queued again when it has
+        money left. `ConflictError` if it already finished."""
+        return self._client._call(self._update(job_id, budget_usd))
 
     def prompts(self, job_id: str, *, limit: int = 50, offset: int = 0, held_out: bool = False) -> Page[PromptRead]:
         """The job's training prompts, or with `held_out` those kept for evaluation and never trained on."""
@@ -473,7 +567,7 @@ class Jobs(_JobsBase):
         return last
 
 
-class AsyncJobs(_JobsBase):
+class AsyncJobs(_JobsBase, _AsyncJobsMoney):
     """`client.jobs` of `AsyncClient`: the same methods as `Jobs`, awaitable."""
     _client: AsyncClient
 
@@ -491,6 +585,9 @@ class AsyncJobs(_JobsBase):
 
     async def cancel(self, job_id: str) -> JobRead:
         return await self._client._call(self._cancel(job_id))
+
+    async def update(self, job_id: str, *, budget_usd: float | None) -> JobRead:
+        return await self._client._call(self._update(job_id, budget_usd))
 
     async def prompts(self, job_id: str, *, limit: int = 50, offset: int = 0,
                       held_out: bool = False) -> Page[PromptRead]:
@@ -700,7 +797,7 @@ class _ProvidersBase(_Resource):
         return _Req("GET", "/v1/providers", list[ProviderRead])
 
 
-class Providers(_ProvidersBase):
+class Providers(_ProvidersBase, _ProvidersMoney):
     """`client.providers`: sign providers up (admin key) and read the calling provider (provider token)."""
     _client: Client
 
@@ -715,7 +812,7 @@ class Providers(_ProvidersBase):
         return self._client._call(self._list())
 
 
-class AsyncProviders(_ProvidersBase):
+class AsyncProviders(_ProvidersBase, _AsyncProvidersMoney):
     _client: AsyncClient
 
     async def create(self, name: str, *, contact: str | None = None) -> ProviderCreated:
@@ -742,6 +839,10 @@ class _UsersBase(_Resource):
     def _create_key(self, user_id: str) -> _Req[ApiKeyCreated]:
         return _Req("POST", f"/v1/users/{_seg(user_id, 'user_id')}/keys", ApiKeyCreated)
 
+    def _set_quotas(self, user_id: str, quotas: Mapping[str, Any]) -> _Req[UserRead]:
+        body = _validated(Quotas, dict(quotas))
+        return _Req("PUT", f"/v1/users/{_seg(user_id, 'user_id')}/quotas", UserRead, json=body.model_dump(mode="json"))
+
 
 class Users(_UsersBase):
     """`client.users`: who am I; admins create users (each with an API key, shown once)."""
@@ -760,6 +861,12 @@ class Users(_UsersBase):
     def create_key(self, user_id: str) -> ApiKeyCreated:
         return self._client._call(self._create_key(user_id))
 
+    def set_quotas(self, user_id: str, *, max_concurrent_jobs: int | None = None,
+                   max_usd_per_day: float | None = None) -> UserRead:
+        """(admin) The user's limits, None for none; jobs beyond them wait in the queue or pause."""
+        quotas = {"max_concurrent_jobs": max_concurrent_jobs, "max_usd_per_day": max_usd_per_day}
+        return self._client._call(self._set_quotas(user_id, quotas))
+
 
 class AsyncUsers(_UsersBase):
     _client: AsyncClient
@@ -775,6 +882,11 @@ class AsyncUsers(_UsersBase):
 
     async def create_key(self, user_id: str) -> ApiKeyCreated:
         return await self._client._call(self._create_key(user_id))
+
+    async def set_quotas(self, user_id: str, *, max_concurrent_jobs: int | None = None,
+                         max_usd_per_day: float | None = None) -> UserRead:
+        quotas = {"max_concurrent_jobs": max_concurrent_jobs, "max_usd_per_day": max_usd_per_day}
+        return await self._client._call(self._set_quotas(user_id, quotas))
 
 
 # --------------------------------------------------------------------------------------------------

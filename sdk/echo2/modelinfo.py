@@ -4,6 +4,7 @@ workers (where to stop generating) and the control plane (what a valid sample of
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,32 @@ def vocab_size(read: Reader) -> int | None:
     config = read("config.json")
     value = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
     return value if isinstance(value, int) and value > 0 else None
+
+
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+PROMPT_TOKENS = 512  # room for the prompt beside the completion, per sequence
+RUNTIME_GIB = 0.5  # the framework itself: CUDA context or torch's CPU allocator, kernels, sampler
+OVERHEAD = 1.2  # activations, allocator fragmentation
+
+
+def generation_memory_gib(read: Reader, weight_bytes: int, sequences: int, new_tokens: int) -> float:
+    """Memory a worker needs to generate `sequences` completions at once of this model: its weights as
+    published, the KV cache of every sequence at full length (prompt allowance + new tokens), with
+    headroom. From config.json alone; a config without attention sizes counts the weights only."""
+    config = read("config.json")
+    config = config.get("text_config") or config
+    layers, heads = config.get("num_hidden_layers"), config.get("num_attention_heads")
+    kv_heads, hidden = config.get("num_key_value_heads") or heads, config.get("hidden_size")
+    head_dim = config.get("head_dim") or (hidden // heads if isinstance(hidden, int) and heads else None)
+    width = 4 if config.get("torch_dtype") == "float32" else 2
+    kv = 0
+    if all(isinstance(v, int) and v > 0 for v in (layers, kv_heads, head_dim)):
+        kv = 2 * layers * kv_heads * head_dim * width * sequences * (PROMPT_TOKENS + new_tokens)
+    return math.ceil(100 * (OVERHEAD * (weight_bytes + kv) / 2**30 + RUNTIME_GIB)) / 100  # up to 0.01 GiB
+
+
+def weight_bytes(paths_and_sizes: list[tuple[str, int]]) -> int:
+    return sum(size for path, size in paths_and_sizes if path.endswith(WEIGHT_SUFFIXES))
 
 
 def _read_bytes(path: Path) -> bytes | None:

@@ -34,7 +34,7 @@ def world(api, tmp_path):
     folder = fake_model_folder(tmp_path / "m")
     job, _ = running_job(api, alice, folder)
     dataset = ok(alice.post("/v1/datasets", json={"name": "d", "items": [{"question": "q", "answer": "1"}]}), 201)
-    _, provider = new_provider(api, "alice-gpus")
+    provider_id, provider = new_provider(api, "alice-gpus")
     wid, worker = new_worker(api, provider)
     activate(api, wid, job["id"])
     lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
@@ -46,7 +46,7 @@ def world(api, tmp_path):
     bob_wid, bob_worker = new_worker(api, bob_provider)
     activate(api, bob_wid, bob_job["id"])
     ids = {"job_id": job["id"], "worker_id": wid, "lease_id": lease["id"], "dataset_id": dataset["id"],
-           "user_id": alice_id, "token_id": key, "version": 0, "index": 0, "step": 0}
+           "user_id": alice_id, "token_id": key, "version": 0, "index": 0, "step": 0, "provider_id": provider_id}
     attackers = {"user": bob, "provider": bob_provider, "worker": bob_worker, "learner": bob_learner}
     manifest = build_manifest(folder, 1, 1, 64 * 1024).model_dump(mode="json")
     bodies = {
@@ -64,6 +64,8 @@ def world(api, tmp_path):
         "commit_learner_checkpoint": {"json": manifest},
         "wait_for_version": {"params": {"after": 0, "timeout_s": 0}},
         "learner_report_eval": {"json": {"step": 0, "version": 0, "prompts": 1, "seconds": 0}},
+        "update_job": {"json": {"budget_usd": 1000}},
+        "set_user_quotas": {"json": {"max_concurrent_jobs": 1}},
     }
     bodies["upload_learner_checkpoint_chunk"] = bodies["upload_delta_chunk"] = bodies["upload_chunk"]
     return ids, attackers, bodies

@@ -1,5 +1,6 @@
 """`echo2-server` as an operator runs it: real subprocesses on a fresh data directory."""
 
+import json
 import os
 import signal
 import subprocess
@@ -61,3 +62,18 @@ def test_help_is_fast():
     done = subprocess.run([sys.executable, "-m", "api.cli", "--help"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0 and "echo2-server" in done.stdout
     assert time.perf_counter() - start < 2.0
+
+
+def test_api_logs_json_lines_when_asked(tmp_path):
+    port = free_port()
+    env = {**os.environ, "ECHO2_DATA_DIR": str(tmp_path), "ECHO2_PORT": str(port), "ECHO2_LOG_FORMAT": "json"}
+    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "api"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_port(port, timeout=60, proc=proc)
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+    lines = [json.loads(line) for line in err.splitlines()]  # every line, uvicorn's included
+    assert {"ts", "level", "logger", "msg"} <= set(lines[0])
+    assert any(x["logger"] == "uvicorn.error" and x["msg"].startswith("Uvicorn running on") for x in lines)

@@ -63,6 +63,23 @@ def test_heartbeat_idle_then_active_with_assignment(api, tmp_path):
     assert reply["assignment"]["fetch"] == []  # holding it: nothing to fetch
 
 
+def test_a_worker_moved_to_another_job_fetches_that_jobs_version_not_its_old_ones(api, tmp_path):
+    from tests.factories import fake_model_folder
+
+    _, alice = new_user(api)
+    old, _ = running_job(api, alice, fake_model_folder(tmp_path / "a"), name="old")
+    new, _ = running_job(api, alice, fake_model_folder(tmp_path / "b", seed=1), name="new")
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, new["id"])
+    # It still holds version 0 of the job it served before: that is not the new job's version 0.
+    reply = ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={"job_id": old["id"], "versions_held": [0]}))
+    [step] = reply["assignment"]["fetch"]
+    assert step["version"] == 0 and step["manifest_url"].endswith(f"/v1/jobs/{new['id']}/versions/0/manifest")
+    r = worker.post("/v1/leases", json={"job_id": new["id"], "max_prompts": 1, "version": 0})
+    assert r.status_code == 409 and "has not reported holding version 0" in r.json()["detail"]
+
+
 def test_a_lora_job_tells_its_workers_the_adapter_rank_from_the_first_version(api, tmp_path):
     from tests.factories import fake_model_folder
 

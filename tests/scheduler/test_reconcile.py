@@ -6,12 +6,14 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
-from api.models import Job, LedgerEntry, Worker, utcnow
+from api.models import Decision, Job, LedgerEntry, Worker, utcnow
 from tests.factories import (
     bill_past_budget,
     drive_job,
     fake_model_folder,
     hold,
+    job_spec,
+    learner_for,
     new_job,
     new_provider,
     new_user,
@@ -85,14 +87,45 @@ def test_activation_prefers_the_cheapest_sufficient_workers_and_explains(api, tm
     assert all(d["line"] for d in lines)
 
 
-def test_cost_ledger_and_budget_stop(api, tmp_path):
+def test_a_job_whose_budget_runs_out_pauses_and_resumes_when_it_is_raised(api, tmp_path):
     _, alice = new_user(api)
     job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), budget_usd=0.5,
                          learner={"price_per_hour": 3600.0})
     bill_past_budget(api, job["id"])
+    learner = learner_for(api, job["id"])  # the learner at work when the budget ran out
     got = ok(alice.get(f"/v1/jobs/{job['id']}"))
-    assert got["status"] == "failed" and "budget" in got["status_reason"]
+    assert got["status"] == "paused" and got["paused_for"] == "budget", got
+    assert "budget of $0.50 exhausted" in got["status_reason"] and "raise budget_usd" in got["status_reason"]
     assert got["cost"]["learner_usd"] >= 0.5
+    beat = ok(learner.post(f"/v1/jobs/{job['id']}/learner/heartbeat", json={"step": 0, "busy_s": 0, "wall_s": 1}))
+    assert beat["stop"] and beat["job_status"] == "paused"  # the learner stops, the job does not end
+    claim = ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": 0, "max_groups": 4}))
+    assert claim["groups"] == []
+    _, launched = run_tick(api)
+    assert launched == [] and ok(alice.get(f"/v1/jobs/{job['id']}"))["status"] == "paused"
+
+    spent = got["cost"]["total_usd"]
+    still = ok(alice.patch(f"/v1/jobs/{job['id']}", json={"budget_usd": spent / 2}))
+    assert still["status"] == "paused" and "exhausted" in still["status_reason"]
+    raised = ok(alice.patch(f"/v1/jobs/{job['id']}", json={"budget_usd": spent + 100}))
+    assert raised["status"] == "queued" and raised["spec"]["budget_usd"] == spent + 100
+    _, launched = run_tick(api)
+    assert [j for j, _ in launched] == [job["id"]]  # a new learner, which resumes from the checkpoint
+    new_learner = api.client(launched[0][1])
+    assert ok(new_learner.post(f"/v1/jobs/{job['id']}/learner/start"))["job"]["status"] == "running"
+    assert learner.post(f"/v1/jobs/{job['id']}/learner/heartbeat",
+                        json={"step": 0, "busy_s": 0, "wall_s": 1}).status_code == 401  # fenced off
+
+
+def test_a_budget_update_is_checked_and_refused_for_a_finished_job(api, tmp_path):
+    _, alice = new_user(api)
+    job = new_job(alice)
+    r = alice.patch(f"/v1/jobs/{job['id']}", json={"budget_usd": -1})
+    assert r.status_code == 422 and "budget_usd" in r.text
+    assert alice.patch(f"/v1/jobs/{job['id']}", json={}).status_code == 422
+    ok(alice.post(f"/v1/jobs/{job['id']}/cancel"))
+    r = alice.patch(f"/v1/jobs/{job['id']}", json={"budget_usd": 5})
+    assert r.status_code == 409 and "finished" in r.json()["detail"]
 
 
 def test_workers_are_paid_for_trained_rollouts_named_in_the_ledger(api, tmp_path):
@@ -229,3 +262,40 @@ def test_a_deactivation_is_explained_on_the_job_the_worker_left(api, tmp_path):
     lines = ok(alice.get(f"/v1/jobs/{job['id']}/decisions"))
     assert [d["line"] for d in lines if d["action"] == "deactivated"] == [
         f"deactivated {wid}: no longer qualifies: no measured throughput"]
+
+
+def test_a_worker_below_the_jobs_memory_need_is_never_activated_and_the_job_says_why(api, tmp_path):
+    from learner.tiny import build_tiny_model
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, build_tiny_model(tmp_path / "tiny"), grpo={"group_size": 2, "prompts_per_step": 2})
+    need = ok(alice.get(f"/v1/jobs/{job['id']}"))["memory_need_gb"]
+    assert 0.5 < need < 0.6  # the tiny model's weights and one group's KV cache, plus the runtime
+    _, provider = new_provider(api)
+    small, small_client = new_worker(api, provider, "small", vram_gb=0.25, price_per_hour=0.01, rollouts_per_s=100.0)
+    big, big_client = new_worker(api, provider, "big", vram_gb=16, price_per_hour=1.0, rollouts_per_s=100.0)
+    for wid, client in ((small, small_client), (big, big_client)):
+        ok(client.post(f"/v1/workers/{wid}/heartbeat", json={}))
+    for _ in range(3):
+        run_tick(api)
+    assert ok(api.admin.get(f"/v1/workers/{small}"))["desired"] == "idle"  # the cheapest, but too small
+    assert ok(api.admin.get(f"/v1/workers/{big}"))["desired"] == "active"
+    lines = [d["line"] for d in ok(alice.get(f"/v1/jobs/{job['id']}/decisions")) if d["worker_id"] == small]
+    assert lines and all(line.startswith(f"skipped {small}: VRAM 0.25 GiB < need {need:g} GiB") for line in lines)
+    with api.db.session() as s:
+        assert not s.scalars(select(Decision).where(Decision.worker_id == small, Decision.action == "activated")).all()
+
+
+def test_a_job_can_state_its_memory_need_and_backends(api, tmp_path):
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), workers={"memory_gb": 40, "backends": ["vllm"]})
+    assert ok(alice.get(f"/v1/jobs/{job['id']}"))["memory_need_gb"] == 40
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, "h100", vram_gb=80, rollouts_per_s=100.0)  # transformers only
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
+    run_tick(api)
+    [line] = [d["line"] for d in ok(alice.get(f"/v1/jobs/{job['id']}/decisions")) if d["worker_id"] == wid]
+    assert line == f"skipped {wid}: backend transformers not supported (job needs vllm)"
+    r = alice.post("/v1/jobs", json=job_spec(workers={"memory_gb": 0}))
+    assert r.status_code == 422 and "workers.memory_gb" in r.text
+    assert alice.post("/v1/jobs", json=job_spec(workers={"gpu": "a100"})).status_code == 422

@@ -206,6 +206,46 @@ def test_multi_job_infeasible_falls_back_to_priority_order_with_best_partial_set
     assert alloc["second"].reason.startswith("infeasible: qualifying throughput 2.00 rollouts/s < needed 3.00")
 
 
+def test_jobs_of_equal_priority_share_a_fleet_too_small_for_both():
+    first = job("first", rollouts_per_step=100, submitted_at=1.0)  # demand 10: more than the whole fleet
+    second = job("second", rollouts_per_step=50, submitted_at=2.0)  # demand 5
+    ws = [w(f"r{i}", 1, 0.4) for i in range(6)]
+    d = decide([first, second], ws, 0.0)
+    alloc = {a.job_id: a for a in d.jobs}
+    # by the share of need met: 4/10 and 2/5, not all six to the older job
+    assert (len(alloc["first"].worker_ids), len(alloc["second"].worker_ids)) == (4, 2)
+    assert not alloc["first"].feasible and not alloc["second"].feasible
+    assert "fair share: 2 jobs of equal priority" in d.method
+    assert "its fair share of a fleet too small for every job" in line(d, alloc["second"].worker_ids[0])
+    others = next(x.others for x in d.workers if x.worker_id == alloc["second"].worker_ids[0])
+    assert others == (("first", Action.SKIP, "serves job second (one job at a time)"),)
+
+
+def test_a_job_whose_slack_no_worker_meets_still_gets_its_share_of_near_misses():
+    quick = job("quick", rollouts_per_step=10, t_train_s=1.0, submitted_at=1.0)  # slack 3 s: every worker misses
+    slow = job("slow", rollouts_per_step=100, submitted_at=2.0)  # slack 30 s: every worker qualifies
+    d = decide([quick, slow], [w(f"r{i}", 1, 0.4) for i in range(4)], 0.0)
+    alloc = {a.job_id: a for a in d.jobs}
+    assert (len(alloc["quick"].worker_ids), len(alloc["slow"].worker_ids)) == (2, 2)
+    assert line(d, alloc["quick"].worker_ids[0]).endswith("best effort, closest to fresh: T_bcast+T_gen 15.0s > "
+                                                            "slack 3.0s")
+
+
+def test_a_job_that_starts_later_gets_its_share_once_the_first_jobs_dwell_ends():
+    first = job("first", rollouts_per_step=100, submitted_at=1.0)
+    ws = [w(f"r{i}", 1, 0.4) for i in range(4)]
+    config = SolverConfig(min_dwell_s=60.0)
+    d = decide([first], ws, 0.0, config=config)
+    assert len(d.assignment) == 4  # alone, the first job takes the whole fleet
+    second = job("second", rollouts_per_step=100, submitted_at=2.0)
+    d = decide([first, second], ws, 10.0, d.state, config)
+    assert set(d.assignment.values()) == {"first"}  # every worker is still within its dwell time
+    assert decide([first, second], ws, 30.0, d.state, config).trigger == "none: inputs within tolerance"
+    d = decide([first, second], ws, 61.0, d.state, config)
+    assert d.trigger == "dwell over: r0 may move to a job that is short"
+    assert sorted(d.assignment.values()) == ["first", "first", "second", "second"]
+
+
 def test_infeasible_job_gets_best_partial_set_and_a_reason():
     j = job(rollouts_per_step=50, vram_need_gb=16)  # demand 5
     ws = [

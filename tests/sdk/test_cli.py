@@ -82,6 +82,12 @@ def test_submit_list_get_cancel(api, alice, tmp_path):
     shown = echo2("jobs", "get", job.id, url=url, key=key).stdout
     assert "status" in shown and "queued" in shown and "0/4" in shown
 
+    budget = echo2("jobs", "budget", job.id, "2.5", url=url, key=key)
+    assert budget.returncode == 0 and f"job {job.id} queued, budget $2.50" in budget.stdout
+    assert JobRead.model_validate_json(echo2("jobs", "budget", job.id, "none", "--json", url=url,
+                                             key=key).stdout).spec.budget_usd is None
+    assert "expected an amount" in one_line_error(echo2("jobs", "budget", job.id, "lots", url=url, key=key))
+
     cancelled = echo2("jobs", "cancel", job.id, url=url, key=key)
     assert cancelled.returncode == 0 and f"job {job.id} cancelled" in cancelled.stdout
     again = one_line_error(echo2("jobs", "cancel", job.id, url=url, key=key))

@@ -30,7 +30,7 @@ def reconcile(api: Api) -> None:
 class Explained:
     job_id: str
     cheap: set[str]  # activated by the first tick
-    pricey: str  # left idle: not this job's decision
+    pricey: str  # left idle: the job's decisions say why
     joined: str  # joined before the second tick
 
 
@@ -62,7 +62,8 @@ def check_decisions(decisions: list[DecisionRead], ex: Explained) -> None:
     assert first.line.startswith(f"activated {first.worker_id}: ")
     newest = decisions[0]
     assert newest.trigger == f"churn: {ex.joined} joined" and newest.line.startswith(f"{newest.action} ")
-    assert ex.pricey not in {d.worker_id for d in decisions}  # idle, never on this job
+    pricey = [d for d in decisions if d.worker_id == ex.pricey]  # never picked, but explained on this job
+    assert pricey and all(d.action == "idle" and "qualifies but not needed" in d.line for d in pricey)
     assert all(d.line and d.action in {"activated", "kept", "deactivated", "idle", "skipped"} for d in decisions)
 
 

@@ -20,6 +20,7 @@ from scheduler.reconcile import tick
 from tests.conftest import ADMIN_KEY
 from tests.factories import (
     activate,
+    bill_past_budget,
     fake_model_folder,
     forms,
     new_job,
@@ -261,7 +262,8 @@ def test_job_page_explains_activation_decisions(api, ui, tmp_path):
     assert cells.nth(3).inner_text() == cheap["line"] and cheap["line"].startswith(f"activated {ids['cheap']}: ")
     assert cells.nth(4).inner_text() == cheap["trigger"] == "first decision"
     assert cells.nth(0).locator("time").get_attribute("datetime") == cheap["created_at"]
-    assert ui.page.locator("#decisions-table tbody tr", has_text=ids["pricey"]).count() == 0  # not this job's
+    pricey = ui.page.locator("#decisions-table tbody tr", has_text=ids["pricey"])  # not picked, and why
+    assert "qualifies but not needed" in pricey.inner_text() and pricey.locator(".badge.s-idle").count() == 1
     ui.audit()
     link.click()
     ui.page.wait_for_url(re.compile(rf"/workers/{ids['cheap']}$"))
@@ -327,6 +329,23 @@ def test_cancel_a_job_after_confirming(api, ui, training):
     expect_text(ui, "#job-reason", "cancelled by alice")
     assert cancel.is_hidden()
     assert ok(training["alice"].get(f"/v1/jobs/{job['id']}"))["status"] == "cancelled"
+
+
+def test_a_paused_job_says_why_and_raising_its_budget_queues_it_again(api, ui, tmp_path):
+    key, alice = user_key(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), budget_usd=0.5,
+                         learner={"price_per_hour": 3600.0})
+    bill_past_budget(api, job["id"])
+    ui.login(key)
+    ui.goto(f"/jobs/{job['id']}")
+    expect_text(ui, "#job-status", "paused")
+    expect_text(ui, "#job-reason", r"budget of \$0\.50 exhausted")
+    ui.page.get_by_label("Budget ($)").fill("100")
+    ui.page.get_by_role("button", name="Set budget").click()
+    expect_text(ui, "#job-status", "queued")
+    got = ok(alice.get(f"/v1/jobs/{job['id']}"))
+    assert got["status"] == "queued" and got["spec"]["budget_usd"] == 100
+    ui.audit()
 
 
 def test_download_a_checkpoint(api, ui, training, tmp_path):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import stat
+import sys
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,25 @@ def test_tokens_never_reach_a_log_line() -> None:
     line = JsonFormatter().format(record)
     assert "e2p_" not in line and "e2w_" not in line and json.loads(line)["msg"].count("[redacted]") == 2
     assert scrub("no secret here") == "no secret here"
+
+
+def test_tracebacks_are_scrubbed_too() -> None:
+    try:
+        raise RuntimeError("401 for Bearer e2w_secret-token")
+    except RuntimeError:
+        record = logging.LogRecord("x", logging.ERROR, __file__, 1, "failed", (), sys.exc_info())
+    line = json.loads(JsonFormatter().format(record))
+    assert "RuntimeError" in line["exc"] and "e2w_" not in line["exc"] and line["level"] == "error"
+
+
+def test_join_logs_json_when_the_environment_asks(monkeypatch: pytest.MonkeyPatch) -> None:
+    from echo2_worker.cli import build_parser
+
+    join = ["join", "--server", "http://127.0.0.1:9"]
+    monkeypatch.delenv("ECHO2_LOG_FORMAT", raising=False)
+    assert build_parser().parse_args(join).json is False
+    monkeypatch.setenv("ECHO2_LOG_FORMAT", "json")
+    assert build_parser().parse_args(join).json is True
 
 
 def test_credentials_are_private_and_per_server(tmp_path: Path) -> None:

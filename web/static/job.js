@@ -51,6 +51,9 @@ E2.page("job", () => {
     $("#sum-started").replaceChildren(...(job.finished_at ? ["finished ", timeEl(job.finished_at, true)]
       : job.started_at ? ["started ", timeEl(job.started_at, true)] : ["not started"]));
     $("#cancel").hidden = TERMINAL.has(job.status);
+    $("#budget-form").hidden = TERMINAL.has(job.status);
+    const budget = $("#budget-usd");
+    if (document.activeElement !== budget) budget.value = spec.budget_usd ?? "";
     $("#download").disabled = job.version === null || job.version === undefined;
   }
 
@@ -66,6 +69,20 @@ E2.page("job", () => {
       $("#download").focus();
     } catch (err) {
       setText("#download-status", "Could not cancel: " + err.message);
+    }
+    poller.now();
+  });
+
+  // Raising the budget of a job its budget paused queues it again (PATCH /v1/jobs/{id}).
+  $("#budget-form").addEventListener("submit", async (event) => {
+    event.preventDefault();
+    const raw = $("#budget-usd").value.trim();
+    try {
+      job = await api(base, { method: "PATCH", body: { budget_usd: raw === "" ? null : Number(raw) } });
+      renderJob();
+      E2.announce(`Budget of ${job.name} set to ${raw === "" ? "none" : "$" + raw}; the job is ${job.status}.`);
+    } catch (err) {
+      setText("#download-status", "Could not set the budget: " + err.message);
     }
     poller.now();
   });

@@ -18,6 +18,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from echo2 import logs
+
 DEFAULT_RELAY_PORT = 7460
 TOKEN_ENV = "ECHO2_PROVIDER_TOKEN"
 log = logging.getLogger("echo2_worker")
@@ -37,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--name", default=None, help="worker name (default: host name)")
     join.add_argument("--price-per-hour", type=float, default=0.0, help="asking price in USD per hour")
     join.add_argument("--gpus", default="auto",
-                      help="auto (nvidia-smi), none, N, or MODEL:COUNT[:VRAM_GB] such as H100:8:80")
+                      help="auto (nvidia-smi), none, N, or MODEL:COUNT[:VRAM_GB] such as H100:8:80; a CPU "
+                           "worker offers the machine's RAM, or cpu:0:GB")
     join.add_argument("--region", default="local")
     join.add_argument("--max-upload-mbps", type=float, default=None, help="cap on relay upload, Mbit/s")
     relay = join.add_mutually_exclusive_group()
@@ -53,7 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--data-dir", type=Path, default=None, help="where weight versions are kept")
     join.add_argument("--no-bench", action="store_true", help="register without measuring throughput first")
     join.add_argument("--new", action="store_true", help="register a new worker even if one is saved for --server")
-    join.add_argument("--json", action="store_true", help="structured JSON logs instead of a progress line")
+    join.add_argument("--json", action="store_true", default=logs.env_format() == "json",
+                      help=f"structured JSON logs instead of a progress line (or {logs.FORMAT_ENV}=json)")
     join.add_argument("-v", "--verbose", action="store_true")
 
     bench = sub.add_parser("bench", help="measure generation throughput and bandwidth to the server")
@@ -103,7 +107,7 @@ def _join(args: argparse.Namespace) -> int:
 
     from .config import CredentialStore, SavedWorker, default_data_dir, normalize_server, now_iso
     from .control import ControlPlane
-    from .hardware import choose_backend, parse_gpus, reachable_host
+    from .hardware import choose_backend, parse_gpus, reachable_host, with_memory
     from .loop import LoopOptions, Worker
     from .progress import ProgressReporter, Stats, setup_logging
     from .relay import RelayServer
@@ -118,7 +122,7 @@ def _join(args: argparse.Namespace) -> int:
         raise ValueError(f"--token PROVIDER_TOKEN (or {TOKEN_ENV}) is required the first time you join this server")
     if args.token:
         saved.provider_token = args.token
-    gpus = parse_gpus(args.gpus)
+    gpus = with_memory(parse_gpus(args.gpus))
     backend_name = choose_backend(args.backend, gpus)
     stats = Stats()
     store = VersionStore((args.data_dir or default_data_dir()) / "versions")
@@ -297,7 +301,7 @@ def _bench(args: argparse.Namespace) -> int:
     from .config import save_bench
     from .hardware import choose_backend, detect_gpus
 
-    logging.basicConfig(level=logging.WARNING)
+    logs.configure(logs.env_format(), logging.WARNING)
     backend = choose_backend(args.backend, detect_gpus())
     result = bench_generation(backend, args.model, prompts=args.prompts, group_size=args.group_size,
                               max_new_tokens=args.max_new_tokens, seconds=args.seconds, device=args.device)

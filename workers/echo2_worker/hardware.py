@@ -4,6 +4,7 @@ nvidia-smi, the backends installed, and the address peers would reach the relay 
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
 import socket
 import subprocess
@@ -36,6 +37,14 @@ def detect_gpus() -> Gpus:
     except (IndexError, ValueError):
         vram = 0.0
     return Gpus(model=name, count=len(rows), vram_gb=round(vram, 1))
+
+
+def with_memory(gpus: Gpus) -> Gpus:
+    """A CPU worker generates in RAM: it offers the machine's memory where a GPU worker offers VRAM
+    (jobs state the memory a worker needs; `--gpus cpu:0:GB` offers less)."""
+    if gpus.count == 0 and not gpus.vram_gb:
+        gpus.vram_gb = round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    return gpus
 
 
 def parse_gpus(spec: str) -> Gpus:

@@ -7,14 +7,13 @@ heartbeat sends a `WorkerStats` built from it. Tokens never reach a log: `JsonFo
 
 from __future__ import annotations
 
-import json
 import logging
 import re
 import sys
 import threading
-from datetime import UTC, datetime
 from typing import IO, Any
 
+from echo2 import logs
 from echo2.protocol import WorkerStats
 
 from .ratelimit import RateMeter
@@ -101,20 +100,15 @@ class ProgressReporter:
                 self._log.info(self.stats.line(), extra={"progress": self.stats.snapshot()})
 
 
-class JsonFormatter(logging.Formatter):
-    """One JSON object per line: ts, level, logger, msg, and `progress` fields when present."""
+class JsonFormatter(logs.JsonFormatter):
+    """The JSON line of every Echo2 process (echo2.logs), scrubbed, with `progress` fields when present."""
 
-    def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(), "logger": record.name, "msg": scrub(record.getMessage()),
-        }
+    def fields(self, record: logging.LogRecord) -> dict[str, Any]:
+        out = {k: scrub(v) if k in ("msg", "exc", "stack") else v for k, v in super().fields(record).items()}
         progress = getattr(record, "progress", None)
         if isinstance(progress, dict):
             out.update(progress)
-        if record.exc_info:
-            out["exc"] = scrub(self.formatException(record.exc_info))
-        return json.dumps(out)
+        return out
 
 
 class PlainFormatter(logging.Formatter):

@@ -40,6 +40,7 @@ from .jobs import (
     JobCost,
     JobRead,
     JobSpec,
+    JobUpdate,
     LearnerResources,
     LoraConfig,
     LossAggregation,
@@ -50,6 +51,7 @@ from .jobs import (
     TaskSpec,
     WeightDtype,
     WeightsConfig,
+    WorkerNeeds,
     max_publish_period,
     slack_steps,
 )
@@ -71,6 +73,15 @@ from .learner import (
     StepAck,
     StepReport,
 )
+from .ledger import (
+    EstimateWorker,
+    JobEstimate,
+    JobLedger,
+    LedgerEntryRead,
+    LedgerKind,
+    LedgerTotal,
+    ProviderStatement,
+)
 from .metrics import EvalRead, JobReport, RolloutCounts, StepMetrics
 from .rollouts import (
     FinishReason,
@@ -85,7 +96,7 @@ from .rollouts import (
     SampleSubmit,
 )
 from .trust import AuditRead
-from .users import ApiKeyCreated, TokenKind, TokenRead, UserCreate, UserCreated, UserRead
+from .users import ApiKeyCreated, Quotas, TokenKind, TokenRead, UserCreate, UserCreated, UserRead
 from .weights import (
     AdapterInfo,
     ChunkInfo,
@@ -105,6 +116,7 @@ __all__ = [
     "AuditReport",
     "DecisionRead",
     "ApiKeyCreated",
+    "Quotas",
     "Assignment",
     "Backend",
     "BadSource",
@@ -138,6 +150,8 @@ __all__ = [
     "JobRead",
     "JobReport",
     "JobSpec",
+    "JobUpdate",
+    "WorkerNeeds",
     "JobStatus",
     "LearnerBatch",
     "LearnerClaim",
@@ -196,4 +210,11 @@ __all__ = [
     "WorkerStatus",
     "max_publish_period",
     "slack_steps",
+    "EstimateWorker",
+    "JobEstimate",
+    "JobLedger",
+    "LedgerEntryRead",
+    "LedgerKind",
+    "LedgerTotal",
+    "ProviderStatement",
 ]

@@ -50,7 +50,8 @@ class WorkerRegister(Model):
     name: Name
     gpu_model: Label = Field("cpu", description="e.g. `H100`, `RTX 4090`, `cpu`.")
     gpu_count: int = Field(0, ge=0, le=64)
-    vram_gb: float = Field(0, ge=0, le=4096)
+    vram_gb: float = Field(0, ge=0, le=4096, description="GiB the worker generates in: its GPU's VRAM, or a CPU "
+                           "worker's RAM. A job needing more never gets the worker.")
     price_per_hour: Price = 0.0
     region: Label = "local"
     upload_mbps: float = Field(100.0, ge=0, le=1_000_000, description="Claimed upload bandwidth (Mbit/s), shown "

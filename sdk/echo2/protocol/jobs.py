@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints, model_validator
 
-from .common import Id, JobStatus, Key, Model, Name, NoNul, ParamValue, Price, ReadModel
+from .common import Backend, Id, JobStatus, Key, Model, Name, NoNul, ParamValue, Price, ReadModel
 from .datasets import Item
 
 ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512, strip_whitespace=True), NoNul]
@@ -134,6 +134,18 @@ class LearnerResources(Model):
                                            "instead of keeping them: less memory, about a third more compute.")
 
 
+class WorkerNeeds(Model):
+    """What a rollout worker must offer to be activated for the job; the scheduler never activates one
+    that does not (and `echo2 jobs explain` says so)."""
+
+    memory_gb: float | None = Field(None, gt=0, le=4096, description="GiB the worker must generate in (its VRAM; "
+                                    "a CPU worker's RAM). Default: derived from the model's first version — its "
+                                    "weights in the published dtype plus the KV cache of one group at full length, "
+                                    "with headroom.")
+    backends: list[Backend] = Field(default_factory=list, max_length=4, description="Generation backends accepted "
+                                    "(empty: any).")
+
+
 class PromptIn(Model):
     """One inline prompt item; keys depend on the task (e.g. `question`/`answer` for gsm8k)."""
 
@@ -157,11 +169,13 @@ class JobSpec(Model):
     staleness: int = Field(2, ge=0, le=64, description="S: a rollout of version x trains at step t only if t-x <= S.")
     publish_period: int = Field(1, ge=1, le=64, description="κ: publish a weight version every κ steps.")
     max_steps: int = Field(100, ge=1, le=100_000)
-    budget_usd: float | None = Field(None, ge=0, le=1_000_000, description="Stop the job when spent.")
+    budget_usd: float | None = Field(None, ge=0, le=1_000_000, description="Pause the job when spent; raise it "
+                                     "(PATCH /v1/jobs/{id}) to resume.")
     learner: LearnerResources = Field(default_factory=LearnerResources)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     lora: LoraConfig | None = Field(None, description="Train a LoRA adapter instead of the full model.")
+    workers: WorkerNeeds = Field(default_factory=WorkerNeeds)
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="Learner checkpoint period in steps.")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     priority: int = Field(0, ge=-100, le=100, description="Higher first when jobs compete for workers.")
@@ -208,12 +222,27 @@ class JobCost(ReadModel):
     total_usd: float = 0.0
 
 
+class JobUpdate(Model):
+    """What may change while a job lives. Raising the budget of a job paused by its budget resumes it."""
+
+    budget_usd: float | None = Field(description="The new budget in $ (null: none). A job paused because its "
+                                     "budget ran out is queued again when this is above what it has spent.",
+                                     ge=0, le=1_000_000)
+
+
 class JobRead(ReadModel):
     id: str
     name: str
     owner_id: str
     status: JobStatus
-    status_reason: str | None = None
+    status_reason: str | None = Field(None, description="Why it is queued (its place in line and what it waits "
+                                      "for), paused, or how it ended.")
+    queue_position: int | None = Field(None, description="A queued job's place among those waiting for a learner "
+                                       "(1 = next).")
+    paused_for: str | None = Field(None, description="A paused job's cause: `budget` (raise it to resume) or "
+                                   "`quota` (the owner's daily spending; it resumes by itself).")
+    memory_need_gb: float | None = Field(None, description="GiB a worker needs to be activated for the job: "
+                                         "`workers.memory_gb`, or derived from its first version.")
     spec: JobSpec
     step: int = Field(description="Learner steps completed (the current policy version counter t).")
     version: int | None = Field(description="Latest published weight version, if any.")
@@ -244,7 +273,9 @@ class TaskInfo(ReadModel):
 
 
 class DecisionRead(ReadModel):
-    """One line of an activation decision, e.g. "activated w17: cheapest per rollout that still meets freshness"."""
+    """One line of an activation decision about one worker and this job, e.g. "activated w17: cheapest per
+    rollout that still meets freshness", "idle w3: qualifies but not needed", "skipped w9: VRAM 8 GiB <
+    need 11.5 GiB" or "skipped w4: serves job J (one job at a time)"."""
 
     worker_id: str
     action: str

@@ -106,7 +106,8 @@ class StepReport(Model):
 class StepAck(ReadModel):
     step: int = Field(description="Steps committed after this report.")
     job_status: JobStatus
-    stop: bool = Field(description="True when the learner should stop (cancelled, budget, max steps).")
+    stop: bool = Field(description="True when the learner should stop: the job was cancelled, paused (budget or "
+                       "quota; a new learner resumes it) or reached max_steps.")
 
 
 class LearnerHeartbeat(Model):

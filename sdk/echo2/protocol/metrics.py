@@ -74,3 +74,6 @@ class JobReport(ReadModel):
     audit_s: float = Field(0.0, description="Learner seconds spent auditing.")
     eval_before: EvalRead | None = Field(None, description="Held-out accuracy of the base model (step 0).")
     eval_after: EvalRead | None = Field(None, description="Held-out accuracy of the newest evaluated version.")
+    estimate_usd: float | None = Field(None, description="The cost estimated when the job was submitted "
+                                       "(POST /v1/jobs:estimate), to compare with `cost_usd`.")
+    cost_usd: float = Field(0.0, description="What the job has cost so far (learner and workers).")

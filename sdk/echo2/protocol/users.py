@@ -15,10 +15,22 @@ class UserCreate(Model):
     role: Role = Role.user
 
 
+class Quotas(Model):
+    """Limits on a user's jobs (null: none). Jobs beyond them wait in the queue instead of failing."""
+
+    max_concurrent_jobs: int | None = Field(None, ge=1, le=10_000, description="Jobs of this user holding a "
+                                            "learner at once; more wait in line.")
+    max_usd_per_day: float | None = Field(None, ge=0, le=1_000_000, description="$ the user's jobs may spend in "
+                                          "any 24 hours; at it, their running jobs pause until the day's spending "
+                                          "rolls off.")
+
+
 class UserRead(ReadModel):
     id: str
     name: str
     role: Role
+    max_concurrent_jobs: int | None = None
+    max_usd_per_day: float | None = None
     created_at: datetime
 
 

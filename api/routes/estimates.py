@@ -1,0 +1,22 @@
+"""A job's cost estimated before it is submitted."""
+
+from __future__ import annotations
+
+from echo2.protocol import JobEstimate, JobSpec
+from fastapi import APIRouter
+
+from scheduler.estimate import estimate
+
+from ..deps import CurrentUser, SessionDep, SettingsDep
+from ..services import jobs
+
+router = APIRouter(prefix="/v1", tags=["jobs"])
+
+
+@router.post("/jobs:estimate", operation_id="estimate_job", summary="Estimate a job's cost before submitting it",
+             description="The body of POST /v1/jobs, refused the same way (422 naming the field); nothing is "
+                         "created. Learner time comes from earlier jobs like it, workers from the set the capacity "
+                         "rule would activate now; `assumptions` says what the figures assume.")
+def estimate_job(spec: JobSpec, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> JobEstimate:
+    jobs.training_items(db, user, spec)
+    return estimate(db, spec, settings)

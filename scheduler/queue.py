@@ -1,0 +1,99 @@
+"""Which jobs get a learner: slots on the learner hosts, the owners' quotas, and the queue's order.
+
+Each tick, jobs whose learner is alive keep their slot. The others that want one — queued jobs, and
+running jobs whose learner died (their relaunch goes first) — are taken by priority, then age, into
+the free slots, skipping a job whose owner is at their concurrent-jobs quota; each left waiting gets
+its place in line and the reason in `status_reason`. An owner whose spending over the last 24 hours
+reached `max_usd_per_day` has their queued and running jobs paused (cause "quota") and queued again
+once the rolling day's spending falls below it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from echo2.protocol import JobStatus
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from api.models import Job, LedgerEntry, User
+from api.services.jobs import pause_job, resume_job
+
+DAY = timedelta(days=1)
+
+
+@dataclass
+class Line:
+    """The learner slots of one tick and who holds them."""
+
+    slots: int
+    holders: Counter[str]  # owner id -> jobs holding a slot
+
+    @property
+    def free(self) -> int:
+        return self.slots - sum(self.holders.values())
+
+
+def apply_daily_quotas(db: Session, jobs: list[Job], now: datetime) -> None:
+    """Pause the running jobs of owners over their daily quota; resume the ones it paused once allowed."""
+    owners = {j.owner_id for j in jobs}
+    limits = dict(db.execute(select(User.id, User.max_usd_per_day).where(
+        User.id.in_(owners), User.max_usd_per_day.is_not(None))).all()) if owners else {}
+    for owner, limit in limits.items():
+        spent = spent_today(db, owner, now)
+        for job in (j for j in jobs if j.owner_id == owner):
+            if spent >= limit and job.status in (JobStatus.queued.value, JobStatus.running.value):
+                pause_job(db, job, "quota", f"your daily quota of ${limit:.2f} is spent (${spent:.2f} in the last "
+                          "24 h); the job resumes by itself as the day's spending rolls off")
+            elif spent < limit and job.paused_for == "quota":
+                resume_job(job)
+    for job in jobs:  # an owner whose quota was lifted
+        if job.paused_for == "quota" and job.owner_id not in limits:
+            resume_job(job)
+
+
+def spent_today(db: Session, owner_id: str, now: datetime) -> float:
+    return float(db.scalar(select(func.coalesce(func.sum(LedgerEntry.amount_usd), 0.0))
+                           .join(Job, Job.id == LedgerEntry.job_id)
+                           .where(Job.owner_id == owner_id, LedgerEntry.created_at >= now - DAY)))
+
+
+def admit(db: Session, waiting: list[Job], line: Line, launch: Callable[[Job], bool]) -> None:
+    """Launch waiting jobs into free slots in order; number the rest and say what they wait for.
+    `launch` returns False when the job did not get a learner after all (it failed its crash loop)."""
+    limits = dict(db.execute(select(User.id, User.max_concurrent_jobs).where(
+        User.id.in_({j.owner_id for j in waiting}), User.max_concurrent_jobs.is_not(None))).all()) \
+        if waiting else {}
+    position = 0
+    for job in sorted(waiting, key=_order):
+        limit = limits.get(job.owner_id)
+        if limit is not None and line.holders[job.owner_id] >= limit:
+            why = (f"your quota allows {limit} job{'s' if limit != 1 else ''} at a time "
+                   f"({line.holders[job.owner_id]} running)")
+        elif line.free <= 0:
+            why = (f"every learner slot is busy ({line.slots - line.free} of {line.slots})" if line.slots
+                   else "no learner host is up (start one: echo2-server learner-host)")
+        else:
+            if launch(job):
+                line.holders[job.owner_id] += 1
+                if job.status == JobStatus.queued.value:
+                    job.status_reason = "its learner is starting"
+            job.queue_position = None
+            continue
+        position += 1
+        job.queue_position = position
+        if job.status == JobStatus.queued.value:
+            job.status_reason = f"waiting for a learner, {_ordinal(position)} in line: {why}"
+
+
+def _order(job: Job) -> tuple[bool, int, datetime]:
+    """Relaunches of running jobs first, then by priority, then the oldest."""
+    return job.status != JobStatus.running.value, -int(job.spec.get("priority", 0)), job.created_at
+
+
+def _ordinal(n: int) -> str:
+    suffix = "th" if 10 <= n % 100 <= 20 else {1: "st", 2: "nd", 3: "rd"}.get(n % 10, "th")
+    return f"{n}{suffix}"
