@@ -218,7 +218,7 @@ def _emulated(admin: Any, url: str, db_url: str, job_id: str, n: int, mu: float,
     provider = admin.post("/v1/providers", json={"name": "emulated"}).json()["token"]
     workers = []
     for i in range(n):
-        body = admin.post("/v1/workers", json={"name": f"e{i}", "rollouts_per_s": mu},
+        body = admin.post("/v1/workers", json={"name": f"e{i}", "rollouts_per_s": mu, "vram_gb": 16},
                           headers={"Authorization": f"Bearer {provider}"}).json()
         workers.append(Emulated(url, body["worker"]["id"], body["token"], mu, tok, stop))
     while admin.get(f"/v1/jobs/{job_id}").json()["version"] is None:

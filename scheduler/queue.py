@@ -30,11 +30,16 @@ class Line:
     """The learner slots of one tick and who holds them."""
 
     slots: int
-    holders: Counter[str]  # owner id -> jobs holding a slot
+    used: int  # slots held: a learner over N GPUs (torchrun, one process a GPU) holds N
+    holders: Counter[str]  # owner id -> jobs holding slots
 
     @property
     def free(self) -> int:
-        return self.slots - sum(self.holders.values())
+        return self.slots - self.used
+
+
+def slots_of(job: Job) -> int:
+    return max(1, int(job.spec.get("learner", {}).get("gpus", 0)))
 
 
 def apply_daily_quotas(db: Session, jobs: list[Job], now: datetime) -> None:
@@ -73,12 +78,12 @@ def admit(db: Session, waiting: list[Job], line: Line, launch: Callable[[Job], b
         if limit is not None and line.holders[job.owner_id] >= limit:
             why = (f"your quota allows {limit} job{'s' if limit != 1 else ''} at a time "
                    f"({line.holders[job.owner_id]} running)")
-        elif line.free <= 0:
-            why = (f"every learner slot is busy ({line.slots - line.free} of {line.slots})" if line.slots
-                   else "no learner host is up (start one: echo2-server learner-host)")
+        elif line.free < slots_of(job):
+            why = _no_room(line, slots_of(job))
         else:
             if launch(job):
                 line.holders[job.owner_id] += 1
+                line.used += slots_of(job)
                 if job.status == JobStatus.queued.value:
                     job.status_reason = "its learner is starting"
             job.queue_position = None
@@ -87,6 +92,14 @@ def admit(db: Session, waiting: list[Job], line: Line, launch: Callable[[Job], b
         job.queue_position = position
         if job.status == JobStatus.queued.value:
             job.status_reason = f"waiting for a learner, {_ordinal(position)} in line: {why}"
+
+
+def _no_room(line: Line, need: int) -> str:
+    if not line.slots:
+        return "no learner host is up (start one: echo2-server learner-host)"
+    if need > 1:
+        return f"its {need}-GPU learner needs {need} free learner slots ({line.free} of {line.slots} free)"
+    return f"every learner slot is busy ({line.used} of {line.slots})"
 
 
 def _order(job: Job) -> tuple[bool, int, datetime]:

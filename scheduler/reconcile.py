@@ -107,7 +107,8 @@ def _enforce_budget(db: Session, job: Job) -> None:
 def _launch(db: Session, settings: Settings, jobs: list[Job], now: datetime) -> list[tuple[str, str]]:
     """Learners for the jobs that need one, into the free learner slots (scheduler/queue.py)."""
     alive = [j for j in jobs if j.learner_launched_at is not None and not _learner_needed(j, settings, now)]
-    line = queue.Line(hosts.live_slots(db, now, settings.learner_dead_after_s), Counter(j.owner_id for j in alive))
+    line = queue.Line(hosts.live_slots(db, now, settings.learner_dead_after_s), sum(map(queue.slots_of, alive)),
+                      Counter(j.owner_id for j in alive))
     launched: list[tuple[str, str]] = []
 
     def launch(job: Job) -> bool:

@@ -85,7 +85,7 @@ def wait_for(predicate, stack, what: str, timeout: float = 900) -> None:
 def register(url: str, admin_key: str, name: str, **fields) -> tuple[str, str]:
     admin = {"Authorization": f"Bearer {admin_key}"}
     provider = httpx.post(f"{url}/v1/providers", json={"name": name}, headers=admin, timeout=30).json()["token"]
-    body = httpx.post(f"{url}/v1/workers", json={"name": name, **fields},
+    body = httpx.post(f"{url}/v1/workers", json={"name": name, "vram_gb": 24, **fields},  # memory is a claim too
                       headers={"Authorization": f"Bearer {provider}"}, timeout=30).json()
     return body["worker"]["id"], body["token"]
 

@@ -40,6 +40,21 @@ def test_jobs_beyond_the_learner_slots_wait_in_line_and_start_in_order(api):
     assert [j for j, _ in launched] == [third]
 
 
+def test_a_multi_gpu_learner_holds_a_slot_per_gpu(api):
+    _, alice = new_user(api)
+    big = _job(alice, "big", learner={"gpus": 4})
+    small = _job(alice, "small")
+    _, launched = run_tick(api, slots=4)
+    assert [j for j, _ in launched] == [big]
+    assert _get(alice, small)["status_reason"] == ("waiting for a learner, 1st in line: every learner slot is "
+                                                   "busy (4 of 4)")
+    ok(alice.post(f"/v1/jobs/{big}/cancel"))
+    third = _job(alice, "third", learner={"gpus": 4})
+    _, launched = run_tick(api, slots=4)
+    assert [j for j, _ in launched] == [small]
+    assert "its 4-GPU learner needs 4 free learner slots (3 of 4 free)" in _get(alice, third)["status_reason"]
+
+
 def test_without_a_learner_host_jobs_wait_and_say_so(api):
     _, alice = new_user(api)
     job = _job(alice, "alone")
