@@ -206,6 +206,7 @@ def test_a_new_version_is_heard_of_long_before_the_next_heartbeat(api: Api, tiny
         thread.join(30)
 
 
+@pytest.mark.postgres_only
 def test_control_plane_restart_is_survived(api: Api, tiny_model_dir: Path, worker_factory) -> None:
     setup = start_job(api, tiny_model_dir)
     port = free_port()
@@ -226,6 +227,7 @@ def test_control_plane_restart_is_survived(api: Api, tiny_model_dir: Path, worke
         thread.join(30)
 
 
+@pytest.mark.postgres_only
 def test_a_lease_longer_than_its_ttl_is_renewed(api: Api, tiny_model_dir: Path, worker_factory) -> None:
     port = free_port()
     # A lease of 4 batches of 2.5 s outlives its TTL; renewal (the first heartbeat after TTL/2) has 2-3 s.
