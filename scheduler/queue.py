@@ -43,7 +43,7 @@ def slots_of(job: Job) -> int:
 
 
 def apply_daily_quotas(db: Session, jobs: list[Job], now: datetime) -> None:
-    """Pause the running jobs of owners over their daily quota; resume the ones it paused once allowed."""
+    """Pause the queued and running jobs of owners over their daily quota; resume the ones it paused once allowed."""
     owners = {j.owner_id for j in jobs}
     limits = dict(db.execute(select(User.id, User.max_usd_per_day).where(
         User.id.in_(owners), User.max_usd_per_day.is_not(None))).all()) if owners else {}
