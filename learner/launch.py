@@ -25,6 +25,7 @@ from pathlib import Path
 from echo2 import logs
 
 from . import tether
+from .exclusive import sole_learner
 from .loop import Learner, LearnerOptions, build_trainer
 from .parallel import Sharded
 from .remote import ControlPlane
@@ -35,7 +36,14 @@ TOKEN_ENV = "ECHO2_LEARNER_TOKEN"
 
 
 def run_job(server: str, token: str, job_id: str, options: LearnerOptions) -> None:
-    """Run the job's learner to its end, in this process or as a torchrun group."""
+    """Run the job's learner to its end, in this process or as a torchrun group; never two at once
+    on this host (learner/exclusive.py)."""
+    with sole_learner(options.work_dir, job_id, token) as sole:
+        if sole:
+            _run(server, token, job_id, options)
+
+
+def _run(server: str, token: str, job_id: str, options: LearnerOptions) -> None:
     plane = ControlPlane(server, token, job_id)
     try:
         gpus = plane.start().job.spec.learner.gpus
