@@ -285,6 +285,24 @@ class Rollout(Base):
     )
 
 
+class Episode(Base):
+    """One sample of a multi-turn group, played turn by turn through the control plane: the worker's
+    actions (as tokens, decoded here) and the environment's replies (as tokens, issued here). The
+    environment is rebuilt from the prompt and replayed over `actions` at each turn (learner/tasks/base.py)."""
+
+    __tablename__ = "episodes"
+    lease_id: Mapped[str] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"), primary_key=True)
+    prompt_id: Mapped[int] = mapped_column(ForeignKey("prompts.id", ondelete="CASCADE"), primary_key=True)
+    sample: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    actions: Mapped[list[Any]]  # the decoded text of each model turn
+    turns: Mapped[list[Any]]  # token-id lists, alternating: action, observation, action, ...
+    done: Mapped[bool] = mapped_column(default=False)
+    reward: Mapped[float | None] = mapped_column(Float)
+    error: Mapped[str | None] = mapped_column(String(512))  # why the environment could not go on
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class WeightVersion(Base):
     __tablename__ = "weight_versions"
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)

@@ -16,6 +16,9 @@ holds them) and runs two tests on every completion token y_t of every sample:
    recomputed to match: random tokens, another model's, sampling too hot (z << 0) or too cold or
    cherry-picked (z >> 0). A token outside the nucleus cannot be sampled at all and fails the group.
 
+A partial rollout's tokens come from several versions (SampleSubmit.versions): `audit_versions` re-scores
+each token under its own version and runs the same two tests over all of them.
+
 Tolerances (AuditConfig defaults) and how they were chosen are in docs/RELIABILITY.md ("Rollout
 audits"), measured with bench/audit.py on honest groups from both backends.
 Nothing here raises on input that passed the door's checks (ids inside the vocabulary, finite
@@ -25,7 +28,7 @@ logprobs in [-1e4, 0], at most max_new_tokens): a group that cannot be right fai
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,10 +76,32 @@ class _Scores:
 @torch.no_grad()
 def audit_group(model: Any, prompt_token_ids: list[int], samples: Sequence[tuple[list[int], list[float]]], *,
                 temperature: float, top_p: float, pad_id: int, config: AuditConfig | None = None,
-                top_k: int = 0) -> AuditResult:
-    """Re-score one group (every sample answers the same prompt) under `model` and test it."""
-    config = config or AuditConfig()
-    scores = _score(model, prompt_token_ids, samples, temperature, top_p, top_k, pad_id)
+                top_k: int = 0, masks: Sequence[Sequence[bool] | None] | None = None) -> AuditResult:
+    """Re-score one group (every sample answers the same prompt) under `model` and test it. `masks`:
+    a multi-turn sample's model tokens; the environment's tokens in between are not the model's draws."""
+    scores = _score(model, prompt_token_ids, samples, temperature, top_p, top_k, pad_id, masks)
+    return _judge(scores, config or AuditConfig(), temperature)
+
+
+@torch.no_grad()
+def audit_versions(model_at: Callable[[int], Any], prompt_token_ids: list[int],
+                   samples: Sequence[tuple[list[int], list[float]]], versions: Sequence[Sequence[int]], *,
+                   temperature: float, top_p: float, pad_id: int, config: AuditConfig | None = None,
+                   top_k: int = 0) -> AuditResult:
+    """A partial rollout (`versions`: each sample's per-token versions): every token is re-scored under
+    the version that produced it, one pass per version with the other versions' tokens masked out (they
+    stay in the context the model reads), then the group is tested on all its tokens together. No token
+    is skipped: the tests are sums over tokens, and each token's terms are its own version's."""
+    parts = [_score(model_at(v), prompt_token_ids, samples, temperature, top_p, top_k, pad_id,
+                    [[x == v for x in row] for row in versions])
+             for v in sorted({v for row in versions for v in row})]
+    joined = _Scores(torch.cat([p.picked for p in parts]), torch.cat([p.reported for p in parts]),
+                     torch.cat([p.expected for p in parts]), torch.cat([p.variance for p in parts]),
+                     sum(p.outside for p in parts))
+    return _judge(joined, config or AuditConfig(), temperature)
+
+
+def _judge(scores: _Scores, config: AuditConfig, temperature: float) -> AuditResult:
     diff = (scores.picked - scores.reported).abs()
     bad = int((diff > config.token_tol).sum())
     spread = float(scores.variance.sum())
@@ -101,9 +126,9 @@ def _verdict(config: AuditConfig, bad: int, tokens: int, worst: float, z: float,
 
 
 def _score(model: Any, prompt: list[int], samples: Sequence[tuple[list[int], list[float]]], temperature: float,
-           top_p: float, top_k: int, pad_id: int) -> _Scores:
+           top_p: float, top_k: int, pad_id: int, masks: Sequence[Sequence[bool] | None] | None = None) -> _Scores:
     completions = [list(tokens) for tokens, _ in samples]
-    batch = pad_batch([prompt] * len(samples), completions, pad_id).to(next(model.parameters()).device)
+    batch = pad_batch([prompt] * len(samples), completions, pad_id, masks).to(next(model.parameters()).device)
     c = batch.completion_len
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=position_ids(batch.attention_mask), logits_to_keep=c + 1, use_cache=False)

@@ -1,7 +1,9 @@
 """The learner's auditor: it keeps the weights of every version a rollout may still claim (the last S+1
 published), and re-scores the groups the control plane picks under the version each one claims
 (learner/audit.py says how). A version it does not hold — after a resume, say — is fetched from the
-control plane, chunk by verified chunk, like a worker would.
+control plane, chunk by verified chunk, like a worker would. A partial rollout's tokens are each
+re-scored under the version that produced it (all of them at or after the group's version, so all
+held or fetched): none is skipped.
 
 It runs on a model of its own (a second instance of the architecture, loaded with one version's
 weights at a time), so auditing never touches the weights being trained. For a LoRA job that model
@@ -20,7 +22,7 @@ import torch
 from echo2.loading import LOAD_LOCK
 from echo2.protocol import ClaimedGroup, JobSpec
 
-from .audit import AuditConfig, AuditResult, audit_group
+from .audit import AuditConfig, AuditResult, audit_group, audit_versions
 from .models import with_adapter
 from .weights import ADAPTER_DIR
 
@@ -53,11 +55,17 @@ class Auditor:
     def audit(self, group: ClaimedGroup) -> AuditResult:
         start = time.perf_counter()
         try:
-            model = self._model_at(group.version)
             g = self.spec.grpo
             samples = [(list(s.token_ids), list(s.logprobs)) for s in group.samples]
+            if any(s.versions is not None for s in group.samples):  # a partial rollout: each token its version
+                return audit_versions(self._model_at, list(group.prompt_token_ids), samples,
+                                      [s.token_versions(group.version) for s in group.samples],
+                                      temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, pad_id=self.pad_id,
+                                      config=self.config)
+            model = self._model_at(group.version)
+            masks = [None if s.turns is None else s.model_token_mask() for s in group.samples]
             return audit_group(model, list(group.prompt_token_ids), samples, temperature=g.temperature,
-                               top_p=g.top_p, top_k=g.top_k, pad_id=self.pad_id, config=self.config)
+                               top_p=g.top_p, top_k=g.top_k, pad_id=self.pad_id, config=self.config, masks=masks)
         finally:
             self.seconds += time.perf_counter() - start
 

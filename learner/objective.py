@@ -2,10 +2,12 @@
 
 Notation. A batch holds groups of completions; group g answers one prompt and has rewards r_1..r_G.
 Sample i has completion tokens t = 1..L_i, a mask m_{i,t} (1 for a real completion token, 0 for
-padding), staleness s_i = (learner step) - (policy version that generated it), and per-token logprobs
+padding), staleness s_{i,t} = (learner step) - (policy version that generated token t: the same for
+every token of a sample, except with partial rollouts, where a sample's later tokens may come from
+newer versions), and per-token logprobs
 of the sampled token under three policies, all computed as log softmax(logits / temperature):
     logp_{i,t}      current policy (the one being trained; gradients flow through it only),
-    logq_{i,t}      behaviour policy (reported by the worker that sampled it, version t - s_i),
+    logq_{i,t}      behaviour policy (reported by the worker that sampled it, under the version that drew it),
     logref_{i,t}    reference policy (optional, usually the initial model).
 
 1. Advantages (per group, shared by every token of a sample):
@@ -15,7 +17,7 @@ of the sampled token under three policies, all computed as log softmax(logits / 
    get keep_i = 0 and count neither in the loss nor in its normaliser.
 
 2. Importance ratio against the behaviour policy, capped in log space before the exponential:
-       rho_{i,t} = exp(min(logp_{i,t} - logq_{i,t}, log c_i)),   c_i = ratio_cap when s_i > 0, else FRESH_CAP
+       rho_{i,t} = exp(min(logp_{i,t} - logq_{i,t}, log c_{i,t})),  c_{i,t} = ratio_cap when s_{i,t} > 0, else FRESH_CAP
    (the cap bounds the update from old, off-policy samples; capped tokens carry no gradient. A fresh
    sample was generated with the weights being trained, so its ratio is 1 up to numerics; FRESH_CAP
    only bounds what a worker's forged logprobs could do: logq = -1e4 would otherwise overflow exp
@@ -138,7 +140,8 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     denominator: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Steps 2-5 for a [B, T] batch of completion tokens; returns (scalar loss, stats).
+    """Steps 2-5 for a [B, T] batch of completion tokens; returns (scalar loss, stats). `staleness` is
+    [B] (one per sample) or [B, T] (one per token: partial rollouts).
 
     Stats are token-weighted over kept, unmasked tokens: clip_frac (the clipped branch of the min was
     taken), cap_frac (the staleness cap bound), ratio_mean, kl (mean k3, also when kl_coef = 0 if
@@ -150,7 +153,8 @@ def grpo_loss(
         denominator = loss_denominator(completion_mask, keep, cfg)
     adv = advantages.to(logprobs.dtype).unsqueeze(-1)
     log_ratio = logprobs - behaviour_logprobs
-    cap = torch.where(staleness > 0, cfg.ratio_cap, FRESH_CAP).to(log_ratio).log().unsqueeze(-1)
+    per_token = staleness if staleness.dim() == 2 else staleness.unsqueeze(-1)
+    cap = torch.where(per_token > 0, cfg.ratio_cap, FRESH_CAP).to(log_ratio).log()
     capped = log_ratio > cap
     ratio = torch.exp(torch.where(capped, cap.expand_as(log_ratio), log_ratio))
     unclipped = ratio * adv

@@ -59,8 +59,11 @@ class PaddedBatch:
         )
 
 
-def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int) -> PaddedBatch:
-    """Left-pad prompts, right-pad completions (see module docstring). Empty completions are allowed."""
+def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[int]], pad_id: int,
+              masks: Sequence[Sequence[bool] | None] | None = None) -> PaddedBatch:
+    """Left-pad prompts, right-pad completions (see module docstring). Empty completions are allowed.
+    `masks` (one per row, None for all) keeps a multi-turn row's environment tokens out of the
+    completion mask: they are context the model reads, not tokens it is trained to produce."""
     if len(prompts) != len(completions):
         raise ValueError("prompts and completions must have the same length")
     if any(len(p) == 0 for p in prompts):
@@ -78,6 +81,8 @@ def pad_batch(prompts: Sequence[Sequence[int]], completions: Sequence[Sequence[i
             input_ids[i, p_len : p_len + len(c)] = torch.as_tensor(list(c), dtype=torch.long)
             attention[i, p_len : p_len + len(c)] = 1
             completion_mask[i, : len(c)] = 1.0
+            if masks and masks[i] is not None:
+                completion_mask[i, : len(c)] = torch.as_tensor(list(masks[i]), dtype=torch.float32)  # type: ignore[arg-type]
     return PaddedBatch(input_ids, attention, completion_mask, p_len)
 
 
@@ -224,10 +229,13 @@ class Rollouts:
     behaviour_logprobs: list[list[float]] = field(default_factory=list)
     rewards: list[float] = field(default_factory=list)
     group_ids: list[int] = field(default_factory=list)
-    staleness: list[int] = field(default_factory=list)  # learner step - policy version that sampled the row
+    # learner step - policy version that sampled the row: one value, or one per token (partial rollouts)
+    staleness: list[int | list[int]] = field(default_factory=list)
+    model_masks: list[list[bool] | None] = field(default_factory=list)  # multi-turn: True on the model's tokens
 
     def add(self, prompt: list[int], completion: list[int], logprobs: list[float], reward: float, group: int,
-            staleness: int) -> None:
+            staleness: int | list[int], model_mask: list[bool] | None = None) -> None:
+        self.model_masks.append(model_mask)
         self.prompt_ids.append(prompt)
         self.completion_ids.append(completion)
         self.behaviour_logprobs.append(logprobs)
@@ -243,7 +251,7 @@ class _Plan:
 
     batch: PaddedBatch
     behaviour: torch.Tensor
-    staleness: torch.Tensor
+    staleness: torch.Tensor  # [B, C]: of each completion token
     advantages: torch.Tensor
     denominator: float
     rows: list[int]  # kept rows
@@ -307,15 +315,23 @@ def _plan(rollouts: Rollouts, cfg: ObjectiveConfig, pad_id: int, exclude: set[in
     adv = group_advantages(torch.tensor(list(rollouts.rewards), dtype=torch.float32),
                            torch.tensor(list(rollouts.group_ids)), scale_by_std=cfg.scale_by_std, eps=cfg.std_eps)
     keep = adv.keep & torch.tensor([g not in exclude for g in rollouts.group_ids], dtype=torch.bool)
-    batch = pad_batch(rollouts.prompt_ids, rollouts.completion_ids, pad_id)
+    batch = pad_batch(rollouts.prompt_ids, rollouts.completion_ids, pad_id, rollouts.model_masks)
     return _Plan(
         batch=batch, behaviour=pad_values(rollouts.behaviour_logprobs, batch.completion_len),
-        staleness=torch.tensor(list(rollouts.staleness)), advantages=adv.advantages,
+        staleness=token_staleness(rollouts, batch.completion_len), advantages=adv.advantages,
         denominator=loss_denominator(batch.completion_mask, keep, cfg),
         rows=[i for i, k in enumerate(keep.tolist()) if k],
         lengths=[len(p) + len(c) for p, c in zip(rollouts.prompt_ids, rollouts.completion_ids, strict=True)],
         dropped=adv.num_dropped,
     )
+
+
+def token_staleness(rollouts: Rollouts, width: int) -> torch.Tensor:
+    """[B, width] staleness of every completion token: a row's single value on each of its tokens, or its
+    per-token values (a partial rollout's later tokens come from newer versions)."""
+    rows = [[s] * len(c) if isinstance(s, int) else s
+            for s, c in zip(rollouts.staleness, rollouts.completion_ids, strict=True)]
+    return pad_values(rows, width)
 
 
 @dataclass(frozen=True)
@@ -358,7 +374,8 @@ class _Pass:
                     ref = completion_logprobs(self.ref_model, mb, temperature=self.temperature)
         return grpo_loss(
             logprobs.float(), plan.behaviour[rows, : mb.completion_len].to(device),
-            plan.advantages[rows].to(device), mb.completion_mask, plan.staleness[rows].to(device), self.cfg,
+            plan.advantages[rows].to(device), mb.completion_mask,
+            plan.staleness[rows, : mb.completion_len].to(device), self.cfg,
             ref_logprobs=None if ref is None else ref.float(), denominator=plan.denominator,
         )
 

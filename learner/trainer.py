@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from echo2.prompting import encode_prompt
-from echo2.protocol import AuditReport, ClaimedGroup, JobSpec, LrSchedule
+from echo2.protocol import AuditReport, ClaimedGroup, JobSpec, LrSchedule, SampleSubmit
 
 from learner.tasks import TaskPrompt, get_task
 
@@ -126,22 +127,33 @@ class GRPOTrainer:
         """Rewards are computed here (trusted), from the learner's own decoding of the tokens."""
         rows = Rollouts()
         hist = [0] * (self.spec.staleness + 1)
-        for gi, group in enumerate(groups):
+        scored = [given[g.rollout_id] for g in groups] if given is not None else self._rewards(groups)
+        for gi, (group, rewards) in enumerate(zip(groups, scored, strict=True)):
             staleness = t - group.version
             assert self.spec.admissible(t, group.version), f"rollout {group.rollout_id} has staleness {staleness}"
             hist[staleness] += 1
-            rewards = given[group.rollout_id] if given is not None else self._group_rewards(group)
             result.rewards[group.rollout_id] = rewards
             if any(r is None for r in rewards):
                 result.groups_dropped += 1
                 continue
             for sample, reward in zip(group.samples, rewards, strict=True):
                 rows.add(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs),
-                         float(reward), gi, staleness)  # type: ignore[arg-type]
+                         float(reward), gi, sample_staleness(sample, group.version, t),  # type: ignore[arg-type]
+                         None if sample.turns is None else sample.model_token_mask())
         result.staleness_hist = hist
         return rows
 
+    def _rewards(self, groups: list[ClaimedGroup]) -> list[list[float | None]]:
+        """Every group's rewards; a task that calls out (http_reward) has `concurrency` calls in flight."""
+        workers = self.task.concurrency(self.task_params)
+        if workers <= 1:
+            return [self._group_rewards(g) for g in groups]
+        with ThreadPoolExecutor(workers) as pool:
+            return list(pool.map(self._group_rewards, groups))
+
     def _group_rewards(self, group: ClaimedGroup) -> list[float | None]:
+        if group.rewards is not None:  # a multi-turn group: its environment's rewards, from the control plane
+            return list(group.rewards)
         prompt = TaskPrompt(text=group.prompt_text, reference=group.reference)
         return [self.task.reward(prompt, self.tokenizer.decode(s.token_ids, skip_special_tokens=True),
                                  self.task_params) for s in group.samples]
@@ -159,6 +171,14 @@ class GRPOTrainer:
         result.loss, result.kl = stats.get("loss", 0.0), stats.get("kl", 0.0)
         result.clip_frac, result.tokens = stats.get("clip_frac", 0.0), int(stats.get("tokens", 0))
         return list(stats["poisoned_groups"])
+
+
+def sample_staleness(sample: SampleSubmit, version: int, t: int) -> int | list[int]:
+    """t - x for a sample of a group of version x; for a partial rollout, per token against the version that
+    produced it (its importance ratio is capped as stale only where that token is)."""
+    if sample.versions is None:
+        return t - version
+    return [t - v for v in sample.token_versions(version)]
 
 
 def lr_factor(step: int, spec: JobSpec) -> float:

@@ -5,6 +5,8 @@ from __future__ import annotations
 from datetime import timedelta
 
 from echo2.protocol import (
+    EpisodeReplies,
+    EpisodeTurns,
     JobStatus,
     LeaseRead,
     LeaseRequest,
@@ -16,10 +18,10 @@ from echo2.protocol import (
 )
 from fastapi import APIRouter, Request
 
-from ..deps import CurrentWorker, SessionDep, SettingsDep
+from ..deps import BlobsDep, CurrentWorker, SessionDep, SettingsDep
 from ..errors import ApiError
 from ..models import Job, Lease, Worker, utcnow
-from ..services import admission, notices, pool, trust
+from ..services import admission, episodes, notices, pool, trust
 from ..services.jobs import sampling_of, spec_of
 
 router = APIRouter(prefix="/v1", tags=["leases"])
@@ -83,6 +85,26 @@ def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, d
     return RolloutSubmitResult(results=results)
 
 
+@router.post("/leases/{lease_id}/episodes", operation_id="play_episode_turns",
+             summary="Multi-turn tasks: play model turns of the lease's episodes; the answers are the environment's",
+             description="Each step is the model's tokens for one turn of sample `sample` of a leased prompt; the "
+                         "control plane decodes them, runs the task's environment (its secrets and the reward stay "
+                         "here) and answers, per step, with the tokens to append before that episode's next turn, "
+                         "or `done`. A retried turn gets the same answer; a bad step refuses the whole request. "
+                         "Submit a group once its episodes are done, each sample's tokens being all its turns in "
+                         "order with `turns` giving their lengths.",
+             responses={409: {"description": "Single-turn job, lease over, episode over, or turns out of order."},
+                        422: {"description": "Too many tokens, or tokens outside the vocabulary."}})
+def play_episode_turns(lease_id: str, body: EpisodeTurns, worker: CurrentWorker, db: SessionDep,
+                       blobs: BlobsDep) -> EpisodeReplies:
+    lease, job = _own(db, worker, lease_id)
+    if job.status != JobStatus.running.value:
+        raise ApiError(409, f"job {job.id} is {job.status}; its episodes are over")
+    replies = episodes.play(db, blobs, lease, job, body.steps)
+    db.commit()
+    return EpisodeReplies(replies=replies)
+
+
 def _close(db: SessionDep, worker: Worker, lease_id: str, status: LeaseStatus) -> LeaseRead:
     lease, job = _own(db, worker, lease_id)
     if lease.status == LeaseStatus.active.value:
@@ -108,5 +130,5 @@ def _read(db: SessionDep, lease: Lease, job: Job) -> LeaseRead:
         id=lease.id, job_id=lease.job_id, worker_id=lease.worker_id, status=LeaseStatus(lease.status),
         version=lease.version, prompts=pool.leased_prompts(db, lease, job),
         sampling=sampling_of(spec_of(job)),
-        expires_at=lease.expires_at, created_at=lease.created_at,
+        expires_at=lease.expires_at, created_at=lease.created_at, episode=episodes.limits(job),
     )

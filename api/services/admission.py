@@ -1,5 +1,7 @@
 """Rollout admission. A group made with version x is trainable at learner step t only if t - x <= S;
-this is checked when a worker submits and again when the learner claims. Rejected groups keep their
+this is checked when a worker submits and again when the learner claims. With partial rollouts a group's
+tokens may come from several versions (SampleSubmit.versions); x is its oldest token's (the group's
+`version`, which is also what the claim orders and rejects by). Rejected groups keep their
 row (with the reason and whose fault it was) and their prompt goes back to the pool: nothing is lost.
 
 Everything a worker sends is hostile until checked. At the door each sample must fit the job: at most
@@ -18,6 +20,7 @@ from typing import Any
 
 from echo2.protocol import (
     ClaimedGroup,
+    EpisodeLimits,
     Fault,
     GroupResult,
     GroupSubmit,
@@ -32,7 +35,7 @@ from sqlalchemy.orm import Session
 
 from ..models import Job, Lease, Prompt, Rollout, Worker, new_id, utcnow
 from ..settings import Settings
-from . import trust
+from . import episodes, trust
 from .jobs import spec_of
 from .pool import return_prompts
 
@@ -62,7 +65,11 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
                                        reason="prompt is not part of this lease"))
             continue
         reason, kind = _rejection(job, spec, lease, group)
+        rewards = None
+        if reason is None and (bounds := episodes.limits(job)) is not None:
+            reason, kind, rewards = _episodes_rejection(db, lease, group, bounds)
         row = _row(job, lease, worker, group, reason, kind)
+        row["rewards"] = rewards
         if kind is not None and kind.fault() is Fault.worker:
             trust.strike(db, worker, f"rollout {row['id']} refused at the door: {reason}", settings)
         rows.append(row)
@@ -86,19 +93,37 @@ def _refuse_all(rows: list[dict[str, Any]], results: list[GroupResult], reason: 
 def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> tuple[str | None, RejectKind | None]:
     if lease.status != "active":
         return f"lease is {lease.status}", RejectKind.lease_ended
-    if group.version == lease.version and group.version <= job.step and not spec.admissible(job.step, group.version):
+    if _of_lease(spec, lease, group) and group.version <= job.step and not spec.admissible(job.step, group.version):
         return f"stale: step {job.step} - version {group.version} > S={spec.staleness}", RejectKind.stale_at_submit
     problem = _invalid(job, spec, lease, group)
     return (problem, RejectKind.invalid) if problem else (None, None)
 
 
+def _episodes_rejection(db: Session, lease: Lease, group: GroupSubmit, bounds: EpisodeLimits
+                        ) -> tuple[str | None, RejectKind | None, list[float | None] | None]:
+    """A multi-turn group must be exactly its episodes as played; their rewards become the group's."""
+    too_long = [k for k, s in enumerate(group.samples) if len(s.token_ids) > bounds.max_tokens]
+    if too_long:
+        return f"sample {too_long[0]}: more than the episode's {bounds.max_tokens} tokens", RejectKind.invalid, None
+    reason, rewards = episodes.check_group(db, lease, group)
+    if reason is None:
+        return None, None, rewards
+    if reason.startswith("environment:"):
+        return reason.removeprefix("environment: "), RejectKind.environment_failed, None
+    return reason, RejectKind.invalid, None
+
+
 def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> str | None:
     """Why the group cannot be a real sample of the leased version under the job's settings, or None."""
     g = spec.grpo
-    if group.version != lease.version:
-        return f"version {group.version} differs from the leased version {lease.version}"
+    if not _of_lease(spec, lease, group):
+        newer = " or, with partial rollouts, a later one" if spec.partial_rollouts else ""
+        return f"version {group.version} differs from the leased version {lease.version}{newer}"
     if job.version is None or group.version > job.version:
         return f"version {group.version} was never published"
+    problem = _invalid_versions(job, spec, group)
+    if problem:
+        return problem
     if len(group.samples) != g.group_size:
         return f"group has {len(group.samples)} samples, the job's group size is {g.group_size}"
     vocab = job.vocab_size
@@ -111,8 +136,26 @@ def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> str |
     return None
 
 
+def _of_lease(spec: JobSpec, lease: Lease, group: GroupSubmit) -> bool:
+    """The group's (oldest token's) version is one its lease allows: the leased version, or with partial
+    rollouts a later one (the worker swapped weights after it leased, before the group's first token)."""
+    return group.version == lease.version or (spec.partial_rollouts and group.version > lease.version)
+
+
+def _invalid_versions(job: Job, spec: JobSpec, group: GroupSubmit) -> str | None:
+    """Per-token versions (the protocol checked their shape): only with partial rollouts on, and none
+    newer than the latest published version."""
+    tagged = [(k, s.versions) for k, s in enumerate(group.samples) if s.versions is not None]
+    if tagged and not spec.partial_rollouts:
+        return f"sample {tagged[0][0]}: per-token versions sent, but the job does not have partial_rollouts on"
+    for k, runs in tagged:
+        if job.version is None or runs[-1][0] > job.version:
+            return f"sample {k}: tokens of version {runs[-1][0]}, which was never published (latest {job.version})"
+    return None
+
+
 def _invalid_sample(sample: SampleSubmit, max_new: int, vocab: int | None, eos: set[int]) -> str | None:
-    n = len(sample.token_ids)
+    n = len(sample.token_ids) if sample.turns is None else sample.turns[-1]  # an episode: its last model turn
     if n > max_new:
         return f"{n} tokens, but the job's max_new_tokens is {max_new}"
     if vocab is not None and max(sample.token_ids) >= vocab:
@@ -120,7 +163,7 @@ def _invalid_sample(sample: SampleSubmit, max_new: int, vocab: int | None, eos: 
     if vocab is not None and sample.logprobs and min(sample.logprobs) < logprob_floor(vocab):
         return (f"logprob {min(sample.logprobs):.1f} is below {logprob_floor(vocab):.1f}: no sampler draws a token "
                 f"that unlikely (all such tokens together have probability < {HONEST_MISS:g})")
-    if sample.finish_reason == "length" and n != max_new:
+    if sample.finish_reason == "length" and n != max_new and sample.turns is None:  # an episode's may end on its room
         return f"finish_reason is length after {n} tokens, but max_new_tokens is {max_new}"
     if sample.finish_reason == "stop" and eos and sample.token_ids[-1] not in eos:
         return f"finish_reason is stop, but the last token {sample.token_ids[-1]} is not an end-of-sequence token"
@@ -215,5 +258,6 @@ def claimed_groups(db: Session, rows: list[Rollout], audit: Callable[[Rollout], 
     prompts = {p.id: p for p in db.scalars(select(Prompt).where(Prompt.id.in_([r.prompt_id for r in rows])))}
     return [ClaimedGroup(rollout_id=r.id, prompt_id=r.prompt_id, prompt_text=prompts[r.prompt_id].text,
                          reference=prompts[r.prompt_id].reference, version=r.version, worker_id=r.worker_id,
-                         prompt_token_ids=r.prompt_token_ids, samples=r.samples, audit=audit(r))
+                         prompt_token_ids=r.prompt_token_ids, samples=r.samples, rewards=r.rewards,
+                         audit=audit(r))
             for r in rows]

@@ -81,6 +81,9 @@ def _prompt_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]
         adapter = get_task(spec.task.name)
     except UnknownTaskError as exc:
         raise ApiError(422, str(exc), field="task.name") from None
+    if spec.partial_rollouts and adapter.multi_turn:  # an episode's turns are not yet split into versioned segments
+        raise ApiError(422, f"task {adapter.name} is multi-turn, and partial_rollouts works with single-turn tasks "
+                       "only for now: set partial_rollouts to false", field="partial_rollouts")
     try:
         params = adapter.parse_params(spec.task.params)
     except TaskParamsError as exc:
@@ -98,6 +101,8 @@ def _prompt_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]
             raise ApiError(422, str(exc), field="task.params") from None
         return [(p.text, p.reference) for p in generated], [(p.text, p.reference) for p in held]
     prompts = [_from_item(adapter, params, item, i, spec) for i, item in enumerate(raw)]
+    if adapter.multi_turn:  # the learner's evaluation answers single turns; episodes are not evaluated yet
+        return prompts, []
     return evals.split_items(prompts, spec)
 
 
@@ -207,4 +212,4 @@ def spec_of(job: Job) -> JobSpec:
 def sampling_of(spec: JobSpec) -> SamplingParams:
     g = spec.grpo
     return SamplingParams(group_size=g.group_size, max_new_tokens=g.max_new_tokens, temperature=g.temperature,
-                          top_p=g.top_p, top_k=g.top_k)
+                          top_p=g.top_p, top_k=g.top_k, partial_rollouts=spec.partial_rollouts)

@@ -4,6 +4,7 @@ with for display (a worker's own text is never shown)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
 
@@ -19,11 +20,13 @@ from echo2.modelinfo import (
 from echo2.protocol import JobSpec, Manifest
 from echo2.snapshots import atomic_write
 
+from ..errors import ApiError
 from ..models import Job
 from ..storage import BlobStore
 
 MAX_INFO_BYTES = 64 * 2**20  # a tokenizer.json of a very large vocabulary stays well below
-TOKENIZER = "tokenizer.json"
+TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
+MARK = "\x00echo2-turn\x00"  # stands in for a model turn when the chat template is rendered
 
 
 def record(blobs: BlobStore, job: Job, manifest: Manifest) -> None:
@@ -35,8 +38,9 @@ def record(blobs: BlobStore, job: Job, manifest: Manifest) -> None:
     job.vocab_size = vocab_size(parsed.__getitem__)
     job.eos_token_ids = sorted(eos_token_ids(parsed.__getitem__))
     job.memory_need_gb = memory_need(job, parsed.__getitem__, manifest)
-    if raw[TOKENIZER]:
-        atomic_write(blobs.job_file(job.id, TOKENIZER), raw[TOKENIZER])
+    for name in (TOKENIZER, TOKENIZER_CONFIG):
+        if raw[name]:
+            atomic_write(blobs.job_file(job.id, name), raw[name])
 
 
 def memory_need(job: Job, read: Reader, manifest: Manifest) -> float:
@@ -55,6 +59,51 @@ def decoder(blobs: BlobStore, job_id: str) -> Any:
     if tokenizer is None:
         return lambda ids: f"<{len(ids)} tokens; the job's tokenizer is not available for display>"
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def observation_encoder(blobs: BlobStore, job_id: str) -> Callable[[str, bool], list[int]]:
+    """A function (environment reply, the model's turn ended with eos) -> the tokens that follow the
+    model's turn: the reply as a user turn plus the generation prompt by the model's chat template, as
+    `echo2.prompting.encode_prompt` frames the first one; a model without a template gets the text as is."""
+    path = blobs.job_file(job_id, TOKENIZER)
+    tokenizer = _load(str(path), path.stat().st_mtime) if path.exists() else None
+    if tokenizer is None:
+        raise ApiError(409, f"job {job_id} has no readable tokenizer.json: multi-turn episodes need one")
+    config_path = blobs.job_file(job_id, TOKENIZER_CONFIG)
+    config = parse_json(config_path.read_bytes()) if config_path.exists() else {}
+    template = config.get("chat_template")
+    if not isinstance(template, str) or not template:
+        return lambda text, _eos: tokenizer.encode(text, add_special_tokens=False).ids
+    frame = _frame(template, config)
+    return lambda text, eos: tokenizer.encode(frame(text, eos), add_special_tokens=False).ids
+
+
+def _frame(template: str, config: dict[str, Any]) -> Callable[[str, bool], str]:
+    """What the chat template puts between the end of a model turn and the next one, around `text`."""
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def token(name: str) -> str:
+        value = config.get(name)
+        return value.get("content", "") if isinstance(value, dict) else str(value or "")
+
+    render = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render
+    specials = {"bos_token": token("bos_token"), "eos_token": token("eos_token")}
+    before = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": MARK}]
+    try:
+        base = render(messages=before, add_generation_prompt=False, **specials)
+        closing = base[base.rindex(MARK) + len(MARK):]
+    except Exception as exc:  # a template we cannot render this way: say so rather than guess
+        raise ApiError(409, f"the model's chat template cannot frame an environment turn: {exc}") from None
+
+    def frame(text: str, ended_with_eos: bool) -> str:
+        full = render(messages=[*before, {"role": "user", "content": text}], add_generation_prompt=True, **specials)
+        if not full.startswith(base):
+            raise ApiError(409, "the model's chat template renders earlier turns differently once a reply follows; "
+                                "episodes cannot be framed for it")
+        tail = closing.removeprefix(specials["eos_token"]) if ended_with_eos else closing
+        return tail + full[len(base):]
+
+    return frame
 
 
 @lru_cache(maxsize=16)

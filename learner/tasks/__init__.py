@@ -4,7 +4,7 @@ Importable without torch. Importing this package registers the built-in tasks; a
 module that subclasses `TaskAdapter` and calls `register(...)`, plus one import line below.
 """
 
-from learner.tasks import arithmetic, gsm8k, guess_number, http_reward, matching  # noqa: F401  (register)
+from learner.tasks import arithmetic, gsm8k, guess_number, http_env, http_reward, matching  # noqa: F401  (register)
 from learner.tasks.base import (
     Episode,
     EpisodeResult,

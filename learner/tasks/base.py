@@ -10,6 +10,9 @@ not be scored (e.g. a remote verifier was unreachable); the learner drops unscor
 Multi-turn tasks additionally return an `Episode` from `new_episode`: the generator alternates
 model turns (`action`) and environment replies (`observation`) until the episode is done; the
 episode's final reward replaces `reward`. Single-turn tasks leave `new_episode` returning None.
+Workers play episodes through the control plane (api/services/episodes.py), which rebuilds the
+Episode from its prompt and replays the earlier actions at every turn: an Episode must be a
+deterministic function of its prompt and the actions it was given.
 """
 
 from __future__ import annotations
@@ -81,6 +84,12 @@ class Episode(ABC):
     def step(self, action: str) -> Turn:
         """Consume the model's reply to the last observation."""
 
+    def resume(self, actions: list[str]) -> None:
+        """Bring a fresh (reset) episode to where these earlier actions left it. By replaying them; an
+        environment that keeps its state elsewhere (an HTTP one) may just remember them."""
+        for action in actions:
+            self.step(action)
+
 
 @dataclass
 class EpisodeResult:
@@ -143,6 +152,14 @@ class TaskAdapter(ABC):
     def new_episode(self, prompt: TaskPrompt, params: TaskParams) -> Episode | None:
         """Multi-turn tasks return a fresh Episode; single-turn tasks return None."""
         return None
+
+    def concurrency(self, params: TaskParams) -> int:
+        """How many rewards or environment turns of this task may be computed at once (HTTP tasks: more)."""
+        return int(getattr(params, "concurrency", 1))
+
+    def max_turns(self, params: TaskParams) -> int:
+        """A multi-turn task's model turns per episode: its params' `max_turns`, else Episode.max_turns."""
+        return int(getattr(params, "max_turns", Episode.max_turns))
 
     @property
     def multi_turn(self) -> bool:

@@ -34,6 +34,7 @@ class HttpRewardParams(TaskParams):
     timeout_s: float = Field(default=10.0, gt=0.0, le=120.0)
     max_retries: int = Field(default=2, ge=0, le=5)
     backoff_s: float = Field(default=0.5, ge=0.0, le=10.0)
+    concurrency: int = Field(default=8, ge=1, le=64, description="Requests in flight at once.")
     prompt_key: str = Field(default="prompt", min_length=1, max_length=64)
     reference_key: str = Field(default="reference", min_length=1, max_length=64)
 

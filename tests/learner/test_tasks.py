@@ -29,7 +29,7 @@ from learner.tasks import (
 from learner.tasks.answers import extract_final_answer, numbers_equal, parse_number
 from learner.tasks.arithmetic import DEMO_DEFAULTS
 
-BUILTIN = {"arithmetic", "gsm8k", "exact_match", "regex", "http_reward", "guess_number"}
+BUILTIN = {"arithmetic", "gsm8k", "exact_match", "regex", "http_reward", "http_env", "guess_number"}
 
 
 def test_tasks_import_without_torch():

@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -123,10 +122,16 @@ def test_errors_are_one_line(api, alice):
 
 
 def test_watch_follows_a_job_to_the_end(api, alice, driven):
-    threading.Timer(1.0, driven.finish).start()
-    result = echo2("jobs", "watch", driven.id, "--interval", "0.2", url=api.url, key=alice.key)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.strip().splitlines()
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ECHO2_")},
+           "ECHO2_BASE_URL": api.url, "ECHO2_API_KEY": alice.key}
+    with subprocess.Popen([sys.executable, "-m", "echo2.cli", "jobs", "watch", driven.id, "--interval", "0.2"],
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as watch:
+        assert watch.stdout is not None
+        first = watch.stdout.readline()  # the job ends only once the watch has seen it running
+        driven.finish()
+        rest, err = watch.communicate(timeout=60)
+    assert watch.returncode == 0, err
+    lines = (first + rest).strip().splitlines()
     assert "running" in lines[0] and "step 1/3" in lines[0] and "staleness 0.50 (S=1)" in lines[0]
     assert "reward 0.500" in lines[0] and "cost $" in lines[0]
     assert "held-out -" in lines[0]  # the driven job reports no evaluation

@@ -18,6 +18,10 @@ import httpx
 from echo2 import errors
 from echo2._retry import NOT_SENT, retry_after
 from echo2.protocol import (
+    EpisodeReplies,
+    EpisodeReply,
+    EpisodeStep,
+    EpisodeTurns,
     Heartbeat,
     HeartbeatReply,
     LeaseRead,
@@ -90,6 +94,10 @@ class ControlPlane:
 
     def submit(self, lease_id: str, body: RolloutSubmit) -> RolloutSubmitResult:
         return self._call("POST", f"/v1/leases/{lease_id}/rollouts", RolloutSubmitResult, body)
+
+    def play_turns(self, lease_id: str, steps: list[EpisodeStep]) -> list[EpisodeReply]:
+        # Replayed safely: the server answers a retried turn as it answered it the first time.
+        return self._call("POST", f"/v1/leases/{lease_id}/episodes", EpisodeReplies, EpisodeTurns(steps=steps)).replies
 
     # -- plumbing --------------------------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from echo2.protocol import (
     Assignment,
     BadSource,
     DesiredState,
+    EpisodeLimits,
     GroupSubmit,
     Heartbeat,
     HeartbeatReply,
@@ -47,14 +48,15 @@ from echo2.protocol import (
     LeaseRequest,
     RolloutSubmit,
     SampleSubmit,
-    SamplingParams,
     WorkerStatus,
 )
 from echo2.seeds import sample_seed
 
+from . import episodes
 from .backends import GenerationBackend, GenRequest, GenSample
 from .control import ControlPlane
 from .notice import VersionWatcher
+from .partial import PartialRollouts, oldest_version, runs_of
 from .progress import Stats
 from .store import VersionStore
 from .versions import MAX_BACKOFF_S, Versions, backoff
@@ -113,6 +115,7 @@ class Worker:
         self._gen_failures = 0
         self.versions = Versions(control, store, self.stats, backend_factory, relay_url=options.relay_url,
                                  on_held=self._version_changed, on_bad_source=self._report_bad)
+        self._partial = PartialRollouts(self.versions, lambda: (r := self._latest()) and r.assignment, self._parents)
         self._hb_thread = threading.Thread(target=self._heartbeat_loop, name="echo2-heartbeat", daemon=True)
         self._watcher = VersionWatcher(control, self._watching, self._heartbeat_now.set)
 
@@ -289,7 +292,7 @@ class Worker:
                 break
             self._prefetch()
             batch = lease.prompts[done : done + step]
-            groups = self._generate(batch, lease.sampling, lease.version)
+            groups = self._generate(batch, lease)
             self._net_call(self._submit, lease, groups, refused)
             done += len(batch)
         return done, not refused.is_set()
@@ -303,27 +306,46 @@ class Worker:
         a = reply.assignment
         if reply.desired is not DesiredState.active or a is None or a.job_id != lease.job_id:
             return f"desired state is {reply.desired.value}"
-        if lease.version < a.min_version:
-            return f"version {lease.version} is too stale (oldest admissible: {a.min_version})"
+        # With partial rollouts the lease does not pin the version: its next batch starts on the newest held.
+        version = self._partial.refresh() if lease.sampling.partial_rollouts else lease.version
+        if version < a.min_version:
+            return f"version {version} is too stale (oldest admissible: {a.min_version})"
         return None
 
-    def _generate(self, prompts: list[LeasedPrompt], sampling: SamplingParams, version: int) -> list[GroupSubmit]:
+    def _generate(self, prompts: list[LeasedPrompt], lease: LeaseRead) -> list[GroupSubmit]:
         backend = self.versions.backend
         assert backend is not None
+        sampling, version = lease.sampling, lease.version
         g = sampling.group_size
         prompt_ids = [encode_prompt(self.versions.tokenizer, p.text) for p in prompts]
+        if lease.episode is not None:
+            return self._play(prompts, prompt_ids, lease, lease.episode)
         requests = [GenRequest(prompt_token_ids=ids, n=g, seeds=[sample_seed(p.seed, k) for k in range(g)],
                                max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
                                top_p=sampling.top_p, top_k=sampling.top_k)
                     for p, ids in zip(prompts, prompt_ids, strict=True)]
         t0 = time.monotonic()
-        outputs = backend.generate(requests)
+        outputs = self._partial.generate(requests) if sampling.partial_rollouts else backend.generate(requests)
         seconds = time.monotonic() - t0
         tokens = sum(len(s.token_ids) for group in outputs for s in group)
         self.stats.tokens.add(tokens)
-        return [GroupSubmit(prompt_id=p.prompt_id, version=version, prompt_token_ids=ids,
+        return [GroupSubmit(prompt_id=p.prompt_id, version=oldest_version(group, version), prompt_token_ids=ids,
                             samples=[_sample(s) for s in group], gen_seconds=round(seconds / len(prompts), 4))
                 for p, ids, group in zip(prompts, prompt_ids, outputs, strict=True)]
+
+    def _play(self, prompts: list[LeasedPrompt], prompt_ids: list[list[int]], lease: LeaseRead,
+              limits: EpisodeLimits) -> list[GroupSubmit]:
+        """Multi-turn: every sample an episode, played with the control plane (episodes.py)."""
+        assert self.versions.backend is not None
+        t0 = time.monotonic()
+        groups = episodes.play(self.versions.backend, self.control, lease.id,
+                               [(p.prompt_id, p.seed, ids) for p, ids in zip(prompts, prompt_ids, strict=True)],
+                               lease.sampling, limits)
+        seconds = time.monotonic() - t0
+        self.stats.tokens.add(sum(len(s.token_ids) for group in groups for s in group))
+        return [GroupSubmit(prompt_id=p.prompt_id, version=lease.version, prompt_token_ids=ids, samples=samples,
+                            gen_seconds=round(seconds / len(prompts), 4))
+                for p, ids, samples in zip(prompts, prompt_ids, groups, strict=True)]
 
     # -- on the net thread -----------------------------------------------------------------------
 
@@ -514,4 +536,4 @@ class Worker:
 
 def _sample(s: GenSample) -> SampleSubmit:
     return SampleSubmit(token_ids=s.token_ids, logprobs=[max(MIN_LOGPROB, min(0.0, lp)) for lp in s.logprobs],
-                        text=s.text.replace("\x00", "")[:32_768], finish_reason=s.finish_reason)
+                        text=s.text.replace("\x00", "")[:32_768], finish_reason=s.finish_reason, versions=runs_of(s))

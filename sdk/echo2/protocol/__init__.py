@@ -84,6 +84,11 @@ from .ledger import (
 )
 from .metrics import EvalRead, JobReport, RolloutCounts, StepMetrics
 from .rollouts import (
+    EpisodeLimits,
+    EpisodeReplies,
+    EpisodeReply,
+    EpisodeStep,
+    EpisodeTurns,
     FinishReason,
     GroupResult,
     GroupSubmit,
@@ -161,6 +166,11 @@ __all__ = [
     "LoraConfig",
     "LearnerStartReply",
     "LearnerTokenIssued",
+    "EpisodeLimits",
+    "EpisodeReplies",
+    "EpisodeReply",
+    "EpisodeStep",
+    "EpisodeTurns",
     "LeaseRead",
     "LeaseRequest",
     "LeaseStatus",

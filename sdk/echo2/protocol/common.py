@@ -174,9 +174,10 @@ class RejectKind(StrEnum):
     audit_failed = "audit_failed"  # the learner's re-scoring under the claimed version disagreed
     refused_by_learner = "refused_by_learner"  # tokens that do not fit the model, or a poisoned loss
     sender_shut_out = "sender_shut_out"  # still queued when its sender was quarantined or banned
+    environment_failed = "environment_failed"  # a multi-turn task's environment raised or timed out
 
     def fault(self) -> Fault:
-        if self is RejectKind.stale_at_claim:
+        if self in (RejectKind.stale_at_claim, RejectKind.environment_failed):
             return Fault.platform
         if self in (RejectKind.lease_ended, RejectKind.stale_at_submit):
             return Fault.late

@@ -150,6 +150,8 @@ class SamplingParams(ReadModel):
     temperature: float
     top_p: float
     top_k: int = 0
+    partial_rollouts: bool = Field(False, description="The job's `partial_rollouts`: swap to a newer version between "
+                                   "segments of a generation and tag each sample's tokens with their versions.")
 
 
 class FetchStep(ReadModel):

@@ -168,6 +168,11 @@ class JobSpec(Model):
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     staleness: int = Field(2, ge=0, le=64, description="S: a rollout of version x trains at step t only if t-x <= S.")
     publish_period: int = Field(1, ge=1, le=64, description="κ: publish a weight version every κ steps.")
+    partial_rollouts: bool = Field(False, description="Workers interrupt a generation when a newer version arrives, "
+                                   "load it and continue from the tokens they have; every token carries the version "
+                                   "that produced it, the oldest bounds the group's staleness, and each token's "
+                                   "importance ratio is taken against its own behaviour logprob. Single-turn "
+                                   "tasks only.")
     max_steps: int = Field(100, ge=1, le=100_000)
     budget_usd: float | None = Field(None, ge=0, le=1_000_000, description="Pause the job when spent; raise it "
                                      "(PATCH /v1/jobs/{id}) to resume.")

@@ -41,6 +41,8 @@ class ClaimedGroup(ReadModel):
     worker_id: str
     prompt_token_ids: list[int]
     samples: list[SampleSubmit]
+    rewards: list[float | None] | None = Field(
+        None, description="Multi-turn: each sample's reward, computed by the control plane's environment.")
     audit: bool = Field(False, description="Re-score this group under `version` before training on it (the "
                         "control plane picks by the sender's trust); report the outcome in the step's `audits`.")
 

@@ -24,6 +24,13 @@ class LeasedPrompt(ReadModel):
     seed: int = Field(description="Base seed; sample k uses echo2.seeds.sample_seed(seed, k).")
 
 
+class EpisodeLimits(ReadModel):
+    """A multi-turn job's bounds on one episode (one sample): its model turns and all its tokens."""
+
+    max_turns: int = Field(description="Model turns at most; the environment ends the episode at the last.")
+    max_tokens: int = Field(description="Tokens of all turns together, the model's and the environment's.")
+
+
 class LeaseRead(ReadModel):
     id: str
     job_id: str
@@ -34,6 +41,43 @@ class LeaseRead(ReadModel):
     sampling: SamplingParams
     expires_at: datetime
     created_at: datetime
+    episode: EpisodeLimits | None = Field(
+        None, description="Set for a multi-turn task: each sample is an episode played turn by turn through "
+                          "POST /v1/leases/{id}/episodes, and submitted with its `turns`.")
+
+
+class EpisodeStep(Model):
+    """One model turn of an episode: sample `sample` of prompt `prompt_id`, its `turn`-th action (from 0)."""
+
+    prompt_id: int = Field(ge=0, le=2**62)
+    sample: int = Field(ge=0, le=63, description="The sample's index in its group.")
+    turn: int = Field(ge=0, le=63, description="How many actions this episode had before this one; a retry "
+                                              "of an answered turn gets the same answer.")
+    action_token_ids: list[TokenId] = Field(min_length=1, max_length=16_384,
+                                            description="The model's tokens for this turn, its stop token included.")
+
+
+class EpisodeTurns(Model):
+    """Model turns of a lease's episodes, played in order (one request a round, for the whole batch)."""
+
+    steps: list[EpisodeStep] = Field(min_length=1, max_length=4_096)
+
+
+class EpisodeReply(ReadModel):
+    """The environment's answer: the tokens to append before the next model turn (none when done)."""
+
+    turn: int
+    done: bool
+    observation_token_ids: list[int]
+    observation: str = Field(description="The environment's reply as text (empty when done).")
+
+
+class EpisodeReplies(ReadModel):
+    replies: list[EpisodeReply] = Field(description="One per step, in the order of the request.")
+
+
+MAX_VERSION_RUNS = 64  # a sample spans at most this many versions: far more than S + 1 of any job
+VersionRun = tuple[Version, Annotated[int, Field(ge=1, le=16_384)]]  # (version, how many tokens in a row)
 
 
 class FinishReason(StrEnum):
@@ -50,6 +94,16 @@ class SampleSubmit(Model):
     logprobs: list[Logprob] = Field(max_length=16_384, description="Behaviour log-probs, one per token.")
     text: Text = Field("", description="Ignored: the platform decodes the tokens itself and shows only that text.")
     finish_reason: FinishReason
+    turns: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None, max_length=127,
+        description="Multi-turn: the lengths of the token segments in order, the model's and the environment's "
+                    "alternating, first and last the model's; the environment's tokens are the ones the control "
+                    "plane issued, their logprobs are ignored (send 0) and they are not trained on.")
+    versions: list[VersionRun] | None = Field(
+        None, min_length=1, max_length=MAX_VERSION_RUNS,
+        description="Partial rollouts (a job with `partial_rollouts` on): the weight version that produced each "
+                    "token, as [version, count] runs oldest first, counts adding up to len(token_ids). Absent: "
+                    "every token is of the group's `version`.")
 
     @model_validator(mode="after")
     def _aligned(self) -> SampleSubmit:
@@ -57,15 +111,54 @@ class SampleSubmit(Model):
             raise ValueError(
                 f"logprobs has {len(self.logprobs)} entries but token_ids has {len(self.token_ids)}"
             )
+        if self.turns is not None and (sum(self.turns) != len(self.token_ids) or len(self.turns) % 2 == 0):
+            raise ValueError(f"turns must be an odd number of segment lengths (model, environment, ..., model) "
+                             f"adding up to the {len(self.token_ids)} tokens; got {self.turns}")
         return self
+
+    @model_validator(mode="after")
+    def _versions_fit(self) -> SampleSubmit:
+        if self.versions is None:
+            return self
+        if sum(n for _, n in self.versions) != len(self.token_ids):
+            raise ValueError(f"versions counts add up to {sum(n for _, n in self.versions)}, but there are "
+                             f"{len(self.token_ids)} tokens: give one [version, count] run per stretch of tokens")
+        if any(a >= b for (a, _), (b, _) in zip(self.versions, self.versions[1:], strict=False)):
+            raise ValueError(f"versions must increase from run to run (oldest first, equal runs merged); got "
+                             f"{[v for v, _ in self.versions]}")
+        return self
+
+    def token_versions(self, default: int) -> list[int]:
+        """The version that produced each token; `default` (the group's) when `versions` is absent."""
+        if self.versions is None:
+            return [default] * len(self.token_ids)
+        return [v for v, n in self.versions for _ in range(n)]
+
+    def oldest_version(self, default: int) -> int:
+        return default if self.versions is None else self.versions[0][0]
+
+    def model_token_mask(self) -> list[bool]:
+        """True on the tokens the model generated (all of them for a single-turn sample)."""
+        if self.turns is None:
+            return [True] * len(self.token_ids)
+        return [k % 2 == 0 for k, n in enumerate(self.turns) for _ in range(n)]
 
 
 class GroupSubmit(Model):
     prompt_id: int = Field(ge=0, le=2**62)
-    version: Version = Field(description="Weight version every sample of this group was generated with.")
+    version: Version = Field(description="Weight version every sample of this group was generated with; with "
+                             "partial rollouts, the version of its oldest token (it bounds the group's staleness).")
     prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=32_768)
     samples: list[SampleSubmit] = Field(min_length=1, max_length=64)
     gen_seconds: float = Field(0.0, ge=0, le=86_400)
+
+    @model_validator(mode="after")
+    def _oldest_is_the_version(self) -> GroupSubmit:
+        oldest = min(s.oldest_version(self.version) for s in self.samples)
+        if oldest != self.version:
+            raise ValueError(f"version is {self.version}, but the oldest token of the group is of version {oldest}: "
+                             "a group's version is its oldest token's")
+        return self
 
 
 class RolloutSubmit(Model):

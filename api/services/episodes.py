@@ -1,0 +1,252 @@
+"""Multi-turn episodes, played through the control plane so the environment stays on the trusted side.
+
+A multi-turn task (TaskAdapter.multi_turn) makes every sample of a group an episode. The worker sends
+each model turn as tokens; this module decodes them with the job's tokenizer, runs the task's
+environment and answers with the environment's reply as tokens (framed as a user turn by the
+model's chat template, when it has one) plus `done`. The environment's secrets (the reference, the
+hidden number) and the reward never leave the platform: the reward is stored on the episode and
+becomes the rollout's at submission (admission.py checks the submitted tokens against the episode).
+
+Environments are rebuilt from the prompt and replayed over the actions so far at every turn, so the
+control plane keeps no live objects and any API process can serve any turn; a task's Episode must
+therefore be a deterministic function of its prompt and the actions (learner/tasks/base.py).
+An environment that raises or times out (a user-hosted one, say) ends the episode with no reward and
+the reason stored: its group is refused as the platform's fault, never the worker's, and the
+learner never waits on it. A worker that falls silent mid-episode loses its lease at its TTL, and
+the prompt goes back to the pool like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from functools import cached_property
+
+from echo2.protocol import EpisodeLimits, EpisodeReply, EpisodeStep, GroupSubmit, JobSpec, LeaseStatus
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from learner.tasks import TaskAdapter, TaskError, TaskParams, TaskPrompt, get_task
+
+from ..errors import ApiError
+from ..models import Episode, Job, Lease, Prompt, utcnow
+from ..storage import BlobStore
+from . import modelinfo
+from .jobs import spec_of
+
+log = logging.getLogger(__name__)
+MAX_EPISODE_TOKENS = 16_384  # a submitted sample's token limit (echo2.protocol.SampleSubmit)
+ENV_DEADLINE_S = 60.0  # one request's environment calls; a worker's client waits longer (echo2_worker.control)
+MAX_OBSERVATION_TOKENS = 512  # one environment reply; a longer one ends its episode as the environment's failure
+
+
+def limits(job: Job) -> EpisodeLimits | None:
+    """The episode bounds of a multi-turn job; None for a single-turn one."""
+    spec = spec_of(job)
+    task = get_task(spec.task.name)
+    if not task.multi_turn:
+        return None
+    turns = task.max_turns(task.parse_params(spec.task.params))
+    room = turns * spec.grpo.max_new_tokens + (turns - 1) * MAX_OBSERVATION_TOKENS
+    return EpisodeLimits(max_turns=turns, max_tokens=min(MAX_EPISODE_TOKENS, room))
+
+
+@dataclass
+class _Game:
+    """What every turn of one request needs, looked up once: the job's spec, task, bounds and tokenizer."""
+
+    db: Session
+    job: Job
+    spec: JobSpec
+    task: TaskAdapter
+    params: TaskParams
+    bounds: EpisodeLimits
+    decode: Callable[[list[int]], str]
+    blobs: BlobStore
+
+    @cached_property
+    def encode_observation(self) -> Callable[[str, bool], list[int]]:
+        return modelinfo.observation_encoder(self.blobs, self.job.id)
+
+
+def play(db: Session, blobs: BlobStore, lease: Lease, job: Job, steps: list[EpisodeStep]) -> list[EpisodeReply]:
+    """Model turns of the lease's episodes: check them all, run the environments (up to the task's
+    concurrency at once, within ENV_DEADLINE_S), store and answer their replies. A bad turn refuses the
+    whole request (nothing of it is stored: the caller does not commit)."""
+    bounds = limits(job)
+    if bounds is None:
+        raise ApiError(409, f"job {job.id}'s task is single-turn: generate and submit whole completions")
+    if lease.status != LeaseStatus.active.value or lease.expires_at < utcnow():
+        raise ApiError(409, f"lease {lease.id} is no longer active; its episodes are over")
+    spec = spec_of(job)
+    task = get_task(spec.task.name)
+    game = _Game(db, job, spec, task, task.parse_params(spec.task.params), bounds,
+                 modelinfo.decoder(blobs, job.id), blobs)
+    moves = [_move(game, lease, step, i) for i, step in enumerate(steps)]
+    _refuse_repeats(steps)
+    fresh = [(episode, step) for episode, step, new in moves if new]
+    texts = [game.decode(step.action_token_ids) for _, step in fresh]
+    outcomes = _run_environments(game, [(e.prompt_id, [*e.actions, text]) for (e, _), text in zip(fresh, texts,
+                                                                                                 strict=True)])
+    for (episode, step), text, outcome in zip(fresh, texts, outcomes, strict=True):
+        _advance(game, episode, step.action_token_ids, text, outcome)
+    return [_reply(game, episode, step.turn) for episode, step, _ in moves]
+
+
+def _move(game: _Game, lease: Lease, step: EpisodeStep, i: int) -> tuple[Episode, EpisodeStep, bool]:
+    """The step's episode, and whether the step is a new turn (False: a retry of an answered one)."""
+    where = f"steps.{i}"
+    episode = _episode(game, lease, step, where)
+    if step.turn < len(episode.actions):
+        _check_retry(episode, step, where)
+        return episode, step, False
+    if step.turn > len(episode.actions):
+        raise ApiError(409, f"{where}: turn {step.turn} comes after turn {len(episode.actions)}, which was never "
+                            "played", field=f"{where}.turn")
+    if episode.done:
+        raise ApiError(409, f"{where}: episode {step.prompt_id}/{step.sample} is over after "
+                            f"{len(episode.actions)} turns", field=f"{where}.turn")
+    _check_action(game, episode, step.action_token_ids, where)
+    return episode, step, True
+
+
+def _refuse_repeats(steps: list[EpisodeStep]) -> None:
+    seen: set[tuple[int, int]] = set()
+    for i, step in enumerate(steps):
+        if (step.prompt_id, step.sample) in seen:
+            raise ApiError(422, f"steps.{i}: episode {step.prompt_id}/{step.sample} appears twice; send one turn "
+                                "of an episode per request", field=f"steps.{i}")
+        seen.add((step.prompt_id, step.sample))
+
+
+def _episode(game: _Game, lease: Lease, step: EpisodeStep, where: str) -> Episode:
+    if step.prompt_id not in set(lease.prompt_ids):
+        raise ApiError(404, f"{where}: prompt {step.prompt_id} is not part of lease {lease.id}",
+                       field=f"{where}.prompt_id")
+    if step.sample >= game.spec.grpo.group_size:
+        raise ApiError(422, f"{where}: sample {step.sample} is outside the group (group size "
+                            f"{game.spec.grpo.group_size})", field=f"{where}.sample")
+    episode = game.db.get(Episode, (lease.id, step.prompt_id, step.sample), with_for_update=True)
+    if episode is None:
+        episode = Episode(lease_id=lease.id, prompt_id=step.prompt_id, sample=step.sample, job_id=game.job.id,
+                          actions=[], turns=[], done=False)
+        game.db.add(episode)
+    return episode
+
+
+def _check_retry(episode: Episode, step: EpisodeStep, where: str) -> None:
+    """A retried turn (the answer was lost on the way) is answered again, if it is the same action."""
+    if episode.turns[2 * step.turn] != list(step.action_token_ids):
+        raise ApiError(409, f"{where}: turn {step.turn} of this episode was already played with other tokens",
+                       field=f"{where}.turn")
+
+
+def _check_action(game: _Game, episode: Episode, ids: list[int], where: str) -> None:
+    field, max_new, vocab = f"{where}.action_token_ids", game.spec.grpo.max_new_tokens, game.job.vocab_size
+    if len(ids) > max_new:
+        raise ApiError(422, f"{where}: {len(ids)} tokens in one turn, but the job's max_new_tokens is {max_new}",
+                       field=field)
+    if vocab is not None and max(ids) >= vocab:
+        raise ApiError(422, f"{where}: token id {max(ids)} is outside the vocabulary (size {vocab})", field=field)
+    used = sum(map(len, episode.turns))
+    if used + len(ids) > game.bounds.max_tokens:
+        raise ApiError(422, f"{where}: the episode would hold {used + len(ids)} tokens, more than its "
+                            f"{game.bounds.max_tokens}", field=field)
+
+
+@dataclass(frozen=True)
+class _Outcome:
+    observation: str | None
+    done: bool
+    reward: float | None
+    error: str | None = None
+
+
+def _run_environments(game: _Game, episodes: list[tuple[int, list[str]]]) -> list[_Outcome]:
+    """Each (prompt id, actions so far) through a fresh environment, `concurrency` at once. Past the
+    deadline the request answers without the stragglers (their episodes end as failed); their threads
+    finish on their own (an HTTP environment's calls have their own timeouts)."""
+    prompts = {p.id: TaskPrompt(text=p.text, reference=p.reference)
+               for p in game.db.scalars(select(Prompt).where(Prompt.id.in_({pid for pid, _ in episodes})))}
+    pool = ThreadPoolExecutor(max(1, min(game.task.concurrency(game.params), len(episodes))))
+    futures = [pool.submit(_environment, game.task, game.params, prompts[pid], actions) for pid, actions in episodes]
+    finished, _ = wait(futures, timeout=ENV_DEADLINE_S)
+    pool.shutdown(wait=False, cancel_futures=True)
+    late = _Outcome(None, True, None, f"the environment did not answer within {ENV_DEADLINE_S:.0f} s")
+    return [f.result() if f in finished else late for f in futures]
+
+
+def _environment(task: TaskAdapter, params: TaskParams, prompt: TaskPrompt, actions: list[str]) -> _Outcome:
+    """Rebuild the environment, bring it to the last turn, play the new action."""
+    try:
+        env = task.new_episode(prompt, params)
+        assert env is not None  # limits() checked the task is multi-turn
+        env.reset()
+        env.resume(actions[:-1])
+        turn = env.step(actions[-1])
+    except (TaskError, OSError, ValueError) as exc:
+        return _Outcome(None, True, None, f"the environment failed at turn {len(actions) - 1}: {exc}")
+    return _Outcome(turn.observation, turn.done, turn.reward)
+
+
+def _advance(game: _Game, episode: Episode, ids: list[int], text: str, outcome: _Outcome) -> None:
+    actions, turns = [*episode.actions, text], [*episode.turns, list(ids)]
+    observation, done, reward, error = outcome.observation, outcome.done, outcome.reward, outcome.error
+    if not done and len(actions) >= game.bounds.max_turns:
+        done, reward = True, 0.0  # out of turns without finishing: a failure, as run_episode scores it
+    if not done:
+        obs_ids = game.encode_observation(observation or "", ids[-1] in (game.job.eos_token_ids or ()))
+        if len(obs_ids) > MAX_OBSERVATION_TOKENS:
+            error, done = (f"the environment's reply at turn {len(actions) - 1} has {len(obs_ids)} tokens, more than "
+                           f"{MAX_OBSERVATION_TOKENS}"), True
+        elif sum(map(len, turns)) + len(obs_ids) + 1 > game.bounds.max_tokens:
+            done, reward = True, 0.0  # no room left for another model turn
+        else:
+            turns.append(obs_ids)
+    if error:
+        log.warning("job %s: episode %s/%d: %s", game.job.id, episode.prompt_id, episode.sample, error)
+        episode.error, reward = error[:512], None
+    episode.actions, episode.turns, episode.done, episode.updated_at = actions, turns, done, utcnow()
+    episode.reward = reward if done else None
+
+
+def _reply(game: _Game, episode: Episode, turn: int) -> EpisodeReply:
+    """Turn `turn`'s answer: the observation issued after it, or done when it was the last."""
+    if 2 * turn + 1 >= len(episode.turns):
+        return EpisodeReply(turn=turn, done=True, observation_token_ids=[], observation="")
+    observation = episode.turns[2 * turn + 1]
+    return EpisodeReply(turn=turn, done=False, observation_token_ids=observation, observation=game.decode(observation))
+
+
+def check_group(db: Session, lease: Lease, group: GroupSubmit) -> tuple[str | None, list[float | None]]:
+    """(why the group does not match its episodes, or None; each sample's reward). The environment's
+    failure is returned as the reason with an `environment:` prefix: it is not the worker's fault."""
+    rows = {e.sample: e for e in db.scalars(select(Episode).where(Episode.lease_id == lease.id,
+                                                                  Episode.prompt_id == group.prompt_id))}
+    rewards: list[float | None] = []
+    for k, sample in enumerate(group.samples):
+        episode = rows.get(k)
+        problem = _mismatch(episode, sample.token_ids, sample.turns)
+        if problem:
+            return f"sample {k}: {problem}", []
+        assert episode is not None
+        if episode.error:
+            return f"environment: sample {k}: {episode.error}", []
+        rewards.append(episode.reward)
+    return None, rewards
+
+
+def _mismatch(episode: Episode | None, token_ids: list[int], turns: list[int] | None) -> str | None:
+    if episode is None:
+        return "no episode was played for it (play each turn through POST /v1/leases/{id}/episodes)"
+    if not episode.done:
+        return f"its episode is not over after {len(episode.actions)} turns"
+    played = [len(t) for t in episode.turns]
+    if turns != played:
+        return f"turns {turns} differ from the episode's {played}"
+    if token_ids != [i for t in episode.turns for i in t]:
+        return "its tokens differ from the turns played in its episode"
+    return None
+

@@ -1,0 +1,253 @@
+"""Multi-turn episodes over the wire (api/services/episodes.py): the worker plays model turns, the
+control plane runs the environment, keeps its secret and its reward, and checks the submitted group."""
+
+import contextlib
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+from tokenizers import Tokenizer
+
+from api.models import Prompt
+from tests.factories import activate, new_provider, new_user, new_worker, ok, publish, start_learner
+
+GUESS = {"name": "guess_number", "params": {"low": 100_000, "high": 999_999, "max_turns": 3}}
+
+
+@pytest.fixture
+def game(api, tiny_model_dir):
+    """A running guess-the-number job (six-digit secrets) at version 0 of the tiny model, one worker leasing."""
+    _, alice = new_user(api)
+    job = ok(alice.post("/v1/jobs", json={
+        "name": "guess", "base_model": "echo2:tiny", "task": GUESS, "num_prompts": 8, "max_steps": 2,
+        "grpo": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 16}, "staleness": 1}), 201)
+    learner = start_learner(api, job["id"])
+    publish(learner, job["id"], tiny_model_dir, version=0, step=0)
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 2, "version": 0}), 201)
+    return job, learner, worker, lease, Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+
+
+def secret_of(api, prompt_id: int) -> str:
+    with api.db.session() as s:
+        prompt = s.get(Prompt, prompt_id)
+        assert prompt is not None and prompt.reference is not None
+        return prompt.reference
+
+
+def turn(worker, lease, prompt_id, sample, k, ids):
+    step = {"prompt_id": prompt_id, "sample": sample, "turn": k, "action_token_ids": ids}
+    return worker.post(f"/v1/leases/{lease['id']}/episodes", json={"steps": [step]})
+
+
+def reply(response):
+    return ok(response)["replies"][0]
+
+
+def said(tok, text: str) -> list[int]:
+    """A model turn saying `text`, ended by the tiny model's eos (id 0) as a sampler stops."""
+    return [*tok.encode(text).ids, 0]
+
+
+def play(worker, lease, prompt_id, sample, guesses, tok):
+    """Play guesses until done; returns (the sample as submitted, the raw response bodies)."""
+    tokens, turns, bodies = [], [], []
+    for k, guess in enumerate(guesses):
+        action = said(tok, f"{guess}.")
+        r = turn(worker, lease, prompt_id, sample, k, action)
+        bodies.append(r.text)
+        answer = reply(r)
+        tokens += action
+        turns.append(len(action))
+        if answer["done"]:
+            break
+        tokens += answer["observation_token_ids"]
+        turns.append(len(answer["observation_token_ids"]))
+    return {"token_ids": tokens, "logprobs": [-1.0] * len(tokens), "finish_reason": "stop",
+            "turns": turns}, bodies
+
+
+def test_a_lease_of_a_multi_turn_job_says_how_to_play_it(game):
+    _, _, _, lease, _ = game
+    assert lease["episode"] == {"max_turns": 3, "max_tokens": 3 * 16 + 2 * 512}  # model turns, replies
+
+
+def test_episodes_are_scored_by_the_platform_and_the_secret_never_reaches_the_worker(api, game):
+    job, learner, worker, lease, tok = game
+    first, second = (p["prompt_id"] for p in lease["prompts"])
+    secret = secret_of(api, first)
+    won, bodies = play(worker, lease, first, 0, [123_456, secret], tok)
+    lost, more = play(worker, lease, first, 1, [111_111, 222_222, 333_333, 444_444], tok)
+    assert won["turns"][1] > 0 and len(lost["turns"]) == 5  # three model turns, two replies in between
+    hints = [reply(turn(worker, lease, first, 1, k, said(tok, g))) for k, g in
+             enumerate(["111111.", "222222."])]  # retried turns: the same answers
+    assert all(h["observation"] in ("higher.\n", "lower.\n") for h in hints)
+    group = {"prompt_id": first, "version": 0, "prompt_token_ids": [1, 2], "samples": [won, lost]}
+    result = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
+    assert result["status"] == "accepted", result
+    for body in [lease_text(worker, lease), *bodies, *more]:
+        assert secret not in body and secret_of(api, second) not in body
+    batch = ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": 0, "max_groups": 4}))
+    assert batch["groups"][0]["rewards"] == [1.0, 0.0]
+
+
+def lease_text(worker, lease) -> str:
+    return worker.post(f"/v1/leases/{lease['id']}/renew").text
+
+
+def test_turns_must_come_in_order_and_a_replayed_turn_must_be_the_same(game):
+    _, _, worker, lease, tok = game
+    pid = lease["prompts"][0]["prompt_id"]
+    assert turn(worker, lease, pid, 0, 1, said(tok, "5")).status_code == 409  # turn 0 never played
+    reply(turn(worker, lease, pid, 0, 0, said(tok, "5")))
+    clash = turn(worker, lease, pid, 0, 0, said(tok, "6"))
+    assert clash.status_code == 409 and "other tokens" in clash.json()["detail"]
+
+
+def test_bad_turns_are_refused_with_what_to_fix(api, game):
+    _, _, worker, lease, tok = game
+    pid = lease["prompts"][0]["prompt_id"]
+    cases = {
+        422: [turn(worker, lease, pid, 0, 0, [5] * 17),  # more than max_new_tokens
+              turn(worker, lease, pid, 0, 0, [10**9]),  # outside the vocabulary
+              turn(worker, lease, pid, 2, 0, [5])],  # sample outside the group
+        404: [turn(worker, lease, 10**12, 0, 0, [5])],  # not in the lease
+    }
+    for status, responses in cases.items():
+        for r in responses:
+            assert r.status_code == status, r.text
+            assert r.json()["detail"]
+    _, provider = new_provider(api, "other-co")
+    _, stranger = new_worker(api, provider, "stranger")
+    assert turn(stranger, lease, pid, 0, 0, [5]).status_code == 403
+
+
+def test_a_group_that_is_not_its_episodes_is_refused_at_the_door(api, game):
+    _, _, worker, lease, tok = game
+    pid = lease["prompts"][0]["prompt_id"]
+    secret = secret_of(api, pid)
+    won, _ = play(worker, lease, pid, 0, [secret], tok)
+    forged = {**won, "token_ids": [won["token_ids"][0] + 1, *won["token_ids"][1:]]}
+    unplayed = {"token_ids": [5, 0], "logprobs": [-1.0, -1.0], "finish_reason": "stop", "turns": [2]}
+    group = {"prompt_id": pid, "version": 0, "prompt_token_ids": [1, 2], "samples": [forged, unplayed]}
+    result = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
+    assert result["status"] == "rejected" and "differ from the turns played" in result["reason"]
+
+
+def test_a_single_turn_job_has_no_episodes(api, tmp_path):
+    from tests.factories import fake_model_folder, running_job
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+    assert lease["episode"] is None
+    r = turn(worker, lease, lease["prompts"][0]["prompt_id"], 0, 0, [5])
+    assert r.status_code == 409 and "single-turn" in r.json()["detail"]
+
+
+def test_a_bad_step_refuses_the_whole_request_and_stores_nothing(api, game):
+    _, _, worker, lease, tok = game
+    pid = lease["prompts"][0]["prompt_id"]
+    good = {"prompt_id": pid, "sample": 0, "turn": 0, "action_token_ids": said(tok, "5")}
+    bad = {**good, "sample": 1, "action_token_ids": [10**9]}
+    r = worker.post(f"/v1/leases/{lease['id']}/episodes", json={"steps": [good, bad]})
+    assert r.status_code == 422 and r.json()["detail"].startswith("steps.1:")
+    twice = worker.post(f"/v1/leases/{lease['id']}/episodes", json={"steps": [good, good]})
+    assert twice.status_code == 422 and "appears twice" in twice.json()["detail"]
+    assert reply(turn(worker, lease, pid, 0, 0, said(tok, "5")))["turn"] == 0  # turn 0 was never stored
+
+
+class Environment(BaseHTTPRequestHandler):
+    """A user-hosted environment (learner/tasks/http_env.py): guess the reference; `mode` makes it fail."""
+
+    mode = "ok"
+    seen: list[dict] = []
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        Environment.seen.append(body)
+        if Environment.mode == "slow":
+            time.sleep(3)
+        if Environment.mode == "down":
+            return self._send(503, {"error": "down"})
+        guess = body["actions"][-1].strip().rstrip(".")
+        won = guess == body["reference"]
+        self._send(200, {"done": True, "reward": 1.0} if won or len(body["actions"]) == 2
+                   else {"done": False, "observation": "no.\n"})
+
+    def _send(self, status, body):
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        with contextlib.suppress(BrokenPipeError):  # the slow case: the control plane stopped waiting, as it should
+            self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def hosted(api, tiny_model_dir):
+    """A running http_env job whose environment is a real HTTP server on loopback."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Environment)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    Environment.mode, Environment.seen = "ok", []
+    _, alice = new_user(api)
+    task = {"name": "http_env", "params": {"url": f"http://127.0.0.1:{server.server_port}/step", "max_turns": 3,
+                                           "timeout_s": 1.0, "max_retries": 1, "backoff_s": 0.0, "concurrency": 4}}
+    job = ok(alice.post("/v1/jobs", json={
+        "name": "hosted", "base_model": "echo2:tiny", "task": task, "max_steps": 2, "staleness": 1,
+        "prompts": [{"item": {"prompt": "say 7.", "reference": "7"}} for _ in range(4)],
+        "grpo": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 8}}), 201)
+    learner = start_learner(api, job["id"])
+    publish(learner, job["id"], tiny_model_dir, version=0, step=0)
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+    yield job, learner, worker, lease, Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json")), wid
+    server.shutdown()
+
+
+def test_an_environment_hosted_by_the_user_plays_episodes_over_http(api, hosted):
+    job, learner, worker, lease, tok, _ = hosted
+    with api.db.session() as s:  # nothing held out: the learner's evaluation does not play episodes
+        assert {p.state for p in s.query(Prompt).filter(Prompt.job_id == job["id"])} <= {"available", "leased"}
+    pid = lease["prompts"][0]["prompt_id"]
+    won, _ = play(worker, lease, pid, 0, ["7"], tok)
+    lost, _ = play(worker, lease, pid, 1, ["3", "4"], tok)
+    assert Environment.seen[-1] == {"prompt": "say 7.", "reference": "7", "actions": ["3.", "4."]}
+    group = {"prompt_id": pid, "version": 0, "prompt_token_ids": [1, 2], "samples": [won, lost]}
+    assert ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0][
+        "status"] == "accepted"
+    batch = ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": 0, "max_groups": 4}))
+    assert batch["groups"][0]["rewards"] == [1.0, 1.0]  # the environment's own rewards
+
+
+@pytest.mark.parametrize("mode", ["down", "slow"])
+def test_a_failing_or_slow_environment_ends_its_episodes_with_a_clear_reason_not_the_workers_fault(
+        api, hosted, mode):
+    _, _, worker, lease, tok, wid = hosted
+    Environment.mode = mode
+    pid = lease["prompts"][0]["prompt_id"]
+    steps = [{"prompt_id": pid, "sample": k, "turn": 0, "action_token_ids": said(tok, "7")} for k in range(2)]
+    started = time.monotonic()
+    replies = ok(worker.post(f"/v1/leases/{lease['id']}/episodes", json={"steps": steps}))["replies"]
+    assert time.monotonic() - started < 10 and all(r["done"] for r in replies)
+    sample = {"token_ids": said(tok, "7"), "logprobs": [-1.0] * len(said(tok, "7")), "finish_reason": "stop",
+              "turns": [len(said(tok, "7"))]}
+    group = {"prompt_id": pid, "version": 0, "prompt_token_ids": [1, 2], "samples": [sample, sample]}
+    result = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
+    assert result["status"] == "rejected" and "the environment failed at turn 0" in result["reason"]
+    assert ("HTTP 503" if mode == "down" else "ReadTimeout") in result["reason"]
+    standing = ok(worker.get(f"/v1/workers/{wid}"))
+    assert standing["trust"] == "probation" and standing["trust_reason"] is None  # not struck: not its fault

@@ -1,0 +1,80 @@
+"""Partial rollouts in the real worker loop against the real control plane: a version published while a
+generation runs is loaded between two of its segments, the generation goes on from the tokens it has,
+and each token is tagged with (and its logprob computed under) the version that drew it."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from echo2_worker.backends.transformers_backend import TransformersBackend
+from sqlalchemy import select
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from api.models import Rollout
+from learner.audit import audit_group, audit_versions
+from tests.conftest import Api
+from tests.factories import publish
+
+from .conftest import start_job, wait_for
+
+MAX_NEW = 64  # four segments of 16 tokens (partial.segment_tokens)
+
+
+class GatedBackend(TransformersBackend):
+    """The real backend, held at two points so a version is sure to arrive mid-generation whatever the
+    machine's speed: the first segment returns once the worker has been told of version 1 (so the next
+    segment's refresh starts its download), the second once version 1 is on disk (so the third runs on it)."""
+
+    gates: list[threading.Event] = []
+
+    def __init__(self) -> None:
+        super().__init__(device="cpu")
+        self.calls = 0
+
+    def generate(self, requests):  # type: ignore[no-untyped-def]
+        out = super().generate(requests)
+        if self.calls < len(self.gates):
+            assert self.gates[self.calls].wait(120), f"gate {self.calls} never opened"
+        self.calls += 1
+        return out
+
+
+def spanning(api: Api, job_id: str) -> list[Rollout]:
+    with api.db.session() as s:
+        rows = s.scalars(select(Rollout).where(Rollout.job_id == job_id)).all()
+        return [r for r in rows if any(len(x.get("versions") or []) > 1 for x in r.samples)]
+
+
+def test_a_generation_continues_on_the_version_published_while_it_ran(api: Api, tiny_model_dir: Path,
+                                                                    next_model_dir: Path, worker_factory) -> None:
+    setup = start_job(api, tiny_model_dir, partial_rollouts=True,
+                      grpo={"group_size": 2, "prompts_per_step": 256, "max_new_tokens": MAX_NEW})
+    GatedBackend.gates = [threading.Event(), threading.Event()]
+    w = worker_factory(setup, backend_factory=GatedBackend, gen_batch_prompts=4)
+    wait_for(lambda: w.worker.active_leases(), 120, "a lease being generated")
+    publish(setup.learner, setup.id, next_model_dir, version=1, step=0)
+    wait_for(lambda: (r := w.worker._latest()) and r.assignment and r.assignment.version == 1, 60, "the news of v1")
+    GatedBackend.gates[0].set()
+    wait_for(lambda: w.store.loadable(setup.id, 1), 120, "version 1 on disk")
+    GatedBackend.gates[1].set()
+    row = wait_for(lambda: spanning(api, setup.id), 120, "a sample with tokens of two versions")[0]
+    assert row.status == "accepted" and row.version == 0  # the group's version: its oldest token's
+    mixed = next(x for x in row.samples if len(x.get("versions") or []) > 1)
+    assert [v for v, _ in mixed["versions"]] == [0, 1] and sum(n for _, n in mixed["versions"]) == len(
+        mixed["token_ids"])
+
+    # Each token's logprob is its own version's: re-scored per version it passes; under version 0 alone it does not.
+    models = {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+              for v, d in ((0, tiny_model_dir), (1, next_model_dir))}
+    pad = AutoTokenizer.from_pretrained(tiny_model_dir).pad_token_id
+    samples = [(x["token_ids"], x["logprobs"]) for x in row.samples]
+    versions = [[v for v, n in (x.get("versions") or [[row.version, len(x["token_ids"])]]) for _ in range(n)]
+                for x in row.samples]
+    per_version = audit_versions(models.__getitem__, row.prompt_token_ids, samples, versions, temperature=1.0,
+                                 top_p=1.0, pad_id=pad)
+    assert per_version.passed, per_version.reason
+    assert not audit_group(models[0], row.prompt_token_ids, samples, temperature=1.0, top_p=1.0, pad_id=pad).passed
+    assert w.worker.versions.loaded == (setup.id, 1)
+    assert w.drain() == 0

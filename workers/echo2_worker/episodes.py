@@ -1,0 +1,80 @@
+"""Multi-turn episodes, played turn by turn with the control plane (api/services/episodes.py).
+
+A lease of a multi-turn job (`LeaseRead.episode` set) makes each of a group's samples an episode:
+the model answers, the control plane runs the environment on the model's tokens and answers with the
+tokens to append (the environment's reply, framed by the model's chat template), and so on until it
+says `done`. All the batch's open episodes advance together: one backend call and one request per turn. A sample is
+submitted as all its turns in order, `turns` giving their lengths; the environment's tokens carry
+logprob 0 and are neither trained on nor audited. The environment, its secrets and the reward stay
+with the control plane, which checks the submitted tokens against the turns it saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from echo2.protocol import EpisodeLimits, EpisodeStep, SampleSubmit, SamplingParams
+from echo2.seeds import sample_seed
+
+from .backends import GenerationBackend, GenRequest
+from .control import ControlPlane
+
+MIN_LOGPROB = -1e4  # as the single-turn path clamps them (echo2.protocol.Logprob)
+STEPS_PER_CALL = 4_096  # echo2.protocol.EpisodeTurns takes at most this many steps
+
+
+@dataclass
+class _Episode:
+    prompt_id: int
+    sample: int
+    seed: int
+    context: list[int]  # prompt, then every turn so far: what the model reads next
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turns: list[int] = field(default_factory=list)
+    finish_reason: str = "stop"
+    done: bool = False
+
+    def submit(self) -> SampleSubmit:
+        return SampleSubmit(token_ids=self.tokens, logprobs=self.logprobs, finish_reason=self.finish_reason,
+                            turns=self.turns)
+
+
+def play(backend: GenerationBackend, control: ControlPlane, lease_id: str, prompts: list[tuple[int, int, list[int]]],
+         sampling: SamplingParams, limits: EpisodeLimits) -> list[list[SampleSubmit]]:
+    """Play every sample of every (prompt_id, seed, prompt tokens) to its end; one list of samples per prompt."""
+    episodes = [[_Episode(pid, k, sample_seed(seed, k), list(ids)) for k in range(sampling.group_size)]
+                for pid, seed, ids in prompts]
+    open_ = [e for group in episodes for e in group]
+    for turn in range(limits.max_turns):
+        if not open_:
+            break
+        _turn(backend, control, lease_id, open_, turn, sampling, limits)
+        open_ = [e for e in open_ if not e.done]
+    if open_:  # the control plane ends every episode at its last turn; this one did not
+        raise RuntimeError(f"lease {lease_id}: {len(open_)} episodes still open after {limits.max_turns} turns")
+    return [[e.submit() for e in group] for group in episodes]
+
+
+def _turn(backend: GenerationBackend, control: ControlPlane, lease_id: str, episodes: list[_Episode], turn: int,
+          sampling: SamplingParams, limits: EpisodeLimits) -> None:
+    requests = [GenRequest(prompt_token_ids=e.context, n=1, seeds=[sample_seed(e.seed, turn)],
+                           max_new_tokens=min(sampling.max_new_tokens, limits.max_tokens - len(e.tokens)),
+                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+                for e in episodes]
+    actions = [sample for (sample,) in backend.generate(requests)]
+    steps = [EpisodeStep(prompt_id=e.prompt_id, sample=e.sample, turn=turn, action_token_ids=a.token_ids)
+             for e, a in zip(episodes, actions, strict=True)]
+    replies = [reply for i in range(0, len(steps), STEPS_PER_CALL)
+               for reply in control.play_turns(lease_id, steps[i : i + STEPS_PER_CALL])]
+    for e, action, reply in zip(episodes, actions, replies, strict=True):
+        e.tokens += action.token_ids
+        e.logprobs += [max(MIN_LOGPROB, min(0.0, lp)) for lp in action.logprobs]
+        e.turns.append(len(action.token_ids))
+        e.finish_reason, e.done = action.finish_reason, reply.done
+        if not reply.done:
+            observation = reply.observation_token_ids
+            e.tokens += observation
+            e.logprobs += [0.0] * len(observation)
+            e.turns.append(len(observation))
+            e.context += action.token_ids + observation
