@@ -97,7 +97,9 @@ def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, d
                         422: {"description": "Too many tokens, or tokens outside the vocabulary."}})
 def play_episode_turns(lease_id: str, body: EpisodeTurns, worker: CurrentWorker, db: SessionDep,
                        blobs: BlobsDep) -> EpisodeReplies:
-    lease, job = _own(db, worker, lease_id)
+    # The lease row is not locked: its environments may take a while, and renewals must not wait on
+    # them. Each episode's row is (api/services/episodes.py).
+    lease, job = _own(db, worker, lease_id, lock=False)
     if job.status != JobStatus.running.value:
         raise ApiError(409, f"job {job.id} is {job.status}; its episodes are over")
     replies = episodes.play(db, blobs, lease, job, body.steps)
@@ -114,8 +116,8 @@ def _close(db: SessionDep, worker: Worker, lease_id: str, status: LeaseStatus) -
     return read
 
 
-def _own(db: SessionDep, worker: Worker, lease_id: str) -> tuple[Lease, Job]:
-    lease = db.get(Lease, lease_id, with_for_update=True)
+def _own(db: SessionDep, worker: Worker, lease_id: str, lock: bool = True) -> tuple[Lease, Job]:
+    lease = db.get(Lease, lease_id, with_for_update=lock)
     if lease is None:
         raise ApiError(404, f"lease {lease_id} not found")
     if lease.worker_id != worker.id:

@@ -84,8 +84,8 @@ def play(db: Session, blobs: BlobStore, lease: Lease, job: Job, steps: list[Epis
     task = get_task(spec.task.name)
     game = _Game(db, job, spec, task, task.parse_params(spec.task.params), bounds,
                  modelinfo.decoder(blobs, job.id), blobs)
-    moves = [_move(game, lease, step, i) for i, step in enumerate(steps)]
     _refuse_repeats(steps)
+    moves = [_move(game, lease, step, i) for i, step in enumerate(steps)]
     fresh = [(episode, step) for episode, step, new in moves if new]
     texts = [game.decode(step.action_token_ids) for _, step in fresh]
     outcomes = _run_environments(game, [(e.prompt_id, [*e.actions, text]) for (e, _), text in zip(fresh, texts,

@@ -102,14 +102,16 @@ class HttpEnvTask(HttpRewardTask):
             raise _Retryable(f"{type(exc).__name__}: {exc}") from None
         if response.status_code == 429 or response.status_code >= 500:
             raise _Retryable(f"HTTP {response.status_code}", _retry_after(response))
+        # Errors name the status and size only, never the body: they reach the job's owner (rollout
+        # reasons), and the URL is the owner's choice, so a body could be another service's answer.
         if response.status_code != 200:
-            raise TaskError(f"http_env {p.url}: HTTP {response.status_code}: {response.text[:200]}")
+            raise TaskError(f"http_env {p.url}: HTTP {response.status_code} ({len(response.content)} bytes)")
         if len(response.content) > MAX_REPLY_BYTES:
             raise TaskError(f"http_env {p.url}: a reply of {len(response.content)} bytes, more than {MAX_REPLY_BYTES}")
         try:
             return response.json()
         except ValueError:
-            raise TaskError(f"http_env {p.url}: the reply is not JSON: {response.text[:200]!r}") from None
+            raise TaskError(f"http_env {p.url}: the reply ({len(response.content)} bytes) is not JSON") from None
 
 
 register(HttpEnvTask())

@@ -54,6 +54,8 @@ def world(api, tmp_path):
         "create_lease": {"json": {"job_id": job["id"], "max_prompts": 1, "version": 0}},
         "worker_heartbeat": {"json": {}},
         "submit_rollouts": {"json": _group(lease["prompts"][0]["prompt_id"])},
+        "play_episode_turns": {"json": {"steps": [{"prompt_id": lease["prompts"][0]["prompt_id"], "sample": 0,
+                                                   "turn": 0, "action_token_ids": [5]}]}},
         "learner_claim": {"json": {"step": 0}},
         "learner_report_step": {"json": {"step": 0, "rollout_ids": [], "t_train_s": 0}},
         "learner_heartbeat": {"json": {"step": 0}},

@@ -39,6 +39,7 @@ from pydantic import BaseModel, ValidationError
 M = TypeVar("M", bound=BaseModel)
 RETRY_STATUS = frozenset({429, 502, 503, 504})
 USER_AGENT = "echo2-worker/0.1.0"
+EPISODE_TIMEOUT_S = 90.0
 
 
 class ControlPlane:
@@ -96,8 +97,10 @@ class ControlPlane:
         return self._call("POST", f"/v1/leases/{lease_id}/rollouts", RolloutSubmitResult, body)
 
     def play_turns(self, lease_id: str, steps: list[EpisodeStep]) -> list[EpisodeReply]:
-        # Replayed safely: the server answers a retried turn as it answered it the first time.
-        return self._call("POST", f"/v1/leases/{lease_id}/episodes", EpisodeReplies, EpisodeTurns(steps=steps)).replies
+        # Replayed safely: the server answers a retried turn as it answered it the first time. It may take
+        # its environments up to 60 s (api/services/episodes.py ENV_DEADLINE_S): wait longer than that.
+        return self._call("POST", f"/v1/leases/{lease_id}/episodes", EpisodeReplies, EpisodeTurns(steps=steps),
+                          timeout=EPISODE_TIMEOUT_S).replies
 
     # -- plumbing --------------------------------------------------------------------------------
 
