@@ -19,15 +19,13 @@ should restrict its egress.
 from __future__ import annotations
 
 import math
-import time
 from collections.abc import Mapping
 from typing import Any
 
-import httpx
 from pydantic import Field
 
 from learner.tasks.base import Episode, TaskError, TaskParams, TaskPrompt, Turn
-from learner.tasks.http_reward import HttpRewardParams, HttpRewardTask, _retry_after, _Retryable
+from learner.tasks.http_reward import HttpRewardParams, HttpRewardTask, _Retryable
 from learner.tasks.registry import register
 
 MAX_REPLY_BYTES = 64 * 1024
@@ -84,24 +82,11 @@ class HttpEnvTask(HttpRewardTask):
         return HttpEpisode(self, prompt, p)
 
     def call(self, p: HttpEnvParams, payload: dict[str, Any]) -> Any:
-        """POST with retries; the reply's JSON, or a TaskError that says what went wrong."""
-        attempt = 0
-        while True:
-            try:
-                return self._post(p, payload)
-            except _Retryable as exc:
-                if attempt == p.max_retries:
-                    raise TaskError(f"http_env {p.url}: no answer after {attempt + 1} tries: {exc}") from None
-                time.sleep(exc.retry_after if exc.retry_after is not None else p.backoff_s * 2**attempt)
-                attempt += 1
-
-    def _post(self, p: HttpEnvParams, payload: dict[str, Any]) -> Any:
+        """POST with retries (HttpRewardTask.post); the reply's JSON, or a TaskError that says what went wrong."""
         try:
-            response = self._client(p.timeout_s).post(p.url, json=payload)
-        except httpx.TransportError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from None
-        if response.status_code == 429 or response.status_code >= 500:
-            raise _Retryable(f"HTTP {response.status_code}", _retry_after(response))
+            response = self.post(p, payload)
+        except _Retryable as exc:
+            raise TaskError(f"http_env {p.url}: no answer after {p.max_retries + 1} tries: {exc}") from None
         # Errors name the status and size only, never the body: they reach the job's owner (rollout
         # reasons), and the URL is the owner's choice, so a body could be another service's answer.
         if response.status_code != 200:

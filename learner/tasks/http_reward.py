@@ -102,24 +102,11 @@ class HttpRewardTask(TaskAdapter):
         p = self.parse_params(params)
         assert isinstance(p, HttpRewardParams)
         payload = {"prompt": prompt.text, "completion": completion, "reference": prompt.reference}
-        for attempt in range(p.max_retries + 1):
-            try:
-                return self._post_once(p, payload)
-            except _Retryable as exc:
-                if attempt == p.max_retries:
-                    logger.warning("http_reward %s: giving up after %d tries: %s", p.url, attempt + 1, exc)
-                    return None
-                delay = exc.retry_after if exc.retry_after is not None else p.backoff_s * 2**attempt
-                time.sleep(delay)
-        return None
-
-    def _post_once(self, p: HttpRewardParams, payload: dict[str, Any]) -> float | None:
         try:
-            response = self._client(p.timeout_s).post(p.url, json=payload)
-        except httpx.TransportError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from None
-        if response.status_code == 429 or response.status_code >= 500:
-            raise _Retryable(f"HTTP {response.status_code}", _retry_after(response))
+            response = self.post(p, payload)
+        except _Retryable as exc:
+            logger.warning("http_reward %s: giving up after %d tries: %s", p.url, p.max_retries + 1, exc)
+            return None
         if response.status_code != 200:
             logger.warning("http_reward %s: HTTP %d, sample left unscored", p.url, response.status_code)
             return None
@@ -128,5 +115,26 @@ class HttpRewardTask(TaskAdapter):
             logger.warning("http_reward %s: reply is not a finite number: %.200r", p.url, response.text)
         return value
 
+    def post(self, p: HttpRewardParams, payload: dict[str, Any]) -> httpx.Response:
+        """POST `payload` to `p.url`, retrying transport errors, timeouts, 429 and 5xx `max_retries` times
+        with backoff (a numeric Retry-After honoured); the last such failure is raised as _Retryable."""
+        attempt = 0
+        while True:
+            try:
+                return self._post_once(p, payload)
+            except _Retryable as exc:
+                if attempt == p.max_retries:
+                    raise
+                time.sleep(exc.retry_after if exc.retry_after is not None else p.backoff_s * 2**attempt)
+                attempt += 1
+
+    def _post_once(self, p: HttpRewardParams, payload: dict[str, Any]) -> httpx.Response:
+        try:
+            response = self._client(p.timeout_s).post(p.url, json=payload)
+        except httpx.TransportError as exc:
+            raise _Retryable(f"{type(exc).__name__}: {exc}") from None
+        if response.status_code == 429 or response.status_code >= 500:
+            raise _Retryable(f"HTTP {response.status_code}", _retry_after(response))
+        return response
 
 register(HttpRewardTask())
