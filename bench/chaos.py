@@ -4,7 +4,7 @@ once (restarted), Redis once — and the job still completes with nothing lost a
     python bench/chaos.py                    # 20 worker kills, 60 steps, 3 workers
     python bench/chaos.py --worker-kills 5 --steps 30
 
-The whole platform runs as `echo2-server up` runs it (api/stack.py: private Redis, the API, the Celery
+The whole platform runs as `echo2-server up` runs it (server/stack.py: private Redis, the API, the Celery
 scheduler, a learner host, N local CPU workers, each its own process group), with the demo's job on the
 tiny model (S = 2). A supervisor restarts what died, as a process manager would. Kills land at random
 times (seeded) while the job trains: each worker kill SIGKILLs a random worker's whole process group
@@ -49,10 +49,10 @@ def main() -> int:
     args = _parse()
     from echo2 import Client
 
-    from api.demo import demo_spec
-    from api.local import free_port
     from api.settings import Settings
-    from api.stack import Stack, exit_on_sigterm
+    from server.demo import demo_spec
+    from server.local import free_port
+    from server.stack import Stack, exit_on_sigterm
 
     os.environ.update({"ECHO2_LEASE_TTL_S": "8", "ECHO2_WORKER_OFFLINE_AFTER_S": "5",
                        "ECHO2_LEARNER_DEAD_AFTER_S": "6", "ECHO2_LOG_LEVEL": "WARNING"})

@@ -4,7 +4,7 @@ platform, estimated before it is submitted. The goal: within ±25 % of the actua
     python bench/estimate.py                       # 20-step job first, then the demo's 130 steps
     python bench/estimate.py --steps 60 --calibration-steps 10
 
-The platform runs as `echo2-server up` runs it (api/stack.py: private Redis, the API, the Celery
+The platform runs as `echo2-server up` runs it (server/stack.py: private Redis, the API, the Celery
 scheduler, a learner host, 2 local CPU workers at $0.05/h; the learner at the default $2/h). An estimate
 takes learner time from earlier jobs like the one asked about (scheduler/estimate.py), and a fresh platform
 has none, so: the demo job is estimated on the empty platform (the scheduler's default T_train), then a
@@ -32,10 +32,10 @@ def main() -> None:
     args = _parse()
     from echo2 import Client
 
-    from api.demo import demo_spec
-    from api.local import free_port
     from api.settings import Settings
-    from api.stack import Stack, exit_on_sigterm
+    from server.demo import demo_spec
+    from server.local import free_port
+    from server.stack import Stack, exit_on_sigterm
 
     work = Path(tempfile.mkdtemp(prefix="echo2-estimate-"))
     exit_on_sigterm()

@@ -3,8 +3,8 @@
     python bench/learner_staleness.py                      # S = 0 1 2 4, 150 steps max each
     python bench/learner_staleness.py --staleness 0 2 --max-steps 100
 
-Setup, per S: the real control plane as a subprocess (`python -m api.cli api`, SQLite), one job with
-the demo's spec (`api.demo.demo_spec`: learner/tasks/arithmetic.py DEMO_DEFAULTS, built-in
+Setup, per S: the real control plane as a subprocess (`python -m server.cli api`, SQLite), one job with
+the demo's spec (`server.demo.demo_spec`: learner/tasks/arithmetic.py DEMO_DEFAULTS, built-in
 `echo2:tiny`, κ = 1; checkpoints off), the real learner (`learner.loop.Learner`, one torch thread)
 in a thread of this process, and two rollout workers (`tests/rollout_driver.RolloutDriver`, the
 transformers backend on CPU) activated on the job the way the scheduler does. For S > 0 the workers
@@ -46,15 +46,15 @@ WINDOW = 3
 
 @contextmanager
 def control_plane(work: Path):  # type: ignore[no-untyped-def]
-    """`python -m api.cli api` as a subprocess (it migrates, ensures the admin, runs one uvicorn)."""
-    from api.local import free_port, wait_port
+    """`python -m server.cli api` as a subprocess (it migrates, ensures the admin, runs one uvicorn)."""
+    from server.local import free_port, wait_port
 
     port = free_port()
     env = {**os.environ, "ECHO2_DATABASE_URL": f"sqlite:///{work / 'echo2.db'}", "ECHO2_DATA_DIR": str(work),
            "ECHO2_PORT": str(port), "ECHO2_HOST": "127.0.0.1", "ECHO2_BOOTSTRAP_API_KEY": ADMIN_KEY,
            "ECHO2_LOG_LEVEL": "WARNING", "ECHO2_HEARTBEAT_INTERVAL_S": "1"}
     log = open(work / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "api"], env=env, stdout=log, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "api"], env=env, stdout=log, stderr=subprocess.STDOUT,
                             cwd=REPO, start_new_session=True)
     try:
         wait_port(port, timeout=120, proc=proc)
@@ -93,7 +93,7 @@ def activate(db_url: str, worker_id: str, job_id: str) -> None:
 
 def bench_spec(staleness: int, max_steps: int) -> dict[str, Any]:
     """The demo job (`echo2-server demo`, tiny model); checkpoints off, they are not what is measured."""
-    from api.demo import demo_spec
+    from server.demo import demo_spec
 
     return {**demo_spec("tiny", max_steps, staleness), "name": f"bench-s{staleness}", "checkpoint_every": 1000}
 

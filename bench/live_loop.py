@@ -4,8 +4,8 @@ by the capacity rule, measured live and predicted by the simulator for the same 
     python bench/live_loop.py                       # S = 2, provisioned (1.0) and under-provisioned (0.5)
     python bench/live_loop.py --levels 1.0 --steps 40
 
-Setup. The learner has a core of its own: the real learner process (`python -m api.cli learner`, one
-torch thread) is pinned to CPU 0; the real control plane (`python -m api.cli api`, SQLite) and this
+Setup. The learner has a core of its own: the real learner process (`python -m server.cli learner`, one
+torch thread) is pinned to CPU 0; the real control plane (`python -m server.cli api`, SQLite) and this
 process are pinned to CPU 1. The job trains a random-init Qwen2 (bench/publish_overlap.py's builder,
 hidden 256, 4 layers) on the arithmetic task, publishing every step (κ = 1). Workers are emulated
 threads of this process, each a real HTTP client of the control plane that does what a worker does —
@@ -48,7 +48,7 @@ HEADROOM = 0.1
 
 @contextmanager
 def control_plane(work: Path):  # type: ignore[no-untyped-def]
-    from api.local import free_port, wait_port
+    from server.local import free_port, wait_port
 
     port = free_port()
     env = {**os.environ, "ECHO2_DATABASE_URL": f"sqlite:///{work / 'echo2.db'}", "ECHO2_DATA_DIR": str(work),
@@ -56,7 +56,7 @@ def control_plane(work: Path):  # type: ignore[no-untyped-def]
            "ECHO2_LOG_LEVEL": "WARNING", "ECHO2_HEARTBEAT_INTERVAL_S": "1", "ECHO2_AUDIT_RATE": "0",
            "ECHO2_PROBATION_AUDITS": "0"}
     with open(work / "server.log", "wb") as log:
-        proc = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "api.cli", "api"], env=env,
+        proc = subprocess.Popen(["taskset", "-c", "1", sys.executable, "-m", "server.cli", "api"], env=env,
                                 stdout=log, stderr=subprocess.STDOUT, cwd=REPO, start_new_session=True)
     try:
         wait_port(port, timeout=120, proc=proc)
@@ -208,7 +208,7 @@ def run_live(args: argparse.Namespace, model_dir: Path, n_workers: int, work: Pa
 def _start_learner(url: str, job_id: str, token: str, work: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "ECHO2_LEARNER_TOKEN": token, "ECHO2_LOG_LEVEL": "WARNING"}
     with open(work / "learner.log", "wb") as log:
-        return subprocess.Popen(["taskset", "-c", "0", sys.executable, "-m", "api.cli", "learner", "--job", job_id,
+        return subprocess.Popen(["taskset", "-c", "0", sys.executable, "-m", "server.cli", "learner", "--job", job_id,
                                  "--server", url, "--work-dir", str(work / "learner"), "--threads", "1"],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
 

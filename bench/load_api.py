@@ -3,7 +3,7 @@
     python bench/load_api.py --db both --duration 10
 
 For each database (SQLite file, PostgreSQL private cluster on loopback) this starts the real API as
-a subprocess (`python -m api.cli api`), registers a fleet of workers through the API, creates a
+a subprocess (`python -m server.cli api`), registers a fleet of workers through the API, creates a
 running job with a published version 0, activates every worker on it (what the scheduler does),
 then runs bounded phases, each a closed loop of `--concurrency` in-flight requests except `paced`:
 
@@ -58,15 +58,15 @@ PHASES = ("heartbeat", "paced", "lease", "rollouts")
 
 @contextmanager
 def api_server(db_url: str, data_dir: Path, lease_ttl_s: float):  # type: ignore[no-untyped-def]
-    """`python -m api.cli api` as a subprocess (it migrates, then runs one uvicorn process)."""
-    from api.local import free_port, wait_port
+    """`python -m server.cli api` as a subprocess (it migrates, then runs one uvicorn process)."""
+    from server.local import free_port, wait_port
 
     port = free_port()
     env = {**os.environ, "ECHO2_DATABASE_URL": db_url, "ECHO2_DATA_DIR": str(data_dir),
            "ECHO2_PORT": str(port), "ECHO2_HOST": "127.0.0.1", "ECHO2_BOOTSTRAP_API_KEY": ADMIN_KEY,
            "ECHO2_LOG_LEVEL": "WARNING", "ECHO2_LEASE_TTL_S": str(lease_ttl_s)}
     log = open(data_dir / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "api"], env=env, stdout=log,
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "api"], env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_port(port, timeout=120, proc=proc)
@@ -500,7 +500,7 @@ def hot_spots(collapsed: Path, top: int = 15) -> list[str]:
         if _idle(frames):
             continue
         total += n
-        for frame in {f for f in frames if "(api/" in f and "(api/cli.py" not in f}:
+        for frame in {f for f in frames if "(api/" in f and "(server/cli.py" not in f}:
             ours[frame] += n
         where = frames[-1].rpartition("(")[2]
         packages["<stdlib>" if where.startswith("<") else where.split("/")[0].split(".py")[0]] += n
@@ -552,7 +552,7 @@ def _summarise(phase: str, records: list[Record], cores: dict[str, float], conc:
 
 
 def run_database(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
-    from api.local import PostgresServer
+    from server.local import PostgresServer
 
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=f"echo2-load-{kind}-")))

@@ -4,7 +4,7 @@ reward curves and bytes per version, side by side in one run.
     python bench/lora.py                     # 120 steps each, 2 transformers workers + 1 vLLM worker
     python bench/lora.py --steps 60 --no-vllm
 
-Each run is `echo2-server up` (api/stack.py: private Redis, the API, the Celery scheduler, a learner
+Each run is `echo2-server up` (server/stack.py: private Redis, the API, the Celery scheduler, a learner
 host, local CPU workers) with the demo's job on the tiny model (S = 2); the LoRA run adds
 `lora` (rank 16 on every linear layer of the attention and the MLP; the random-init toy model has no
 features for attention-only adapters to reuse) and a learning rate of 1e-3, which in-process trials
@@ -36,10 +36,10 @@ LORA = {"rank": 16, "alpha": 32.0,
 def run(name: str, args: argparse.Namespace, lora: bool) -> dict[str, Any]:
     from echo2 import Client
 
-    from api.demo import demo_spec
-    from api.local import free_port
     from api.settings import Settings
-    from api.stack import Stack, exit_on_sigterm
+    from server.demo import demo_spec
+    from server.local import free_port
+    from server.stack import Stack, exit_on_sigterm
 
     work = Path(tempfile.mkdtemp(prefix=f"echo2-lora-{name}-"))
     exit_on_sigterm()

@@ -4,7 +4,7 @@ control plane, on the tiny model.
     python bench/multiturn.py                      # 40 steps, secrets 1..6, 3 turns, 2 local workers
     python bench/multiturn.py --steps 60 --high 8 --turns 4
 
-The platform runs as `echo2-server up` runs it (api/stack.py). Each sample is an episode: the model
+The platform runs as `echo2-server up` runs it (server/stack.py). Each sample is an episode: the model
 guesses, the control plane's environment answers "higher." / "lower." (the secret stays with it)
 until the guess is right or the turns run out; reward 1 when found. Printed per window of steps, from
 the rollouts each step trained on: the success rate (the episodes' mean reward, as the environment
@@ -32,9 +32,9 @@ def main() -> None:
     from echo2 import Client
 
     from api.db import Database
-    from api.local import free_port
     from api.settings import Settings
-    from api.stack import Stack, exit_on_sigterm
+    from server.local import free_port
+    from server.stack import Stack, exit_on_sigterm
 
     work = Path(tempfile.mkdtemp(prefix="echo2-multiturn-"))
     exit_on_sigterm()

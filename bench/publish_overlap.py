@@ -4,7 +4,7 @@
     python bench/publish_overlap.py --prompts 16 --nice 0 10 --steps 20 --block 5
     python bench/publish_overlap.py --pin                # training on CPU 0, I/O on the others
 
-Setup: the real control plane as a subprocess (`python -m api.cli api`, SQLite) and a running job
+Setup: the real control plane as a subprocess (`python -m server.cli api`, SQLite) and a running job
 whose base model is a random-init Qwen2 built here, larger than `echo2:tiny` so that serialisation,
 hashing and upload take real time (defaults: hidden 512, 6 layers, ~72 MB of float32 safetensors,
 the tiny model's tokenizer). The learner side is the real one: `learner.trainer.GRPOTrainer` and

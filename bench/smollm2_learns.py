@@ -3,12 +3,12 @@
     python bench/smollm2_learns.py                       # S = 2, 120 steps
     python bench/smollm2_learns.py --staleness 0 --steps 60
 
-`echo2-server up` (api/stack.py: private Redis, the API, the Celery scheduler, a learner host, local
-CPU workers) runs the demo's SmolLM2 job (api/demo.py: SMOLLM2_TWO_DIGIT) on SmolLM2-135M-Instruct (the
+`echo2-server up` (server/stack.py: private Redis, the API, the Celery scheduler, a learner host, local
+CPU workers) runs the demo's SmolLM2 job (server/demo.py: SMOLLM2_TWO_DIGIT) on SmolLM2-135M-Instruct (the
 packaged GGUF, converted once to an HF folder): two-digit addition ("what is 37+45?" with the model's
 chat template; 8,100 problems, 20 % of them held out and never trained on), G = 8, 8 prompts per step,
-16 new tokens, lr 2e-6, Adam betas 0.9/0.99, float32 versions (see api/demo.py for why not bf16). The learner evaluates
-`--eval-size` held-out problems greedy and sampled at temperature 1 before the first step, every
+16 new tokens, lr 2e-6, Adam betas 0.9/0.99, float32 versions (see server/demo.py for why not bf16). The learner
+evaluates `--eval-size` held-out problems greedy and sampled at temperature 1 before the first step, every
 `--eval-every` steps and after the last.
 Reported: that held-out curve, the training reward by blocks of 10 steps, and the wall time.
 """
@@ -28,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 
 def spec(args: argparse.Namespace) -> dict[str, Any]:
-    from api.demo import demo_spec
+    from server.demo import demo_spec
 
     job = demo_spec("smollm2", args.steps, args.staleness)
     job["name"] = f"smollm2-two-digit-S{args.staleness}"
@@ -41,9 +41,9 @@ def spec(args: argparse.Namespace) -> dict[str, Any]:
 def run(args: argparse.Namespace) -> None:
     from echo2 import Client
 
-    from api.local import free_port
     from api.settings import Settings
-    from api.stack import Stack, exit_on_sigterm
+    from server.local import free_port
+    from server.stack import Stack, exit_on_sigterm
     work = Path(tempfile.mkdtemp(prefix="echo2-smollm2-"))
     exit_on_sigterm()
     stack = Stack(Settings(data_dir=work / ".echo2", port=free_port()), workers=args.workers).start()

@@ -3,7 +3,7 @@
     python bench/worker_overhead.py                 # 64 prompts, G = 8, 128 new tokens, tiny model, CPU
     python bench/worker_overhead.py --rounds 1 --prompts 32
 
-Setup: the real control plane as a subprocess (`python -m api.cli api`, SQLite), the tiny model
+Setup: the real control plane as a subprocess (`python -m server.cli api`, SQLite), the tiny model
 (learner.tiny) published as version 0 of a running job, one worker registered and activated.
 
 - direct: `TransformersBackend.generate` on the job's prompts, in batches of `--max-prompts`, with

@@ -25,10 +25,10 @@ from api.app import create_app
 from api.auth import forget_all
 from api.bootstrap import ensure_admin
 from api.db import Database
-from api.local import PostgresServer, find_pg_bin, free_port
 from api.migrate import upgrade
 from api.models import Base
 from api.settings import Settings
+from server.local import PostgresServer, find_pg_bin, free_port
 
 ADMIN_KEY = "e2u_test-admin-key-0123456789abcdef0123456789"
 

@@ -28,9 +28,9 @@ import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from api.cli import _parser as server_parser
-from api.local import RedisServer, free_port
 from api.settings import Settings
+from server.cli import _parser as server_parser
+from server.local import RedisServer, free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCKER = ROOT / "docker"
@@ -49,7 +49,7 @@ START_ORDER = {
     "worker": {"api": "service_healthy", "provision": "service_completed_successfully"},
 }
 ONE_SHOT = {"migrate", "provision"}
-# Named in the brief for these files; api/cli.py gets them from the `echo2-server up` work (issue 6).
+# Named in the brief for these files; server/cli.py gets them from the `echo2-server up` work (issue 6).
 PENDING_SUBCOMMANDS = {"scheduler": "Celery worker + beat", "learner-host": "Celery worker on queue `learner`"}
 
 
@@ -437,7 +437,7 @@ def test_service_commands_parse(service, command):
         sub = command[1]
         if sub not in _subcommands(server_parser()):
             if sub in PENDING_SUBCOMMANDS:
-                pytest.xfail(f"`echo2-server {sub}` ({PENDING_SUBCOMMANDS[sub]}) is not in api/cli.py yet")
+                pytest.xfail(f"`echo2-server {sub}` ({PENDING_SUBCOMMANDS[sub]}) is not in server/cli.py yet")
             pytest.fail(f"{service}: `echo2-server {sub}` is not a subcommand")
         server_parser().parse_args(command[1:])
     elif command[:2] == ["python", "/opt/echo2/provision_worker.py"]:

@@ -26,11 +26,11 @@ from echo2.protocol import Fault, RejectKind
 from sqlalchemy import select
 
 from api.db import Database
-from api.demo import demo_spec
-from api.local import free_port
 from api.models import LedgerEntry, Rollout, Worker
 from api.settings import Settings
-from api.stack import Stack
+from server.demo import demo_spec
+from server.local import free_port
+from server.stack import Stack
 from tests.rollout_driver import RolloutDriver
 
 pytestmark = pytest.mark.e2e

@@ -11,11 +11,11 @@ from echo2 import Client
 from sqlalchemy import select
 
 from api.db import Database
-from api.demo import demo_spec
-from api.local import free_port
 from api.models import Decision, Job, Lease, Prompt, Rollout, Worker
 from api.settings import Settings
-from api.stack import Stack
+from server.demo import demo_spec
+from server.local import free_port
+from server.stack import Stack
 
 pytestmark = pytest.mark.e2e
 STEPS = 40

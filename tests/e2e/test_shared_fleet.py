@@ -10,11 +10,11 @@ from echo2 import Client
 from sqlalchemy import func, select
 
 from api.db import Database
-from api.demo import demo_spec
-from api.local import free_port
 from api.models import Job, LedgerEntry, Provider, StepMetric, Worker
 from api.settings import Settings
-from api.stack import Stack
+from server.demo import demo_spec
+from server.local import free_port
+from server.stack import Stack
 
 pytestmark = pytest.mark.e2e
 STEPS = 24

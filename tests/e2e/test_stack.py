@@ -13,8 +13,8 @@ import pytest
 from sqlalchemy import select
 
 from api.db import Database
-from api.local import free_port
 from api.models import EvalResult, Lease, Rollout
+from server.local import free_port
 
 pytestmark = pytest.mark.e2e
 STALENESS = 2
@@ -25,7 +25,7 @@ def stack_env(tmp_path: Path) -> dict[str, str]:
 
 
 def test_demo_learns_with_three_workers_and_keeps_the_invariants(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "api.cli", "demo", "--workers", "3", "--port", str(free_port()),
+    done = subprocess.run([sys.executable, "-m", "server.cli", "demo", "--workers", "3", "--port", str(free_port()),
                            "--staleness", str(STALENESS)], env=stack_env(tmp_path), capture_output=True,
                           text=True, timeout=1500)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
@@ -52,7 +52,7 @@ def test_demo_learns_with_three_workers_and_keeps_the_invariants(tmp_path):
 
 
 def test_ctrl_c_of_up_leaves_no_process_behind(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "up", "--workers", "1", "--port", str(free_port())],
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "up", "--workers", "1", "--port", str(free_port())],
                             env=stack_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
     for line in proc.stdout:

@@ -15,10 +15,10 @@ from echo2 import Client
 from sqlalchemy import select
 
 from api.db import Database
-from api.local import free_port
 from api.models import Rollout
 from api.settings import Settings
-from api.stack import Stack
+from server.local import free_port
+from server.stack import Stack
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 REPO = Path(__file__).resolve().parents[2]

@@ -19,9 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from api.local import free_port
 from learner.objective import ObjectiveConfig
 from learner.policy import Rollouts, grpo_update, sample
+from server.local import free_port
 
 CFG = ObjectiveConfig(eps_low=0.1, eps_high=0.2, ratio_cap=2.0, kl_coef=0.05, length_norm="token_mean", max_len=8)
 
@@ -117,9 +117,9 @@ def test_two_process_learner_over_http(api, tmp_path, capsys):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from api.demo import demo_spec
     from learner.launch import run_job
     from learner.loop import LearnerOptions
+    from server.demo import demo_spec
     from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
     from tests.rollout_driver import RolloutDriver
 
@@ -180,9 +180,9 @@ def _catch(failures: list[BaseException], fn, *args) -> None:
 @pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 def test_a_failing_rank_fails_the_run(api, tmp_path, monkeypatch):
     """Rank 0 cannot load the model while rank 1 waits for it: torchrun ends both, run_job says why."""
-    from api.demo import demo_spec
     from learner.launch import run_job
     from learner.loop import LearnerOptions
+    from server.demo import demo_spec
     from tests.factories import learner_for, new_user, ok
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # the ranks inherit it: no hub lookup for the missing model

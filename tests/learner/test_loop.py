@@ -6,9 +6,9 @@ import time
 
 import pytest
 
-from api.demo import demo_spec
 from learner.loop import Learner, LearnerOptions
 from learner.remote import ControlPlane
+from server.demo import demo_spec
 from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
 from tests.rollout_driver import RolloutDriver
 

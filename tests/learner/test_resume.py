@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from api.demo import demo_spec
+from server.demo import demo_spec
 from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
 from tests.rollout_driver import RolloutDriver
 
@@ -22,7 +22,7 @@ def start_learner(api, job_id, token, work_dir, log):
     """The learner CLI in its own process; its output goes to `log` (a pipe nobody reads would fill)."""
     env = {**os.environ, "ECHO2_LEARNER_TOKEN": token, "ECHO2_LOG_LEVEL": "INFO"}
     with open(log, "w") as out:
-        return subprocess.Popen([sys.executable, "-m", "api.cli", "learner", "--job", job_id, "--server", api.url,
+        return subprocess.Popen([sys.executable, "-m", "server.cli", "learner", "--job", job_id, "--server", api.url,
                                  "--work-dir", str(work_dir)], env=env, stdout=out, stderr=subprocess.STDOUT)
 
 

@@ -16,7 +16,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
-from api.local import free_port
+from server.local import free_port
 
 
 @dataclass

@@ -20,7 +20,7 @@ from echo2 import (
     UnexpectedResponseError,
 )
 
-from api.local import free_port
+from server.local import free_port
 
 from .conftest import SPEC
 from .stub import Reply

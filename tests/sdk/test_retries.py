@@ -21,7 +21,7 @@ from echo2 import (
 )
 from echo2._retry import retry_after
 
-from api.local import free_port
+from server.local import free_port
 
 from .conftest import SPEC
 from .stub import Reply, job_body, problem

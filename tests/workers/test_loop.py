@@ -16,10 +16,10 @@ from sqlalchemy import select
 from transformers import AutoTokenizer
 
 from api.app import create_app
-from api.local import free_port
 from api.models import Job, Lease, Rollout, Worker
 from api.services.fleet import unassign
 from api.settings import Settings
+from server.local import free_port
 from tests.conftest import Api
 from tests.factories import activate, new_provider, new_worker, ok, publish
 

@@ -69,11 +69,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    from .settings import get_settings
+    from api.settings import get_settings
 
     settings = get_settings()
     if args.command == "db":
-        from .migrate import upgrade
+        from api.migrate import upgrade
 
         upgrade(settings.database_url)
         print("database is at the latest schema")
@@ -111,9 +111,8 @@ def _learner_host(settings, app, slots: int | None, argv: list[str]) -> int:  # 
     """A Celery worker with one process a slot, registered with its slots while it runs (scheduler/hosts.py)."""
     import threading
 
+    from api.db import Database
     from scheduler import hosts
-
-    from .db import Database
 
     slots = slots or hosts.default_slots()
     database, stop, name = Database(settings.database_url), threading.Event(), hosts.host_name()
@@ -182,9 +181,9 @@ def _model(args: argparse.Namespace) -> int:
 
 
 def _create_user(settings, name: str, role: str) -> int:  # type: ignore[no-untyped-def]
-    from .bootstrap import create_user
-    from .db import Database
-    from .migrate import upgrade
+    from api.bootstrap import create_user
+    from api.db import Database
+    from api.migrate import upgrade
 
     upgrade(settings.database_url)
     user, key = create_user(Database(settings.database_url), name, role)
@@ -196,9 +195,9 @@ def _serve(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untype
     import uvicorn
     from echo2 import logs
 
-    from .bootstrap import first_run_admin
-    from .db import Database
-    from .migrate import upgrade
+    from api.bootstrap import first_run_admin
+    from api.db import Database
+    from api.migrate import upgrade
 
     upgrade(settings.database_url)
     host, port = args.host or settings.host, args.port or settings.port

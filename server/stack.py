@@ -20,11 +20,12 @@ from pathlib import Path
 
 import httpx
 
-from .bootstrap import first_run_admin
-from .db import Database
+from api.bootstrap import first_run_admin
+from api.db import Database
+from api.migrate import upgrade
+from api.settings import Settings
+
 from .local import RedisServer, free_port, wait_port
-from .migrate import upgrade
-from .settings import Settings
 
 STOP_GRACE_S = 20.0
 
@@ -65,10 +66,10 @@ class Stack:
         self.redis = RedisServer(data_dir=self.settings.data_dir / "redis").start()
         _write_pid(self.run_dir / "redis.pid", self.redis.proc.pid if self.redis.proc else 0)
         env = self._env()
-        self._spawn(Child("api", [sys.executable, "-m", "api.cli", "api"], env))
+        self._spawn(Child("api", [sys.executable, "-m", "server.cli", "api"], env))
         wait_port(self.settings.port, timeout=120, proc=self.children[0].proc)
-        self._spawn(Child("scheduler", [sys.executable, "-m", "api.cli", "scheduler"], env))
-        self._spawn(Child("learner-host", [sys.executable, "-m", "api.cli", "learner-host",
+        self._spawn(Child("scheduler", [sys.executable, "-m", "server.cli", "scheduler"], env))
+        self._spawn(Child("learner-host", [sys.executable, "-m", "server.cli", "learner-host",
                                            "--slots", str(self.learner_slots)], env))
         for _ in range(self.workers):
             self.add_worker()
@@ -160,7 +161,7 @@ def kill_orphans(run_dir: Path) -> None:
         try:
             pid = int(pid_file.read_text())
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"echo2" in cmdline or b"api.cli" in cmdline or b"redis-server" in cmdline:
+            if b"echo2" in cmdline or b"server.cli" in cmdline or b"redis-server" in cmdline:
                 os.killpg(pid, signal.SIGKILL)
         except (ValueError, OSError):
             pass

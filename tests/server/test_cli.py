@@ -9,11 +9,11 @@ import time
 
 import httpx
 
-from api.local import free_port, wait_port
+from server.local import free_port, wait_port
 
 
 def run(args, env, **kw):
-    return subprocess.run([sys.executable, "-m", "api.cli", *args], env=env, capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "server.cli", *args], env=env, capture_output=True, text=True,
                           timeout=120, **kw)
 
 
@@ -43,7 +43,7 @@ def test_production_refuses_sqlite(tmp_path):
 def test_api_first_run_creates_an_admin_key(tmp_path):
     port = free_port()
     env = {**os.environ, "ECHO2_DATA_DIR": str(tmp_path), "ECHO2_PORT": str(port)}
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "api"], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "api"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     try:
         wait_port(port, timeout=60, proc=proc)
@@ -59,7 +59,7 @@ def test_api_first_run_creates_an_admin_key(tmp_path):
 
 def test_help_is_fast():
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "api.cli", "--help"], capture_output=True, text=True, timeout=30)
+    done = subprocess.run([sys.executable, "-m", "server.cli", "--help"], capture_output=True, text=True, timeout=30)
     assert done.returncode == 0 and "echo2-server" in done.stdout
     assert time.perf_counter() - start < 2.0
 
@@ -67,7 +67,7 @@ def test_help_is_fast():
 def test_api_logs_json_lines_when_asked(tmp_path):
     port = free_port()
     env = {**os.environ, "ECHO2_DATA_DIR": str(tmp_path), "ECHO2_PORT": str(port), "ECHO2_LOG_FORMAT": "json"}
-    proc = subprocess.Popen([sys.executable, "-m", "api.cli", "api"], env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "api"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     try:
         wait_port(port, timeout=60, proc=proc)
