@@ -210,7 +210,7 @@ class Job(Base):
     queue_position: Mapped[int | None] = mapped_column(Integer)
     # Why a paused job is paused: "budget" (resumes when the budget is raised) or "quota" (by itself).
     paused_for: Mapped[str | None] = mapped_column(String(16))
-    # The cost estimated when the job was submitted (scheduler/estimate.py), to compare with the actual.
+    # The cost estimated when the job was submitted (api/services/estimate.py), to compare with the actual.
     estimate_usd: Mapped[float | None] = mapped_column(Float)
     # GiB a rollout worker must offer: spec.workers.memory_gb, or derived from the first version (modelinfo).
     memory_need_gb: Mapped[float | None] = mapped_column(Float)

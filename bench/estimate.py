@@ -6,7 +6,7 @@ platform, estimated before it is submitted. The goal: within ±25 % of the actua
 
 The platform runs as `echo2-server up` runs it (server/stack.py: private Redis, the API, the Celery
 scheduler, a learner host, 2 local CPU workers at $0.05/h; the learner at the default $2/h). An estimate
-takes learner time from earlier jobs like the one asked about (scheduler/estimate.py), and a fresh platform
+takes learner time from earlier jobs like the one asked about (api/services/estimate.py), and a fresh platform
 has none, so: the demo job is estimated on the empty platform (the scheduler's default T_train), then a
 shorter job of the same spec runs (as a user's first, shorter try would), then the demo job is estimated
 again, submitted (it keeps that estimate) and run to its end. Printed: both estimates, the actual cost

@@ -3,7 +3,7 @@ version: who qualifies when versions ship whole in bf16, as deltas, or as a LoRA
 
     python bench/freshness_bytes.py --delta-share 0.012      # the share measured by bench/weight_bytes.py
 
-A computation with stated inputs, through the scheduler's own code (`scheduler.capacity.qualify` and
+A computation with stated inputs, through the scheduler's own code (`planner.capacity.qualify` and
 `estimate_bcast_s`), not a measurement. Model: the Llama-3.2-1B shape (1.236 B parameters; hidden 2048,
 16 layers, 8 KV heads of 64): 2.47 GB in bf16. A LoRA r = 16 adapter on q/k/v/o is 3.41 M parameters,
 6.8 MB in bf16. The delta is `--delta-share` of the full bf16 version (bench/weight_bytes.py measured it
@@ -32,7 +32,7 @@ def main() -> None:
     args = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     args.add_argument("--delta-share", type=float, required=True, help="delta bytes / full bf16 bytes")
     share = args.parse_args().delta_share
-    from scheduler.capacity import JobProfile, WorkerPerf, WorkerProfile, estimate_bcast_s, qualify
+    from planner.capacity import JobProfile, WorkerPerf, WorkerProfile, estimate_bcast_s, qualify
 
     full = 2 * PARAMS_1B
     job = JobProfile(job_id="1b", rollouts_per_step=64, t_train_s=T_TRAIN_S, staleness=2, publish_period=1)

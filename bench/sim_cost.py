@@ -23,7 +23,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from scheduler.capacity import required_throughput  # noqa: E402
+from planner.capacity import required_throughput  # noqa: E402
 from scheduler.sim import Scenario, SimResult, WorkerType, load_scenario, simulate  # noqa: E402
 
 # (a): reserved H100 inside the learner's cluster: same price per GPU-hour as the learner's

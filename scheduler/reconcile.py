@@ -38,14 +38,14 @@ from api.services.learning import issue_learner_token
 from api.services.pool import expire_leases
 from api.services.trust import release_quarantines
 from api.settings import Settings
+from planner.capacity import DEFAULT_T_TRAIN_S, JobProfile, WorkerPerf, WorkerProfile, required_throughput
+from planner.decision import Action, SolverConfig, SolverState, WorkerDecision
+from planner.solver import decide
 
 from . import billing, hosts, queue, relay_probe
-from .capacity import JobProfile, WorkerPerf, WorkerProfile, required_throughput
-from .solver import Action, SolverConfig, SolverState, WorkerDecision, decide
 
 log = logging.getLogger(__name__)
 Launcher = Callable[[str, str], None]  # (job id, learner token) -> enqueue its learner
-DEFAULT_T_TRAIN_S = 2.0
 MU_WINDOW_S = 60.0
 BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
 WORKER_FAULTS = [k.value for k in RejectKind if k.fault() is Fault.worker]

@@ -5,10 +5,9 @@ from __future__ import annotations
 from echo2.protocol import JobEstimate, JobSpec
 from fastapi import APIRouter
 
-from scheduler.estimate import estimate
-
 from ..deps import CurrentUser, SessionDep, SettingsDep
 from ..services import jobs
+from ..services.estimate import estimate
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 

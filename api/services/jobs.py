@@ -12,12 +12,12 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from learner.tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
-from scheduler.estimate import estimate
 
 from ..errors import ApiError
 from ..models import Dataset, DatasetItem, Job, Lease, Prompt, User, Worker, utcnow
 from ..settings import Settings
 from . import evals
+from .estimate import estimate
 
 MAX_GENERATED_PROMPTS = 50_000
 

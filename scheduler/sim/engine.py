@@ -23,7 +23,7 @@ What is modelled
     i.e. at most TTL + one heartbeat after the death.
   * Scheduler: every tick it builds WorkerProfile/JobProfile from what a server could measure
     (heartbeat liveness, nominal μ and T_gen, last observed T_bcast or an estimate for workers
-    that have not fetched yet) and applies `scheduler.solver.decide` — the same code the
+    that have not fetched yet) and applies `planner.solver.decide` — the same code the
     reconcile loop runs.
 
 Every prompt is tracked through pool → leased → ready → consumed (or back to the pool), and
@@ -39,11 +39,12 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from scheduler.capacity import WorkerPerf, WorkerProfile, estimate_bcast_s
+from planner.capacity import WorkerPerf, WorkerProfile, estimate_bcast_s
+from planner.decision import Decision, SolverState
+from planner.solver import decide
 from scheduler.sim.relay import Peer, broadcast
 from scheduler.sim.report import DecisionSummary, JobResult, LeaseReturn, SimResult
 from scheduler.sim.scenario import JobSpec, Scenario, WorkerSpec, expand_workers
-from scheduler.solver import Decision, SolverState, decide
 
 POOL, LEASED, READY, CONSUMED = 0, 1, 2, 3
 TICK, DONE, VERSION, STEP, KILL, REJOIN, SUBMIT, EVENT, CLAIM = range(9)

@@ -22,7 +22,7 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from scheduler.capacity import estimate_bcast_s
+from planner.capacity import estimate_bcast_s
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from scheduler.solver import Decision
+from planner.decision import Decision
 
 
 @dataclass(frozen=True, slots=True)

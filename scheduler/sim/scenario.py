@@ -14,8 +14,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from scheduler.capacity import JobProfile, validate_job
-from scheduler.solver import SolverConfig
+from planner.capacity import JobProfile, validate_job
+from planner.decision import SolverConfig
 
 
 class ScenarioError(ValueError):

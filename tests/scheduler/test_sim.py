@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+import planner.solver as solver
 import scheduler.sim.engine as engine
-import scheduler.solver as solver
 from scheduler.cli import simulate_main
 from scheduler.sim import (
     ScenarioError,

@@ -8,8 +8,9 @@ from dataclasses import replace
 
 import pytest
 
-from scheduler.capacity import JobProfile, WorkerPerf, WorkerProfile, required_throughput
-from scheduler.solver import Action, Decision, SolverConfig, SolverState, decide
+from planner.capacity import JobProfile, WorkerPerf, WorkerProfile, required_throughput
+from planner.decision import Action, Decision, SolverConfig, SolverState
+from planner.solver import decide
 
 
 def job(job_id: str = "j1", **kw) -> JobProfile:

@@ -6,8 +6,9 @@ import math
 
 import pytest
 
-from scheduler.capacity import (
+from planner.capacity import (
     JobProfile,
+    Miss,
     WorkerPerf,
     WorkerProfile,
     admissible_share,
@@ -50,8 +51,8 @@ def test_freshness_excludes_slow_broadcast_worker_and_says_why():
     j = job(t_train_s=10.0, staleness=2)  # slack 20 s
     fast = qualify(worker(t_bcast=12.0, t_gen=8.0), j)  # exactly on the slack
     slow = qualify(worker(t_bcast=33.0, t_gen=8.0), j)
-    assert fast.ok
-    assert not slow.ok
+    assert fast.ok and fast.kind is None
+    assert not slow.ok and slow.kind is Miss.freshness
     assert slow.reason == "T_bcast+T_gen 41.0s > slack 20.0s"
 
 
@@ -88,18 +89,20 @@ def test_publish_period_of_s_plus_one_waits_once_per_window_instead_of_qualifyin
 
 
 @pytest.mark.parametrize(
-    ("kw", "reason"),
+    ("kw", "kind", "reason"),
     [
-        ({"vram_gb": 12}, "VRAM 12 GiB < need 16 GiB"),
-        ({"backends": frozenset({"transformers"})}, "backend transformers not supported (job needs vllm)"),
-        ({"alive": False}, "not alive"),
-        ({"mu": 0.0}, "no measured throughput"),
+        ({"vram_gb": 12}, Miss.vram, "VRAM 12 GiB < need 16 GiB"),
+        ({"backends": frozenset({"transformers"})}, Miss.backend,
+         "backend transformers not supported (job needs vllm)"),
+        ({"alive": False}, Miss.liveness, "not alive"),
+        ({"mu": 0.0}, Miss.throughput, "no measured throughput"),
     ],
 )
-def test_hard_constraints(kw, reason):
+def test_hard_constraints(kw, kind, reason):
     j = job(backends=frozenset({"vllm"}))
-    assert hard_constraint_violation(worker(**kw), j) == reason
-    assert not qualify(worker(**kw), j).ok
+    assert hard_constraint_violation(worker(**kw), j) == (kind, reason)
+    q = qualify(worker(**kw), j)
+    assert not q.ok and q.kind is kind and q.reason == reason
 
 
 def test_empty_backend_set_accepts_any_backend():

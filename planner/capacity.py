@@ -56,10 +56,23 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from echo2.protocol import max_publish_period, slack_steps
 
 DEFAULT_HEADROOM = 0.1
+DEFAULT_T_TRAIN_S = 2.0  # T_train assumed for a job before its first step
+
+
+class Miss(StrEnum):
+    """What keeps a worker from qualifying for a job, as data (`Qualification.reason` says it in words);
+    the values are the words a job's explanation counts them by ("excluded: 2 by freshness")."""
+
+    liveness = "liveness"
+    vram = "VRAM"
+    backend = "backend"
+    throughput = "other"  # no measured throughput
+    freshness = "freshness"
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,9 +125,10 @@ class JobProfile:
 
 @dataclass(frozen=True, slots=True)
 class Qualification:
-    """Whether a worker may serve a job, the one-line reason, and what it contributes."""
+    """Whether a worker may serve a job, what it misses if not, the one-line reason, and what it contributes."""
 
     ok: bool
+    kind: Miss | None  # None when ok
     reason: str
     perf: WorkerPerf
     latency_s: float  # T_bcast + T_gen
@@ -161,19 +175,19 @@ def freshness_slack_s(job: JobProfile) -> float:
     return slack_steps(job.staleness, job.publish_period) * job.t_train_s
 
 
-def hard_constraint_violation(worker: WorkerProfile, job: JobProfile) -> str | None:
-    """Why the worker cannot run the job at all, or None."""
+def hard_constraint_violation(worker: WorkerProfile, job: JobProfile) -> tuple[Miss, str] | None:
+    """Which hard constraint keeps the worker from running the job at all and why, or None."""
     if not worker.alive:
-        return "not alive"
+        return Miss.liveness, "not alive"
     if worker.vram_gb < job.vram_need_gb:
-        return f"VRAM {worker.vram_gb:g} GiB < need {job.vram_need_gb:g} GiB"
+        return Miss.vram, f"VRAM {worker.vram_gb:g} GiB < need {job.vram_need_gb:g} GiB"
     if job.backends and not (worker.backends & job.backends):
         have = ",".join(sorted(worker.backends)) or "none"
         need = ",".join(sorted(job.backends))
-        return f"backend {have} not supported (job needs {need})"
+        return Miss.backend, f"backend {have} not supported (job needs {need})"
     perf = worker.perf_for(job.job_id)
     if not perf.mu > 0:
-        return "no measured throughput"
+        return Miss.throughput, "no measured throughput"
     return None
 
 
@@ -199,12 +213,12 @@ def qualify(worker: WorkerProfile, job: JobProfile) -> Qualification:
     share = admissible_share(perf, job)
     hard = hard_constraint_violation(worker, job)
     if hard is not None:
-        return Qualification(False, hard, perf, latency, slack, share, 0.0)
+        return Qualification(False, *hard, perf, latency, slack, share, 0.0)
     if latency > slack:
         reason = f"T_bcast+T_gen {latency:.1f}s > slack {slack:.1f}s"
-        return Qualification(False, reason, perf, latency, slack, share, 0.0)
+        return Qualification(False, Miss.freshness, reason, perf, latency, slack, share, 0.0)
     reason = f"T_bcast+T_gen {latency:.1f}s ≤ slack {slack:.1f}s"
-    return Qualification(True, reason, perf, latency, slack, share, share * perf.mu)
+    return Qualification(True, None, reason, perf, latency, slack, share, share * perf.mu)
 
 
 def throughput(workers: Iterable[WorkerProfile], job: JobProfile) -> float:

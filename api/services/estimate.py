@@ -40,13 +40,13 @@ from echo2.protocol import (
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
-from api.models import Job, Lease, LedgerEntry, Rollout, StepMetric, VersionHold, WeightVersion, Worker, utcnow
-from api.settings import Settings
+from planner.capacity import DEFAULT_T_TRAIN_S, JobProfile, WorkerProfile, qualify, required_throughput
+from planner.decision import SolverConfig
+from planner.solver import decide
 
-from .capacity import JobProfile, WorkerProfile, qualify, required_throughput
-from .solver import SolverConfig, decide
+from ..models import Job, Lease, LedgerEntry, Rollout, StepMetric, VersionHold, WeightVersion, Worker, utcnow
+from ..settings import Settings
 
-DEFAULT_T_TRAIN_S = 2.0  # what the scheduler assumes before a job's first step (reconcile.py)
 DEFAULT_MU = 1.0  # groups/s for a worker neither measured nor claiming a rate, as the scheduler's trial counts it
 SIMILAR = 2.0  # "like it": samples per step and max_new_tokens within this factor
 SCAN_JOBS = 500  # recent jobs looked through for ones like it

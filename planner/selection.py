@@ -1,0 +1,241 @@
+"""Set selection: the candidate pairs (worker, job), and the cheapest set for each job — one joint MILP,
+greedy by price/μ, the best partial set, a fair share among jobs of equal priority."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.optimize import Bounds, LinearConstraint, milp
+from scipy.sparse import coo_array
+
+from .capacity import JobProfile, Miss, Qualification, WorkerProfile, qualify, required_throughput
+from .decision import SolverConfig, SolverState
+
+TOL = 1e-9
+
+
+@dataclass(slots=True)
+class Pair:
+    worker: WorkerProfile
+    job: JobProfile
+    q: Qualification
+    cost: float  # price as the solver sees it (keep bias applied)
+    locked: bool  # within dwell time on this job
+    serving: bool  # already serving this job
+
+    @property
+    def mu(self) -> float:
+        """Admissible throughput u·μ; the raw μ for best-effort workers that miss freshness."""
+        return self.q.mu if self.q.ok else self.q.perf.mu
+
+
+@dataclass(slots=True)
+class Candidates:
+    fresh: dict[str, list[Pair]]  # job -> pairs meeting every constraint
+    stale: dict[str, list[Pair]]  # job -> live pairs that miss only freshness
+    skipped: dict[str, dict[str, Qualification]]  # worker -> job -> why it does not qualify
+
+
+def candidates(
+    jobs: list[JobProfile], workers: list[WorkerProfile], now: float, state: SolverState, config: SolverConfig
+) -> Candidates:
+    fresh: dict[str, list[Pair]] = {j.job_id: [] for j in jobs}
+    stale: dict[str, list[Pair]] = {j.job_id: [] for j in jobs}
+    skipped: dict[str, dict[str, Qualification]] = {}
+    locked_to: dict[str, str] = {}
+    for w in workers:
+        current = state.assignment.get(w.worker_id)
+        for job in jobs:
+            on_job = current == job.job_id
+            q = qualify(w, job)
+            cost = w.price_per_h * (1 - config.keep_bias) if on_job else w.price_per_h
+            dwell = now - state.activated_at.get(w.worker_id, now)
+            pair = Pair(w, job, q, cost, on_job and q.ok and dwell < config.min_dwell_s, on_job)
+            if q.ok:
+                fresh[job.job_id].append(pair)
+                if pair.locked:
+                    locked_to[w.worker_id] = job.job_id
+                continue
+            skipped.setdefault(w.worker_id, {})[job.job_id] = q
+            if q.kind is Miss.freshness:
+                stale[job.job_id].append(pair)
+    for table in (fresh, stale):  # a worker locked to one job is not a candidate for the others
+        for job_id, ps in table.items():
+            table[job_id] = [p for p in ps if locked_to.get(p.worker.worker_id, job_id) == job_id]
+    return Candidates(fresh, stale, skipped)
+
+
+def _greedy(pairs: list[Pair], demand: float) -> list[Pair]:
+    """Cheapest per rollout first until the demand is met, then drop what became redundant."""
+    chosen = [p for p in pairs if p.locked]
+    have = sum(p.mu for p in chosen)
+    for p in sorted((p for p in pairs if not p.locked), key=lambda p: (p.cost / p.mu, p.cost, p.worker.worker_id)):
+        if have >= demand * (1 - TOL):
+            break
+        chosen.append(p)
+        have += p.mu
+    if have >= demand * (1 - TOL):
+        for p in sorted(chosen, key=lambda p: -p.cost):
+            if not p.locked and have - p.mu >= demand * (1 - TOL):
+                chosen.remove(p)
+                have -= p.mu
+    return chosen
+
+
+def _milp(pairs: list[Pair], demands: dict[str, float], config: SolverConfig) -> tuple[list[Pair] | None, str]:
+    """min Σ cost·x  s.t.  Σ_i μ_ij x_ij ≥ D_j per job,  Σ_j x_ij ≤ 1 per worker,  x binary."""
+    n = len(pairs)
+    if n == 0:
+        return None, "no candidates"
+    job_row = {j: r for r, j in enumerate(demands)}
+    worker_ids = sorted({p.worker.worker_id for p in pairs})
+    worker_row = {w: len(demands) + r for r, w in enumerate(worker_ids)}
+    rows, cols, vals = [], [], []
+    for c, p in enumerate(pairs):
+        rows += [job_row[p.job.job_id], worker_row[p.worker.worker_id]]
+        cols += [c, c]
+        vals += [p.mu, 1.0]
+    a = coo_array((vals, (rows, cols)), shape=(len(demands) + len(worker_ids), n)).tocsr()
+    lb_rows = np.array([*demands.values()] + [0.0] * len(worker_ids))
+    ub_rows = np.array([np.inf] * len(demands) + [1.0] * len(worker_ids))
+    res = milp(
+        c=np.array([p.cost for p in pairs]),
+        integrality=np.ones(n),
+        bounds=Bounds(np.array([1.0 if p.locked else 0.0 for p in pairs]), np.ones(n)),
+        constraints=[LinearConstraint(a, lb_rows, ub_rows)],
+        options={"time_limit": config.time_limit_s, "mip_rel_gap": config.mip_rel_gap, "disp": False},
+    )
+    if res.x is None:
+        return None, res.message
+    chosen = [p for p, x in zip(pairs, res.x, strict=True) if x > 0.5]
+    return chosen, "milp" if res.status == 0 else f"milp (best found: {res.message})"
+
+
+def _best_partial(fresh: list[Pair], stale: list[Pair], demand: float) -> list[Pair]:
+    """Every qualifying worker, then live near-misses closest to fresh until the demand is met."""
+    chosen = list(fresh)
+    have = sum(p.mu for p in chosen)
+    for p in sorted(stale, key=lambda p: (p.q.latency_s, p.cost / p.mu, p.worker.worker_id)):
+        if have >= demand * (1 - TOL):
+            break
+        chosen.append(p)
+        have += p.mu
+    return chosen
+
+
+def _solve_job(fresh: list[Pair], stale: list[Pair], demand: float, config: SolverConfig) -> tuple[list[Pair], str]:
+    """Cheapest set for one job; the best partial set when even every qualifying worker is short."""
+    if config.method == "all":
+        return fresh + stale, "all"
+    if sum(p.mu for p in fresh) < demand * (1 - TOL):
+        return _best_partial(fresh, stale, demand), "partial"
+    greedy = _greedy(fresh, demand)
+    if config.method == "greedy":
+        return greedy, "greedy"
+    chosen, note = _milp(fresh, {fresh[0].job.job_id: demand}, config)
+    if chosen is None:
+        return greedy, f"greedy (fallback: {note})"
+    if sum(p.cost for p in greedy) < sum(p.cost for p in chosen) - TOL:  # MILP stopped early
+        return greedy, f"greedy (cheaper than {note})"
+    return chosen, note
+
+
+def select(jobs: list[JobProfile], cands: Candidates, config: SolverConfig) -> tuple[dict, dict]:
+    chosen: dict[str, list[Pair]] = {}
+    notes: dict[str, str] = {}
+    if config.method == "milp" and len(jobs) > 1:
+        demands = {j.job_id: required_throughput(j) for j in jobs}
+        joint, note = _milp([p for j in jobs for p in cands.fresh[j.job_id]], demands, config)
+        if joint is not None:
+            for job in jobs:
+                chosen[job.job_id] = [p for p in joint if p.job.job_id == job.job_id]
+                notes[job.job_id] = f"{note} (joint over {len(jobs)} jobs)"
+            return chosen, notes
+    taken: set[str] = set()
+    for level in _priority_levels(jobs):
+        picked, level_notes = _take_in_order(level, cands, config, taken)
+        if len(level) > 1 and config.method != "all" and any(n == "partial" for n in level_notes.values()):
+            picked, level_notes = _fair_share(level, cands, taken)
+        chosen |= picked
+        notes |= level_notes
+        taken |= {p.worker.worker_id for ps in picked.values() for p in ps}
+    return chosen, notes
+
+
+def _priority_levels(jobs: list[JobProfile]) -> list[list[JobProfile]]:
+    """The jobs (already in priority order) grouped by equal priority."""
+    levels: list[list[JobProfile]] = []
+    for job in jobs:
+        if levels and levels[-1][0].priority == job.priority:
+            levels[-1].append(job)
+        else:
+            levels.append([job])
+    return levels
+
+
+def _take_in_order(jobs: list[JobProfile], cands: Candidates, config: SolverConfig,
+                   taken: set[str]) -> tuple[dict, dict]:
+    """Each job, oldest first, takes the cheapest set its rule needs from what is left."""
+    chosen: dict[str, list[Pair]] = {}
+    notes: dict[str, str] = {}
+    used = set(taken)
+    for job in jobs:
+        fresh = [p for p in cands.fresh[job.job_id] if p.worker.worker_id not in used]
+        stale = [p for p in cands.stale[job.job_id] if p.worker.worker_id not in used]
+        chosen[job.job_id], notes[job.job_id] = _solve_job(fresh, stale, required_throughput(job), config)
+        used |= {p.worker.worker_id for p in chosen[job.job_id]}
+    return chosen, notes
+
+
+def _fair_share(jobs: list[JobProfile], cands: Candidates, taken: set[str]) -> tuple[dict, dict]:
+    """Jobs of equal priority that cannot all be met share what is left: the job whose need is least
+    covered takes its next worker — the cheapest qualifying one, then live near-misses closest to fresh
+    — until each is met or nothing is left. Taken in order, the oldest job would take every worker and
+    the others none (or, where a job's slack is short, only workers too slow for it are left)."""
+    used = set(taken)
+    chosen = {j.job_id: [p for p in cands.fresh[j.job_id] if p.locked and p.worker.worker_id not in used]
+              for j in jobs}
+    used |= {p.worker.worker_id for ps in chosen.values() for p in ps}
+    demand = {j.job_id: required_throughput(j) for j in jobs}
+    have = {j: sum(p.mu for p in ps) for j, ps in chosen.items()}
+    pools = {j.job_id: sorted((p for p in cands.fresh[j.job_id] if not p.locked),
+                              key=lambda p: (p.cost / p.mu, p.cost, p.worker.worker_id))
+             + sorted(cands.stale[j.job_id], key=lambda p: (p.q.latency_s, p.cost / p.mu, p.worker.worker_id))
+             for j in jobs}
+    while True:
+        for pool in pools.values():
+            pool[:] = [p for p in pool if p.worker.worker_id not in used]
+        short = [j for j in demand if have[j] < demand[j] * (1 - TOL) and pools[j]]
+        if not short:
+            break
+        job_id = min(short, key=lambda j: (have[j] / demand[j], j))
+        pair = pools[job_id].pop(0)
+        chosen[job_id].append(pair)
+        have[job_id] += pair.mu
+        used.add(pair.worker.worker_id)
+    note = f"fair share: {len(jobs)} jobs of equal priority split the workers by the share of their need met"
+    return chosen, {j.job_id: note if have[j.job_id] < demand[j.job_id] * (1 - TOL) else "fair share (met)"
+                    for j in jobs}
+
+
+def lp_bound(pairs: list[Pair], demand: float) -> float:
+    """Cheapest fractional cover of the demand (LP relaxation): no set of workers costs less."""
+    total, have = 0.0, 0.0
+    for p in sorted(pairs, key=lambda p: p.worker.price_per_h / p.mu):
+        if have >= demand:
+            break
+        take = min(1.0, (demand - have) / p.mu)
+        total += take * p.worker.price_per_h
+        have += take * p.mu
+    return total if have >= demand * (1 - TOL) else float("inf")
+
+
+def current_sets(jobs: list[JobProfile], cands: Candidates, config: SolverConfig) -> dict | None:
+    """The sets serving each job now (minus workers that no longer qualify), or None when one of
+    them is more than `drift` short of its rule."""
+    current = {j.job_id: [p for p in cands.fresh[j.job_id] if p.serving] for j in jobs}
+    for job in jobs:
+        if sum(p.mu for p in current[job.job_id]) < required_throughput(job) * (1 - config.drift):
+            return None
+    return current if any(current.values()) else None

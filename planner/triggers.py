@@ -1,0 +1,89 @@
+"""Hysteresis: whether the active set must be re-solved now (solver.py's docstring lists the triggers)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .capacity import JobProfile, WorkerProfile, qualify, required_throughput
+from .decision import SolverConfig, SolverState
+
+
+def fingerprint(jobs: Sequence[JobProfile], workers: Sequence[WorkerProfile]) -> dict:
+    return {
+        "jobs": {j.job_id: (j.rollouts_per_step, j.t_train_s) for j in jobs},
+        "workers": {w.worker_id: (w.price_per_h, w.alive) for w in workers},
+        "mu": {f"{w.worker_id}|{j.job_id}": (w.perf_for(j.job_id).mu,) for w in workers for j in jobs},
+    }
+
+
+def _drifted(old: float, new: float, tolerance: float) -> bool:
+    """Relative change beyond tolerance (any change away from zero counts)."""
+    if old == new:
+        return False
+    return old == 0 or abs(new - old) / abs(old) > tolerance
+
+
+def resolve_trigger(
+    jobs: Sequence[JobProfile],
+    workers: Sequence[WorkerProfile],
+    now: float,
+    state: SolverState | None,
+    config: SolverConfig,
+) -> str | None:
+    """Why the active set must be re-solved now, or None to keep it."""
+    if state is None or not state.fingerprint:
+        return "first decision"
+    old = state.fingerprint
+    job_ids = {j.job_id for j in jobs}
+    if job_ids != set(old["jobs"]):
+        added = [f"+{j}" for j in sorted(job_ids - set(old["jobs"]))]
+        gone = [f"-{j}" for j in sorted(set(old["jobs"]) - job_ids)]
+        return "job set changed: " + ", ".join(added + gone)
+    for job in jobs:
+        r, t_train = old["jobs"][job.job_id]
+        if job.rollouts_per_step != r:
+            return f"input change: {job.job_id} R {r}→{job.rollouts_per_step}"
+        if _drifted(t_train, job.t_train_s, config.drift):
+            return f"drift: {job.job_id} T_train {t_train:.1f}s→{job.t_train_s:.1f}s (> {config.drift:.0%})"
+    by_id = {w.worker_id: w for w in workers}
+    for wid in sorted(state.assignment):
+        if wid not in by_id or not by_id[wid].alive:
+            return f"churn: {wid} lost"
+    for w in workers:
+        prev = old["workers"].get(w.worker_id)
+        if prev is None:
+            if w.alive:
+                return f"churn: {w.worker_id} joined"
+            continue
+        price, alive = prev
+        if w.alive and not alive:
+            return f"churn: {w.worker_id} back"
+        if w.price_per_h != price and (w.alive or w.worker_id in state.assignment):
+            return f"price change: {w.worker_id} ${price:.2f}→${w.price_per_h:.2f}/h"
+    jobs_by_id = {j.job_id: j for j in jobs}
+    for wid, job_id in sorted(state.assignment.items()):
+        worker, job = by_id[wid], jobs_by_id[job_id]
+        prev_mu = old["mu"].get(f"{wid}|{job_id}")
+        mu = worker.perf_for(job_id).mu
+        if prev_mu is not None and _drifted(prev_mu[0], mu, config.drift):
+            return f"drift: {wid} μ {prev_mu[0]:.3g}→{mu:.3g} (> {config.drift:.0%})"
+        q = qualify(worker, job)
+        if q.ok != state.qualified.get(wid, True):
+            verdict = "now meets freshness" if q.ok else "no longer qualifies"
+            return f"drift: {wid} {verdict} ({q.reason})"
+    if state.infeasible_jobs:  # workers held by their dwell time at the last solve may now go where they are short
+        freed = sorted(wid for wid, at in state.activated_at.items()
+                       if wid in state.assignment and state.solved_at < at + config.min_dwell_s <= now)
+        if freed:
+            return f"dwell over: {freed[0]} may move to a job that is short"
+    for job in jobs:
+        if job.job_id in state.infeasible_jobs:
+            if now - state.solved_at >= config.infeasible_retry_s:
+                return f"retry: {job.job_id} infeasible since t={state.solved_at:.0f}s"
+            continue
+        assigned = [by_id[w] for w, j in state.assignment.items() if j == job.job_id]
+        have = sum(q.mu for q in (qualify(w, job) for w in assigned) if q.ok)
+        need = required_throughput(job)
+        if have < need * (1 - config.drift):
+            return f"deficit: {job.job_id} has {have:.2f}/{need:.2f} rollouts/s (> {config.drift:.0%} short)"
+    return None
