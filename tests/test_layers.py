@@ -1,0 +1,48 @@
+"""Every arrow points down: each package imports only the platform packages on the floors below it, and
+the planes outside the control plane (worker, learner) use only the SDK's public modules."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# package -> (its folder, the platform packages it may import); the SDK `echo2` is below them all.
+FLOORS = {
+    "server": ("server", {"api", "scheduler", "planner", "learner"}),
+    "scheduler": ("scheduler", {"api", "planner", "learner"}),
+    "api": ("api", {"planner", "learner"}),
+    "planner": ("planner", set()),
+    "learner": ("learner", set()),
+    "echo2_worker": ("workers/echo2_worker", set()),
+    "echo2": ("sdk/echo2", set()),
+}
+PUBLIC_SDK_ONLY = ("learner", "echo2_worker")
+
+
+def imported(folder: str) -> list[tuple[str, str]]:
+    """(file, module) for every absolute import in the folder's sources, `from m import n` as m.n."""
+    out = []
+    for path in sorted((ROOT / folder).rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                out += [(str(path.relative_to(ROOT)), a.name) for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                out += [(str(path.relative_to(ROOT)), f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+@pytest.mark.parametrize("package", FLOORS)
+def test_imports_only_from_the_floors_below(package):
+    folder, allowed = FLOORS[package]
+    above = set(FLOORS) - allowed - {package, "echo2"}
+    wrong = [(f, m) for f, m in imported(folder) if m.split(".")[0] in above]
+    assert wrong == [], f"{package} may import only {sorted(allowed) or 'the SDK'} of the platform"
+
+
+@pytest.mark.parametrize("package", PUBLIC_SDK_ONLY)
+def test_uses_only_public_sdk_modules(package):
+    folder, _ = FLOORS[package]
+    private = [(f, m) for f, m in imported(folder) if m.split(".")[0] == "echo2"
+               and any(part.startswith("_") and not part.endswith("__") for part in m.split(".")[1:])]
+    assert private == [], "a private SDK module changes without notice; use its public name"
