@@ -37,7 +37,7 @@ from ..models import Job, Lease, Prompt, Rollout, Worker, new_id, utcnow
 from ..settings import Settings
 from . import episodes, trust
 from .jobs import spec_of
-from .pool import return_prompts
+from .pool import return_prompts, set_aside_failing
 
 HONEST_MISS = 1e-9  # chance an honest sampler draws a token below the logprob floor, per token
 
@@ -200,6 +200,8 @@ def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]
         db.execute(update(Prompt).where(Prompt.id.in_(accepted), Prompt.lease_id == lease.id)
                    .values(state="submitted"))
     return_prompts(db, back, lease_id=lease.id)
+    set_aside_failing(db, lease.job_id, [r["prompt_id"] for r in rows
+                                         if r["reject_kind"] == RejectKind.environment_failed.value])
     worker.accepted_rollouts += len(accepted)
     worker.rejected_rollouts += len(rows) - len(accepted)
     if lease.status == "active" and _all_answered(db, lease):

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from datetime import datetime, timedelta
 
-from echo2.protocol import JobSpec, RolloutStatus
+from echo2.protocol import JobSpec, JobStatus, RejectKind, RolloutStatus
 from echo2.seeds import order_key, prompt_seed
 from sqlalchemy import and_, case, func, select, update
 from sqlalchemy.orm import Session
@@ -14,9 +14,11 @@ from sqlalchemy.orm import Session
 from ..errors import ApiError
 from ..models import Job, Lease, Prompt, Rollout, StepMetric, Worker, utcnow
 from .evals import EVAL
-from .jobs import spec_of
+from .jobs import finish_job, spec_of
 
 STARVING = 3  # returns after which a prompt is leased before the rest of its epoch
+ENV_FAILURES = 3  # environment failures after which a prompt is set aside for the rest of the job
+SET_ASIDE = "set_aside"  # a prompt state: never leased again, and no epoch waits for it
 FRONT = 2**31  # order keys are in [0, 2**31): subtracting this puts a prompt before all of them
 
 
@@ -36,6 +38,31 @@ def return_prompts(db: Session, prompt_ids: list[int], lease_id: str | None = No
     result = db.execute(query.values(state="available", lease_id=None, attempts=Prompt.attempts + 1,
                                      order_key=starving))
     return result.rowcount or 0
+
+
+def set_aside_failing(db: Session, job_id: str, prompt_ids: list[int]) -> int:
+    """A prompt whose environment failed ENV_FAILURES times leaves the pool: returned, it would be leased
+    again and again (first, once starving) while the job's other prompts wait. The job fails, saying
+    why, when fewer prompts are left than a step takes. Returns how many prompts were set aside."""
+    if not prompt_ids:
+        return 0
+    failures = (select(Rollout.prompt_id).where(Rollout.prompt_id.in_(prompt_ids),
+                                                Rollout.reject_kind == RejectKind.environment_failed.value)
+                .group_by(Rollout.prompt_id).having(func.count() >= ENV_FAILURES))
+    result = db.execute(update(Prompt).where(Prompt.id.in_(failures), Prompt.state == "available")
+                        .values(state=SET_ASIDE))
+    if result.rowcount:
+        _fail_if_starved(db, db.get(Job, job_id))
+    return result.rowcount or 0
+
+
+def _fail_if_starved(db: Session, job: Job) -> None:
+    left = db.scalar(select(func.count()).where(Prompt.job_id == job.id, Prompt.state.not_in([SET_ASIDE, EVAL])))
+    need = spec_of(job).grpo.prompts_per_step
+    if left < need and not JobStatus(job.status).is_terminal():
+        finish_job(db, job, JobStatus.failed,
+                   f"only {left} prompts are left, a step takes {need}: the environment failed "
+                   f"{ENV_FAILURES} times on each of the others (GET /v1/jobs/{job.id}/rollouts shows why)")
 
 
 def end_lease(db: Session, lease: Lease, status: str) -> int:
@@ -138,8 +165,9 @@ def _take_available(db: Session, job: Job, limit: int) -> list[Prompt]:
 
 def _start_next_epoch(db: Session, job: Job, seed: int) -> bool:
     """When every training prompt has been trained on, the pool starts over in a new seeded order (held-out
-    prompts stay out)."""
-    busy = db.scalar(select(func.count()).where(Prompt.job_id == job.id, Prompt.state.not_in(["trained", EVAL])))
+    and set-aside prompts stay out)."""
+    done = ["trained", EVAL, SET_ASIDE]
+    busy = db.scalar(select(func.count()).where(Prompt.job_id == job.id, Prompt.state.not_in(done)))
     if busy:
         return False
     prompts = list(db.scalars(select(Prompt).where(Prompt.job_id == job.id, Prompt.state == "trained")

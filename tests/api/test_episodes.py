@@ -10,7 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from tokenizers import Tokenizer
 
-from api.models import Prompt
+from api.models import Job, Prompt
 from tests.factories import activate, new_provider, new_user, new_worker, ok, publish, start_learner
 
 GUESS = {"name": "guess_number", "params": {"low": 100_000, "high": 999_999, "max_turns": 3}}
@@ -251,3 +251,41 @@ def test_a_failing_or_slow_environment_ends_its_episodes_with_a_clear_reason_not
     assert ("HTTP 503" if mode == "down" else "ReadTimeout") in result["reason"]
     standing = ok(worker.get(f"/v1/workers/{wid}"))
     assert standing["trust"] == "probation" and standing["trust_reason"] is None  # not struck: not its fault
+
+
+def fail_all(worker, job, tok, lease=None) -> list[int]:
+    """Lease every prompt the pool gives (or use `lease`), play each to the environment's failure, submit."""
+    lease = lease or ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 4, "version": 0}), 201)
+    action = said(tok, "7")
+    sample = {"token_ids": action, "logprobs": [-1.0] * len(action), "finish_reason": "stop", "turns": [len(action)]}
+    pids = [p["prompt_id"] for p in lease["prompts"]]
+    steps = [{"prompt_id": pid, "sample": k, "turn": 0, "action_token_ids": action} for pid in pids for k in range(2)]
+    replies = ok(worker.post(f"/v1/leases/{lease['id']}/episodes", json={"steps": steps}))["replies"]
+    assert all(r["done"] for r in replies)
+    groups = [{"prompt_id": pid, "version": 0, "prompt_token_ids": [1, 2], "samples": [sample, sample]} for pid in pids]
+    results = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": groups}))["results"]
+    assert all("the environment failed at turn 0" in r["reason"] for r in results)
+    return pids
+
+
+def test_a_prompt_whose_environment_keeps_failing_is_set_aside_not_leased_forever(api, hosted):
+    """Returned to the pool after each failure, such a prompt would be leased again and again (first, once
+    starving) while the job's good prompts waited: after three failures it leaves the pool."""
+    job, _, worker, lease, tok, _ = hosted
+    Environment.mode = "down"
+    first = fail_all(worker, job, tok, lease)[0]
+    fail_all(worker, job, tok)
+    fail_all(worker, job, tok)  # the third failure of `first`, the second of the others
+
+    def state(model, key):
+        with api.db.session() as s:
+            row = s.get(model, key)
+            return row.state if model is Prompt else (row.status, row.status_reason)
+
+    assert state(Prompt, first) == "set_aside"
+    assert state(Job, job["id"])[0] == "running"  # three prompts still cover a step
+    rest = fail_all(worker, job, tok)
+    assert first not in rest and len(rest) == 3
+    status, reason = state(Job, job["id"])
+    assert status == "failed"
+    assert reason.startswith("only 0 prompts are left, a step takes 2: the environment failed 3 times"), reason

@@ -41,7 +41,6 @@ def test_two_jobs_share_the_fleet_one_pauses_on_its_budget_and_the_ledger_adds_u
     db = Database(settings.database_url)
     try:
         with Client(base_url=stack.url, api_key=stack.admin_key) as client:
-            first = client.jobs.create(spec("first"))
             # A learner at $2/h spends $0.004 in about 7 s: this job pauses part-way through.
             second = client.jobs.create(spec("second", budget_usd=0.004))
             wait_until(lambda: client.jobs.get(second.id).status.value == "paused", stack)
@@ -50,6 +49,8 @@ def test_two_jobs_share_the_fleet_one_pauses_on_its_budget_and_the_ledger_adds_u
             assert paused.step < STEPS, paused
             time.sleep(5)  # its learner stopped: no step is committed while it is paused
             assert client.jobs.get(second.id).step <= paused.step + 1
+            # Both start now, each with most of its steps to go: their learners train side by side.
+            first = client.jobs.create(spec("first"))
             client.jobs.update(second.id, budget_usd=5.0)
             wait_until(lambda: all(client.jobs.get(j).status.is_terminal() for j in (first.id, second.id)), stack)
             final = {j: client.jobs.get(j) for j in (first.id, second.id)}
