@@ -163,7 +163,7 @@ class Worker:
     def _ready(self, a: Assignment) -> bool:
         """True when the backend holds an admissible version to lease with (versions.py)."""
         loaded = self.versions.loaded
-        ready = self.versions.ready(a, lambda: self._parents(a))
+        ready = self.versions.hold(a, lambda: self._parents(a)) is not None
         if self.versions.loaded != loaded:
             self._drop_prefetch(release=True)  # it was leased with the version just replaced
         if not ready:
@@ -256,9 +256,10 @@ class Worker:
 
     def _prefetch(self) -> None:
         """Ask for the next lease in the background, unless a swap or a drain is coming."""
-        if self._prefetched is not None or self._drain.is_set() or self.versions.loaded != self.versions.target:
+        held = self.versions.settled()
+        if self._prefetched is not None or self._drain.is_set() or held is None:
             return
-        job_id, version = self.versions.loaded
+        job_id, version = held
 
         def call() -> LeaseRead | None:
             try:
@@ -456,10 +457,7 @@ class Worker:
         with self._bad_lock:
             bad = [BadSource(url=u, reason=r[:500]) for u, r in list(self._bad.items())[:32]]
             self._bad.clear()
-        # The job whose weights are loaded, or before the first load the one being fetched.
-        loaded, target = self.versions.loaded, self.versions.target
-        job = loaded[0] if loaded else target[0] if target else None
-        held = self.versions.held(job)
+        job, held = self.versions.holdings()
         return Heartbeat(status=self._status, job_id=job, version_held=max(held) if held else None,
                          versions_held=held, stats=self.stats.worker_stats(), bad_sources=bad,
                          fetched_from=self.versions.take_fetched()[:16])

@@ -95,7 +95,7 @@ class PartialRollouts:
         assert loaded is not None
         a = self._assignment()
         if a is not None and a.job_id == loaded[0] and a.version > loaded[1]:
-            self.versions.ready(a, lambda: self._parents(a))
+            self.versions.hold(a, lambda: self._parents(a))
         assert self.versions.loaded is not None
         return self.versions.loaded[1]
 

@@ -36,14 +36,21 @@ from .store import VersionStore
 log = logging.getLogger(__name__)
 MAX_BACKOFF_S = 30.0
 
+VersionKey = tuple[str, int]  # (job id, version)
+
 
 def backoff(attempt: int, base: float = 0.5) -> float:
     return min(MAX_BACKOFF_S, base * 2**attempt) * (0.75 + 0.5 * random.random())
 
 
 class Versions:
-    """The versions on disk and the one in the backend. `ready` runs on the worker's main thread; the
-    download runs in its own."""
+    """The versions on disk and the one in the backend.
+
+    Threads: `hold` (and so every swap) runs on the worker's main thread, which alone writes `loaded`,
+    `target`, `backend` and `tokenizer`; the heartbeat thread reads them (whole tuples, never torn). The
+    download runs in its own thread, which alone writes `_retry_at` and `_failures` (read only once it has
+    ended). `_download_lock` guards the download in flight (`_thread`, `_plan`); `_fetched_lock` guards
+    `_fetched`, which the download writes and the heartbeat takes."""
 
     def __init__(self, control: ControlPlane, store: VersionStore, stats: Stats,
                  backend_factory: Callable[[], GenerationBackend], *, relay_url: str | None,
@@ -52,11 +59,11 @@ class Versions:
         self._backend_factory, self._on_held = backend_factory, on_held
         self.backend: GenerationBackend | None = None
         self.tokenizer: Any = None
-        self.loaded: tuple[str, int] | None = None  # (job, version) in the backend
-        self.target: tuple[str, int] | None = None
-        self.lora_rank: int | None = None  # the assigned job's (Assignment.lora_rank)
+        self.loaded: VersionKey | None = None  # in the backend
+        self.target: VersionKey | None = None  # the assigned one
         self._fetched: list[Fetched] = []  # what the last download took from each source, for the next beat
-        self._lock = threading.Lock()
+        self._fetched_lock = threading.Lock()
+        self._download_lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._plan: tuple[str, set[int]] = ("", set())  # job and versions the download in flight writes
@@ -65,19 +72,32 @@ class Versions:
         self.downloader = Downloader(store, origin_token=control.token, on_bad_source=on_bad_source,
                                      meter=stats.download, self_url=relay_url)
 
-    def ready(self, a: Assignment, parents: Callable[[], list[str]]) -> bool:
-        """True when the backend holds an admissible version to lease with, swapping to the assigned one
-        once it is on disk; starts fetching it otherwise."""
-        self.target, self.lora_rank = (a.job_id, a.version), a.lora_rank
+    def hold(self, a: Assignment, parents: Callable[[], list[str]]) -> VersionKey | None:
+        """The version to lease with: the assigned one, swapped in once it is on disk (it is fetched
+        otherwise), else the loaded one while it is still admissible; None when the backend holds neither."""
+        self.target = (a.job_id, a.version)
         if self.loaded == self.target:
-            return True
+            return self.loaded
         if self.store.weights(a.job_id, a.version) is not None:
-            self.swap(a.job_id, a.version)
-            return True
+            self._swap(a)
+            return self.loaded
         self._ensure_download(a, parents)
-        return self.loaded is not None and self.loaded[0] == a.job_id and self.loaded[1] >= a.min_version
+        admissible = self.loaded is not None and self.loaded[0] == a.job_id and self.loaded[1] >= a.min_version
+        return self.loaded if admissible else None
 
-    def swap(self, job_id: str, version: int) -> None:
+    def settled(self) -> VersionKey | None:
+        """The loaded version when it is the assigned one (no swap is coming), else None."""
+        return self.loaded if self.loaded == self.target else None
+
+    def holdings(self) -> tuple[str | None, list[int]]:
+        """For the heartbeat: the job whose weights are loaded (before the first load, the one being
+        fetched) and its newest loadable versions on disk."""
+        loaded, target = self.loaded, self.target
+        job = loaded[0] if loaded else target[0] if target else None
+        return job, self.store.held(job)[-8:] if job else []
+
+    def _swap(self, a: Assignment) -> None:
+        job_id, version = a.job_id, a.version
         parts = self.store.weights(job_id, version)
         assert parts is not None
         model_dir, adapter_dir = parts
@@ -91,21 +111,17 @@ class Versions:
             self.backend.reload(model_dir, adapter_dir)
             action = "swapped to"
         else:
-            self.backend.load(model_dir, adapter_dir, lora_rank=self.lora_rank)
+            self.backend.load(model_dir, adapter_dir, lora_rank=a.lora_rank)
             self.tokenizer = _tokenizer_of(self.backend, model_dir)
             action = "loaded"
         self.loaded = (job_id, version)
         self.stats.job_id, self.stats.version_loaded = job_id, version
         log.info("%s version %d of job %s in %.1fs", action, version, job_id, time.monotonic() - t0)
-        self._gc()
-
-    def held(self, job_id: str | None) -> list[int]:
-        """The newest loadable versions of the job, for the heartbeat."""
-        return self.store.held(job_id)[-8:] if job_id else []
+        self._gc(job_id, version)
 
     def take_fetched(self) -> list[Fetched]:
         """What the last download took from each source (the control plane measures relays by it), once."""
-        with self._lock:
+        with self._fetched_lock:
             fetched, self._fetched = self._fetched, []
         return fetched
 
@@ -121,14 +137,12 @@ class Versions:
         if self.backend is not None:
             self.backend.close()
 
-    def _gc(self) -> None:
-        if self.target is None:
-            return
-        job_id, keep = self.target[0], {self.target[1]}
-        if self.loaded is not None and self.loaded[0] == job_id:
-            keep.add(self.loaded[1])
-        keep |= {b for v in keep if (b := self.store.adapter_base(job_id, v)) is not None}  # LoRA bases
-        with self._lock:  # never delete what a download in flight reads or writes
+    def _gc(self, job_id: str, loaded: int) -> None:
+        """Delete the job's versions on disk but the loaded one, its LoRA base and what a download uses."""
+        keep = {loaded}
+        if (base := self.store.adapter_base(job_id, loaded)) is not None:
+            keep.add(base)
+        with self._download_lock:  # never delete what a download in flight reads or writes
             if self._thread is not None and self._thread.is_alive() and self._plan[0] == job_id:
                 keep |= self._plan[1]
         dropped = self.store.keep_only(job_id, keep)
@@ -136,7 +150,7 @@ class Versions:
             log.info("deleted versions %s from disk (no longer needed)", dropped)
 
     def _ensure_download(self, a: Assignment, parents: Callable[[], list[str]]) -> None:
-        with self._lock:
+        with self._download_lock:
             if self._thread is not None and self._thread.is_alive():
                 return  # an older target notices `wanted()` turning false and stops; this one starts then
             if time.monotonic() < self._retry_at or not a.fetch:
@@ -200,7 +214,7 @@ class Versions:
     def _done(self, a: Assignment, result: FetchResult) -> None:
         self.stats.last_download_s = result.seconds
         self.stats.version_held = max(a.version, self.stats.version_held or 0)
-        with self._lock:
+        with self._fetched_lock:
             self._fetched = [Fetched(url=u, bytes=n, seconds=result.seconds_from(u))
                              for u, n in result.bytes_from.items()]
         self._failures = 0
