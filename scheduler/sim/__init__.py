@@ -5,7 +5,7 @@ result = simulate(load_scenario("scheduler/scenarios/hetero_1000.toml"))
 print(result.table())
 """
 
-from scheduler.sim.engine import InvariantError, Simulation, simulate
+from scheduler.sim.engine import Simulation, simulate
 from scheduler.sim.report import DecisionSummary, JobResult, LeaseReturn, SimResult
 from scheduler.sim.scenario import (
     EventSpec,
@@ -19,6 +19,7 @@ from scheduler.sim.scenario import (
     load_scenario,
     scenario_from_dict,
 )
+from scheduler.sim.state import InvariantError
 
 __all__ = [
     "DecisionSummary",

@@ -37,80 +37,16 @@ import math
 import random
 import time
 from collections import Counter, deque
-from dataclasses import dataclass, field
 
 from planner.capacity import WorkerPerf, WorkerProfile, estimate_bcast_s
 from planner.decision import Decision, SolverState
 from planner.solver import decide
 from scheduler.sim.relay import Peer, broadcast
 from scheduler.sim.report import DecisionSummary, JobResult, LeaseReturn, SimResult
-from scheduler.sim.scenario import JobSpec, Scenario, WorkerSpec, expand_workers
+from scheduler.sim.scenario import Scenario, expand_workers
+from scheduler.sim.state import CONSUMED, LEASED, POOL, READY, InvariantError, JobState, Orphans, WorkerState
 
-POOL, LEASED, READY, CONSUMED = 0, 1, 2, 3
 TICK, DONE, VERSION, STEP, KILL, REJOIN, SUBMIT, EVENT, CLAIM = range(9)
-
-
-class InvariantError(AssertionError):
-    """The simulator broke its own bookkeeping (a bug, never a scenario outcome)."""
-
-
-@dataclass(slots=True, eq=False)
-class _Orphans:
-    expires_at: float
-    pids: list[int]
-    killed_at: float
-    worker_id: str
-
-
-@dataclass(slots=True, eq=False)
-class _Job:
-    spec: JobSpec
-    pool: deque[int]
-    state: bytearray
-    t_meas: float
-    submitted: bool = False
-    done: bool = False
-    step: int = 0
-    busy: bool = False
-    step_started: float = 0.0
-    busy_s: float = 0.0
-    first_step_at: float | None = None
-    finished_at: float | None = None
-    ready: deque[tuple[int, int]] = field(default_factory=deque)  # (version, pid), in arrival order
-    ready_versions: Counter[int] = field(default_factory=Counter)  # how many of `ready` per version
-    waiting_since: float | None = None  # the learner ran out of groups at this time
-    claim_due: bool = False  # a CLAIM event (the learner's next poll) is scheduled
-    in_flight: int = 0  # leased, server view (includes leases of undetected dead workers)
-    consumed: int = 0
-    dropped: int = 0
-    latest: int = 0
-    workers: dict[_Worker, None] = field(default_factory=dict)  # active set, insertion-ordered
-    orphans: list[_Orphans] = field(default_factory=list)
-    hint_rate: float = 0.0  # what a newcomer's stream rate is expected to be
-    hint_depth: int = 1
-    worker_cost: float = 0.0
-    activations: int = 0
-    deactivations: int = 0
-    peak_active: int = 0
-
-
-@dataclass(slots=True, eq=False)
-class _Worker:
-    spec: WorkerSpec
-    price: float
-    hb_phase: float
-    alive: bool = True
-    inc: int = 0  # bumps on every (de)activation or death; stale events carry an old value
-    life: int = 0  # bumps on death and rejoin; for preemption events
-    job: _Job | None = None
-    since: float | None = None  # billing start
-    version: int = -1
-    busy: int = 0
-    leases: dict[int, float] = field(default_factory=dict)  # pid -> leased at
-    bcast: dict[str, float] = field(default_factory=dict)  # job -> last observed T_bcast
-    last_hb: float = 0.0
-    seconds_active: float = 0.0
-    errors: list[float] = field(default_factory=list)  # measurement errors (μ, T_bcast)
 
 
 class Simulation:
@@ -121,13 +57,13 @@ class Simulation:
         self.heap: list[tuple] = []
         self.seq = 0
         self.workers = [
-            _Worker(s, s.price_per_h, self.rng.uniform(0, scenario.tick_s)) for s in expand_workers(scenario)
+            WorkerState(s, s.price_per_h, self.rng.uniform(0, scenario.tick_s)) for s in expand_workers(scenario)
         ]
         self.by_id = {w.spec.worker_id: w for w in self.workers}
         self.jobs = []
         for spec in scenario.jobs:
             total = spec.rollouts_per_step * spec.max_steps
-            self.jobs.append(_Job(spec, deque(range(total)), bytearray(total), spec.t_train_s))
+            self.jobs.append(JobState(spec, deque(range(total)), bytearray(total), spec.t_train_s))
         self.job_by_id = {j.spec.job_id: j for j in self.jobs}
         self.state: SolverState | None = None
         self.decisions: list[Decision] = []
@@ -142,7 +78,7 @@ class Simulation:
         self.seq += 1
         heapq.heappush(self.heap, (at, self.seq, kind, payload))
 
-    def _set(self, job: _Job, pid: int, old: int, new: int) -> None:
+    def _set(self, job: JobState, pid: int, old: int, new: int) -> None:
         if job.state[pid] != old:
             raise InvariantError(f"{job.spec.job_id} prompt {pid}: state {job.state[pid]}, expected {old}")
         job.state[pid] = new
@@ -177,12 +113,12 @@ class Simulation:
 
     # ------------------------------------------------------------ learner
 
-    def _submit(self, job: _Job) -> None:
+    def _submit(self, job: JobState) -> None:
         job.submitted = True
         job.step_started = self.now
         self._publish(job, 0)
 
-    def _try_start(self, job: _Job) -> None:
+    def _try_start(self, job: JobState) -> None:
         if job.busy or job.done or not job.submitted:
             return
         returned = self._drop_stale(job)
@@ -200,18 +136,18 @@ class Simulation:
             return
         self._start(job)
 
-    def _next_poll(self, job: _Job) -> float:
+    def _next_poll(self, job: JobState) -> float:
         poll = self.sc.learner_poll_s
         if job.waiting_since is None or poll <= 0:
             return self.now
         waited = self.now - job.waiting_since
         return job.waiting_since + math.ceil(waited / poll - 1e-9) * poll
 
-    def _claim(self, job: _Job) -> None:
+    def _claim(self, job: JobState) -> None:
         job.claim_due = False
         self._try_start(job)
 
-    def _drop_stale(self, job: _Job) -> int:
+    def _drop_stale(self, job: JobState) -> int:
         """Queued groups no longer admissible are rejected at the claim; their prompts return."""
         floor = job.step - job.spec.staleness
         if not job.ready or min(job.ready_versions) >= floor:
@@ -231,7 +167,7 @@ class Simulation:
         job.dropped += returned
         return returned
 
-    def _start(self, job: _Job) -> None:
+    def _start(self, job: JobState) -> None:
         spec = job.spec
         for _ in range(spec.rollouts_per_step):
             version, pid = job.ready.popleft()
@@ -250,7 +186,7 @@ class Simulation:
         self.push(self.now + duration + self.sc.step_overhead_s, STEP, job, duration)
         self._wake(job)
 
-    def _step(self, job: _Job, duration: float) -> None:
+    def _step(self, job: JobState, duration: float) -> None:
         job.step += 1
         job.busy = False
         job.t_meas = 0.8 * job.t_meas + 0.2 * duration  # what the learner heartbeat reports
@@ -263,13 +199,13 @@ class Simulation:
         if not job.busy:
             self._wake(job)
 
-    def _finish(self, job: _Job) -> None:
+    def _finish(self, job: JobState) -> None:
         job.done = True
         job.finished_at = self.now
         for w in list(job.workers):
             self._deactivate(w)
 
-    def _publish(self, job: _Job, version: int) -> None:
+    def _publish(self, job: JobState, version: int) -> None:
         job.latest = version
         relay = self.sc.relay
         peers = [Peer(i, w.spec.down_Bps, w.spec.up_Bps) for i, w in enumerate(self.workers) if w.job is job]
@@ -289,10 +225,10 @@ class Simulation:
 
     # ------------------------------------------------------------ workers
 
-    def _t_gen(self, w: _Worker, job: _Job) -> float:
+    def _t_gen(self, w: WorkerState, job: JobState) -> float:
         return w.spec.t_gen_s * job.spec.gen_scale
 
-    def _estimate_bcast(self, w: _Worker, job: _Job) -> float:
+    def _estimate_bcast(self, w: WorkerState, job: JobState) -> float:
         relay = self.sc.relay
         rate = job.hint_rate or relay.origin_up_mbps * 1e6 / 8 / relay.origin_fanout
         return estimate_bcast_s(
@@ -304,7 +240,7 @@ class Simulation:
             relay.hop_latency_s,
         )
 
-    def _room(self, job: _Job, version: int) -> int:
+    def _room(self, job: JobState, version: int) -> int:
         """The live lease rule (api/services/pool.py lease_room): groups of `version` the learner can
         still train before it goes stale, less the step in training and what is queued and in flight
         (in flight counted whatever its version: the server sees leases, not their fate)."""
@@ -315,7 +251,7 @@ class Simulation:
         steps_left = version + spec.staleness - job.step + 1
         return steps_left * spec.rollouts_per_step - claimed - queued - job.in_flight
 
-    def _fill(self, w: _Worker) -> None:
+    def _fill(self, w: WorkerState) -> None:
         job = w.job
         if job is None or w.version < 0 or job.done:
             return
@@ -330,12 +266,12 @@ class Simulation:
             w.leases[pid] = self.now
             self.push(self.now + t_gen, DONE, w, w.inc, pid, w.version)
 
-    def _wake(self, job: _Job) -> None:
+    def _wake(self, job: JobState) -> None:
         for w in job.workers:
             if w.busy < w.spec.concurrency:
                 self._fill(w)
 
-    def _done(self, w: _Worker, inc: int, pid: int, version: int) -> None:
+    def _done(self, w: WorkerState, inc: int, pid: int, version: int) -> None:
         if w.inc != inc:
             return  # released on deactivation or orphaned on death
         job = w.job
@@ -348,11 +284,11 @@ class Simulation:
         self._fill(w)
 
     @staticmethod
-    def _queue(job: _Job, version: int, pid: int) -> None:
+    def _queue(job: JobState, version: int, pid: int) -> None:
         job.ready.append((version, pid))
         job.ready_versions[version] += 1
 
-    def _version(self, w: _Worker, inc: int, version: int, took: float) -> None:
+    def _version(self, w: WorkerState, inc: int, version: int, took: float) -> None:
         if w.inc != inc or w.job is None:
             return
         if version > w.version:
@@ -360,7 +296,7 @@ class Simulation:
             w.bcast[w.job.spec.job_id] = took
             self._fill(w)
 
-    def _activate(self, w: _Worker, job: _Job) -> None:
+    def _activate(self, w: WorkerState, job: JobState) -> None:
         w.inc += 1
         w.job = job
         w.since = self.now
@@ -371,14 +307,14 @@ class Simulation:
         took = self._estimate_bcast(w, job)
         self.push(self.now + took, VERSION, w, w.inc, job.latest, took)
 
-    def _bill(self, w: _Worker) -> None:
+    def _bill(self, w: WorkerState) -> None:
         if w.since is not None and w.job is not None:
             seconds = self.now - w.since
             w.seconds_active += seconds
             w.job.worker_cost += seconds * w.price / 3600
         w.since = None
 
-    def _deactivate(self, w: _Worker) -> None:
+    def _deactivate(self, w: WorkerState) -> None:
         job = w.job
         self._bill(w)
         for pid in w.leases:
@@ -396,7 +332,7 @@ class Simulation:
         if released:
             self._wake(job)
 
-    def _kill(self, w: _Worker) -> None:
+    def _kill(self, w: WorkerState) -> None:
         if not w.alive:
             return
         self.kills.append((self.now, w.spec.worker_id))
@@ -413,7 +349,7 @@ class Simulation:
             for pid, leased_at in w.leases.items():
                 expiring.setdefault(max(leased_at, w.last_hb) + self.sc.lease_ttl_s, []).append(pid)
             for expires_at, pids in expiring.items():
-                job.orphans.append(_Orphans(expires_at, pids, self.now, w.spec.worker_id))
+                job.orphans.append(Orphans(expires_at, pids, self.now, w.spec.worker_id))
             job.workers.pop(w, None)
         w.leases = {}
         w.busy = 0
@@ -425,11 +361,11 @@ class Simulation:
         if w.spec.rejoin_after_s > 0:
             self.push(self.now + w.spec.rejoin_after_s, REJOIN, w, w.life)
 
-    def _kill_event(self, w: _Worker, life: int) -> None:
+    def _kill_event(self, w: WorkerState, life: int) -> None:
         if w.life == life and w.alive:
             self._kill(w)
 
-    def _rejoin(self, w: _Worker, life: int) -> None:
+    def _rejoin(self, w: WorkerState, life: int) -> None:
         if w.life != life or w.alive:
             return
         w.alive = True
@@ -455,7 +391,7 @@ class Simulation:
                 if w.spec.type_name == ev.worker_type:
                     self._bill_and_reprice(w, w.price * ev.price_factor)
 
-    def _bill_and_reprice(self, w: _Worker, price: float) -> None:
+    def _bill_and_reprice(self, w: WorkerState, price: float) -> None:
         if w.since is not None and w.job is not None:
             self._bill(w)
             w.since = self.now
@@ -502,7 +438,7 @@ class Simulation:
             else:
                 w.errors = [rho * e + self.rng.gauss(0, kick) for e in w.errors]
 
-    def _profiles(self, running: list[_Job]) -> list[WorkerProfile]:
+    def _profiles(self, running: list[JobState]) -> list[WorkerProfile]:
         noise = self.sc.measure_noise
         if noise:
             self._measurement_errors()
@@ -535,7 +471,7 @@ class Simulation:
             )
         return out
 
-    def _reconcile(self, running: list[_Job]) -> None:
+    def _reconcile(self, running: list[JobState]) -> None:
         profiles = self._profiles(running)
         jobs = [j.spec.profile(j.t_meas) for j in running]
         d = decide(jobs, profiles, self.now, self.state, self.sc.solver)
@@ -556,35 +492,8 @@ class Simulation:
     # ------------------------------------------------------------ result
 
     def _result(self, runtime_s: float, cpu_s: float) -> SimResult:
-        jobs = []
         end = self.now
-        for job in self.jobs:
-            spec = job.spec
-            finished = job.finished_at if job.finished_at is not None else end
-            wall = max(0.0, finished - spec.submit_at_s)
-            leased = sum(1 for s in job.state if s == LEASED)
-            accounted = job.consumed + len(job.pool) + len(job.ready) + leased
-            steady = finished - job.first_step_at if job.first_step_at is not None else 0.0
-            jobs.append(
-                JobResult(
-                    job_id=spec.job_id,
-                    completed=job.done,
-                    steps=job.step,
-                    wall_s=wall,
-                    busy_s=job.busy_s,
-                    utilisation=job.busy_s / wall if wall else 0.0,
-                    steady_utilisation=job.busy_s / steady if steady else 0.0,
-                    dropped_stale=job.dropped,
-                    prompts_total=len(job.state),
-                    prompts_consumed=job.consumed,
-                    prompts_lost=len(job.state) - accounted,
-                    learner_cost=spec.learner_price_per_h * wall / 3600,
-                    worker_cost=job.worker_cost,
-                    activations=job.activations,
-                    deactivations=job.deactivations,
-                    peak_active=job.peak_active,
-                )
-            )
+        jobs = [JobResult.of(job, end) for job in self.jobs]
         return SimResult(
             scenario=self.sc.name,
             method=self.sc.solver.method,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from planner.decision import Decision
+from scheduler.sim.state import LEASED, JobState
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,34 @@ class JobResult:
     activations: int
     deactivations: int
     peak_active: int
+
+    @classmethod
+    def of(cls, job: JobState, end: float) -> JobResult:
+        """The job's figures when the simulation ends at `end`; every prompt not in a known state is lost."""
+        spec = job.spec
+        finished = job.finished_at if job.finished_at is not None else end
+        wall = max(0.0, finished - spec.submit_at_s)
+        leased = sum(1 for s in job.state if s == LEASED)
+        accounted = job.consumed + len(job.pool) + len(job.ready) + leased
+        steady = finished - job.first_step_at if job.first_step_at is not None else 0.0
+        return cls(
+            job_id=spec.job_id,
+            completed=job.done,
+            steps=job.step,
+            wall_s=wall,
+            busy_s=job.busy_s,
+            utilisation=job.busy_s / wall if wall else 0.0,
+            steady_utilisation=job.busy_s / steady if steady else 0.0,
+            dropped_stale=job.dropped,
+            prompts_total=len(job.state),
+            prompts_consumed=job.consumed,
+            prompts_lost=len(job.state) - accounted,
+            learner_cost=spec.learner_price_per_h * wall / 3600,
+            worker_cost=job.worker_cost,
+            activations=job.activations,
+            deactivations=job.deactivations,
+            peak_active=job.peak_active,
+        )
 
 
 @dataclass(slots=True)
