@@ -289,3 +289,22 @@ def test_a_prompt_whose_environment_keeps_failing_is_set_aside_not_leased_foreve
     status, reason = state(Job, job["id"])
     assert status == "failed"
     assert reason.startswith("only 0 prompts are left, a step takes 2: the environment failed 3 times"), reason
+
+
+def test_one_worker_alone_cannot_set_a_jobs_prompts_aside(api, hosted):
+    """Actions that break the environment are the worker's to choose: with two workers on the job, three
+    failures from one of them leave the prompt in the pool, and a second worker's failure sets it aside."""
+    job, _, worker, lease, tok, _ = hosted  # `worker` holds a lease: the job has had two workers from here
+    Environment.mode = "down"
+    _, provider = new_provider(api)
+    wid, other = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    mine = [fail_all(other, job, tok) for _ in range(3)]
+    assert all(set(m) == set(mine[0]) and len(m) == 3 for m in mine)
+    with api.db.session() as s:
+        assert {s.get(Prompt, pid).state for pid in mine[0]} == {"available"}
+    fail_all(worker, job, tok, lease)
+    assert set(mine[0]) < set(fail_all(worker, job, tok))
+    with api.db.session() as s:
+        assert {s.get(Prompt, pid).state for pid in mine[0]} == {"set_aside"}
+        assert s.get(Job, job["id"]).status == "failed"  # one prompt left, a step takes two
