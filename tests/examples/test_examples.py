@@ -162,3 +162,34 @@ def test_submit_and_watch_follows_the_job_until_it_is_cancelled(api, tmp_path):
         script.wait_for(rf"^job {job_id} cancelled: 1 steps, reward 0\.500 -> 0\.500")
     finally:
         script.stop()
+
+
+def test_calculator_env_plays_a_tool_using_episode_through_the_adapter(tmp_path):
+    script = Script("calculator_env.py", "--port", "0")
+    try:
+        url = script.wait_for(r"calculator environment on (http://\S+/step)", timeout=20).group(1)
+        task = get_task("http_env")
+        params = task.parse_params({"url": url, "max_turns": 4, "timeout_s": 5, "max_retries": 1})
+        exported = tmp_path / "prompts.jsonl"
+        subprocess.run([sys.executable, str(EXAMPLES / "calculator_env.py"), "--export-prompts", str(exported),
+                        "--count", "3"], check=True)
+        items = [json.loads(line) for line in exported.read_text().splitlines()]
+        assert len(items) == 3 and all("calc(" in i["prompt"] and i["reference"].isdigit() for i in items)
+        prompt = task.prompt_from_item({"prompt": "What is 37*41+5?", "reference": "1522"}, params)
+
+        def play(*actions: str):
+            episode = task.new_episode(prompt, params)
+            assert episode.reset() == "What is 37*41+5?"
+            return [(t.observation, t.done, t.reward) for t in map(episode.step, actions)]
+
+        assert play("calc(37*41)", "calc(1517+5)", "answer: 1522") == [
+            ("calc(37*41) = 1517", False, None), ("calc(1517+5) = 1522", False, None), (None, True, 1.0)]
+        assert play("answer: 1500") == [(None, True, 0.0)]
+        assert play("I do not know.") == [(None, True, 0.0)]  # neither a call nor an answer
+        # The model's text is untrusted: no eval, no runaway power, no crash on nonsense.
+        assert play("calc(__import__('os').getpid())")[0][0].startswith("calc(__import__('os').getpid()) = error:")
+        assert play("calc(9**9**9)")[0][0] == "calc(9**9**9) = error: exponent larger than 64"
+        assert play("calc(1/0)")[0][0] == "calc(1/0) = error: division by zero"
+        assert play("calc(1)", "calc(2)", "calc(3)", "calc(4)")[-1] == (None, True, 0.0)  # out of tool calls
+    finally:
+        script.stop()
