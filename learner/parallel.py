@@ -11,7 +11,9 @@ Both offer the same methods, so the learner code reads the same for both:
 - `announce(command, payload)`: rank 0 tells the followers what to do next (no-op for Solo);
 - `wrap(model)`: shard the model (before the optimiser is built over its parameters);
 - `model_state(model)`: a full CPU copy of the weights (rank 0 gets it; other ranks help gather);
-- `optimizer_state` / `restore`: full optimiser state for checkpoints, and loading both back.
+- `optimizer_state` / `restore`: full optimiser state for checkpoints, and loading both back;
+- `share(rows)` / `total(stats, grad_norm, device)`: the rows of a micro-batch this rank computes, and a
+  step's summed stats and gradient norm over all ranks (policy.grpo_update).
 """
 
 from __future__ import annotations
@@ -49,6 +51,13 @@ class Solo:
 
     def close(self) -> None:
         """Nothing to release."""
+
+    def share(self, rows: list[int]) -> list[int]:
+        return rows
+
+    def total(self, stats: dict[str, float], grad_norm: torch.Tensor, device: torch.device
+              ) -> tuple[dict[str, float], float]:
+        return stats, float(grad_norm)
 
 
 class Sharded(Solo):
@@ -123,3 +132,16 @@ class Sharded(Solo):
         import torch.distributed as dist
 
         dist.destroy_process_group()
+
+    def share(self, rows: list[int]) -> list[int]:
+        """Every size-th row, from this rank's."""
+        return rows[self.rank::self.size]
+
+    def total(self, stats: dict[str, float], grad_norm: torch.Tensor, device: torch.device
+              ) -> tuple[dict[str, float], float]:
+        import torch.distributed as dist
+
+        keys = sorted(stats)  # the same keys on every rank (policy._Pass fills them all)
+        summed = torch.tensor([stats[k] for k in keys], dtype=torch.float64, device=device)
+        dist.all_reduce(summed)
+        return dict(zip(keys, summed.tolist(), strict=True)), float(grad_norm.full_tensor())

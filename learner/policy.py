@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from learner.objective import ObjectiveConfig, group_advantages, grpo_loss, loss_denominator
+from learner.parallel import Solo
 
 
 @dataclass(frozen=True)
@@ -270,8 +271,7 @@ def grpo_update(
     grad_clip: float | None = 1.0,
     ref_model: torch.nn.Module | None = None,
     pad_id: int = 0,
-    rank: int = 0,
-    world_size: int = 1,
+    world: Solo | None = None,
 ) -> dict[str, Any]:
     """Advantages -> micro-batched loss with one global divisor -> one optimiser step.
 
@@ -280,14 +280,15 @@ def grpo_update(
     one by one (`_poisoned_groups`), dropped and listed in stats["poisoned_groups"], and the step is
     taken on the others.
 
-    With world_size > 1 (an FSDP-wrapped model, every rank calling with the same rollouts), each rank
-    takes its share of every micro-batch (`_share`). Advantages and the divisor are computed over the
-    whole step as above, so the per-rank losses add up to the single-process loss; FSDP averages
-    gradients over ranks, hence each rank's loss is scaled by world_size. Every rank runs one pass per
-    micro-batch, because FSDP's collectives must line up: a rank with no row of its own runs one with
-    weight 0. Stats and the finiteness checks are over all ranks, so every rank drops the same groups.
+    With a `parallel.Sharded` world (an FSDP-wrapped model, every rank calling with the same rollouts),
+    each rank takes its share of every micro-batch (`world.share`). Advantages and the divisor are
+    computed over the whole step as above, so the per-rank losses add up to the single-process loss;
+    FSDP averages gradients over ranks, hence each rank's loss is scaled by the world's size. Every rank
+    runs one pass per micro-batch, because FSDP's collectives must line up: a rank with no row of its
+    own runs one with weight 0. Stats and the finiteness checks are over all ranks (`world.total`), so
+    every rank drops the same groups.
     """
-    pass_ = _Pass(model, ref_model, cfg, temperature, max_tokens_per_micro_batch, grad_clip, rank, world_size)
+    pass_ = _Pass(model, ref_model, cfg, temperature, max_tokens_per_micro_batch, grad_clip, world or Solo())
     plan = _plan(rollouts, cfg, pad_id, exclude=set())
     stats: dict[str, Any] = {"stepped": 0.0, "dropped_groups": float(plan.dropped),
                              "kept_samples": float(len(plan.rows)), "poisoned_groups": []}
@@ -344,25 +345,22 @@ class _Pass:
     temperature: float
     max_tokens: int
     grad_clip: float | None
-    rank: int
-    world_size: int
+    world: Solo
 
     def backward(self, plan: _Plan, rows: list[int]) -> tuple[dict[str, float], float]:
         """Returns the summed stats (over ranks) and the gradient norm before clipping."""
         self.model.zero_grad(set_to_none=True)
-        totals: dict[str, float] = {}
+        totals = dict.fromkeys(TOTALS, 0.0)  # every key on every rank: ranks sum them in one order
         device = next(self.model.parameters()).device
         for part in micro_batches([plan.lengths[i] for i in rows], self.max_tokens):
-            mine = _share(part, self.rank, self.world_size)
+            mine = self.world.share(part)
             chosen = [rows[j] for j in (mine or part[:1])]
             loss, mb_stats = self._loss(plan, chosen, device)
-            (loss * (self.world_size if mine else 0.0)).backward()
+            (loss * (self.world.size if mine else 0.0)).backward()
             if mine:
                 _accumulate(totals, mb_stats, float(loss.detach()))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
-        if self.world_size > 1:
-            totals, grad_norm = _sum_over_ranks(totals, device), grad_norm.full_tensor()
-        return totals, float(grad_norm)
+        return self.world.total(totals, grad_norm, device)
 
     def _loss(self, plan: _Plan, rows: list[int], device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
         mb = plan.batch.select(rows).to(device)
@@ -378,11 +376,6 @@ class _Pass:
             plan.staleness[rows, : mb.completion_len].to(device), self.cfg,
             ref_logprobs=None if ref is None else ref.float(), denominator=plan.denominator,
         )
-
-
-def _share(part: list[int], rank: int, world_size: int) -> list[int]:
-    """The rows of a micro-batch this rank computes: every world_size-th, from its rank."""
-    return part[rank::world_size]
 
 
 def _poisoned_groups(pass_: _Pass, plan: _Plan, group_ids: Sequence[int]) -> set[int]:
@@ -404,14 +397,6 @@ def _autocast(device: torch.device) -> torch.autocast:
 
 
 TOTALS = ("tokens", "loss", "clip_frac", "cap_frac", "ratio_mean", "kl")
-
-
-def _sum_over_ranks(totals: dict[str, float], device: torch.device) -> dict[str, float]:
-    import torch.distributed as dist
-
-    summed = torch.tensor([totals.get(k, 0.0) for k in TOTALS], dtype=torch.float64, device=device)
-    dist.all_reduce(summed)
-    return dict(zip(TOTALS, summed.tolist(), strict=True))
 
 
 def _accumulate(totals: dict[str, float], mb_stats: dict[str, float], loss: float) -> None:

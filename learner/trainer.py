@@ -163,8 +163,7 @@ class GRPOTrainer:
         g = self.spec.grpo
         stats = grpo_update(self.model, self.optimizer, rows, self.cfg, temperature=g.temperature,
                             max_tokens_per_micro_batch=g.micro_batch_tokens, grad_clip=g.max_grad_norm,
-                            ref_model=self.ref_model, pad_id=self.pad_id, rank=self.world.rank,
-                            world_size=self.world.size)
+                            ref_model=self.ref_model, pad_id=self.pad_id, world=self.world)
         if stats["stepped"]:
             self.scheduler.step()
         result.groups_dropped += int(stats["dropped_groups"])

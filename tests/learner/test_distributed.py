@@ -41,13 +41,13 @@ def rollouts(tiny) -> Rollouts:
                     [i % 2 for i in range(12)])
 
 
-def update(model, batch: Rollouts, pad_id: int, wrap=lambda m: m, rank: int = 0, world_size: int = 1):
+def update(model, batch: Rollouts, pad_id: int, world=None):
     ref = copy.deepcopy(model).eval()
-    model = wrap(model)
+    model = world.wrap(model) if world else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     # 40 tokens per micro-batch: several micro-batches, some with an odd number of rows
     return grpo_update(model, optimizer, batch, CFG, max_tokens_per_micro_batch=40, grad_clip=None,
-                       ref_model=ref, pad_id=pad_id, rank=rank, world_size=world_size)
+                       ref_model=ref, pad_id=pad_id, world=world)
 
 
 def _rank(rank: int, port: int, tiny_dir: str, batch: Rollouts, pad_id: int, out: str) -> None:
@@ -59,7 +59,7 @@ def _rank(rank: int, port: int, tiny_dir: str, batch: Rollouts, pad_id: int, out
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     world = Sharded(local_rank=rank)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    stats = update(model, batch, pad_id, world.wrap, world.rank, world.size)
+    stats = update(model, batch, pad_id, world)
     if rank:  # as launch.follow does: rank 0 announces the gather
         assert world.receive()[0] == "model_state"
     state = world.model_state(model)
