@@ -19,7 +19,7 @@ from echo2 import (
     RateLimitError,
     ServerError,
 )
-from echo2._retry import retry_after
+from echo2.transport import retry_after
 
 from server.local import free_port
 
