@@ -119,8 +119,8 @@ def test_a_lease_going_stale_mid_way_is_released(api: Api, tiny_model_dir: Path,
     setup = start_job(api, tiny_model_dir, staleness=0, publish_period=1)
     # 3 s a group: the lease (4 groups) cannot finish while version 1 is published and announced.
     w = worker_factory(setup, backend_factory=lambda: SlowBackend(3.0), gen_batch_prompts=1)
-    wait_for(lambda: w.worker.active_leases() and rollouts(api, setup.id), 120, "a lease half done")
-    lease_id = w.worker.active_leases()[0].id
+    wait_for(lambda: w.worker.leases.active() and rollouts(api, setup.id), 120, "a lease half done")
+    lease_id = w.worker.leases.active()[0].id
     publish(setup.learner, setup.id, next_model_dir, version=1, step=1)
     with api.db.session() as s:
         s.get(Job, setup.id).step = 1

@@ -53,9 +53,9 @@ def test_a_generation_continues_on_the_version_published_while_it_ran(api: Api, 
                       grpo={"group_size": 2, "prompts_per_step": 256, "max_new_tokens": MAX_NEW})
     GatedBackend.gates = [threading.Event(), threading.Event()]
     w = worker_factory(setup, backend_factory=GatedBackend, gen_batch_prompts=4)
-    wait_for(lambda: w.worker.active_leases(), 120, "a lease being generated")
+    wait_for(lambda: w.worker.leases.active(), 120, "a lease being generated")
     publish(setup.learner, setup.id, next_model_dir, version=1, step=0)
-    wait_for(lambda: (r := w.worker._latest()) and r.assignment and r.assignment.version == 1, 60, "the news of v1")
+    wait_for(lambda: (a := w.worker.heartbeats.assignment()) and a.version == 1, 60, "the news of v1")
     GatedBackend.gates[0].set()
     wait_for(lambda: w.store.loadable(setup.id, 1), 120, "version 1 on disk")
     GatedBackend.gates[1].set()

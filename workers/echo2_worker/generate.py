@@ -1,0 +1,69 @@
+"""One batch of a lease made into the groups to submit: G samples of each prompt from the backend (with
+partial rollouts, in segments that may span versions: partial.py), or G episodes played with the control
+plane (episodes.py). A group carries the version of its oldest token, the lease's unless partial
+rollouts moved on, and its samples are clamped to what the protocol accepts."""
+
+from __future__ import annotations
+
+import time
+
+from echo2.prompting import encode_prompt
+from echo2.protocol import EpisodeLimits, GroupSubmit, LeasedPrompt, LeaseRead, SampleSubmit
+from echo2.seeds import sample_seed
+
+from . import episodes
+from .backends import GenRequest, GenSample
+from .control import ControlPlane
+from .partial import PartialRollouts, oldest_version, runs_of
+from .progress import Stats
+from .versions import Versions
+
+MIN_LOGPROB = -1e4  # the protocol's floor; a sampled token is never that unlikely in practice
+
+
+class Generator:
+    """Generates with whatever `versions` has in its backend now (the main thread swaps between batches)."""
+
+    def __init__(self, versions: Versions, partial: PartialRollouts, control: ControlPlane, stats: Stats) -> None:
+        self.versions, self.partial, self.control, self.stats = versions, partial, control, stats
+
+    def groups(self, prompts: list[LeasedPrompt], lease: LeaseRead) -> list[GroupSubmit]:
+        """G samples of each prompt, as the lease's sampling asks, tagged with the version that drew them."""
+        backend = self.versions.backend
+        assert backend is not None
+        sampling, version = lease.sampling, lease.version
+        g = sampling.group_size
+        prompt_ids = [encode_prompt(self.versions.tokenizer, p.text) for p in prompts]
+        if lease.episode is not None:
+            return self._play(prompts, prompt_ids, lease, lease.episode)
+        requests = [GenRequest(prompt_token_ids=ids, n=g, seeds=[sample_seed(p.seed, k) for k in range(g)],
+                               max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                               top_p=sampling.top_p, top_k=sampling.top_k)
+                    for p, ids in zip(prompts, prompt_ids, strict=True)]
+        t0 = time.monotonic()
+        outputs = self.partial.generate(requests) if sampling.partial_rollouts else backend.generate(requests)
+        seconds = time.monotonic() - t0
+        tokens = sum(len(s.token_ids) for group in outputs for s in group)
+        self.stats.tokens.add(tokens)
+        return [GroupSubmit(prompt_id=p.prompt_id, version=oldest_version(group, version), prompt_token_ids=ids,
+                            samples=[_sample(s) for s in group], gen_seconds=round(seconds / len(prompts), 4))
+                for p, ids, group in zip(prompts, prompt_ids, outputs, strict=True)]
+
+    def _play(self, prompts: list[LeasedPrompt], prompt_ids: list[list[int]], lease: LeaseRead,
+              limits: EpisodeLimits) -> list[GroupSubmit]:
+        """Multi-turn: every sample an episode, played with the control plane (episodes.py)."""
+        assert self.versions.backend is not None
+        t0 = time.monotonic()
+        groups = episodes.play(self.versions.backend, self.control, lease.id,
+                               [(p.prompt_id, p.seed, ids) for p, ids in zip(prompts, prompt_ids, strict=True)],
+                               lease.sampling, limits)
+        seconds = time.monotonic() - t0
+        self.stats.tokens.add(sum(len(s.token_ids) for group in groups for s in group))
+        return [GroupSubmit(prompt_id=p.prompt_id, version=lease.version, prompt_token_ids=ids, samples=samples,
+                            gen_seconds=round(seconds / len(prompts), 4))
+                for p, ids, samples in zip(prompts, prompt_ids, groups, strict=True)]
+
+
+def _sample(s: GenSample) -> SampleSubmit:
+    return SampleSubmit(token_ids=s.token_ids, logprobs=[max(MIN_LOGPROB, min(0.0, lp)) for lp in s.logprobs],
+                        text=s.text.replace("\x00", "")[:32_768], finish_reason=s.finish_reason, versions=runs_of(s))
