@@ -13,7 +13,7 @@ from fastapi import FastAPI
 
 import web
 
-from . import errors, openapi
+from . import errors, openapi, tinker
 from .db import Database
 from .routes import (
     datasets,
@@ -80,7 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
     app.add_middleware(MetricsMiddleware, telemetry=telemetry)
     for module in (health, users, estimates, jobs, datasets, fleet, ledger, leases, learner, learner_state, evals,
-                   weights):
+                   weights, tinker):
         app.include_router(module.router)
     web.install(app)
     logs.configure(settings.log_format, settings.log_level)  # no-op when the CLI configured it first

@@ -1,0 +1,12 @@
+"""A Tinker-compatible HTTP surface: the official `tinker` SDK, pointed at Echo2 with TINKER_BASE_URL,
+trains LoRA adapters on a Tinker learner host and samples from them (docs/TINKER.md)."""
+
+from fastapi import APIRouter
+
+from . import futures, host, sampling, sessions, training, unsupported
+
+router = APIRouter()
+for module in (sessions, training, sampling, futures, host, unsupported):
+    router.include_router(module.router)
+
+__all__ = ["router"]

@@ -1,0 +1,83 @@
+"""`retrieve_future`: the SDK polls each future until it is done. The answer waits (a long poll) until the
+request finishes or LONG_POLL_S pass, since the SDK asks again at once after a `try_again`. A result
+stays retrievable until its session ends, so a client that reconnects gets it (durable futures)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import anyio
+from echo2.protocol.tinker import ModelStatus, RequestKind, RequestStatus
+from fastapi import APIRouter, Request, Response
+from fastapi.responses import JSONResponse
+
+from ..db import Database
+from ..errors import ApiError
+from . import service, wire
+from .deps import ApiKey, user_of
+from .models import TinkerModel, TinkerRequest
+from .schemas import RetrieveFutureRequest
+
+router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+
+LONG_POLL_S = 25.0  # the SDK's retrieve_future timeout is 45 s
+PROTOBUF = "application/x-protobuf"
+
+
+@router.post("/retrieve_future")
+async def retrieve_future(body: RetrieveFutureRequest, api_key: ApiKey, request: Request) -> Response:
+    state = request.app.state
+    deadline = time.monotonic() + LONG_POLL_S
+    while True:
+        row, model = await anyio.to_thread.run_sync(_load, state.db, api_key, body.request_id)
+        left = deadline - time.monotonic()
+        if RequestStatus(row.status).is_terminal() or left <= 0:
+            return answer(row, model)
+        await state.announcer.wait(service.request_key(row.id), min(left, 2.0))
+
+
+def _load(database: Database, api_key: str, request_id: str) -> tuple[TinkerRequest, TinkerModel]:
+    with database.session() as db:
+        user = user_of(db, api_key)
+        row = db.get(TinkerRequest, request_id)
+        if row is None or row.owner_id != user.id:
+            raise ApiError(404, f"future {request_id} not found", field="request_id")
+        model = db.get(TinkerModel, row.model_id)
+        assert model is not None
+        return row, model
+
+
+def answer(row: TinkerRequest, model: TinkerModel) -> Response:
+    if row.status == RequestStatus.failed.value:
+        return JSONResponse({"error": row.error or "failed", "category": row.category or "server"})
+    if row.status != RequestStatus.done.value:
+        return JSONResponse(_try_again(row, model))
+    result = row.result or {}
+    kind = RequestKind(row.kind)
+    if kind in (RequestKind.forward, RequestKind.forward_backward):
+        out = result["forward_backward"]
+        return Response(wire.write_forward_backward_output(out["outputs"], out["metrics"]), media_type=PROTOBUF)
+    if kind is RequestKind.sample:
+        sample = result["sample"]
+        return Response(wire.write_sample_response(sample["sequences"], sample.get("prompt_logprobs")),
+                        media_type=PROTOBUF)
+    return JSONResponse(_json_result(kind, row, result))
+
+
+def _json_result(kind: RequestKind, row: TinkerRequest, result: dict[str, Any]) -> dict[str, Any]:
+    if kind is RequestKind.create_model:
+        return {"type": "create_model", "model_id": row.model_id}
+    if kind is RequestKind.optim_step:
+        return {"metrics": result.get("metrics") or {}}
+    if kind is RequestKind.save_weights_for_sampler and row.payload.get("sampler_id"):
+        return {"type": "save_weights_for_sampler", "sampling_session_id": row.payload["sampler_id"]}
+    what = "sampler" if kind is RequestKind.save_weights_for_sampler else "training"
+    return {"type": kind.value, "path": service.checkpoint_path(row.model_id, what, row.payload["name"])}
+
+
+def _try_again(row: TinkerRequest, model: TinkerModel) -> dict[str, Any]:
+    if model.host is None and model.status == ModelStatus.pending.value:
+        return {"type": "try_again", "request_id": row.id, "queue_state": "paused_capacity",
+                "queue_state_reason": "waiting for a Tinker learner host to load this model"}
+    return {"type": "try_again", "request_id": row.id, "queue_state": "active"}

@@ -1,0 +1,133 @@
+"""Routes of the Tinker learner host (learner/tinker_host.py), authenticated with an admin API key.
+
+`claim` long-polls for the host's next request: the next one of a model it holds, or a new model to
+load while it has a free slot. The host says which models it holds: one it was given but no longer
+holds (it restarted) is failed with the reason, and one whose session ended is dropped.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+from echo2.protocol.tinker import (
+    ErrorCategory,
+    HostClaim,
+    HostResult,
+    HostWork,
+    HostWorkReply,
+    ModelSpec,
+    ModelStatus,
+    RequestKind,
+    RequestStatus,
+    SessionStatus,
+    TinkerLora,
+)
+from fastapi import APIRouter, Query, Request
+from sqlalchemy import select, update
+from sqlalchemy.orm import Session
+
+from ..db import Database
+from ..deps import SessionDep
+from ..models import utcnow
+from . import service
+from .deps import ApiKey, Bell, HostUser, require_host, user_of
+from .models import TinkerHost, TinkerModel, TinkerRequest, TinkerSession
+
+router = APIRouter(prefix="/v1/tinker/host", tags=["tinker"], include_in_schema=False)
+
+
+@router.post("/claim")
+async def claim(body: HostClaim, api_key: ApiKey, request: Request) -> HostWorkReply:
+    state = request.app.state
+    deadline = time.monotonic() + body.wait_s
+    while True:
+        reply = await anyio.to_thread.run_sync(_claim_once, state.db, api_key, body)
+        left = deadline - time.monotonic()
+        if reply.work is not None or left <= 0:
+            return reply
+        await state.announcer.wait(service.HOSTS_KEY, min(left, 2.0))
+
+
+def _claim_once(database: Database, api_key: str, body: HostClaim) -> HostWorkReply:
+    with database.session() as db:
+        require_host(user_of(db, api_key))
+        host = db.get(TinkerHost, body.host, with_for_update=True) or TinkerHost(name=body.host)
+        host.slots, host.seen_at = body.slots, utcnow()
+        db.add(host)
+        service.sweep(db)
+        held = _held(db, body)
+        drop = [m for m in body.holding if m not in held]
+        row = _next_request(db, list(held)) or _adopt(db, body.host, body.slots - len(held))
+        work = _start(db, row) if row is not None else None
+        db.commit()
+        return HostWorkReply(work=work, drop=drop)
+
+
+def _held(db: Session, body: HostClaim) -> set[str]:
+    """The host's live models. One it had loaded and no longer holds fails (the host restarted, its state is
+    gone); a request it was given and never reported goes out again (a serial host asking for work runs
+    nothing, so the reply carrying it was lost)."""
+    rows = db.scalars(select(TinkerModel).join(TinkerSession, TinkerSession.id == TinkerModel.session_id).where(
+        TinkerModel.host == body.host, TinkerModel.status != ModelStatus.failed.value,
+        TinkerSession.status == SessionStatus.active.value))
+    held = set()
+    for model in rows:
+        if model.status == ModelStatus.ready.value and model.id not in body.holding:
+            service.fail_model(db, model, f"learner host {body.host} restarted and lost this model; create a new "
+                                          "client", ErrorCategory.server)
+            continue
+        held.add(model.id)
+    db.execute(update(TinkerRequest).where(TinkerRequest.model_id.in_(held),
+                                           TinkerRequest.status == RequestStatus.running.value)
+               .values(status=RequestStatus.pending.value, started_at=None))
+    return held
+
+
+def _next_request(db: Session, models: list[str]) -> TinkerRequest | None:
+    """The oldest pending request among the host's models, the first of its model (they run in seq order)."""
+    first = db.scalar(select(TinkerRequest).where(TinkerRequest.model_id.in_(models),
+                                                  TinkerRequest.status == RequestStatus.pending.value)
+                      .order_by(TinkerRequest.created_at).limit(1))
+    if first is None:
+        return None
+    return db.scalar(select(TinkerRequest).where(TinkerRequest.model_id == first.model_id,
+                                                 TinkerRequest.status == RequestStatus.pending.value)
+                     .order_by(TinkerRequest.seq).limit(1).with_for_update())
+
+
+def _adopt(db: Session, host: str, free: int) -> TinkerRequest | None:
+    """Take the oldest model no host has loaded yet, if a slot is free; its create_model comes first."""
+    if free <= 0:
+        return None
+    model = db.scalar(select(TinkerModel).join(TinkerSession, TinkerSession.id == TinkerModel.session_id).where(
+        TinkerModel.host.is_(None), TinkerModel.status == ModelStatus.pending.value,
+        TinkerSession.status == SessionStatus.active.value)
+        .order_by(TinkerModel.created_at).limit(1).with_for_update(skip_locked=True))
+    if model is None:
+        return None
+    model.host = host
+    return _next_request(db, [model.id])
+
+
+def _start(db: Session, row: TinkerRequest) -> HostWork:
+    model = db.get(TinkerModel, row.model_id)
+    assert model is not None
+    row.status, row.started_at = RequestStatus.running.value, utcnow()
+    lora = TinkerLora(**model.lora) if model.lora else None
+    return HostWork(request_id=row.id, model_id=model.id, kind=RequestKind(row.kind),
+                    model=ModelSpec(base_model=model.base_model, lora=lora), payload=row.payload)
+
+
+@router.post("/requests/{request_id}/result")
+def report(request_id: str, body: HostResult, user: HostUser, db: SessionDep, bell: Bell,
+           host: str = Query(max_length=128)) -> dict[str, bool]:
+    """Store a request's outcome; one the control plane already failed (its session ended) is ignored."""
+    row = db.get(TinkerRequest, request_id, with_for_update=True)
+    model = db.get(TinkerModel, row.model_id) if row is not None else None
+    if row is None or model is None or model.host != host or row.status != RequestStatus.running.value:
+        return {"accepted": False}
+    service.record_result(db, row, body)
+    db.commit()
+    bell.announce(service.request_key(row.id))
+    return {"accepted": True}

@@ -1,0 +1,110 @@
+"""Tables of the Tinker-compatible surface: sessions, the models trained or sampled in them, their
+checkpoints, the requests (the SDK's futures, durable: a result is kept until its session ends) and
+the learner hosts that run them."""
+
+from __future__ import annotations
+
+import secrets
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import JSON, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy.orm import Mapped, mapped_column
+
+from ..models import Base, utcnow
+
+
+def new_tinker_id(prefix: str) -> str:
+    return f"{prefix}_{secrets.token_hex(12)}"
+
+
+class TinkerSession(Base):
+    __tablename__ = "tinker_sessions"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_tinker_id("tks"))
+    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    sdk_version: Mapped[str] = mapped_column(String(32))
+    tags: Mapped[list[Any]] = mapped_column(default=list)
+    status: Mapped[str] = mapped_column(String(16), default="active")  # echo2.protocol.tinker.SessionStatus
+    finish_reason: Mapped[str | None] = mapped_column(String(16))
+    heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+
+
+class TinkerModel(Base):
+    """A training client's model (`{session}:train:{n}`), or a sampler's (`{session}:sample:{n}`): what a
+    learner host loads and keeps while the session lasts."""
+
+    __tablename__ = "tinker_models"
+    id: Mapped[str] = mapped_column(String(96), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("tinker_sessions.id", ondelete="CASCADE"), index=True)
+    owner_id: Mapped[str] = mapped_column(String(32), index=True)
+    kind: Mapped[str] = mapped_column(String(16))  # "train" | "sample"
+    base_model: Mapped[str] = mapped_column(String(512))
+    lora: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    host: Mapped[str | None] = mapped_column(String(128), index=True)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # echo2.protocol.tinker.ModelStatus
+    error: Mapped[str | None] = mapped_column(String(1024))
+    info: Mapped[dict[str, Any]] = mapped_column(default=dict)  # what the host reports: tokenizer, vocab
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TinkerCheckpoint(Base):
+    """Weights saved under a name (`tinker://{model}/sampler_weights/{name}`); the host holding the
+    model keeps the bytes."""
+
+    __tablename__ = "tinker_checkpoints"
+    model_id: Mapped[str] = mapped_column(ForeignKey("tinker_models.id", ondelete="CASCADE"), primary_key=True)
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    kind: Mapped[str] = mapped_column(String(16))  # "sampler" | "training"
+    step: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TinkerSampler(Base):
+    """A sampling session: the model whose host samples, and the checkpoint it samples from (None: the
+    model's weights as they are, for a base-model sampler)."""
+
+    __tablename__ = "tinker_samplers"
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    session_id: Mapped[str] = mapped_column(ForeignKey("tinker_sessions.id", ondelete="CASCADE"), index=True)
+    owner_id: Mapped[str] = mapped_column(String(32), index=True)
+    model_id: Mapped[str] = mapped_column(ForeignKey("tinker_models.id", ondelete="CASCADE"))
+    checkpoint: Mapped[str | None] = mapped_column(String(128))
+    base_model: Mapped[str] = mapped_column(String(512))
+    model_path: Mapped[str | None] = mapped_column(String(512))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TinkerRequest(Base):
+    """One future: a model's request, run by its host in `seq` order, with its result or its error."""
+
+    __tablename__ = "tinker_requests"
+    id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_tinker_id("tkr"))
+    owner_id: Mapped[str] = mapped_column(String(32), index=True)
+    model_id: Mapped[str] = mapped_column(ForeignKey("tinker_models.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(32))  # echo2.protocol.tinker.RequestKind
+    seq: Mapped[int] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(16), default="pending")  # echo2.protocol.tinker.RequestStatus
+    payload: Mapped[dict[str, Any]]
+    result: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    error: Mapped[str | None] = mapped_column(String(1024))
+    category: Mapped[str | None] = mapped_column(String(16))  # "user" | "server"
+    idempotency_key: Mapped[str | None] = mapped_column(String(128))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    started_at: Mapped[datetime | None]
+    finished_at: Mapped[datetime | None]
+    __table_args__ = (
+        UniqueConstraint("owner_id", "idempotency_key"),
+        UniqueConstraint("model_id", "seq"),
+        Index("ix_tinker_requests_queue", "model_id", "status", "seq"),
+    )
+
+
+class TinkerHost(Base):
+    """A learner host serving Tinker models; it claims requests, and its silence fails what it holds."""
+
+    __tablename__ = "tinker_hosts"
+    name: Mapped[str] = mapped_column(String(128), primary_key=True)
+    slots: Mapped[int] = mapped_column(Integer)
+    seen_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -1,0 +1,95 @@
+"""The Tinker SDK's sampling calls: sampling sessions on a saved checkpoint or a base model, and `asample`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from echo2.protocol.tinker import RequestKind, SampleParams, SamplePayload
+from fastapi import APIRouter
+from pydantic import ValidationError
+
+from ..deps import SessionDep
+from ..errors import ApiError
+from . import service
+from .deps import Bell, IdempotencyKey, TinkerUser
+from .models import TinkerSampler
+from .schemas import CreateSamplingSessionRequest, SampleRequest, SamplingParams
+
+router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+
+
+@router.post("/create_sampling_session")
+def create_sampling_session(body: CreateSamplingSessionRequest, user: TinkerUser, db: SessionDep,
+                            bell: Bell) -> dict[str, Any]:
+    session = service.owned_session(db, user.id, body.session_id)
+    sampler_id = f"{session.id}:sample:{body.sampling_session_seq_id}"
+    if db.get(TinkerSampler, sampler_id) is not None:
+        raise ApiError(400, f"sampling_session_seq_id {body.sampling_session_seq_id} is taken in this session",
+                       field="sampling_session_seq_id")
+    if body.model_path:
+        checkpoint = service.parse_checkpoint_path(db, user.id, body.model_path)
+        model = service.owned_model(db, user.id, checkpoint.model_id)
+        sampler = TinkerSampler(id=sampler_id, session_id=session.id, owner_id=user.id, model_id=model.id,
+                                checkpoint=checkpoint.name, base_model=model.base_model, model_path=body.model_path)
+    elif body.base_model:
+        model = service.new_model(db, session, sampler_id, "sample", body.base_model, None)
+        service.enqueue(db, model, RequestKind.create_model, {}, None)
+        sampler = TinkerSampler(id=sampler_id, session_id=session.id, owner_id=user.id, model_id=model.id,
+                                base_model=model.base_model)
+    else:
+        raise ApiError(400, "give model_path (tinker://...) or base_model", field="model_path")
+    db.add(sampler)
+    db.commit()
+    bell.announce(service.HOSTS_KEY)
+    return {"type": "create_sampling_session", "sampling_session_id": sampler.id}
+
+
+@router.get("/samplers/{sampler_id}")
+def get_sampler(sampler_id: str, user: TinkerUser, db: SessionDep) -> dict[str, Any]:
+    sampler = service.owned_sampler(db, user.id, sampler_id)
+    return {"sampler_id": sampler.id, "base_model": sampler.base_model, "model_path": sampler.model_path}
+
+
+@router.post("/asample")
+def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey, bell: Bell) -> dict[str, Any]:
+    if body.sampling_session_id is None:
+        raise ApiError(400, "Echo2 samples through a sampling session: create_sampling_client first",
+                       field="sampling_session_id")
+    _refuse_unsupported(body)
+    sampler = service.owned_sampler(db, user.id, body.sampling_session_id)
+    model = service.owned_model(db, user.id, sampler.model_id)
+    payload = _payload(body, sampler.checkpoint)
+    row = service.enqueue(db, model, RequestKind.sample, payload.model_dump(mode="json"), key)
+    db.commit()
+    bell.announce(service.HOSTS_KEY)
+    ids = [f"{row.id}:{k}" for k in range(body.num_samples)]
+    return {"request_id": row.id, "model_id": model.id, "sample_sequence_ids": ids}
+
+
+def _refuse_unsupported(body: SampleRequest) -> None:
+    names = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k", "target_prompt_logprobs",
+             "prompt_logprobs_last_n")
+    for name in names:
+        value = getattr(body, name)
+        if value:
+            raise ApiError(400, f"{name} is not supported by Echo2 (prompt_logprobs is)", field=name)
+
+
+def _payload(body: SampleRequest, checkpoint: str | None) -> SamplePayload:
+    try:
+        return SamplePayload(checkpoint=checkpoint, prompt=body.prompt.tokens(), num_samples=body.num_samples,
+                             params=_params(body.sampling_params), prompt_logprobs=bool(body.prompt_logprobs))
+    except (ValueError, ValidationError) as exc:
+        reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
+        raise ApiError(400, f"asample: {reason}", field="prompt") from exc
+
+
+def _params(params: SamplingParams) -> SampleParams:
+    """Stop as the SDK means it: None stops at EOS, strings stop there or at EOS, token ids stop at exactly
+    those, and [] never stops before max_tokens."""
+    stop = [params.stop] if isinstance(params.stop, str) else params.stop
+    tokens = [s for s in stop or [] if isinstance(s, int)]
+    strings = [s for s in stop or [] if isinstance(s, str)]
+    return SampleParams(max_tokens=params.max_tokens or 128, seed=params.seed, temperature=params.temperature,
+                        top_k=params.top_k, top_p=params.top_p, stop_tokens=tokens if tokens or stop == [] else None,
+                        stop_strings=strings or None)

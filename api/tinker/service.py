@@ -1,0 +1,179 @@
+"""What the Tinker routes do to the database: sessions, models, samplers and their requests (futures).
+
+A request is queued on a model; the learner host holding the model claims the model's requests one at a
+time in `seq` order, so a model trains exactly in the order the SDK sent its calls. A host that falls
+silent fails every unfinished request of its models (the SDK then raises instead of waiting), and so
+does a session that stops heartbeating: nothing waits forever.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import PurePosixPath
+
+from echo2.protocol.tinker import (
+    ErrorCategory,
+    HostResult,
+    ModelStatus,
+    RequestKind,
+    RequestStatus,
+    SessionStatus,
+)
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from ..errors import ApiError
+from ..models import utcnow
+from .models import TinkerCheckpoint, TinkerHost, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession
+
+BUILTINS = ("echo2:tiny", "echo2:smollm2")
+HOST_DEAD_AFTER_S = 60.0
+SESSION_EXPIRES_AFTER_S = 300.0  # the SDK heartbeats every 10 s
+UNFINISHED = (RequestStatus.pending.value, RequestStatus.running.value)
+HOSTS_KEY = "tinker/hosts"  # announced when work is queued: hosts waiting in a claim look at once
+
+
+def request_key(request_id: str) -> str:
+    """Announced when a request finishes: its retrieve_future answers at once."""
+    return f"tinker/{request_id}"
+
+
+def check_base_model(name: str) -> str:
+    """A model Echo2 can load without the network: a built-in, or a folder by absolute path."""
+    if name in BUILTINS or PurePosixPath(name).is_absolute():
+        return name
+    raise ApiError(400, f"unknown base model {name!r}: Echo2 trains and samples {', '.join(BUILTINS)} or a model "
+                        "folder given by its absolute path on the learner host (nothing is downloaded)",
+                   field="base_model")
+
+
+def owned_session(db: Session, owner_id: str, session_id: str) -> TinkerSession:
+    row = db.get(TinkerSession, session_id)
+    if row is None or row.owner_id != owner_id:
+        raise ApiError(404, f"session {session_id} not found", field="session_id")
+    if row.status != SessionStatus.active.value:
+        raise ApiError(400, f"session {session_id} is finished ({row.finish_reason}); create a new ServiceClient",
+                       field="session_id")
+    return row
+
+
+def owned_model(db: Session, owner_id: str, model_id: str) -> TinkerModel:
+    row = db.get(TinkerModel, model_id)
+    if row is None or row.owner_id != owner_id:
+        raise ApiError(404, f"model {model_id} not found", field="model_id")
+    if row.status == ModelStatus.failed.value:
+        raise ApiError(400, f"model {model_id} failed: {row.error}", field="model_id")
+    owned_session(db, owner_id, row.session_id)
+    return row
+
+
+def owned_sampler(db: Session, owner_id: str, sampler_id: str) -> TinkerSampler:
+    row = db.get(TinkerSampler, sampler_id)
+    if row is None or row.owner_id != owner_id:
+        raise ApiError(404, f"sampling session {sampler_id} not found", field="sampling_session_id")
+    return row
+
+
+def new_model(db: Session, session: TinkerSession, model_id: str, kind: str, base_model: str,
+              lora: dict | None) -> TinkerModel:
+    if db.get(TinkerModel, model_id) is not None:
+        raise ApiError(400, f"model {model_id} exists already: model_seq_id must be new in its session",
+                       field="model_seq_id")
+    model = TinkerModel(id=model_id, session_id=session.id, owner_id=session.owner_id, kind=kind,
+                        base_model=check_base_model(base_model), lora=lora)
+    db.add(model)
+    db.flush()
+    return model
+
+
+def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
+            idempotency_key: str | None) -> TinkerRequest:
+    """The request's future; a retried POST (same Idempotency-Key) gets the future of its first attempt."""
+    if idempotency_key:
+        earlier = db.scalar(select(TinkerRequest).where(TinkerRequest.owner_id == model.owner_id,
+                                                        TinkerRequest.idempotency_key == idempotency_key))
+        if earlier is not None:
+            return earlier
+    # Lock the model row: two requests of one model never take the same seq.
+    db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update())
+    last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id))
+    row = TinkerRequest(owner_id=model.owner_id, model_id=model.id, kind=kind.value, seq=(last or 0) + 1,
+                        payload=payload, idempotency_key=idempotency_key or None)
+    db.add(row)
+    db.flush()
+    return row
+
+
+def checkpoint_path(model_id: str, kind: str, name: str) -> str:
+    segment = "sampler_weights" if kind == "sampler" else "weights"
+    return f"tinker://{model_id}/{segment}/{name}"
+
+
+def parse_checkpoint_path(db: Session, owner_id: str, path: str) -> TinkerCheckpoint:
+    parts = path.removeprefix("tinker://").split("/")
+    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in ("sampler_weights", "weights"):
+        raise ApiError(400, f"model_path {path!r} is not tinker://MODEL/sampler_weights/NAME", field="model_path")
+    model = db.get(TinkerModel, parts[0])
+    row = db.get(TinkerCheckpoint, (parts[0], parts[2]))
+    if model is None or model.owner_id != owner_id or row is None:
+        raise ApiError(404, f"checkpoint {path} not found", field="model_path")
+    if model.status == ModelStatus.failed.value:
+        raise ApiError(400, f"checkpoint {path}: its model failed: {model.error}", field="model_path")
+    owned_session(db, owner_id, model.session_id)
+    return row
+
+
+def finish_session(db: Session, session: TinkerSession, reason: str) -> None:
+    """End a session: its unfinished requests fail, and hosts drop its models at their next claim."""
+    if session.status == SessionStatus.finished.value:
+        return
+    session.status, session.finish_reason, session.finished_at = SessionStatus.finished.value, reason, utcnow()
+    models = select(TinkerModel.id).where(TinkerModel.session_id == session.id)
+    _fail_requests(db, TinkerRequest.model_id.in_(models), f"the session ended ({reason})", ErrorCategory.user)
+
+
+def _fail_requests(db: Session, where, error: str, category: ErrorCategory) -> None:  # type: ignore[no-untyped-def]
+    db.execute(update(TinkerRequest).where(where, TinkerRequest.status.in_(UNFINISHED))
+               .values(status=RequestStatus.failed.value, error=error[:1024], category=category.value,
+                       finished_at=utcnow()))
+
+
+def fail_model(db: Session, model: TinkerModel, error: str, category: ErrorCategory) -> None:
+    model.status, model.error = ModelStatus.failed.value, error[:1024]
+    _fail_requests(db, TinkerRequest.model_id == model.id, error, category)
+
+
+def sweep(db: Session) -> None:
+    """Expire silent sessions and fail the models of silent hosts (run by every host claim)."""
+    now = utcnow()
+    stale = db.scalars(select(TinkerSession).where(
+        TinkerSession.status == SessionStatus.active.value,
+        TinkerSession.heartbeat_at < now - timedelta(seconds=SESSION_EXPIRES_AFTER_S)))
+    for session in stale:
+        finish_session(db, session, "expired: no heartbeat")
+    dead = select(TinkerHost.name).where(TinkerHost.seen_at < now - timedelta(seconds=HOST_DEAD_AFTER_S))
+    for model in db.scalars(select(TinkerModel).where(TinkerModel.host.in_(dead),
+                                                      TinkerModel.status != ModelStatus.failed.value)):
+        fail_model(db, model, f"its learner host {model.host} stopped answering; create a new client",
+                   ErrorCategory.server)
+
+
+def record_result(db: Session, request: TinkerRequest, result: HostResult) -> None:
+    """Store a host's outcome: the request is done (or failed), and what it made exists from now on."""
+    model = db.get(TinkerModel, request.model_id)
+    assert model is not None
+    request.finished_at = utcnow()
+    if result.error is not None:
+        request.status, request.error, request.category = RequestStatus.failed.value, result.error, result.category
+        if request.kind == RequestKind.create_model.value:
+            fail_model(db, model, result.error, result.category)
+        return
+    request.status = RequestStatus.done.value
+    request.result = result.model_dump(mode="json", exclude_none=True, exclude={"category"})
+    if request.kind == RequestKind.create_model.value and result.info is not None:
+        model.status, model.info = ModelStatus.ready.value, result.info.model_dump(mode="json")
+    if request.kind in (RequestKind.save_weights.value, RequestKind.save_weights_for_sampler.value):
+        name, kind = request.payload["name"], request.payload["kind"]
+        checkpoint = db.get(TinkerCheckpoint, (model.id, name)) or TinkerCheckpoint(model_id=model.id, name=name)
+        checkpoint.kind, checkpoint.step = kind, result.step or 0
+        db.add(checkpoint)

@@ -1,0 +1,192 @@
+"""The Tinker SDK's training calls: each one queues a request on its model and answers its future at once."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import anyio
+from echo2.protocol.tinker import (
+    AdamStep,
+    ForwardBackwardPayload,
+    LossFn,
+    ModelStatus,
+    RequestKind,
+    SavePayload,
+    TinkerDatum,
+)
+from fastapi import APIRouter, Request
+from pydantic import ValidationError
+
+from ..db import Database
+from ..deps import SessionDep
+from ..errors import ApiError
+from ..services.notices import Announcer
+from . import service, wire
+from .deps import ApiKey, Bell, IdempotencyKey, TinkerUser, user_of
+from .models import TinkerModel, TinkerRequest, TinkerSampler
+from .schemas import CreateModelRequest, ModelRef, OptimStepRequest, SaveWeightsRequest
+
+router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+
+PROTOBUF = "application/x-protobuf"
+# The inputs each loss reads besides target_tokens (tinker-docs "Losses"); weights default to ones.
+LOSS_INPUTS = {LossFn.cross_entropy: (), LossFn.importance_sampling: ("logprobs", "advantages"),
+               LossFn.ppo: ("logprobs", "advantages")}
+
+
+def queued(row: TinkerRequest, bell: Announcer) -> dict[str, Any]:
+    """The SDK's future of a committed request; hosts waiting for work hear of it at once."""
+    bell.announce(service.HOSTS_KEY)
+    return {"request_id": row.id, "model_id": row.model_id}
+
+
+@router.post("/create_model")
+def create_model(body: CreateModelRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
+                 bell: Bell) -> dict[str, Any]:
+    if body.lora_config is None:
+        raise ApiError(400, "Echo2 trains LoRA adapters only: create_lora_training_client", field="lora_config")
+    if body.optimizer_config.get("type", "adamw") != "adamw":
+        raise ApiError(400, f"optimizer {body.optimizer_config.get('type')!r} is not supported: Echo2 steps with AdamW",
+                       field="optimizer_config")
+    session = service.owned_session(db, user.id, body.session_id)
+    model_id = f"{session.id}:train:{body.model_seq_id}"
+    existing = db.get(TinkerModel, model_id)
+    if existing is not None and existing.owner_id == user.id and key:  # the same POST, retried
+        row = service.enqueue(db, existing, RequestKind.create_model, {}, key)
+    else:
+        model = service.new_model(db, session, model_id, "train", body.base_model, body.lora_config.model_dump())
+        row = service.enqueue(db, model, RequestKind.create_model, {}, key)
+    db.commit()
+    return queued(row, bell)
+
+
+@router.post("/get_info")
+def get_info(body: ModelRef, user: TinkerUser, db: SessionDep) -> dict[str, Any]:
+    model = service.owned_model(db, user.id, body.model_id)
+    if model.status != ModelStatus.ready.value:
+        raise ApiError(400, f"model {model.id} is not loaded yet: wait for create_model's future", field="model_id")
+    lora = model.lora or {}
+    return {"type": "get_info", "model_id": model.id, "is_lora": model.lora is not None,
+            "lora_rank": lora.get("rank"), "model_name": model.base_model,
+            "model_data": {"model_name": model.base_model, "arch": model.info.get("arch"),
+                           "tokenizer_id": model.info.get("tokenizer_id")}}
+
+
+@router.post("/forward_backward")
+async def forward_backward(request: Request, api_key: ApiKey, key: IdempotencyKey, bell: Bell) -> dict[str, Any]:
+    """Protobuf in (tinker_public.ForwardBackwardRequest); `forward_only` makes it the SDK's `forward`.
+    Async, to read the raw body; the database is used in one thread at the end, authentication included."""
+    if PROTOBUF not in request.headers.get("content-type", ""):
+        raise ApiError(415, f"forward_backward takes {PROTOBUF} (tinker_public.ForwardBackwardRequest)")
+    if request.headers.get("content-encoding", "identity") != "identity":
+        raise ApiError(415, "compressed forward_backward bodies are not accepted (client config says so)")
+    try:
+        parsed = wire.read_forward_backward(await request.body())
+    except wire.WireError as exc:
+        raise ApiError(400, f"forward_backward body: {exc}") from exc
+    payload = _payload(parsed)
+    kind = RequestKind.forward if parsed.forward_only else RequestKind.forward_backward
+    row = await anyio.to_thread.run_sync(_queue_forward, request.app.state.db, api_key, parsed.model_id, kind,
+                                         payload, key)
+    return queued(row, bell)
+
+
+def _queue_forward(database: Database, api_key: str, model_id: str, kind: RequestKind,
+                   payload: ForwardBackwardPayload, key: str | None) -> TinkerRequest:
+    with database.session() as db:
+        model = service.owned_model(db, user_of(db, api_key).id, model_id)
+        _check_vocab(model, payload)
+        row = service.enqueue(db, model, kind, payload.model_dump(mode="json"), key)
+        db.commit()
+        return row
+
+
+def _payload(parsed: wire.ForwardBackwardRequest) -> ForwardBackwardPayload:
+    try:
+        loss = LossFn(parsed.loss_fn)
+    except ValueError:
+        raise ApiError(400, f"loss_fn {parsed.loss_fn!r} is not supported by Echo2; it computes "
+                            f"{', '.join(LossFn)}", field="loss_fn") from None
+    config = {k: v for k, v in parsed.loss_fn_config.items() if isinstance(v, float)}
+    if len(config) != len(parsed.loss_fn_config):
+        raise ApiError(400, "loss_fn_config: Echo2 takes numbers only", field="loss_fn_config")
+    data = [_datum(d, i, loss) for i, d in enumerate(parsed.data)]
+    try:
+        return ForwardBackwardPayload(loss_fn=loss, loss_fn_config=config, forward_only=parsed.forward_only,
+                                      data=data)
+    except ValidationError as exc:
+        raise ApiError(400, f"forward_backward: {exc.errors()[0]['msg']}") from exc
+
+
+def _datum(datum: wire.Datum, index: int, loss: LossFn) -> TinkerDatum:
+    what = f"data[{index}].loss_fn_inputs"
+    needed = ("target_tokens", *LOSS_INPUTS[loss])
+    missing = [name for name in needed if name not in datum.inputs]
+    if missing:
+        raise ApiError(400, f"{what}: {loss.value} needs {', '.join(missing)}", field=what)
+    for name, array in datum.inputs.items():
+        if array.ndim != 1 or len(array) != len(datum.tokens):
+            raise ApiError(400, f"{what}.{name}: Echo2 takes one value per input token ({len(datum.tokens)}), "
+                                f"not shape {list(array.shape)}", field=f"{what}.{name}")
+    inputs = {name: datum.inputs[name].astype(float).tolist() for name in ("weights", *LOSS_INPUTS[loss])
+              if name in datum.inputs}
+    try:
+        return TinkerDatum(tokens=datum.tokens, target_tokens=datum.inputs["target_tokens"].tolist(), inputs=inputs)
+    except ValidationError as exc:
+        raise ApiError(400, f"data[{index}]: {exc.errors()[0]['msg']}", field=f"data[{index}]") from exc
+
+
+def _check_vocab(model: TinkerModel, payload: ForwardBackwardPayload) -> None:
+    vocab = model.info.get("vocab_size")
+    if vocab is None:
+        return
+    for i, datum in enumerate(payload.data):
+        if max(datum.tokens) >= vocab or max(datum.target_tokens, default=0) >= vocab:
+            raise ApiError(400, f"data[{i}]: token ids must be below the vocabulary size {vocab}", field=f"data[{i}]")
+
+
+@router.post("/optim_step")
+def optim_step(body: OptimStepRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
+               bell: Bell) -> dict[str, Any]:
+    if body.adam_params is None:
+        raise ApiError(400, "Echo2 steps with Adam only: pass AdamParams", field="optim_params")
+    try:
+        step = AdamStep(**body.adam_params.model_dump())
+    except ValidationError as exc:
+        raise ApiError(400, f"adam_params: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from exc
+    model = service.owned_model(db, user.id, body.model_id)
+    row = service.enqueue(db, model, RequestKind.optim_step, step.model_dump(mode="json"), key)
+    db.commit()
+    return queued(row, bell)
+
+
+@router.post("/save_weights_for_sampler")
+def save_for_sampler(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
+                     bell: Bell) -> dict[str, Any]:
+    model = service.owned_model(db, user.id, body.model_id)
+    if body.kind != "snapshot":
+        raise ApiError(400, "inflight sampling clients are not supported: Echo2 samples snapshots", field="kind")
+    sampler_id = None
+    if body.path is None:
+        if body.sampling_session_seq_id is None:
+            raise ApiError(422, "give path (a name) or sampling_session_seq_id", field="path")
+        sampler_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
+    name = body.path or f"sampler-{body.sampling_session_seq_id}"
+    payload = SavePayload(name=name, kind="sampler", sampler_id=sampler_id)
+    row = service.enqueue(db, model, RequestKind.save_weights_for_sampler, payload.model_dump(), key)
+    if sampler_id is not None and db.get(TinkerSampler, sampler_id) is None:
+        db.add(TinkerSampler(id=sampler_id, session_id=model.session_id, owner_id=user.id, model_id=model.id,
+                             checkpoint=name, base_model=model.base_model,
+                             model_path=service.checkpoint_path(model.id, "sampler", name)))
+    db.commit()
+    return queued(row, bell)
+
+
+@router.post("/save_weights")
+def save_weights(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
+                 bell: Bell) -> dict[str, Any]:
+    model = service.owned_model(db, user.id, body.model_id)
+    payload = SavePayload(name=body.path or f"state-{body.seq_id or 0}", kind="training")
+    row = service.enqueue(db, model, RequestKind.save_weights, payload.model_dump(), key)
+    db.commit()
+    return queued(row, bell)

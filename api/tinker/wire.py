@@ -1,0 +1,300 @@
+"""The protobuf messages of the Tinker SDK (`tinker_public` in tinker 0.38), read and written by hand.
+
+The SDK sends `forward_backward` as a protobuf `ForwardBackwardRequest` and insists on protobuf for two
+results: `ForwardBackwardOutput` and `SampleResponse`. Those three messages are all the control plane
+needs, so it speaks the wire format itself (varints, length-delimited fields, little-endian numbers)
+rather than carrying the SDK's generated module. Field numbers are the SDK's, listed beside each reader.
+
+Untrusted input has bounds: a malformed message, an unsupported chunk (images, audio) or a tensor
+whose bytes do not match its shape raise `WireError`, which the route answers as a 400.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+MAX_DATUMS = 4096
+MAX_TOKENS = 32_768  # per datum
+
+DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<i8"), 3: np.dtype("<i4")}  # DType enum; bf16 (4) is never sent
+FLOAT32, INT64 = 1, 2
+STOP_REASONS = {"stop": 0, "length": 1}
+
+
+class WireError(ValueError):
+    """The body is not a message the SDK could have sent."""
+
+
+# ---- reading ----------------------------------------------------------------------------------------
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf) or shift > 63:
+            raise WireError("truncated or overlong varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+
+
+def fields(buf: bytes) -> list[tuple[int, int | bytes]]:
+    """(field number, value) pairs: an int for varints, bytes for the rest (fixed-width ones raw)."""
+    out: list[tuple[int, int | bytes]] = []
+    pos = 0
+    while pos < len(buf):
+        key, pos = _varint(buf, pos)
+        number, kind = key >> 3, key & 7
+        if kind == 0:
+            value, pos = _varint(buf, pos)
+            out.append((number, value))
+            continue
+        size = {1: 8, 5: 4}.get(kind)
+        if kind == 2:
+            size, pos = _varint(buf, pos)
+        if size is None or pos + size > len(buf):
+            raise WireError(f"field {number}: wire type {kind} is unsupported or runs past the end")
+        out.append((number, buf[pos:pos + size]))
+        pos += size
+    return out
+
+
+def _signed(value: int) -> int:
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+def _packed_ints(values: list[int | bytes]) -> list[int]:
+    out: list[int] = []
+    for value in values:
+        if isinstance(value, int):
+            out.append(_signed(value))
+            continue
+        pos = 0
+        while pos < len(value):
+            item, pos = _varint(value, pos)
+            out.append(_signed(item))
+    return out
+
+
+def _bytes(value: int | bytes, what: str) -> bytes:
+    if not isinstance(value, bytes):
+        raise WireError(f"{what} must be length-delimited")
+    return value
+
+
+def _text(value: int | bytes, what: str) -> str:
+    try:
+        return _bytes(value, what).decode()
+    except UnicodeDecodeError as exc:
+        raise WireError(f"{what} is not UTF-8") from exc
+
+
+def _map_entry(raw: int | bytes, what: str) -> tuple[str, int | bytes | None]:
+    key, value = "", None
+    for number, item in fields(_bytes(raw, what)):
+        if number == 1:
+            key = _text(item, f"{what} key")
+        elif number == 2:
+            value = item
+    return key, value
+
+
+def _array(raw: bytes, dtype_code: int, what: str) -> np.ndarray:
+    dtype = DTYPES.get(dtype_code)
+    if dtype is None:
+        raise WireError(f"{what}: dtype {dtype_code} is not float32, int64 or int32")
+    if len(raw) % dtype.itemsize:
+        raise WireError(f"{what}: {len(raw)} bytes is not a whole number of {dtype} values")
+    return np.frombuffer(raw, dtype=dtype)
+
+
+def read_tensor(raw: bytes, what: str) -> np.ndarray:
+    """A `Tensor` (1 dense | 2 sparse_csr {1 values, 2 crow_indices, 3 col_indices}; 3 dtype; 4 shape)."""
+    dense = csr = None
+    dtype, shape_parts = 0, []
+    for number, value in fields(raw):
+        if number == 1:
+            dense = _bytes(value, what)
+        elif number == 2:
+            csr = _bytes(value, what)
+        elif number == 3 and isinstance(value, int):
+            dtype = value
+        elif number == 4:
+            shape_parts.append(value)
+    shape = _packed_ints(shape_parts)
+    if any(n < 0 for n in shape) or int(np.prod(shape or [0])) > MAX_TOKENS * 64:
+        raise WireError(f"{what}: shape {shape} is out of bounds")
+    if csr is not None:
+        return _densify(csr, dtype, shape, what)
+    values = _array(dense or b"", dtype, what)
+    if shape and int(np.prod(shape)) != values.size:
+        raise WireError(f"{what}: {values.size} values do not fill shape {shape}")
+    return values.reshape(shape) if shape else values
+
+
+def _densify(raw: bytes, dtype: int, shape: list[int], what: str) -> np.ndarray:
+    parts = dict(fields(raw))
+    values = _array(_bytes(parts.get(1, b""), what), dtype, what)
+    crow = _array(_bytes(parts.get(2, b""), what), INT64, what)
+    col = _array(_bytes(parts.get(3, b""), what), INT64, what)
+    if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or (len(crow) and crow[-1] != len(col)):
+        raise WireError(f"{what}: sparse CSR indices do not match shape {shape}")
+    if len(col) and (col.min() < 0 or col.max() >= shape[1]) or np.any(np.diff(crow) < 0):
+        raise WireError(f"{what}: sparse CSR indices out of range")
+    out = np.zeros(shape, dtype=values.dtype)
+    rows = np.repeat(np.arange(shape[0]), np.diff(crow))
+    out[rows, col] = values
+    return out
+
+
+@dataclass
+class Datum:
+    tokens: list[int]
+    inputs: dict[str, np.ndarray] = field(default_factory=dict)
+
+
+@dataclass
+class ForwardBackwardRequest:
+    model_id: str = ""
+    seq_id: int = 0
+    loss_fn: str = ""
+    loss_fn_config: dict[str, float | str] = field(default_factory=dict)
+    forward_only: bool = False
+    data: list[Datum] = field(default_factory=list)
+
+
+def _read_tokens(raw: bytes, what: str) -> list[int]:
+    tokens: list[int] = []
+    for number, value in fields(raw):
+        if number != 1:
+            kind = {2: "image", 3: "audio (dmel)"}.get(number, f"field {number}")
+            raise WireError(f"{what}: {kind} chunks are not supported by Echo2; send encoded text (token ids)")
+        for inner, data in fields(_bytes(value, what)):
+            if inner == 1:
+                tokens.extend(_array(_bytes(data, what), 3, what).tolist())
+    return tokens
+
+
+def read_datum(raw: bytes, index: int) -> Datum:
+    """`Datum`: 1 model_input (repeated Chunk), 2 loss_fn_inputs (map<string, Tensor>); spans ignored."""
+    what = f"data[{index}]"
+    tokens: list[int] = []
+    inputs: dict[str, np.ndarray] = {}
+    for number, value in fields(raw):
+        if number == 1:
+            tokens.extend(_read_tokens(_bytes(value, what), f"{what}.model_input"))
+        elif number == 2:
+            key, tensor = _map_entry(value, f"{what}.loss_fn_inputs")
+            inputs[key] = read_tensor(_bytes(tensor or b"", what), f"{what}.loss_fn_inputs.{key}")
+    if not tokens or len(tokens) > MAX_TOKENS:
+        raise WireError(f"{what}: model_input must hold 1 to {MAX_TOKENS} tokens, not {len(tokens)}")
+    return Datum(tokens=tokens, inputs=inputs)
+
+
+def _config_value(raw: int | bytes) -> float | str:
+    for number, value in fields(_bytes(raw, "loss_fn_config_v2")):
+        if number == 1:
+            return struct.unpack("<d", _bytes(value, "loss_fn_config_v2"))[0]
+        if number == 2:
+            return _text(value, "loss_fn_config_v2")
+    raise WireError("loss_fn_config_v2: a value is neither a number nor a text")
+
+
+def read_forward_backward(raw: bytes) -> ForwardBackwardRequest:
+    """`ForwardBackwardRequest`: 1 model_id, 2 seq_id, 3 data, 4 loss_fn, 5 loss_fn_config (map<string,
+    double>), 6 forward_only, 7 loss_fn_config_v2 (map<string, {1 number | 2 text}>, preferred when set)."""
+    req = ForwardBackwardRequest()
+    legacy: dict[str, float | str] = {}
+    for number, value in fields(raw):
+        if number == 1:
+            req.model_id = _text(value, "model_id")[:256]
+        elif number == 2 and isinstance(value, int):
+            req.seq_id = _signed(value)
+        elif number == 3:
+            if len(req.data) >= MAX_DATUMS:
+                raise WireError(f"at most {MAX_DATUMS} datums per request")
+            req.data.append(read_datum(_bytes(value, "data"), len(req.data)))
+        elif number == 4:
+            req.loss_fn = _text(value, "loss_fn")[:64]
+        elif number == 5:
+            key, item = _map_entry(value, "loss_fn_config")
+            legacy[key] = struct.unpack("<d", _bytes(item or bytes(8), "loss_fn_config"))[0]
+        elif number == 6 and isinstance(value, int):
+            req.forward_only = bool(value)
+        elif number == 7:
+            key, item = _map_entry(value, "loss_fn_config_v2")
+            req.loss_fn_config[key] = _config_value(item or b"")
+    req.loss_fn_config = req.loss_fn_config or legacy
+    return req
+
+
+# ---- writing ----------------------------------------------------------------------------------------
+
+
+def _encode_varint(value: int) -> bytes:
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _key(number: int, kind: int) -> bytes:
+    return _encode_varint(number << 3 | kind)
+
+
+def _len_field(number: int, payload: bytes) -> bytes:
+    return _key(number, 2) + _encode_varint(len(payload)) + payload
+
+
+def _int_field(number: int, value: int) -> bytes:
+    return _key(number, 0) + _encode_varint(value) if value else b""
+
+
+def _double_entry(key: str, value: float) -> bytes:
+    return _len_field(1, key.encode()) + _key(2, 1) + struct.pack("<d", value)
+
+
+def write_forward_backward_output(outputs: list[dict[str, list[float]]], metrics: dict[str, float]) -> bytes:
+    """`ForwardBackwardOutput`: 1 loss_fn_output_type, 2 loss_fn_outputs (one `ArrayRecord` holding every
+    datum: 1 type_tag, 2 fields map<string, BatchedTensor{1 data, 2 offsets, 3 dtype, 4 trailing_shape}>,
+    3 num_datums), 3 metrics (map<string, double>). Every field is float32, one value per token."""
+    names = sorted({name for out in outputs for name in out})
+    record = _len_field(1, b"ArrayRecord")
+    for name in names:
+        arrays = [np.asarray(out.get(name, []), dtype="<f4") for out in outputs]
+        offsets = np.cumsum([0] + [a.nbytes for a in arrays]).astype("<i8")
+        batched = (_len_field(1, b"".join(a.tobytes() for a in arrays)) + _len_field(2, offsets.tobytes())
+                   + _int_field(3, FLOAT32))
+        record += _len_field(2, _len_field(1, name.encode()) + _len_field(2, batched))
+    record += _int_field(3, len(outputs))
+    body = _len_field(1, b"ArrayRecord") + _len_field(2, record)
+    for key, value in sorted(metrics.items()):
+        body += _len_field(3, _double_entry(key, float(value)))
+    return body
+
+
+def write_sample_response(sequences: list[dict], prompt_logprobs: list[float | None] | None) -> bytes:
+    """`SampleResponse`: 1 sequences (`SampledSequence`: 1 stop_reason, 2 tokens int32, 3 logprobs float32),
+    2 prompt_logprobs (float32, NaN where there is none: the first position)."""
+    body = b""
+    for seq in sequences:
+        tokens = np.asarray(seq["tokens"], dtype="<i4").tobytes()
+        logprobs = np.asarray(seq["logprobs"], dtype="<f4").tobytes()
+        body += _len_field(1, _int_field(1, STOP_REASONS[seq["stop_reason"]]) + _len_field(2, tokens)
+                           + _len_field(3, logprobs))
+    if prompt_logprobs is not None:
+        values = np.asarray([np.nan if v is None else v for v in prompt_logprobs], dtype="<f4")
+        body += _len_field(2, values.tobytes())
+    return body

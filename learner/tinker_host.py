@@ -1,0 +1,104 @@
+"""The Tinker learner host: runs the models of Tinker SDK clients for the control plane.
+
+    ECHO2_API_KEY=<admin key> python -m learner.tinker_host --server http://127.0.0.1:8000 --slots 2
+
+It long-polls the control plane for the next request of a model it holds (or a new model to load while
+a slot is free), runs it and reports the result; one request at a time, so each model trains in exactly
+the order its client sent. A failure of the request (bad input, a missing checkpoint) is reported as
+the caller's, anything else as the server's; neither stops the host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+from echo2.protocol.tinker import ErrorCategory, HostClaim, HostResult, HostWork, HostWorkReply
+from echo2.transport import Call, RetryPolicy, Transport
+
+log = logging.getLogger("echo2.tinker_host")
+
+
+class Host:
+    def __init__(self, server: str, api_key: str, name: str, slots: int, work_dir: Path, device: str) -> None:
+        policy = RetryPolicy(max_retries=10_000, max_delay=5.0, statuses=frozenset({429, 500, 502, 503, 504}),
+                             give_up_after=300.0)
+        self.http = Transport(server.rstrip("/"), headers={"Authorization": f"Bearer {api_key}"}, policy=policy)
+        self.name, self.slots, self.work_dir, self.device = name, slots, work_dir, device
+        self.models: dict[str, Any] = {}
+
+    def serve(self, stop: threading.Event) -> None:
+        while not stop.is_set():
+            work = self.claim(wait_s=20.0)
+            if work is not None:
+                self.report(work.request_id, self.handle(work))
+
+    def claim(self, wait_s: float) -> HostWork | None:
+        body = HostClaim(host=self.name, slots=self.slots, wait_s=wait_s, holding=sorted(self.models))
+        answer = self.http.send(Call("POST", "/v1/tinker/host/claim", json=body.model_dump(mode="json"),
+                                     timeout=wait_s + 30, replay=True))
+        reply = HostWorkReply.model_validate(answer.json())
+        for model_id in reply.drop:
+            log.info("dropping model %s: its session is over", model_id)
+            self.models.pop(model_id, None)
+        return reply.work
+
+    def handle(self, work: HostWork) -> HostResult:
+        from .tinker_session import TinkerSession, UserError  # torch: not before the arguments are parsed
+
+        try:
+            if work.kind == "create_model":
+                session = TinkerSession(work.model, self.work_dir / "models", self.device)
+                self.models[work.model_id] = session
+                return HostResult(info=session.info())
+            session = self.models.get(work.model_id)
+            if session is None:
+                return HostResult(error=f"this host does not hold model {work.model_id}",
+                                  category=ErrorCategory.server)
+            return HostResult(**session.run(work.kind.value, work.payload))
+        except (UserError, ValueError) as exc:
+            return HostResult(error=str(exc)[:500], category=ErrorCategory.user)
+        except Exception as exc:  # a bug or an out-of-memory must fail the request, not the host
+            log.exception("request %s (%s) failed", work.request_id, work.kind)
+            return HostResult(error=f"learner host error: {type(exc).__name__}: {exc}"[:500],
+                              category=ErrorCategory.server)
+
+    def report(self, request_id: str, result: HostResult) -> None:
+        self.http.send(Call("POST", f"/v1/tinker/host/requests/{request_id}/result", params={"host": self.name},
+                            json=result.model_dump(mode="json", exclude_none=True), replay=True))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m learner.tinker_host", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--server", required=True, help="the control plane's URL")
+    parser.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}", help="this host's name")
+    parser.add_argument("--slots", type=int, default=2, help="models held at once")
+    parser.add_argument("--work-dir", type=Path, default=Path(".echo2-cache/tinker"), help="built-in models")
+    parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
+    args = parser.parse_args(argv)
+    api_key = os.environ.get("ECHO2_API_KEY")
+    if not api_key:
+        parser.error("set ECHO2_API_KEY to an admin API key")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
+    host = Host(args.server, api_key, args.name, args.slots, args.work_dir, device)
+    log.info("Tinker learner host %s serving %s with %d slots on %s", args.name, args.server, args.slots, device)
+    with contextlib.suppress(KeyboardInterrupt):
+        host.serve(threading.Event())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,182 @@
+"""One Tinker model held by a learner host: a base model with a LoRA adapter (peft), its AdamW state, the
+gradients accumulated since the last `optim_step`, and its saved checkpoints.
+
+`forward_backward` adds to the gradients (losses in learner/tinker_losses.py); `optim_step` applies
+them with the step's Adam hyperparameters and clears them, as the Tinker SDK's training clients expect.
+A checkpoint is a copy of the adapter's weights, kept in memory for as long as the host holds the model;
+sampling from it swaps it in for the duration of the sample.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from echo2.protocol import LoraConfig
+from echo2.protocol.tinker import (
+    AdamStep,
+    ForwardBackwardPayload,
+    ForwardBackwardResult,
+    ModelInfo,
+    ModelSpec,
+    SamplePayload,
+    SampleResult,
+    SavePayload,
+    TinkerLora,
+)
+
+from .models import resolve_model, with_adapter
+from .tinker_losses import datum_loss
+from .tinker_sampler import sample
+
+LORA_ALPHA = 32.0  # Tinker's own choice, so learning rates carry over from its docs and recipes
+TARGETS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj"),
+           "unembed": ("lm_head",)}
+
+
+class UserError(ValueError):
+    """The request cannot be run as asked (the SDK reports it as the caller's fault)."""
+
+
+def lora_targets(lora: TinkerLora, module_names: set[str]) -> list[str]:
+    wanted = [name for part, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp),
+                                    ("unembed", lora.train_unembed)) if on for name in TARGETS[part]]
+    present = [name for name in wanted if name in module_names]
+    if not present:
+        raise UserError(f"none of the LoRA targets {wanted} exists in this model")
+    return present
+
+
+class TinkerSession:
+    def __init__(self, spec: ModelSpec, cache_dir: Path, device: str = "cpu") -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        try:
+            self.path = resolve_model(spec.base_model, cache_dir)
+        except ValueError as exc:
+            raise UserError(str(exc)) from exc
+        if not Path(self.path).is_dir():
+            raise UserError(f"{spec.base_model} is not a model folder on this learner host")
+        self.tokenizer = AutoTokenizer.from_pretrained(self.path)
+        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).to(device)
+        if spec.lora is not None:
+            names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
+            config = LoraConfig(rank=spec.lora.rank, alpha=LORA_ALPHA, target_modules=lora_targets(spec.lora, names))
+            with _seeded(spec.lora.seed):
+                model = with_adapter(model, config)
+        self.model, self.device = model, device
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer: torch.optim.AdamW | None = None
+        self.checkpoints: dict[str, list[torch.Tensor]] = {}
+        self.steps = 0
+
+    def info(self) -> ModelInfo:
+        config = self.model.config
+        return ModelInfo(tokenizer_id=self.path, arch=str(getattr(config, "model_type", "")),
+                         vocab_size=config.vocab_size, max_context_length=config.max_position_embeddings)
+
+    def forward_backward(self, payload: ForwardBackwardPayload) -> ForwardBackwardResult:
+        """Per-token logprobs of each datum's targets, its loss summed into `loss:sum`; gradients accumulate
+        unless `forward_only`. A datum with a non-finite loss fails the whole request before any backward."""
+        if not payload.forward_only and not self.params:
+            raise UserError("this model has no adapter to train (a sampling-only model): use forward")
+        outputs, losses, extra = [], [], {}
+        self.model.train(not payload.forward_only)
+        with torch.set_grad_enabled(not payload.forward_only and bool(self.params)):
+            for i, datum in enumerate(payload.data):
+                logprobs = self._target_logprobs(datum.tokens, datum.target_tokens)
+                inputs = {k: torch.tensor(v, device=self.device) for k, v in datum.inputs.items()}
+                loss, metrics = datum_loss(payload.loss_fn, logprobs, inputs, payload.loss_fn_config)
+                if not torch.isfinite(loss):
+                    raise UserError(f"data[{i}]: the {payload.loss_fn.value} loss is not finite")
+                losses.append(loss)
+                outputs.append({"logprobs": logprobs.detach().cpu().tolist()})
+                for key, value in metrics.items():
+                    extra[key] = extra.get(key, 0.0) + value
+            total = torch.stack(losses).sum()
+            if total.requires_grad:
+                total.backward()
+        return ForwardBackwardResult(outputs=outputs, metrics={"loss:sum": float(total), **extra})
+
+    def _target_logprobs(self, tokens: list[int], targets: list[int]) -> torch.Tensor:
+        ids = torch.tensor([tokens], device=self.device)
+        logits = self.model(input_ids=ids).logits[0].float()
+        target = torch.tensor(targets, device=self.device).unsqueeze(-1)
+        return torch.log_softmax(logits, -1).gather(-1, target).squeeze(-1)
+
+    def optim_step(self, step: AdamStep) -> dict[str, float]:
+        if not self.params:
+            raise UserError("this model has no adapter to train (a sampling-only model)")
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(self.params, lr=step.learning_rate)
+        for group in self.optimizer.param_groups:
+            group.update(lr=step.learning_rate, betas=(step.beta1, step.beta2), eps=step.eps,
+                         weight_decay=step.weight_decay)
+        max_norm = step.grad_clip_norm if step.grad_clip_norm > 0 else float("inf")
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps += 1
+        return {"grad_norm": grad_norm, "step": float(self.steps)}
+
+    def save(self, payload: SavePayload) -> int:
+        self.checkpoints[payload.name] = [p.detach().clone() for p in self.params]
+        return self.steps
+
+    def sample(self, payload: SamplePayload) -> SampleResult:
+        if max(payload.prompt) >= self.model.config.vocab_size:
+            raise UserError(f"prompt token ids must be below the vocabulary size {self.model.config.vocab_size}")
+        self.model.eval()
+        with self._weights(payload.checkpoint):
+            return sample(self.model, self.tokenizer, payload, self.tokenizer.eos_token_id)
+
+    @contextlib.contextmanager
+    def _weights(self, checkpoint: str | None) -> Iterator[None]:
+        """The adapter as saved under `checkpoint` for the duration (the current one when None)."""
+        if checkpoint is None:
+            yield
+            return
+        saved = self.checkpoints.get(checkpoint)
+        if saved is None:
+            raise UserError(f"no checkpoint {checkpoint!r} on this model")
+        current = [p.detach().clone() for p in self.params]
+        with torch.no_grad():
+            for param, value in zip(self.params, saved, strict=True):
+                param.copy_(value)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for param, value in zip(self.params, current, strict=True):
+                    param.copy_(value)
+
+    def run(self, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
+        """Dispatch one request by kind; the host turns the answer into a `HostResult`."""
+        if kind in ("forward", "forward_backward"):
+            parsed = ForwardBackwardPayload.model_validate(payload)
+            return {"forward_backward": self.forward_backward(parsed)}
+        if kind == "optim_step":
+            return {"metrics": self.optim_step(AdamStep.model_validate(payload))}
+        if kind in ("save_weights", "save_weights_for_sampler"):
+            return {"step": self.save(SavePayload.model_validate(payload))}
+        if kind == "sample":
+            return {"sample": self.sample(SamplePayload.model_validate(payload))}
+        raise UserError(f"unknown request kind {kind!r}")
+
+
+@contextlib.contextmanager
+def _seeded(seed: int | None) -> Iterator[None]:
+    """A fixed LoRA initialisation for a given seed, without touching the process's random state."""
+    if seed is None:
+        yield
+        return
+    state = torch.random.get_rng_state()
+    torch.manual_seed(seed)
+    try:
+        yield
+    finally:
+        torch.random.set_rng_state(state)
+

@@ -1,0 +1,195 @@
+"""The Tinker-compatible surface's own protocol: between the control plane, which answers the Tinker SDK,
+and the learner host that runs its models (learner/tinker_host.py).
+
+A Tinker call becomes a request row (a durable future) with one of these payloads; the host claims the
+next request of a model it holds, runs it and reports a `HostResult`. Statuses and the rule of which
+are final live here, once.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any
+
+from pydantic import Field, StringConstraints
+
+from .common import Finite, Logprob, Model, NoNul, ReadModel, ShortText, TokenId
+
+ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512), NoNul]
+CheckpointName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
+HostName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
+Value = Annotated[float, Finite, Field(ge=-1e9, le=1e9)]
+MAX_TOKENS = 32_768
+
+
+class SessionStatus(StrEnum):
+    active = "active"
+    finished = "finished"
+
+
+class ModelStatus(StrEnum):
+    pending = "pending"  # no host has loaded it yet
+    ready = "ready"
+    failed = "failed"
+
+    def is_terminal(self) -> bool:
+        return self is ModelStatus.failed
+
+
+class RequestStatus(StrEnum):
+    pending = "pending"
+    running = "running"
+    done = "done"
+    failed = "failed"
+
+    def is_terminal(self) -> bool:
+        return self in (RequestStatus.done, RequestStatus.failed)
+
+
+class RequestKind(StrEnum):
+    create_model = "create_model"
+    forward = "forward"
+    forward_backward = "forward_backward"
+    optim_step = "optim_step"
+    save_weights = "save_weights"
+    save_weights_for_sampler = "save_weights_for_sampler"
+    sample = "sample"
+
+
+class ErrorCategory(StrEnum):
+    """Whose fault a failed request is, as the Tinker SDK's `RequestFailedError.category` names it."""
+
+    user = "user"
+    server = "server"
+
+
+class LossFn(StrEnum):
+    """The loss functions Echo2 computes; the Tinker SDK names more (cispo, dro, gspo, stable_reinforce)."""
+
+    cross_entropy = "cross_entropy"
+    importance_sampling = "importance_sampling"
+    ppo = "ppo"
+
+
+class TinkerLora(Model):
+    rank: int = Field(ge=1, le=256)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    train_mlp: bool = True
+    train_attn: bool = True
+    train_unembed: bool = True
+
+
+class ModelSpec(Model):
+    """What a host must load: a base model and, for a training model, a fresh LoRA adapter on it."""
+
+    base_model: ModelRef
+    lora: TinkerLora | None = None
+
+
+class TinkerDatum(Model):
+    tokens: list[TokenId] = Field(min_length=1, max_length=MAX_TOKENS)
+    inputs: dict[Annotated[str, StringConstraints(max_length=64)], list[Value]] = Field(max_length=8)
+    target_tokens: list[TokenId] = Field(max_length=MAX_TOKENS)
+
+
+class ForwardBackwardPayload(Model):
+    loss_fn: LossFn
+    loss_fn_config: dict[Annotated[str, StringConstraints(max_length=64)], Value] = Field(default_factory=dict,
+                                                                                         max_length=16)
+    forward_only: bool = False
+    data: list[TinkerDatum] = Field(min_length=1, max_length=4096)
+
+
+class AdamStep(Model):
+    learning_rate: float = Field(ge=0, le=10)
+    beta1: float = Field(0.9, ge=0, lt=1)
+    beta2: float = Field(0.95, ge=0, lt=1)
+    eps: float = Field(1e-12, gt=0, le=1)
+    weight_decay: float = Field(0.0, ge=0, le=10)
+    grad_clip_norm: float = Field(0.0, ge=0, le=1e6)
+
+
+class SavePayload(Model):
+    name: CheckpointName
+    kind: Annotated[str, StringConstraints(pattern=r"^(sampler|training)$")]
+    sampler_id: Annotated[str, StringConstraints(max_length=128)] | None = Field(
+        None, description="The sampling session this save opens (save_weights_and_get_sampling_client).")
+
+
+class SampleParams(Model):
+    max_tokens: int = Field(ge=1, le=MAX_TOKENS)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    temperature: float = Field(1.0, ge=0, le=100)
+    top_k: int = Field(-1, ge=-1, le=1_000_000)
+    top_p: float = Field(1.0, gt=0, le=1)
+    stop_tokens: list[TokenId] | None = Field(None, max_length=64)
+    stop_strings: list[Annotated[str, StringConstraints(min_length=1, max_length=256), NoNul]] | None = Field(
+        None, max_length=16)
+
+
+class SamplePayload(Model):
+    checkpoint: CheckpointName | None = None
+    prompt: list[TokenId] = Field(min_length=1, max_length=MAX_TOKENS)
+    num_samples: int = Field(ge=1, le=128)
+    params: SampleParams
+    prompt_logprobs: bool = False
+
+
+class HostClaim(Model):
+    host: HostName
+    slots: int = Field(1, ge=1, le=64)
+    wait_s: float = Field(20.0, ge=0, le=60)
+    holding: list[Annotated[str, StringConstraints(max_length=128)]] = Field(
+        default_factory=list, max_length=64, description="The model ids the host has loaded.")
+
+
+class HostWork(ReadModel):
+    """The next request for the host, with the model it runs on (to load it first if it is new)."""
+
+    request_id: str
+    model_id: str
+    kind: RequestKind
+    model: ModelSpec
+    payload: dict[str, Any]
+
+
+class HostWorkReply(ReadModel):
+    work: HostWork | None = None
+    drop: list[str] = Field(default_factory=list, description="Models to unload: their session is over.")
+
+
+class ModelInfo(Model):
+    """What the host learnt loading a model: the SDK's `get_info` and `get_tokenizer` read it."""
+
+    tokenizer_id: ModelRef
+    arch: ShortText = ""
+    vocab_size: int = Field(ge=1, le=10_000_000)
+    max_context_length: int = Field(ge=1, le=10_000_000)
+
+
+class SampledSequence(Model):
+    tokens: list[TokenId] = Field(max_length=MAX_TOKENS)
+    logprobs: list[Logprob] = Field(max_length=MAX_TOKENS)
+    stop_reason: Annotated[str, StringConstraints(pattern=r"^(stop|length)$")]
+
+
+class SampleResult(Model):
+    sequences: list[SampledSequence] = Field(max_length=128)
+    prompt_logprobs: list[Logprob | None] | None = Field(None, max_length=MAX_TOKENS)
+
+
+class ForwardBackwardResult(Model):
+    outputs: list[dict[Annotated[str, StringConstraints(max_length=64)], list[Value]]] = Field(max_length=4096)
+    metrics: dict[Annotated[str, StringConstraints(max_length=64)], Value] = Field(max_length=64)
+
+
+class HostResult(Model):
+    """A request's outcome: exactly one of the results its kind gives, or an error."""
+
+    info: ModelInfo | None = None
+    forward_backward: ForwardBackwardResult | None = None
+    metrics: dict[Annotated[str, StringConstraints(max_length=64)], Value] | None = Field(None, max_length=64)
+    step: int | None = Field(None, ge=0, le=10_000_000)
+    sample: SampleResult | None = None
+    error: ShortText | None = None
+    category: ErrorCategory = ErrorCategory.server
