@@ -47,10 +47,10 @@ class Versions:
     """The versions on disk and the one in the backend.
 
     Threads: `hold` (and so every swap) runs on the worker's main thread, which alone writes `loaded`,
-    `target`, `backend` and `tokenizer`; the heartbeat thread reads them (whole tuples, never torn). The
-    download runs in its own thread, which alone writes `_retry_at` and `_failures` (read only once it has
-    ended). `_download_lock` guards the download in flight (`_thread`, `_plan`); `_fetched_lock` guards
-    `_fetched`, which the download writes and the heartbeat takes."""
+    `target`, `backend` and `tokenizer`; the heartbeat thread reads `loaded` and `target`, the download
+    thread `target` (tuples, replaced whole). The download thread alone writes `_retry_at` and `_failures`
+    (read only once it has ended). `_download_lock` guards the download in flight (`_thread`, `_plan`);
+    `_fetched_lock` guards `_fetched`, which the download writes and the heartbeat takes."""
 
     def __init__(self, control: ControlPlane, store: VersionStore, stats: Stats,
                  backend_factory: Callable[[], GenerationBackend], *, relay_url: str | None,
