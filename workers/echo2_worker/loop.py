@@ -1,12 +1,14 @@
 """The worker loop: heartbeat -> follow the desired state -> hold the assigned version -> lease
 prompts -> generate G samples each -> submit version-tagged groups -> repeat.
 
-The main thread runs this loop; the rest runs beside it:
+The main thread runs this loop and generation (generate.py: a batch of prompts into groups, with
+partial.py and episodes.py); the rest runs beside it:
 - heartbeat.py: a thread that reports liveness, progress and bad relay sources every interval (and at
   once when a version is held or announced), keeps the latest reply and renews leases due;
 - notice.py: a thread that long-polls for the next version of the job and asks for that heartbeat;
 - versions.py: a download thread that fetches the assigned version (a keyframe and/or deltas, through
-  the relay tree) while the current, still admissible one keeps generating; swaps happen here;
+  the relay tree) while the current, still admissible one keeps generating (swaps are done there
+  too, on the main thread);
 - leases.py: a "net" thread that books the next lease and submits groups while generation runs.
 
 Versions: a lease is taken with the version loaded in the backend (`held`, passed down explicitly),
