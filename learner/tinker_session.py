@@ -99,7 +99,7 @@ class TinkerSession:
             total = torch.stack(losses).sum()
             if total.requires_grad:
                 total.backward()
-        return ForwardBackwardResult(outputs=outputs, metrics={"loss:sum": float(total), **extra})
+        return ForwardBackwardResult(outputs=outputs, metrics={"loss:sum": float(total.detach()), **extra})
 
     def _target_logprobs(self, tokens: list[int], targets: list[int]) -> torch.Tensor:
         ids = torch.tensor([tokens], device=self.device)
