@@ -1,19 +1,18 @@
-"""The learner's HTTP client for the control plane. Every learner call is safe to repeat (claims not
-committed by a step are released, step reports and chunk uploads are idempotent), so transport
-errors and 5xx answers are retried with backoff for a while: a control-plane restart is survived."""
+"""The learner's HTTP client for the control plane: the HTTP implementation of its rollout source and
+weight sink (learner/sources.py), and the rest of what a learner asks of the control plane. Every
+learner call is safe to repeat (claims not committed by a step are released, step reports and chunk
+uploads are idempotent), so `echo2.transport` retries transport errors and 5xx answers with backoff
+for `give_up_after_s`: a control-plane restart is survived."""
 
 from __future__ import annotations
 
-import logging
+import math
 import shutil
-import time
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from echo2._retry import RetryPolicy
 from echo2.deltas import Folder, apply_delta
-from echo2.errors import error_from_response
 from echo2.protocol import (
     EvalPrompt,
     EvalRead,
@@ -34,11 +33,11 @@ from echo2.protocol import (
     VersionRead,
 )
 from echo2.snapshots import assemble, is_complete, iter_stream
+from echo2.transport import Call, RetryPolicy, Transport
 from pydantic import BaseModel
 
-log = logging.getLogger(__name__)
 T = TypeVar("T", bound=BaseModel)
-RETRY_STATUS = {429, 500, 502, 503, 504}
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
 
 
 class ControlPlane:
@@ -46,33 +45,17 @@ class ControlPlane:
         self.job_id = job_id
         self.prefix = f"/v1/jobs/{job_id}"
         self.give_up_after_s = give_up_after_s
-        self._policy = RetryPolicy(max_retries=1_000, max_delay=5.0)
-        self._http = httpx.Client(base_url=base_url.rstrip("/"), timeout=httpx.Timeout(60.0, connect=10.0),
-                                  headers={"Authorization": f"Bearer {token}"})
+        # Bounded by time, not by count: the control plane may take a while to come back.
+        policy = RetryPolicy(max_retries=1_000, max_delay=5.0, statuses=RETRY_STATUSES, retry_conflicts=False,
+                             max_retry_after=math.inf, give_up_after=give_up_after_s)
+        self._http = Transport(base_url.rstrip("/"), headers={"Authorization": f"Bearer {token}"},
+                               timeout=httpx.Timeout(60.0, connect=10.0), policy=policy)
 
     def close(self) -> None:
         self._http.close()
 
     def _send(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        deadline, attempt = time.monotonic() + self.give_up_after_s, 0
-        while True:
-            try:
-                response = self._http.request(method, path, **kwargs)
-                if response.status_code not in RETRY_STATUS:
-                    break
-                failure: str = f"HTTP {response.status_code}"
-            except httpx.TransportError as exc:
-                response, failure = None, f"{type(exc).__name__}: {exc}"
-            if time.monotonic() > deadline:
-                if response is not None:
-                    break
-                raise ConnectionError(f"control plane unreachable for {self.give_up_after_s:.0f}s: {failure}")
-            log.warning("%s %s failed (%s); retrying", method, path, failure)
-            time.sleep(self._policy.delay(attempt, response))
-            attempt += 1
-        if not response.is_success:
-            raise error_from_response(response)
-        return response
+        return self._http.send(Call(method, path, replay=True, **kwargs))
 
     def _post(self, path: str, body: BaseModel | None, reply: type[T]) -> T:
         data = body.model_dump(mode="json") if body is not None else None

@@ -5,8 +5,8 @@ At every model turn the control plane POSTs JSON {"prompt", "reference", "action
 {"observation": "...", "done": false} to go on, or {"done": true, "reward": 0.7} to end the episode
 (a finite reward). The environment is stateless as far as Echo2 is concerned: everything it needs is
 in the request, so any API process can serve any turn, and a retried turn asks again. Transport
-errors, timeouts, 429 and 5xx are retried `max_retries` times with backoff (a numeric Retry-After
-honoured, capped); then, or on any other failure or a malformed reply, the episode ends as the
+errors, timeouts, 429 and 5xx are retried `max_retries` times with backoff (Retry-After honoured,
+capped); then, or on any other failure or a malformed reply, the episode ends as the
 environment's failure (api/services/episodes.py): its group is refused as the platform's fault,
 never the worker's, with the reason in the rollout. Up to `concurrency` turns are in flight at once.
 Prompts come from user JSONL items {"prompt": ..., "reference": ...} (reference optional); the
@@ -25,7 +25,7 @@ from typing import Any
 from pydantic import Field
 
 from learner.tasks.base import Episode, TaskError, TaskParams, TaskPrompt, Turn
-from learner.tasks.http_reward import HttpRewardParams, HttpRewardTask, _Retryable
+from learner.tasks.http_reward import GaveUp, HttpRewardParams, HttpRewardTask
 from learner.tasks.registry import register
 
 MAX_REPLY_BYTES = 64 * 1024
@@ -85,7 +85,7 @@ class HttpEnvTask(HttpRewardTask):
         """POST with retries (HttpRewardTask.post); the reply's JSON, or a TaskError that says what went wrong."""
         try:
             response = self.post(p, payload)
-        except _Retryable as exc:
+        except GaveUp as exc:
             raise TaskError(f"http_env {p.url}: no answer after {p.max_retries + 1} tries: {exc}") from None
         # Errors name the status and size only, never the body: they reach the job's owner (rollout
         # reasons), and the URL is the owner's choice, so a body could be another service's answer.

@@ -2,9 +2,9 @@
 
 For each completion the learner POSTs JSON {"prompt", "completion", "reference"} to `url` and expects
 a finite number back, either bare (`0.5`) or as {"reward": 0.5}. Transport errors, timeouts, 429 and
-5xx are retried `max_retries` times with exponential backoff (honouring a numeric Retry-After, capped);
-any other failure or an invalid reply yields None (the sample is dropped) and is logged. Prompts come
-from user JSONL items {"prompt": ..., "reference": ...} (reference optional).
+5xx are retried `max_retries` times with exponential backoff (honouring Retry-After, capped), through
+`echo2.transport`; any other failure or an invalid reply yields None (the sample is dropped) and is
+logged. Prompts come from user JSONL items {"prompt": ..., "reference": ...} (reference optional).
 
 The request is made from the learner host; deployments that must not reach internal addresses
 should restrict egress there.
@@ -15,11 +15,12 @@ from __future__ import annotations
 import logging
 import math
 import threading
-import time
 from collections.abc import Mapping
 from typing import Any
 
 import httpx
+from echo2 import errors
+from echo2.transport import Call, RetryPolicy, Transport
 from pydantic import Field, field_validator
 
 from learner.tasks.base import TaskAdapter, TaskParams, TaskPrompt, require_key
@@ -27,6 +28,7 @@ from learner.tasks.registry import register
 
 logger = logging.getLogger(__name__)
 MAX_RETRY_AFTER_S = 10.0
+RETRY_STATUSES = frozenset({429, *range(500, 600)})
 
 
 class HttpRewardParams(TaskParams):
@@ -47,10 +49,16 @@ class HttpRewardParams(TaskParams):
         return v
 
 
-class _Retryable(Exception):
-    def __init__(self, reason: str, retry_after: float | None = None):
-        super().__init__(reason)
-        self.retry_after = retry_after
+class GaveUp(Exception):
+    """No usable answer after every try; the message names the last failure (never the reply's body)."""
+
+
+def _policy(p: HttpRewardParams) -> RetryPolicy:
+    """Retries of transport errors, timeouts, 429 and 5xx: `max_retries`, waits doubling from `backoff_s`,
+    a Retry-After honoured up to MAX_RETRY_AFTER_S."""
+    return RetryPolicy(max_retries=p.max_retries, initial_delay=p.backoff_s, max_delay=math.inf,
+                       statuses=RETRY_STATUSES, retry_conflicts=False, max_retry_after=MAX_RETRY_AFTER_S,
+                       clamp_retry_after=True)
 
 
 def _parse_reward(response: httpx.Response) -> float | None:
@@ -66,13 +74,6 @@ def _parse_reward(response: httpx.Response) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    try:
-        return min(float(response.headers["retry-after"]), MAX_RETRY_AFTER_S)
-    except (KeyError, ValueError):
-        return None
-
-
 class HttpRewardTask(TaskAdapter):
     name = "http_reward"
     description = "Reward computed by the user's HTTP endpoint (POST prompt/completion/reference)."
@@ -80,16 +81,17 @@ class HttpRewardTask(TaskAdapter):
     needs_dataset = True
 
     def __init__(self) -> None:
-        self._clients: dict[float, httpx.Client] = {}
+        self._transports: dict[float, Transport] = {}
         self._lock = threading.Lock()
 
-    def _client(self, timeout_s: float) -> httpx.Client:
+    def _transport(self, timeout_s: float) -> Transport:
         with self._lock:
-            client = self._clients.get(timeout_s)
-            if client is None:
-                client = httpx.Client(timeout=timeout_s, follow_redirects=False)
-                self._clients[timeout_s] = client
-            return client
+            transport = self._transports.get(timeout_s)
+            if transport is None:
+                # The endpoint gets exactly the request documented above: no Idempotency-Key.
+                transport = Transport(timeout=timeout_s, idempotency_keys=False)
+                self._transports[timeout_s] = transport
+            return transport
 
     def prompt_from_item(self, item: Mapping[str, Any], params: TaskParams) -> TaskPrompt:
         p = self.parse_params(params)
@@ -104,7 +106,7 @@ class HttpRewardTask(TaskAdapter):
         payload = {"prompt": prompt.text, "completion": completion, "reference": prompt.reference}
         try:
             response = self.post(p, payload)
-        except _Retryable as exc:
+        except GaveUp as exc:
             logger.warning("http_reward %s: giving up after %d tries: %s", p.url, p.max_retries + 1, exc)
             return None
         if response.status_code != 200:
@@ -116,25 +118,17 @@ class HttpRewardTask(TaskAdapter):
         return value
 
     def post(self, p: HttpRewardParams, payload: dict[str, Any]) -> httpx.Response:
-        """POST `payload` to `p.url`, retrying transport errors, timeouts, 429 and 5xx `max_retries` times
-        with backoff (a numeric Retry-After honoured); the last such failure is raised as _Retryable."""
-        attempt = 0
-        while True:
-            try:
-                return self._post_once(p, payload)
-            except _Retryable as exc:
-                if attempt == p.max_retries:
-                    raise
-                time.sleep(exc.retry_after if exc.retry_after is not None else p.backoff_s * 2**attempt)
-                attempt += 1
-
-    def _post_once(self, p: HttpRewardParams, payload: dict[str, Any]) -> httpx.Response:
+        """POST `payload` to `p.url`, retrying transport errors, timeouts, 429 and 5xx (`_policy`): the answer
+        whatever its status, or GaveUp naming the last failure once the retries ran out."""
+        call = Call("POST", p.url, json=payload, replay=True)  # the endpoint answers a repeat as the first
         try:
-            response = self._client(p.timeout_s).post(p.url, json=payload)
-        except httpx.TransportError as exc:
-            raise _Retryable(f"{type(exc).__name__}: {exc}") from None
-        if response.status_code == 429 or response.status_code >= 500:
-            raise _Retryable(f"HTTP {response.status_code}", _retry_after(response))
-        return response
+            return self._transport(p.timeout_s).send(call, policy=_policy(p))
+        except errors.APIStatusError as exc:
+            if exc.status not in RETRY_STATUSES and exc.response is not None:
+                return exc.response  # not retried: the caller judges the answer
+            raise GaveUp(f"HTTP {exc.status}") from None
+        except errors.ConnectionError as exc:
+            cause = exc.__cause__
+            raise GaveUp(f"{type(cause).__name__}: {cause}") from None
 
 register(HttpRewardTask())

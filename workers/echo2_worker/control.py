@@ -1,22 +1,19 @@
 """The worker's side of the control-plane API: register, heartbeat, leases, rollouts, manifests.
 
-Requests are retried a few times with bounded exponential backoff (honouring Retry-After) on
-connection errors and 502/503/504/429; after that the caller's loop backs off and tries again, so a
-control plane that restarts is survived. A POST is replayed after a failure that may have reached the
-server only when replaying cannot act twice (heartbeats, renew/complete/release, and rollout
+Requests go through `echo2.transport`: retried a few times with bounded exponential backoff (honouring
+Retry-After) on connection errors and 502/503/504/429; after that the caller's loop backs off and tries
+again, so a control plane that restarts is survived. A POST is replayed after a failure that may have
+reached the server only when replaying cannot act twice (heartbeats, renew/complete/release, and rollout
 submission, which the server treats as idempotent per (lease, prompt)); a lease request is replayed
 only when it never left this machine. Errors are the SDK's classes (`echo2.errors`).
 """
 
 from __future__ import annotations
 
-import random
-import time
 from typing import Any, TypeVar
 
 import httpx
 from echo2 import errors
-from echo2._retry import NOT_SENT, retry_after
 from echo2.protocol import (
     EpisodeReplies,
     EpisodeReply,
@@ -34,10 +31,11 @@ from echo2.protocol import (
     WorkerRegister,
     WorkerRegistered,
 )
+from echo2.transport import Call, RetryPolicy, Transport
 from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
-RETRY_STATUS = frozenset({429, 502, 503, 504})
+RETRY_STATUSES = frozenset({429, 502, 503, 504})
 USER_AGENT = "echo2-worker/0.1.0"
 EPISODE_TIMEOUT_S = 90.0
 
@@ -47,10 +45,11 @@ class ControlPlane:
                  max_delay: float = 8.0) -> None:
         self.server_url = server_url.rstrip("/")
         self.token = token
-        self.max_retries = max_retries
-        self.max_delay = max_delay
-        self._http = httpx.Client(base_url=self.server_url, timeout=httpx.Timeout(timeout, connect=10.0),
-                                  headers={"User-Agent": USER_AGENT, "Accept": "application/json"})
+        # A longer Retry-After is waited for a minute, then the request tried again.
+        policy = RetryPolicy(max_retries=max_retries, max_delay=max_delay, statuses=RETRY_STATUSES,
+                             retry_conflicts=False, clamp_retry_after=True)
+        self._http = Transport(self.server_url, headers={"User-Agent": USER_AGENT, "Accept": "application/json"},
+                               timeout=httpx.Timeout(timeout, connect=10.0), policy=policy)
 
     def close(self) -> None:
         self._http.close()
@@ -82,7 +81,7 @@ class ControlPlane:
 
     def lease(self, body: LeaseRequest) -> LeaseRead:
         # Not replayed once sent: a lost answer would leave a lease we do not know about (it expires).
-        return self._call("POST", "/v1/leases", LeaseRead, body, replay=False, retry_conflict=False)
+        return self._call("POST", "/v1/leases", LeaseRead, body, replay=False)
 
     def renew(self, lease_id: str) -> LeaseRead:
         return self._call("POST", f"/v1/leases/{lease_id}/renew", LeaseRead)
@@ -105,38 +104,14 @@ class ControlPlane:
     # -- plumbing --------------------------------------------------------------------------------
 
     def _call(self, method: str, path: str, cast: type[M] | None, body: BaseModel | None = None, *,
-              token: str | None = None, replay: bool = True, retry_conflict: bool = False,
-              timeout: float | None = None) -> Any:
+              token: str | None = None, replay: bool = True, timeout: float | None = None) -> Any:
         token = token or self.token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         content = body.model_dump_json(exclude_unset=False).encode() if body is not None else None
         if content is not None:
             headers["Content-Type"] = "application/json"
-        attempt = 0
-        while True:
-            try:
-                response = self._http.request(method, path, content=content, headers=headers,
-                                              **({"timeout": timeout} if timeout is not None else {}))
-            except httpx.TransportError as exc:
-                if attempt < self.max_retries and (replay or isinstance(exc, NOT_SENT)):
-                    self._sleep(attempt, None)
-                    attempt += 1
-                    continue
-                where = f"{method} {self.server_url if path.startswith('/') else ''}{path}"
-                raise errors.ConnectionError(f"could not reach the Echo2 server: {where}: "
-                                             f"{type(exc).__name__}") from exc
-            if response.is_success:
-                return self._parse(response, cast, method, path)
-            if attempt < self.max_retries and response.status_code in RETRY_STATUS:
-                self._sleep(attempt, response)
-                attempt += 1
-                continue
-            raise errors.error_from_response(response, retry_after(response.headers))
-
-    def _sleep(self, attempt: int, response: httpx.Response | None) -> None:
-        after = retry_after(response.headers) if response is not None else None
-        delay = after if after is not None else min(self.max_delay, 0.5 * 2**attempt) * (0.75 + 0.5 * random.random())
-        time.sleep(min(delay, 60.0))
+        call = Call(method, path, content=content, headers=headers, timeout=timeout, replay=replay)
+        return self._parse(self._http.send(call), cast, method, path)
 
     @staticmethod
     def _parse(response: httpx.Response, cast: type[M] | None, method: str, path: str) -> Any:
