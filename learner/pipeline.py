@@ -18,7 +18,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from echo2.protocol import ClaimedGroup, StepAck, StepReport
 
-from .remote import ControlPlane
+from .sources import RolloutSource
 
 log = logging.getLogger(__name__)
 AHEAD_WAIT_S = 0.25  # a claim ahead waits this long for rollouts; the step then waits for it to answer
@@ -28,7 +28,7 @@ class Committer:
     """Step reports in the background, one at a time and in order. After a report is acknowledged,
     `then(ack)` runs in the committer's thread."""
 
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: RolloutSource) -> None:
         self.plane = plane
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="learner-commit")
         self._last: Future[StepAck] | None = None
@@ -64,7 +64,7 @@ class ClaimAhead(threading.Thread):
     """Claims for one step in the background, until it has `want` groups or is taken. Every group it
     claimed is handed over by `take` (it stops only between claims)."""
 
-    def __init__(self, plane: ControlPlane, step: int, want: int) -> None:
+    def __init__(self, plane: RolloutSource, step: int, want: int) -> None:
         super().__init__(name=f"learner-claim-ahead-{step}", daemon=True)
         self.plane, self.step, self.want = plane, step, want
         self.groups: list[ClaimedGroup] = []
@@ -87,7 +87,7 @@ class ClaimAhead(threading.Thread):
 class Ahead:
     """The claims-ahead in flight, by step: started from the committer's thread, taken by the trainer's."""
 
-    def __init__(self, plane: ControlPlane, want: int) -> None:
+    def __init__(self, plane: RolloutSource, want: int) -> None:
         self.plane, self.want = plane, want
         self._by_step: dict[int, ClaimAhead] = {}
         self._lock = threading.Lock()

@@ -33,7 +33,7 @@ from echo2.deltas import Folder, build_delta, files_digest
 from echo2.protocol import AdapterInfo, Manifest, WeightsConfig
 from echo2.snapshots import DEFAULT_CHUNK_SIZE, build_manifest
 
-from .remote import ControlPlane
+from .sources import WeightSink
 from .weights import Role, Weights
 
 log = logging.getLogger(__name__)
@@ -52,7 +52,7 @@ class Publisher:
     published before it (WeightsConfig: delta, keyframe_every); a LoRA job's adapters always in full. The
     last published folder stays on disk as the next delta's base."""
 
-    def __init__(self, plane: ControlPlane, weights: Weights, work_dir: Path, chunk_size: int = DEFAULT_CHUNK_SIZE,
+    def __init__(self, plane: WeightSink, weights: Weights, work_dir: Path, chunk_size: int = DEFAULT_CHUNK_SIZE,
                  config: WeightsConfig | None = None) -> None:
         self.plane, self.weights = plane, weights
         self.work_dir, self.chunk_size = work_dir, chunk_size

@@ -1,0 +1,73 @@
+"""The learner's rollout source and weight sink (learner/sources.py): the control plane's HTTP client is
+both, and the in-process ones drive the learner's parts as the control plane does: claims ahead and
+reports in order (pipeline.py), versions published as keyframes and deltas (publisher.py)."""
+
+from __future__ import annotations
+
+import torch
+from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit, StepAck, StepReport, WeightsConfig
+
+from learner.parallel import Solo
+from learner.pipeline import Ahead, Committer
+from learner.publisher import Publisher
+from learner.remote import ControlPlane
+from learner.sources import LocalRollouts, LocalWeights, RolloutSource, WeightSink
+from learner.weights import Weights
+
+SPEC = JobSpec.model_validate({"name": "s", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
+                               "staleness": 1, "max_steps": 2, "grpo": {"group_size": 2, "prompts_per_step": 2}})
+
+
+def group(i: int, version: int) -> ClaimedGroup:
+    sample = SampleSubmit(token_ids=[3], logprobs=[-1.0], finish_reason="stop")
+    return ClaimedGroup(rollout_id=f"rol_{i}", prompt_id=i, prompt_text="hi", reference=None, version=version,
+                        worker_id="wrk_1", prompt_token_ids=[1, 2], samples=[sample, sample])
+
+
+def test_the_control_plane_client_and_the_local_ones_are_sources_and_sinks(tmp_path):
+    plane = ControlPlane("http://127.0.0.1:9", "token", "job")
+    assert isinstance(plane, RolloutSource) and isinstance(plane, WeightSink)
+    assert isinstance(LocalRollouts(SPEC), RolloutSource) and isinstance(LocalWeights(tmp_path), WeightSink)
+    plane.close()
+
+
+def test_local_rollouts_keep_the_staleness_rule():
+    source = LocalRollouts(SPEC)
+    source.put([group(0, 0), group(1, 3), group(2, 2), group(3, 1)])
+    batch = source.claim(2, max_groups=4)  # at step 2 with S = 1: version 0 is stale, version 3 comes later
+    assert [g.rollout_id for g in batch.groups] == ["rol_2", "rol_3"] and batch.rejected_stale == 1
+    assert [g.rollout_id for g in source.claim(3, max_groups=4).groups] == ["rol_1"]
+    assert source.claim(3, max_groups=4, wait_s=0.05).groups == []
+
+
+def test_claims_ahead_and_reports_in_order_against_an_in_process_source():
+    source = LocalRollouts(SPEC)
+    source.put([group(i, 0) for i in range(4)])
+    ahead, committer = Ahead(source, want=2), Committer(source)
+    ahead.start(1)
+    acks: list[StepAck] = []
+    committer.submit(StepReport(step=0, rollout_ids=["rol_a"], t_train_s=0.1), acks.append)
+    committer.submit(StepReport(step=1, rollout_ids=["rol_b"], t_train_s=0.1), acks.append)
+    assert committer.wait() == acks[-1] and [a.step for a in acks] == [1, 2] and acks[-1].stop
+    assert [r.step for r in source.reports] == [0, 1]
+    assert len(ahead.take(1)) == 2 and ahead.take(2) == []
+    ahead.close()
+    committer.close()
+
+
+def test_the_publisher_publishes_keyframes_and_deltas_to_an_in_process_sink(tmp_path, tiny):
+    model, tok = tiny
+    sink = LocalWeights(tmp_path / "published")
+    publisher = Publisher(sink, Weights(model, tok, torch.float32), tmp_path / "publish", chunk_size=64 * 1024,
+                          config=WeightsConfig(keyframe_every=2))
+    for v in range(3):
+        state = Solo().model_state(model)
+        state["model.norm.weight"][0] += v  # each version changes one weight: its delta is small
+        publisher.submit(v, v, state, final=v == 2)
+        publisher.wait()
+    publisher.close()
+    assert [(v.version, v.total_size is not None, v.delta_base) for v in sink.versions] == [
+        (0, True, None), (1, False, 0), (2, True, 1)]  # the first, every 2nd and the final in full
+    before, after = sink.version_files(0), sink.version_files(1)  # version 1 as its delta rebuilds it
+    assert [f.path for f in before] == [f.path for f in after] and before != after
+    assert (tmp_path / "published" / "v1" / "delta").is_dir() and publisher.published == 2
