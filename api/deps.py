@@ -6,6 +6,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Annotated
 
+from echo2.protocol import WorkerStatus
 from fastapi import Depends, Query, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
@@ -86,7 +87,7 @@ def principal_of(db: Session, token: str) -> Principal:
             raise unauthorized("this API key's user no longer exists")
     elif identity.kind == "worker":
         principal.worker = db.get(Worker, identity.principal_id)
-        if principal.worker is None or principal.worker.status == "deregistered":
+        if principal.worker is None or principal.worker.status == WorkerStatus.deregistered:
             raise unauthorized("this worker is deregistered; register again")
     return principal
 

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import secrets
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
+from echo2.protocol import DesiredState, JobStatus, LeaseStatus, RejectKind, RolloutStatus, TrustState, WorkerStatus
 from sqlalchemy import (
     JSON,
     BigInteger,
     DateTime,
+    Enum,
     Float,
     ForeignKey,
     Index,
@@ -45,6 +48,12 @@ class UTCDateTime(TypeDecorator[datetime]):
         if value is not None and value.tzinfo is None:
             return value.replace(tzinfo=UTC)
         return value
+
+
+def stored_as_value(enum: type[StrEnum], length: int = 16) -> Enum:
+    """A column of one of the protocol's enums, read back as its members: stored as the member's value in a
+    plain VARCHAR (no native type, no CHECK constraint), so the schema and the data are what they were."""
+    return Enum(enum, native_enum=False, length=length, values_callable=lambda e: [m.value for m in e])
 
 
 class Base(DeclarativeBase):
@@ -102,8 +111,8 @@ class Worker(Base):
     rollouts_per_s: Mapped[float] = mapped_column(Float, default=0.0)
     tokens_per_s: Mapped[float] = mapped_column(Float, default=0.0)
     software: Mapped[str] = mapped_column(String(64))
-    status: Mapped[str] = mapped_column(String(16), default="idle", index=True)
-    desired: Mapped[str] = mapped_column(String(16), default="idle")
+    status: Mapped[WorkerStatus] = mapped_column(stored_as_value(WorkerStatus), default=WorkerStatus.idle, index=True)
+    desired: Mapped[DesiredState] = mapped_column(stored_as_value(DesiredState), default=DesiredState.idle)
     job_id: Mapped[str | None] = mapped_column(ForeignKey("jobs.id"), index=True)
     version_held: Mapped[int | None] = mapped_column(Integer)
     stats: Mapped[dict[str, Any]] = mapped_column(default=dict)
@@ -119,7 +128,7 @@ class Worker(Base):
     active_since: Mapped[datetime | None]
     # Trust (api/services/trust.py): the learner's audits and the door's checks move a worker along
     # probation -> trusted <-> suspect -> quarantined -> banned.
-    trust: Mapped[str] = mapped_column(String(16), default="probation")
+    trust: Mapped[TrustState] = mapped_column(stored_as_value(TrustState), default=TrustState.probation)
     audits_passed: Mapped[int] = mapped_column(Integer, default=0)
     audits_failed: Mapped[int] = mapped_column(Integer, default=0)
     strikes: Mapped[int] = mapped_column(Integer, default=0)  # failures since it was last in good standing
@@ -176,7 +185,7 @@ class Job(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("job"))
     owner_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
     name: Mapped[str] = mapped_column(String(128))
-    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    status: Mapped[JobStatus] = mapped_column(stored_as_value(JobStatus), default=JobStatus.queued, index=True)
     status_reason: Mapped[str | None] = mapped_column(String(512))
     spec: Mapped[dict[str, Any]]
     step: Mapped[int] = mapped_column(Integer, default=0)
@@ -246,7 +255,7 @@ class Lease(Base):
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("lse"))
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"))
     worker_id: Mapped[str] = mapped_column(ForeignKey("workers.id"), index=True)
-    status: Mapped[str] = mapped_column(String(16), default="active")
+    status: Mapped[LeaseStatus] = mapped_column(stored_as_value(LeaseStatus), default=LeaseStatus.active)
     version: Mapped[int] = mapped_column(Integer)
     step_at_lease: Mapped[int] = mapped_column(Integer)
     prompt_ids: Mapped[list[Any]]
@@ -266,13 +275,13 @@ class Rollout(Base):
     lease_id: Mapped[str] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"))
     worker_id: Mapped[str] = mapped_column(String(32), index=True)
     version: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16))
+    status: Mapped[RolloutStatus] = mapped_column(stored_as_value(RolloutStatus))
     reason: Mapped[str | None] = mapped_column(String(256))
     prompt_token_ids: Mapped[list[Any]]
     samples: Mapped[list[Any]]
     rewards: Mapped[list[Any] | None]
     gen_seconds: Mapped[float] = mapped_column(Float, default=0.0)
-    reject_kind: Mapped[str | None] = mapped_column(String(24))  # echo2.protocol.RejectKind
+    reject_kind: Mapped[RejectKind | None] = mapped_column(stored_as_value(RejectKind, 24))
     audit: Mapped[str | None] = mapped_column(String(16))  # "passed" / "failed" once audited
     seq: Mapped[int | None] = mapped_column(Integer)  # the sender's n-th accepted group (Worker.groups_numbered)
     paid_entry_id: Mapped[int | None] = mapped_column(BigInteger, index=True)

@@ -29,7 +29,7 @@ from .models import EvalResult, Job, Rollout, StepMetric, WeightVersion, Worker
 from .services import dissemination
 from .services.jobs import spec_of
 
-LIVE_JOBS = (JobStatus.running.value, JobStatus.paused.value)  # jobs with a training run to follow
+LIVE_JOBS = (JobStatus.running, JobStatus.paused)  # jobs with a training run to follow
 DISSEMINATION_LOOKBACK = 4  # newest versions searched for the newest one every targeted worker holds
 
 
@@ -141,7 +141,7 @@ def _worker_families(session: Session) -> Iterator[Metric]:
                            "delivers): what its pay is measured against", labels=["worker"])
     for w in session.execute(select(Worker.id, Worker.status, Worker.trust, Worker.job_id, Worker.accepted_rollouts,
                                     Worker.rejected_rollouts, Worker.earned_usd, Worker.activated_mu)
-                             .where(Worker.status != WorkerStatus.deregistered.value).order_by(Worker.id)):
+                             .where(Worker.status != WorkerStatus.deregistered).order_by(Worker.id)):
         info.add_metric([w.id], {"status": w.status, "trust": w.trust, "job": w.job_id or ""})
         accepted.add_metric([w.id], w.accepted_rollouts)
         rejected.add_metric([w.id], w.rejected_rollouts)
@@ -158,7 +158,7 @@ def _held_out(session) -> GaugeMetricFamily:  # type: ignore[no-untyped-def]
     latest = select(EvalResult.job_id, func.max(EvalResult.step).label("step")).group_by(EvalResult.job_id).subquery()
     rows = session.execute(select(EvalResult).join(latest, (EvalResult.job_id == latest.c.job_id)
                                                    & (EvalResult.step == latest.c.step))
-                           .join(Job, Job.id == EvalResult.job_id).where(Job.status == "running"))
+                           .join(Job, Job.id == EvalResult.job_id).where(Job.status == JobStatus.running))
     for (row,) in rows:
         for decoding, value in (("greedy", row.greedy_accuracy), ("sampled", row.sampled_accuracy)):
             if value is not None:

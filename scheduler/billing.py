@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime, timedelta
 
-from echo2.protocol import Fault, RejectKind, RolloutStatus, TrustState
+from echo2.protocol import Fault, JobStatus, RejectKind, RolloutStatus, TrustState, WorkerStatus
 from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
@@ -30,8 +30,8 @@ from api.services.jobs import spec_of
 from api.settings import Settings
 
 MIN_MU = 1e-3  # groups/s: a floor for an activation rate that was never measured
-PAID_REJECTIONS = [k.value for k in RejectKind if k.fault() is Fault.platform]
-WORKING = [s.value for s in TrustState if s.can_work()]
+PAID_REJECTIONS = [k for k in RejectKind if k.fault() is Fault.platform]
+WORKING = [s for s in TrustState if s.can_work()]
 
 
 def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> None:
@@ -39,7 +39,7 @@ def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> 
         return
     seconds = min(max(now.timestamp() - last, 0.0), 10 * settings.reconcile_interval_s)
     _bill_learners(db, settings, now, seconds)
-    for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == "active")):
+    for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == WorkerStatus.active)):
         worker.unbilled_s = min(worker.unbilled_s + seconds, settings.pay_window_s)
     payable = _payable(db)
     # A quarantined or banned worker forfeits what it has not been paid yet: it was caught cheating.
@@ -50,7 +50,7 @@ def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> 
 
 def _bill_learners(db: Session, settings: Settings, now: datetime, seconds: float) -> None:
     alive_since = now - timedelta(seconds=settings.learner_dead_after_s)
-    for job in db.scalars(select(Job).where(Job.status == "running", Job.learner_heartbeat_at >= alive_since)):
+    for job in db.scalars(select(Job).where(Job.status == JobStatus.running, Job.learner_heartbeat_at >= alive_since)):
         price = spec_of(job).learner.price_per_hour or 0.0
         amount = price * seconds / 3600
         job.learner_usd += amount
@@ -60,13 +60,13 @@ def _bill_learners(db: Session, settings: Settings, now: datetime, seconds: floa
 
 def _payable(db: Session) -> dict[str, dict[str, list[tuple[str, bool]]]]:
     """worker -> job -> (id, trained) of its unpaid rollouts that are worth paying for."""
-    worth = or_(Rollout.status == RolloutStatus.trained.value,
-                and_(Rollout.status == RolloutStatus.rejected.value, Rollout.reject_kind.in_(PAID_REJECTIONS)))
+    worth = or_(Rollout.status == RolloutStatus.trained,
+                and_(Rollout.status == RolloutStatus.rejected, Rollout.reject_kind.in_(PAID_REJECTIONS)))
     rows = db.execute(select(Rollout.worker_id, Rollout.job_id, Rollout.id, Rollout.status)
                       .where(Rollout.paid_entry_id.is_(None), worth).order_by(Rollout.created_at))
     out: dict[str, dict[str, list[tuple[str, bool]]]] = defaultdict(lambda: defaultdict(list))
     for worker_id, job_id, rollout_id, status in rows:
-        out[worker_id][job_id].append((rollout_id, status == RolloutStatus.trained.value))
+        out[worker_id][job_id].append((rollout_id, status == RolloutStatus.trained))
     return out
 
 

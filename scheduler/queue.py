@@ -50,7 +50,7 @@ def apply_daily_quotas(db: Session, jobs: list[Job], now: datetime) -> None:
     for owner, limit in limits.items():
         spent = spent_today(db, owner, now)
         for job in (j for j in jobs if j.owner_id == owner):
-            if spent >= limit and job.status in (JobStatus.queued.value, JobStatus.running.value):
+            if spent >= limit and job.status in (JobStatus.queued, JobStatus.running):
                 pause_job(db, job, "quota", f"your daily quota of ${limit:.2f} is spent (${spent:.2f} in the last "
                           "24 h); the job resumes by itself as the day's spending rolls off")
             elif spent < limit and job.paused_for == "quota":
@@ -84,13 +84,13 @@ def admit(db: Session, waiting: list[Job], line: Line, launch: Callable[[Job], b
             if launch(job):
                 line.holders[job.owner_id] += 1
                 line.used += slots_of(job)
-                if job.status == JobStatus.queued.value:
+                if job.status == JobStatus.queued:
                     job.status_reason = "its learner is starting"
             job.queue_position = None
             continue
         position += 1
         job.queue_position = position
-        if job.status == JobStatus.queued.value:
+        if job.status == JobStatus.queued:
             job.status_reason = f"waiting for a learner, {_ordinal(position)} in line: {why}"
 
 
@@ -104,7 +104,7 @@ def _no_room(line: Line, need: int) -> str:
 
 def _order(job: Job) -> tuple[bool, int, datetime]:
     """Relaunches of running jobs first, then by priority, then the oldest."""
-    return job.status != JobStatus.running.value, -int(job.spec.get("priority", 0)), job.created_at
+    return job.status != JobStatus.running, -int(job.spec.get("priority", 0)), job.created_at
 
 
 def _ordinal(n: int) -> str:

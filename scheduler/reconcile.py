@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 
-from echo2.protocol import Fault, JobStatus, RejectKind, TrustState
+from echo2.protocol import Fault, JobStatus, RejectKind, TrustState, WorkerStatus
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
@@ -48,10 +48,11 @@ log = logging.getLogger(__name__)
 Launcher = Callable[[str, str], None]  # (job id, learner token) -> enqueue its learner
 MU_WINDOW_S = 60.0
 BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
-WORKER_FAULTS = [k.value for k in RejectKind if k.fault() is Fault.worker]
+WORKER_FAULTS = [k for k in RejectKind if k.fault() is Fault.worker]
 TRIAL_RETRY = 10  # grace periods before a worker whose trial delivered nothing is tried again
-WORKING = [s.value for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
-LIVE = [s.value for s in JobStatus if not s.is_terminal()]
+WORKING = [s for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
+LIVE = [s for s in JobStatus if not s.is_terminal()]
+UNPAUSED = (JobStatus.queued, JobStatus.running)
 
 
 @dataclass
@@ -77,7 +78,7 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
         _enforce_budget(db, job)
         _close_orphan(db, job, settings, now)
     queue.apply_daily_quotas(db, jobs, now)
-    report.launched = _launch(db, settings, [j for j in jobs if j.status in ("queued", "running")], now)
+    report.launched = _launch(db, settings, [j for j in jobs if j.status in UNPAUSED], now)
     db.flush()
     report.activated, report.deactivated = _activate(db, settings, now)
     db.commit()
@@ -89,18 +90,18 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
 def _mark_offline(db: Session, settings: Settings, now: datetime) -> int:
     cutoff = now - timedelta(seconds=settings.worker_offline_after_s)
     silent = db.scalars(select(Worker).where(
-        Worker.status.in_(("idle", "active", "draining")),
+        Worker.status.in_((WorkerStatus.idle, WorkerStatus.active, WorkerStatus.draining)),
         func.coalesce(Worker.last_heartbeat_at, Worker.created_at) < cutoff))
     count = 0
     for worker in silent:
         fleet.unassign(db, worker)
-        worker.status = "offline"
+        worker.status = WorkerStatus.offline
         count += 1
     return count
 
 
 def _enforce_budget(db: Session, job: Job) -> None:
-    if job.status in ("queued", "running") and (why := over_budget(job)) is not None:
+    if job.status in UNPAUSED and (why := over_budget(job)) is not None:
         pause_job(db, job, "budget", why)
 
 
@@ -118,13 +119,13 @@ def _launch(db: Session, settings: Settings, jobs: list[Job], now: datetime) -> 
         launched.append((job.id, issue_learner_token(db, job)))
         return True
 
-    queue.admit(db, [j for j in jobs if j not in alive and j.status in ("queued", "running")], line, launch)
+    queue.admit(db, [j for j in jobs if j not in alive and j.status in UNPAUSED], line, launch)
     return launched
 
 
 def _close_orphan(db: Session, job: Job, settings: Settings, now: datetime) -> None:
     """A learner that died after its last step leaves a finished job running: close it."""
-    if job.status != "running" or job.step < spec_of(job).max_steps or job.version is None:
+    if job.status != JobStatus.running or job.step < spec_of(job).max_steps or job.version is None:
         return
     last = job.learner_heartbeat_at or job.learner_launched_at or now
     if now - last > timedelta(seconds=settings.learner_dead_after_s):
@@ -163,8 +164,8 @@ def _learner_needed(job: Job, settings: Settings, now: datetime) -> bool:
 
 
 def _activate(db: Session, settings: Settings, now: datetime) -> tuple[int, int]:
-    jobs = list(db.scalars(select(Job).where(Job.status == "running", Job.version.is_not(None))))
-    workers = list(db.scalars(select(Worker).where(Worker.status.in_(("idle", "active")),
+    jobs = list(db.scalars(select(Job).where(Job.status == JobStatus.running, Job.version.is_not(None))))
+    workers = list(db.scalars(select(Worker).where(Worker.status.in_((WorkerStatus.idle, WorkerStatus.active)),
                                                    Worker.trust.in_(WORKING))))
     job_profiles = [_job_profile(db, j) for j in jobs]
     profiles = {w.id: _worker_profile(db, w, now, job_profiles, settings) for w in workers}

@@ -8,7 +8,7 @@ import time
 from typing import Any, TextIO
 
 from echo2 import Client
-from echo2.protocol import JobReport
+from echo2.protocol import JobReport, JobStatus
 
 from learner.tasks.arithmetic import DEMO_DEFAULTS
 
@@ -67,7 +67,7 @@ def run_demo(stack: Stack, model: str, steps: int | None, staleness: int, out: T
     util = f"{report.learner_utilization:.0%}" if report.learner_utilization is not None else "n/a"
     print(f"rollout groups: {report.rollouts.generated} generated, {report.rollouts.trained} trained, "
           f"{stale} rejected as stale; learner busy {util} of its wall time", file=out, flush=True)
-    return 0 if final.status.value == "succeeded" else 1
+    return 0 if final.status is JobStatus.succeeded else 1
 
 
 def _held_out(report: JobReport) -> str:

@@ -77,7 +77,7 @@ def register_worker(body: WorkerRegister, provider: CurrentProvider, db: Session
     data = body.model_dump(mode="json", exclude={"relay_url"})
     probation = TrustState.probation if settings.probation_audits else TrustState.trusted  # 0: no probation
     worker = Worker(provider_id=provider.id, relay_url=body.relay_url.rstrip("/") if body.relay_url else None,
-                    status=WorkerStatus.idle.value, desired=DesiredState.idle.value, stats={}, trust=probation.value,
+                    status=WorkerStatus.idle, desired=DesiredState.idle, stats={}, trust=probation,
                     **data)
     db.add(worker)
     db.flush()
@@ -95,7 +95,7 @@ def list_workers(p: AnyPrincipal, db: SessionDep, status: WorkerStatus | None = 
                  offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0) -> Page[WorkerRead]:
     query = _visible(select(Worker), p)
     if status is not None:
-        query = query.where(Worker.status == status.value)
+        query = query.where(Worker.status == status)
     if job_id is not None:
         query = query.where(Worker.job_id == job_id)
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
@@ -139,7 +139,7 @@ def deregister(worker_id: str, p: AnyPrincipal, db: SessionDep) -> None:
     if p.kind == "user" and not p.is_admin:
         raise ApiError(403, "only the worker, its provider or an admin can deregister it")
     fleet.unassign(db, worker, DesiredState.drain)
-    worker.status = WorkerStatus.deregistered.value
+    worker.status = WorkerStatus.deregistered
     auth.revoke_all(db, "worker", worker.id)
     db.commit()
 
@@ -170,6 +170,6 @@ def _role(db: SessionDep, user_id: str) -> str | None:
 
 def _provider_read(db: SessionDep, provider: Provider) -> ProviderRead:
     n = db.scalar(select(func.count()).where(Worker.provider_id == provider.id,
-                                             Worker.status != WorkerStatus.deregistered.value)) or 0
+                                             Worker.status != WorkerStatus.deregistered)) or 0
     return ProviderRead(id=provider.id, name=provider.name, contact=provider.contact, num_workers=n,
                         earnings_usd=provider.earnings_usd, created_at=provider.created_at)

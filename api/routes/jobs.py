@@ -15,7 +15,6 @@ from echo2.protocol import (
     JobUpdate,
     Page,
     PromptRead,
-    RejectKind,
     RolloutRead,
     RolloutStatus,
     StepMetrics,
@@ -62,7 +61,7 @@ def list_jobs(user: CurrentUser, db: SessionDep, limit: Limit = 20, offset: Offs
     if user.role != "admin":
         query = query.where(Job.owner_id == user.id)
     if status is not None:
-        query = query.where(Job.status == status.value)
+        query = query.where(Job.status == status)
     if name:
         query = query.where(Job.name.contains(name, autoescape=True))
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
@@ -115,7 +114,7 @@ def list_rollouts(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDe
     owned_job(db, user, job_id)
     query = select(Rollout, Prompt.text).join(Prompt, Prompt.id == Rollout.prompt_id).where(Rollout.job_id == job_id)
     if status is not None:
-        query = query.where(Rollout.status == status.value)
+        query = query.where(Rollout.status == status)
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
     rows = db.execute(query.order_by(Rollout.created_at.desc(), Rollout.id).limit(limit).offset(offset))
     decode = modelinfo.decoder(blobs, job_id)
@@ -170,8 +169,8 @@ def tasks(_: CurrentUser) -> list[TaskInfo]:
 def _rollout_read(r: Rollout, prompt_text: str, decode: Callable[[list[int]], str]) -> RolloutRead:
     return RolloutRead(
         id=r.id, job_id=r.job_id, prompt_id=r.prompt_id, prompt_text=prompt_text, worker_id=r.worker_id,
-        lease_id=r.lease_id, version=r.version, status=RolloutStatus(r.status), reason=r.reason,
-        reject_kind=r.reject_kind, fault=RejectKind(r.reject_kind).fault() if r.reject_kind else None,
+        lease_id=r.lease_id, version=r.version, status=r.status, reason=r.reason,
+        reject_kind=r.reject_kind, fault=r.reject_kind.fault() if r.reject_kind else None,
         audit=r.audit, trained_step=r.trained_step, completions=[decode(s["token_ids"]) for s in r.samples],
         rewards=r.rewards, created_at=r.created_at,
     )

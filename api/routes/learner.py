@@ -6,6 +6,7 @@ import time
 
 import anyio
 from echo2.protocol import (
+    FinishOutcome,
     JobRead,
     JobStatus,
     LearnerBatch,
@@ -81,9 +82,9 @@ def _claim_once(database: Database, settings: Settings, token: str, job_id: str,
     """One claim in its own session: a waiting learner holds no database connection."""
     with database.session() as db:
         job = learner_job(db, require_kind(principal_of(db, token), "learner").id, job_id, for_update=True)
-        if job.status == JobStatus.paused.value:  # nothing to claim; the next ack tells the learner to stop
+        if job.status == JobStatus.paused:  # nothing to claim; the next ack tells the learner to stop
             return LearnerBatch(step=body.step, groups=[], rejected_stale=0)
-        if job.status != JobStatus.running.value:
+        if job.status != JobStatus.running:
             raise ApiError(409, f"job {job_id} is {job.status}")
         if body.step not in (job.step, job.step + 1):
             raise ApiError(409, f"claims are for step {job.step} (steps committed so far) or the next one, not "
@@ -120,7 +121,7 @@ def finish(job_id: str, body: LearnerFinish, token_job: LearnerJobId, db: Sessio
     job = learner_job(db, token_job, job_id, for_update=True)
     if body.final_version is not None and (job.version is None or body.final_version > job.version):
         raise ApiError(422, f"version {body.final_version} was never published", field="final_version")
-    if body.outcome.value == "succeeded" and body.final_version is None:
+    if body.outcome is FinishOutcome.succeeded and body.final_version is None:
         raise ApiError(422, "a succeeded job needs final_version (its checkpoint)", field="final_version")
     finish_job(db, job, JobStatus(body.outcome.value), body.reason)
     job.final_version = body.final_version

@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 from echo2.protocol import (
+    DesiredState,
     EpisodeReplies,
     EpisodeTurns,
     JobStatus,
@@ -14,7 +15,6 @@ from echo2.protocol import (
     RolloutStatus,
     RolloutSubmit,
     RolloutSubmitResult,
-    TrustState,
 )
 from fastapi import APIRouter, Request
 
@@ -32,13 +32,13 @@ router = APIRouter(prefix="/v1", tags=["leases"])
              responses={403: {"description": "Not assigned to this job, or quarantined or banned."},
                         409: {"description": "Version too stale, or no prompts free (Retry-After)."}})
 def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, settings: SettingsDep) -> LeaseRead:
-    if not TrustState(worker.trust).can_work():
+    if not worker.trust.can_work():
         raise ApiError(403, f"this worker gets no leases: {trust.notice(worker)}")
-    if worker.job_id != body.job_id or worker.desired != "active":
+    if worker.job_id != body.job_id or worker.desired != DesiredState.active:
         raise ApiError(403, f"this worker is not assigned to job {body.job_id}; follow the heartbeat reply",
                        field="job_id")
     job = db.get(Job, body.job_id)  # no job lock: prompts are claimed row by row (SKIP LOCKED)
-    if job is None or job.status != JobStatus.running.value:
+    if job is None or job.status != JobStatus.running:
         raise ApiError(409, f"job {body.job_id} is not running", field="job_id")
     lease = pool.create_lease(db, job, worker, body.max_prompts, body.version, settings.lease_ttl_s)
     read = _read(db, lease, job)
@@ -49,8 +49,9 @@ def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, sett
 @router.post("/leases/{lease_id}/renew", operation_id="renew_lease", summary="Extend an active lease by its TTL")
 def renew_lease(lease_id: str, worker: CurrentWorker, db: SessionDep, settings: SettingsDep) -> LeaseRead:
     lease, job = _own(db, worker, lease_id)
-    if lease.status != LeaseStatus.active.value or lease.expires_at < utcnow():
-        raise ApiError(409, f"lease {lease_id} is {lease.status if lease.status != 'active' else 'expired'}")
+    if lease.status != LeaseStatus.active or lease.expires_at < utcnow():
+        ended = lease.status if lease.status != LeaseStatus.active else LeaseStatus.expired
+        raise ApiError(409, f"lease {lease_id} is {ended}")
     lease.expires_at = utcnow() + timedelta(seconds=settings.lease_ttl_s)
     read = _read(db, lease, job)
     db.commit()
@@ -74,10 +75,10 @@ def release_lease(lease_id: str, worker: CurrentWorker, db: SessionDep) -> Lease
 def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, db: SessionDep,
                     settings: SettingsDep, request: Request) -> RolloutSubmitResult:
     lease, job = _own(db, worker, lease_id)  # no job lock: the claim re-checks staleness
-    if JobStatus(job.status).is_terminal():
+    if job.status.is_terminal():
         raise ApiError(409, f"job {job.id} is {job.status}; rollouts are no longer accepted")
-    if lease.status == LeaseStatus.active.value and lease.expires_at < utcnow():
-        pool.end_lease(db, lease, LeaseStatus.expired.value)
+    if lease.status == LeaseStatus.active and lease.expires_at < utcnow():
+        pool.end_lease(db, lease, LeaseStatus.expired)
     results = admission.submit_groups(db, job, lease, worker, body.groups, settings)
     db.commit()
     if any(r.status is RolloutStatus.accepted for r in results):  # a learner waiting to claim hears at once
@@ -100,7 +101,7 @@ def play_episode_turns(lease_id: str, body: EpisodeTurns, worker: CurrentWorker,
     # The lease row is not locked: its environments may take a while, and renewals must not wait on
     # them. Each episode's row is (api/services/episodes.py).
     lease, job = _own(db, worker, lease_id, lock=False)
-    if job.status != JobStatus.running.value:
+    if job.status != JobStatus.running:
         raise ApiError(409, f"job {job.id} is {job.status}; its episodes are over")
     replies = episodes.play(db, blobs, lease, job, body.steps)
     db.commit()
@@ -109,8 +110,8 @@ def play_episode_turns(lease_id: str, body: EpisodeTurns, worker: CurrentWorker,
 
 def _close(db: SessionDep, worker: Worker, lease_id: str, status: LeaseStatus) -> LeaseRead:
     lease, job = _own(db, worker, lease_id)
-    if lease.status == LeaseStatus.active.value:
-        pool.end_lease(db, lease, status.value)
+    if lease.status == LeaseStatus.active:
+        pool.end_lease(db, lease, status)
     read = _read(db, lease, job)
     db.commit()
     return read
@@ -129,7 +130,7 @@ def _own(db: SessionDep, worker: Worker, lease_id: str, lock: bool = True) -> tu
 
 def _read(db: SessionDep, lease: Lease, job: Job) -> LeaseRead:
     return LeaseRead(
-        id=lease.id, job_id=lease.job_id, worker_id=lease.worker_id, status=LeaseStatus(lease.status),
+        id=lease.id, job_id=lease.job_id, worker_id=lease.worker_id, status=lease.status,
         version=lease.version, prompts=pool.leased_prompts(db, lease, job),
         sampling=sampling_of(spec_of(job)),
         expires_at=lease.expires_at, created_at=lease.created_at, episode=episodes.limits(job),

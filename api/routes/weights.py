@@ -7,7 +7,7 @@ import time
 from typing import Annotated, Any
 
 import anyio
-from echo2.protocol import Form, JobStatus, Manifest, VersionNotice, VersionPublish, VersionRead
+from echo2.protocol import Form, Manifest, VersionNotice, VersionPublish, VersionRead
 from fastapi import APIRouter, Body, Header, Path, Query, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
@@ -124,9 +124,8 @@ def _readable_in_session(db: Database, token: str, job_id: str) -> None:
 def _notice(db: Database, job_id: str, after: int) -> VersionNotice:
     with db.session() as session:
         job = session.get_one(Job, job_id)
-        status = JobStatus(job.status)
-        changed = (job.version is not None and job.version > after) or status.is_terminal()
-        return VersionNotice(job_id=job_id, version=job.version, job_status=status, changed=changed)
+        changed = (job.version is not None and job.version > after) or job.status.is_terminal()
+        return VersionNotice(job_id=job_id, version=job.version, job_status=job.status, changed=changed)
 
 
 @router.get("/versions/{version}/manifest", operation_id="get_manifest",

@@ -25,10 +25,10 @@ from echo2.protocol import (
     GroupResult,
     GroupSubmit,
     JobSpec,
+    LeaseStatus,
     RejectKind,
     RolloutStatus,
     SampleSubmit,
-    TrustState,
 )
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
@@ -76,7 +76,7 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
         existing[group.prompt_id] = Rollout(**row)
         results.append(GroupResult(prompt_id=group.prompt_id, rollout_id=row["id"], status=row["status"],
                                    reason=reason))
-    if not TrustState(worker.trust).can_work():  # shut out by a strike above: nothing of it is taken
+    if not worker.trust.can_work():  # shut out by a strike above: nothing of it is taken
         _refuse_all(rows, results, f"sender {worker.trust}")
     _store(db, lease, worker, rows)
     return results
@@ -85,13 +85,13 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
 def _refuse_all(rows: list[dict[str, Any]], results: list[GroupResult], reason: str) -> None:
     by_id = {r.rollout_id: r for r in results}
     for row in rows:
-        if row["status"] == RolloutStatus.accepted.value:
-            row.update(status=RolloutStatus.rejected.value, reason=reason, reject_kind=RejectKind.sender_shut_out)
+        if row["status"] == RolloutStatus.accepted:
+            row.update(status=RolloutStatus.rejected, reason=reason, reject_kind=RejectKind.sender_shut_out)
             by_id[row["id"]].status, by_id[row["id"]].reason = RolloutStatus.rejected, reason
 
 
 def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> tuple[str | None, RejectKind | None]:
-    if lease.status != "active":
+    if lease.status != LeaseStatus.active:
         return f"lease is {lease.status}", RejectKind.lease_ended
     if _of_lease(spec, lease, group) and group.version <= job.step and not spec.admissible(job.step, group.version):
         return f"stale: step {job.step} - version {group.version} > S={spec.staleness}", RejectKind.stale_at_submit
@@ -180,8 +180,8 @@ def _row(job: Job, lease: Lease, worker: Worker, group: GroupSubmit, reason: str
     return {
         "id": new_id("rol"), "job_id": job.id, "prompt_id": group.prompt_id, "lease_id": lease.id,
         "worker_id": worker.id, "version": group.version,
-        "status": RolloutStatus.rejected.value if reason else RolloutStatus.accepted.value, "reason": reason,
-        "reject_kind": kind.value if kind else None, "prompt_token_ids": group.prompt_token_ids,
+        "status": RolloutStatus.rejected if reason else RolloutStatus.accepted, "reason": reason,
+        "reject_kind": kind, "prompt_token_ids": group.prompt_token_ids,
         # The worker's text is not kept: the platform shows its own decoding of the tokens.
         "samples": [s.model_dump(mode="json", exclude={"text"}) for s in group.samples],
         "gen_seconds": group.gen_seconds, "seq": None,
@@ -190,22 +190,22 @@ def _row(job: Job, lease: Lease, worker: Worker, group: GroupSubmit, reason: str
 
 def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]) -> None:
     for row in rows:  # numbered for the audit windows; a race between two submissions repeats a number, never skips
-        if row["status"] == RolloutStatus.accepted.value:
+        if row["status"] == RolloutStatus.accepted:
             row["seq"], worker.groups_numbered = worker.groups_numbered, worker.groups_numbered + 1
     if rows:
         db.execute(insert(Rollout), rows)
-    accepted = [r["prompt_id"] for r in rows if r["status"] == RolloutStatus.accepted.value]
-    back = [r["prompt_id"] for r in rows if r["status"] != RolloutStatus.accepted.value]
+    accepted = [r["prompt_id"] for r in rows if r["status"] == RolloutStatus.accepted]
+    back = [r["prompt_id"] for r in rows if r["status"] != RolloutStatus.accepted]
     if accepted:
         db.execute(update(Prompt).where(Prompt.id.in_(accepted), Prompt.lease_id == lease.id)
                    .values(state="submitted"))
     return_prompts(db, back, lease_id=lease.id)
     set_aside_failing(db, lease.job_id, [r["prompt_id"] for r in rows
-                                         if r["reject_kind"] == RejectKind.environment_failed.value])
+                                         if r["reject_kind"] == RejectKind.environment_failed])
     worker.accepted_rollouts += len(accepted)
     worker.rejected_rollouts += len(rows) - len(accepted)
-    if lease.status == "active" and _all_answered(db, lease):
-        lease.status, lease.finished_at = "completed", utcnow()
+    if lease.status == LeaseStatus.active and _all_answered(db, lease):
+        lease.status, lease.finished_at = LeaseStatus.completed, utcnow()
 
 
 def _all_answered(db: Session, lease: Lease) -> bool:
@@ -216,12 +216,12 @@ def _all_answered(db: Session, lease: Lease) -> bool:
 def reject_stale(db: Session, job: Job, step: int, spec: JobSpec) -> int:
     """Queued groups too old for step t are rejected and their prompts re-pooled."""
     stale = list(db.scalars(
-        select(Rollout).where(Rollout.job_id == job.id, Rollout.status == "accepted",
+        select(Rollout).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.accepted,
                               Rollout.version < spec.oldest_admissible(step)).with_for_update(skip_locked=True)
     ))
     for r in stale:
-        r.status, r.reason = "rejected", f"stale at claim: step {step} - version {r.version} > S={spec.staleness}"
-        r.reject_kind = RejectKind.stale_at_claim.value
+        r.status, r.reject_kind = RolloutStatus.rejected, RejectKind.stale_at_claim
+        r.reason = f"stale at claim: step {step} - version {r.version} > S={spec.staleness}"
     return_prompts(db, [r.prompt_id for r in stale], from_state="submitted")
     return len(stale)
 
@@ -235,7 +235,7 @@ def claim(db: Session, job: Job, step: int, max_groups: int) -> tuple[list[Rollo
     rejected = reject_stale(db, job, job.step, spec)
     query = (
         select(Rollout)
-        .where(Rollout.job_id == job.id, Rollout.status == "accepted",
+        .where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.accepted,
                Rollout.version >= spec.oldest_admissible(step))
         .order_by(Rollout.version, Rollout.created_at, Rollout.id)
         .limit(max_groups)
@@ -243,16 +243,16 @@ def claim(db: Session, job: Job, step: int, max_groups: int) -> tuple[list[Rollo
     )
     rows = list(db.scalars(query))
     for r in rows:
-        r.status, r.claim_step = "claimed", step
+        r.status, r.claim_step = RolloutStatus.claimed, step
     return rows, rejected
 
 
 def release_claims(db: Session, job_id: str, step: int | None = None) -> int:
     """Claimed rollouts not committed by a step go back to the queue (re-checked for staleness)."""
-    query = update(Rollout).where(Rollout.job_id == job_id, Rollout.status == "claimed")
+    query = update(Rollout).where(Rollout.job_id == job_id, Rollout.status == RolloutStatus.claimed)
     if step is not None:
         query = query.where(Rollout.claim_step == step)
-    return db.execute(query.values(status="accepted", claim_step=None)).rowcount or 0
+    return db.execute(query.values(status=RolloutStatus.accepted, claim_step=None)).rowcount or 0
 
 
 def claimed_groups(db: Session, rows: list[Rollout], audit: Callable[[Rollout], bool]) -> list[ClaimedGroup]:

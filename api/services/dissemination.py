@@ -7,15 +7,15 @@ from collections import defaultdict
 from datetime import datetime
 from typing import Any
 
-from echo2.protocol import VersionRead
+from echo2.protocol import DesiredState, VersionRead, WorkerStatus
 from sqlalchemy import Row, and_, select
 from sqlalchemy.orm import Session
 
 from ..models import VersionHold, WeightVersion, Worker
 
-GONE = ("offline", "deregistered")
+GONE = (WorkerStatus.offline, WorkerStatus.deregistered)
 # Working on their job (Worker.job_id): the scheduler made them active and they have not gone.
-ACTIVE = and_(Worker.desired == "active", Worker.status.not_in(GONE))
+ACTIVE = and_(Worker.desired == DesiredState.active, Worker.status.not_in(GONE))
 
 
 def targets(db: Session, job_id: str) -> list[str]:

@@ -78,7 +78,7 @@ def play(db: Session, blobs: BlobStore, lease: Lease, job: Job, steps: list[Epis
     bounds = limits(job)
     if bounds is None:
         raise ApiError(409, f"job {job.id}'s task is single-turn: generate and submit whole completions")
-    if lease.status != LeaseStatus.active.value or lease.expires_at < utcnow():
+    if lease.status != LeaseStatus.active or lease.expires_at < utcnow():
         raise ApiError(409, f"lease {lease.id} is no longer active; its episodes are over")
     spec = spec_of(job)
     task = get_task(spec.task.name)

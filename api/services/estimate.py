@@ -33,9 +33,11 @@ from echo2.protocol import (
     JobEstimate,
     JobSpec,
     JobStatus,
+    LeaseStatus,
     RejectKind,
     RolloutStatus,
     TrustState,
+    WorkerStatus,
 )
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
@@ -54,8 +56,8 @@ LIKE_JOBS = 10  # the most recent ones like it are used
 STEPS = 400  # the latest steps of each, of which the later half is used
 LEASES = 20_000  # the latest completed leases on them
 HOLDS = 5000  # the latest version holds on them
-WORKING = [s.value for s in TrustState if s.can_work()]
-PAID_REJECTIONS = [k.value for k in RejectKind if k.fault() is Fault.platform]
+WORKING = [s for s in TrustState if s.can_work()]
+PAID_REJECTIONS = [k for k in RejectKind if k.fault() is Fault.platform]
 
 
 @dataclass
@@ -111,7 +113,7 @@ def estimate(db: Session, spec: JobSpec, settings: Settings, now: datetime | Non
                      t_train_s=max(learner.t_train_s, 1e-3), staleness=spec.staleness,
                      publish_period=spec.publish_period, priority=spec.priority, vram_need_gb=memory,
                      backends=frozenset(b.value for b in spec.workers.backends))
-    workers = list(db.scalars(select(Worker).where(Worker.status.in_(("idle", "active")),
+    workers = list(db.scalars(select(Worker).where(Worker.status.in_((WorkerStatus.idle, WorkerStatus.active)),
                                                    Worker.trust.in_(WORKING)).order_by(Worker.id)))
     rates = _rates(db, like)
     profiles = [_profile(w, rates[w.id]) for w in workers]
@@ -191,7 +193,7 @@ def _history(db: Session, like: list[tuple[Job, JobSpec]]) -> list[_Past]:
 def _learner(db: Session, spec: JobSpec, like: list[_Past]) -> _Learner:
     if not like:
         return _Learner(DEFAULT_T_TRAIN_S, "the scheduler's default: no earlier job like this one has run")
-    billed = _billed_learner_s(db, [p.job.id for p in like if p.job.status == JobStatus.succeeded.value])
+    billed = _billed_learner_s(db, [p.job.id for p in like if p.job.status == JobStatus.succeeded])
     timed = [(p, p.period_s) for p in like if p.period_s is not None]
     overheads = [max(0.0, period - p.t_train_s) for p, period in timed]
     startups = [max(0.0, billed[p.job.id] - p.job.step * period) for p, period in timed if p.job.id in billed]
@@ -229,11 +231,11 @@ def _rates(db: Session, like: list[_Past]) -> dict[str, _Rate]:
     job_ids = [p.job.id for p in like]
     if not job_ids:
         return rates
-    useful = (Rollout.status != RolloutStatus.rejected.value) | Rollout.reject_kind.in_(PAID_REJECTIONS)
+    useful = (Rollout.status != RolloutStatus.rejected) | Rollout.reject_kind.in_(PAID_REJECTIONS)
     rows = db.execute(select(Lease.worker_id, Lease.created_at, Lease.finished_at, func.count().filter(useful),
                              func.sum(Rollout.gen_seconds).filter(useful))
                       .join(Rollout, Rollout.lease_id == Lease.id)  # a completed lease answered every prompt
-                      .where(Lease.job_id.in_(job_ids), Lease.status == "completed")
+                      .where(Lease.job_id.in_(job_ids), Lease.status == LeaseStatus.completed)
                       .group_by(Lease.id, Lease.worker_id, Lease.created_at, Lease.finished_at)
                       .order_by(Lease.created_at.desc()).limit(LEASES)).all()
     by_worker: dict[str, list[tuple[datetime, datetime]]] = defaultdict(list)

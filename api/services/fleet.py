@@ -6,7 +6,7 @@ import hashlib
 import hmac
 from collections.abc import Callable
 
-from echo2.protocol import Assignment, DesiredState, JobStatus
+from echo2.protocol import Assignment, DesiredState, JobStatus, LeaseStatus, WorkerStatus
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -21,19 +21,19 @@ def assign(worker: Worker, job: Job) -> None:
     """Activate a worker on a job (the scheduler decides which; this records it)."""
     if worker.job_id != job.id:
         worker.active_since = utcnow()
-    worker.job_id, worker.desired = job.id, DesiredState.active.value
+    worker.job_id, worker.desired = job.id, DesiredState.active
 
 
 def unassign(db: Session, worker: Worker, desired: DesiredState = DesiredState.idle) -> None:
-    for lease in db.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.status == "active")):
-        end_lease(db, lease, "released")
-    worker.job_id, worker.desired, worker.active_since = None, desired.value, None
+    for lease in db.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.status == LeaseStatus.active)):
+        end_lease(db, lease, LeaseStatus.released)
+    worker.job_id, worker.desired, worker.active_since = None, desired, None
 
 
 def assignment_for(db: Session, job: Job, settings: Settings) -> Callable[[list[str], set[int]], Assignment] | None:
     """What every worker active on `job` is told, given its relay parents and the versions it holds;
     None before version 0."""
-    if job.status != JobStatus.running.value or job.version is None:
+    if job.status != JobStatus.running or job.version is None:
         return None
     spec, target = spec_of(job), job.version
     forms, base_url = versions.stored_forms(db, job.id), f"{settings.public_url}/v1/jobs/{job.id}"
@@ -64,7 +64,7 @@ class RelayTree:
     def __init__(self, db: Session, job_id: str, settings: Settings) -> None:
         self.peers: list[tuple[str, str]] = [tuple(row) for row in db.execute(  # type: ignore[misc]
             select(Worker.id, Worker.relay_url)
-            .where(Worker.job_id == job_id, Worker.status != "offline", Worker.relay_url.is_not(None),
+            .where(Worker.job_id == job_id, Worker.status != WorkerStatus.offline, Worker.relay_url.is_not(None),
                    Worker.bad_chunks < settings.relay_max_bad_chunks, Worker.relay_confirmed_bad_at.is_(None))
             .order_by(Worker.measured_upload_mbps.is_(None), Worker.measured_upload_mbps.desc(), Worker.id))]
         self.rank = {worker_id: i for i, (worker_id, _) in enumerate(self.peers)}

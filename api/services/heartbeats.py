@@ -19,7 +19,7 @@ from datetime import datetime
 from typing import Any
 
 import anyio
-from echo2.protocol import DesiredState, Heartbeat, HeartbeatReply, JobStatus
+from echo2.protocol import DesiredState, Heartbeat, HeartbeatReply, WorkerStatus
 from sqlalchemy import Row, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
@@ -104,7 +104,7 @@ def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
             out.append(unauthorized("unknown or revoked token"))
         elif identity.kind != "worker":
             out.append(ApiError(403, f"this route needs a worker token, not a {identity.kind} token"))
-        elif (row := rows.get(identity.principal_id)) is None or row.status == "deregistered":
+        elif (row := rows.get(identity.principal_id)) is None or row.status == WorkerStatus.deregistered:
             out.append(unauthorized("this worker is deregistered; register again"))
         elif row.id != pending.worker_id:
             out.append(ApiError(403, "a worker may only heartbeat for itself"))
@@ -118,7 +118,7 @@ def _apply(db: Session, ok: list[tuple[_Pending, _Row]], now: datetime,
     jobs = {j.id: j for j in db.scalars(select(Job).where(Job.id.in_({r.job_id for _, r in ok if r.job_id})))}
     placed = {row.id: (row.job_id, row.desired) for _, row in ok}
     for worker_id, (job_id, _) in list(placed.items()):
-        if job_id is not None and JobStatus(jobs[job_id].status).is_terminal():
+        if job_id is not None and jobs[job_id].status.is_terminal():
             worker = db.get_one(Worker, worker_id)
             fleet.unassign(db, worker)
             placed[worker_id] = (None, worker.desired)
@@ -127,7 +127,7 @@ def _apply(db: Session, ok: list[tuple[_Pending, _Row]], now: datetime,
     db.execute(update(Worker), [
         {"id": row.id, "last_heartbeat_at": now, "version_held": p.hb.version_held,
          "versions_held": _held(p.hb, placed[row.id][0]), "stats": p.hb.stats.model_dump(mode="json"),
-         "status": p.hb.status.value}
+         "status": p.hb.status}
         for p, row in ok])
     for p, row in ok:
         relay.record(db, row.id, row.provider_id, p.hb)
@@ -155,9 +155,9 @@ def _replies(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tup
         job_id, desired = placed[row.id]
         make = makers.get(job_id) if job_id else None
         assignment = make(trees[job_id].parents(row.id), set(_held(p.hb, job_id))) if make else None
-        if desired == DesiredState.active.value and assignment is None:
-            desired = DesiredState.idle.value  # active on a job with no published version yet: wait
-        replies[id(p)] = HeartbeatReply(desired=DesiredState(desired), assignment=assignment,
+        if desired == DesiredState.active and assignment is None:
+            desired = DesiredState.idle  # active on a job with no published version yet: wait
+        replies[id(p)] = HeartbeatReply(desired=desired, assignment=assignment,
                                         heartbeat_interval_s=settings.heartbeat_interval_s,
                                         server_time=server_time, notice=trust.notice(row))
     return replies

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 from typing import Any
 
-from echo2.protocol import JobCost, JobRead, JobSpec, JobStatus, JobUpdate, SamplingParams
+from echo2.protocol import DesiredState, JobCost, JobRead, JobSpec, JobStatus, JobUpdate, LeaseStatus, SamplingParams
 from echo2.seeds import order_key
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -141,9 +141,9 @@ def job_read(job: Job) -> JobRead:
 
 def finish_job(db: Session, job: Job, status: JobStatus, reason: str | None) -> None:
     """Move a job to a terminal state; refuse if it already is in one. Frees its workers and leases."""
-    if JobStatus(job.status).is_terminal():
+    if job.status.is_terminal():
         raise ApiError(409, f"job {job.id} is already {job.status}; a finished job cannot change state")
-    job.status, job.status_reason, job.finished_at = status.value, reason, utcnow()
+    job.status, job.status_reason, job.finished_at = status, reason, utcnow()
     job.queue_position = job.paused_for = None
     _free_fleet(db, job)
 
@@ -153,14 +153,14 @@ def pause_job(db: Session, job: Job, cause: str, reason: str) -> None:
     paused), its workers and leases go back, and `resume_job` queues it for a new learner, which
     resumes from the job's checkpoint. `cause` is "budget" (resumed when the budget is raised) or
     "quota" (resumed by the scheduler once the owner's daily spending allows)."""
-    job.status, job.paused_for, job.status_reason = JobStatus.paused.value, cause, reason[:512]
+    job.status, job.paused_for, job.status_reason = JobStatus.paused, cause, reason[:512]
     job.learner_launched_at = job.queue_position = None
     _free_fleet(db, job)
 
 
 def resume_job(job: Job) -> None:
     """Back to the queue; the scheduler launches its learner when a slot (and the owner's quota) allows."""
-    job.status, job.paused_for, job.status_reason = JobStatus.queued.value, None, None
+    job.status, job.paused_for, job.status_reason = JobStatus.queued, None, None
     job.learner_launched_at = job.learner_crashed_at = None
     job.learner_failures, job.learner_failure_step = 0, None
 
@@ -168,11 +168,11 @@ def resume_job(job: Job) -> None:
 def _free_fleet(db: Session, job: Job) -> None:
     """Its workers go idle, its active leases end, its leased prompts return to the pool."""
     db.execute(
-        update(Worker).where(Worker.job_id == job.id).values(job_id=None, desired="idle", active_since=None)
+        update(Worker).where(Worker.job_id == job.id).values(job_id=None, desired=DesiredState.idle, active_since=None)
     )
     db.execute(
-        update(Lease).where(Lease.job_id == job.id, Lease.status == "active")
-        .values(status="released", finished_at=utcnow())
+        update(Lease).where(Lease.job_id == job.id, Lease.status == LeaseStatus.active)
+        .values(status=LeaseStatus.released, finished_at=utcnow())
     )
     db.execute(
         update(Prompt).where(Prompt.job_id == job.id, Prompt.state == "leased")
@@ -182,7 +182,7 @@ def _free_fleet(db: Session, job: Job) -> None:
 
 def update_job(job: Job, update: JobUpdate) -> None:
     """Change the budget; a job its budget paused is queued again once the new one leaves money to spend."""
-    if JobStatus(job.status).is_terminal():
+    if job.status.is_terminal():
         raise ApiError(409, f"job {job.id} is already {job.status}; a finished job cannot change")
     spec = spec_of(job)
     spec.budget_usd = update.budget_usd

@@ -18,12 +18,12 @@ from .pool import return_prompts
 
 def start(db: Session, job: Job) -> int:
     """Mark the job running (first start) or resumed; claims of a dead learner are released."""
-    if JobStatus(job.status).is_terminal():
+    if job.status.is_terminal():
         raise ApiError(409, f"job {job.id} is {job.status}; it cannot be (re)started")
-    if job.status == JobStatus.paused.value:
+    if job.status == JobStatus.paused:
         raise ApiError(409, f"job {job.id} is paused ({job.status_reason}); it resumes with a new learner")
-    if job.status == JobStatus.queued.value:
-        job.status, job.started_at = JobStatus.running.value, job.started_at or utcnow()
+    if job.status == JobStatus.queued:
+        job.status, job.started_at = JobStatus.running, job.started_at or utcnow()
         job.status_reason = job.queue_position = None
     job.learner_heartbeat_at = utcnow()
     return release_claims(db, job.id)
@@ -32,7 +32,7 @@ def start(db: Session, job: Job) -> int:
 def commit_step(db: Session, job: Job, report: StepReport, settings: Settings) -> StepAck:
     if report.step < job.step and db.get(StepMetric, (job.id, report.step)) is not None:
         return _ack(job)  # a retried report of a committed step
-    if JobStatus(job.status) not in (JobStatus.running, JobStatus.paused):  # a step trained as it paused counts
+    if job.status not in (JobStatus.running, JobStatus.paused):  # a step trained as it paused counts
         raise ApiError(409, f"job {job.id} is {job.status}; steps can only be reported while running")
     if report.step != job.step:
         raise ApiError(409, f"expected a report for step {job.step}, got {report.step}", field="step")
@@ -44,7 +44,7 @@ def commit_step(db: Session, job: Job, report: StepReport, settings: Settings) -
     db.add(_metric_row(db, job, report, len(rollouts)))
     job.step += 1
     job.reward_mean = report.reward_mean if report.reward_mean is not None else job.reward_mean
-    if job.status == JobStatus.running.value and job.step < spec_of(job).max_steps and \
+    if job.status == JobStatus.running and job.step < spec_of(job).max_steps and \
             (why := over_budget(job)) is not None:
         pause_job(db, job, "budget", why)  # the ack tells the learner to stop; it resumes when raised
     return _ack(job)
@@ -63,7 +63,7 @@ def _check_disjoint(report: StepReport) -> None:
 def _claimed(db: Session, job: Job, report: StepReport, wanted: list[str], field: str) -> list[Rollout]:
     ids = set(wanted)
     rows = list(db.scalars(select(Rollout).where(Rollout.id.in_(ids), Rollout.job_id == job.id))) if ids else []
-    bad = ids - {r.id for r in rows if r.status == "claimed" and r.claim_step == report.step}
+    bad = ids - {r.id for r in rows if r.status == RolloutStatus.claimed and r.claim_step == report.step}
     if bad:
         raise ApiError(409, f"rollouts not claimed for step {report.step}: {sorted(bad)[:5]}", field=field)
     spec = spec_of(job)
@@ -87,10 +87,10 @@ def _judge(db: Session, job: Job, report: StepReport, rows: dict[str, Rollout], 
             trust.passed(senders[rollout.worker_id], settings)
     for refusal in report.rejected:
         rollout = rows[refusal.rollout_id]
-        rollout.status, rollout.reason = RolloutStatus.rejected.value, f"refused by the learner: {refusal.reason}"
+        rollout.status, rollout.reason = RolloutStatus.rejected, f"refused by the learner: {refusal.reason}"
         failed = rollout.audit == "failed"
         rollout.claim_step = None
-        rollout.reject_kind = (RejectKind.audit_failed if failed else RejectKind.refused_by_learner).value
+        rollout.reject_kind = RejectKind.audit_failed if failed else RejectKind.refused_by_learner
         if rollout.worker_id in senders:
             sender = senders[rollout.worker_id]
             sender.rejected_rollouts += 1
@@ -101,7 +101,7 @@ def _judge(db: Session, job: Job, report: StepReport, rows: dict[str, Rollout], 
 def _mark_trained(db: Session, job: Job, report: StepReport, rollouts: list[Rollout]) -> None:
     rewards = {r.rollout_id: r.rewards for r in report.rewards}
     for r in rollouts:
-        r.status, r.trained_step = "trained", report.step
+        r.status, r.trained_step = RolloutStatus.trained, report.step
         if r.id in rewards:
             r.rewards = rewards[r.id]
     if rollouts:
@@ -127,8 +127,8 @@ def _metric_row(db: Session, job: Job, report: StepReport, groups: int) -> StepM
 
 
 def _ack(job: Job) -> StepAck:
-    stop = JobStatus(job.status).stops_learner() or job.step >= spec_of(job).max_steps
-    return StepAck(step=job.step, job_status=JobStatus(job.status), stop=stop)
+    stop = job.status.stops_learner() or job.step >= spec_of(job).max_steps
+    return StepAck(step=job.step, job_status=job.status, stop=stop)
 
 
 def record_heartbeat(job: Job, beat: LearnerHeartbeat) -> None:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from datetime import datetime, timedelta
 
-from echo2.protocol import JobSpec, JobStatus, RejectKind, RolloutStatus
+from echo2.protocol import JobSpec, JobStatus, LeaseStatus, RejectKind, RolloutStatus
 from echo2.seeds import order_key, prompt_seed
 from sqlalchemy import and_, case, func, select, update
 from sqlalchemy.orm import Session
@@ -50,7 +50,7 @@ def set_aside_failing(db: Session, job_id: str, prompt_ids: list[int]) -> int:
         return 0
     fleet = db.scalar(select(func.count(Lease.worker_id.distinct())).where(Lease.job_id == job_id)) or 1
     failures = (select(Rollout.prompt_id).where(Rollout.prompt_id.in_(prompt_ids),
-                                                Rollout.reject_kind == RejectKind.environment_failed.value)
+                                                Rollout.reject_kind == RejectKind.environment_failed)
                 .group_by(Rollout.prompt_id)
                 .having(func.count() >= ENV_FAILURES, func.count(Rollout.worker_id.distinct()) >= min(fleet, 2)))
     result = db.execute(update(Prompt).where(Prompt.id.in_(failures), Prompt.state == "available")
@@ -63,13 +63,13 @@ def set_aside_failing(db: Session, job_id: str, prompt_ids: list[int]) -> int:
 def _fail_if_starved(db: Session, job: Job) -> None:
     left = db.scalar(select(func.count()).where(Prompt.job_id == job.id, Prompt.state.not_in([SET_ASIDE, EVAL])))
     need = spec_of(job).grpo.prompts_per_step
-    if left < need and not JobStatus(job.status).is_terminal():
+    if left < need and not job.status.is_terminal():
         finish_job(db, job, JobStatus.failed,
                    f"only {left} prompts are left, a step takes {need}: the environment failed "
                    f"{ENV_FAILURES} times on each of the others (GET /v1/jobs/{job.id}/rollouts shows why)")
 
 
-def end_lease(db: Session, lease: Lease, status: str) -> int:
+def end_lease(db: Session, lease: Lease, status: LeaseStatus) -> int:
     """Close a lease; its prompts that got no rollout go back to the pool. Returns how many did."""
     lease.status, lease.finished_at = status, utcnow()
     return return_prompts(db, list(lease.prompt_ids), lease_id=lease.id)
@@ -78,10 +78,11 @@ def end_lease(db: Session, lease: Lease, status: str) -> int:
 def expire_leases(db: Session, now: datetime | None = None, job_id: str | None = None) -> int:
     """Expire active leases past their deadline. Returns the number of prompts returned."""
     now = now or utcnow()
-    query = select(Lease).where(Lease.status == "active", Lease.expires_at < now)
+    query = select(Lease).where(Lease.status == LeaseStatus.active, Lease.expires_at < now)
     if job_id is not None:
         query = query.where(Lease.job_id == job_id)
-    return sum(end_lease(db, lease, "expired") for lease in db.scalars(query.with_for_update(skip_locked=True)))
+    leases = db.scalars(query.with_for_update(skip_locked=True))
+    return sum(end_lease(db, lease, LeaseStatus.expired) for lease in leases)
 
 
 def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, version: int, ttl_s: float) -> Lease:
@@ -118,9 +119,9 @@ def lease_room(db: Session, job: Job, spec: JobSpec, version: int) -> int:
     steps_left = version + spec.staleness - job.step + 1
     oldest = spec.oldest_admissible(job.step)  # what is already too stale will be rejected, not trained
     taken = db.execute(select(
-        select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.accepted.value,
+        select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.accepted,
                                    Rollout.version >= oldest).scalar_subquery(),
-        select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.claimed.value,
+        select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.claimed,
                                    Rollout.claim_step >= job.step).scalar_subquery(),
         select(func.count()).select_from(Prompt).join(Lease, Lease.id == Prompt.lease_id)
         .where(Prompt.job_id == job.id, Prompt.state == "leased", Lease.version >= oldest).scalar_subquery(),

@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 from ..errors import ApiError
 from ..models import RelayReport, Worker
 
-WORKING = [s.value for s in TrustState if s.can_work()]
+WORKING = [s for s in TrustState if s.can_work()]
 MIN_MEASURED_BYTES = 1 << 20  # below this, a transfer says more about latency than about upload rate
 EMA = 0.3  # weight of the newest measurement
 

@@ -16,11 +16,11 @@ STALE = (RejectKind.stale_at_submit, RejectKind.stale_at_claim)
 def job_report(db: Session, job: Job) -> JobReport:
     by_status = dict(db.execute(select(Rollout.status, func.count()).where(Rollout.job_id == job.id)
                                 .group_by(Rollout.status)).all())
-    rejected = {RejectKind(kind): n for kind, n in db.execute(
+    rejected = dict(db.execute(
         select(Rollout.reject_kind, func.count()).where(Rollout.job_id == job.id, Rollout.reject_kind.is_not(None))
-        .group_by(Rollout.reject_kind)).all()}
+        .group_by(Rollout.reject_kind)).all())
     generated = sum(by_status.values())
-    waiting = by_status.get(RolloutStatus.accepted.value, 0) + by_status.get(RolloutStatus.claimed.value, 0)
+    waiting = by_status.get(RolloutStatus.accepted, 0) + by_status.get(RolloutStatus.claimed, 0)
     audits, failed = db.execute(select(func.count(), func.count().filter(Audit.passed.is_(False)))
                                 .where(Audit.job_id == job.id)).one()
     audit_s = db.scalar(select(func.coalesce(func.sum(StepMetric.audit_s), 0.0)).where(StepMetric.job_id == job.id))
@@ -30,7 +30,7 @@ def job_report(db: Session, job: Job) -> JobReport:
         learner_idle_s=max(0.0, job.learner_wall_s - job.learner_busy_s),
         learner_utilization=job.learner_busy_s / job.learner_wall_s if job.learner_wall_s > 0 else None,
         rollouts=RolloutCounts(generated=generated, waiting=waiting,
-                               trained=by_status.get(RolloutStatus.trained.value, 0), rejected=rejected),
+                               trained=by_status.get(RolloutStatus.trained, 0), rejected=rejected),
         stale_fraction=sum(rejected.get(k, 0) for k in STALE) / generated if generated else None,
         wasted_fraction=wasted / generated if generated else None,
         audits=audits, audits_failed=failed, audit_s=float(audit_s or 0.0), estimate_usd=job.estimate_usd,

@@ -39,7 +39,7 @@ def kept(job: Job, forms: dict[int, Forms], every: int) -> set[int]:
     """Of the stored versions (and their forms), those to keep (module docstring)."""
     final = job.final_version if job.final_version is not None else job.version
     keep = {v for v, f in forms.items() if v == final or (every and v % every == 0 and f.full_size is not None)}
-    if not JobStatus(job.status).is_terminal():
+    if not job.status.is_terminal():
         oldest = spec_of(job).oldest_admissible(job.step)
         needed = {v for v in forms if v == job.version or v >= oldest}
         floor = min(needed, default=oldest)
@@ -89,7 +89,7 @@ def sweep(db: Session, blobs: BlobStore, every: int, checkpoints: BlobStore | No
 
 def drop_learner_state(checkpoints: BlobStore, job: Job) -> None:
     """An ended job's learner checkpoints: nothing will resume from them (its final version is the model)."""
-    if not JobStatus(job.status).is_terminal():
+    if not job.status.is_terminal():
         return
     for job_id, step, staging in list(checkpoints.stored()):
         if job_id == job.id and staging:
@@ -107,7 +107,7 @@ def _sweep_learner_state(db: Session, checkpoints: BlobStore) -> None:
 def _ended_with_extra_versions(every: int) -> Select[tuple[str]]:
     final = func.coalesce(Job.final_version, Job.version)
     extra = select(WeightVersion.job_id).join(Job, Job.id == WeightVersion.job_id).where(
-        Job.status.in_([s.value for s in JobStatus if s.is_terminal()]),
+        Job.status.in_([s for s in JobStatus if s.is_terminal()]),
         WeightVersion.collected_at.is_(None), WeightVersion.version != final)
     if every:
         extra = extra.where(or_(WeightVersion.version % every != 0, WeightVersion.manifest.is_(None)))
@@ -124,7 +124,7 @@ def _sweep_disk(db: Session, blobs: BlobStore) -> int:
     deleted = 0
     for job_id, version, staging in on_disk:
         job = jobs.get(job_id)
-        if staging and job is not None and JobStatus(job.status).is_terminal():
+        if staging and job is not None and job.status.is_terminal():
             blobs.drop_staging(job_id, version)
         elif not staging and (job_id, version) in collected:
             blobs.drop(job_id, [version])

@@ -32,7 +32,7 @@ STRIKES_TO_QUARANTINE = 2
 
 
 def audit_rate(worker: Worker, settings: Settings) -> float:
-    if TrustState(worker.trust) is TrustState.trusted:
+    if worker.trust == TrustState.trusted:
         return settings.audit_rate
     return 1.0
 
@@ -62,11 +62,11 @@ def should_audit(worker: Worker | None, rollout: Rollout, settings: Settings) ->
 def passed(worker: Worker, settings: Settings) -> None:
     worker.audits_passed += 1
     worker.clean_streak += 1
-    state = TrustState(worker.trust)
+    state = worker.trust
     if state is TrustState.probation and worker.audits_passed >= settings.probation_audits:
-        worker.trust = TrustState.trusted.value
+        worker.trust = TrustState.trusted
     elif state is TrustState.suspect and worker.clean_streak >= RECOVER_AFTER:
-        worker.trust, worker.strikes = TrustState.trusted.value, 0
+        worker.trust, worker.strikes = TrustState.trusted, 0
 
 
 def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audited: bool = False) -> None:
@@ -76,13 +76,13 @@ def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audi
     worker.strikes += 1
     worker.clean_streak = 0
     worker.trust_reason = reason[:512]
-    state = TrustState(worker.trust)
+    state = worker.trust
     if not state.can_work():
         return
     if worker.quarantines:
         _shut_out(db, worker, TrustState.banned, f"banned (a strike after a quarantine): {reason}")
     elif worker.strikes < STRIKES_TO_QUARANTINE:
-        worker.trust = TrustState.suspect.value
+        worker.trust = TrustState.suspect
     else:
         worker.quarantined_until = utcnow() + timedelta(seconds=settings.quarantine_s)
         worker.quarantines += 1
@@ -91,9 +91,9 @@ def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audi
 
 def release_quarantines(db: Session, now: datetime) -> int:
     """Quarantines that ran out: back to suspect (every group audited), strikes cleared."""
-    result = db.execute(update(Worker).where(Worker.trust == TrustState.quarantined.value,
+    result = db.execute(update(Worker).where(Worker.trust == TrustState.quarantined,
                                              Worker.quarantined_until < now)
-                        .values(trust=TrustState.suspect.value, strikes=0, clean_streak=0))
+                        .values(trust=TrustState.suspect, strikes=0, clean_streak=0))
     return result.rowcount or 0
 
 
@@ -112,7 +112,7 @@ def _columns(row: Audit) -> dict[str, object]:
 
 def notice(worker: Worker) -> str | None:
     """What the worker is told in its heartbeat when it may not work."""
-    state = TrustState(worker.trust)
+    state = worker.trust
     if state is TrustState.quarantined:
         return f"quarantined until {worker.quarantined_until:%Y-%m-%d %H:%M:%S} UTC: {worker.trust_reason}"
     if state is TrustState.banned:
@@ -121,7 +121,7 @@ def notice(worker: Worker) -> str | None:
 
 
 def _shut_out(db: Session, worker: Worker, state: TrustState, reason: str) -> None:
-    worker.trust, worker.trust_reason = state.value, reason[:512]
+    worker.trust, worker.trust_reason = state, reason[:512]
     unassign(db, worker)
     discard_queued(db, worker.id, f"sender {state.value}")
 
@@ -129,9 +129,9 @@ def _shut_out(db: Session, worker: Worker, state: TrustState, reason: str) -> No
 def discard_queued(db: Session, worker_id: str, reason: str) -> int:
     """Rollouts of the worker not yet claimed are rejected; their prompts go back to the pool."""
     rows = list(db.scalars(select(Rollout).where(Rollout.worker_id == worker_id,
-                                                 Rollout.status == RolloutStatus.accepted.value)
+                                                 Rollout.status == RolloutStatus.accepted)
                            .with_for_update(skip_locked=True)))
     for r in rows:
-        r.status, r.reason, r.reject_kind = RolloutStatus.rejected.value, reason, RejectKind.sender_shut_out.value
+        r.status, r.reason, r.reject_kind = RolloutStatus.rejected, reason, RejectKind.sender_shut_out
     return_prompts(db, [r.prompt_id for r in rows], from_state="submitted")
     return len(rows)
