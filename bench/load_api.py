@@ -106,16 +106,18 @@ def _fake_model(root: Path) -> Path:
     return root
 
 
-def _publish_v0(learner: Any, job_id: str, folder: Path) -> None:
-    from echo2.snapshots import build_manifest, iter_stream
+def _publish_v0(base_url: str, token: str, job_id: str, folder: Path) -> None:
+    """Start the job's learner and publish version 0 as the learner does (learner.remote: its weight sink)."""
+    from echo2.snapshots import build_manifest
 
-    chunk = 64 * 1024
-    manifest = build_manifest(folder, 0, 0, chunk)
-    for info, data in zip(manifest.chunks, iter_stream(folder, manifest.files, chunk), strict=True):
-        headers = {"X-Echo2-Sha256": info.sha256, "Content-Type": "application/octet-stream"}
-        path = f"/v1/jobs/{job_id}/versions/0/chunks/{info.index}"
-        _ok(learner.put(path, content=data, headers=headers), 204)
-    _ok(learner.post(f"/v1/jobs/{job_id}/versions", json={"full": manifest.model_dump(mode="json")}), 201)
+    from learner.remote import ControlPlane
+
+    plane = ControlPlane(base_url, token, job_id)
+    try:
+        plane.start()
+        plane.publish([(folder, build_manifest(folder, 0, 0, 64 * 1024))])
+    finally:
+        plane.close()
 
 
 def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace) -> Fleet:
@@ -150,9 +152,7 @@ def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace
                 "staleness": 64, "max_steps": 1000}
         job_id = _ok(user.post("/v1/jobs", json=spec), 201)["id"]
         learner_token = _ok(admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"]
-        learner = stack.enter_context(client(learner_token))
-        _ok(learner.post(f"/v1/jobs/{job_id}/learner/start"))
-        _publish_v0(learner, job_id, _fake_model(work / "model"))
+        _publish_v0(base_url, learner_token, job_id, _fake_model(work / "model"))
     db = Database(db_url)
     with db.session() as s:
         job = s.get(Job, job_id)

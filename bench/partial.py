@@ -36,12 +36,15 @@ import time
 from dataclasses import dataclass
 from datetime import date
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from learner_staleness import ADMIN_KEY, activate, control_plane, ok  # noqa: E402 - the same helpers
+
+if TYPE_CHECKING:
+    from learner.sources import RolloutSource, WeightSink
 
 GROUP, R, S, T_TRAIN, MAX_NEW, LONG_SHARE = 4, 8, 1, 0.5, 96, 0.1
 P_STOP_SHORT, P_STOP_LONG = 1 / 8, 1 / 300
@@ -103,6 +106,8 @@ def run(url: str, work: Path, model: Path, partial: bool, steps: int) -> Result:
     from echo2_worker.loop import LoopOptions, Worker
     from echo2_worker.store import VersionStore
 
+    from learner.remote import ControlPlane as LearnerPlane
+
     def client(token: str) -> httpx.Client:
         return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120)
 
@@ -113,9 +118,9 @@ def run(url: str, work: Path, model: Path, partial: bool, steps: int) -> Result:
             "eval": {"size": 0}, "checkpoint_every": 100_000,
             "grpo": {"group_size": GROUP, "prompts_per_step": R, "max_new_tokens": MAX_NEW}}
     job_id = ok(user.post("/v1/jobs", json=spec), 201)["id"]
-    learner = client(ok(admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"])
-    ok(learner.post(f"/v1/jobs/{job_id}/learner/start"))
-    publish(learner, job_id, model, 0)
+    learner = LearnerPlane(url, ok(admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"], job_id)
+    learner.start()
+    publish(learner, model, 0)
     provider = client(ok(admin.post("/v1/providers", json={"name": "bench"}), 201)["token"])
     workers = []
     for i in range(2):
@@ -128,7 +133,7 @@ def run(url: str, work: Path, model: Path, partial: bool, steps: int) -> Result:
         threading.Thread(target=w.run, daemon=True).start()
         workers.append(w)
     start = time.monotonic()
-    trained = emulate_learner(learner, job_id, model, steps)
+    trained = emulate_learner(learner, learner, model, steps)
     res = Result("on" if partial else "off", wall_s=time.monotonic() - start, trained=trained)
     for w in workers:
         w.request_drain()
@@ -139,32 +144,27 @@ def run(url: str, work: Path, model: Path, partial: bool, steps: int) -> Result:
     return res
 
 
-def emulate_learner(learner: Any, job_id: str, model: Path, steps: int) -> int:
+def emulate_learner(source: RolloutSource, sink: WeightSink, model: Path, steps: int) -> int:
     """Claim R groups for step t, T_TRAIN seconds of 'training', commit, publish version t + 1."""
+    from echo2.protocol import RolloutRewards, StepReport
+
     trained = 0
     for t in range(steps):
         ids: list[str] = []
         while len(ids) < R:
-            batch = ok(learner.post(f"/v1/jobs/{job_id}/learner/claim",
-                                    json={"step": t, "max_groups": R - len(ids), "wait_s": 10}))
-            ids += [g["rollout_id"] for g in batch["groups"]]
+            ids += [g.rollout_id for g in source.claim(t, R - len(ids), wait_s=10).groups]
         time.sleep(T_TRAIN)
-        ok(learner.post(f"/v1/jobs/{job_id}/learner/steps", json={
-            "step": t, "rollout_ids": ids, "t_train_s": T_TRAIN,
-            "rewards": [{"rollout_id": i, "rewards": [1.0] + [0.0] * (GROUP - 1)} for i in ids]}))
+        rewards = [RolloutRewards(rollout_id=i, rewards=[1.0] + [0.0] * (GROUP - 1)) for i in ids]
+        source.report(StepReport(step=t, rollout_ids=ids, t_train_s=T_TRAIN, rewards=rewards))
         trained += len(ids) * GROUP
-        publish(learner, job_id, model, t + 1)
+        publish(sink, model, t + 1)
     return trained
 
 
-def publish(learner: Any, job_id: str, folder: Path, version: int) -> None:
-    from echo2.snapshots import build_manifest, iter_stream
+def publish(sink: WeightSink, folder: Path, version: int) -> None:
+    from echo2.snapshots import build_manifest
 
-    manifest = build_manifest(folder, version, version, 256 * 1024)
-    for info, data in zip(manifest.chunks, iter_stream(folder, manifest.files, manifest.chunk_size), strict=True):
-        ok(learner.put(f"/v1/jobs/{job_id}/versions/{version}/chunks/{info.index}", content=data,
-                       headers={"X-Echo2-Sha256": info.sha256, "Content-Type": "application/octet-stream"}), 204)
-    ok(learner.post(f"/v1/jobs/{job_id}/versions", json={"full": manifest.model_dump(mode="json")}), 201)
+    sink.publish([(folder, build_manifest(folder, version, version, 256 * 1024))])
 
 
 def count(res: Result, admin: Any, job_id: str, work: Path) -> None:

@@ -37,11 +37,12 @@ from learner_staleness import ADMIN_KEY, control_plane, ok  # noqa: E402 - the s
 def setup_job(url: str, work: Path, model: Path, args: argparse.Namespace) -> tuple[str, str, str, list[dict]]:
     """A running job with version 0 published; a registered worker activated on it (as the scheduler does)."""
     import httpx
-    from echo2.snapshots import build_manifest, iter_stream
+    from echo2.snapshots import build_manifest
 
     from api.db import Database
     from api.models import Job, Worker
     from api.services.fleet import assign
+    from learner.remote import ControlPlane
 
     def client(token: str) -> httpx.Client:
         return httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=120)
@@ -52,13 +53,10 @@ def setup_job(url: str, work: Path, model: Path, args: argparse.Namespace) -> tu
             "grpo": {"group_size": args.group_size, "prompts_per_step": 64, "max_new_tokens": args.max_new_tokens},
             "num_prompts": args.prompts, "staleness": 2, "max_steps": 1000}
     job = ok(user.post("/v1/jobs", json=spec), 201)
-    learner = client(ok(admin.post(f"/v1/jobs/{job['id']}/learner/token"), 201)["token"])
-    ok(learner.post(f"/v1/jobs/{job['id']}/learner/start"))
-    manifest = build_manifest(model, 0, 0, 256 * 1024)
-    for info, data in zip(manifest.chunks, iter_stream(model, manifest.files, manifest.chunk_size), strict=True):
-        ok(learner.put(f"/v1/jobs/{job['id']}/versions/0/chunks/{info.index}", content=data,
-                       headers={"X-Echo2-Sha256": info.sha256, "Content-Type": "application/octet-stream"}), 204)
-    ok(learner.post(f"/v1/jobs/{job['id']}/versions", json={"full": manifest.model_dump(mode="json")}), 201)
+    learner = ControlPlane(url, ok(admin.post(f"/v1/jobs/{job['id']}/learner/token"), 201)["token"], job["id"])
+    learner.start()
+    learner.publish([(model, build_manifest(model, 0, 0, 256 * 1024))])
+    learner.close()
     provider = client(ok(admin.post("/v1/providers", json={"name": "bench"}), 201)["token"])
     reg = ok(provider.post("/v1/workers", json={"name": "w0"}), 201)
     db = Database(f"sqlite:///{work / 'echo2.db'}")
