@@ -55,8 +55,13 @@ def _announcer(request: Request) -> Announcer:
     return request.app.state.announcer
 
 
+def _idempotency_key(x_idempotency_key: Annotated[str | None, Header(max_length=128)] = None) -> str | None:
+    """The SDK sends one per logical POST and reuses it on retries: a retried call is the same future."""
+    return x_idempotency_key
+
+
 ApiKey = Annotated[str, Depends(_tinker_key)]  # checked for presence only: long polls authenticate per round
 TinkerUser = Annotated[User, Depends(_tinker_user)]
 HostUser = Annotated[User, Depends(_host_user)]
 Bell = Annotated[Announcer, Depends(_announcer)]  # wakes hosts waiting for work, and pollers of a future
-IdempotencyKey = Annotated[str | None, Header(alias="X-Idempotency-Key", max_length=128)]
+IdempotencyKey = Annotated[str | None, Depends(_idempotency_key)]

@@ -1,0 +1,170 @@
+"""The Tinker routes over HTTP without the SDK, with the test playing the learner host: who may call, the
+errors the SDK shows, the order a model's requests run in, and what happens when a host or a session goes."""
+
+from __future__ import annotations
+
+import struct
+
+import httpx
+import pytest
+
+from api.tinker import futures
+from tests.factories import new_provider, new_user, new_worker, ok
+
+INFO = {"tokenizer_id": "/models/tiny", "arch": "qwen2", "vocab_size": 96, "max_context_length": 512}
+
+
+@pytest.fixture(autouse=True)
+def short_polls(monkeypatch):
+    monkeypatch.setattr(futures, "LONG_POLL_S", 0.5)
+
+
+def sdk(api, token: str) -> httpx.Client:
+    return httpx.Client(base_url=api.url, headers={"X-API-Key": f"tml-{token}"}, timeout=30)
+
+
+def key_of(client: httpx.Client) -> str:
+    return client.headers["Authorization"].split()[1]
+
+
+def claim(api, holding=(), host="h1") -> dict:
+    body = {"host": host, "slots": 2, "wait_s": 0, "holding": list(holding)}
+    return ok(api.admin.post("/v1/tinker/host/claim", json=body))
+
+
+def report(api, work: dict, host="h1", **result) -> None:
+    answer = ok(api.admin.post(f"/v1/tinker/host/requests/{work['request_id']}/result", params={"host": host},
+                               json=result))
+    assert answer == {"accepted": True}
+
+
+def retrieve(client: httpx.Client, request_id: str) -> httpx.Response:
+    return client.post("/api/v1/retrieve_future", json={"request_id": request_id})
+
+
+def ready_model(api, client: httpx.Client) -> tuple[str, str]:
+    """A session and a LoRA model the test host has loaded."""
+    session = ok(client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    future = ok(client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                          "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    work = claim(api)["work"]
+    assert work["kind"] == "create_model" and work["model"]["lora"]["rank"] == 4
+    report(api, work, info=INFO)
+    assert ok(retrieve(client, future["request_id"]))["model_id"] == future["model_id"]
+    return session, future["model_id"]
+
+
+def optim(client: httpx.Client, model_id: str, lr: float, key: str | None = None) -> dict:
+    headers = {"X-Idempotency-Key": key} if key else {}
+    return ok(client.post("/api/v1/optim_step", headers=headers,
+                          json={"model_id": model_id, "adam_params": {"learning_rate": lr}}))
+
+
+def test_callers_need_a_tml_prefixed_user_key(api):
+    _, alice = new_user(api)
+    assert api.client().get("/api/v1/get_server_capabilities").status_code == 401
+    plain = httpx.get(f"{api.url}/api/v1/get_server_capabilities", headers={"X-API-Key": key_of(alice)})
+    assert plain.status_code == 401 and "tml-" in plain.json()["detail"]
+    _, provider = new_provider(api)
+    _, worker = new_worker(api, provider)
+    assert sdk(api, key_of(worker)).get("/api/v1/get_server_capabilities").status_code == 403
+    names = [m["model_name"] for m in ok(sdk(api, key_of(alice)).get("/api/v1/get_server_capabilities"))
+             ["supported_models"]]
+    assert names == ["echo2:tiny", "echo2:smollm2"]
+    assert alice.post("/v1/tinker/host/claim", json={"host": "h"}).status_code == 403  # hosts are admins
+
+
+def test_unknown_models_and_calls_fail_at_once_with_the_reason(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    session = ok(client.post("/api/v1/create_session", json={"tags": []}))["session_id"]
+    bad = client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                    "base_model": "Qwen/Qwen3-8B", "lora_config": {"rank": 4}})
+    assert bad.status_code == 400 and "unknown base model 'Qwen/Qwen3-8B'" in bad.json()["detail"]
+    other = client.post("/api/v1/load_weights", json={}, headers={"x-sdk-method": "ServiceClient.load_state"})
+    assert other.status_code == 404 and "ServiceClient.load_state" in other.json()["detail"]
+    full = client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 1,
+                                                     "base_model": "echo2:tiny"})
+    assert full.status_code == 400 and "LoRA" in full.json()["detail"]
+
+
+def test_a_model_runs_its_requests_in_order_and_futures_stay(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    _, model_id = ready_model(api, client)
+    first, second = optim(client, model_id, 0.1), optim(client, model_id, 0.2)
+    assert optim(client, model_id, 0.1, key="same")["request_id"] == optim(client, model_id, 0.1, key="same")[
+        "request_id"]  # a retried POST is the same future
+    assert retrieve(client, first["request_id"]).json()["type"] == "try_again"
+    work = claim(api, holding=[model_id])["work"]
+    assert work["request_id"] == first["request_id"] and work["payload"]["learning_rate"] == 0.1
+    # The reply carrying it was lost: the host asks again, and gets the same request, not the next one.
+    assert claim(api, holding=[model_id])["work"]["request_id"] == first["request_id"]
+    report(api, work, metrics={"grad_norm": 1.5})
+    assert claim(api, holding=[model_id])["work"]["request_id"] == second["request_id"]
+    for _ in range(2):  # durable: asked again, the same answer
+        assert ok(retrieve(client, first["request_id"])) == {"metrics": {"grad_norm": 1.5}}
+    _, bob = new_user(api, "bob")
+    assert retrieve(sdk(api, key_of(bob)), first["request_id"]).status_code == 404
+
+
+def test_a_lost_host_fails_its_models_with_the_reason(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    _, model_id = ready_model(api, client)
+    pending = optim(client, model_id, 0.1)
+    assert claim(api, holding=[])["work"] is None  # restarted: it no longer holds the model
+    failed = ok(retrieve(client, pending["request_id"]))
+    assert failed["category"] == "server" and "restarted" in failed["error"]
+    refused = client.post("/api/v1/optim_step", json={"model_id": model_id, "adam_params": {}})
+    assert refused.status_code == 400 and "restarted" in refused.json()["detail"]
+
+
+def test_ending_a_session_fails_its_requests_and_frees_its_models(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    session, model_id = ready_model(api, client)
+    pending = optim(client, model_id, 0.1)
+    ok(client.post(f"/api/v1/sessions/{session}/finish", json={"reason": {"type": "success"}}))
+    assert ok(retrieve(client, pending["request_id"]))["error"] == "the session ended (success)"
+    assert claim(api, holding=[model_id])["drop"] == [model_id]
+    assert client.post("/api/v1/session_heartbeat", json={"session_id": session}).status_code == 410
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    return bytes([number << 3 | 2, len(payload)]) + payload
+
+
+def _tensor(values: list[float] | list[int], dtype: int) -> bytes:
+    raw = b"".join(struct.pack("<f" if dtype == 1 else "<q", v) for v in values)
+    return _field(1, raw) + bytes([3 << 3, dtype]) + _field(4, bytes([len(values)]))
+
+
+def _fwdbwd(model_id: str, loss: str, inputs: dict[str, bytes]) -> bytes:
+    chunk = _field(1, _field(1, b"".join(struct.pack("<i", t) for t in (1, 2, 3))))
+    datum = _field(1, chunk) + b"".join(_field(2, _field(1, k.encode()) + _field(2, v)) for k, v in inputs.items())
+    return _field(1, model_id.encode()) + bytes([2 << 3, 1]) + _field(3, datum) + _field(4, loss.encode())
+
+
+def test_forward_backward_bodies_are_checked_before_they_queue(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    _, model_id = ready_model(api, client)
+    proto = {"Content-Type": "application/x-protobuf"}
+    targets = _tensor([2, 3, 4], 2)
+    good = client.post("/api/v1/forward_backward", headers=proto,
+                       content=_fwdbwd(model_id, "cross_entropy", {"target_tokens": targets}))
+    work = claim(api, holding=[model_id])["work"]
+    assert work["request_id"] == ok(good)["request_id"]
+    assert work["payload"]["data"] == [{"tokens": [1, 2, 3], "target_tokens": [2, 3, 4], "inputs": {}}]
+    cases = {
+        "not supported by Echo2": _fwdbwd(model_id, "cispo", {"target_tokens": targets}),
+        "needs logprobs, advantages": _fwdbwd(model_id, "ppo", {"target_tokens": targets}),
+        "one value per input token": _fwdbwd(model_id, "cross_entropy", {"target_tokens": _tensor([2, 3], 2)}),
+        "vocabulary size 96": _fwdbwd(model_id, "cross_entropy", {"target_tokens": _tensor([2, 3, 400], 2)}),
+        "forward_backward body": b"\x0a\xff",
+    }
+    for reason, body in cases.items():
+        answer = client.post("/api/v1/forward_backward", headers=proto, content=body)
+        assert answer.status_code == 400 and reason in answer.json()["detail"], (reason, answer.json())
+    assert client.post("/api/v1/forward_backward", json={}).status_code == 415
