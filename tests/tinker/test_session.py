@@ -1,0 +1,94 @@
+"""A Tinker model on a learner host, in process, on the tiny model: the losses are the ones stated in
+learner/tinker_losses.py, gradients accumulate until optim_step, checkpoints sample as saved, stops stop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from echo2.protocol.tinker import (
+    AdamStep,
+    ForwardBackwardPayload,
+    ModelSpec,
+    SamplePayload,
+    SavePayload,
+    TinkerLora,
+)
+
+from learner.tinker_session import TinkerSession, UserError
+
+PROMPT = [5, 6, 7, 8]
+
+
+@pytest.fixture(scope="module")
+def session(tiny_model_dir, tmp_path_factory) -> TinkerSession:
+    spec = ModelSpec(base_model=str(tiny_model_dir), lora=TinkerLora(rank=4, seed=0))
+    return TinkerSession(spec, tmp_path_factory.mktemp("cache"))
+
+
+def fwdbwd(session: TinkerSession, loss: str, inputs: dict, forward_only: bool = False, **config: float):
+    datum = {"tokens": PROMPT, "target_tokens": [6, 7, 8, 9], "inputs": inputs}
+    payload = ForwardBackwardPayload(loss_fn=loss, data=[datum], forward_only=forward_only, loss_fn_config=config)
+    return session.forward_backward(payload)
+
+
+def test_losses_are_the_stated_sums(session):
+    base = fwdbwd(session, "cross_entropy", {}, forward_only=True)
+    p = base.outputs[0]["logprobs"]
+    weights = [0.0, 0.5, 1.0, 2.0]
+    ce = fwdbwd(session, "cross_entropy", {"weights": weights}, forward_only=True)
+    assert ce.metrics["loss:sum"] == pytest.approx(-sum(w * x for w, x in zip(weights, p, strict=True)), rel=1e-5)
+    q, adv = [x - 0.5 for x in p], [1.0, -1.0, 2.0, 0.0]  # the sampler was less likely: ratio e^0.5
+    inputs = {"logprobs": q, "advantages": adv}
+    ratio = math.exp(0.5)
+    is_loss = fwdbwd(session, "importance_sampling", inputs, forward_only=True).metrics["loss:sum"]
+    assert is_loss == pytest.approx(-ratio * sum(adv), rel=1e-4)
+    ppo = fwdbwd(session, "ppo", inputs, forward_only=True, clip_high_threshold=1.2).metrics
+    # min(r A, clip(r) A): clipped to 1.2 where A > 0, the unclipped r A where A < 0.
+    assert ppo["loss:sum"] == pytest.approx(-(1.2 * 1.0 - ratio * 1.0 + 1.2 * 2.0), rel=1e-4)
+    assert ppo["clipped:sum"] == 3
+
+
+def test_gradients_accumulate_until_the_step(session):
+    before = [p.detach().clone() for p in session.params]
+    first = fwdbwd(session, "cross_entropy", {}).metrics["loss:sum"]
+    fwdbwd(session, "cross_entropy", {})
+    accumulated = [p.grad.clone() for p in session.params]
+    session.optim_step(AdamStep(learning_rate=0.0))
+    fwdbwd(session, "cross_entropy", {})
+    single = [p.grad.clone() for p in session.params]
+    assert all(torch.allclose(a, 2 * s, atol=1e-6) for a, s in zip(accumulated, single, strict=True))
+    assert all(torch.equal(b, p) for b, p in zip(before, session.params, strict=True))  # lr 0: unchanged
+    session.optim_step(AdamStep(learning_rate=1e-2))
+    assert fwdbwd(session, "cross_entropy", {}, forward_only=True).metrics["loss:sum"] < first
+
+
+def test_a_checkpoint_samples_as_saved(session):
+    session.save(SavePayload(name="then", kind="sampler"))
+    params = {"max_tokens": 4, "temperature": 0.0}
+    then = session.sample(SamplePayload(checkpoint="then", prompt=PROMPT, num_samples=1, params=params))
+    for _ in range(3):
+        fwdbwd(session, "cross_entropy", {"weights": [1.0] * 4})
+        session.optim_step(AdamStep(learning_rate=0.05))
+    now = [p.detach().clone() for p in session.params]
+    again = session.sample(SamplePayload(checkpoint="then", prompt=PROMPT, num_samples=1, params=params))
+    assert again.sequences[0].tokens == then.sequences[0].tokens
+    assert all(torch.equal(a, b) for a, b in zip(now, session.params, strict=True))  # swapped back after
+    with pytest.raises(UserError, match="no checkpoint 'never'"):
+        session.sample(SamplePayload(checkpoint="never", prompt=PROMPT, num_samples=1, params=params))
+
+
+def test_sampling_stops_and_reports_logprobs(session):
+    drawn = session.sample(SamplePayload(prompt=PROMPT, num_samples=8, prompt_logprobs=True,
+                                         params={"max_tokens": 6, "temperature": 1.0, "seed": 3}))
+    assert len(drawn.sequences) == 8 and drawn.prompt_logprobs[0] is None and len(drawn.prompt_logprobs) == 4
+    for seq in drawn.sequences:
+        assert len(seq.tokens) == len(seq.logprobs) and (len(seq.tokens) == 6 or seq.stop_reason == "stop")
+    stop = drawn.sequences[0].tokens[0]
+    stopped = session.sample(SamplePayload(prompt=PROMPT, num_samples=1, params={
+        "max_tokens": 6, "temperature": 1.0, "seed": 3, "stop_tokens": [stop]}))
+    assert stopped.sequences[0].tokens == [stop] and stopped.sequences[0].stop_reason == "stop"
+    never = session.sample(SamplePayload(prompt=PROMPT, num_samples=2, params={
+        "max_tokens": 5, "temperature": 1.0, "stop_tokens": []}))
+    assert all(len(s.tokens) == 5 and s.stop_reason == "length" for s in never.sequences)
