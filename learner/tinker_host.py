@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from echo2.protocol.tinker import ErrorCategory, HostClaim, HostResult, HostWork, HostWorkReply
+from echo2.protocol.tinker import ErrorCategory, HostClaim, HostResult, HostWork, HostWorkReply, SamplePayload
 from echo2.transport import Call, RetryPolicy, Transport
 
 log = logging.getLogger("echo2.tinker_host")
@@ -36,11 +36,13 @@ class Host:
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
-            work = self.claim(wait_s=20.0)
-            if work is not None:
-                self.report(work.request_id, self.handle(work))
+            batch = self.claim(wait_s=20.0)
+            results = self.sample_batch(batch) if len(batch) > 1 else [self.handle(w) for w in batch]
+            for work, result in zip(batch, results, strict=True):
+                self.report(work.request_id, result)
 
-    def claim(self, wait_s: float) -> HostWork | None:
+    def claim(self, wait_s: float) -> list[HostWork]:
+        """The next request, with the sample requests that may run in one batch with it."""
         body = HostClaim(host=self.name, slots=self.slots, wait_s=wait_s, holding=sorted(self.models))
         answer = self.http.send(Call("POST", "/v1/tinker/host/claim", json=body.model_dump(mode="json"),
                                      timeout=wait_s + 30, replay=True))
@@ -48,7 +50,20 @@ class Host:
         for model_id in reply.drop:
             log.info("dropping model %s: its session is over", model_id)
             self.models.pop(model_id, None)
-        return reply.work
+        return [reply.work, *reply.more] if reply.work is not None else []
+
+    def sample_batch(self, batch: list[HostWork]) -> list[HostResult]:
+        """Sample requests of one model and checkpoint together; if the batch fails, each alone (so one bad
+        request fails only itself)."""
+        session = self.models.get(batch[0].model_id)
+        try:
+            if session is None:
+                raise LookupError(batch[0].model_id)
+            payloads = [SamplePayload.model_validate(w.payload) for w in batch]
+            return [HostResult(sample=r) for r in session.sample(payloads)]
+        except Exception:  # noqa: BLE001 - retried one by one below, where each error gets its category
+            log.info("a batch of %d sample requests failed; running them one by one", len(batch))
+            return [self.handle(w) for w in batch]
 
     def handle(self, work: HostWork) -> HostResult:
         from .tinker_session import TinkerSession, UserError  # torch: not before the arguments are parsed

@@ -126,12 +126,17 @@ class TinkerSession:
         self.checkpoints[payload.name] = [p.detach().clone() for p in self.params]
         return self.steps
 
-    def sample(self, payload: SamplePayload) -> SampleResult:
-        if max(payload.prompt) >= self.model.config.vocab_size:
-            raise UserError(f"prompt token ids must be below the vocabulary size {self.model.config.vocab_size}")
+    def sample(self, payloads: list[SamplePayload]) -> list[SampleResult]:
+        """Requests of one checkpoint, sampled together in one batch."""
+        checkpoints = {p.checkpoint for p in payloads}
+        if len(checkpoints) != 1:
+            raise UserError(f"one batch samples one checkpoint, not {sorted(map(str, checkpoints))}")
+        vocab = self.model.config.vocab_size
+        if any(max(p.prompt) >= vocab for p in payloads):
+            raise UserError(f"prompt token ids must be below the vocabulary size {vocab}")
         self.model.eval()
-        with self._weights(payload.checkpoint):
-            return sample(self.model, self.tokenizer, payload, self.tokenizer.eos_token_id)
+        with self._weights(checkpoints.pop()):
+            return sample(self.model, self.tokenizer, payloads, self.tokenizer.eos_token_id)
 
     @contextlib.contextmanager
     def _weights(self, checkpoint: str | None) -> Iterator[None]:
@@ -163,7 +168,7 @@ class TinkerSession:
         if kind in ("save_weights", "save_weights_for_sampler"):
             return {"step": self.save(SavePayload.model_validate(payload))}
         if kind == "sample":
-            return {"sample": self.sample(SamplePayload.model_validate(payload))}
+            return {"sample": self.sample([SamplePayload.model_validate(payload)])[0]}
         raise UserError(f"unknown request kind {kind!r}")
 
 

@@ -35,6 +35,7 @@ from .deps import ApiKey, Bell, HostUser, require_host, user_of
 from .models import TinkerHost, TinkerModel, TinkerRequest, TinkerSession
 
 router = APIRouter(prefix="/v1/tinker/host", tags=["tinker"], include_in_schema=False)
+MAX_SAMPLE_BATCH = 32
 
 
 @router.post("/claim")
@@ -60,8 +61,9 @@ def _claim_once(database: Database, api_key: str, body: HostClaim) -> HostWorkRe
         drop = [m for m in body.holding if m not in held]
         row = _next_request(db, list(held)) or _adopt(db, body.host, body.slots - len(held))
         work = _start(db, row) if row is not None else None
+        more = [_start(db, r) for r in _batchable(db, row)] if row is not None else []
         db.commit()
-        return HostWorkReply(work=work, drop=drop)
+        return HostWorkReply(work=work, more=more, drop=drop)
 
 
 def _held(db: Session, body: HostClaim) -> set[str]:
@@ -94,6 +96,23 @@ def _next_request(db: Session, models: list[str]) -> TinkerRequest | None:
     return db.scalar(select(TinkerRequest).where(TinkerRequest.model_id == first.model_id,
                                                  TinkerRequest.status == RequestStatus.pending.value)
                      .order_by(TinkerRequest.seq).limit(1).with_for_update())
+
+
+def _batchable(db: Session, first: TinkerRequest) -> list[TinkerRequest]:
+    """The sample requests right behind a sample request in its model's queue, of the same checkpoint:
+    nothing that changes the weights comes between, so they may run in one batch."""
+    if first.kind != RequestKind.sample.value:
+        return []
+    after = db.scalars(select(TinkerRequest).where(TinkerRequest.model_id == first.model_id,
+                                                   TinkerRequest.status == RequestStatus.pending.value,
+                                                   TinkerRequest.seq > first.seq)
+                       .order_by(TinkerRequest.seq).limit(MAX_SAMPLE_BATCH - 1).with_for_update())
+    batch = []
+    for row in after:
+        if row.kind != RequestKind.sample.value or row.payload.get("checkpoint") != first.payload.get("checkpoint"):
+            break
+        batch.append(row)
+    return batch
 
 
 def _adopt(db: Session, host: str, free: int) -> TinkerRequest | None:

@@ -168,3 +168,33 @@ def test_forward_backward_bodies_are_checked_before_they_queue(api):
         answer = client.post("/api/v1/forward_backward", headers=proto, content=body)
         assert answer.status_code == 400 and reason in answer.json()["detail"], (reason, answer.json())
     assert client.post("/api/v1/forward_backward", json={}).status_code == 415
+
+
+def test_samples_behind_each_other_go_out_as_one_batch(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    _, model_id = ready_model(api, client)
+    save = ok(client.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id,
+                                                                     "sampling_session_seq_id": 0}))
+    report(api, claim(api, holding=[model_id])["work"], step=0)
+    sampler = ok(retrieve(client, save["request_id"]))["sampling_session_id"]
+
+    def asample() -> str:
+        body = {"sampling_session_id": sampler, "num_samples": 2, "prompt": {"chunks": [{"tokens": [1, 2]}]},
+                "sampling_params": {"max_tokens": 3}}
+        answer = ok(client.post("/api/v1/asample", json=body))
+        assert answer["sample_sequence_ids"] == [f"{answer['request_id']}:0", f"{answer['request_id']}:1"]
+        return answer["request_id"]
+
+    first, second = asample(), asample()
+    step = optim(client, model_id, 0.1)["request_id"]
+    last = asample()
+    reply = claim(api, holding=[model_id])
+    assert [w["request_id"] for w in [reply["work"], *reply["more"]]] == [first, second]
+    assert all(w["payload"]["checkpoint"] == "sampler-0" for w in reply["more"])
+    sequences = [{"tokens": [3], "logprobs": [-0.5], "stop_reason": "stop"}] * 2
+    for work in (reply["work"], *reply["more"]):
+        report(api, work, sample={"sequences": sequences})
+    assert retrieve(client, first).headers["content-type"] == "application/x-protobuf"
+    assert claim(api, holding=[model_id])["work"]["request_id"] == step  # the weights change: not in the batch
+    assert retrieve(client, last).json()["type"] == "try_again"

@@ -27,6 +27,10 @@ def session(tiny_model_dir, tmp_path_factory) -> TinkerSession:
     return TinkerSession(spec, tmp_path_factory.mktemp("cache"))
 
 
+def one(session: TinkerSession, payload: SamplePayload):
+    return session.sample([payload])[0]
+
+
 def fwdbwd(session: TinkerSession, loss: str, inputs: dict, forward_only: bool = False, **config: float):
     datum = {"tokens": PROMPT, "target_tokens": [6, 7, 8, 9], "inputs": inputs}
     payload = ForwardBackwardPayload(loss_fn=loss, data=[datum], forward_only=forward_only, loss_fn_config=config)
@@ -67,28 +71,44 @@ def test_gradients_accumulate_until_the_step(session):
 def test_a_checkpoint_samples_as_saved(session):
     session.save(SavePayload(name="then", kind="sampler"))
     params = {"max_tokens": 4, "temperature": 0.0}
-    then = session.sample(SamplePayload(checkpoint="then", prompt=PROMPT, num_samples=1, params=params))
+    then = one(session, SamplePayload(checkpoint="then", prompt=PROMPT, num_samples=1, params=params))
     for _ in range(3):
         fwdbwd(session, "cross_entropy", {"weights": [1.0] * 4})
         session.optim_step(AdamStep(learning_rate=0.05))
     now = [p.detach().clone() for p in session.params]
-    again = session.sample(SamplePayload(checkpoint="then", prompt=PROMPT, num_samples=1, params=params))
+    again = one(session, SamplePayload(checkpoint="then", prompt=PROMPT, num_samples=1, params=params))
     assert again.sequences[0].tokens == then.sequences[0].tokens
     assert all(torch.equal(a, b) for a, b in zip(now, session.params, strict=True))  # swapped back after
     with pytest.raises(UserError, match="no checkpoint 'never'"):
-        session.sample(SamplePayload(checkpoint="never", prompt=PROMPT, num_samples=1, params=params))
+        one(session, SamplePayload(checkpoint="never", prompt=PROMPT, num_samples=1, params=params))
 
 
 def test_sampling_stops_and_reports_logprobs(session):
-    drawn = session.sample(SamplePayload(prompt=PROMPT, num_samples=8, prompt_logprobs=True,
+    drawn = one(session, SamplePayload(prompt=PROMPT, num_samples=8, prompt_logprobs=True,
                                          params={"max_tokens": 6, "temperature": 1.0, "seed": 3}))
     assert len(drawn.sequences) == 8 and drawn.prompt_logprobs[0] is None and len(drawn.prompt_logprobs) == 4
     for seq in drawn.sequences:
         assert len(seq.tokens) == len(seq.logprobs) and (len(seq.tokens) == 6 or seq.stop_reason == "stop")
     stop = drawn.sequences[0].tokens[0]
-    stopped = session.sample(SamplePayload(prompt=PROMPT, num_samples=1, params={
+    stopped = one(session, SamplePayload(prompt=PROMPT, num_samples=1, params={
         "max_tokens": 6, "temperature": 1.0, "seed": 3, "stop_tokens": [stop]}))
     assert stopped.sequences[0].tokens == [stop] and stopped.sequences[0].stop_reason == "stop"
-    never = session.sample(SamplePayload(prompt=PROMPT, num_samples=2, params={
+    never = one(session, SamplePayload(prompt=PROMPT, num_samples=2, params={
         "max_tokens": 5, "temperature": 1.0, "stop_tokens": []}))
     assert all(len(s.tokens) == 5 and s.stop_reason == "length" for s in never.sequences)
+
+
+def test_a_batch_of_requests_samples_as_each_would_alone(session):
+    """Left-padding and per-request parameters: greedy continuations and their logprobs match one by one."""
+    payloads = [SamplePayload(prompt=prompt, num_samples=2, prompt_logprobs=True,
+                              params={"max_tokens": n, "temperature": 0.0})
+                for prompt, n in (([5, 6, 7, 8, 9, 10], 5), ([11, 12], 3), ([13, 14, 15], 4))]
+    together = session.sample(payloads)
+    for payload, batched in zip(payloads, together, strict=True):
+        alone = one(session, payload)
+        for a, b in zip(alone.sequences, batched.sequences, strict=True):
+            assert a.tokens == b.tokens and len(b.tokens) == payload.params.max_tokens
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+        assert batched.prompt_logprobs[0] is None
+        assert max(abs(x - y) for x, y in zip(alone.prompt_logprobs[1:], batched.prompt_logprobs[1:],
+                                              strict=True)) < 1e-4

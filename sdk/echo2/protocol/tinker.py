@@ -155,6 +155,8 @@ class HostWork(ReadModel):
 
 class HostWorkReply(ReadModel):
     work: HostWork | None = None
+    more: list[HostWork] = Field(default_factory=list, description="Sample requests of the same model and "
+                                 "checkpoint that follow `work` in its queue, to sample in one batch with it.")
     drop: list[str] = Field(default_factory=list, description="Models to unload: their session is over.")
 
 
