@@ -32,6 +32,7 @@ from .models import resolve_model, with_adapter
 from .tinker_losses import datum_loss
 from .tinker_sampler import sample
 
+MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass: bounds the logits held for the backward
 LORA_ALPHA = 32.0  # Tinker's own choice, so learning rates carry over from its docs and recipes
 TARGETS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj"),
            "unembed": ("lm_head",)}
@@ -80,32 +81,53 @@ class TinkerSession:
 
     def forward_backward(self, payload: ForwardBackwardPayload) -> ForwardBackwardResult:
         """Per-token logprobs of each datum's targets, its loss summed into `loss:sum`; gradients accumulate
-        unless `forward_only`. A datum with a non-finite loss fails the whole request before any backward."""
-        if not payload.forward_only and not self.params:
+        unless `forward_only`. Datums go through in micro-batches of at most MICRO_BATCH_TOKENS padded
+        tokens, each backward as soon as its losses are known to be finite; a non-finite one fails the request
+        and puts the gradients back as they were before it."""
+        train = not payload.forward_only
+        if train and not self.params:
             raise UserError("this model has no adapter to train (a sampling-only model): use forward")
-        outputs, losses, extra = [], [], {}
-        self.model.train(not payload.forward_only)
-        with torch.set_grad_enabled(not payload.forward_only and bool(self.params)):
-            for i, datum in enumerate(payload.data):
-                logprobs = self._target_logprobs(datum.tokens, datum.target_tokens)
-                inputs = {k: torch.tensor(v, device=self.device) for k, v in datum.inputs.items()}
-                loss, metrics = datum_loss(payload.loss_fn, logprobs, inputs, payload.loss_fn_config)
-                if not torch.isfinite(loss):
-                    raise UserError(f"data[{i}]: the {payload.loss_fn.value} loss is not finite")
-                losses.append(loss)
-                outputs.append({"logprobs": logprobs.detach().cpu().tolist()})
-                for key, value in metrics.items():
-                    extra[key] = extra.get(key, 0.0) + value
-            total = torch.stack(losses).sum()
-            if total.requires_grad:
-                total.backward()
-        return ForwardBackwardResult(outputs=outputs, metrics={"loss:sum": float(total.detach()), **extra})
+        grads = [None if p.grad is None else p.grad.clone() for p in self.params]
+        outputs: list[dict[str, list[float]]] = []
+        metrics: dict[str, float] = {"loss:sum": 0.0}
+        self.model.train(train)
+        try:
+            with torch.set_grad_enabled(train):
+                for rows in _micro_batches([len(d.tokens) for d in payload.data], MICRO_BATCH_TOKENS):
+                    self._micro_batch(payload, rows, outputs, metrics)
+        except UserError:
+            for param, grad in zip(self.params, grads, strict=True):
+                param.grad = grad
+            raise
+        return ForwardBackwardResult(outputs=outputs, metrics=metrics)
 
-    def _target_logprobs(self, tokens: list[int], targets: list[int]) -> torch.Tensor:
-        ids = torch.tensor([tokens], device=self.device)
-        logits = self.model(input_ids=ids).logits[0].float()
-        target = torch.tensor(targets, device=self.device).unsqueeze(-1)
-        return torch.log_softmax(logits, -1).gather(-1, target).squeeze(-1)
+    def _micro_batch(self, payload: ForwardBackwardPayload, rows: list[int], outputs: list[dict[str, list[float]]],
+                     metrics: dict[str, float]) -> None:
+        data = [payload.data[i] for i in rows]
+        losses = []
+        for i, datum, logprobs in zip(rows, data, self._target_logprobs(data), strict=True):
+            inputs = {k: torch.tensor(v, device=self.device) for k, v in datum.inputs.items()}
+            loss, extra = datum_loss(payload.loss_fn, logprobs, inputs, payload.loss_fn_config)
+            if not torch.isfinite(loss):
+                raise UserError(f"data[{i}]: the {payload.loss_fn.value} loss is not finite")
+            losses.append(loss)
+            outputs.append({"logprobs": logprobs.detach().cpu().tolist()})
+            for key, value in extra.items():
+                metrics[key] = metrics.get(key, 0.0) + value
+        total = torch.stack(losses).sum()
+        metrics["loss:sum"] += float(total.detach())
+        if total.requires_grad:
+            total.backward()
+
+    def _target_logprobs(self, data: list[Any]) -> list[torch.Tensor]:
+        """Each datum's target-token logprobs, from one right-padded forward pass."""
+        width = max(len(d.tokens) for d in data)
+        ids = torch.tensor([d.tokens + [0] * (width - len(d.tokens)) for d in data], device=self.device)
+        mask = torch.tensor([[1] * len(d.tokens) + [0] * (width - len(d.tokens)) for d in data], device=self.device)
+        targets = torch.tensor([d.target_tokens + [0] * (width - len(d.tokens)) for d in data], device=self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+        return [row[:len(d.tokens)] for row, d in zip(logprobs, data, strict=True)]
 
     def optim_step(self, step: AdamStep) -> dict[str, float]:
         if not self.params:
@@ -170,6 +192,18 @@ class TinkerSession:
         if kind == "sample":
             return {"sample": self.sample([SamplePayload.model_validate(payload)])[0]}
         raise UserError(f"unknown request kind {kind!r}")
+
+
+def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
+    """Consecutive datums grouped so that each group's padded size (rows x longest) stays within budget."""
+    groups: list[list[int]] = []
+    for i, length in enumerate(lengths):
+        group = groups[-1] if groups else None
+        if group is None or (len(group) + 1) * max(length, *(lengths[j] for j in group)) > budget:
+            groups.append([i])
+        else:
+            group.append(i)
+    return groups
 
 
 @contextlib.contextmanager

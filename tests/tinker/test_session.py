@@ -112,3 +112,20 @@ def test_a_batch_of_requests_samples_as_each_would_alone(session):
         assert batched.prompt_logprobs[0] is None
         assert max(abs(x - y) for x, y in zip(alone.prompt_logprobs[1:], batched.prompt_logprobs[1:],
                                               strict=True)) < 1e-4
+
+
+def test_datums_of_any_length_train_together_as_alone(session, monkeypatch):
+    """Right-padded micro-batches (forced small here) give each datum the logprobs it gets alone."""
+    data = [{"tokens": tokens, "target_tokens": [t + 1 for t in tokens], "inputs": {}}
+            for tokens in ([5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17])]
+    together = session.forward_backward(ForwardBackwardPayload(loss_fn="cross_entropy", data=data,
+                                                               forward_only=True))
+    monkeypatch.setattr("learner.tinker_session.MICRO_BATCH_TOKENS", 8)
+    split = session.forward_backward(ForwardBackwardPayload(loss_fn="cross_entropy", data=data, forward_only=True))
+    for datum, a, b in zip(data, together.outputs, split.outputs, strict=True):
+        alone = session.forward_backward(ForwardBackwardPayload(loss_fn="cross_entropy", data=[datum],
+                                                                forward_only=True)).outputs[0]
+        assert len(a["logprobs"]) == len(datum["tokens"])
+        for other in (b, alone):
+            assert max(abs(x - y) for x, y in zip(a["logprobs"], other["logprobs"], strict=True)) < 1e-4
+    assert together.metrics["loss:sum"] == pytest.approx(split.metrics["loss:sum"], rel=1e-5)
