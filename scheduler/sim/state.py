@@ -54,6 +54,21 @@ class JobState:
     deactivations: int = 0
     peak_active: int = 0
 
+    def move(self, pid: int, old: int, new: int) -> None:
+        """Prompt `pid` goes from state `old` to `new`; finding it in any other state is a bookkeeping bug."""
+        if self.state[pid] != old:
+            raise InvariantError(f"{self.spec.job_id} prompt {pid}: state {self.state[pid]}, expected {old}")
+        self.state[pid] = new
+
+    def return_to_pool(self, pid: int, old: int) -> None:
+        """A returned prompt goes to the head of the pool, so it is leased again first."""
+        self.move(pid, old, POOL)
+        self.pool.appendleft(pid)
+
+    def queue(self, version: int, pid: int) -> None:
+        self.ready.append((version, pid))
+        self.ready_versions[version] += 1
+
 
 @dataclass(slots=True, eq=False)
 class WorkerState:
@@ -72,3 +87,7 @@ class WorkerState:
     last_hb: float = 0.0
     seconds_active: float = 0.0
     errors: list[float] = field(default_factory=list)  # measurement errors (μ, T_bcast)
+
+    def t_gen(self, job: JobState) -> float:
+        """Seconds this worker takes to generate one group of `job`."""
+        return self.spec.t_gen_s * job.spec.gen_scale

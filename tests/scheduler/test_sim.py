@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 import planner.solver as solver
-import scheduler.sim.engine as engine
+import scheduler.sim.reconcile as reconcile
 from scheduler.cli import simulate_main
 from scheduler.sim import (
     ScenarioError,
@@ -20,6 +20,7 @@ from scheduler.sim import (
     simulate,
 )
 from scheduler.sim.relay import Peer, broadcast
+from scheduler.sim.state import LEASED, POOL, READY
 
 SCENARIOS = Path(__file__).resolve().parents[2] / "scheduler" / "scenarios"
 
@@ -35,7 +36,7 @@ def churn() -> SimResult:
 
 
 def test_simulator_drives_the_real_solver():
-    assert engine.decide is solver.decide
+    assert reconcile.decide is solver.decide
 
 
 def test_thousand_heterogeneous_workers_finish_well_under_a_minute(hetero: SimResult):
@@ -97,13 +98,13 @@ def test_stale_groups_are_dropped_and_their_prompts_return():
     job.submitted, job.step = True, 10  # S = 3: versions ≥ 7 are admissible at step 10
     r = sc.jobs[0].rollouts_per_step
     for pid in range(r + 5):
-        sim._set(job, job.pool.popleft(), engine.POOL, engine.LEASED)
-        sim._set(job, pid, engine.LEASED, engine.READY)
-        sim._queue(job, 6 if pid < 5 else 9, pid)  # five made with version 6: stale
-    sim._try_start(job)
+        job.move(job.pool.popleft(), POOL, LEASED)
+        job.move(pid, LEASED, READY)
+        job.queue(6 if pid < 5 else 9, pid)  # five made with version 6: stale
+    sim.learner.try_start(job)
     assert job.dropped == 5
     assert list(job.pool)[:5] == [4, 3, 2, 1, 0]  # back at the head of the pool
-    assert all(job.state[p] == engine.POOL for p in range(5))
+    assert all(job.state[p] == POOL for p in range(5))
     assert job.busy and job.consumed == r
 
 
