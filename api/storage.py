@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import re
 import shutil
 import tarfile
@@ -16,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from echo2.protocol import Form, Manifest
-from echo2.snapshots import atomic_write
+from echo2.snapshots import atomic_write, replace_dir
 
 _SUFFIX = {Form.full: "", Form.delta: ".delta"}
 
@@ -58,9 +57,7 @@ class BlobStore:
         atomic_write(staging / "manifest.json", manifest.model_dump_json().encode())
         first_upload = min(p.stat().st_mtime for p in staging.glob("*.chunk"))
         final = self._final(job_id, manifest.version, manifest.form)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(staging, final)
+        replace_dir(staging, final)
         return max(0.0, (final / "manifest.json").stat().st_mtime - first_upload)
 
     @staticmethod

@@ -21,17 +21,12 @@ def provision(server: str, out: Path, name: str, api_key: str) -> bool:
     if out.exists() and out.read_text().strip():
         return False
     from echo2 import Client
+    from echo2.snapshots import atomic_write
 
     with Client(base_url=server, api_key=api_key) as client:
         created = client.providers.create(name)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        fh.write(created.token + "\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, out)
+    atomic_write(out, (created.token + "\n").encode(), mode=0o600)
     return True
 
 

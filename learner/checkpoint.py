@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from echo2.snapshots import atomic_write
+from echo2.snapshots import atomic_write, replace_dir
 from safetensors.torch import load_file, save_file
 
 from .parallel import Solo
@@ -40,8 +40,7 @@ def save(root: Path, step: int, version: int | None, weights: dict[str, torch.Te
     (tmp / "meta.json").write_text(json.dumps({"step": step, "version": version, "consumed": sorted(consumed)}))
     for f in tmp.iterdir():
         _fsync(f)
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
+    replace_dir(tmp, final)
     atomic_write(root / "latest", final.name.encode())
     _prune(root, keep)
     return final

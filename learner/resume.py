@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import shutil
 import tempfile
 import threading
@@ -22,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from echo2.snapshots import atomic_write, build_manifest
+from echo2.snapshots import atomic_write, build_manifest, replace_dir
 
 from . import checkpoint
 from .parallel import Solo
@@ -72,8 +71,7 @@ def sync_checkpoint(plane: ControlPlane, root: Path, remote_step: int | None) ->
     plane.fetch_checkpoint(fetched)
     (fetched / "manifest.json").unlink()
     final = root / f"ckpt-{remote_step}"
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(fetched, final)
+    replace_dir(fetched, final)
     atomic_write(root / "latest", final.name.encode())
     log.info("fetched the checkpoint of step %d from the control plane", remote_step)
 

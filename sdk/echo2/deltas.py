@@ -20,7 +20,6 @@ Needs numpy and zstandard (the learner's and the worker's installs have both); i
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from .protocol import DeltaInfo, FileRef, Manifest
-from .snapshots import SnapshotError, atomic_write, build_manifest, model_files
+from .snapshots import SnapshotError, atomic_file, atomic_write, build_manifest, model_files
 
 XOR_SUFFIX, FULL_SUFFIX = ".xor.zst", ".zst"
 BLOCK = 1 << 20
@@ -120,24 +119,18 @@ def apply_delta(manifest: Manifest, payload: Path, base: Folder, out: Path) -> P
 
 def _write_checked(blocks: Iterator[bytes], dest: Path, ref: FileRef) -> None:
     digest, size = hashlib.sha256(), 0
-    tmp = dest.with_name(dest.name + ".tmp")
     try:
-        with open(tmp, "wb") as fh:
+        with atomic_file(dest) as fh:
             for block in blocks:
                 size += len(block)
                 if size > ref.size:
                     raise DeltaError(f"{ref.path}: the delta rebuilds more than its {ref.size} bytes")
                 digest.update(block)
                 fh.write(block)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if size != ref.size or digest.hexdigest() != ref.sha256:
-            raise DeltaError(f"{ref.path}: the rebuilt file does not match the sha256 the learner published")
-        os.replace(tmp, dest)
+            if size != ref.size or digest.hexdigest() != ref.sha256:
+                raise DeltaError(f"{ref.path}: the rebuilt file does not match the sha256 the learner published")
     except FileNotFoundError as exc:
         raise DeltaError(f"{ref.path}: {exc.strerror}: {exc.filename}") from None
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _blocks(path: Path) -> Iterator[bytes]:

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import BinaryIO
 
 from .protocol import ChunkInfo, FileInfo, Manifest
 
@@ -77,8 +80,8 @@ def verify_chunk(manifest: Manifest, index: int, data: bytes) -> None:
 
 
 def assemble(manifest: Manifest, read_chunk: Callable[[int], bytes], out: Path) -> Path:
-    """Rebuild the model folder from verified chunks: files are written as *.tmp, checked against their
-    whole-file sha256, then renamed; `manifest.json` is written last as the completion marker."""
+    """Rebuild the model folder from verified chunks: each file is checked against its whole-file sha256
+    before it replaces anything (atomic_file); `manifest.json` is written last as the completion marker."""
     out.mkdir(parents=True, exist_ok=True)
     chunk_index, pending = 0, b""
     for f in manifest.files:
@@ -86,8 +89,7 @@ def assemble(manifest: Manifest, read_chunk: Callable[[int], bytes], out: Path) 
         _safe_target(out, target)
         target.parent.mkdir(parents=True, exist_ok=True)
         digest, remaining = hashlib.sha256(), f.size
-        tmp = target.with_name(target.name + ".tmp")
-        with open(tmp, "wb") as fh:
+        with atomic_file(target) as fh:
             while remaining:
                 if not pending:
                     pending = read_chunk(chunk_index)
@@ -97,11 +99,8 @@ def assemble(manifest: Manifest, read_chunk: Callable[[int], bytes], out: Path) 
                 fh.write(piece)
                 digest.update(piece)
                 remaining -= len(piece)
-            fh.flush()
-            os.fsync(fh.fileno())
-        if digest.hexdigest() != f.sha256:
-            raise SnapshotError(f"{f.path}: whole-file sha256 does not match the manifest")
-        os.replace(tmp, target)
+            if digest.hexdigest() != f.sha256:
+                raise SnapshotError(f"{f.path}: whole-file sha256 does not match the manifest")
     atomic_write(out / "manifest.json", manifest.model_dump_json().encode())
     return out
 
@@ -111,14 +110,36 @@ def _safe_target(root: Path, target: Path) -> None:
         raise SnapshotError(f"manifest path escapes the folder: {target}")
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write *.tmp, fsync, rename: readers see the whole file or none of it."""
+@contextmanager
+def atomic_file(path: Path, mode: int = 0o644) -> Iterator[BinaryIO]:
+    """The one way Echo2 writes a file others read: into *.tmp (created with `mode`, so a secret is never
+    readable by others), fsynced, then renamed over `path`. Readers see the whole file or none of it;
+    when the block raises (a hash that does not match, say), the *.tmp is removed and `path` untouched."""
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    try:
+        os.fchmod(fd, mode)  # O_CREAT's mode does not apply to a *.tmp left over from a crash
+        with os.fdopen(fd, "wb") as fh:
+            yield fh
+            fh.flush()
+            os.fsync(fh.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     os.replace(tmp, path)
+
+
+def atomic_write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    """Write `data` to `path` through atomic_file."""
+    with atomic_file(path, mode) as fh:
+        fh.write(data)
+
+
+def replace_dir(staging: Path, final: Path) -> None:
+    """Swap a fully written folder in for `final` (each file in it written by atomic_file or fsynced)."""
+    if final.exists():
+        shutil.rmtree(final)
+    os.replace(staging, final)
 
 
 def is_complete(folder: Path) -> bool:
