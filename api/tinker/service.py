@@ -30,6 +30,7 @@ BUILTINS = ("echo2:tiny", "echo2:smollm2")
 HOST_DEAD_AFTER_S = 60.0
 SESSION_EXPIRES_AFTER_S = 300.0  # the SDK heartbeats every 10 s
 UNFINISHED = (RequestStatus.pending.value, RequestStatus.running.value)
+BULKY = (RequestKind.forward.value, RequestKind.forward_backward.value, RequestKind.sample.value)
 HOSTS_KEY = "tinker/hosts"  # announced when work is queued: hosts waiting in a claim look at once
 
 
@@ -163,6 +164,8 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult) -> No
     model = db.get(TinkerModel, request.model_id)
     assert model is not None
     request.finished_at = utcnow()
+    if request.kind in BULKY:  # the tokens are not needed once run: only the result is kept
+        request.payload = {}
     if result.error is not None:
         request.status, request.error, request.category = RequestStatus.failed.value, result.error, result.category
         if request.kind == RequestKind.create_model.value:
