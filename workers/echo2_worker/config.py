@@ -8,13 +8,13 @@ Benchmark results live next to it; weight versions under the user's cache direct
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import platformdirs
+from echo2.snapshots import atomic_write
 
 APP = "echo2-worker"
 
@@ -98,15 +98,7 @@ def now_iso() -> str:
 def write_private(path: Path, data: bytes) -> None:
     """Write a secret file: mode 0600 from the first byte, atomically replaced."""
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = path.with_name(path.name + ".tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+    atomic_write(path, data, mode=0o600)
 
 
 def load_bench(directory: Path | None = None) -> dict[str, Any] | None:

@@ -10,6 +10,7 @@ only when it never left this machine. Errors are the SDK's classes (`echo2.error
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import httpx
@@ -36,6 +37,7 @@ from pydantic import BaseModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
+UNTIL_DEADLINE = 10**6  # retries of a call bounded by its give_up_after instead of a count
 USER_AGENT = "echo2-worker/0.1.0"
 EPISODE_TIMEOUT_S = 90.0
 
@@ -46,10 +48,10 @@ class ControlPlane:
         self.server_url = server_url.rstrip("/")
         self.token = token
         # A longer Retry-After is waited for a minute, then the request tried again.
-        policy = RetryPolicy(max_retries=max_retries, max_delay=max_delay, statuses=RETRY_STATUSES,
-                             retry_conflicts=False, clamp_retry_after=True)
+        self._policy = RetryPolicy(max_retries=max_retries, max_delay=max_delay, statuses=RETRY_STATUSES,
+                                   retry_conflicts=False, clamp_retry_after=True)
         self._http = Transport(self.server_url, headers={"User-Agent": USER_AGENT, "Accept": "application/json"},
-                               timeout=httpx.Timeout(timeout, connect=10.0), policy=policy)
+                               timeout=httpx.Timeout(timeout, connect=10.0), policy=self._policy)
 
     def close(self) -> None:
         self._http.close()
@@ -92,8 +94,12 @@ class ControlPlane:
     def release(self, lease_id: str) -> LeaseRead:
         return self._call("POST", f"/v1/leases/{lease_id}/release", LeaseRead)
 
-    def submit(self, lease_id: str, body: RolloutSubmit) -> RolloutSubmitResult:
-        return self._call("POST", f"/v1/leases/{lease_id}/rollouts", RolloutSubmitResult, body)
+    def submit(self, lease_id: str, body: RolloutSubmit, give_up_after: float | None = None) -> RolloutSubmitResult:
+        """Submitted groups are idempotent per prompt, so with `give_up_after` (the lease's time left) the call
+        is retried on connection errors and 5xx until then: generated work is worth waiting for."""
+        policy = None if give_up_after is None else replace(
+            self._policy, max_retries=UNTIL_DEADLINE, give_up_after=give_up_after, statuses=RETRY_STATUSES | {500})
+        return self._call("POST", f"/v1/leases/{lease_id}/rollouts", RolloutSubmitResult, body, policy=policy)
 
     def play_turns(self, lease_id: str, steps: list[EpisodeStep]) -> list[EpisodeReply]:
         # Replayed safely: the server answers a retried turn as it answered it the first time. It may take
@@ -104,14 +110,15 @@ class ControlPlane:
     # -- plumbing --------------------------------------------------------------------------------
 
     def _call(self, method: str, path: str, cast: type[M] | None, body: BaseModel | None = None, *,
-              token: str | None = None, replay: bool = True, timeout: float | None = None) -> Any:
+              token: str | None = None, replay: bool = True, timeout: float | None = None,
+              policy: RetryPolicy | None = None) -> Any:
         token = token or self.token
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         content = body.model_dump_json(exclude_unset=False).encode() if body is not None else None
         if content is not None:
             headers["Content-Type"] = "application/json"
         call = Call(method, path, content=content, headers=headers, timeout=timeout, replay=replay)
-        return self._parse(self._http.send(call), cast, method, path)
+        return self._parse(self._http.send(call, policy=policy), cast, method, path)
 
     @staticmethod
     def _parse(response: httpx.Response, cast: type[M] | None, method: str, path: str) -> Any:

@@ -13,7 +13,6 @@ the control plane.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +21,7 @@ from dataclasses import dataclass, field
 import httpx
 from echo2.protocol import Form, Manifest
 from echo2.snapshots import SnapshotError
+from echo2.transport import RetryPolicy
 
 from .ratelimit import RateMeter
 from .store import HeldVersion, VersionStore
@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 MIN_RATE = 128 * 1024  # bytes/s: a parent slower than this for a whole chunk counts as stalled
 NOT_YET_POLL_S = 0.25
+ROUND_PAUSES = RetryPolicy(initial_delay=0.5, max_delay=10.0)  # before another round when no source served a chunk
 
 
 class DownloadCancelled(Exception):
@@ -163,7 +164,7 @@ class Downloader:
                         result.spans[src.url] = (min(first, started), time.monotonic())
                     return
             # Nobody could serve it (the origin too): wait, bounded, then go round again.
-            delay = min(10.0, 0.5 * 2**attempt) * (0.75 + 0.5 * random.random())
+            delay = ROUND_PAUSES.backoff(attempt)
             log.warning("chunk %d of version %d: no parent could serve it; retrying in %.1fs", index,
                         held.version, delay)
             time.sleep(delay)

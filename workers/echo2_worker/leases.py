@@ -23,7 +23,7 @@ from echo2.protocol import GroupSubmit, LeaseRead, LeaseRequest, RolloutSubmit
 from .control import ControlPlane
 from .heartbeat import WorkerGone
 from .progress import Stats
-from .versions import VersionKey, backoff
+from .versions import PAUSES, VersionKey
 
 log = logging.getLogger(__name__)
 
@@ -76,7 +76,7 @@ class Leases:
             raise WorkerGone(f"the control plane no longer accepts this worker's token ({exc.status})") from None
         except errors.Echo2Error as exc:
             self._failures += 1
-            delay = backoff(self._failures)
+            delay = PAUSES.backoff(self._failures)
             log.warning("could not lease prompts (%s); retrying in %.1fs", exc, delay)
             raise NoLease(delay) from None
         self._failures = 0
@@ -165,27 +165,19 @@ class Leases:
         self._net.submit(run)
 
     def _submit(self, lease: LeaseRead, groups: list[GroupSubmit], refused: threading.Event) -> None:
-        """Submit (idempotent per prompt, so retried until the lease would have expired)."""
-        deadline = time.monotonic() + self._ttl_left(lease.id)
-        attempt = 0
-        while True:
-            try:
-                result = self.control.submit(lease.id, RolloutSubmit(groups=groups))
-                break
-            except errors.AuthenticationError as exc:
-                raise WorkerGone(f"the control plane no longer accepts this worker's token ({exc.status})") from None
-            except (errors.ConnectionError, errors.ServerError) as exc:
-                if time.monotonic() > deadline:
-                    log.warning("giving up on lease %s: %s (its prompts return to the pool)", lease.id, exc)
-                    refused.set()
-                    return
-                attempt += 1
-                log.warning("submit failed (%s); retrying", exc)
-                time.sleep(backoff(attempt))
-            except errors.APIStatusError as exc:
-                log.warning("lease %s: submission refused: %s", lease.id, exc)
-                refused.set()
-                return
+        """Submit, retried by the control-plane client until the lease would have expired."""
+        try:
+            result = self.control.submit(lease.id, RolloutSubmit(groups=groups), give_up_after=self._ttl_left(lease.id))
+        except errors.AuthenticationError as exc:
+            raise WorkerGone(f"the control plane no longer accepts this worker's token ({exc.status})") from None
+        except (errors.ConnectionError, errors.ServerError) as exc:
+            log.warning("giving up on lease %s: %s (its prompts return to the pool)", lease.id, exc)
+            refused.set()
+            return
+        except errors.APIStatusError as exc:
+            log.warning("lease %s: submission refused: %s", lease.id, exc)
+            refused.set()
+            return
         accepted = [r for r in result.results if r.status.value == "accepted"]
         rejected = [r for r in result.results if r.status.value == "rejected"]
         self.stats.rollouts_accepted += len(accepted)

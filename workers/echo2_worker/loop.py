@@ -42,7 +42,7 @@ from .notice import VersionWatcher
 from .partial import PartialRollouts
 from .progress import Stats
 from .store import VersionStore
-from .versions import VersionKey, Versions, backoff
+from .versions import PAUSES, VersionKey, Versions
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class Worker:
             if self._gen_failures >= 3:
                 raise
             log.warning("generation failed (%s: %s); retrying", type(exc).__name__, exc)
-            self._wait(backoff(self._gen_failures))
+            self._wait(PAUSES.backoff(self._gen_failures))
             return
         self.leases.finish(lease, done, ok)
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from echo2.deltas import Folder
 from echo2.protocol import Form, Manifest
-from echo2.snapshots import SnapshotError, assemble, atomic_write, is_complete, verify_chunk
+from echo2.snapshots import SnapshotError, assemble, atomic_write, is_complete, replace_dir, verify_chunk
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -77,11 +77,7 @@ class HeldVersion:
         if self.has(index):
             return
         self._chunk_dir.mkdir(parents=True, exist_ok=True)
-        target = self._chunk_dir / str(index)
-        tmp = target.with_name(f"{index}.tmp")
-        with open(tmp, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, target)
+        atomic_write(self._chunk_dir / str(index), data)
         with self._cond:
             self._held[index] = True
             self._cond.notify_all()
@@ -114,8 +110,7 @@ class HeldVersion:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return False
         atomic_write(tmp / "manifest.json", self.manifest.model_dump_json().encode())
-        shutil.rmtree(self.model_dir, ignore_errors=True)
-        os.replace(tmp, self.model_dir)
+        replace_dir(tmp, self.model_dir)
         with self._cond:
             self.complete, self._held = True, [True] * len(self._held)
             self._cond.notify_all()
@@ -227,7 +222,7 @@ class VersionStore:
         tmp = target.with_name(f"{digest}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.copytree(folder, tmp, copy_function=os.link)
-        os.replace(tmp, target)
+        replace_dir(tmp, target)
         kept = sorted((d for d in target.parent.iterdir() if d.is_dir()), key=lambda d: d.stat().st_mtime)
         for old in kept[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

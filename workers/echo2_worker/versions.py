@@ -16,7 +16,6 @@ admissible, keeps generating.
 from __future__ import annotations
 
 import logging
-import random
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 from echo2 import errors
 from echo2.deltas import DeltaError, apply_delta, files_digest
 from echo2.protocol import Assignment, Fetched, FetchStep, Form, Manifest
+from echo2.transport import RetryPolicy
 
 from .backends import GenerationBackend
 from .control import ControlPlane
@@ -39,8 +39,8 @@ MAX_BACKOFF_S = 30.0
 VersionKey = tuple[str, int]  # (job id, version)
 
 
-def backoff(attempt: int, base: float = 0.5) -> float:
-    return min(MAX_BACKOFF_S, base * 2**attempt) * (0.75 + 0.5 * random.random())
+PAUSES = RetryPolicy(initial_delay=0.5, max_delay=MAX_BACKOFF_S)  # after failed bookings and generations
+DOWNLOAD_PAUSES = RetryPolicy(initial_delay=1.0, max_delay=MAX_BACKOFF_S)
 
 
 class Versions:
@@ -224,7 +224,7 @@ class Versions:
 
     def _failed(self, a: Assignment, why: str) -> None:
         self._failures += 1
-        self._retry_at = time.monotonic() + backoff(self._failures, 1.0)
+        self._retry_at = time.monotonic() + DOWNLOAD_PAUSES.backoff(self._failures)
         log.warning("could not fetch version %d: %s", a.version, why)
         self._on_held()  # what this worker holds changed, or may have: a fresh plan comes with the reply
 
