@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from echo2 import errors
 from echo2.protocol import Assignment, BadSource, Heartbeat, HeartbeatReply, WorkerStatus
+from echo2.transport import RetryPolicy
 
 from .control import ControlPlane
 from .progress import Stats
@@ -133,7 +134,7 @@ class Heartbeats:
                 return
             except errors.Echo2Error as exc:
                 failures += 1
-                interval = min(MAX_BACKOFF_S, interval * 2 ** min(failures, 5))
+                interval = RetryPolicy(initial_delay=interval, max_delay=MAX_BACKOFF_S).backoff(failures)
                 log.warning("heartbeat failed (%s); next try in %.0fs", exc, interval)
             self._now.wait(interval)
             self._now.clear()
