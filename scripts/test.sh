@@ -20,6 +20,7 @@ if (( ${#missing[@]} )); then
     fi
 fi
 bash scripts/setup_vllm_venv.sh
+bash scripts/setup_tinker_venv.sh  # the unmodified tinker SDK that tests/tinker drives (~1 min)
 
 "$ROOT/.venv/bin/ruff" check .
 # Long learning runs (marked slow) are benchmarks in all but name: left out unless asked for (-m slow).
