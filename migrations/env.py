@@ -1,8 +1,10 @@
-"""Alembic environment: the URL comes from the caller (api.migrate), the metadata from api.models."""
+"""Alembic environment: the URL comes from the caller (api.migrate), the metadata from api.models and the
+Tinker surface's tables (api.tinker.models)."""
 
 from alembic import context
 from sqlalchemy import pool
 
+import api.tinker.models  # noqa: F401 (registers its tables on Base.metadata)
 from api.db import make_engine
 from api.models import Base
 
