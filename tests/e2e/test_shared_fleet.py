@@ -41,6 +41,9 @@ def test_two_jobs_share_the_fleet_one_pauses_on_its_budget_and_the_ledger_adds_u
     db = Database(settings.database_url)
     try:
         with Client(base_url=stack.url, api_key=stack.admin_key) as client:
+            # Three times as long as the second: still training while the second's learner starts (a tiny
+            # job of STEPS steps alone can finish within the second's start-up).
+            first = client.jobs.create(spec("first", max_steps=3 * STEPS))
             # A learner at $2/h spends $0.004 in about 7 s: this job pauses part-way through.
             second = client.jobs.create(spec("second", budget_usd=0.004))
             wait_until(lambda: client.jobs.get(second.id).status.value == "paused", stack)
@@ -49,14 +52,12 @@ def test_two_jobs_share_the_fleet_one_pauses_on_its_budget_and_the_ledger_adds_u
             assert paused.step < STEPS, paused
             time.sleep(5)  # its learner stopped: no step is committed while it is paused
             assert client.jobs.get(second.id).step <= paused.step + 1
-            # Both start now, each with most of its steps to go: their learners train side by side.
-            first = client.jobs.create(spec("first"))
             client.jobs.update(second.id, budget_usd=5.0)
             wait_until(lambda: all(client.jobs.get(j).status.is_terminal() for j in (first.id, second.id)), stack)
             final = {j: client.jobs.get(j) for j in (first.id, second.id)}
     finally:
         stack.stop()
-    assert all(job.status.value == "succeeded" and job.step == STEPS for job in final.values()), final
+    assert all(job.status.value == "succeeded" and job.step == job.spec.max_steps for job in final.values()), final
     with db.session() as s:
         assert s.get(Job, second.id).learner_launches >= 2  # a new learner resumed it
         windows = dict(s.execute(select(StepMetric.job_id, func.min(StepMetric.created_at))
