@@ -11,6 +11,7 @@ import subprocess
 from pathlib import Path
 
 import httpx
+import pytest
 from sqlalchemy import select
 
 from api.tinker.models import TinkerRequest
@@ -26,6 +27,7 @@ def run_flow(tinker_python: Path, url: str, key: str, home: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.postgres_only  # its SQLite twin runs with -m slow: CI's time budget
 def test_the_tinker_sdk_trains_saves_and_samples(api, tinker_python, tinker_host, user_key, tmp_path):
     seen = run_flow(tinker_python, api.url, user_key, tmp_path)
 

@@ -35,6 +35,7 @@ def worker_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root
 
 
+@pytest.mark.postgres_only  # its SQLite twin runs with -m slow: CI's time budget
 def test_pip_installed_worker_joins_produces_accepted_rollouts_and_drains(
         api: Api, tiny_model_dir: Path, worker_venv: Path, tmp_path: Path) -> None:
     exe = worker_venv / "bin" / "echo2-worker"
