@@ -143,7 +143,7 @@ class Versions:
         if (base := self.store.adapter_base(job_id, loaded)) is not None:
             keep.add(base)
         with self._download_lock:  # never delete what a download in flight reads or writes
-            if self._thread is not None and self._thread.is_alive() and self._plan[0] == job_id:
+            if self._plan[0] == job_id:
                 keep |= self._plan[1]
         dropped = self.store.keep_only(job_id, keep)
         if dropped:
@@ -181,6 +181,17 @@ class Versions:
             self._failed(a, f"a delta did not fit: {exc}")
         except (VersionUnavailable, errors.Echo2Error, OSError, ValueError) as exc:
             self._failed(a, str(exc))
+        finally:
+            self._finished()
+
+    def _finished(self) -> None:
+        """The download no longer needs its versions: when the swap came while it was still running (it
+        kept them then), delete now what the loaded version does not need."""
+        with self._download_lock:
+            self._plan = ("", set())
+        loaded = self.loaded
+        if loaded is not None and loaded == self.target:
+            self._gc(*loaded)
 
     def _fetch_step(self, a: Assignment, step: FetchStep, parents: Callable[[], list[str]],
                     wanted: Callable[[], bool], relay_key: str | None) -> FetchResult:
