@@ -17,6 +17,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,23 +28,28 @@ log = logging.getLogger("echo2.tinker_host")
 
 
 class Host:
-    def __init__(self, server: str, api_key: str, name: str, slots: int, work_dir: Path, device: str) -> None:
+    def __init__(self, server: str, api_key: str, name: str, slots: int, work_dir: Path, device: str,
+                 price_per_hour: float = 0.0) -> None:
         policy = RetryPolicy(max_retries=10_000, max_delay=5.0, statuses=frozenset({429, 500, 502, 503, 504}),
                              give_up_after=300.0)
         self.http = Transport(server.rstrip("/"), headers={"Authorization": f"Bearer {api_key}"}, policy=policy)
         self.name, self.slots, self.work_dir, self.device = name, slots, work_dir, device
         self.models: dict[str, Any] = {}
+        self.price_per_hour = price_per_hour
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.is_set():
             batch = self.claim(wait_s=20.0)
+            t0 = time.monotonic()
             results = self.sample_batch(batch) if len(batch) > 1 else [self.handle(w) for w in batch]
+            seconds = (time.monotonic() - t0) / max(len(batch), 1)  # what the ledger bills each request
             for work, result in zip(batch, results, strict=True):
-                self.report(work.request_id, result)
+                self.report(work.request_id, result.model_copy(update={"seconds": round(seconds, 6)}))
 
     def claim(self, wait_s: float) -> list[HostWork]:
         """The next request, with the sample requests that may run in one batch with it."""
-        body = HostClaim(host=self.name, slots=self.slots, wait_s=wait_s, holding=sorted(self.models))
+        body = HostClaim(host=self.name, slots=self.slots, wait_s=wait_s, holding=sorted(self.models),
+                         price_per_hour=self.price_per_hour)
         answer = self.http.send(Call("POST", "/v1/tinker/host/claim", json=body.model_dump(mode="json"),
                                      timeout=wait_s + 30, replay=True))
         reply = HostWorkReply.model_validate(answer.json())
@@ -98,6 +104,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work-dir", type=Path, default=Path(".echo2-cache/tinker"), help="built-in models")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto")
     parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: torch's choice)")
+    parser.add_argument("--price-per-hour", type=float, default=0.0,
+                        help="$ an hour of this host costs its users: the Tinker ledger bills each request's "
+                             "compute time at it")
     args = parser.parse_args(argv)
     api_key = os.environ.get("ECHO2_API_KEY")
     if not api_key:
@@ -108,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     device = ("cuda" if torch.cuda.is_available() else "cpu") if args.device == "auto" else args.device
-    host = Host(args.server, api_key, args.name, args.slots, args.work_dir, device)
+    host = Host(args.server, api_key, args.name, args.slots, args.work_dir, device, args.price_per_hour)
     log.info("Tinker learner host %s serving %s with %d slots on %s", args.name, args.server, args.slots, device)
     with contextlib.suppress(KeyboardInterrupt):
         host.serve(threading.Event())

@@ -1,4 +1,5 @@
-"""The cost ledger: providers' statements (JSON or CSV) and a job's ledger for its owner."""
+"""The cost ledger: providers' statements (JSON or CSV), a job's ledger for its owner, and a user's
+Tinker ledger (api/tinker/usage.py)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
 from echo2.protocol import JobLedger, ProviderStatement
+from echo2.protocol.tinker import TinkerUsage
 from fastapi import APIRouter, Query, Request, Response
 from sqlalchemy.orm import Session
 
@@ -13,6 +15,7 @@ from ..deps import AnyPrincipal, CurrentProvider, CurrentUser, Principal, Sessio
 from ..errors import ApiError
 from ..models import Provider
 from ..services import ledger
+from ..tinker import usage
 
 router = APIRouter(prefix="/v1", tags=["ledger"])
 Since = Annotated[datetime | None, Query(description="Entries made at or after this time (ISO 8601; UTC when "
@@ -49,6 +52,16 @@ def provider_statement(provider_id: str, p: AnyPrincipal, db: SessionDep, reques
 def job_ledger(job_id: str, user: CurrentUser, db: SessionDep, limit: EntryLimit = 1000,
                offset: Offset = 0) -> JobLedger:
     return ledger.job_ledger(db, owned_job(db, user, job_id), limit, offset)
+
+
+@router.get("/tinker/usage", operation_id="get_tinker_usage",
+            summary="What the caller's Tinker API requests cost, entry by entry, with totals by session, model "
+                    "and kind")
+def tinker_usage(user: CurrentUser, db: SessionDep,
+                 session_id: Annotated[str | None, Query(max_length=40, description="Only this Tinker session's "
+                                                         "entries (`ServiceClient`'s session id).")] = None,
+                 limit: EntryLimit = 1000, offset: Offset = 0) -> TinkerUsage:
+    return usage.usage(db, user.id, session_id, limit, offset)
 
 
 def _statement(db: Session, provider: Provider, request: Request, since: datetime | None,

@@ -54,7 +54,7 @@ def _claim_once(database: Database, api_key: str, body: HostClaim) -> HostWorkRe
     with database.session() as db:
         require_host(user_of(db, api_key))
         host = db.get(TinkerHost, body.host, with_for_update=True) or TinkerHost(name=body.host)
-        host.slots, host.seen_at = body.slots, utcnow()
+        host.slots, host.price_per_hour, host.seen_at = body.slots, body.price_per_hour, utcnow()
         db.add(host)
         service.sweep(db)
         held = _held(db, body)
@@ -146,7 +146,7 @@ def report(request_id: str, body: HostResult, user: HostUser, db: SessionDep, be
     model = db.get(TinkerModel, row.model_id) if row is not None else None
     if row is None or model is None or model.host != host or row.status != RequestStatus.running.value:
         return {"accepted": False}
-    service.record_result(db, row, body)
+    service.record_result(db, row, body, host)
     db.commit()
     bell.announce(service.request_key(row.id))
     return {"accepted": True}

@@ -8,7 +8,7 @@ import secrets
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import JSON, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from ..models import Base, utcnow
@@ -107,4 +107,24 @@ class TinkerHost(Base):
     __tablename__ = "tinker_hosts"
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     slots: Mapped[int] = mapped_column(Integer)
+    price_per_hour: Mapped[float] = mapped_column(Float, default=0.0)  # the host's word: it runs with an admin key
     seen_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TinkerUsage(Base):
+    """The Tinker ledger: one entry per finished request, its host's compute time at the host's price. Kept
+    when the session, model or request is gone (plain ids, no foreign keys): it is what the user paid."""
+
+    __tablename__ = "tinker_usage"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    owner_id: Mapped[str] = mapped_column(String(32), index=True)
+    session_id: Mapped[str] = mapped_column(String(40), index=True)
+    model_id: Mapped[str] = mapped_column(String(96))
+    request_id: Mapped[str] = mapped_column(String(40), unique=True)
+    kind: Mapped[str] = mapped_column(String(32))  # echo2.protocol.tinker.RequestKind
+    host: Mapped[str] = mapped_column(String(128))
+    tokens: Mapped[int] = mapped_column(Integer)
+    seconds: Mapped[float] = mapped_column(Float)
+    price_per_hour: Mapped[float] = mapped_column(Float)
+    amount_usd: Mapped[float] = mapped_column(Float)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 
 from ..errors import ApiError
 from ..models import utcnow
+from . import usage
 from .models import TinkerCheckpoint, TinkerHost, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession
 
 BUILTINS = ("echo2:tiny", "echo2:smollm2")
@@ -159,11 +160,13 @@ def sweep(db: Session) -> None:
                    ErrorCategory.server)
 
 
-def record_result(db: Session, request: TinkerRequest, result: HostResult) -> None:
-    """Store a host's outcome: the request is done (or failed), and what it made exists from now on."""
+def record_result(db: Session, request: TinkerRequest, result: HostResult, host: str) -> None:
+    """Store a host's outcome: the request is done (and billed) or failed, and what it made exists from now on."""
     model = db.get(TinkerModel, request.model_id)
     assert model is not None
     request.finished_at = utcnow()
+    if result.error is None:
+        usage.bill(db, request, model, host, result)
     if request.kind in BULKY:  # the tokens are not needed once run: only the result is kept
         request.payload = {}
     if result.error is not None:
@@ -172,7 +175,7 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult) -> No
             fail_model(db, model, result.error, result.category)
         return
     request.status = RequestStatus.done.value
-    request.result = result.model_dump(mode="json", exclude_none=True, exclude={"category"})
+    request.result = result.model_dump(mode="json", exclude_none=True, exclude={"category", "seconds"})
     if request.kind == RequestKind.create_model.value and result.info is not None:
         model.status, model.info = ModelStatus.ready.value, result.info.model_dump(mode="json")
     if request.kind in (RequestKind.save_weights.value, RequestKind.save_weights_for_sampler.value):

@@ -65,6 +65,7 @@ from .protocol import (
     WorkerRead,
     WorkerStatus,
 )
+from .protocol.tinker import TinkerUsage
 from .transport import DEFAULT_TIMEOUT, AsyncTransport, Call, RetryPolicy, Transport, connection_error
 from .untar import Staging, TarSink, check_dest
 
@@ -511,6 +512,11 @@ class _Users(Resource):
         """(admin) The user's limits, None for none; jobs beyond them wait in the queue or pause."""
         quotas = {"max_concurrent_jobs": max_concurrent_jobs, "max_usd_per_day": max_usd_per_day}
         return Call("PUT", f"/v1/users/{seg(user_id, 'user_id')}/quotas", json=json_body(Quotas, quotas))
+
+    @endpoint(TinkerUsage)
+    def tinker_usage(self, *, session_id: str | None = None, limit: int = 1000, offset: int = 0) -> Call:
+        """What my Tinker API requests cost (a page of entries), with totals by session, model and kind."""
+        return Call("GET", "/v1/tinker/usage", params=query(session_id=session_id, limit=limit, offset=offset))
 
 
 class Users(_Users, SyncResource):

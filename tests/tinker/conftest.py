@@ -15,6 +15,7 @@ from tests.factories import new_user
 
 ROOT = Path(__file__).resolve().parents[2]
 TINKER_PYTHON = ROOT / ".venv-tinker" / "bin" / "python"
+HOST_PRICE = 3.6  # $/h: a cent per 10 s of compute
 
 
 @pytest.fixture(scope="session")
@@ -39,7 +40,8 @@ def host_work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tinker_host(api: Api, host_work_dir: Path, tmp_path: Path) -> Iterator[subprocess.Popen]:
     log = (tmp_path / "host.log").open("w")
     cmd = [sys.executable, "-m", "learner.tinker_host", "--server", api.url, "--name", "test-host",
-           "--slots", "2", "--threads", "1", "--device", "cpu", "--work-dir", str(host_work_dir)]
+           "--slots", "2", "--threads", "1", "--device", "cpu", "--work-dir", str(host_work_dir),
+           "--price-per-hour", str(HOST_PRICE)]
     process = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "ECHO2_API_KEY": ADMIN_KEY}, stdout=log,
                                stderr=subprocess.STDOUT)
     yield process

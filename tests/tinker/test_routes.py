@@ -7,6 +7,7 @@ import struct
 
 import httpx
 import pytest
+from echo2 import Client
 
 from api.tinker import futures
 from tests.factories import new_provider, new_user, new_worker, ok
@@ -27,8 +28,8 @@ def key_of(client: httpx.Client) -> str:
     return client.headers["Authorization"].split()[1]
 
 
-def claim(api, holding=(), host="h1") -> dict:
-    body = {"host": host, "slots": 2, "wait_s": 0, "holding": list(holding)}
+def claim(api, holding=(), host="h1", price=0.0) -> dict:
+    body = {"host": host, "slots": 2, "wait_s": 0, "holding": list(holding), "price_per_hour": price}
     return ok(api.admin.post("/v1/tinker/host/claim", json=body))
 
 
@@ -198,3 +199,44 @@ def test_samples_behind_each_other_go_out_as_one_batch(api):
     assert retrieve(client, first).headers["content-type"] == "application/x-protobuf"
     assert claim(api, holding=[model_id])["work"]["request_id"] == step  # the weights change: not in the batch
     assert retrieve(client, last).json()["type"] == "try_again"
+
+
+def test_requests_a_host_ran_are_billed_at_its_price_and_failed_ones_cost_nothing(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    session, model_id = ready_model(api, client)  # create_model: billed its wall time at price 0
+    proto = {"Content-Type": "application/x-protobuf"}
+    ok(client.post("/api/v1/forward_backward", headers=proto,
+                   content=_fwdbwd(model_id, "cross_entropy", {"target_tokens": _tensor([2, 3, 4], 2)})))
+    report(api, claim(api, holding=[model_id], price=36.0)["work"], seconds=2.0,
+           forward_backward={"outputs": [], "metrics": {"loss:sum": 1.0}})
+    optim(client, model_id, 0.1)
+    report(api, claim(api, holding=[model_id], price=36.0)["work"], error="bad input", category="user")
+    save = ok(client.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id,
+                                                                     "sampling_session_seq_id": 0}))
+    report(api, claim(api, holding=[model_id], price=36.0)["work"], step=0, seconds=0.25)
+    sampler = ok(retrieve(client, save["request_id"]))["sampling_session_id"]
+    ok(client.post("/api/v1/asample", json={"sampling_session_id": sampler, "num_samples": 2,
+                                            "prompt": {"chunks": [{"tokens": [1, 2]}]},
+                                            "sampling_params": {"max_tokens": 3}}))
+    sequences = [{"tokens": [3, 4, 5], "logprobs": [-0.5] * 3, "stop_reason": "length"}] * 2
+    report(api, claim(api, holding=[model_id], price=36.0)["work"], sample={"sequences": sequences}, seconds=0.5)
+
+    bill = ok(alice.get("/v1/tinker/usage"))
+    kinds = {e["kind"]: e for e in bill["entries"]}
+    assert list(kinds) == ["create_model", "forward_backward", "save_weights_for_sampler", "sample"]  # not optim
+    assert (kinds["forward_backward"]["tokens"], kinds["forward_backward"]["amount_usd"]) == (3, pytest.approx(0.02))
+    assert (kinds["sample"]["tokens"], kinds["sample"]["amount_usd"]) == (2 + 2 * 3, pytest.approx(0.005))
+    assert kinds["sample"]["host"] == "h1" and kinds["sample"]["price_per_hour"] == 36.0
+    assert kinds["create_model"]["amount_usd"] == 0.0  # claimed at price 0
+    assert bill["total_usd"] == pytest.approx(0.02 + 0.0025 + 0.005)
+    assert [(t["key"], t["entries"]) for t in bill["by_session"]] == [(session, 4)]
+    assert {t["key"] for t in bill["by_model"]} == {model_id}
+    assert ok(alice.get("/v1/tinker/usage", params={"limit": 1, "offset": 3}))["next_offset"] is None
+    assert ok(alice.get("/v1/tinker/usage", params={"limit": 1}))["next_offset"] == 1
+    _, bob = new_user(api, "bob")
+    assert ok(bob.get("/v1/tinker/usage"))["total_entries"] == 0
+    assert ok(alice.get("/v1/tinker/usage", params={"session_id": "tks_other"}))["entries"] == []
+    with Client(api.url, key_of(alice)) as sdk_client:  # the Echo2 SDK reads the same ledger
+        assert sdk_client.users.tinker_usage(session_id=session).total_usd == pytest.approx(bill["total_usd"])
+    assert "seconds" not in ok(retrieve(client, save["request_id"]))  # the bill is not part of the result

@@ -15,6 +15,7 @@ import pytest
 from sqlalchemy import select
 
 from api.tinker.models import TinkerRequest
+from tests.tinker.conftest import HOST_PRICE
 
 FLOW = Path(__file__).with_name("sdk_flow.py")
 
@@ -43,6 +44,7 @@ def test_the_tinker_sdk_trains_saves_and_samples(api, tinker_python, tinker_host
     assert seen["prompt_logprobs"][0] is None and all(lp <= 0 for lp in seen["prompt_logprobs"][1:])
     _errors_are_immediate_and_clear(seen["errors"])
     _futures_outlive_the_client(api, user_key, seen["model_id"])
+    _usage_is_billed(api, user_key, seen["model_id"])
 
 
 def _trainer_agrees_with_sampler(seen: dict) -> None:
@@ -77,3 +79,18 @@ def _futures_outlive_the_client(api, user_key: str, model_id: str) -> None:
     stranger = httpx.post(f"{api.url}/api/v1/retrieve_future", json=body,
                           headers={"Authorization": f"Bearer {api.admin.headers['Authorization'].split()[1]}"})
     assert stranger.status_code == 404
+
+
+def _usage_is_billed(api, user_key: str, model_id: str) -> None:
+    """Every request the host ran is in the user's Tinker ledger: its tokens, the host's measured compute time,
+    at the host's price."""
+    bill = httpx.get(f"{api.url}/v1/tinker/usage", headers={"Authorization": f"Bearer {user_key}"}).json()
+    mine = [e for e in bill["entries"] if e["model_id"] == model_id]
+    kinds = {e["kind"] for e in mine}
+    assert {"create_model", "forward_backward", "optim_step", "save_weights_for_sampler"} <= kinds, kinds
+    assert any(e["kind"] == "sample" for e in bill["entries"])  # on the sampler's model
+    for entry in bill["entries"]:
+        assert entry["host"] == "test-host" and entry["price_per_hour"] == HOST_PRICE
+        assert entry["amount_usd"] == pytest.approx(HOST_PRICE * entry["seconds"] / 3600)
+    assert all(e["tokens"] > 0 and e["seconds"] > 0 for e in mine if e["kind"] == "forward_backward")
+    assert bill["total_usd"] == pytest.approx(sum(e["amount_usd"] for e in bill["entries"])) and bill["total_usd"] > 0

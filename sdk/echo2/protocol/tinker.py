@@ -8,6 +8,7 @@ are final live here, once.
 
 from __future__ import annotations
 
+from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any
 
@@ -141,6 +142,8 @@ class HostClaim(Model):
     wait_s: float = Field(20.0, ge=0, le=60)
     holding: list[Annotated[str, StringConstraints(max_length=128)]] = Field(
         default_factory=list, max_length=64, description="The model ids the host has loaded.")
+    price_per_hour: float = Field(0.0, ge=0, le=10_000, description="What an hour of this host costs its users "
+                                  "($): each request it runs is billed its compute seconds at this price.")
 
 
 class HostWork(ReadModel):
@@ -195,3 +198,42 @@ class HostResult(Model):
     sample: SampleResult | None = None
     error: ShortText | None = None
     category: ErrorCategory = ErrorCategory.server
+    seconds: float | None = Field(None, ge=0, le=86_400, description="The host's compute time for this request "
+                                  "(a batch's time split evenly among its requests); the ledger bills it.")
+
+
+class TinkerUsageEntry(ReadModel):
+    """One finished request of the Tinker API, billed: the host's compute time at the host's price."""
+
+    id: int
+    created_at: datetime = Field(description="When the request finished.")
+    session_id: str
+    model_id: str
+    request_id: str
+    kind: RequestKind
+    host: str = Field(description="The learner host that ran it.")
+    tokens: int = Field(description="Tokens it processed: the data's input tokens (forward, forward_backward), or "
+                                    "the prompt's plus every sampled one (sample); 0 for the others.")
+    seconds: float = Field(description="The host's compute time for it.")
+    price_per_hour: float = Field(description="The host's price ($/h) when it ran.")
+    amount_usd: float
+
+
+class TinkerUsageTotal(ReadModel):
+    key: str = Field(description="The session id, model id or request kind the entries are summed by.")
+    entries: int
+    tokens: int
+    seconds: float
+    amount_usd: float
+
+
+class TinkerUsage(ReadModel):
+    """A user's Tinker ledger: a page of entries, and totals over every entry (not just the page)."""
+
+    entries: list[TinkerUsageEntry]
+    total_entries: int
+    next_offset: int | None = Field(description="Offset of the next page; None on the last.")
+    by_session: list[TinkerUsageTotal]
+    by_model: list[TinkerUsageTotal]
+    by_kind: list[TinkerUsageTotal]
+    total_usd: float
