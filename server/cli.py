@@ -32,12 +32,15 @@ def _parser() -> argparse.ArgumentParser:
     host = sub.add_parser("learner-host", help="run a learner host: a Celery worker on the queue `learner`")
     host.add_argument("--slots", type=int, help="learners run at once on this host (default: one per GPU; "
                       "without CUDA, one per two CPU cores)")
-    for name, text in (("up", "run everything locally: Redis, API, scheduler, learner host, N CPU workers"),
+    for name, text in (("up", "run everything locally: Redis, API, scheduler, learner host, Tinker host, N CPU "
+                               "workers"),
                        ("demo", "`up`, then train the demo job and follow it live (exit 0 if it succeeded)")):
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--workers", type=int, default=2, help="local CPU workers")
         cmd.add_argument("--port", type=int, help="API port (default ECHO2_PORT)")
         cmd.add_argument("--learner-slots", type=int, default=2, help="learners the local learner host runs at once")
+        cmd.add_argument("--tinker-slots", type=int, default=1 if name == "up" else 0,
+                         help="models the local Tinker learner host holds at once (0: none; docs/TINKER.md)")
         if name == "demo":
             cmd.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
             cmd.add_argument("--steps", type=int, help="max learner steps (default: 130 tiny, 10 smollm2)")
@@ -133,7 +136,7 @@ def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-d
     if args.port:
         settings = settings.model_copy(update={"port": args.port, "public_url": f"http://{settings.host}:{args.port}"})
     stack = Stack(settings.model_copy(update={"data_dir": settings.data_dir.resolve()}), workers=args.workers,
-                  learner_slots=args.learner_slots)
+                  learner_slots=args.learner_slots, tinker_slots=args.tinker_slots)
     print(f"starting Echo2 in {stack.settings.data_dir} ...", flush=True)
     stack.start()
     print(f"Echo2 is up: dashboard {stack.url}/  (admin API key in {stack.settings.data_dir / 'admin.key'}: "

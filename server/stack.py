@@ -1,7 +1,8 @@
 """`echo2-server up`: the whole platform as one process tree on the embedded defaults.
 
 A private Redis, the API, the scheduler (Celery worker + beat), one learner host (two learner slots
-by default) and N local CPU workers, each in its own process group with a pid file under DATA_DIR/run.
+by default), a Tinker learner host when asked (`up` asks for one: the Tinker API, docs/TINKER.md) and N
+local CPU workers, each in its own process group with a pid file under DATA_DIR/run.
 Ctrl-C (or SIGTERM) stops them all: TERM to every group, then KILL to whatever is left, so no process
 outlives `up`. Pid files left by an `up` that was itself killed are used to clean up its orphans at the
 next start.
@@ -44,6 +45,7 @@ class Stack:
     settings: Settings
     workers: int = 2
     learner_slots: int = 2
+    tinker_slots: int = 0  # models the Tinker learner host holds at once (0: no Tinker host)
     children: list[Child] = field(default_factory=list)
     redis: RedisServer | None = None
     admin_key: str = ""
@@ -71,9 +73,18 @@ class Stack:
         self._spawn(Child("scheduler", [sys.executable, "-m", "server.cli", "scheduler"], env))
         self._spawn(Child("learner-host", [sys.executable, "-m", "server.cli", "learner-host",
                                            "--slots", str(self.learner_slots)], env))
+        if self.tinker_slots > 0:
+            self._spawn(Child("tinker-host", self._tinker_host_args(), {**env, "ECHO2_API_KEY": self.admin_key}))
         for _ in range(self.workers):
             self.add_worker()
         return self
+
+    def _tinker_host_args(self) -> list[str]:
+        """The Tinker learner host (learner/tinker_host.py), billing at the default learner price."""
+        s = self.settings
+        return [sys.executable, "-m", "learner.tinker_host", "--server", self.url, "--name", "local-tinker",
+                "--slots", str(self.tinker_slots), "--threads", str(s.learner_threads or 1), "--device", "cpu",
+                "--work-dir", str(s.data_dir / "tinker"), "--price-per-hour", str(s.learner_price_per_hour)]
 
     def add_worker(self, python: str = sys.executable, backend: str = "transformers") -> Child:
         """Start one more local CPU worker (its own process group and pid file); `python` is the

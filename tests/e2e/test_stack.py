@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 from sqlalchemy import select
 
@@ -52,7 +53,9 @@ def test_demo_learns_with_three_workers_and_keeps_the_invariants(tmp_path):
 
 
 def test_ctrl_c_of_up_leaves_no_process_behind(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "up", "--workers", "1", "--port", str(free_port())],
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "up", "--workers", "1", "--port", str(port)],
                             env=stack_env(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 180
     for line in proc.stdout:
@@ -60,9 +63,9 @@ def test_ctrl_c_of_up_leaves_no_process_behind(tmp_path):
             break
         assert time.monotonic() < deadline
     run = tmp_path / ".echo2" / "run"
-    time.sleep(3)  # let the workers and Celery start their own children
+    _tinker_host_serves(url, (tmp_path / ".echo2" / "admin.key").read_text().strip())
     groups = [int(p.read_text()) for p in run.glob("*.pid")]
-    assert len(groups) == 5  # redis, api, scheduler, learner host, one worker
+    assert len(groups) == 6  # redis, api, scheduler, learner host, Tinker host, one worker
     members = descendants(groups)
     assert len(members) >= len(groups)
     proc.send_signal(signal.SIGINT)
@@ -70,6 +73,21 @@ def test_ctrl_c_of_up_leaves_no_process_behind(tmp_path):
     alive = [pid for pid in members if Path(f"/proc/{pid}").exists() and not zombie(pid)]
     assert alive == [], f"left behind: {alive}"
     assert not list(run.glob("*.pid"))
+
+
+def _tinker_host_serves(url: str, key: str) -> None:
+    """`up` runs a Tinker learner host: a LoRA model created over the Tinker routes gets loaded and billed."""
+    tinker = httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{key}"}, timeout=30)
+    session = tinker.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}).json()["session_id"]
+    future = tinker.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                       "base_model": "echo2:tiny", "lora_config": {"rank": 2}}).json()
+    deadline = time.monotonic() + 120
+    while (answer := tinker.post("/api/v1/retrieve_future", json={"request_id": future["request_id"]}).json()
+           ).get("type") == "try_again":
+        assert time.monotonic() < deadline, answer
+    assert answer["model_id"] == future["model_id"], answer
+    usage = httpx.get(f"{url}/v1/tinker/usage", headers={"Authorization": f"Bearer {key}"}).json()
+    assert [(e["kind"], e["host"]) for e in usage["entries"]] == [("create_model", "local-tinker")]
 
 
 def descendants(groups: list[int]) -> list[int]:
