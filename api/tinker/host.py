@@ -24,7 +24,7 @@ from echo2.protocol.tinker import (
     TinkerLora,
 )
 from fastapi import APIRouter, Query, Request
-from sqlalchemy import select, update
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from ..db import Database
@@ -87,13 +87,18 @@ def _held(db: Session, body: HostClaim) -> set[str]:
 
 
 def _next_request(db: Session, models: list[str]) -> TinkerRequest | None:
-    """The oldest pending request among the host's models, the first of its model (they run in seq order)."""
-    first = db.scalar(select(TinkerRequest).where(TinkerRequest.model_id.in_(models),
-                                                  TinkerRequest.status == RequestStatus.pending.value)
-                      .order_by(TinkerRequest.created_at).limit(1))
-    if first is None:
+    """The first pending request (they run in seq order) of the host's model served longest ago: the models
+    take turns, so a client that queues hundreds of requests delays another's by one request, not hundreds."""
+    waiting = select(TinkerRequest.model_id).where(TinkerRequest.model_id.in_(models),
+                                                   TinkerRequest.status == RequestStatus.pending.value)
+    served = func.max(TinkerRequest.started_at)
+    turn = db.execute(select(TinkerRequest.model_id, served).where(TinkerRequest.model_id.in_(waiting))
+                      .group_by(TinkerRequest.model_id)
+                      .order_by(served.is_not(None), served, func.min(TinkerRequest.created_at)).limit(1)
+                      ).first()
+    if turn is None:
         return None
-    return db.scalar(select(TinkerRequest).where(TinkerRequest.model_id == first.model_id,
+    return db.scalar(select(TinkerRequest).where(TinkerRequest.model_id == turn[0],
                                                  TinkerRequest.status == RequestStatus.pending.value)
                      .order_by(TinkerRequest.seq).limit(1).with_for_update())
 

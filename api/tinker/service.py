@@ -32,6 +32,7 @@ HOST_DEAD_AFTER_S = 60.0
 SESSION_EXPIRES_AFTER_S = 300.0  # the SDK heartbeats every 10 s
 UNFINISHED = (RequestStatus.pending.value, RequestStatus.running.value)
 BULKY = (RequestKind.forward.value, RequestKind.forward_backward.value, RequestKind.sample.value)
+MAX_UNFINISHED = 512  # requests one user may have queued or running at once
 HOSTS_KEY = "tinker/hosts"  # announced when work is queued: hosts waiting in a claim look at once
 
 
@@ -96,6 +97,7 @@ def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
                                                         TinkerRequest.idempotency_key == idempotency_key))
         if earlier is not None:
             return earlier
+    _check_backlog(db, model.owner_id)
     # Lock the model row: two requests of one model never take the same seq.
     db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update())
     last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id))
@@ -104,6 +106,16 @@ def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
     db.add(row)
     db.flush()
     return row
+
+
+def _check_backlog(db: Session, owner_id: str) -> None:
+    """One user's queue is bounded: past MAX_UNFINISHED requests not yet run, a 429 the SDK retries after a
+    pause (so a runaway loop slows down instead of filling the database and the hosts' queues)."""
+    waiting = db.scalar(select(func.count()).select_from(TinkerRequest).where(
+        TinkerRequest.owner_id == owner_id, TinkerRequest.status.in_(UNFINISHED))) or 0
+    if waiting >= MAX_UNFINISHED:
+        raise ApiError(429, f"{waiting} of your Tinker requests are not finished yet (at most {MAX_UNFINISHED}): "
+                            "wait for their futures before sending more", headers={"Retry-After": "5"})
 
 
 def checkpoint_path(model_id: str, kind: str, name: str) -> str:

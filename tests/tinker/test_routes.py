@@ -9,7 +9,7 @@ import httpx
 import pytest
 from echo2 import Client
 
-from api.tinker import futures
+from api.tinker import futures, service
 from tests.factories import new_provider, new_user, new_worker, ok
 
 INFO = {"tokenizer_id": "/models/tiny", "arch": "qwen2", "vocab_size": 96, "max_context_length": 512}
@@ -240,3 +240,32 @@ def test_requests_a_host_ran_are_billed_at_its_price_and_failed_ones_cost_nothin
     with Client(api.url, key_of(alice)) as sdk_client:  # the Echo2 SDK reads the same ledger
         assert sdk_client.users.tinker_usage(session_id=session).total_usd == pytest.approx(bill["total_usd"])
     assert "seconds" not in ok(retrieve(client, save["request_id"]))  # the bill is not part of the result
+
+
+def test_models_on_a_host_take_turns_and_a_users_backlog_is_bounded(api, monkeypatch):
+    _, alice = new_user(api)
+    _, bob = new_user(api, "bob")
+    a_client, b_client = sdk(api, key_of(alice)), sdk(api, key_of(bob))
+    _, model_a = ready_model(api, a_client)
+    session_b = ok(b_client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    ok(b_client.post("/api/v1/create_model", json={"session_id": session_b, "model_seq_id": 0,
+                                                   "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    work = claim(api, holding=[model_a])["work"]
+    model_b = work["model_id"]
+    report(api, work, info=INFO)
+    alice_steps = [optim(a_client, model_a, 0.1)["request_id"] for _ in range(3)]
+    bob_step = optim(b_client, model_b, 0.1)["request_id"]
+    order = []
+    for _ in range(4):
+        work = claim(api, holding=[model_a, model_b])["work"]
+        order.append(work["request_id"])
+        report(api, work, step=1)
+    assert order == [alice_steps[0], bob_step, alice_steps[1], alice_steps[2]]  # not all of Alice's first
+
+    monkeypatch.setattr(service, "MAX_UNFINISHED", 2)
+    optim(a_client, model_a, 0.1)
+    optim(a_client, model_a, 0.1)
+    refused = a_client.post("/api/v1/optim_step", json={"model_id": model_a, "adam_params": {"learning_rate": 0.1}})
+    assert refused.status_code == 429 and refused.headers["Retry-After"] == "5"
+    assert "2 of your Tinker requests are not finished yet" in refused.json()["detail"]
+    optim(b_client, model_b, 0.1)  # another user's queue is their own
