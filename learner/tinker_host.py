@@ -1,6 +1,6 @@
 """The Tinker learner host: runs the models of Tinker SDK clients for the control plane.
 
-    ECHO2_API_KEY=<admin key> python -m learner.tinker_host --server http://127.0.0.1:8000 --slots 2
+    ECHO2_API_KEY=<admin key> python -m learner.tinker_host --server http://127.0.0.1:8000 --price-per-hour 2
 
 It long-polls the control plane for the next request of a model it holds (or a new model to load while
 a slot is free), runs it and reports the result; one request at a time, so each model trains in exactly
@@ -108,6 +108,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="$ an hour of this host costs its users: the Tinker ledger bills each request's "
                              "compute time at it")
     args = parser.parse_args(argv)
+    if not 0 <= args.price_per_hour <= 10_000:
+        parser.error(f"--price-per-hour must be between 0 and 10000, not {args.price_per_hour}")
     api_key = os.environ.get("ECHO2_API_KEY")
     if not api_key:
         parser.error("set ECHO2_API_KEY to an admin API key")
