@@ -48,9 +48,10 @@ class Versions:
 
     Threads: `hold` (and so every swap) runs on the worker's main thread, which alone writes `loaded`,
     `target`, `backend` and `tokenizer`; the heartbeat thread reads `loaded` and `target`, the download
-    thread `target` (tuples, replaced whole). The download thread alone writes `_retry_at` and `_failures`
-    (read only once it has ended). `_download_lock` guards the download in flight (`_thread`, `_plan`);
-    `_fetched_lock` guards `_fetched`, which the download writes and the heartbeat takes."""
+    thread `target` (and `loaded` as it ends; tuples, replaced whole). The download thread alone writes
+    `_retry_at` and `_failures` (read only once it has ended). `_download_lock` guards the download in
+    flight (`_thread`, `_plan`) and deletions from disk; `_fetched_lock` guards `_fetched`, which the
+    download writes and the heartbeat takes."""
 
     def __init__(self, control: ControlPlane, store: VersionStore, stats: Stats,
                  backend_factory: Callable[[], GenerationBackend], *, relay_url: str | None,
@@ -142,10 +143,12 @@ class Versions:
         keep = {loaded}
         if (base := self.store.adapter_base(job_id, loaded)) is not None:
             keep.add(base)
-        with self._download_lock:  # never delete what a download in flight reads or writes
+        # Under the lock: never delete what a download in flight (or one starting now) reads or writes, and
+        # never sweep the disk from two threads at once (a swap, and a download ending).
+        with self._download_lock:
             if self._plan[0] == job_id:
                 keep |= self._plan[1]
-        dropped = self.store.keep_only(job_id, keep)
+            dropped = self.store.keep_only(job_id, keep)
         if dropped:
             log.info("deleted versions %s from disk (no longer needed)", dropped)
 
