@@ -1,0 +1,106 @@
+"""tinker-cookbook's math RL recipe (its arithmetic environment), unchanged, against Echo2's Tinker API.
+
+    COOKBOOK=1 scripts/setup_tinker_venv.sh      # tinker 0.38.0 + tinker-cookbook 0.6.1 in .venv-tinker
+    python bench/tinker_cookbook.py              # 30 steps of 16 groups x 8 samples on SmolLM2-135M-Instruct
+
+`echo2-server up` (server/stack.py) with its Tinker learner host and no rollout workers; then the recipe,
+`python -m tinker_cookbook.recipes.math_rl.train`, as a user runs it from .venv-tinker, changed only in its
+base URL and its model: SmolLM2-135M-Instruct by folder (the packaged GGUF converted once; nothing is
+downloaded). A folder names no renderer, so the renderer is named: SmolLM2 is a ChatML model, and
+`qwen3_instruct` renders ChatML and stops at `<|im_end|>`. The recipe's default loss, `stable_reinforce`,
+needs sampler-side provenance Echo2 does not record (docs/TINKER.md), so `importance_sampling` is named.
+The recipe's addition problems are drawn fresh every batch; its reward is 1 for the right sum, minus
+0.1 for a missing stop token.
+Reported: the recipe's own per-step metrics (reward, fraction correct) from its metrics.jsonl, by blocks,
+and the first block against the last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+TINKER_PYTHON = REPO / ".venv-tinker" / "bin" / "python"
+MODEL = REPO / ".echo2-cache" / "smollm2-135m-instruct"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--groups", type=int, default=16, help="groups_per_batch")
+    p.add_argument("--group-size", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--block", type=int, default=5, help="steps per reported block")
+    args = p.parse_args()
+    _check_cookbook()
+    model = _model()
+    from api.settings import Settings
+    from server.local import free_port
+    from server.stack import Stack, exit_on_sigterm
+
+    work = Path(tempfile.mkdtemp(prefix="echo2-cookbook-"))
+    exit_on_sigterm()
+    stack = Stack(Settings(data_dir=work / ".echo2", port=free_port()), workers=0, tinker_slots=1).start()
+    try:
+        start = time.monotonic()
+        _recipe(stack.url, stack.admin_key, model, args, work / "run")
+        wall = time.monotonic() - start
+    finally:
+        stack.stop()
+    _report(work / "run" / "metrics.jsonl", args.block, wall)
+
+
+def _check_cookbook() -> None:
+    ok = TINKER_PYTHON.exists() and subprocess.run([str(TINKER_PYTHON), "-c", "import tinker_cookbook"],
+                                                   capture_output=True).returncode == 0
+    if not ok:
+        sys.exit("tinker-cookbook is not in .venv-tinker: run COOKBOOK=1 scripts/setup_tinker_venv.sh")
+
+
+def _model() -> Path:
+    if not (MODEL / "config.json").exists():
+        from learner.tiny import import_smollm2
+
+        import_smollm2(MODEL)
+    return MODEL
+
+
+def _recipe(url: str, key: str, model: Path, args: argparse.Namespace, log_path: Path) -> None:
+    cmd = [str(TINKER_PYTHON), "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={model}",
+           "renderer_name=qwen3_instruct", "loss_fn=importance_sampling", f"base_url={url}", "env=arithmetic",
+           f"groups_per_batch={args.groups}", f"group_size={args.group_size}", f"max_steps={args.steps}",
+           f"max_tokens={args.max_tokens}", f"learning_rate={args.lr}", f"lora_rank={args.rank}", "eval_every=0",
+           "save_every=0", f"log_path={log_path}"]
+    print(" ".join(cmd[1:]), flush=True)
+    env = {**os.environ, "TINKER_API_KEY": f"tml-{key}", "HOME": str(log_path.parent)}
+    done = subprocess.run(cmd, env=env, cwd=log_path.parent, stdout=sys.stdout, stderr=subprocess.STDOUT)
+    if done.returncode != 0:
+        sys.exit(f"the recipe exited with {done.returncode}")
+
+
+def _report(metrics: Path, block: int, wall: float) -> None:
+    rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
+    reward = [r["env/all/reward/total"] for r in rows if "env/all/reward/total" in r]
+    correct = [r["env/all/correct"] for r in rows if "env/all/correct" in r]
+    print(f"{len(reward)} steps in {wall:.0f} s")
+    for b in range(0, len(reward), block):
+        print(f"steps {b + 1:3d}-{min(b + block, len(reward)):3d}: reward {statistics.mean(reward[b:b + block]):.3f}"
+              f"  correct {statistics.mean(correct[b:b + block]):.3f}")
+    if len(reward) >= 2 * block:
+        print(f"reward, first {block} steps {statistics.mean(reward[:block]):.3f} -> last {block} steps "
+              f"{statistics.mean(reward[-block:]):.3f}")
+
+
+if __name__ == "__main__":
+    main()
