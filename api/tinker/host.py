@@ -20,6 +20,7 @@ from echo2.protocol.tinker import (
     ModelStatus,
     RequestKind,
     RequestStatus,
+    SamplePayload,
     SessionStatus,
     TinkerLora,
 )
@@ -33,6 +34,7 @@ from ..models import utcnow
 from . import service
 from .deps import ApiKey, Bell, HostUser, require_host, user_of
 from .models import TinkerHost, TinkerModel, TinkerRequest, TinkerSession
+from .sampling import MAX_SAMPLE_TOKENS
 
 router = APIRouter(prefix="/v1/tinker/host", tags=["tinker"], include_in_schema=False)
 MAX_SAMPLE_BATCH = 32
@@ -112,12 +114,20 @@ def _batchable(db: Session, first: TinkerRequest) -> list[TinkerRequest]:
                                                    TinkerRequest.status == RequestStatus.pending.value,
                                                    TinkerRequest.seq > first.seq)
                        .order_by(TinkerRequest.seq).limit(MAX_SAMPLE_BATCH - 1).with_for_update())
-    batch = []
+    batch, size = [], _sample_size(first)
     for row in after:
         if row.kind != RequestKind.sample.value or row.payload.get("checkpoint") != first.payload.get("checkpoint"):
             break
+        size += _sample_size(row)
+        if size > MAX_SAMPLE_TOKENS:  # the batch's KV cache is bounded as one request's is
+            break
         batch.append(row)
     return batch
+
+
+def _sample_size(row: TinkerRequest) -> int:
+    payload = SamplePayload.model_validate(row.payload)
+    return payload.num_samples * (len(payload.prompt) + payload.params.max_tokens)
 
 
 def _adopt(db: Session, host: str, free: int) -> TinkerRequest | None:

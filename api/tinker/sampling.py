@@ -16,6 +16,7 @@ from .models import TinkerSampler
 from .schemas import CreateSamplingSessionRequest, SampleRequest, SamplingParams
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+MAX_SAMPLE_TOKENS = 2**17  # rows x (prompt + max_tokens) of one request, and of a batch the host samples at once
 
 
 @router.post("/create_sampling_session")
@@ -59,11 +60,25 @@ def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: Idempote
     sampler = service.owned_sampler(db, user.id, body.sampling_session_id)
     model = service.owned_model(db, user.id, sampler.model_id)
     payload = _payload(body, sampler.checkpoint)
+    _check_size(payload, model.info.get("max_context_length"))
     row = service.enqueue(db, model, RequestKind.sample, payload.model_dump(mode="json"), key)
     db.commit()
     bell.announce(service.HOSTS_KEY)
     ids = [f"{row.id}:{k}" for k in range(body.num_samples)]
     return {"request_id": row.id, "model_id": model.id, "sample_sequence_ids": ids}
+
+
+def _check_size(payload: SamplePayload, context: int | None) -> None:
+    """Bound what one request may make the host hold: its KV cache grows with every sample's prompt and
+    completion, and a host that runs out of memory fails every model it holds, not just this one."""
+    length = len(payload.prompt) + payload.params.max_tokens
+    if context is not None and length > context:
+        raise ApiError(400, f"prompt ({len(payload.prompt)} tokens) + max_tokens ({payload.params.max_tokens}) is "
+                            f"{length}, beyond the model's context of {context} tokens", field="sampling_params")
+    if payload.num_samples * length > MAX_SAMPLE_TOKENS:
+        raise ApiError(400, f"num_samples x (prompt tokens + max_tokens) is {payload.num_samples * length}, over "
+                            f"{MAX_SAMPLE_TOKENS} per request: send fewer samples per request, or shorter ones",
+                       field="num_samples")
 
 
 def _refuse_unsupported(body: SampleRequest) -> None:

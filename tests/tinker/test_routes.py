@@ -9,7 +9,7 @@ import httpx
 import pytest
 from echo2 import Client
 
-from api.tinker import futures, service
+from api.tinker import futures, host, sampling, service
 from tests.factories import new_provider, new_user, new_worker, ok
 
 INFO = {"tokenizer_id": "/models/tiny", "arch": "qwen2", "vocab_size": 96, "max_context_length": 512}
@@ -269,3 +269,28 @@ def test_models_on_a_host_take_turns_and_a_users_backlog_is_bounded(api, monkeyp
     assert refused.status_code == 429 and refused.headers["Retry-After"] == "5"
     assert "2 of your Tinker requests are not finished yet" in refused.json()["detail"]
     optim(b_client, model_b, 0.1)  # another user's queue is their own
+
+
+def test_what_one_sample_request_or_batch_may_make_a_host_hold_is_bounded(api, monkeypatch):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    _, model_id = ready_model(api, client)  # INFO: a context of 512 tokens
+    save = ok(client.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id,
+                                                                     "sampling_session_seq_id": 0}))
+    report(api, claim(api, holding=[model_id])["work"], step=0)
+    sampler = ok(retrieve(client, save["request_id"]))["sampling_session_id"]
+
+    def asample(num_samples: int, max_tokens: int) -> httpx.Response:
+        return client.post("/api/v1/asample", json={"sampling_session_id": sampler, "num_samples": num_samples,
+                                                    "prompt": {"chunks": [{"tokens": [1, 2]}]},
+                                                    "sampling_params": {"max_tokens": max_tokens}})
+
+    too_long = asample(1, 511)
+    assert too_long.status_code == 400 and "beyond the model's context of 512 tokens" in too_long.json()["detail"]
+    monkeypatch.setattr(sampling, "MAX_SAMPLE_TOKENS", 100)
+    too_big = asample(20, 8)
+    assert too_big.status_code == 400 and "is 200, over 100 per request" in too_big.json()["detail"]
+    first, second, _ = (ok(asample(4, 8))["request_id"] for _ in range(3))  # 40 token slots each
+    monkeypatch.setattr(host, "MAX_SAMPLE_TOKENS", 100)
+    reply = claim(api, holding=[model_id])
+    assert [w["request_id"] for w in [reply["work"], *reply["more"]]] == [first, second]  # a third: 120 > 100
