@@ -95,7 +95,7 @@ def _queue_forward(database: Database, api_key: str, model_id: str, kind: Reques
                    payload: ForwardBackwardPayload, key: str | None) -> TinkerRequest:
     with database.session() as db:
         model = service.owned_model(db, user_of(db, api_key).id, model_id)
-        _check_vocab(model, payload)
+        _check_fits(model, payload)
         row = service.enqueue(db, model, kind, payload.model_dump(mode="json"), key)
         db.commit()
         return row
@@ -136,13 +136,16 @@ def _datum(datum: wire.Datum, index: int, loss: LossFn) -> TinkerDatum:
         raise ApiError(400, f"data[{index}]: {exc.errors()[0]['msg']}", field=f"data[{index}]") from exc
 
 
-def _check_vocab(model: TinkerModel, payload: ForwardBackwardPayload) -> None:
-    vocab = model.info.get("vocab_size")
-    if vocab is None:
-        return
+def _check_fits(model: TinkerModel, payload: ForwardBackwardPayload) -> None:
+    """Token ids inside the vocabulary, and no datum longer than the model's context: a longer one would make
+    the host build attention over it anyway, and the memory that takes can fail every model the host holds."""
+    vocab, context = model.info.get("vocab_size"), model.info.get("max_context_length")
     for i, datum in enumerate(payload.data):
-        if max(datum.tokens) >= vocab or max(datum.target_tokens, default=0) >= vocab:
+        if vocab is not None and (max(datum.tokens) >= vocab or max(datum.target_tokens, default=0) >= vocab):
             raise ApiError(400, f"data[{i}]: token ids must be below the vocabulary size {vocab}", field=f"data[{i}]")
+        if context is not None and len(datum.tokens) > context:
+            raise ApiError(400, f"data[{i}]: {len(datum.tokens)} tokens, beyond the model's context of {context}",
+                           field=f"data[{i}]")
 
 
 @router.post("/optim_step")

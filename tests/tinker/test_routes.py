@@ -132,17 +132,24 @@ def test_ending_a_session_fails_its_requests_and_frees_its_models(api):
     assert client.post("/api/v1/session_heartbeat", json={"session_id": session}).status_code == 410
 
 
+def _varint(n: int) -> bytes:
+    out = b""
+    while n >= 0x80:
+        out, n = out + bytes([n & 0x7F | 0x80]), n >> 7
+    return out + bytes([n])
+
+
 def _field(number: int, payload: bytes) -> bytes:
-    return bytes([number << 3 | 2, len(payload)]) + payload
+    return bytes([number << 3 | 2]) + _varint(len(payload)) + payload
 
 
 def _tensor(values: list[float] | list[int], dtype: int) -> bytes:
     raw = b"".join(struct.pack("<f" if dtype == 1 else "<q", v) for v in values)
-    return _field(1, raw) + bytes([3 << 3, dtype]) + _field(4, bytes([len(values)]))
+    return _field(1, raw) + bytes([3 << 3, dtype]) + _field(4, _varint(len(values)))
 
 
-def _fwdbwd(model_id: str, loss: str, inputs: dict[str, bytes]) -> bytes:
-    chunk = _field(1, _field(1, b"".join(struct.pack("<i", t) for t in (1, 2, 3))))
+def _fwdbwd(model_id: str, loss: str, inputs: dict[str, bytes], tokens: tuple[int, ...] = (1, 2, 3)) -> bytes:
+    chunk = _field(1, _field(1, b"".join(struct.pack("<i", t) for t in tokens)))
     datum = _field(1, chunk) + b"".join(_field(2, _field(1, k.encode()) + _field(2, v)) for k, v in inputs.items())
     return _field(1, model_id.encode()) + bytes([2 << 3, 1]) + _field(3, datum) + _field(4, loss.encode())
 
@@ -163,6 +170,8 @@ def test_forward_backward_bodies_are_checked_before_they_queue(api):
         "needs logprobs, advantages": _fwdbwd(model_id, "ppo", {"target_tokens": targets}),
         "one value per input token": _fwdbwd(model_id, "cross_entropy", {"target_tokens": _tensor([2, 3], 2)}),
         "vocabulary size 96": _fwdbwd(model_id, "cross_entropy", {"target_tokens": _tensor([2, 3, 400], 2)}),
+        "513 tokens, beyond the model's context of 512": _fwdbwd(
+            model_id, "cross_entropy", {"target_tokens": _tensor([2] * 513, 2)}, tokens=(1,) * 513),
         "forward_backward body": b"\x0a\xff",
     }
     for reason, body in cases.items():
