@@ -71,8 +71,17 @@ async def _token(creds: Credentials) -> str:
 Token = Annotated[str, Depends(_token)]
 
 
+def hand_back(db: Session) -> None:
+    """End a dependency's read: its connection goes back to the pool before FastAPI moves on to the next
+    dependency or the route, each in a pool thread of its own. Held across that hop, SQLite's one connection
+    deadlocked as soon as every pool thread was waiting for it (requests hung for the pool's timeout)."""
+    db.commit()
+
+
 def _principal(db: SessionDep, creds: Credentials) -> Principal:
-    return principal_of(db, bearer_token(creds))
+    principal = principal_of(db, bearer_token(creds))
+    hand_back(db)
+    return principal
 
 
 def principal_of(db: Session, token: str) -> Principal:
@@ -125,6 +134,7 @@ def _provider(db: SessionDep, p: Annotated[Principal, Depends(_require("provider
     provider = db.get(Provider, p.id)
     if provider is None:
         raise unauthorized("provider no longer exists")
+    hand_back(db)
     return provider
 
 

@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, Header, Request
 from sqlalchemy.orm import Session
 
-from ..deps import Credentials, SessionDep, principal_of, require_kind
+from ..deps import Credentials, SessionDep, hand_back, principal_of, require_kind
 from ..errors import ApiError, unauthorized
 from ..models import User
 from ..services.notices import Announcer
@@ -38,7 +38,9 @@ def _tinker_key(creds: Credentials, x_api_key: Annotated[str | None, Header(max_
 
 
 def _tinker_user(db: SessionDep, key: Annotated[str, Depends(_tinker_key)]) -> User:
-    return user_of(db, key)
+    user = user_of(db, key)
+    hand_back(db)
+    return user
 
 
 def require_host(user: User) -> User:

@@ -3,6 +3,8 @@ serialised writers on SQLite)."""
 
 from concurrent.futures import ThreadPoolExecutor
 
+import httpx
+
 from tests.factories import activate, fake_model_folder, new_provider, new_user, new_worker, ok, running_job
 
 CLAIMERS, PROMPTS = 32, 2000
@@ -34,3 +36,22 @@ def test_32_concurrent_claimers_over_2000_prompts(api, tmp_path):
     assert len(leased) == len(set(leased)), "a prompt was leased twice"
     assert len(leased) == PROMPTS, "a prompt was lost"
     assert sum(1 for ids in per_worker if ids) > 1
+
+
+def test_more_callers_than_request_threads_never_deadlock_the_database(api):
+    """FastAPI runs each sync dependency and then the route in separate pool threads. A dependency that kept
+    its database connection across those hops deadlocked SQLite's single connection once every pool thread
+    (40) was waiting for it: requests hung for the pool's 120 s and failed (seen with the Tinker SDK's
+    futures polled at once). 120 callers at once, on user and Tinker routes, all answer."""
+    _, alice = new_user(api)
+    key = alice.headers["Authorization"].split()[1]
+    routes = [("GET", "/v1/me", {"Authorization": f"Bearer {key}"}, None),
+              ("POST", "/api/v1/client/config", {"X-API-Key": f"tml-{key}"}, {"sdk_version": "0.38.0"})]
+
+    def call(i: int) -> int:
+        method, path, headers, body = routes[i % 2]
+        return httpx.request(method, f"{api.url}{path}", headers=headers, json=body, timeout=60).status_code
+
+    with ThreadPoolExecutor(max_workers=120) as pool:
+        codes = list(pool.map(call, range(360)))
+    assert codes == [200] * 360
