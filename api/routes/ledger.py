@@ -58,8 +58,9 @@ def job_ledger(job_id: str, user: CurrentUser, db: SessionDep, limit: EntryLimit
             summary="What the caller's Tinker API requests cost, entry by entry, with totals by session, model "
                     "and kind")
 def tinker_usage(user: CurrentUser, db: SessionDep,
-                 session_id: Annotated[str | None, Query(max_length=40, description="Only this Tinker session's "
-                                                         "entries (`ServiceClient`'s session id).")] = None,
+                 session_id: Annotated[str | None, Query(max_length=40, pattern=r"^[A-Za-z0-9_]+$",
+                                                         description="Only this Tinker session's entries "
+                                                         "(`ServiceClient`'s session id).")] = None,
                  limit: EntryLimit = 1000, offset: Offset = 0) -> TinkerUsage:
     return usage.usage(db, user.id, session_id, limit, offset)
 

@@ -246,6 +246,7 @@ def test_requests_a_host_ran_are_billed_at_its_price_and_failed_ones_cost_nothin
     _, bob = new_user(api, "bob")
     assert ok(bob.get("/v1/tinker/usage"))["total_entries"] == 0
     assert ok(alice.get("/v1/tinker/usage", params={"session_id": "tks_other"}))["entries"] == []
+    assert alice.get("/v1/tinker/usage", params={"session_id": "tks\x00"}).status_code == 422
     with Client(api.url, key_of(alice)) as sdk_client:  # the Echo2 SDK reads the same ledger
         assert sdk_client.users.tinker_usage(session_id=session).total_usd == pytest.approx(bill["total_usd"])
     assert "seconds" not in ok(retrieve(client, save["request_id"]))  # the bill is not part of the result
