@@ -1,7 +1,7 @@
 """tinker-cookbook's math RL recipe (its arithmetic environment), unchanged, against Echo2's Tinker API.
 
     COOKBOOK=1 scripts/setup_tinker_venv.sh      # tinker 0.38.0 + tinker-cookbook 0.6.1 in .venv-tinker
-    python bench/tinker_cookbook.py              # 30 steps of 16 groups x 8 samples on SmolLM2-135M-Instruct
+    python bench/tinker_cookbook.py              # 24 steps of 16 groups x 8 samples on SmolLM2-135M-Instruct
 
 `echo2-server up` (server/stack.py) with its Tinker learner host and no rollout workers; then the recipe,
 `python -m tinker_cookbook.recipes.math_rl.train`, as a user runs it from .venv-tinker, changed only in its
@@ -35,13 +35,14 @@ MODEL = REPO / ".echo2-cache" / "smollm2-135m-instruct"
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--steps", type=int, default=24)
     p.add_argument("--groups", type=int, default=16, help="groups_per_batch")
     p.add_argument("--group-size", type=int, default=8)
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--rank", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--block", type=int, default=5, help="steps per reported block")
+    p.add_argument("--threads", type=int, default=2, help="torch threads of the Tinker host")
     args = p.parse_args()
     _check_cookbook()
     model = _model()
@@ -51,7 +52,8 @@ def main() -> None:
 
     work = Path(tempfile.mkdtemp(prefix="echo2-cookbook-"))
     exit_on_sigterm()
-    stack = Stack(Settings(data_dir=work / ".echo2", port=free_port()), workers=0, tinker_slots=1).start()
+    settings = Settings(data_dir=work / ".echo2", port=free_port(), learner_threads=args.threads)
+    stack = Stack(settings, workers=0, tinker_slots=1).start()
     try:
         start = time.monotonic()
         _recipe(stack.url, stack.admin_key, model, args, work / "run")
