@@ -42,5 +42,5 @@ joined tinker "$TINKER_SETUP"
 # Two test processes (pytest-xdist; ECHO2_TEST_PROCESSES=1 for one): most tests wait on HTTP, processes
 # or a database, so two share two cores well: on this project's 2-core machine, 886 tests took 22.4 min
 # in two processes; 831 of them had taken 28.7 min in one.
-# --dist loadgroup: tests marked xdist_group share one process (and so their module's costly fixtures).
+# --dist loadgroup: tests marked xdist_group run in one process (the vLLM backend's).
 exec "$PY" -m pytest -ra --durations=15 -n "${ECHO2_TEST_PROCESSES:-2}" --dist loadgroup -m "not slow" "$@"

@@ -34,7 +34,7 @@ LOGPROB_TOL = 1e-4
 
 pytestmark = [
     pytest.mark.vllm,
-    pytest.mark.xdist_group("vllm"),  # one test process runs them all, so each vLLM probe starts once (a minute)
+    pytest.mark.xdist_group("vllm"),  # one test process runs them all (scripts/test.sh: --dist loadgroup)
     pytest.mark.skipif(
         not VLLM_PYTHON.exists(), reason=f"no vLLM venv at {VLLM_PYTHON}: run scripts/setup_vllm_venv.sh"
     ),
