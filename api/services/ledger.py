@@ -29,7 +29,7 @@ def statement(db: Session, provider: Provider, since: datetime | None, until: da
     by_job = _totals(db, LedgerEntry.job_id, where)
     return ProviderStatement(
         provider_id=provider.id, since=since, until=until, entries=entries, total_entries=total,
-        next_offset=_next(offset, len(entries), total), by_worker=_totals(db, LedgerEntry.worker_id, where),
+        next_offset=next_offset(offset, len(entries), total), by_worker=_totals(db, LedgerEntry.worker_id, where),
         by_job=by_job, total_usd=sum(t.amount_usd for t in by_job), earnings_usd=provider.earnings_usd)
 
 
@@ -38,7 +38,7 @@ def job_ledger(db: Session, job: Job, limit: int, offset: int) -> JobLedger:
     entries, total = _page(db, where, limit, offset)
     by_kind = _totals(db, LedgerEntry.kind, where)
     return JobLedger(job_id=job.id, entries=entries, total_entries=total,
-                     next_offset=_next(offset, len(entries), total), by_kind=by_kind,
+                     next_offset=next_offset(offset, len(entries), total), by_kind=by_kind,
                      total_usd=sum(t.amount_usd for t in by_kind), cost=job_read(job).cost)
 
 
@@ -72,5 +72,6 @@ def _totals(db: Session, key: Any, where: list[ColumnElement[bool]]) -> list[Led
             for k, n, groups, seconds, amount in rows]
 
 
-def _next(offset: int, got: int, total: int) -> int | None:
+def next_offset(offset: int, got: int, total: int) -> int | None:
+    """The offset of the page after one of `got` entries at `offset`; None on the last page."""
     return offset + got if offset + got < total else None

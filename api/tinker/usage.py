@@ -21,6 +21,7 @@ from echo2.protocol.tinker import (
 from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session
 
+from ..services.ledger import next_offset
 from .models import TinkerHost, TinkerModel, TinkerRequest
 from .models import TinkerUsage as UsageRow
 
@@ -57,9 +58,9 @@ def usage(db: Session, owner_id: str, session_id: str | None, limit: int, offset
     total = db.scalar(select(func.count()).select_from(UsageRow).where(*where)) or 0
     rows = db.scalars(select(UsageRow).where(*where).order_by(UsageRow.created_at, UsageRow.id)
                       .limit(limit).offset(offset))
+    entries = [TinkerUsageEntry.model_validate(r) for r in rows]
     by_kind = _totals(db, UsageRow.kind, where)
-    return TinkerUsage(entries=[TinkerUsageEntry.model_validate(r) for r in rows], total_entries=total,
-                       next_offset=offset + limit if offset + limit < total else None,
+    return TinkerUsage(entries=entries, total_entries=total, next_offset=next_offset(offset, len(entries), total),
                        by_session=_totals(db, UsageRow.session_id, where),
                        by_model=_totals(db, UsageRow.model_id, where), by_kind=by_kind,
                        total_usd=sum(t.amount_usd for t in by_kind))
