@@ -63,12 +63,29 @@ def main(argv: list[str] | None = None) -> int:
         return simulate_main(argv[1:])
     args = _parser().parse_args(argv)
     try:
-        return _dispatch(args)
+        code = _dispatch(args)
     except KeyboardInterrupt:
-        return 130
+        code = 130
     except Exception as exc:  # one line, no traceback, for an operator (STYLE.md #9)
         print(f"echo2-server: error: {exc}", file=sys.stderr)
-        return 1
+        code = 1
+    if args.command == "learner":
+        _exit_without_teardown(code)
+    return code
+
+
+def _exit_without_teardown(code: int) -> None:
+    """End a learner process now. The interpreter's teardown is skipped on purpose: during it, torch's
+    native threads were, rarely, destroyed while still joinable (std::terminate, so SIGABRT and exit -6
+    after a learner had finished its job; seen in CI). What a learner makes is on the control plane by
+    now; only buffered output remains, and it is flushed first."""
+    import logging
+    import os
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _dispatch(args: argparse.Namespace) -> int:
