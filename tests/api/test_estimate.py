@@ -3,9 +3,12 @@ workers the capacity rule would activate now, and the estimate a job keeps to co
 
 from __future__ import annotations
 
-import pytest
+from datetime import timedelta
 
-from api.models import Job
+import pytest
+from sqlalchemy import select
+
+from api.models import Job, Lease
 from tests.factories import (
     activate,
     fake_model_folder,
@@ -32,7 +35,21 @@ def trained_two_steps(api, owner, folder, t_train_s: float) -> str:  # type: ign
         ids = [ok(submit_group(worker, lease, p, 0))["results"][0]["rollout_id"] for p in lease["prompts"]]
         ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": step, "max_groups": 10}))
         ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(step, ids, t_train_s=t_train_s)))
+    _pin_lease_times(api, wid, held_s=0.1)
     return wid
+
+
+def _pin_lease_times(api, worker_id: str, held_s: float) -> None:  # type: ignore[no-untyped-def]
+    """Each of the worker's leases held for `held_s`, 10 s apart: its measured μ is then the same however
+    loaded the machine running the test is (on a loaded one, real lease times made the worker too slow for
+    the capacity rule to name it)."""
+    with api.db.session() as s:
+        leases = list(s.scalars(select(Lease).where(Lease.worker_id == worker_id).order_by(Lease.created_at)))
+        first = leases[0].created_at
+        for i, lease in enumerate(leases):
+            lease.created_at = first + timedelta(seconds=10 * i)
+            lease.finished_at = lease.created_at + timedelta(seconds=held_s)
+        s.commit()
 
 
 def test_an_estimate_is_refused_like_a_job_and_creates_nothing(api):
@@ -78,6 +95,7 @@ def test_an_estimate_uses_earlier_steps_of_jobs_like_it_and_names_the_workers(ap
     assert e["t_train_s"] == pytest.approx(0.3) and "2 warmed-up steps of 1 earlier job" in e["t_train_source"]
     named = {w["worker_id"]: w for w in e["workers"]}
     assert named[measured]["mu_source"] == "measured: 4 groups in 2 leases on earlier jobs like this one"
+    assert named[measured]["mu"] == pytest.approx(4 / 0.2)
     assert e["throughput"] == pytest.approx(sum(w["mu"] for w in e["workers"]))
     assert e["workers_price_per_hour"] == pytest.approx(sum(w["price_per_hour"] for w in e["workers"]))
     assert e["cost_usd"] == pytest.approx(e["learner_usd"] + e["workers_usd"])
