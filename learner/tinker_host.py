@@ -4,14 +4,17 @@
 
 It long-polls the control plane for the next request of a model it holds (or a new model to load while
 a slot is free), runs it and reports the result; one request at a time, so each model trains in exactly
-the order its client sent. A failure of the request (bad input, a missing checkpoint) is reported as
-the caller's, anything else as the server's; neither stops the host.
+the order its client sent. When the control plane asks, it parks an idle model (its state to one file
+under --work-dir, its memory freed) and loads it back for its next request. A failure of the request (bad
+input, a missing checkpoint) is reported as the caller's, anything else as the server's; neither stops the
+host.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import logging
 import os
 import socket
@@ -56,7 +59,22 @@ class Host:
         for model_id in reply.drop:
             log.info("dropping model %s: its session is over", model_id)
             self.models.pop(model_id, None)
+            self.parked_path(model_id).unlink(missing_ok=True)
+        for model_id in reply.park:
+            self.park(model_id)
         return [reply.work, *reply.more] if reply.work is not None else []
+
+    def parked_path(self, model_id: str) -> Path:
+        return self.work_dir / "parked" / f"{hashlib.sha256(model_id.encode()).hexdigest()[:32]}.pt"
+
+    def park(self, model_id: str) -> None:
+        """Save an idle model to disk and free its memory: another model waits for the slot."""
+        session = self.models.get(model_id)
+        if session is None:
+            return  # not loaded here: a request asking for it restores nothing, and fails saying so
+        session.park(self.parked_path(model_id))
+        del self.models[model_id]
+        log.info("parked model %s: another model waits for the slot", model_id)
 
     def sample_batch(self, batch: list[HostWork]) -> list[HostResult]:
         """Sample requests of one model and checkpoint together; if the batch fails, each alone (so one bad
@@ -80,6 +98,12 @@ class Host:
                 self.models[work.model_id] = session
                 return HostResult(info=session.info())
             session = self.models.get(work.model_id)
+            if session is None and work.restore:
+                path = self.parked_path(work.model_id)
+                session = self.models[work.model_id] = TinkerSession.restore(work.model, self.work_dir / "models",
+                                                                             self.device, path)
+                path.unlink()
+                log.info("restored parked model %s", work.model_id)
             if session is None:
                 return HostResult(error=f"this host does not hold model {work.model_id}",
                                   category=ErrorCategory.server)

@@ -4,7 +4,8 @@ gradients accumulated since the last `optim_step`, and its saved checkpoints.
 `forward_backward` adds to the gradients (losses in learner/tinker_losses.py); `optim_step` applies
 them with the step's Adam hyperparameters and clears them, as the Tinker SDK's training clients expect.
 A checkpoint is a copy of the adapter's weights, kept in memory for as long as the host holds the model;
-sampling from it swaps it in for the duration of the sample.
+sampling from it swaps it in for the duration of the sample. A model the control plane parks is saved to
+one file (`park`) and built again from it (`restore`): adapter, gradients, optimizer, checkpoints, steps.
 """
 
 from __future__ import annotations
@@ -179,6 +180,34 @@ class TinkerSession:
             with torch.no_grad():
                 for param, value in zip(self.params, current, strict=True):
                     param.copy_(value)
+
+    def park(self, path: Path) -> None:
+        """Everything a later request needs, in one file (written whole, then renamed into place)."""
+        state = {"params": [p.detach().cpu() for p in self.params],
+                 "grads": [None if p.grad is None else p.grad.detach().cpu() for p in self.params],
+                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
+                 "checkpoints": {k: [t.cpu() for t in v] for k, v in self.checkpoints.items()}, "steps": self.steps}
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_name(path.name + ".partial")
+        torch.save(state, partial)
+        partial.replace(path)
+
+    @classmethod
+    def restore(cls, spec: ModelSpec, cache_dir: Path, device: str, path: Path) -> TinkerSession:
+        """The model as `park` left it."""
+        if not path.is_file():
+            raise FileNotFoundError(f"the parked state of this model is gone from the learner host ({path.name})")
+        state = torch.load(path, map_location=device, weights_only=True)
+        session = cls(spec, cache_dir, device)
+        with torch.no_grad():
+            for param, value, grad in zip(session.params, state["params"], state["grads"], strict=True):
+                param.copy_(value)
+                param.grad = grad
+        if state["optimizer"] is not None:
+            session.optimizer = torch.optim.AdamW(session.params)
+            session.optimizer.load_state_dict(state["optimizer"])
+        session.checkpoints, session.steps = state["checkpoints"], state["steps"]
+        return session
 
     def run(self, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         """Dispatch one request by kind; the host turns the answer into a `HostResult`."""

@@ -80,4 +80,7 @@ def _try_again(row: TinkerRequest, model: TinkerModel) -> dict[str, Any]:
     if model.host is None and model.status == ModelStatus.pending.value:
         return {"type": "try_again", "request_id": row.id, "queue_state": "paused_capacity",
                 "queue_state_reason": "waiting for a Tinker learner host to load this model"}
+    if model.status == ModelStatus.parked.value:
+        return {"type": "try_again", "request_id": row.id, "queue_state": "paused_capacity",
+                "queue_state_reason": "this model was parked while idle; waiting for a slot on its learner host"}
     return {"type": "try_again", "request_id": row.id, "queue_state": "active"}

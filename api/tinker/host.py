@@ -1,13 +1,17 @@
 """Routes of the Tinker learner host (learner/tinker_host.py), authenticated with an admin API key.
 
-`claim` long-polls for the host's next request: the next one of a model it holds, or a new model to
-load while it has a free slot. The host says which models it holds: one it was given but no longer
-holds (it restarted) is failed with the reason, and one whose session ended is dropped.
+`claim` long-polls for the host's next request: the next one of a model it holds, or, while it has a
+free slot, the next of a model it parked or a new model to load. The host says which models it holds: one
+it was given but no longer holds (it restarted) is failed with the reason, and one whose session ended is
+dropped. When the host is full and another model waits, its model idle longest (PARK_AFTER_S at least) is
+parked: the host saves its state to disk and frees the slot; its next request loads it again there. So one
+client's idle model does not keep everyone else's waiting while its session lasts.
 """
 
 from __future__ import annotations
 
 import time
+from datetime import datetime, timedelta
 
 import anyio
 from echo2.protocol.tinker import (
@@ -38,6 +42,7 @@ from .sampling import MAX_SAMPLE_TOKENS
 
 router = APIRouter(prefix="/v1/tinker/host", tags=["tinker"], include_in_schema=False)
 MAX_SAMPLE_BATCH = 32
+PARK_AFTER_S = 60.0  # a model idle this long gives its slot up to one that waits
 
 
 @router.post("/claim")
@@ -50,6 +55,8 @@ async def claim(body: HostClaim, api_key: ApiKey, request: Request) -> HostWorkR
         if reply.work is not None or left <= 0:
             return reply
         await state.announcer.wait(service.HOSTS_KEY, min(left, 2.0))
+        if await request.is_disconnected():  # the host is gone: work given to it now would wait for nobody
+            return HostWorkReply()
 
 
 def _claim_once(database: Database, api_key: str, body: HostClaim) -> HostWorkReply:
@@ -60,12 +67,18 @@ def _claim_once(database: Database, api_key: str, body: HostClaim) -> HostWorkRe
         db.add(host)
         service.sweep(db)
         held = _held(db, body)
-        drop = [m for m in body.holding if m not in held]
-        row = _next_request(db, list(held)) or _adopt(db, body.host, body.slots - len(held))
+        parked = _parked(db, body.host)
+        # A model still in `holding` but parked: the reply that asked to park it was lost; ask again.
+        drop = [m for m in body.holding if m not in held and m not in parked] + _ended(db, body.host)
+        free = body.slots - len(held)
+        row = _next_request(db, list(held)) or _unpark(db, body.host, free) or _adopt(db, body.host, free)
         work = _start(db, row) if row is not None else None
         more = [_start(db, r) for r in _batchable(db, row)] if row is not None else []
+        park = [m for m in body.holding if m in parked]
+        if row is None and free <= 0:
+            park += _park_idle(db, body.host, held)
         db.commit()
-        return HostWorkReply(work=work, more=more, drop=drop)
+        return HostWorkReply(work=work, more=more, drop=drop, park=park)
 
 
 def _held(db: Session, body: HostClaim) -> set[str]:
@@ -73,7 +86,8 @@ def _held(db: Session, body: HostClaim) -> set[str]:
     gone); a request it was given and never reported goes out again (a serial host asking for work runs
     nothing, so the reply carrying it was lost)."""
     rows = db.scalars(select(TinkerModel).join(TinkerSession, TinkerSession.id == TinkerModel.session_id).where(
-        TinkerModel.host == body.host, TinkerModel.status != ModelStatus.failed.value,
+        TinkerModel.host == body.host,
+        TinkerModel.status.not_in((ModelStatus.failed.value, ModelStatus.parked.value)),
         TinkerSession.status == SessionStatus.active.value))
     held = set()
     for model in rows:
@@ -130,6 +144,67 @@ def _sample_size(row: TinkerRequest) -> int:
     return payload.num_samples * (len(payload.prompt) + payload.params.max_tokens)
 
 
+def _parked(db: Session, host: str) -> set[str]:
+    """The host's parked models of live sessions."""
+    return set(db.scalars(select(TinkerModel.id).join(TinkerSession, TinkerSession.id == TinkerModel.session_id)
+                          .where(TinkerModel.host == host, TinkerModel.status == ModelStatus.parked.value,
+                                 TinkerSession.status == SessionStatus.active.value)))
+
+
+def _ended(db: Session, host: str) -> list[str]:
+    """Parked models whose session is over: the host deletes their state; they are failed so that it is
+    told once."""
+    rows = list(db.scalars(select(TinkerModel).join(TinkerSession, TinkerSession.id == TinkerModel.session_id)
+                           .where(TinkerModel.host == host, TinkerModel.status == ModelStatus.parked.value,
+                                  TinkerSession.status != SessionStatus.active.value)))
+    for model in rows:
+        model.status, model.error = ModelStatus.failed.value, "the session ended"
+    return [m.id for m in rows]
+
+
+def _waiting(db: Session, host: str) -> TinkerRequest | None:
+    """The pending request of this host's parked models that came first."""
+    return db.scalar(select(TinkerRequest).join(TinkerModel, TinkerModel.id == TinkerRequest.model_id)
+                     .where(TinkerModel.id.in_(_parked(db, host)), TinkerRequest.status == RequestStatus.pending.value)
+                     .order_by(TinkerRequest.created_at).limit(1))
+
+
+def _unpark(db: Session, host: str, free: int) -> TinkerRequest | None:
+    """With a free slot: the parked model that has waited longest, back (_start marks it to be restored)."""
+    first = _waiting(db, host) if free > 0 else None
+    return _next_request(db, [first.model_id]) if first is not None else None
+
+
+def _park_idle(db: Session, host: str, held: set[str]) -> list[str]:
+    """The host is full: if a model waits for a slot on it (a parked one of its own with a request, or a new
+    one), its ready model idle longest, PARK_AFTER_S at least, is parked."""
+    unadopted = select(TinkerModel.id).join(TinkerSession, TinkerSession.id == TinkerModel.session_id).where(
+        TinkerModel.host.is_(None), TinkerModel.status == ModelStatus.pending.value,
+        TinkerSession.status == SessionStatus.active.value).limit(1)
+    if _waiting(db, host) is None and db.scalar(unadopted) is None:
+        return []
+    cutoff = utcnow() - timedelta(seconds=PARK_AFTER_S)
+    ready = db.scalars(select(TinkerModel).where(TinkerModel.id.in_(held),
+                                                 TinkerModel.status == ModelStatus.ready.value))
+    idle = [(last, model) for model in ready if (last := _idle_since(db, model)) is not None and last <= cutoff]
+    if not idle:
+        return []
+    _, model = min(idle, key=lambda pair: pair[0])
+    model.status = ModelStatus.parked.value
+    return [model.id]
+
+
+def _idle_since(db: Session, model: TinkerModel) -> datetime | None:
+    """When the model's last request finished (its creation if none), or None while one is pending or running."""
+    busy = db.scalar(select(TinkerRequest.id).where(TinkerRequest.model_id == model.id,
+                                                    TinkerRequest.status.in_((RequestStatus.pending.value,
+                                                                              RequestStatus.running.value))).limit(1))
+    if busy is not None:
+        return None
+    last = db.scalar(select(func.max(TinkerRequest.finished_at)).where(TinkerRequest.model_id == model.id))
+    return last or model.created_at
+
+
 def _adopt(db: Session, host: str, free: int) -> TinkerRequest | None:
     """Take the oldest model no host has loaded yet, if a slot is free; its create_model comes first."""
     if free <= 0:
@@ -148,9 +223,12 @@ def _start(db: Session, row: TinkerRequest) -> HostWork:
     model = db.get(TinkerModel, row.model_id)
     assert model is not None
     row.status, row.started_at = RequestStatus.running.value, utcnow()
+    restore = model.status == ModelStatus.parked.value
+    if restore:
+        model.status = ModelStatus.ready.value
     lora = TinkerLora(**model.lora) if model.lora else None
     return HostWork(request_id=row.id, model_id=model.id, kind=RequestKind(row.kind),
-                    model=ModelSpec(base_model=model.base_model, lora=lora), payload=row.payload)
+                    model=ModelSpec(base_model=model.base_model, lora=lora), payload=row.payload, restore=restore)
 
 
 @router.post("/requests/{request_id}/result")

@@ -63,7 +63,7 @@ def create_model(body: CreateModelRequest, user: TinkerUser, db: SessionDep, key
 @router.post("/get_info")
 def get_info(body: ModelRef, user: TinkerUser, db: SessionDep) -> dict[str, Any]:
     model = service.owned_model(db, user.id, body.model_id)
-    if model.status != ModelStatus.ready.value:
+    if model.status not in (ModelStatus.ready.value, ModelStatus.parked.value):
         raise ApiError(400, f"model {model.id} is not loaded yet: wait for create_model's future", field="model_id")
     lora = model.lora or {}
     return {"type": "get_info", "model_id": model.id, "is_lora": model.lora is not None,

@@ -37,10 +37,15 @@ def host_work_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture
-def tinker_host(api: Api, host_work_dir: Path, tmp_path: Path) -> Iterator[subprocess.Popen]:
+def host_slots() -> int:
+    return 2  # a test module may override it
+
+
+@pytest.fixture
+def tinker_host(api: Api, host_work_dir: Path, tmp_path: Path, host_slots: int) -> Iterator[subprocess.Popen]:
     log = (tmp_path / "host.log").open("w")
     cmd = [sys.executable, "-m", "learner.tinker_host", "--server", api.url, "--name", "test-host",
-           "--slots", "2", "--threads", "1", "--device", "cpu", "--work-dir", str(host_work_dir),
+           "--slots", str(host_slots), "--threads", "1", "--device", "cpu", "--work-dir", str(host_work_dir),
            "--price-per-hour", str(HOST_PRICE)]
     process = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "ECHO2_API_KEY": ADMIN_KEY}, stdout=log,
                                stderr=subprocess.STDOUT)

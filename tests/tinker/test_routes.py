@@ -28,8 +28,8 @@ def key_of(client: httpx.Client) -> str:
     return client.headers["Authorization"].split()[1]
 
 
-def claim(api, holding=(), host="h1", price=0.0) -> dict:
-    body = {"host": host, "slots": 2, "wait_s": 0, "holding": list(holding), "price_per_hour": price}
+def claim(api, holding=(), host="h1", price=0.0, slots=2) -> dict:
+    body = {"host": host, "slots": slots, "wait_s": 0, "holding": list(holding), "price_per_hour": price}
     return ok(api.admin.post("/v1/tinker/host/claim", json=body))
 
 
@@ -304,3 +304,52 @@ def test_what_one_sample_request_or_batch_may_make_a_host_hold_is_bounded(api, m
     monkeypatch.setattr(host, "MAX_SAMPLE_TOKENS", 100)
     reply = claim(api, holding=[model_id])
     assert [w["request_id"] for w in [reply["work"], *reply["more"]]] == [first, second]  # a third: 120 > 100
+
+
+def test_an_idle_model_gives_its_slot_up_to_one_that_waits_and_comes_back_on_its_next_request(api, monkeypatch):
+    _, alice = new_user(api)
+    _, bob = new_user(api, "bob")
+    a_client, b_client = sdk(api, key_of(alice)), sdk(api, key_of(bob))
+    _, model_a = ready_model(api, a_client)
+    session_b = ok(b_client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    created_b = ok(b_client.post("/api/v1/create_model", json={"session_id": session_b, "model_seq_id": 0,
+                                                               "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    one_slot = claim(api, holding=[model_a], slots=1)
+    assert one_slot["work"] is None and one_slot["park"] == []  # Alice's model has not been idle long enough
+    assert retrieve(b_client, created_b["request_id"]).json()["queue_state"] == "paused_capacity"
+
+    monkeypatch.setattr(host, "PARK_AFTER_S", 0.0)
+    assert claim(api, holding=[model_a], slots=1)["park"] == [model_a]
+    # The reply was lost: the host still holds it, and is asked again (not told to drop it).
+    again = claim(api, holding=[model_a], slots=1)
+    assert again["park"] == [model_a] and again["drop"] == [] and again["work"]["model_id"] == created_b["model_id"]
+    report(api, again["work"], info=INFO)
+    model_b = created_b["model_id"]
+    assert ok(a_client.post("/api/v1/get_info", json={"model_id": model_a}))["model_id"] == model_a
+    step = optim(a_client, model_a, 0.1)
+    waiting = retrieve(a_client, step["request_id"]).json()
+    assert waiting["queue_state"] == "paused_capacity" and "parked" in waiting["queue_state_reason"]
+    swap = claim(api, holding=[model_b], slots=1)
+    assert swap["park"] == [model_b] and swap["work"] is None  # Bob's idle model makes room for Alice's
+    back = claim(api, holding=[], slots=1)["work"]
+    assert back["request_id"] == step["request_id"] and back["restore"] is True
+    report(api, back, metrics={"grad_norm": 1.0})
+    assert ok(retrieve(a_client, step["request_id"])) == {"metrics": {"grad_norm": 1.0}}
+    assert claim(api, holding=[model_a], slots=1)["park"] == []  # nobody waits: Bob's parked model has no request
+
+    ok(b_client.post(f"/api/v1/sessions/{session_b}/finish", json={"reason": {"type": "success"}}))
+    assert claim(api, holding=[model_a], slots=1)["drop"] == [model_b]  # its parked state is deleted
+    assert claim(api, holding=[model_a], slots=1)["drop"] == []  # once
+
+
+def test_a_host_gone_mid_poll_is_given_nothing(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    body = {"host": "gone", "slots": 2, "wait_s": 20, "holding": [], "price_per_hour": 0.0}
+    with pytest.raises(httpx.ReadTimeout):  # the host dies while its claim waits
+        api.admin.post("/v1/tinker/host/claim", json=body, timeout=1.0)
+    session = ok(client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    created = ok(client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                           "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    work = claim(api)["work"]  # a live host gets the new model, not the dead one's abandoned claim
+    assert work is not None and work["model_id"] == created["model_id"]

@@ -129,3 +129,25 @@ def test_datums_of_any_length_train_together_as_alone(session, monkeypatch):
         for other in (b, alone):
             assert max(abs(x - y) for x, y in zip(a["logprobs"], other["logprobs"], strict=True)) < 1e-4
     assert together.metrics["loss:sum"] == pytest.approx(split.metrics["loss:sum"], rel=1e-5)
+
+
+def test_a_parked_model_comes_back_as_it_was(tiny_model_dir, tmp_path):
+    spec = ModelSpec(base_model=str(tiny_model_dir), lora=TinkerLora(rank=4, seed=0))
+    model = TinkerSession(spec, tmp_path / "cache")
+    fwdbwd(model, "cross_entropy", {})
+    model.optim_step(AdamStep(learning_rate=1e-2))
+    model.save(SavePayload(name="first", kind="sampler"))
+    fwdbwd(model, "cross_entropy", {})  # gradients pending at park time
+    model.park(tmp_path / "parked" / "m.pt")
+    back = TinkerSession.restore(spec, tmp_path / "cache", "cpu", tmp_path / "parked" / "m.pt")
+    assert back.steps == 1 and list(back.checkpoints) == ["first"]
+    for mine, theirs in zip(model.params, back.params, strict=True):
+        assert torch.equal(mine, theirs) and torch.equal(mine.grad, theirs.grad)
+    # The same next step from the same Adam moments: identical weights after it.
+    assert model.optim_step(AdamStep(learning_rate=1e-2)) == back.optim_step(AdamStep(learning_rate=1e-2))
+    for mine, theirs in zip(model.params, back.params, strict=True):
+        assert torch.equal(mine, theirs)
+    saved = SamplePayload(checkpoint="first", prompt=PROMPT, num_samples=2, params={"max_tokens": 6, "seed": 3})
+    assert one(model, saved) == one(back, saved)
+    with pytest.raises(FileNotFoundError, match="parked state of this model is gone"):
+        TinkerSession.restore(spec, tmp_path / "cache", "cpu", tmp_path / "parked" / "missing.pt")

@@ -31,6 +31,7 @@ class SessionStatus(StrEnum):
 class ModelStatus(StrEnum):
     pending = "pending"  # no host has loaded it yet
     ready = "ready"
+    parked = "parked"  # idle while others waited: its state is on its host's disk, loaded again on its next request
     failed = "failed"
 
     def is_terminal(self) -> bool:
@@ -154,13 +155,17 @@ class HostWork(ReadModel):
     kind: RequestKind
     model: ModelSpec
     payload: dict[str, Any]
+    restore: bool = Field(False, description="The model is parked on this host: load its parked state first.")
 
 
 class HostWorkReply(ReadModel):
     work: HostWork | None = None
     more: list[HostWork] = Field(default_factory=list, description="Sample requests of the same model and "
                                  "checkpoint that follow `work` in its queue, to sample in one batch with it.")
-    drop: list[str] = Field(default_factory=list, description="Models to unload: their session is over.")
+    drop: list[str] = Field(default_factory=list, description="Models to unload, and parked state to delete: "
+                            "their session is over.")
+    park: list[str] = Field(default_factory=list, description="Idle models to save to disk and unload: another "
+                            "model waits for the slot.")
 
 
 class ModelInfo(Model):
