@@ -3,9 +3,10 @@
 `claim` long-polls for the host's next request: the next one of a model it holds, or, while it has a
 free slot, the next of a model it parked or a new model to load. The host says which models it holds: one
 it was given but no longer holds (it restarted) is failed with the reason, and one whose session ended is
-dropped. When the host is full and another model waits, its model idle longest (PARK_AFTER_S at least) is
-parked: the host saves its state to disk and frees the slot; its next request loads it again there. So one
-client's idle model does not keep everyone else's waiting while its session lasts.
+dropped. When the host is full and another model waits, its model idle longest (PARK_AFTER_S at least), or
+else the one that has held its slot longest (SLICE_S at least), is parked: the host saves its state to disk
+and frees the slot; its next request loads it again there. So one client's model, idle or busy, does not
+keep everyone else's waiting while its session lasts.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from .sampling import MAX_SAMPLE_TOKENS
 router = APIRouter(prefix="/v1/tinker/host", tags=["tinker"], include_in_schema=False)
 MAX_SAMPLE_BATCH = 32
 PARK_AFTER_S = 60.0  # a model idle this long gives its slot up to one that waits
+SLICE_S = 120.0  # and a busy one, once it has held the slot this long: two busy clients of one slot take turns
 
 
 @router.post("/claim")
@@ -70,13 +72,14 @@ def _claim_once(database: Database, api_key: str, body: HostClaim) -> HostWorkRe
         parked = _parked(db, body.host)
         # A model still in `holding` but parked: the reply that asked to park it was lost; ask again.
         drop = [m for m in body.holding if m not in held and m not in parked] + _ended(db, body.host)
+        park = [m for m in body.holding if m in parked]
+        if len(held) >= body.slots:  # full: a model that waits may take the slot of one held here
+            made = _make_room(db, body.host, held)
+            park, held = park + made, held - set(made)
         free = body.slots - len(held)
-        row = _next_request(db, list(held)) or _unpark(db, body.host, free) or _adopt(db, body.host, free)
+        row = _next_request(db, list(held)) or _admit(db, body.host, free)
         work = _start(db, row) if row is not None else None
         more = [_start(db, r) for r in _batchable(db, row)] if row is not None else []
-        park = [m for m in body.holding if m in parked]
-        if row is None and free <= 0:
-            park += _park_idle(db, body.host, held)
         db.commit()
         return HostWorkReply(work=work, more=more, drop=drop, park=park)
 
@@ -162,35 +165,54 @@ def _ended(db: Session, host: str) -> list[str]:
     return [m.id for m in rows]
 
 
-def _waiting(db: Session, host: str) -> TinkerRequest | None:
-    """The pending request of this host's parked models that came first."""
-    return db.scalar(select(TinkerRequest).join(TinkerModel, TinkerModel.id == TinkerRequest.model_id)
-                     .where(TinkerModel.id.in_(_parked(db, host)), TinkerRequest.status == RequestStatus.pending.value)
-                     .order_by(TinkerRequest.created_at).limit(1))
-
-
-def _unpark(db: Session, host: str, free: int) -> TinkerRequest | None:
-    """With a free slot: the parked model that has waited longest, back (_start marks it to be restored)."""
-    first = _waiting(db, host) if free > 0 else None
-    return _next_request(db, [first.model_id]) if first is not None else None
-
-
-def _park_idle(db: Session, host: str, held: set[str]) -> list[str]:
-    """The host is full: if a model waits for a slot on it (a parked one of its own with a request, or a new
-    one), its ready model idle longest, PARK_AFTER_S at least, is parked."""
-    unadopted = select(TinkerModel.id).join(TinkerSession, TinkerSession.id == TinkerModel.session_id).where(
+def _waiters(db: Session, host: str) -> list[tuple[datetime, TinkerModel]]:
+    """The models waiting for a slot on this host, each with the time it has waited since: its parked models
+    with a request (since parked, or since the first request after that), and the models no host has loaded
+    yet (since created)."""
+    first = (select(TinkerRequest.model_id, func.min(TinkerRequest.created_at).label("since"))
+             .where(TinkerRequest.status == RequestStatus.pending.value).group_by(TinkerRequest.model_id).subquery())
+    parked = db.execute(select(TinkerModel, first.c.since).join(first, first.c.model_id == TinkerModel.id)
+                        .where(TinkerModel.id.in_(_parked(db, host)))).all()
+    new = db.scalars(select(TinkerModel).join(TinkerSession, TinkerSession.id == TinkerModel.session_id).where(
         TinkerModel.host.is_(None), TinkerModel.status == ModelStatus.pending.value,
-        TinkerSession.status == SessionStatus.active.value).limit(1)
-    if _waiting(db, host) is None and db.scalar(unadopted) is None:
+        TinkerSession.status == SessionStatus.active.value).order_by(TinkerModel.created_at).limit(1))
+    return ([(max(since, model.slot_at or since), model) for model, since in parked]
+            + [(model.created_at, model) for model in new])
+
+
+def _admit(db: Session, host: str, free: int) -> TinkerRequest | None:
+    """With a free slot, the model that has waited longest takes it (a parked one is restored, see _start)
+    and its next request runs."""
+    waiters = _waiters(db, host) if free > 0 else []
+    if not waiters:
+        return None
+    _, model = min(waiters, key=lambda pair: pair[0])
+    if model.host is None:  # two hosts may pick the same new model at once: one gets it
+        claimed = db.execute(update(TinkerModel).where(TinkerModel.id == model.id, TinkerModel.host.is_(None))
+                             .values(host=host))
+        if claimed.rowcount != 1:
+            return None
+    return _next_request(db, [model.id])
+
+
+def _make_room(db: Session, host: str, held: set[str]) -> list[str]:
+    """If a model waits for a slot on this full host (a parked one of its own with a request, or a new one),
+    one held here is parked: the one idle longest, PARK_AFTER_S at least, or else the one that took its slot
+    longest ago, SLICE_S at least. The host asks for work only once it has reported what it ran, so
+    nothing it holds is running now."""
+    if not _waiters(db, host):
         return []
-    cutoff = utcnow() - timedelta(seconds=PARK_AFTER_S)
-    ready = db.scalars(select(TinkerModel).where(TinkerModel.id.in_(held),
-                                                 TinkerModel.status == ModelStatus.ready.value))
-    idle = [(last, model) for model in ready if (last := _idle_since(db, model)) is not None and last <= cutoff]
-    if not idle:
+    now = utcnow()
+    ready = list(db.scalars(select(TinkerModel).where(TinkerModel.id.in_(held),
+                                                      TinkerModel.status == ModelStatus.ready.value)))
+    idle = [(last, model) for model in ready
+            if (last := _idle_since(db, model)) is not None and last <= now - timedelta(seconds=PARK_AFTER_S)]
+    long = [(loaded, model) for model in ready
+            if (loaded := model.slot_at or model.created_at) <= now - timedelta(seconds=SLICE_S)]
+    if not idle and not long:
         return []
-    _, model = min(idle, key=lambda pair: pair[0])
-    model.status = ModelStatus.parked.value
+    _, model = min(idle or long, key=lambda pair: pair[0])
+    model.status, model.slot_at = ModelStatus.parked.value, now
     return [model.id]
 
 
@@ -205,20 +227,6 @@ def _idle_since(db: Session, model: TinkerModel) -> datetime | None:
     return last or model.created_at
 
 
-def _adopt(db: Session, host: str, free: int) -> TinkerRequest | None:
-    """Take the oldest model no host has loaded yet, if a slot is free; its create_model comes first."""
-    if free <= 0:
-        return None
-    model = db.scalar(select(TinkerModel).join(TinkerSession, TinkerSession.id == TinkerModel.session_id).where(
-        TinkerModel.host.is_(None), TinkerModel.status == ModelStatus.pending.value,
-        TinkerSession.status == SessionStatus.active.value)
-        .order_by(TinkerModel.created_at).limit(1).with_for_update(skip_locked=True))
-    if model is None:
-        return None
-    model.host = host
-    return _next_request(db, [model.id])
-
-
 def _start(db: Session, row: TinkerRequest) -> HostWork:
     model = db.get(TinkerModel, row.model_id)
     assert model is not None
@@ -226,6 +234,8 @@ def _start(db: Session, row: TinkerRequest) -> HostWork:
     restore = model.status == ModelStatus.parked.value
     if restore:
         model.status = ModelStatus.ready.value
+    if restore or row.kind == RequestKind.create_model.value:
+        model.slot_at = row.started_at
     lora = TinkerLora(**model.lora) if model.lora else None
     return HostWork(request_id=row.id, model_id=model.id, kind=RequestKind(row.kind),
                     model=ModelSpec(base_model=model.base_model, lora=lora), payload=row.payload, restore=restore)

@@ -47,6 +47,7 @@ class TinkerModel(Base):
     error: Mapped[str | None] = mapped_column(String(1024))
     info: Mapped[dict[str, Any]] = mapped_column(default=dict)  # what the host reports: tokenizer, vocab
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    slot_at: Mapped[datetime | None]  # when it last took its host slot (loaded or restored) or gave it up (parked)
 
 
 class TinkerCheckpoint(Base):

@@ -330,8 +330,8 @@ def test_an_idle_model_gives_its_slot_up_to_one_that_waits_and_comes_back_on_its
     waiting = retrieve(a_client, step["request_id"]).json()
     assert waiting["queue_state"] == "paused_capacity" and "parked" in waiting["queue_state_reason"]
     swap = claim(api, holding=[model_b], slots=1)
-    assert swap["park"] == [model_b] and swap["work"] is None  # Bob's idle model makes room for Alice's
-    back = claim(api, holding=[], slots=1)["work"]
+    assert swap["park"] == [model_b]  # Bob's idle model makes room for Alice's, which comes back at once
+    back = swap["work"]
     assert back["request_id"] == step["request_id"] and back["restore"] is True
     report(api, back, metrics={"grad_norm": 1.0})
     assert ok(retrieve(a_client, step["request_id"])) == {"metrics": {"grad_norm": 1.0}}
@@ -353,3 +353,28 @@ def test_a_host_gone_mid_poll_is_given_nothing(api):
                                                            "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
     work = claim(api)["work"]  # a live host gets the new model, not the dead one's abandoned claim
     assert work is not None and work["model_id"] == created["model_id"]
+
+
+def test_two_busy_models_of_one_slot_take_turns(api, monkeypatch):
+    _, alice = new_user(api)
+    _, bob = new_user(api, "bob")
+    a_client, b_client = sdk(api, key_of(alice)), sdk(api, key_of(bob))
+    _, model_a = ready_model(api, a_client)
+    session_b = ok(b_client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    created_b = ok(b_client.post("/api/v1/create_model", json={"session_id": session_b, "model_seq_id": 0,
+                                                               "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    alice_steps = [optim(a_client, model_a, 0.1)["request_id"] for _ in range(3)]
+    work = claim(api, holding=[model_a], slots=1)["work"]  # Alice's model took its slot just now: hers still
+    assert work["request_id"] == alice_steps[0]
+    report(api, work, metrics={})
+
+    monkeypatch.setattr(host, "SLICE_S", 0.0)  # her slice is over: Bob's model waits, hers is busy
+    turn = claim(api, holding=[model_a], slots=1)
+    assert turn["park"] == [model_a] and turn["work"]["model_id"] == created_b["model_id"]
+    report(api, turn["work"], info=INFO)
+    bob_step = optim(b_client, created_b["model_id"], 0.1)["request_id"]
+    back = claim(api, holding=[created_b["model_id"]], slots=1)  # Bob's slice is over too; Alice's requests wait
+    assert back["park"] == [created_b["model_id"]]
+    assert back["work"]["request_id"] == alice_steps[1] and back["work"]["restore"] is True
+    report(api, back["work"], metrics={})
+    assert retrieve(b_client, bob_step).json()["queue_state"] == "paused_capacity"
