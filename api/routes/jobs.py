@@ -29,6 +29,7 @@ from ..deps import BlobsDep, CheckpointsDep, CurrentUser, PassedFilter, SessionD
 from ..models import Audit, Decision, Job, Prompt, Rollout, StepMetric
 from ..services import evals, modelinfo, reports, retention, trust
 from ..services import jobs as svc
+from ..services.ledger import next_offset
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
 Limit = Annotated[int, Query(ge=1, le=200, description="Page size.")]
@@ -67,7 +68,7 @@ def list_jobs(user: CurrentUser, db: SessionDep, limit: Limit = 20, offset: Offs
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
     rows = db.scalars(query.order_by(Job.created_at.desc(), Job.id).limit(limit).offset(offset))
     items = [svc.job_read(j) for j in rows]
-    return Page[JobRead](items=items, total=total, next_offset=_next(offset, len(items), total))
+    return Page[JobRead](items=items, total=total, next_offset=next_offset(offset, len(items), total))
 
 
 @router.get("/jobs/{job_id}", operation_id="get_job", summary="Get a job")
@@ -105,7 +106,7 @@ def list_prompts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 
     rows = db.scalars(select(Prompt).where(Prompt.job_id == job_id, split).order_by(Prompt.index).limit(limit)
                       .offset(offset))
     items = [PromptRead.model_validate(p) for p in rows]
-    return Page[PromptRead](items=items, total=total, next_offset=_next(offset, len(items), total))
+    return Page[PromptRead](items=items, total=total, next_offset=next_offset(offset, len(items), total))
 
 
 @router.get("/jobs/{job_id}/rollouts", operation_id="list_job_rollouts", summary="A job's rollouts, newest first")
@@ -119,7 +120,7 @@ def list_rollouts(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDe
     rows = db.execute(query.order_by(Rollout.created_at.desc(), Rollout.id).limit(limit).offset(offset))
     decode = modelinfo.decoder(blobs, job_id)
     items = [_rollout_read(r, text, decode) for r, text in rows]
-    return Page[RolloutRead](items=items, total=total, next_offset=_next(offset, len(items), total))
+    return Page[RolloutRead](items=items, total=total, next_offset=next_offset(offset, len(items), total))
 
 
 @router.get("/jobs/{job_id}/metrics", operation_id="get_job_metrics", summary="Per-step training metrics")
@@ -174,7 +175,3 @@ def _rollout_read(r: Rollout, prompt_text: str, decode: Callable[[list[int]], st
         audit=r.audit, trained_step=r.trained_step, completions=[decode(s["token_ids"]) for s in r.samples],
         rewards=r.rewards, created_at=r.created_at,
     )
-
-
-def _next(offset: int, got: int, total: int) -> int | None:
-    return offset + got if offset + got < total else None

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from echo2.protocol import EpisodeLimits, EpisodeStep, SampleSubmit, SamplingParams
+from echo2.protocol import MIN_LOGPROB, EpisodeLimits, EpisodeStep, SampleSubmit, SamplingParams
 from echo2.seeds import sample_seed
 
 from .backends import GenerationBackend, GenRequest
 from .control import ControlPlane
 
-MIN_LOGPROB = -1e4  # as the single-turn path clamps them (echo2.protocol.Logprob)
 STEPS_PER_CALL = 4_096  # echo2.protocol.EpisodeTurns takes at most this many steps
 
 

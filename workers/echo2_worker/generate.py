@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from echo2.prompting import encode_prompt
-from echo2.protocol import EpisodeLimits, GroupSubmit, LeasedPrompt, LeaseRead, SampleSubmit
+from echo2.protocol import MIN_LOGPROB, EpisodeLimits, GroupSubmit, LeasedPrompt, LeaseRead, SampleSubmit
 from echo2.seeds import sample_seed
 
 from . import episodes
@@ -17,8 +17,6 @@ from .control import ControlPlane
 from .partial import PartialRollouts, oldest_version, runs_of
 from .progress import Stats
 from .versions import Versions
-
-MIN_LOGPROB = -1e4  # the protocol's floor; a sampled token is never that unlikely in practice
 
 
 class Generator:

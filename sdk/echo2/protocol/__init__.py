@@ -1,6 +1,7 @@
 """The Echo2 wire protocol: every request and response body, defined once and imported everywhere."""
 
 from .common import (
+    MIN_LOGPROB,
     Backend,
     DesiredState,
     Fault,
@@ -174,6 +175,7 @@ __all__ = [
     "LeaseRead",
     "LeaseRequest",
     "LeaseStatus",
+    "MIN_LOGPROB",
     "LeasedPrompt",
     "LossAggregation",
     "LrSchedule",

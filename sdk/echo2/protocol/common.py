@@ -40,7 +40,8 @@ Sha256 = Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 ShortText = Annotated[str, StringConstraints(max_length=512), NoNul]
 Price = Annotated[float, Field(ge=0, le=10_000)]
 TokenId = Annotated[int, Field(ge=0, lt=2**31)]
-Logprob = Annotated[float, Field(ge=-1e4, le=0.0)]
+MIN_LOGPROB = -1e4  # the floor of a sample's logprobs: a sampled token is never that unlikely in practice
+Logprob = Annotated[float, Field(ge=MIN_LOGPROB, le=0.0)]
 Version = Annotated[int, Field(ge=0, le=10_000_000)]
 Step = Annotated[int, Field(ge=0, le=10_000_000)]
 
