@@ -24,7 +24,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from echo2.protocol.tinker import ErrorCategory, HostClaim, HostResult, HostWork, HostWorkReply, SamplePayload
+from echo2.protocol.tinker import (
+    ErrorCategory,
+    HostClaim,
+    HostResult,
+    HostWork,
+    HostWorkReply,
+    LoadPayload,
+    RequestKind,
+    SamplePayload,
+)
 from echo2.transport import Call, RetryPolicy, Transport
 
 log = logging.getLogger("echo2.tinker_host")
@@ -90,30 +99,53 @@ class Host:
             return [self.handle(w) for w in batch]
 
     def handle(self, work: HostWork) -> HostResult:
-        from .tinker_session import TinkerSession, UserError  # torch: not before the arguments are parsed
+        from .tinker_session import UserError  # torch: not before the arguments are parsed
 
         try:
-            if work.kind == "create_model":
-                session = TinkerSession(work.model, self.work_dir / "models", self.device)
-                self.models[work.model_id] = session
-                return HostResult(info=session.info())
-            session = self.models.get(work.model_id)
-            if session is None and work.restore:
-                path = self.parked_path(work.model_id)
-                session = self.models[work.model_id] = TinkerSession.restore(work.model, self.work_dir / "models",
-                                                                             self.device, path)
-                path.unlink()
-                log.info("restored parked model %s", work.model_id)
+            session = self._session(work)
             if session is None:
                 return HostResult(error=f"this host does not hold model {work.model_id}",
                                   category=ErrorCategory.server)
-            return HostResult(**session.run(work.kind.value, work.payload))
+            if work.kind is RequestKind.create_model:
+                return HostResult(info=session.info())
+            if work.kind is RequestKind.load_weights:
+                load = LoadPayload.model_validate(work.payload)
+                session.load_state(self.state_path(load.model_id, load.name), load.optimizer)
+                return HostResult(step=session.steps)
+            result = HostResult(**session.run(work.kind.value, work.payload))
+            if work.kind is RequestKind.save_weights:  # a state to load again (load_weights), on this host's disk
+                session.save_state(self.state_path(work.model_id, work.payload["name"]))
+            return result
         except (UserError, ValueError) as exc:
             return HostResult(error=str(exc)[:500], category=ErrorCategory.user)
         except Exception as exc:  # a bug or an out-of-memory must fail the request, not the host
             log.exception("request %s (%s) failed", work.request_id, work.kind)
             return HostResult(error=f"learner host error: {type(exc).__name__}: {exc}"[:500],
                               category=ErrorCategory.server)
+
+    def _session(self, work: HostWork) -> Any:
+        """The model `work` runs on: built (from a saved state, when its create_model names one), restored from
+        its parked state, or the one held; None if none of these."""
+        from .tinker_session import TinkerSession
+
+        cache = self.work_dir / "models"
+        if work.kind is RequestKind.create_model:
+            session = TinkerSession(work.model, cache, self.device)
+            if work.payload.get("load"):
+                load = LoadPayload.model_validate(work.payload["load"])
+                session.load_state(self.state_path(load.model_id, load.name), load.optimizer)
+            self.models[work.model_id] = session
+            return session
+        session = self.models.get(work.model_id)
+        if session is None and work.restore:
+            path = self.parked_path(work.model_id)
+            session = self.models[work.model_id] = TinkerSession.restore(work.model, cache, self.device, path)
+            path.unlink()
+            log.info("restored parked model %s", work.model_id)
+        return session
+
+    def state_path(self, model_id: str, name: str) -> Path:
+        return self.work_dir / "states" / f"{hashlib.sha256(f'{model_id}/{name}'.encode()).hexdigest()[:32]}.pt"
 
     def report(self, request_id: str, result: HostResult) -> None:
         self.http.send(Call("POST", f"/v1/tinker/host/requests/{request_id}/result", params={"host": self.name},

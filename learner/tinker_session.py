@@ -6,6 +6,7 @@ them with the step's Adam hyperparameters and clears them, as the Tinker SDK's t
 A checkpoint is a copy of the adapter's weights, kept in memory for as long as the host holds the model;
 sampling from it swaps it in for the duration of the sample. A model the control plane parks is saved to
 one file (`park`) and built again from it (`restore`): adapter, gradients, optimizer, checkpoints, steps.
+`save_state` writes the adapter and optimizer for `load_state`, into this model or a new one.
 """
 
 from __future__ import annotations
@@ -182,32 +183,56 @@ class TinkerSession:
                     param.copy_(value)
 
     def park(self, path: Path) -> None:
-        """Everything a later request needs, in one file (written whole, then renamed into place)."""
-        state = {"params": [p.detach().cpu() for p in self.params],
-                 "grads": [None if p.grad is None else p.grad.detach().cpu() for p in self.params],
-                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None,
-                 "checkpoints": {k: [t.cpu() for t in v] for k, v in self.checkpoints.items()}, "steps": self.steps}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_name(path.name + ".partial")
-        torch.save(state, partial)
-        partial.replace(path)
+        """Everything a later request needs, in one file: adapter, pending gradients, optimizer, checkpoints."""
+        grads = [None if p.grad is None else p.grad.detach().cpu() for p in self.params]
+        _write(path, {**self._state(), "grads": grads,
+                      "checkpoints": {k: [t.cpu() for t in v] for k, v in self.checkpoints.items()}})
+
+    def save_state(self, path: Path) -> None:
+        """A state to start from again (save_weights): the adapter and the optimizer."""
+        _write(path, self._state())
+
+    def _state(self) -> dict[str, Any]:
+        return {"params": [p.detach().cpu() for p in self.params], "steps": self.steps,
+                "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
 
     @classmethod
     def restore(cls, spec: ModelSpec, cache_dir: Path, device: str, path: Path) -> TinkerSession:
         """The model as `park` left it."""
-        if not path.is_file():
-            raise FileNotFoundError(f"the parked state of this model is gone from the learner host ({path.name})")
-        state = torch.load(path, map_location=device, weights_only=True)
         session = cls(spec, cache_dir, device)
-        with torch.no_grad():
-            for param, value, grad in zip(session.params, state["params"], state["grads"], strict=True):
-                param.copy_(value)
-                param.grad = grad
-        if state["optimizer"] is not None:
-            session.optimizer = torch.optim.AdamW(session.params)
-            session.optimizer.load_state_dict(state["optimizer"])
-        session.checkpoints, session.steps = state["checkpoints"], state["steps"]
+        # Gone: the host's fault, not the caller's (a server error).
+        state = session._read(path, FileNotFoundError("the parked state of this model is gone from the learner host"))
+        session._apply(state, optimizer=True)
+        for param, grad in zip(session.params, state["grads"], strict=True):
+            param.grad = grad
+        session.checkpoints = state["checkpoints"]
         return session
+
+    def load_state(self, path: Path, optimizer: bool) -> None:
+        """A state save_state wrote: its adapter, and its optimizer's state (else a fresh AdamW) and step count;
+        pending gradients are cleared."""
+        self._apply(self._read(path, UserError("that saved state is not on this learner host")), optimizer)
+        for param in self.params:
+            param.grad = None
+
+    def _read(self, path: Path, missing: Exception) -> dict[str, Any]:
+        if not path.is_file():
+            raise missing
+        state = torch.load(path, map_location=self.device, weights_only=True)
+        shapes = [tuple(t.shape) for t in state["params"]]
+        if shapes != [tuple(p.shape) for p in self.params]:
+            raise UserError("the saved state's adapter does not fit this model (another base model or LoRA rank)")
+        return state
+
+    def _apply(self, state: dict[str, Any], optimizer: bool) -> None:
+        with torch.no_grad():
+            for param, value in zip(self.params, state["params"], strict=True):
+                param.copy_(value)
+        self.optimizer, self.steps = None, 0
+        if optimizer and state["optimizer"] is not None:
+            self.optimizer = torch.optim.AdamW(self.params)
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.steps = state["steps"]
 
     def run(self, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         """Dispatch one request by kind; the host turns the answer into a `HostResult`."""
@@ -221,6 +246,14 @@ class TinkerSession:
         if kind == "sample":
             return {"sample": self.sample([SamplePayload.model_validate(payload)])[0]}
         raise UserError(f"unknown request kind {kind!r}")
+
+
+def _write(path: Path, state: dict[str, Any]) -> None:
+    """Written whole, then renamed into place: a crash mid-write leaves no half a state."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".partial")
+    torch.save(state, partial)
+    partial.replace(path)
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:

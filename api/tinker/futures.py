@@ -66,8 +66,12 @@ def answer(row: TinkerRequest, model: TinkerModel) -> Response:
 
 
 def _json_result(kind: RequestKind, row: TinkerRequest, result: dict[str, Any]) -> dict[str, Any]:
+    if kind is RequestKind.create_model and row.payload.get("load"):  # create_training_client_from_state
+        return {"type": "load_weights", "model_id": row.model_id, "path": _state_path(row.payload["load"])}
     if kind is RequestKind.create_model:
         return {"type": "create_model", "model_id": row.model_id}
+    if kind is RequestKind.load_weights:
+        return {"type": "load_weights", "model_id": row.model_id, "path": _state_path(row.payload)}
     if kind is RequestKind.optim_step:
         return {"metrics": result.get("metrics") or {}}
     if kind is RequestKind.save_weights_for_sampler and row.payload.get("sampler_id"):
@@ -76,11 +80,16 @@ def _json_result(kind: RequestKind, row: TinkerRequest, result: dict[str, Any]) 
     return {"type": kind.value, "path": service.checkpoint_path(row.model_id, what, row.payload["name"])}
 
 
+def _state_path(load: dict[str, Any]) -> str:
+    return service.checkpoint_path(load["model_id"], "training", load["name"])
+
+
 def _try_again(row: TinkerRequest, model: TinkerModel) -> dict[str, Any]:
     if model.host is None and model.status == ModelStatus.pending.value:
         return {"type": "try_again", "request_id": row.id, "queue_state": "paused_capacity",
                 "queue_state_reason": "waiting for a Tinker learner host to load this model"}
     if model.status == ModelStatus.parked.value:
         return {"type": "try_again", "request_id": row.id, "queue_state": "paused_capacity",
-                "queue_state_reason": "this model was parked while idle; waiting for a slot on its learner host"}
+                "queue_state_reason": f"waiting for a slot on learner host {model.host} (this model was parked "
+                                      "there, or loads a state saved there)"}
     return {"type": "try_again", "request_id": row.id, "queue_state": "active"}

@@ -52,13 +52,15 @@ class TinkerModel(Base):
 
 class TinkerCheckpoint(Base):
     """Weights saved under a name (`tinker://{model}/sampler_weights/{name}`); the host holding the
-    model keeps the bytes."""
+    model keeps the bytes, in memory while the model lives, and a state saved with save_state
+    (`tinker://{model}/weights/{name}`) on its disk too, to load again later."""
 
     __tablename__ = "tinker_checkpoints"
     model_id: Mapped[str] = mapped_column(ForeignKey("tinker_models.id", ondelete="CASCADE"), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     kind: Mapped[str] = mapped_column(String(16))  # "sampler" | "training"
     step: Mapped[int] = mapped_column(Integer)
+    host: Mapped[str | None] = mapped_column(String(128))  # a "training" state: the host whose disk holds it
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -78,6 +78,20 @@ class SaveWeightsRequest(SdkBody):
     kind: Literal["snapshot", "inflight"] = "snapshot"
 
 
+class LoadWeightsRequest(SdkBody):
+    """create_training_client_from_state[_with_optimizer] gives session_id and model_seq_id (a new model);
+    the older load_state gives model_id (an existing one)."""
+
+    path: Str
+    optimizer: bool = False
+    model_id: IdStr | None = None
+    seq_id: SeqId | None = None
+    session_id: IdStr | None = None
+    model_seq_id: SeqId | None = None
+    base_model: Str | None = None
+    optimizer_config: dict[str, Any] | None = Field(None, max_length=8)
+
+
 class CreateSamplingSessionRequest(SdkBody):
     session_id: IdStr
     sampling_session_seq_id: SeqId

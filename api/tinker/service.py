@@ -137,6 +137,19 @@ def parse_checkpoint_path(db: Session, owner_id: str, path: str) -> TinkerCheckp
     return row
 
 
+def saved_state(db: Session, owner_id: str, path: str) -> TinkerCheckpoint:
+    """A state saved with save_state (`tinker://MODEL/weights/NAME`): it outlives its session and its model."""
+    parts = path.removeprefix("tinker://").split("/")
+    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "weights":
+        raise ApiError(400, f"path {path!r} is not tinker://MODEL/weights/NAME (a state saved with save_state)",
+                       field="path")
+    model = db.get(TinkerModel, parts[0])
+    row = db.get(TinkerCheckpoint, (parts[0], parts[2]))
+    if model is None or model.owner_id != owner_id or row is None or row.kind != "training" or row.host is None:
+        raise ApiError(404, f"no state saved with save_state at {path}", field="path")
+    return row
+
+
 def finish_session(db: Session, session: TinkerSession, reason: str) -> None:
     """End a session: its unfinished requests fail, and hosts drop its models at their next claim."""
     if session.status == SessionStatus.finished.value:
@@ -194,4 +207,5 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult, host:
         name, kind = request.payload["name"], request.payload["kind"]
         checkpoint = db.get(TinkerCheckpoint, (model.id, name)) or TinkerCheckpoint(model_id=model.id, name=name)
         checkpoint.kind, checkpoint.step = kind, result.step or 0
+        checkpoint.host = host if kind == "training" else None  # a state loads only where it was saved
         db.add(checkpoint)

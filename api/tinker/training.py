@@ -8,6 +8,7 @@ import anyio
 from echo2.protocol.tinker import (
     AdamStep,
     ForwardBackwardPayload,
+    LoadPayload,
     LossFn,
     ModelStatus,
     RequestKind,
@@ -24,7 +25,7 @@ from ..services.notices import Announcer
 from . import service, wire
 from .deps import ApiKey, Bell, IdempotencyKey, TinkerUser, user_of
 from .models import TinkerModel, TinkerRequest, TinkerSampler
-from .schemas import CreateModelRequest, ModelRef, OptimStepRequest, SaveWeightsRequest
+from .schemas import CreateModelRequest, LoadWeightsRequest, ModelRef, OptimStepRequest, SaveWeightsRequest
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 
@@ -193,3 +194,44 @@ def save_weights(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep, key
     row = service.enqueue(db, model, RequestKind.save_weights, payload.model_dump(), key)
     db.commit()
     return queued(row, bell)
+
+
+@router.post("/load_weights")
+def load_weights(body: LoadWeightsRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
+                 bell: Bell) -> dict[str, Any]:
+    """A state saved with save_state, into a new model (session_id, model_seq_id: the SDK's
+    create_training_client_from_state) or into an existing one (model_id: load_state). The state is on the
+    disk of the learner host that saved it, so the model runs there."""
+    state = service.saved_state(db, user.id, body.path)
+    if (body.optimizer_config or {}).get("type", "adamw") != "adamw":
+        raise ApiError(400, "Echo2 steps with AdamW only", field="optimizer_config")
+    source = db.get(TinkerModel, state.model_id)
+    assert source is not None
+    load = LoadPayload(model_id=source.id, name=state.name, optimizer=body.optimizer).model_dump()
+    if body.model_id is not None:
+        model = service.owned_model(db, user.id, body.model_id)
+        _pin(model, state.host)
+        row = service.enqueue(db, model, RequestKind.load_weights, load, key)
+    elif body.session_id is not None and body.model_seq_id is not None:
+        session = service.owned_session(db, user.id, body.session_id)
+        model_id = f"{session.id}:train:{body.model_seq_id}"
+        model = db.get(TinkerModel, model_id)
+        if model is None or model.owner_id != user.id or not key:  # else the same POST, retried
+            model = service.new_model(db, session, model_id, "train", body.base_model or source.base_model,
+                                      source.lora)
+            _pin(model, state.host)
+        row = service.enqueue(db, model, RequestKind.create_model, {"load": load}, key)
+    else:
+        raise ApiError(422, "give model_id, or session_id and model_seq_id", field="model_id")
+    db.commit()
+    return queued(row, bell)
+
+
+def _pin(model: TinkerModel, host: str | None) -> None:
+    """A model that loads a state runs on the host whose disk holds it: one no host has loaded yet waits for a
+    slot there, as a parked model does."""
+    if model.host is None and model.status == ModelStatus.pending.value:
+        model.host, model.status = host, ModelStatus.parked.value
+    elif model.host != host:
+        raise ApiError(400, f"that state is on learner host {host}, and model {model.id} runs on {model.host}: "
+                            "load it into a new training client (create_training_client_from_state)", field="path")

@@ -52,9 +52,26 @@ def main(base_model: str) -> dict:
         result = training.forward_backward(rl_data, loss).result()
         out[loss] = {"metrics": result.metrics, "logprobs": [o["logprobs"].tolist() for o in result.loss_fn_outputs]}
     training.optim_step(types.AdamParams(learning_rate=0.001)).result()
+    state = training.save_state("resume-point").result()
+    out["state_path"] = state.path
+    out["state_logprobs"] = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     out["errors"] = errors(service, training, datum)
     service.close("success").result()
+    out["resumed"] = resumed(state.path, datum)
     return out
+
+
+def resumed(path: str, datum) -> dict:
+    """A new session, as a program restarted after a crash makes one, goes on from the saved state: with its
+    optimizer, and with the weights alone."""
+    service = tinker.ServiceClient()
+    with_optimizer = service.create_training_client_from_state_with_optimizer(path).result()
+    weights_only = service.create_training_client_from_state(path).result()
+    forward = with_optimizer.forward([datum], "cross_entropy").result()
+    steps = [client.optim_step(types.AdamParams(learning_rate=0.001)).result().metrics["step"]
+             for client in (with_optimizer, weights_only)]
+    service.close("success").result()
+    return {"logprobs": forward.loss_fn_outputs[0]["logprobs"].tolist(), "steps": steps}
 
 
 def errors(service: tinker.ServiceClient, training, datum) -> dict:

@@ -378,3 +378,51 @@ def test_two_busy_models_of_one_slot_take_turns(api, monkeypatch):
     assert back["work"]["request_id"] == alice_steps[1] and back["work"]["restore"] is True
     report(api, back["work"], metrics={})
     assert retrieve(b_client, bob_step).json()["queue_state"] == "paused_capacity"
+
+
+def test_a_saved_state_loads_on_the_host_that_saved_it(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    session, model_id = ready_model(api, client)
+    saved = ok(client.post("/api/v1/save_weights", json={"model_id": model_id, "path": "ckpt"}))
+    report(api, claim(api, holding=[model_id])["work"], step=3)
+    path = ok(retrieve(client, saved["request_id"]))["path"]
+    assert path == f"tinker://{model_id}/weights/ckpt"
+    ok(client.post(f"/api/v1/sessions/{session}/finish", json={"reason": {"type": "success"}}))  # it outlives this
+
+    later = ok(client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    body = {"session_id": later, "model_seq_id": 0, "path": path, "optimizer": True}
+    created = ok(client.post("/api/v1/load_weights", json=body))
+    assert claim(api, host="h2")["work"] is None  # the state is on h1's disk: h2 does not get the model
+    work = claim(api, host="h1")["work"]
+    assert work["kind"] == "create_model" and work["model"]["lora"]["rank"] == 4
+    assert work["payload"] == {"load": {"model_id": model_id, "name": "ckpt", "optimizer": True}}
+    report(api, work, info=INFO)
+    assert ok(retrieve(client, created["request_id"])) == {"type": "load_weights", "model_id": created["model_id"],
+                                                           "path": path}
+    again = ok(client.post("/api/v1/load_weights", json={"model_id": created["model_id"], "path": path,
+                                                          "optimizer": False}))  # load_state: on h1 as well
+    work = claim(api, host="h1", holding=[created["model_id"]])["work"]
+    assert work["kind"] == "load_weights" and work["payload"]["optimizer"] is False
+    report(api, work, step=0)
+    assert ok(retrieve(client, again["request_id"]))["path"] == path
+
+    _, bob = new_user(api, "bob")
+    b_client = sdk(api, key_of(bob))
+    b_session = ok(b_client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    stolen = b_client.post("/api/v1/load_weights", json={**body, "session_id": b_session})
+    assert stolen.status_code == 404 and "no state saved with save_state" in stolen.json()["detail"]
+    sampler_path = client.post("/api/v1/load_weights", json={**body, "path": f"tinker://{model_id}/sampler_weights/x"})
+    assert sampler_path.status_code == 400 and "tinker://MODEL/weights/NAME" in sampler_path.json()["detail"]
+    elsewhere = ok(b_client.post("/api/v1/create_model", json={"session_id": b_session, "model_seq_id": 1,
+                                                               "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    report(api, claim(api, host="h2")["work"], host="h2", info=INFO)  # Bob's own model, loaded on h2
+    own = ok(b_client.post("/api/v1/save_weights", json={"model_id": elsewhere["model_id"], "path": "b"}))
+    report(api, claim(api, host="h2", holding=[elsewhere["model_id"]])["work"], host="h2", step=0)
+    b_path = ok(retrieve(b_client, own["request_id"]))["path"]
+    into_h1 = ok(b_client.post("/api/v1/create_model", json={"session_id": b_session, "model_seq_id": 2,
+                                                             "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    report(api, claim(api, host="h1", holding=[created["model_id"]])["work"], info=INFO)
+    refused = b_client.post("/api/v1/load_weights", json={"model_id": into_h1["model_id"], "path": b_path,
+                                                          "optimizer": False})
+    assert refused.status_code == 400 and "that state is on learner host h2" in refused.json()["detail"]

@@ -1,6 +1,7 @@
 """The unmodified `tinker` SDK (from .venv-tinker, as a subprocess) against a real control plane over HTTP
 and a Tinker learner host process: a LoRA training client on echo2:tiny, forward_backward with the three
-losses, optim_step, save_weights_for_sampler, sampling, and the errors of what Echo2 does not do."""
+losses, optim_step, save_weights_for_sampler, sampling, save_state and resuming from it in a new session,
+and the errors of what Echo2 does not do."""
 
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ def test_the_tinker_sdk_trains_saves_and_samples(api, tinker_python, tinker_host
     _trainer_agrees_with_sampler(seen)
     assert seen["prompt_logprobs"][0] is None and all(lp <= 0 for lp in seen["prompt_logprobs"][1:])
     _errors_are_immediate_and_clear(seen["errors"])
+    _a_saved_state_resumes_in_a_new_session(seen)
     _futures_outlive_the_client(api, user_key, seen["model_id"])
     _usage_is_billed(api, user_key, seen["model_id"])
 
@@ -57,6 +59,15 @@ def _trainer_agrees_with_sampler(seen: dict) -> None:
         for sample, logprobs in zip(completions, seen[loss]["logprobs"], strict=True):
             tail = logprobs[-len(sample["tokens"]):]
             assert max(abs(a - b) for a, b in zip(tail, sample["logprobs"], strict=True)) < 1e-3
+
+
+def _a_saved_state_resumes_in_a_new_session(seen: dict) -> None:
+    """save_state, then create_training_client_from_state[_with_optimizer] in another session: the same weights
+    (the same logprobs), and Adam's step count goes on (13 steps were taken) or starts again."""
+    assert seen["state_path"] == f"tinker://{seen['model_id']}/weights/resume-point"
+    resumed = seen["resumed"]
+    assert max(abs(a - b) for a, b in zip(resumed["logprobs"], seen["state_logprobs"], strict=True)) < 1e-5
+    assert resumed["steps"] == [14.0, 1.0]
 
 
 def _errors_are_immediate_and_clear(errors: dict) -> None:

@@ -151,3 +151,22 @@ def test_a_parked_model_comes_back_as_it_was(tiny_model_dir, tmp_path):
     assert one(model, saved) == one(back, saved)
     with pytest.raises(FileNotFoundError, match="parked state of this model is gone"):
         TinkerSession.restore(spec, tmp_path / "cache", "cpu", tmp_path / "parked" / "missing.pt")
+
+
+def test_a_saved_state_loads_with_or_without_its_optimizer(tiny_model_dir, tmp_path):
+    spec = ModelSpec(base_model=str(tiny_model_dir), lora=TinkerLora(rank=4, seed=0))
+    model = TinkerSession(spec, tmp_path / "cache")
+    fwdbwd(model, "cross_entropy", {})
+    model.optim_step(AdamStep(learning_rate=1e-2))
+    model.save_state(tmp_path / "state.pt")
+    for optimizer, steps in ((True, 1), (False, 0)):
+        fresh = TinkerSession(ModelSpec(base_model=str(tiny_model_dir), lora=TinkerLora(rank=4, seed=1)),
+                              tmp_path / "cache")
+        fresh.load_state(tmp_path / "state.pt", optimizer)
+        assert fresh.steps == steps and (fresh.optimizer is not None) == optimizer
+        assert all(torch.equal(a, b) for a, b in zip(model.params, fresh.params, strict=True))
+    wider = TinkerSession(ModelSpec(base_model=str(tiny_model_dir), lora=TinkerLora(rank=8)), tmp_path / "cache")
+    with pytest.raises(UserError, match="does not fit this model"):
+        wider.load_state(tmp_path / "state.pt", optimizer=True)
+    with pytest.raises(UserError, match="not on this learner host"):
+        wider.load_state(tmp_path / "nowhere.pt", optimizer=True)

@@ -55,6 +55,7 @@ class RequestKind(StrEnum):
     optim_step = "optim_step"
     save_weights = "save_weights"
     save_weights_for_sampler = "save_weights_for_sampler"
+    load_weights = "load_weights"
     sample = "sample"
 
 
@@ -116,6 +117,15 @@ class SavePayload(Model):
     kind: Annotated[str, StringConstraints(pattern=r"^(sampler|training)$")]
     sampler_id: Annotated[str, StringConstraints(max_length=128)] | None = Field(
         None, description="The sampling session this save opens (save_weights_and_get_sampling_client).")
+
+
+class LoadPayload(Model):
+    """A state saved with save_weights (`tinker://{model_id}/weights/{name}`) to load; on a create_model, the
+    model starts from it."""
+
+    model_id: Annotated[str, StringConstraints(max_length=96)]
+    name: CheckpointName
+    optimizer: bool = Field(description="Load the optimizer's state too (else a fresh AdamW).")
 
 
 class SampleParams(Model):

@@ -1,5 +1,6 @@
-"""tinker slot_at: when a Tinker model last took its host slot or gave it up (a busy model gives its slot
-up after a while to one that waits, and the model that waited longest takes it)
+"""tinker slots and states: when a Tinker model last took its host slot or gave it up (a busy model gives
+its slot up after a while to one that waits, and the model that waited longest takes it), and which host's
+disk holds a state saved with save_state
 
 Revision ID: 0016
 Revises: 0015
@@ -21,7 +22,9 @@ UTC = api.models.UTCDateTime(timezone=True)
 
 def upgrade() -> None:
     op.add_column('tinker_models', sa.Column('slot_at', UTC, nullable=True))
+    op.add_column('tinker_checkpoints', sa.Column('host', sa.String(length=128), nullable=True))
 
 
 def downgrade() -> None:
+    op.drop_column('tinker_checkpoints', 'host')
     op.drop_column('tinker_models', 'slot_at')
