@@ -82,8 +82,8 @@ def test_unknown_models_and_calls_fail_at_once_with_the_reason(api):
     bad = client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
                                                     "base_model": "Qwen/Qwen3-8B", "lora_config": {"rank": 4}})
     assert bad.status_code == 400 and "unknown base model 'Qwen/Qwen3-8B'" in bad.json()["detail"]
-    other = client.post("/api/v1/load_weights", json={}, headers={"x-sdk-method": "ServiceClient.load_state"})
-    assert other.status_code == 404 and "ServiceClient.load_state" in other.json()["detail"]
+    other = client.post("/api/v1/publish_weights", json={}, headers={"x-sdk-method": "RestClient.publish_weights"})
+    assert other.status_code == 404 and "RestClient.publish_weights" in other.json()["detail"]
     full = client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 1,
                                                      "base_model": "echo2:tiny"})
     assert full.status_code == 400 and "LoRA" in full.json()["detail"]
