@@ -9,6 +9,7 @@ announces the scored rows; every rank then runs `optimise` on its share of them 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,8 @@ from .objective import ObjectiveConfig
 from .parallel import Solo
 from .policy import Rollouts, grpo_update
 from .weights import Weights
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -155,8 +158,13 @@ class GRPOTrainer:
         if group.rewards is not None:  # a multi-turn group: its environment's rewards, from the control plane
             return list(group.rewards)
         prompt = TaskPrompt(text=group.prompt_text, reference=group.reference)
-        return [self.task.reward(prompt, self.tokenizer.decode(s.token_ids, skip_special_tokens=True),
-                                 self.task_params) for s in group.samples]
+        try:
+            return [self.task.reward(prompt, self.tokenizer.decode(s.token_ids, skip_special_tokens=True),
+                                     self.task_params) for s in group.samples]
+        except Exception:  # noqa: BLE001 - the text is a worker's: no completion may stop the learner
+            log.exception("the %s task failed to score rollout %s; the group is dropped", self.spec.task.name,
+                          group.rollout_id)
+            return [None] * len(group.samples)
 
     def optimise(self, rows: Rollouts, result: StepResult) -> list[int]:
         """One optimiser step; returns the groups (indices) dropped for a non-finite loss or gradient."""

@@ -81,4 +81,5 @@ def numbers_equal(a: str | None, b: str | None, *, rel_tol: float = 1e-6) -> boo
         return False
     if x == y:
         return True
-    return abs(float(x) - float(y)) <= rel_tol * max(1.0, abs(float(y)))
+    # Exact, in fractions: float() of a completion's 400-digit number raises OverflowError.
+    return abs(x - y) <= Fraction(rel_tol) * max(Fraction(1), abs(y))

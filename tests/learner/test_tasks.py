@@ -153,6 +153,8 @@ def test_final_answer_extraction(text, answer):
         ("1/0", "1", False),
         (None, "1", False),
         ("abc", "abc", False),
+        ("9" * 400, "18", False),  # a float() of it would overflow
+        ("1" + "0" * 400, "1" + "0" * 400, True),
     ],
 )
 def test_numeric_equivalence(a, b, equal):

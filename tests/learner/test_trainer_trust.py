@@ -9,11 +9,12 @@ import math
 import pytest
 import torch
 from echo2.prompting import encode_prompt
-from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit
+from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit, TaskSpec
 
 from learner.auditor import Auditor
 from learner.parallel import Solo
 from learner.policy import sample
+from learner.tasks import TaskAdapter, register
 from learner.trainer import GRPOTrainer
 
 
@@ -81,3 +82,27 @@ def test_unaudited_forged_logprobs_leave_the_step_finite(trainer):
     after = list(trainer.model.parameters())
     # every token's ratio hit the cap, and capped tokens carry no gradient: the poison moves nothing
     assert all(torch.equal(a, b) for a, b in zip(before, after, strict=True))
+
+
+def test_a_completion_no_task_can_score_is_dropped_and_the_step_goes_on(trainer, tiny_dir):
+    """A worker's 400-digit answer (float() of it overflows) is scored exactly; a task that raises on some text
+    drops that group, never the learner."""
+    nine = trainer.tokenizer.convert_tokens_to_ids("9")
+    long_answer = group(trainer, 1).model_copy(update={"samples": [
+        SampleSubmit(token_ids=[nine] * 400, logprobs=[-1.0] * 400, finish_reason="length")] * 4})
+    assert trainer.step([long_answer, group(trainer, 2)], 0).rewards["rol_1"] == [0.0] * 4
+
+    class Picky(TaskAdapter):
+        name = "test_picky"
+
+        def reward(self, prompt, completion, params):
+            if "9" in completion:
+                raise ValueError("cannot score a nine")
+            return 0.5
+
+    register(Picky())
+    spec = trainer.spec.model_copy(update={"task": TaskSpec(name="test_picky")})
+    picky = GRPOTrainer(trainer.model, trainer.tokenizer, spec)
+    result = picky.step([long_answer, group(trainer, 3)], 1)
+    assert result.rewards["rol_1"] == [None] * 4 and result.rewards["rol_3"] == [0.5] * 4
+    assert result.groups_dropped >= 1 and math.isfinite(result.loss)
