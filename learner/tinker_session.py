@@ -89,6 +89,7 @@ class TinkerSession:
         train = not payload.forward_only
         if train and not self.params:
             raise UserError("this model has no adapter to train (a sampling-only model): use forward")
+        self._check_fits(payload)
         grads = [None if p.grad is None else p.grad.clone() for p in self.params]
         outputs: list[dict[str, list[float]]] = []
         metrics: dict[str, float] = {"loss:sum": 0.0}
@@ -102,6 +103,16 @@ class TinkerSession:
                 param.grad = grad
             raise
         return ForwardBackwardResult(outputs=outputs, metrics=metrics)
+
+    def _check_fits(self, payload: ForwardBackwardPayload) -> None:
+        """What the control plane checks at the door once it knows the model; a request queued before the
+        host had loaded it gets here unchecked."""
+        vocab, context = self.model.config.vocab_size, self.model.config.max_position_embeddings
+        for i, datum in enumerate(payload.data):
+            if max(datum.tokens) >= vocab or max(datum.target_tokens, default=0) >= vocab:
+                raise UserError(f"data[{i}]: token ids must be below the vocabulary size {vocab}")
+            if len(datum.tokens) > context:
+                raise UserError(f"data[{i}]: {len(datum.tokens)} tokens, beyond the model's context of {context}")
 
     def _micro_batch(self, payload: ForwardBackwardPayload, rows: list[int], outputs: list[dict[str, list[float]]],
                      metrics: dict[str, float]) -> None:
@@ -155,9 +166,11 @@ class TinkerSession:
         checkpoints = {p.checkpoint for p in payloads}
         if len(checkpoints) != 1:
             raise UserError(f"one batch samples one checkpoint, not {sorted(map(str, checkpoints))}")
-        vocab = self.model.config.vocab_size
+        vocab, context = self.model.config.vocab_size, self.model.config.max_position_embeddings
         if any(max(p.prompt) >= vocab for p in payloads):
             raise UserError(f"prompt token ids must be below the vocabulary size {vocab}")
+        if any(len(p.prompt) + p.params.max_tokens > context for p in payloads):
+            raise UserError(f"prompt + max_tokens must fit the model's context of {context} tokens")
         self.model.eval()
         with self._weights(checkpoints.pop()):
             return sample(self.model, self.tokenizer, payloads, self.tokenizer.eos_token_id)

@@ -7,6 +7,7 @@ from typing import Any
 from echo2.protocol.tinker import RequestKind, SampleParams, SamplePayload
 from fastapi import APIRouter
 from pydantic import ValidationError
+from sqlalchemy.exc import IntegrityError
 
 from ..deps import SessionDep
 from ..errors import ApiError
@@ -39,7 +40,12 @@ def create_sampling_session(body: CreateSamplingSessionRequest, user: TinkerUser
                                 base_model=model.base_model)
     else:
         raise ApiError(400, "give model_path (tinker://...) or base_model", field="model_path")
-    db.add(sampler)
+    try:
+        with db.begin_nested():  # a concurrent twin of this call may insert it first
+            db.add(sampler)
+    except IntegrityError:
+        raise ApiError(400, f"sampling_session_seq_id {body.sampling_session_seq_id} is taken in this session",
+                       field="sampling_session_seq_id") from None
     db.commit()
     bell.announce(service.HOSTS_KEY)
     return {"type": "create_sampling_session", "sampling_session_id": sampler.id}

@@ -20,6 +20,7 @@ from echo2.protocol.tinker import (
     SessionStatus,
 )
 from sqlalchemy import func, select, update
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from ..errors import ApiError
@@ -78,34 +79,55 @@ def owned_sampler(db: Session, owner_id: str, sampler_id: str) -> TinkerSampler:
 
 
 def new_model(db: Session, session: TinkerSession, model_id: str, kind: str, base_model: str,
-              lora: dict | None) -> TinkerModel:
-    if db.get(TinkerModel, model_id) is not None:
-        raise ApiError(400, f"model {model_id} exists already: model_seq_id must be new in its session",
-                       field="model_seq_id")
-    model = TinkerModel(id=model_id, session_id=session.id, owner_id=session.owner_id, kind=kind,
-                        base_model=check_base_model(base_model), lora=lora)
-    db.add(model)
-    db.flush()
-    return model
+              lora: dict | None, idempotency_key: str | None = None) -> TinkerModel:
+    """A model for a create call; for a retried POST (the same Idempotency-Key), the one its first attempt
+    made, even when that attempt committed while this one ran."""
+    existing = db.get(TinkerModel, model_id)
+    if existing is None:
+        model = TinkerModel(id=model_id, session_id=session.id, owner_id=session.owner_id, kind=kind,
+                            base_model=check_base_model(base_model), lora=lora)
+        try:
+            with db.begin_nested():  # a concurrent twin of this call may insert it first
+                db.add(model)
+            return model
+        except IntegrityError:
+            existing = db.get(TinkerModel, model_id, populate_existing=True)
+    if existing is not None and idempotency_key and existing.owner_id == session.owner_id:
+        return existing
+    raise ApiError(400, f"model {model_id} exists already: model_seq_id must be new in its session",
+                   field="model_seq_id")
 
 
 def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
             idempotency_key: str | None) -> TinkerRequest:
     """The request's future; a retried POST (same Idempotency-Key) gets the future of its first attempt."""
-    if idempotency_key:
-        earlier = db.scalar(select(TinkerRequest).where(TinkerRequest.owner_id == model.owner_id,
-                                                        TinkerRequest.idempotency_key == idempotency_key))
-        if earlier is not None:
-            return earlier
-    _check_backlog(db, model.owner_id)
-    # Lock the model row: two requests of one model never take the same seq.
+    # Lock the model row: two requests of one model never take the same seq, and a retry that arrives while
+    # its first attempt is still in flight waits for it here, then finds it.
     db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update())
+    earlier = _earlier(db, model.owner_id, idempotency_key)
+    if earlier is not None:
+        return earlier
+    _check_backlog(db, model.owner_id)
     last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id))
     row = TinkerRequest(owner_id=model.owner_id, model_id=model.id, kind=kind.value, seq=(last or 0) + 1,
                         payload=payload, idempotency_key=idempotency_key or None)
-    db.add(row)
-    db.flush()
+    try:
+        with db.begin_nested():  # the same key sent for another model at once: its first use wins
+            db.add(row)
+    except IntegrityError:
+        earlier = _earlier(db, model.owner_id, idempotency_key)
+        if earlier is None:
+            raise
+        return earlier
     return row
+
+
+def _earlier(db: Session, owner_id: str, idempotency_key: str | None) -> TinkerRequest | None:
+    if not idempotency_key:
+        return None
+    return db.scalar(select(TinkerRequest).where(TinkerRequest.owner_id == owner_id,
+                                                 TinkerRequest.idempotency_key == idempotency_key)
+                     .execution_options(populate_existing=True))
 
 
 def _check_backlog(db: Session, owner_id: str) -> None:

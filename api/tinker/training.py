@@ -23,7 +23,7 @@ from ..deps import SessionDep
 from ..errors import ApiError
 from ..services.notices import Announcer
 from . import service, wire
-from .deps import ApiKey, Bell, IdempotencyKey, TinkerUser, user_of
+from .deps import Bell, IdempotencyKey, TinkerUser
 from .models import TinkerModel, TinkerRequest, TinkerSampler
 from .schemas import CreateModelRequest, LoadWeightsRequest, ModelRef, OptimStepRequest, SaveWeightsRequest
 
@@ -50,13 +50,9 @@ def create_model(body: CreateModelRequest, user: TinkerUser, db: SessionDep, key
         raise ApiError(400, f"optimizer {body.optimizer_config.get('type')!r} is not supported: Echo2 steps with AdamW",
                        field="optimizer_config")
     session = service.owned_session(db, user.id, body.session_id)
-    model_id = f"{session.id}:train:{body.model_seq_id}"
-    existing = db.get(TinkerModel, model_id)
-    if existing is not None and existing.owner_id == user.id and key:  # the same POST, retried
-        row = service.enqueue(db, existing, RequestKind.create_model, {}, key)
-    else:
-        model = service.new_model(db, session, model_id, "train", body.base_model, body.lora_config.model_dump())
-        row = service.enqueue(db, model, RequestKind.create_model, {}, key)
+    model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", "train", body.base_model,
+                              body.lora_config.model_dump(), key)
+    row = service.enqueue(db, model, RequestKind.create_model, {}, key)
     db.commit()
     return queued(row, bell)
 
@@ -74,28 +70,32 @@ def get_info(body: ModelRef, user: TinkerUser, db: SessionDep) -> dict[str, Any]
 
 
 @router.post("/forward_backward")
-async def forward_backward(request: Request, api_key: ApiKey, key: IdempotencyKey, bell: Bell) -> dict[str, Any]:
+async def forward_backward(request: Request, user: TinkerUser, key: IdempotencyKey, bell: Bell) -> dict[str, Any]:
     """Protobuf in (tinker_public.ForwardBackwardRequest); `forward_only` makes it the SDK's `forward`.
-    Async, to read the raw body; the database is used in one thread at the end, authentication included."""
+    Async, to read the raw body, once the caller is authenticated (a dependency); parsing a body of up to
+    16 MiB and the database work run in worker threads, not on the event loop."""
     if PROTOBUF not in request.headers.get("content-type", ""):
         raise ApiError(415, f"forward_backward takes {PROTOBUF} (tinker_public.ForwardBackwardRequest)")
     if request.headers.get("content-encoding", "identity") != "identity":
         raise ApiError(415, "compressed forward_backward bodies are not accepted (client config says so)")
-    try:
-        parsed = wire.read_forward_backward(await request.body())
-    except wire.WireError as exc:
-        raise ApiError(400, f"forward_backward body: {exc}") from exc
-    payload = _payload(parsed)
-    kind = RequestKind.forward if parsed.forward_only else RequestKind.forward_backward
-    row = await anyio.to_thread.run_sync(_queue_forward, request.app.state.db, api_key, parsed.model_id, kind,
-                                         payload, key)
+    model_id, kind, payload = await anyio.to_thread.run_sync(_parse, await request.body())
+    row = await anyio.to_thread.run_sync(_queue_forward, request.app.state.db, user.id, model_id, kind, payload, key)
     return queued(row, bell)
 
 
-def _queue_forward(database: Database, api_key: str, model_id: str, kind: RequestKind,
+def _parse(body: bytes) -> tuple[str, RequestKind, ForwardBackwardPayload]:
+    try:
+        parsed = wire.read_forward_backward(body)
+    except ValueError as exc:  # WireError, or what numpy says of a tensor the reader let through
+        raise ApiError(400, f"forward_backward body: {exc}") from exc
+    kind = RequestKind.forward if parsed.forward_only else RequestKind.forward_backward
+    return parsed.model_id, kind, _payload(parsed)
+
+
+def _queue_forward(database: Database, user_id: str, model_id: str, kind: RequestKind,
                    payload: ForwardBackwardPayload, key: str | None) -> TinkerRequest:
     with database.session() as db:
-        model = service.owned_model(db, user_of(db, api_key).id, model_id)
+        model = service.owned_model(db, user_id, model_id)
         _check_fits(model, payload)
         row = service.enqueue(db, model, kind, payload.model_dump(mode="json"), key)
         db.commit()
@@ -214,12 +214,9 @@ def load_weights(body: LoadWeightsRequest, user: TinkerUser, db: SessionDep, key
         row = service.enqueue(db, model, RequestKind.load_weights, load, key)
     elif body.session_id is not None and body.model_seq_id is not None:
         session = service.owned_session(db, user.id, body.session_id)
-        model_id = f"{session.id}:train:{body.model_seq_id}"
-        model = db.get(TinkerModel, model_id)
-        if model is None or model.owner_id != user.id or not key:  # else the same POST, retried
-            model = service.new_model(db, session, model_id, "train", body.base_model or source.base_model,
-                                      source.lora)
-            _pin(model, state.host)
+        model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", "train",
+                                  body.base_model or source.base_model, source.lora, key)
+        _pin(model, state.host)
         row = service.enqueue(db, model, RequestKind.create_model, {"load": load}, key)
     else:
         raise ApiError(422, "give model_id, or session_id and model_seq_id", field="model_id")

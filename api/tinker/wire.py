@@ -11,6 +11,7 @@ whose bytes do not match its shape raise `WireError`, which the route answers as
 
 from __future__ import annotations
 
+import math
 import struct
 from dataclasses import dataclass, field
 
@@ -128,12 +129,13 @@ def read_tensor(raw: bytes, what: str) -> np.ndarray:
         elif number == 4:
             shape_parts.append(value)
     shape = _packed_ints(shape_parts)
-    if any(n < 0 for n in shape) or int(np.prod(shape or [0])) > MAX_TOKENS * 64:
+    # math.prod, not np.prod: Python ints do not wrap round (np.prod of [2**32, 2**32] is 0).
+    if len(shape) > 8 or any(n < 0 for n in shape) or math.prod(shape or [0]) > MAX_TOKENS * 64:
         raise WireError(f"{what}: shape {shape} is out of bounds")
     if csr is not None:
         return _densify(csr, dtype, shape, what)
     values = _array(dense or b"", dtype, what)
-    if shape and int(np.prod(shape)) != values.size:
+    if shape and math.prod(shape) != values.size:
         raise WireError(f"{what}: {values.size} values do not fill shape {shape}")
     return values.reshape(shape) if shape else values
 
@@ -143,7 +145,8 @@ def _densify(raw: bytes, dtype: int, shape: list[int], what: str) -> np.ndarray:
     values = _array(_bytes(parts.get(1, b""), what), dtype, what)
     crow = _array(_bytes(parts.get(2, b""), what), INT64, what)
     col = _array(_bytes(parts.get(3, b""), what), INT64, what)
-    if len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values) or (len(crow) and crow[-1] != len(col)):
+    if (len(shape) != 2 or len(crow) != shape[0] + 1 or len(col) != len(values)
+            or (len(crow) and (crow[0] != 0 or crow[-1] != len(col)))):
         raise WireError(f"{what}: sparse CSR indices do not match shape {shape}")
     if len(col) and (col.min() < 0 or col.max() >= shape[1]) or np.any(np.diff(crow) < 0):
         raise WireError(f"{what}: sparse CSR indices out of range")
@@ -197,10 +200,17 @@ def read_datum(raw: bytes, index: int) -> Datum:
     return Datum(tokens=tokens, inputs=inputs)
 
 
+def _double(raw: int | bytes, what: str) -> float:
+    value = _bytes(raw, what)
+    if len(value) != 8:
+        raise WireError(f"{what}: a number must be a double (8 bytes), not {len(value)} bytes")
+    return struct.unpack("<d", value)[0]
+
+
 def _config_value(raw: int | bytes) -> float | str:
     for number, value in fields(_bytes(raw, "loss_fn_config_v2")):
         if number == 1:
-            return struct.unpack("<d", _bytes(value, "loss_fn_config_v2"))[0]
+            return _double(value, "loss_fn_config_v2")
         if number == 2:
             return _text(value, "loss_fn_config_v2")
     raise WireError("loss_fn_config_v2: a value is neither a number nor a text")
@@ -224,7 +234,7 @@ def read_forward_backward(raw: bytes) -> ForwardBackwardRequest:
             req.loss_fn = _text(value, "loss_fn")[:64]
         elif number == 5:
             key, item = _map_entry(value, "loss_fn_config")
-            legacy[key] = struct.unpack("<d", _bytes(item or bytes(8), "loss_fn_config"))[0]
+            legacy[key] = _double(item or bytes(8), "loss_fn_config")
         elif number == 6 and isinstance(value, int):
             req.forward_only = bool(value)
         elif number == 7:

@@ -4,6 +4,7 @@ errors the SDK shows, the order a model's requests run in, and what happens when
 from __future__ import annotations
 
 import struct
+import threading
 
 import httpx
 import pytest
@@ -426,3 +427,58 @@ def test_a_saved_state_loads_on_the_host_that_saved_it(api):
     refused = b_client.post("/api/v1/load_weights", json={"model_id": into_h1["model_id"], "path": b_path,
                                                           "optimizer": False})
     assert refused.status_code == 400 and "that state is on learner host h2" in refused.json()["detail"]
+
+
+def test_malformed_forward_backward_bodies_are_refused_and_strangers_are_not_heard(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    _, model_id = ready_model(api, client)
+    tokens = _field(1, _field(1, _field(1, b"".join(struct.pack("<i", t) for t in (1, 2, 3)))))
+    huge_shape = bytes([3 << 3, 1]) + _field(4, _varint(2**32) + _varint(2**32))  # np.prod of it wraps to 0
+    head = _field(1, model_id.encode()) + _field(4, b"cross_entropy")
+    bodies = {
+        "out of bounds": head + _field(3, tokens + _field(2, _field(1, b"target_tokens") + _field(2, huge_shape))),
+        "must be a double": head + _field(5, _field(1, b"clip") + bytes([2 << 3 | 5]) + b"\x00\x00\x80\x3f"),
+        "not 3 bytes": head + _field(7, _field(1, b"clip") + _field(2, _field(1, b"abc"))),
+    }
+    for reason, body in bodies.items():
+        refused = client.post("/api/v1/forward_backward", headers={"Content-Type": "application/x-protobuf"},
+                              content=body)
+        assert refused.status_code == 400 and reason in refused.json()["detail"], refused.text
+    stranger = httpx.post(f"{api.url}/api/v1/forward_backward", content=b"\xff" * 2**20,
+                          headers={"X-API-Key": "tml-not-a-key", "Content-Type": "application/x-protobuf"})
+    assert stranger.status_code == 401  # told before its body is read
+
+
+def test_retries_racing_their_first_attempt_get_its_future(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    session, model_id = ready_model(api, client)
+    answers: list[httpx.Response] = []
+
+    def race(path: str, body: dict, key: str | None) -> list[httpx.Response]:
+        answers.clear()
+        barrier = threading.Barrier(4)
+
+        def post() -> None:
+            with sdk(api, key_of(alice)) as mine:
+                barrier.wait()
+                answers.append(mine.post(path, json=body, headers={"X-Idempotency-Key": key} if key else {}))
+
+        threads = [threading.Thread(target=post) for _ in range(4)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return list(answers)
+
+    for i in range(3):
+        same = race("/api/v1/optim_step", {"model_id": model_id, "adam_params": {"learning_rate": 0.1}}, f"k{i}")
+        assert [r.status_code for r in same] == [200] * 4
+        assert len({r.json()["request_id"] for r in same}) == 1
+        create = {"session_id": session, "model_seq_id": 10 + i, "base_model": "echo2:tiny",
+                  "lora_config": {"rank": 4}}
+        retried = race("/api/v1/create_model", create, f"c{i}")
+        assert [r.status_code for r in retried] == [200] * 4 and len({r.json()["request_id"] for r in retried}) == 1
+        twins = race("/api/v1/create_model", {**create, "model_seq_id": 20 + i}, None)  # not retries: one wins
+        assert sorted(r.status_code for r in twins) == [200, 400, 400, 400]

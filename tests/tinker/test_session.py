@@ -170,3 +170,15 @@ def test_a_saved_state_loads_with_or_without_its_optimizer(tiny_model_dir, tmp_p
         wider.load_state(tmp_path / "state.pt", optimizer=True)
     with pytest.raises(UserError, match="not on this learner host"):
         wider.load_state(tmp_path / "nowhere.pt", optimizer=True)
+
+
+def test_the_host_refuses_what_the_door_could_not_check_yet(session):
+    """Requests queued before the host had loaded the model passed the door without its vocabulary and context."""
+    vocab, context = session.model.config.vocab_size, session.model.config.max_position_embeddings
+    too_long = {"tokens": [5] * (context + 1), "target_tokens": [6] * (context + 1), "inputs": {}}
+    outside = {"tokens": [vocab], "target_tokens": [6], "inputs": {}}
+    for datum, reason in ((too_long, "beyond the model's context"), (outside, "below the vocabulary size")):
+        with pytest.raises(UserError, match=reason):
+            session.forward_backward(ForwardBackwardPayload(loss_fn="cross_entropy", data=[datum]))
+    with pytest.raises(UserError, match="must fit the model's context"):
+        one(session, SamplePayload(prompt=[5] * context, num_samples=1, params={"max_tokens": 1}))
