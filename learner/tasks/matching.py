@@ -2,15 +2,18 @@
 
 exact_match: 1.0 when the (optionally stripped / case-folded / whitespace-collapsed) completion equals
 the reference. regex: 1.0 when the pattern matches the completion (`search` anywhere or `fullmatch`);
-the pattern is either fixed in the params or taken per item from the reference key.
+the pattern is either fixed in the params or taken per item from the reference key. Patterns run on RE2
+(google-re2), in time linear in the text: the completion is a worker's, and with Python's backtracking
+`re` a pattern such as `(a+)+$` and a crafted completion could stall the learner for hours. RE2 has no
+backreferences or lookarounds; a pattern using them is refused when the job is created.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import Any, Literal
 
+import re2
 from pydantic import Field, field_validator
 
 from learner.tasks.base import TaskAdapter, TaskItemError, TaskParams, TaskPrompt, require_key
@@ -67,11 +70,27 @@ class RegexParams(_ItemKeys):
     @classmethod
     def _compiles(cls, v: str | None) -> str | None:
         if v is not None:
-            try:
-                re.compile(v)
-            except re.error as exc:
-                raise ValueError(f"not a valid regular expression: {exc}") from None
+            problem = _problem(v)
+            if problem:
+                raise ValueError(f"not a valid regular expression: {problem}")
         return v
+
+
+def _compiled(pattern: str, ignore_case: bool = False) -> Any:
+    options = re2.Options()
+    options.log_errors = False  # a refused pattern is the caller's error, not the process's stderr
+    options.case_sensitive = not ignore_case
+    return re2.compile(pattern, options)
+
+
+def _problem(pattern: str) -> str | None:
+    """Why RE2 refuses `pattern`, or None."""
+    try:
+        _compiled(pattern)
+    except re2.error as exc:
+        reason = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        return f"{reason} (Echo2 matches with RE2: no backreferences or lookarounds)"
+    return None
 
 
 class RegexTask(TaskAdapter):
@@ -87,10 +106,9 @@ class RegexTask(TaskAdapter):
         if p.pattern is not None:
             return TaskPrompt(text=text, reference=p.pattern)
         pattern = require_key(item, p.reference_key, self.name)
-        try:
-            re.compile(pattern)
-        except re.error as exc:
-            raise TaskItemError(f"task {self.name!r}: item {p.reference_key!r} is not a regex: {exc}") from None
+        problem = _problem(pattern)
+        if problem:
+            raise TaskItemError(f"task {self.name!r}: item {p.reference_key!r} is not a regex: {problem}")
         return TaskPrompt(text=text, reference=pattern)
 
     def reward(self, prompt: TaskPrompt, completion: str, params: TaskParams) -> float | None:
@@ -100,9 +118,9 @@ class RegexTask(TaskAdapter):
         if pattern is None:
             return None
         text = completion.strip() if p.strip else completion
-        flags = re.IGNORECASE if p.ignore_case else 0
-        match = re.fullmatch if p.mode == "fullmatch" else re.search
-        return 1.0 if match(pattern, text, flags) else 0.0
+        compiled = _compiled(pattern, p.ignore_case)
+        match = compiled.fullmatch if p.mode == "fullmatch" else compiled.search
+        return 1.0 if match(text) else 0.0
 
 
 register(ExactMatchTask())

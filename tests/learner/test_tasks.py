@@ -214,6 +214,18 @@ def test_regex_options():
         task.parse_params({"pattern": "(unclosed"})
     with pytest.raises(TaskItemError, match="not a regex"):
         task.prompt_from_item({"prompt": "x", "reference": "[bad"}, per_item)
+    with pytest.raises(TaskParamsError, match="no backreferences or lookarounds"):
+        task.parse_params({"pattern": r"(a)\1"})
+
+
+def test_a_regex_runs_in_linear_time_on_a_workers_text():
+    """With backtracking, (a+)+$ on 'aaa...b' takes time exponential in its length: hours at 40 characters."""
+    task = get_task("regex")
+    params = task.parse_params({"pattern": "(a+)+$"})
+    prompt = task.prompt_from_item({"prompt": "x"}, params)
+    start = time.monotonic()
+    assert task.reward(prompt, "a" * 20_000 + "b", params) == 0.0
+    assert time.monotonic() - start < 5.0
 
 
 class _Verifier(BaseHTTPRequestHandler):
