@@ -19,7 +19,8 @@ def _parser() -> argparse.ArgumentParser:
     admin_sub = admin.add_subparsers(dest="admin_command", required=True)
     cu = admin_sub.add_parser("create-user", help="create a user and print its API key")
     cu.add_argument("--name", required=True)
-    cu.add_argument("--role", choices=["admin", "user"], default="admin")
+    cu.add_argument("--role", choices=["admin", "user"], default="user",
+                    help="user (default): runs jobs; admin: also operates the platform")
     lr = sub.add_parser("learner", help="run the GRPO learner of one job (token in ECHO2_LEARNER_TOKEN)")
     lr.add_argument("--job", required=True, help="job id")
     lr.add_argument("--server", help="control-plane URL (default ECHO2_PUBLIC_URL)")
@@ -36,11 +37,14 @@ def _parser() -> argparse.ArgumentParser:
                                "workers"),
                        ("demo", "`up`, then train the demo job and follow it live (exit 0 if it succeeded)")):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--workers", type=int, default=2, help="local CPU workers")
+        cmd.add_argument("--workers", type=int, default=2, help="local CPU workers (default 2)")
         cmd.add_argument("--port", type=int, help="API port (default ECHO2_PORT)")
-        cmd.add_argument("--learner-slots", type=int, default=2, help="learners the local learner host runs at once")
-        cmd.add_argument("--tinker-slots", type=int, default=1 if name == "up" else 0,
-                         help="models the local Tinker learner host holds at once (0: none; docs/TINKER.md)")
+        cmd.add_argument("--learner-slots", type=int, default=2,
+                         help="learners the local learner host runs at once (default 2)")
+        tinker = 1 if name == "up" else 0
+        cmd.add_argument("--tinker-slots", type=int, default=tinker,
+                         help=f"models the local Tinker learner host holds at once (default {tinker}; 0: none; "
+                              "docs/TINKER.md)")
         if name == "demo":
             cmd.add_argument("--model", choices=["tiny", "smollm2"], default="tiny")
             cmd.add_argument("--steps", type=int, help="max learner steps (default: 130 tiny, 10 smollm2)")

@@ -162,7 +162,7 @@ def tasks(_: CurrentUser) -> list[TaskInfo]:
     out = []
     for name in list_tasks():
         adapter = get_task(name)
-        out.append(TaskInfo(name=name, description=(adapter.__doc__ or "").strip().split("\n")[0],
+        out.append(TaskInfo(name=name, description=adapter.description,
                             needs_dataset=adapter.needs_dataset, params_schema=adapter.Params.model_json_schema()))
     return out
 

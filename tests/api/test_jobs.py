@@ -95,6 +95,8 @@ def test_tasks_are_listed_with_their_parameters(api):
     assert {"arithmetic", "gsm8k", "exact_match", "regex", "http_reward"} <= set(tasks)
     assert tasks["gsm8k"]["needs_dataset"] and not tasks["arithmetic"]["needs_dataset"]
     assert tasks["arithmetic"]["params_schema"]["type"] == "object"
+    assert all(t["description"] for t in tasks.values())  # each adapter's one-line description
+    assert tasks["arithmetic"]["description"].startswith("Synthetic integer arithmetic")
 
 
 def test_concurrent_replays_of_one_idempotency_key_make_one_job(api):

@@ -22,9 +22,12 @@ def test_db_upgrade_and_create_user(tmp_path):
     done = run(["db", "upgrade"], env)
     assert done.returncode == 0 and "latest schema" in done.stdout
     assert (tmp_path / "echo2.db").exists()
-    made = run(["admin", "create-user", "--name", "ops"], env)
+    made = run(["admin", "create-user", "--name", "alice"], env)
     assert made.returncode == 0, made.stderr
+    assert made.stdout.startswith("created user ")  # not an admin unless asked for
     assert made.stdout.strip().splitlines()[-1].startswith("e2u_")
+    ops = run(["admin", "create-user", "--name", "ops", "--role", "admin"], env)
+    assert ops.returncode == 0 and ops.stdout.startswith("created admin "), ops.stderr
 
 
 def test_errors_are_one_line(tmp_path):

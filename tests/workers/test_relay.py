@@ -5,8 +5,11 @@ paths as the API); the downloader presents the key to them as its origin token."
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
+import socket
+import struct
 import subprocess
 import sys
 import textwrap
@@ -200,3 +203,19 @@ def test_parent_killed_mid_transfer_costs_one_retry(tmp_path: Path, tiny_model_d
     # Only the chunks in flight at the kill are fetched again: one retry each, nothing else.
     assert dl.meter.total < manifest.total_size + dl.parallel * manifest.chunk_size
     assert {u for u, _ in reports} == {parent_url}
+
+
+def test_a_peer_resetting_its_connection_is_one_log_line(tmp_path: Path, tiny_model_dir: Path, caplog,
+                                                         capfd) -> None:
+    """A child that resets a kept-alive connection while the relay waits for its next request: one log line,
+    not the stdlib's traceback on stderr, which broke the worker's one-JSON-object-per-line log."""
+    caplog.set_level(logging.INFO, logger="echo2_worker.relay")
+    store, _ = fill_store(tmp_path, tiny_model_dir)
+    with RelayServer(store) as relay:
+        peer = socket.create_connection(("127.0.0.1", relay.port))
+        peer.sendall(b"GET /healthz HTTP/1.1\r\nHost: relay\r\n\r\n")
+        assert peer.recv(1024).startswith(b"HTTP/1.1 200")
+        peer.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))  # close with a reset
+        peer.close()
+        wait_for(lambda: any("hung up" in r.getMessage() for r in caplog.records), 30, "the relay's log line")
+    assert "Traceback" not in capfd.readouterr().err

@@ -24,6 +24,7 @@ import json
 import logging
 import re
 import socket
+import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
@@ -52,7 +53,7 @@ class RelayServer:
         self.wait_s = wait_s
         self.served_chunks = 0
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._httpd = ThreadingHTTPServer((host, port), _handler_class(self))
+        self._httpd = _Server((host, port), _handler_class(self))
         self._httpd.daemon_threads = True
         self._advertise = advertise_host or host
         self._thread: threading.Thread | None = None
@@ -85,6 +86,16 @@ class RelayServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+class _Server(ThreadingHTTPServer):
+    def handle_error(self, request: object, client_address: tuple[str, int]) -> None:
+        """Through logging (JSON when the worker logs JSON), not the stdlib's traceback on stderr; a peer that
+        resets a kept-alive connection is routine: one line."""
+        if isinstance(sys.exc_info()[1], ConnectionError):
+            log.info("relay: %s hung up", client_address[0])
+        else:
+            log.exception("relay: serving %s failed", client_address[0])
 
 
 def _handler_class(relay: RelayServer) -> type[BaseHTTPRequestHandler]:
