@@ -160,8 +160,9 @@ def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-d
                   learner_slots=args.learner_slots, tinker_slots=args.tinker_slots)
     print(f"starting Echo2 in {stack.settings.data_dir} ...", flush=True)
     stack.start()
+    ends = "stop with Ctrl-C" if args.command == "up" else "it stops when the job ends (Ctrl-C stops it sooner)"
     print(f"Echo2 is up: dashboard {stack.url}/  (admin API key in {stack.settings.data_dir / 'admin.key'}: "
-          f"{stack.admin_key})\nlogs: {stack.run_dir}/*.log   stop with Ctrl-C", flush=True)
+          f"{stack.admin_key})\nlogs: {stack.run_dir}/*.log   {ends}", flush=True)
     if args.command == "up":
         serve_forever(stack)
         return 0
@@ -171,6 +172,8 @@ def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-d
         return run_demo(stack, args.model, args.steps, args.staleness)
     finally:
         stack.stop()
+        print(f"the stack is stopped; `echo2-server up` (data in {stack.settings.data_dir}) serves the dashboard "
+              "and this job again", flush=True)
 
 
 def _learner(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
