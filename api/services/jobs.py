@@ -18,6 +18,7 @@ from ..models import Dataset, DatasetItem, Job, Lease, Prompt, User, Worker, utc
 from ..settings import Settings
 from . import evals
 from .estimate import estimate
+from .relay import check_public_url
 
 MAX_GENERATED_PROMPTS = 50_000
 
@@ -34,6 +35,8 @@ def create_job(
                 raise ApiError(422, "Idempotency-Key was already used with a different body", field="Idempotency-Key")
             return existing, False
     items, held_out = training_items(db, user, spec)
+    if settings.env == "production":
+        _check_task_url(spec)
     if spec.learner.price_per_hour is None:
         spec.learner.price_per_hour = settings.learner_price_per_hour
     job = Job(
@@ -64,6 +67,14 @@ def create_job(
 
 
 Items = list[tuple[str, str | None]]
+
+
+def _check_task_url(spec: JobSpec) -> None:
+    """A task that calls the user's endpoint (http_reward, http_env) is called from inside the platform: in
+    production, only at public addresses, never at its own services or a cloud's metadata endpoint."""
+    url = (spec.task.params or {}).get("url")
+    if isinstance(url, str):
+        check_public_url(url, "task.params.url", "the platform calls only public addresses for a job's task")
 
 
 def training_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]:

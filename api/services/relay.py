@@ -67,20 +67,22 @@ def clear_reports(db: Session, worker: Worker) -> None:
     worker.bad_chunks = 0
 
 
-def check_public_url(url: str) -> None:
+PEERS_CANNOT_REACH = "peers on the internet could not fetch from it (give the address they can reach)"
+
+
+def check_public_url(url: str, field: str = "relay_url", why: str = PEERS_CANNOT_REACH) -> None:
     """422 unless `url` is http(s) on a host that resolves only to public addresses."""
     parts = urlsplit(url)
     host = parts.hostname or ""
     if parts.scheme not in ("http", "https") or not host:
-        raise ApiError(422, "relay_url must be an http(s) URL with a host", field="relay_url")
-    for address in _addresses(host):
+        raise ApiError(422, f"{field} must be an http(s) URL with a host", field=field)
+    for address in _addresses(host, field):
         ip = ipaddress.ip_address(address)
         if not ip.is_global or ip.is_multicast:
-            raise ApiError(422, f"relay_url {url} reaches {ip}, which is not a public address: peers on the "
-                           "internet could not fetch from it (give the address they can reach)", field="relay_url")
+            raise ApiError(422, f"{field} {url} reaches {ip}, which is not a public address: {why}", field=field)
 
 
-def _addresses(host: str) -> list[str]:
+def _addresses(host: str, field: str) -> list[str]:
     try:
         return [str(ipaddress.ip_address(host))]
     except ValueError:
@@ -88,4 +90,4 @@ def _addresses(host: str) -> list[str]:
     try:
         return sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
     except OSError:
-        raise ApiError(422, f"relay_url host {host!r} does not resolve", field="relay_url") from None
+        raise ApiError(422, f"{field} host {host!r} does not resolve", field=field) from None

@@ -12,8 +12,9 @@ never the worker's, with the reason in the rollout. Up to `concurrency` turns ar
 Prompts come from user JSONL items {"prompt": ..., "reference": ...} (reference optional); the
 reference never leaves the platform except to this URL.
 
-The requests are made from the control plane; deployments that must not reach internal addresses
-should restrict its egress.
+The requests are made from the control plane. With ECHO2_ENV=production a job is refused unless the
+URL resolves to public addresses (api/services/jobs.py); deployments should still restrict its egress,
+as a name may resolve elsewhere later.
 """
 
 from __future__ import annotations

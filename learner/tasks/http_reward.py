@@ -6,8 +6,9 @@ a finite number back, either bare (`0.5`) or as {"reward": 0.5}. Transport error
 `echo2.transport`; any other failure or an invalid reply yields None (the sample is dropped) and is
 logged. Prompts come from user JSONL items {"prompt": ..., "reference": ...} (reference optional).
 
-The request is made from the learner host; deployments that must not reach internal addresses
-should restrict egress there.
+The request is made from the learner host. With ECHO2_ENV=production a job is refused unless the URL
+resolves to public addresses (api/services/jobs.py); deployments should still restrict egress there, as
+a name may resolve elsewhere later.
 """
 
 from __future__ import annotations

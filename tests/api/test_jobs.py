@@ -109,3 +109,20 @@ def test_concurrent_replays_of_one_idempotency_key_make_one_job(api):
     assert sorted(r.status_code for r in answers) == [200] * 5 + [201]
     assert len({r.json()["id"] for r in answers}) == 1
     assert ok(alice.get("/v1/jobs"))["total"] == 1
+
+
+def test_in_production_a_task_endpoint_must_be_public(api):
+    _, alice = new_user(api)
+    items = [{"prompt": f"say {i}", "reference": str(i)} for i in range(4)]
+    dataset = ok(alice.post("/v1/datasets", json={"name": "say", "items": items}), 201)["id"]
+    api.server.settings.env = "production"
+    try:
+        for url in ("http://169.254.169.254/latest", "http://127.0.0.1:8000/v1/users", "http://10.1.2.3/reward"):
+            refused = alice.post("/v1/jobs", json=job_spec(dataset_id=dataset,
+                                                           task={"name": "http_reward", "params": {"url": url}}))
+            assert refused.status_code == 422, refused.text
+            assert refused.json()["errors"][0]["field"] == "task.params.url" and "not a public address" in refused.text
+        public = job_spec(dataset_id=dataset, task={"name": "http_reward", "params": {"url": "http://93.184.216.34/r"}})
+        assert alice.post("/v1/jobs", json=public).status_code == 201
+    finally:
+        api.server.settings.env = "dev"
