@@ -135,6 +135,8 @@ def test_watch_follows_a_job_to_the_end(api, alice, driven):
     assert "running" in lines[0] and "step 1/3" in lines[0] and "staleness 0.50 (S=1)" in lines[0]
     assert "reward 0.500" in lines[0] and "cost $" in lines[0]
     assert "held-out -" in lines[0]  # the driven job reports no evaluation
+    progress = [line.rsplit("  cost $", 1)[0] for line in lines[:-3]]
+    assert all(a != b for a, b in zip(progress, progress[1:], strict=False))  # a new line only for a change
     assert lines[-3].startswith(f"job {driven.id} succeeded")
     assert lines[-2].startswith("learner busy ") and "groups: 2 generated, 2 trained, 0 waiting" in lines[-2]
     assert lines[-1] == "held-out accuracy: not measured (no held-out prompts)"

@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 
 def watch(client: Client, job_id: str, interval: float, timeout: float | None) -> int:
-    """Redraw one progress line (or print a line per change when not a terminal) until the job ends."""
+    """Redraw one progress line (or print a line per change of step, version, status or figures when not a
+    terminal) until the job ends."""
     tty = sys.stdout.isatty()
     latest: StepMetrics | None = None
     held_out: list[EvalRead] = []
@@ -32,7 +33,7 @@ def watch(client: Client, job_id: str, interval: float, timeout: float | None) -
                 width = shutil.get_terminal_size().columns - 1
                 sys.stdout.write("\r\033[K" + line[:width])
                 sys.stdout.flush()
-            elif line != shown:
+            elif _without_cost(line) != _without_cost(shown):  # the cost moves at every poll: not a change
                 print(line, flush=True)
             shown = line
     except KeyboardInterrupt:
@@ -88,6 +89,10 @@ def _progress(job: JobRead, m: StepMetrics | None, held_out: EvalRead | None = N
         f"cost ${job.cost.total_usd:.4f}",
     ]
     return "  ".join(parts)
+
+
+def _without_cost(line: str) -> str:
+    return line.rsplit("  cost $", 1)[0]
 
 
 def mean_staleness(m: StepMetrics) -> float | None:
