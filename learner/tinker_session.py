@@ -29,6 +29,7 @@ from echo2.protocol.tinker import (
     SavePayload,
     TinkerLora,
 )
+from echo2.snapshots import atomic_file
 
 from .models import resolve_model, with_adapter
 from .tinker_losses import datum_loss
@@ -262,11 +263,10 @@ class TinkerSession:
 
 
 def _write(path: Path, state: dict[str, Any]) -> None:
-    """Written whole, then renamed into place: a crash mid-write leaves no half a state."""
+    """Whole or not at all (atomic_file), readable by the host's user only: it is a user's model."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(path.name + ".partial")
-    torch.save(state, partial)
-    partial.replace(path)
+    with atomic_file(path, 0o600) as fh:
+        torch.save(state, fh)
 
 
 def _micro_batches(lengths: list[int], budget: int) -> list[list[int]]:
