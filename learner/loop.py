@@ -90,7 +90,8 @@ class Learner:
         self.step = reply.step
         work = self.opt.work_dir / self.plane.job_id
         resume.sync_checkpoint(self.plane, work / "checkpoints", reply.checkpoint_step)
-        model_path = resolve_model(spec.base_model, self.opt.work_dir / "models", seed=spec.seed)
+        model_path = resolve_model(spec.base_model, self.opt.work_dir / "models", seed=spec.seed,
+                                   private=(self.opt.work_dir,))
         self.world.announce("start", (spec, model_path))
         trainer, restored = build_trainer(spec, model_path, self.opt, self.world, work / "checkpoints")
         trainer.auditor = Auditor(model_path, spec, trainer.pad_id,

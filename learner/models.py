@@ -1,8 +1,14 @@
 """Where a job's base model comes from: a built-in (`echo2:tiny`, `echo2:smollm2`), a local folder, or
-a hub id (only when the learner host is online). Built-ins are built once into a cache folder."""
+a hub id (only when the learner host is online). Built-ins are built once into a cache folder.
+
+A local folder may not be inside Echo2's own data on the host: a learner's or Tinker host's work dir and
+ECHO2_DATA_DIR hold other users' checkpoints, published versions and saved states, and a job or a Tinker
+model naming one of those as its base model would hand it over.
+"""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,8 +17,9 @@ from echo2.protocol import LoraConfig
 BUILTINS = ("echo2:tiny", "echo2:smollm2")
 
 
-def resolve_model(ref: str, cache_dir: Path, seed: int = 0) -> str:
-    """A path (or hub id) that `from_pretrained` can load."""
+def resolve_model(ref: str, cache_dir: Path, seed: int = 0, private: tuple[Path, ...] = ()) -> str:
+    """A path (or hub id) that `from_pretrained` can load; a local folder inside `private` (the caller's work
+    dir) or ECHO2_DATA_DIR is refused."""
     if ref == "echo2:tiny":
         from .tiny import build_tiny_model
 
@@ -29,7 +36,27 @@ def resolve_model(ref: str, cache_dir: Path, seed: int = 0) -> str:
         return str(target)
     if ref.startswith("echo2:"):
         raise ValueError(f"unknown built-in model {ref!r}; built-ins are {', '.join(BUILTINS)}")
-    return str(Path(ref).expanduser()) if Path(ref).expanduser().exists() else ref
+    local = Path(ref).expanduser()
+    if not local.exists():
+        return ref  # a hub id
+    inside = private_dir_of(ref, (*private, Path(os.environ.get("ECHO2_DATA_DIR") or ".echo2")))
+    if inside is not None:
+        raise ValueError(private_model_error(ref, inside))
+    return str(local.resolve())
+
+
+def private_dir_of(ref: str, private: tuple[Path, ...]) -> Path | None:
+    """The one of `private` that the local folder `ref` is inside (links followed), if any."""
+    local = Path(ref).expanduser()
+    if not local.exists():
+        return None
+    real = local.resolve()
+    return next((d for d in private if real.is_relative_to(d.resolve())), None)
+
+
+def private_model_error(ref: str, private: Path) -> str:
+    return (f"{ref} is inside Echo2's own data on this host ({private}), where other jobs' checkpoints and "
+            "weights are kept: give a model folder outside it")
 
 
 

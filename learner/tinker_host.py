@@ -128,9 +128,9 @@ class Host:
         its parked state, or the one held; None if none of these."""
         from .tinker_session import TinkerSession
 
-        cache = self.work_dir / "models"
+        cache, private = self.work_dir / "models", (self.work_dir,)
         if work.kind is RequestKind.create_model:
-            session = TinkerSession(work.model, cache, self.device)
+            session = TinkerSession(work.model, cache, self.device, private)
             if work.payload.get("load"):
                 load = LoadPayload.model_validate(work.payload["load"])
                 session.load_state(self.state_path(load.model_id, load.name), load.optimizer)
@@ -139,7 +139,8 @@ class Host:
         session = self.models.get(work.model_id)
         if session is None and work.restore:
             path = self.parked_path(work.model_id)
-            session = self.models[work.model_id] = TinkerSession.restore(work.model, cache, self.device, path)
+            session = self.models[work.model_id] = TinkerSession.restore(work.model, cache, self.device, path,
+                                                                         private)
             path.unlink()
             log.info("restored parked model %s", work.model_id)
         return session

@@ -55,11 +55,12 @@ def lora_targets(lora: TinkerLora, module_names: set[str]) -> list[str]:
 
 
 class TinkerSession:
-    def __init__(self, spec: ModelSpec, cache_dir: Path, device: str = "cpu") -> None:
+    def __init__(self, spec: ModelSpec, cache_dir: Path, device: str = "cpu", private: tuple[Path, ...] = ()) -> None:
+        """`private`: the host's work dir, which no base model may be inside (other users' states)."""
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
         try:
-            self.path = resolve_model(spec.base_model, cache_dir)
+            self.path = resolve_model(spec.base_model, cache_dir, private=private)
         except ValueError as exc:
             raise UserError(str(exc)) from exc
         if not Path(self.path).is_dir():
@@ -211,9 +212,10 @@ class TinkerSession:
                 "optimizer": self.optimizer.state_dict() if self.optimizer is not None else None}
 
     @classmethod
-    def restore(cls, spec: ModelSpec, cache_dir: Path, device: str, path: Path) -> TinkerSession:
+    def restore(cls, spec: ModelSpec, cache_dir: Path, device: str, path: Path,
+                private: tuple[Path, ...] = ()) -> TinkerSession:
         """The model as `park` left it."""
-        session = cls(spec, cache_dir, device)
+        session = cls(spec, cache_dir, device, private)
         # Gone: the host's fault, not the caller's (a server error).
         state = session._read(path, FileNotFoundError("the parked state of this model is gone from the learner host"))
         session._apply(state, optimizer=True)

@@ -11,6 +11,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from learner.models import private_dir_of, private_model_error
 from learner.tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
 
 from ..errors import ApiError
@@ -35,6 +36,9 @@ def create_job(
                 raise ApiError(422, "Idempotency-Key was already used with a different body", field="Idempotency-Key")
             return existing, False
     items, held_out = training_items(db, user, spec)
+    private = private_dir_of(spec.base_model, (settings.data_dir,))
+    if private is not None:  # the learner host refuses it too; here the user hears at once
+        raise ApiError(422, private_model_error(spec.base_model, private), field="base_model")
     if settings.env == "production":
         _check_task_url(spec)
     if spec.learner.price_per_hour is None:

@@ -126,3 +126,16 @@ def test_in_production_a_task_endpoint_must_be_public(api):
         assert alice.post("/v1/jobs", json=public).status_code == 201
     finally:
         api.server.settings.env = "dev"
+
+
+def test_a_base_model_inside_echo2s_own_data_is_refused(api, tmp_path):
+    """Another user's checkpoints and versions live there: naming one as a base model would hand it over."""
+    _, alice = new_user(api)
+    data = api.server.settings.data_dir
+    theirs = data / "learner" / "job_someone_else" / "checkpoints" / "ckpt-10"
+    theirs.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(theirs)
+    for ref in (str(theirs), str(tmp_path / "link"), f"{tmp_path}/../{tmp_path.name}/link"):
+        refused = alice.post("/v1/jobs", json=job_spec(base_model=ref))
+        assert refused.status_code == 422, refused.text
+        assert refused.json()["errors"][0]["field"] == "base_model" and "Echo2's own data" in refused.text

@@ -92,3 +92,20 @@ def test_import_smollm2(tmp_path):
                                    return_tensors="pt", return_dict=True)
     out_ids = model.generate(**chat, max_new_tokens=16, do_sample=False)
     assert "5" in tok.decode(out_ids[0, chat["input_ids"].shape[1] :])
+
+
+def test_a_model_folder_inside_echo2s_own_data_is_refused_on_the_host(tmp_path, monkeypatch):
+    from learner.models import resolve_model
+
+    work = tmp_path / "learner"
+    checkpoint = work / "job_other" / "checkpoints" / "ckpt-5"
+    checkpoint.mkdir(parents=True)
+    with pytest.raises(ValueError, match="inside Echo2's own data"):
+        resolve_model(str(checkpoint), work / "models", private=(work,))  # other jobs' checkpoints
+    monkeypatch.setenv("ECHO2_DATA_DIR", str(tmp_path / "data"))
+    (tmp_path / "data" / "blobs").mkdir(parents=True)
+    with pytest.raises(ValueError, match="inside Echo2's own data"):
+        resolve_model(str(tmp_path / "data" / "blobs"), tmp_path / "elsewhere" / "models")
+    mine = tmp_path / "my-model"
+    mine.mkdir()
+    assert resolve_model(str(mine), work / "models", private=(work,)) == str(mine.resolve())

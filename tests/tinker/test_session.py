@@ -182,3 +182,14 @@ def test_the_host_refuses_what_the_door_could_not_check_yet(session):
             session.forward_backward(ForwardBackwardPayload(loss_fn="cross_entropy", data=[datum]))
     with pytest.raises(UserError, match="must fit the model's context"):
         one(session, SamplePayload(prompt=[5] * context, num_samples=1, params={"max_tokens": 1}))
+
+
+def test_a_tinker_model_cannot_be_another_users_files_on_the_host(tiny_model_dir, tmp_path):
+    """The host's work dir holds other users' parked and saved states (and a learner's, their checkpoints)."""
+    import shutil
+
+    theirs = tmp_path / "host" / "states" / "model"
+    shutil.copytree(tiny_model_dir, theirs)
+    with pytest.raises(UserError, match="inside Echo2's own data"):
+        TinkerSession(ModelSpec(base_model=str(theirs), lora=TinkerLora(rank=4)), tmp_path / "host" / "models",
+                      private=(tmp_path / "host",))

@@ -157,7 +157,8 @@ class JobSpec(Model):
 
     name: Name
     base_model: ModelRef = Field(
-        description="HF hub id, a local path on the learner host, or a built-in: `echo2:tiny`, `echo2:smollm2`."
+        description="HF hub id, a local path on the learner host (outside Echo2's own data directory, where "
+                    "other jobs' files are), or a built-in: `echo2:tiny`, `echo2:smollm2`."
     )
     task: TaskSpec
     dataset_id: Id | None = Field(None, description="Uploaded dataset to draw prompts from.")
