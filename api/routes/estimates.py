@@ -18,4 +18,5 @@ router = APIRouter(prefix="/v1", tags=["jobs"])
                          "rule would activate now; `assumptions` says what the figures assume.")
 def estimate_job(spec: JobSpec, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> JobEstimate:
     jobs.training_items(db, user, spec)
+    jobs.check_references(spec, settings)
     return estimate(db, spec, settings)

@@ -36,11 +36,7 @@ def create_job(
                 raise ApiError(422, "Idempotency-Key was already used with a different body", field="Idempotency-Key")
             return existing, False
     items, held_out = training_items(db, user, spec)
-    private = private_dir_of(spec.base_model, (settings.data_dir,))
-    if private is not None:  # the learner host refuses it too; here the user hears at once
-        raise ApiError(422, private_model_error(spec.base_model, private), field="base_model")
-    if settings.env == "production":
-        _check_task_url(spec)
+    check_references(spec, settings)
     if spec.learner.price_per_hour is None:
         spec.learner.price_per_hour = settings.learner_price_per_hour
     job = Job(
@@ -73,11 +69,16 @@ def create_job(
 Items = list[tuple[str, str | None]]
 
 
-def _check_task_url(spec: JobSpec) -> None:
-    """A task that calls the user's endpoint (http_reward, http_env) is called from inside the platform: in
-    production, only at public addresses, never at its own services or a cloud's metadata endpoint."""
+def check_references(spec: JobSpec, settings: Settings) -> None:
+    """What a spec points at on the platform's side: not a model folder inside Echo2's own data (the learner
+    host refuses it too; here the user hears at once), and, in production, a task endpoint (http_reward,
+    http_env: called from inside the platform) only at a public address, never at the platform's own
+    services or a cloud's metadata endpoint."""
+    private = private_dir_of(spec.base_model, (settings.data_dir,))
+    if private is not None:
+        raise ApiError(422, private_model_error(spec.base_model, private), field="base_model")
     url = (spec.task.params or {}).get("url")
-    if isinstance(url, str):
+    if settings.env == "production" and isinstance(url, str):
         check_public_url(url, "task.params.url", "the platform calls only public addresses for a job's task")
 
 

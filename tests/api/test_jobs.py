@@ -136,6 +136,7 @@ def test_a_base_model_inside_echo2s_own_data_is_refused(api, tmp_path):
     theirs.mkdir(parents=True)
     (tmp_path / "link").symlink_to(theirs)
     for ref in (str(theirs), str(tmp_path / "link"), f"{tmp_path}/../{tmp_path.name}/link"):
-        refused = alice.post("/v1/jobs", json=job_spec(base_model=ref))
-        assert refused.status_code == 422, refused.text
-        assert refused.json()["errors"][0]["field"] == "base_model" and "Echo2's own data" in refused.text
+        for route in ("/v1/jobs", "/v1/jobs:estimate"):
+            refused = alice.post(route, json=job_spec(base_model=ref))
+            assert refused.status_code == 422, refused.text
+            assert refused.json()["errors"][0]["field"] == "base_model" and "Echo2's own data" in refused.text
