@@ -56,6 +56,19 @@ def ready_model(api, client: httpx.Client) -> tuple[str, str]:
     return session, future["model_id"]
 
 
+def bob_waits_behind_alice(api) -> tuple[httpx.Client, httpx.Client, str, str, dict]:
+    """Alice's model loaded on h1, and Bob's new one waiting for a host: (Alice's client, Bob's, Alice's model,
+    Bob's session, the future of Bob's create_model)."""
+    _, alice = new_user(api)
+    _, bob = new_user(api, "bob")
+    a_client, b_client = sdk(api, key_of(alice)), sdk(api, key_of(bob))
+    _, model_a = ready_model(api, a_client)
+    session_b = ok(b_client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    created_b = ok(b_client.post("/api/v1/create_model", json={"session_id": session_b, "model_seq_id": 0,
+                                                               "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    return a_client, b_client, model_a, session_b, created_b
+
+
 def optim(client: httpx.Client, model_id: str, lr: float, key: str | None = None) -> dict:
     headers = {"X-Idempotency-Key": key} if key else {}
     return ok(client.post("/api/v1/optim_step", headers=headers,
@@ -254,13 +267,7 @@ def test_requests_a_host_ran_are_billed_at_its_price_and_failed_ones_cost_nothin
 
 
 def test_models_on_a_host_take_turns_and_a_users_backlog_is_bounded(api, monkeypatch):
-    _, alice = new_user(api)
-    _, bob = new_user(api, "bob")
-    a_client, b_client = sdk(api, key_of(alice)), sdk(api, key_of(bob))
-    _, model_a = ready_model(api, a_client)
-    session_b = ok(b_client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
-    ok(b_client.post("/api/v1/create_model", json={"session_id": session_b, "model_seq_id": 0,
-                                                   "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    a_client, b_client, model_a, _, _ = bob_waits_behind_alice(api)
     work = claim(api, holding=[model_a])["work"]
     model_b = work["model_id"]
     report(api, work, info=INFO)
@@ -308,13 +315,7 @@ def test_what_one_sample_request_or_batch_may_make_a_host_hold_is_bounded(api, m
 
 
 def test_an_idle_model_gives_its_slot_up_to_one_that_waits_and_comes_back_on_its_next_request(api, monkeypatch):
-    _, alice = new_user(api)
-    _, bob = new_user(api, "bob")
-    a_client, b_client = sdk(api, key_of(alice)), sdk(api, key_of(bob))
-    _, model_a = ready_model(api, a_client)
-    session_b = ok(b_client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
-    created_b = ok(b_client.post("/api/v1/create_model", json={"session_id": session_b, "model_seq_id": 0,
-                                                               "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    a_client, b_client, model_a, session_b, created_b = bob_waits_behind_alice(api)
     one_slot = claim(api, holding=[model_a], slots=1)
     assert one_slot["work"] is None and one_slot["park"] == []  # Alice's model has not been idle long enough
     assert retrieve(b_client, created_b["request_id"]).json()["queue_state"] == "paused_capacity"
@@ -357,13 +358,7 @@ def test_a_host_gone_mid_poll_is_given_nothing(api):
 
 
 def test_two_busy_models_of_one_slot_take_turns(api, monkeypatch):
-    _, alice = new_user(api)
-    _, bob = new_user(api, "bob")
-    a_client, b_client = sdk(api, key_of(alice)), sdk(api, key_of(bob))
-    _, model_a = ready_model(api, a_client)
-    session_b = ok(b_client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
-    created_b = ok(b_client.post("/api/v1/create_model", json={"session_id": session_b, "model_seq_id": 0,
-                                                               "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    a_client, b_client, model_a, session_b, created_b = bob_waits_behind_alice(api)
     alice_steps = [optim(a_client, model_a, 0.1)["request_id"] for _ in range(3)]
     work = claim(api, holding=[model_a], slots=1)["work"]  # Alice's model took its slot just now: hers still
     assert work["request_id"] == alice_steps[0]
