@@ -223,6 +223,9 @@ class Job(Base):
     estimate_usd: Mapped[float | None] = mapped_column(Float)
     # GiB a rollout worker must offer: spec.workers.memory_gb, or derived from the first version (modelinfo).
     memory_need_gb: Mapped[float | None] = mapped_column(Float)
+    # A Tinker model's fleet sampler (api/tinker/fleet.py): its versions are the model's sampler checkpoints,
+    # its prompts the sample requests on them; it has no learner of its own and no task.
+    tinker_model_id: Mapped[str | None] = mapped_column(String(96), index=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
     finished_at: Mapped[datetime | None]
@@ -244,6 +247,12 @@ class Prompt(Base):
     order_key: Mapped[int] = mapped_column(BigInteger)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     lease_id: Mapped[str | None] = mapped_column(String(32), index=True)
+    # A Tinker sample request's prompt (api/tinker/fleet.py): its tokens, its own sampling, the version (its
+    # checkpoint) it must be drawn with, and the request whose future its group answers.
+    token_ids: Mapped[list[Any] | None]
+    sampling: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
+    version: Mapped[int | None] = mapped_column(Integer)
+    request_id: Mapped[str | None] = mapped_column(String(40), index=True)
     __table_args__ = (
         UniqueConstraint("job_id", "index"),
         Index("ix_prompts_pool", "job_id", "state", "epoch", "order_key"),

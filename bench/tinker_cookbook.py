@@ -3,7 +3,8 @@
     COOKBOOK=1 scripts/setup_tinker_venv.sh      # tinker 0.38.0 + tinker-cookbook 0.6.1 in .venv-tinker
     python bench/tinker_cookbook.py              # 24 steps of 16 groups x 8 samples on SmolLM2-135M-Instruct
 
-`echo2-server up` (server/stack.py) with its Tinker learner host and no rollout workers; then the recipe,
+`echo2-server up` (server/stack.py) with its Tinker learner host and one local rollout worker (`--workers`),
+which draws the recipe's samples once the model's fleet job has it (docs/TINKER.md); then the recipe,
 `python -m tinker_cookbook.recipes.math_rl.train`, as a user runs it from .venv-tinker, changed only in its
 base URL and its model: SmolLM2-135M-Instruct by folder (the packaged GGUF converted once; nothing is
 downloaded). A folder names no renderer, so the renderer is named: SmolLM2 is a ChatML model, and
@@ -12,7 +13,8 @@ needs sampler-side provenance Echo2 does not record (docs/TINKER.md), so `import
 The recipe's addition problems are drawn fresh every batch; its reward is 1 for the right sum, minus
 0.1 for a missing stop token.
 Reported: the recipe's own per-step metrics (reward, fraction correct) from its metrics.jsonl, by blocks,
-and the first block against the last.
+and the first block against the last; and how many of its sample requests the worker fleet drew, how many
+the learner host, and how many groups the host audited.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main() -> None:
     p.add_argument("--max-tokens", type=int, default=8)
     p.add_argument("--block", type=int, default=5, help="steps per reported block")
     p.add_argument("--threads", type=int, default=2, help="torch threads of the Tinker host")
+    p.add_argument("--workers", type=int, default=1, help="local rollout workers (0: every sample on the host)")
     args = p.parse_args()
     _check_cookbook()
     model = _model()
@@ -53,7 +56,7 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="echo2-cookbook-"))
     exit_on_sigterm()
     settings = Settings(data_dir=work / ".echo2", port=free_port(), learner_threads=args.threads)
-    stack = Stack(settings, workers=0, tinker_slots=1).start()
+    stack = Stack(settings, workers=args.workers, tinker_slots=1).start()
     try:
         start = time.monotonic()
         _recipe(stack.url, stack.admin_key, model, args, work / "run")
@@ -61,6 +64,7 @@ def main() -> None:
     finally:
         stack.stop()
     _report(work / "run" / "metrics.jsonl", args.block, wall)
+    _who_sampled(settings.database_url)
 
 
 def _check_cookbook() -> None:
@@ -102,6 +106,21 @@ def _report(metrics: Path, block: int, wall: float) -> None:
     if len(reward) >= 2 * block:
         print(f"reward, first {block} steps {statistics.mean(reward[:block]):.3f} -> last {block} steps "
               f"{statistics.mean(reward[-block:]):.3f}")
+
+
+def _who_sampled(database_url: str) -> None:
+    from sqlalchemy import func, select
+
+    from api.db import Database
+    from api.tinker.models import TinkerRequest
+
+    with Database(database_url).session() as db:
+        audits = db.scalar(select(func.count()).where(TinkerRequest.kind == "audit", TinkerRequest.status == "done"))
+        samples = list(db.scalars(select(TinkerRequest.result).where(TinkerRequest.kind == "sample",
+                                                                      TinkerRequest.status == "done")))
+    fleet = sum(1 for r in samples if r and "worker" in r)
+    print(f"sample requests: {fleet} drawn by the worker fleet, {len(samples) - fleet} by the learner host; "
+          f"{audits} groups audited by the host")
 
 
 if __name__ == "__main__":

@@ -46,6 +46,7 @@ class Host:
                              give_up_after=300.0)
         self.http = Transport(server.rstrip("/"), headers={"Authorization": f"Bearer {api_key}"}, policy=policy)
         self.name, self.slots, self.work_dir, self.device = name, slots, work_dir, device
+        self.server = server.rstrip("/")
         self.models: dict[str, Any] = {}
         self.price_per_hour = price_per_hour
 
@@ -115,6 +116,8 @@ class Host:
             result = HostResult(**session.run(work.kind.value, work.payload))
             if work.kind is RequestKind.save_weights:  # a state to load again (load_weights), on this host's disk
                 session.save_state(self.state_path(work.model_id, work.payload["name"]))
+            if work.publish is not None:
+                result.published = self.publish(session, work)
             return result
         except (UserError, ValueError) as exc:
             return HostResult(error=str(exc)[:500], category=ErrorCategory.user)
@@ -122,6 +125,18 @@ class Host:
             log.exception("request %s (%s) failed", work.request_id, work.kind)
             return HostResult(error=f"learner host error: {type(exc).__name__}: {exc}"[:500],
                               category=ErrorCategory.server)
+
+    def publish(self, session: Any, work: HostWork) -> int | None:
+        """A sampler checkpoint to the model's fleet job. A failure costs the fleet this checkpoint, not the
+        request: its samples are drawn here instead."""
+        assert work.publish is not None
+        folder = self.work_dir / "fleet" / hashlib.sha256(work.model_id.encode()).hexdigest()[:32]
+        try:
+            return session.publish(work.publish, work.payload["name"], self.server, folder)
+        except Exception:  # noqa: BLE001 - logged; the control plane keeps sampling this checkpoint on the host
+            log.exception("publishing checkpoint %s of model %s for the fleet failed", work.payload["name"],
+                          work.model_id)
+            return None
 
     def _session(self, work: HostWork) -> Any:
         """The model `work` runs on: built (from a saved state, when its create_model names one), restored from

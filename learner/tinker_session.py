@@ -7,6 +7,8 @@ A checkpoint is a copy of the adapter's weights, kept in memory for as long as t
 sampling from it swaps it in for the duration of the sample. A model the control plane parks is saved to
 one file (`park`) and built again from it (`restore`): adapter, gradients, optimizer, checkpoints, steps.
 `save_state` writes the adapter and optimizer for `load_state`, into this model or a new one.
+`publish` sends a sampler checkpoint to the model's fleet job for rollout workers to sample from, and
+`audit` re-scores a group one of them drew (api/tinker/fleet.py).
 """
 
 from __future__ import annotations
@@ -17,13 +19,16 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from echo2.protocol import LoraConfig
+from echo2.protocol import LoraConfig, WeightsConfig
 from echo2.protocol.tinker import (
     AdamStep,
+    AuditPayload,
+    AuditVerdict,
     ForwardBackwardPayload,
     ForwardBackwardResult,
     ModelInfo,
     ModelSpec,
+    PublishOrder,
     SamplePayload,
     SampleResult,
     SavePayload,
@@ -31,9 +36,13 @@ from echo2.protocol.tinker import (
 )
 from echo2.snapshots import atomic_file
 
+from .audit import audit_group
 from .models import resolve_model, with_adapter
+from .publisher import Publisher
+from .remote import ControlPlane
 from .tinker_losses import datum_loss
 from .tinker_sampler import sample
+from .weights import LoraWeights
 
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass: bounds the logits held for the backward
 LORA_ALPHA = 32.0  # Tinker's own choice, so learning rates carry over from its docs and recipes
@@ -197,6 +206,14 @@ class TinkerSession:
                 for param, value in zip(self.params, current, strict=True):
                     param.copy_(value)
 
+    def _adapter_state(self) -> dict[str, torch.Tensor]:
+        """The adapter's own tensors, a CPU copy. Not peft's default, which with `lm_head` among the targets
+        also saves the (untrained) embedding matrix: 113 MB more per version for SmolLM2, which workers hold."""
+        from peft import get_peft_model_state_dict
+
+        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
+
     def park(self, path: Path) -> None:
         """Everything a later request needs, in one file: adapter, pending gradients, optimizer, checkpoints."""
         grads = [None if p.grad is None else p.grad.detach().cpu() for p in self.params]
@@ -261,7 +278,42 @@ class TinkerSession:
             return {"step": self.save(SavePayload.model_validate(payload))}
         if kind == "sample":
             return {"sample": self.sample([SamplePayload.model_validate(payload)])[0]}
+        if kind == "audit":
+            return {"audit": self.audit(AuditPayload.model_validate(payload))}
         raise UserError(f"unknown request kind {kind!r}")
+
+    def audit(self, payload: AuditPayload) -> AuditVerdict:
+        """Re-score a group a rollout worker drew for a fleet sample request under the checkpoint it claims
+        (learner/audit.py: the worker's logprobs, and how likely its tokens are under the model)."""
+        vocab = self.model.config.vocab_size
+        if max(payload.prompt) >= vocab or any(t >= vocab for tokens, _ in payload.samples for t in tokens):
+            return AuditVerdict(passed=False, reason=f"token ids outside the vocabulary (size {vocab})")
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.model.eval()
+        with self._weights(payload.checkpoint):
+            result = audit_group(self.model, payload.prompt, [(list(t), list(lp)) for t, lp in payload.samples],
+                                 temperature=payload.temperature, top_p=payload.top_p, top_k=payload.top_k,
+                                 pad_id=pad)
+        return AuditVerdict(passed=result.passed, reason=result.reason or "", stats=result.stats())
+
+    def publish(self, order: PublishOrder, checkpoint: str, server: str, work_dir: Path) -> int:
+        """Publish `checkpoint` (its adapter) as version `order.version` of the model's fleet job, after the
+        base model as version 0 when the job has none yet: the learner's publisher, with this model's weights."""
+        plane = ControlPlane(server, order.token, order.job_id)
+        weights = LoraWeights(self.model, self.tokenizer, torch.float32)
+        publisher = Publisher(plane, weights, work_dir, config=WeightsConfig(delta=False))
+        try:
+            if not order.base_published:
+                publisher.submit(0, 0, {})  # version 0 is the base: its weights are read from the model
+                publisher.wait()
+            with self._weights(checkpoint):
+                state = self._adapter_state()
+            publisher.submit(order.version, order.version, state)
+            publisher.wait()
+        finally:
+            publisher.close()
+            plane.close()
+        return order.version
 
 
 def _write(path: Path, state: dict[str, Any]) -> None:

@@ -38,6 +38,7 @@ from api.services.learning import issue_learner_token
 from api.services.pool import expire_leases
 from api.services.trust import release_quarantines
 from api.settings import Settings
+from api.tinker import fleet as tinker_fleet
 from planner.capacity import DEFAULT_T_TRAIN_S, JobProfile, WorkerPerf, WorkerProfile, required_throughput
 from planner.decision import Action, SolverConfig, SolverState, WorkerDecision
 from planner.solver import decide
@@ -78,7 +79,9 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
         _enforce_budget(db, job)
         _close_orphan(db, job, settings, now)
     queue.apply_daily_quotas(db, jobs, now)
-    report.launched = _launch(db, settings, [j for j in jobs if j.status in UNPAUSED], now)
+    # A Tinker fleet job has no learner of its own: the Tinker learner host publishes its versions.
+    report.launched = _launch(db, settings, [j for j in jobs if j.status in UNPAUSED and j.tinker_model_id is None],
+                              now)
     db.flush()
     report.activated, report.deactivated = _activate(db, settings, now)
     db.commit()
@@ -217,7 +220,10 @@ def _job_profile(db: Session, job: Job) -> JobProfile:
     recent = list(db.scalars(select(StepMetric.t_train_s).where(StepMetric.job_id == job.id)
                              .order_by(StepMetric.step.desc()).limit(5)))
     t_train = sum(recent) / len(recent) if recent else DEFAULT_T_TRAIN_S
-    return JobProfile(job_id=job.id, rollouts_per_step=spec.grpo.prompts_per_step, t_train_s=max(t_train, 1e-3),
+    rollouts = spec.grpo.prompts_per_step
+    if job.tinker_model_id is not None:  # a sampler's need: the groups asked for over the last minute
+        rollouts, t_train = tinker_fleet.demand(db, job), tinker_fleet.DEMAND_WINDOW_S
+    return JobProfile(job_id=job.id, rollouts_per_step=rollouts, t_train_s=max(t_train, 1e-3),
                       staleness=spec.staleness, publish_period=spec.publish_period, priority=spec.priority,
                       submitted_at=job.created_at.timestamp(), vram_need_gb=job.memory_need_gb or 0.0,
                       backends=frozenset(b.value for b in spec.workers.backends))

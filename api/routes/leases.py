@@ -23,6 +23,8 @@ from ..errors import ApiError
 from ..models import Job, Lease, Worker, utcnow
 from ..services import admission, episodes, notices, pool, trust
 from ..services.jobs import sampling_of, spec_of
+from ..tinker import fleet as tinker_fleet
+from ..tinker import service as tinker_service
 
 router = APIRouter(prefix="/v1", tags=["leases"])
 
@@ -80,9 +82,15 @@ def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, d
     if lease.status == LeaseStatus.active and lease.expires_at < utcnow():
         pool.end_lease(db, lease, LeaseStatus.expired)
     results = admission.submit_groups(db, job, lease, worker, body.groups, settings)
+    answered, audits = tinker_fleet.after_submit(db, job, lease, settings) if job.tinker_model_id else ([], False)
     db.commit()
+    announcer = request.app.state.announcer
     if any(r.status is RolloutStatus.accepted for r in results):  # a learner waiting to claim hears at once
-        request.app.state.announcer.announce(notices.rollouts(job.id))
+        announcer.announce(notices.rollouts(job.id))
+    for request_id in answered:  # a Tinker client waiting on its future hears at once
+        announcer.announce(tinker_service.request_key(request_id))
+    if audits:
+        announcer.announce(tinker_service.HOSTS_KEY)
     return RolloutSubmitResult(results=results)
 
 

@@ -26,6 +26,7 @@ from echo2.protocol import (
     GroupSubmit,
     JobSpec,
     LeaseStatus,
+    PromptSampling,
     RejectKind,
     RolloutStatus,
     SampleSubmit,
@@ -64,7 +65,7 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
             results.append(GroupResult(prompt_id=group.prompt_id, rollout_id=None, status=RolloutStatus.rejected,
                                        reason="prompt is not part of this lease"))
             continue
-        reason, kind = _rejection(job, spec, lease, group)
+        reason, kind = _rejection(db, job, spec, lease, group)
         rewards = None
         if reason is None and (bounds := episodes.limits(job)) is not None:
             reason, kind, rewards = _episodes_rejection(db, lease, group, bounds)
@@ -90,12 +91,13 @@ def _refuse_all(rows: list[dict[str, Any]], results: list[GroupResult], reason: 
             by_id[row["id"]].status, by_id[row["id"]].reason = RolloutStatus.rejected, reason
 
 
-def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> tuple[str | None, RejectKind | None]:
+def _rejection(db: Session, job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit
+               ) -> tuple[str | None, RejectKind | None]:
     if lease.status != LeaseStatus.active:
         return f"lease is {lease.status}", RejectKind.lease_ended
     if _of_lease(spec, lease, group) and group.version <= job.step and not spec.admissible(job.step, group.version):
         return f"stale: step {job.step} - version {group.version} > S={spec.staleness}", RejectKind.stale_at_submit
-    problem = _invalid(job, spec, lease, group)
+    problem = _invalid(db, job, spec, lease, group)
     return (problem, RejectKind.invalid) if problem else (None, None)
 
 
@@ -113,9 +115,9 @@ def _episodes_rejection(db: Session, lease: Lease, group: GroupSubmit, bounds: E
     return reason, RejectKind.invalid, None
 
 
-def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> str | None:
-    """Why the group cannot be a real sample of the leased version under the job's settings, or None."""
-    g = spec.grpo
+def _invalid(db: Session, job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> str | None:
+    """Why the group cannot be a real sample of the leased version under the job's settings (or its prompt's
+    own, for a Tinker request: api/tinker/fleet.py), or None."""
     if not _of_lease(spec, lease, group):
         newer = " or, with partial rollouts, a later one" if spec.partial_rollouts else ""
         return f"version {group.version} differs from the leased version {lease.version}{newer}"
@@ -124,15 +126,40 @@ def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> str |
     problem = _invalid_versions(job, spec, group)
     if problem:
         return problem
-    if len(group.samples) != g.group_size:
-        return f"group has {len(group.samples)} samples, the job's group size is {g.group_size}"
+    prompt = db.get(Prompt, group.prompt_id)
+    own = PromptSampling.model_validate(prompt.sampling) if prompt is not None and prompt.sampling else None
+    if own is not None and (problem := _unlike_request(prompt, own, group)):
+        return problem
+    size, max_new = (own.n, own.max_tokens) if own else (spec.grpo.group_size, spec.grpo.max_new_tokens)
+    if len(group.samples) != size:
+        return f"group has {len(group.samples)} samples, but {size} were asked for (the group size)"
     vocab = job.vocab_size
     if vocab is not None and max(group.prompt_token_ids) >= vocab:
         return f"prompt token id {max(group.prompt_token_ids)} is outside the vocabulary (size {vocab})"
+    stops = set(own.stop_token_ids) if own and own.stop_token_ids is not None else set(job.eos_token_ids or ())
     for k, sample in enumerate(group.samples):
-        problem = _invalid_sample(sample, g.max_new_tokens, vocab, set(job.eos_token_ids or ()))
+        problem = _invalid_sample(sample, max_new, vocab, stops)
         if problem:
             return f"sample {k}: {problem}"
+    return None
+
+
+def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit) -> str | None:
+    """A prompt with its own sampling (a Tinker request) must be drawn from exactly its tokens, with its
+    version, one turn of it, and stop where the request says."""
+    if group.version != prompt.version:
+        return f"drawn with version {group.version}, but the request is for version {prompt.version}"
+    if group.prompt_token_ids != prompt.token_ids:
+        return "prompt_token_ids differ from the leased prompt's token_ids"
+    for k, sample in enumerate(group.samples):
+        if sample.turns is not None or sample.versions is not None:
+            return f"sample {k}: a Tinker sample is one turn of one version"
+        stops = own.stop_token_ids
+        early = [i for i, t in enumerate(sample.token_ids[:-1]) if stops is not None and t in stops]
+        if early:
+            return f"sample {k}: it goes on past the stop token at position {early[0]}"
+        if sample.finish_reason == "stop" and stops == []:
+            return f"sample {k}: finish_reason is stop, but the request has no stop tokens"
     return None
 
 

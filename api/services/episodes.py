@@ -43,7 +43,9 @@ MAX_OBSERVATION_TOKENS = 512  # one environment reply; a longer one ends its epi
 
 
 def limits(job: Job) -> EpisodeLimits | None:
-    """The episode bounds of a multi-turn job; None for a single-turn one."""
+    """The episode bounds of a multi-turn job; None for a single-turn one (and a Tinker fleet job, taskless)."""
+    if job.tinker_model_id is not None:
+        return None
     spec = spec_of(job)
     task = get_task(spec.task.name)
     if not task.multi_turn:

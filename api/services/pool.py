@@ -96,9 +96,9 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
         raise ApiError(409, f"no room: the groups queued and in flight already cover what the learner can train "
                        f"before version {version} goes stale (S={spec.staleness}); retry after its next step",
                        headers=_retry_after(wait))
-    chosen = _take_available(db, job, min(max_prompts, room))
-    if not chosen and _start_next_epoch(db, job, spec.seed):
-        chosen = _take_available(db, job, min(max_prompts, room))
+    chosen = _take_available(db, job, min(max_prompts, room), version)
+    if not chosen and job.tinker_model_id is None and _start_next_epoch(db, job, spec.seed):
+        chosen = _take_available(db, job, min(max_prompts, room), version)
     if not chosen:
         raise ApiError(409, "no prompts available right now: all are leased or awaiting training; retry later",
                        headers=_retry_after(_step_period_s(db, job)))
@@ -115,7 +115,10 @@ def lease_room(db: Session, job: Job, spec: JobSpec, version: int) -> int:
     the steps left until then (t .. x + S) times R, less what this step and the next have claimed and
     what is queued or leased already with a version still admissible (all of which the learner takes
     first: it claims oldest first). Leasing beyond this only makes groups that arrive too late — the
-    staleness contract."""
+    staleness contract. A Tinker fleet job's prompts each ask for one version (api/tinker/fleet.py): no
+    staleness to run out, so the pool alone bounds a lease."""
+    if job.tinker_model_id is not None:
+        return 256
     steps_left = version + spec.staleness - job.step + 1
     oldest = spec.oldest_admissible(job.step)  # what is already too stale will be rejected, not trained
     taken = db.execute(select(
@@ -155,12 +158,14 @@ def _check_version(job: Job, worker: Worker, version: int, spec: JobSpec) -> Non
                        "in versions_held first", field="version")
 
 
-def _take_available(db: Session, job: Job, limit: int) -> list[Prompt]:
+def _take_available(db: Session, job: Job, limit: int, version: int) -> list[Prompt]:
     # Pure function of the job's state: lowest (epoch, seeded order key) first. On PostgreSQL,
     # SKIP LOCKED lets concurrent claimers take disjoint rows; on SQLite the transaction holds the lock.
+    # A prompt that asks for a version (a Tinker request) goes only to a lease of that version.
     query = (
         select(Prompt)
-        .where(Prompt.job_id == job.id, Prompt.state == "available")
+        .where(Prompt.job_id == job.id, Prompt.state == "available",
+               Prompt.version.is_(None) | (Prompt.version == version))
         .order_by(Prompt.epoch, Prompt.order_key)
         .limit(limit)
         .with_for_update(skip_locked=True)
@@ -188,6 +193,7 @@ def leased_prompts(db: Session, lease: Lease, job: Job) -> list[dict[str, object
     spec = spec_of(job)
     prompts = db.scalars(select(Prompt).where(Prompt.id.in_(lease.prompt_ids)).order_by(Prompt.epoch, Prompt.order_key))
     return [
-        {"prompt_id": p.id, "text": p.text, "seed": prompt_seed(spec.seed, job.id, p.index, p.epoch)}
+        {"prompt_id": p.id, "text": p.text, "seed": prompt_seed(spec.seed, job.id, p.index, p.epoch),
+         **({"token_ids": p.token_ids, "sampling": p.sampling} if p.request_id else {})}
         for p in prompts
     ]

@@ -85,6 +85,9 @@ def _state_path(load: dict[str, Any]) -> str:
 
 
 def _try_again(row: TinkerRequest, model: TinkerModel) -> dict[str, Any]:
+    if row.status == RequestStatus.fleet.value:
+        return {"type": "try_again", "request_id": row.id, "queue_state": "active",
+                "queue_state_reason": "a rollout worker is drawing these samples"}
     if model.host is None and model.status == ModelStatus.pending.value:
         return {"type": "try_again", "request_id": row.id, "queue_state": "paused_capacity",
                 "queue_state_reason": "waiting for a Tinker learner host to load this model"}

@@ -34,9 +34,9 @@ from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from ..db import Database
-from ..deps import SessionDep
+from ..deps import SessionDep, SettingsDep
 from ..models import utcnow
-from . import service
+from . import fleet, service
 from .deps import ApiKey, Bell, HostUser, require_host, user_of
 from .models import TinkerHost, TinkerModel, TinkerRequest, TinkerSession
 from .sampling import MAX_SAMPLE_TOKENS
@@ -237,19 +237,22 @@ def _start(db: Session, row: TinkerRequest) -> HostWork:
     if restore or row.kind == RequestKind.create_model.value:
         model.slot_at = row.started_at
     lora = TinkerLora(**model.lora) if model.lora else None
+    publish = fleet.publish_order(db, model) if row.kind == RequestKind.save_weights_for_sampler.value else None
     return HostWork(request_id=row.id, model_id=model.id, kind=RequestKind(row.kind),
-                    model=ModelSpec(base_model=model.base_model, lora=lora), payload=row.payload, restore=restore)
+                    model=ModelSpec(base_model=model.base_model, lora=lora), payload=row.payload, restore=restore,
+                    publish=publish)
 
 
 @router.post("/requests/{request_id}/result")
-def report(request_id: str, body: HostResult, user: HostUser, db: SessionDep, bell: Bell,
+def report(request_id: str, body: HostResult, user: HostUser, db: SessionDep, bell: Bell, settings: SettingsDep,
            host: str = Query(max_length=128)) -> dict[str, bool]:
     """Store a request's outcome; one the control plane already failed (its session ended) is ignored."""
     row = db.get(TinkerRequest, request_id, with_for_update=True)
     model = db.get(TinkerModel, row.model_id) if row is not None else None
     if row is None or model is None or model.host != host or row.status != RequestStatus.running.value:
         return {"accepted": False}
-    service.record_result(db, row, body, host)
+    answered = service.record_result(db, row, body, host, settings)
     db.commit()
-    bell.announce(service.request_key(row.id))
+    for request in (row.id, *answered):
+        bell.announce(service.request_key(request))
     return {"accepted": True}

@@ -61,6 +61,7 @@ class TinkerCheckpoint(Base):
     kind: Mapped[str] = mapped_column(String(16))  # "sampler" | "training"
     step: Mapped[int] = mapped_column(Integer)
     host: Mapped[str | None] = mapped_column(String(128))  # a "training" state: the host whose disk holds it
+    version: Mapped[int | None] = mapped_column(Integer)  # a sampler's: its version in the model's fleet job
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

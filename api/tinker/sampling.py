@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from echo2.protocol.tinker import RequestKind, SampleParams, SamplePayload
+from echo2.protocol.tinker import RequestKind, RequestStatus, SampleParams, SamplePayload
 from fastapi import APIRouter
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 
 from ..deps import SessionDep
 from ..errors import ApiError
-from . import service
+from . import fleet, service
 from .deps import Bell, IdempotencyKey, TinkerUser
 from .models import TinkerSampler
 from .schemas import CreateSamplingSessionRequest, SampleRequest, SamplingParams
@@ -68,6 +68,8 @@ def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: Idempote
     payload = _payload(body, sampler.checkpoint)
     _check_size(payload, model.info.get("max_context_length"))
     row = service.enqueue(db, model, RequestKind.sample, payload.model_dump(mode="json"), key)
+    if row.status == RequestStatus.pending.value and (target := fleet.fleet_job_for(db, sampler, payload)):
+        fleet.add_prompt(db, *target, row, payload)
     db.commit()
     bell.announce(service.HOSTS_KEY)
     ids = [f"{row.id}:{k}" for k in range(body.num_samples)]

@@ -25,14 +25,16 @@ from sqlalchemy.orm import Session
 
 from ..errors import ApiError
 from ..models import utcnow
-from . import usage
+from ..settings import Settings
+from . import fleet, usage
 from .models import TinkerCheckpoint, TinkerHost, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession
 
 BUILTINS = ("echo2:tiny", "echo2:smollm2")
 HOST_DEAD_AFTER_S = 60.0
 SESSION_EXPIRES_AFTER_S = 300.0  # the SDK heartbeats every 10 s
-UNFINISHED = (RequestStatus.pending.value, RequestStatus.running.value)
-BULKY = (RequestKind.forward.value, RequestKind.forward_backward.value, RequestKind.sample.value)
+UNFINISHED = (RequestStatus.pending.value, RequestStatus.running.value, RequestStatus.fleet.value)
+BULKY = (RequestKind.forward.value, RequestKind.forward_backward.value, RequestKind.sample.value,
+         RequestKind.audit.value)
 MAX_UNFINISHED = 512  # requests one user may have queued or running at once
 HOSTS_KEY = "tinker/hosts"  # announced when work is queued: hosts waiting in a claim look at once
 
@@ -99,15 +101,17 @@ def new_model(db: Session, session: TinkerSession, model_id: str, kind: str, bas
 
 
 def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
-            idempotency_key: str | None) -> TinkerRequest:
-    """The request's future; a retried POST (same Idempotency-Key) gets the future of its first attempt."""
+            idempotency_key: str | None, bounded: bool = True) -> TinkerRequest:
+    """The request's future; a retried POST (same Idempotency-Key) gets the future of its first attempt.
+    `bounded=False`: the platform's own request (an audit), which the user's backlog does not limit."""
     # Lock the model row: two requests of one model never take the same seq, and a retry that arrives while
     # its first attempt is still in flight waits for it here, then finds it.
     db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update())
     earlier = _earlier(db, model.owner_id, idempotency_key)
     if earlier is not None:
         return earlier
-    _check_backlog(db, model.owner_id)
+    if bounded:
+        _check_backlog(db, model.owner_id)
     last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id))
     row = TinkerRequest(owner_id=model.owner_id, model_id=model.id, kind=kind.value, seq=(last or 0) + 1,
                         payload=payload, idempotency_key=idempotency_key or None)
@@ -179,6 +183,7 @@ def finish_session(db: Session, session: TinkerSession, reason: str) -> None:
     session.status, session.finish_reason, session.finished_at = SessionStatus.finished.value, reason, utcnow()
     models = select(TinkerModel.id).where(TinkerModel.session_id == session.id)
     _fail_requests(db, TinkerRequest.model_id.in_(models), f"the session ended ({reason})", ErrorCategory.user)
+    fleet.end_jobs(db, models, f"its Tinker session ended ({reason})")
 
 
 def _fail_requests(db: Session, where, error: str, category: ErrorCategory) -> None:  # type: ignore[no-untyped-def]
@@ -190,6 +195,7 @@ def _fail_requests(db: Session, where, error: str, category: ErrorCategory) -> N
 def fail_model(db: Session, model: TinkerModel, error: str, category: ErrorCategory) -> None:
     model.status, model.error = ModelStatus.failed.value, error[:1024]
     _fail_requests(db, TinkerRequest.model_id == model.id, error, category)
+    fleet.end_jobs(db, [model.id], f"its Tinker model failed: {error}"[:512])
 
 
 def sweep(db: Session) -> None:
@@ -205,14 +211,20 @@ def sweep(db: Session) -> None:
                                                       TinkerModel.status != ModelStatus.failed.value)):
         fail_model(db, model, f"its learner host {model.host} stopped answering; create a new client",
                    ErrorCategory.server)
+    fleet.sweep(db)
 
 
-def record_result(db: Session, request: TinkerRequest, result: HostResult, host: str) -> None:
-    """Store a host's outcome: the request is done (and billed) or failed, and what it made exists from now on."""
+def record_result(db: Session, request: TinkerRequest, result: HostResult, host: str,
+                  settings: Settings) -> list[str]:
+    """Store a host's outcome: the request is done (and billed) or failed, and what it made exists from now on.
+    Returns the other requests it answered (an audit's fleet sample request)."""
     model = db.get(TinkerModel, request.model_id)
     assert model is not None
     request.finished_at = utcnow()
-    if result.error is None:
+    answered = []
+    if request.kind == RequestKind.audit.value:
+        answered = fleet.audited(db, request, result.audit if result.error is None else None, settings)
+    if result.error is None and request.kind != RequestKind.audit.value:  # an audit is the platform's cost
         usage.bill(db, request, model, host, result)
     if request.kind in BULKY:  # the tokens are not needed once run: only the result is kept
         request.payload = {}
@@ -220,7 +232,7 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult, host:
         request.status, request.error, request.category = RequestStatus.failed.value, result.error, result.category
         if request.kind == RequestKind.create_model.value:
             fail_model(db, model, result.error, result.category)
-        return
+        return answered
     request.status = RequestStatus.done.value
     request.result = result.model_dump(mode="json", exclude_none=True, exclude={"category", "seconds"})
     if request.kind == RequestKind.create_model.value and result.info is not None:
@@ -230,4 +242,6 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult, host:
         checkpoint = db.get(TinkerCheckpoint, (model.id, name)) or TinkerCheckpoint(model_id=model.id, name=name)
         checkpoint.kind, checkpoint.step = kind, result.step or 0
         checkpoint.host = host if kind == "training" else None  # a state loads only where it was saved
+        checkpoint.version = result.published
         db.add(checkpoint)
+    return answered

@@ -20,6 +20,10 @@ HOST_PRICE = 3.6  # $/h: a cent per 10 s of compute
 
 @pytest.fixture(scope="session")
 def tinker_python() -> Path:
+    return tinker_sdk_python()
+
+
+def tinker_sdk_python() -> Path:
     """The interpreter of the venv holding the official `tinker` SDK (scripts/setup_tinker_venv.sh)."""
     # Skipped where the venv is absent; in CI (scripts/test.sh builds it) a missing SDK is a failure.
     missing = pytest.fail if os.environ.get("CI") == "true" else pytest.skip

@@ -8,7 +8,15 @@ from __future__ import annotations
 import time
 
 from echo2.prompting import encode_prompt
-from echo2.protocol import MIN_LOGPROB, EpisodeLimits, GroupSubmit, LeasedPrompt, LeaseRead, SampleSubmit
+from echo2.protocol import (
+    MIN_LOGPROB,
+    EpisodeLimits,
+    GroupSubmit,
+    LeasedPrompt,
+    LeaseRead,
+    SampleSubmit,
+    SamplingParams,
+)
 from echo2.seeds import sample_seed
 
 from . import episodes
@@ -30,14 +38,10 @@ class Generator:
         backend = self.versions.backend
         assert backend is not None
         sampling, version = lease.sampling, lease.version
-        g = sampling.group_size
-        prompt_ids = [encode_prompt(self.versions.tokenizer, p.text) for p in prompts]
+        prompt_ids = [p.token_ids or encode_prompt(self.versions.tokenizer, p.text) for p in prompts]
         if lease.episode is not None:
             return self._play(prompts, prompt_ids, lease, lease.episode)
-        requests = [GenRequest(prompt_token_ids=ids, n=g, seeds=[sample_seed(p.seed, k) for k in range(g)],
-                               max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                               top_p=sampling.top_p, top_k=sampling.top_k)
-                    for p, ids in zip(prompts, prompt_ids, strict=True)]
+        requests = [_request(p, ids, sampling) for p, ids in zip(prompts, prompt_ids, strict=True)]
         t0 = time.monotonic()
         outputs = self.partial.generate(requests) if sampling.partial_rollouts else backend.generate(requests)
         seconds = time.monotonic() - t0
@@ -60,6 +64,19 @@ class Generator:
         return [GroupSubmit(prompt_id=p.prompt_id, version=lease.version, prompt_token_ids=ids, samples=samples,
                             gen_seconds=round(seconds / len(prompts), 4))
                 for p, ids, samples in zip(prompts, prompt_ids, groups, strict=True)]
+
+
+def _request(prompt: LeasedPrompt, ids: list[int], sampling: SamplingParams) -> GenRequest:
+    """A prompt's generation: the lease's sampling, or the prompt's own (a Tinker request)."""
+    own = prompt.sampling
+    if own is None:
+        g = sampling.group_size
+        return GenRequest(prompt_token_ids=ids, n=g, seeds=[sample_seed(prompt.seed, k) for k in range(g)],
+                          max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
+                          top_p=sampling.top_p, top_k=sampling.top_k)
+    return GenRequest(prompt_token_ids=ids, n=own.n, seeds=[sample_seed(prompt.seed, k) for k in range(own.n)],
+                      max_new_tokens=own.max_tokens, temperature=own.temperature, top_p=own.top_p, top_k=own.top_k,
+                      stop_token_ids=own.stop_token_ids or [], stop_at_eos=own.stop_token_ids is None)
 
 
 def _sample(s: GenSample) -> SampleSubmit:

@@ -18,10 +18,27 @@ class LeaseRequest(Model):
     version: Version = Field(description="The weight version the worker holds and will generate with.")
 
 
+class PromptSampling(ReadModel):
+    """A Tinker sample request's own sampling, which its prompt's group follows instead of the lease's."""
+
+    n: int = Field(description="Samples in the group.")
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int = Field(description="0: no top-k.")
+    stop_token_ids: list[int] | None = Field(
+        description="Stop at exactly these tokens (kept), and not at end-of-sequence unless listed; "
+                    "null: at the model's end-of-sequence tokens; []: never before max_tokens.")
+
+
 class LeasedPrompt(ReadModel):
     prompt_id: int
     text: str
     seed: int = Field(description="Base seed; sample k uses echo2.seeds.sample_seed(seed, k).")
+    token_ids: list[int] | None = Field(None, description="A Tinker prompt: generate after exactly these tokens "
+                                        "(no tokenising, no chat template); `text` is empty.")
+    sampling: PromptSampling | None = Field(None, description="This prompt's own sampling (a Tinker request), "
+                                            "instead of the lease's.")
 
 
 class EpisodeLimits(ReadModel):
@@ -188,7 +205,8 @@ class RolloutRead(ReadModel):
     reason: str | None
     reject_kind: RejectKind | None = Field(None, description="Why it was rejected, as a code.")
     fault: Fault | None = Field(None, description="Whose fault a rejection is (worker, late, platform).")
-    audit: str | None = Field(None, description="`passed` or `failed` when the learner audited this group.")
+    audit: str | None = Field(None, description="`passed` or `failed` when the learner audited this group; "
+                              "`pending` while a Tinker learner host audits a group drawn for a Tinker request.")
     trained_step: int | None
     completions: list[str] = Field(description="Each sample's tokens as decoded by the platform with the job's "
                                    "tokenizer (never the text a worker sent).")

@@ -41,6 +41,7 @@ class ModelStatus(StrEnum):
 class RequestStatus(StrEnum):
     pending = "pending"
     running = "running"
+    fleet = "fleet"  # drawn by the worker fleet (api/tinker/fleet.py); the host runs it only as a fallback
     done = "done"
     failed = "failed"
 
@@ -57,6 +58,7 @@ class RequestKind(StrEnum):
     save_weights_for_sampler = "save_weights_for_sampler"
     load_weights = "load_weights"
     sample = "sample"
+    audit = "audit"  # the platform's own: re-score a group a worker drew for a fleet sample request
 
 
 class ErrorCategory(StrEnum):
@@ -157,6 +159,16 @@ class HostClaim(Model):
                                   "($): each request it runs is billed its compute seconds at this price.")
 
 
+class PublishOrder(ReadModel):
+    """Where a sampler checkpoint goes for the worker fleet: version `version` of job `job_id`, published with
+    its learner token like a learner's; the base model first, as version 0, when the job has none yet."""
+
+    job_id: str
+    token: str
+    version: int = Field(ge=1)
+    base_published: bool
+
+
 class HostWork(ReadModel):
     """The next request for the host, with the model it runs on (to load it first if it is new)."""
 
@@ -166,6 +178,26 @@ class HostWork(ReadModel):
     model: ModelSpec
     payload: dict[str, Any]
     restore: bool = Field(False, description="The model is parked on this host: load its parked state first.")
+    publish: PublishOrder | None = Field(None, description="A save_weights_for_sampler: also publish the checkpoint "
+                                         "as this version of the model's fleet job, for workers to sample from.")
+
+
+class AuditPayload(Model):
+    """A group a worker drew for a fleet sample request, to re-score under the checkpoint it claims."""
+
+    checkpoint: CheckpointName
+    rollout_id: Annotated[str, StringConstraints(max_length=40)]
+    prompt: list[TokenId] = Field(min_length=1, max_length=MAX_TOKENS)
+    samples: list[tuple[list[TokenId], list[Logprob]]] = Field(min_length=1, max_length=128)
+    temperature: float = Field(gt=0, le=100)
+    top_p: float = Field(gt=0, le=1)
+    top_k: int = Field(ge=0, le=1_000_000)
+
+
+class AuditVerdict(Model):
+    passed: bool
+    reason: ShortText = ""
+    stats: dict[Annotated[str, StringConstraints(max_length=64)], Value] = Field(default_factory=dict, max_length=16)
 
 
 class HostWorkReply(ReadModel):
@@ -211,6 +243,8 @@ class HostResult(Model):
     metrics: dict[Annotated[str, StringConstraints(max_length=64)], Value] | None = Field(None, max_length=64)
     step: int | None = Field(None, ge=0, le=10_000_000)
     sample: SampleResult | None = None
+    audit: AuditVerdict | None = None
+    published: int | None = Field(None, ge=1, description="The fleet version a save_weights_for_sampler published.")
     error: ShortText | None = None
     category: ErrorCategory = ErrorCategory.server
     seconds: float | None = Field(None, ge=0, le=86_400, description="The host's compute time for this request "

@@ -38,6 +38,8 @@ class GenRequest:
     # Generation ends (finish_reason "stop") at the model's eos ids (see model_eos_token_ids) or at
     # any of these extra ids; the stopping token is kept in token_ids (and has a logprob).
     stop_token_ids: list[int] = field(default_factory=list)
+    # False: stop only at stop_token_ids, not at the model's eos (a Tinker request that names its stop tokens).
+    stop_at_eos: bool = True
 
     def __post_init__(self) -> None:
         if self.n < 1:

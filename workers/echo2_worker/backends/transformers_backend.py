@@ -185,7 +185,7 @@ class TransformersBackend(GenerationBackend):
 
         flat = [(r, seed) for r in requests for seed in r.seeds]
         sampler = _RowSampler(flat, device)
-        stops = [self._eos_ids | set(r.stop_token_ids) for r, _ in flat]
+        stops = [(self._eos_ids if r.stop_at_eos else set()) | set(r.stop_token_ids) for r, _ in flat]
         limits = [r.max_new_tokens for r, _ in flat]
         tokens: list[list[int]] = [[] for _ in flat]
         logprobs: list[list[float]] = [[] for _ in flat]

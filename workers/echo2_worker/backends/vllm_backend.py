@@ -158,7 +158,7 @@ class VLLMBackend(GenerationBackend):
             return []
         prompts, params = [], []
         for r in requests:
-            stops = sorted(self._eos_ids | set(r.stop_token_ids))
+            stops = sorted((self._eos_ids if r.stop_at_eos else set()) | set(r.stop_token_ids))
             for seed in r.seeds:
                 prompts.append(TokensPrompt(prompt_token_ids=list(r.prompt_token_ids)))
                 params.append(
@@ -170,6 +170,7 @@ class VLLMBackend(GenerationBackend):
                         top_k=r.top_k,
                         max_tokens=r.max_new_tokens,
                         stop_token_ids=stops,
+                        ignore_eos=not r.stop_at_eos,
                         logprobs=0,  # just the sampled token's value
                         skip_special_tokens=True,
                         # text = decode(token_ids) like the transformers backend, stop token included

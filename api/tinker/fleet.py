@@ -1,0 +1,236 @@
+"""Sampling on the worker fleet: a Tinker training model's sampler checkpoints served by rollout workers.
+
+A LoRA training model gets a **fleet job** at its first `save_weights_for_sampler`: an Echo2 job with no
+learner and no task (`Job.tinker_model_id`), whose version 0 is the base model and whose later versions are
+the model's sampler checkpoints, published by the learner host like a LoRA learner's adapters. The
+scheduler staffs it by the capacity rule like any job (its demand: the groups asked for in the last minute),
+and workers fetch its versions through the relay.
+
+An `asample` on the newest checkpoint, while a worker serves the job, becomes a prompt of that job: the
+request's token ids, its own sampling, the version it must be drawn with, the request it answers (its future
+waits in status `fleet`, which the host does not claim). A worker leases it, draws the group and submits it;
+the door checks it as it checks any group, against the request's own parameters. An accepted group answers
+the future at once, unless the worker's trust asks for an audit (api/services/trust.py: every group of a new
+or suspect worker, a sampled share of a trusted one's): then the host re-scores it under the checkpoint first
+(learner/audit.py, an `audit` request on the model), and a group that fails goes back to the pool while its
+sender takes a strike. A delivered group is `trained`, so billing pays its worker (scheduler/billing.py).
+
+Nothing waits on the fleet forever: a request no worker has drawn FLEET_WAIT_S after it was asked, one whose
+checkpoint is no longer the newest, and any whose job ended, are sampled by the host (`sweep`).
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from echo2.protocol import (
+    GRPOConfig,
+    JobSpec,
+    JobStatus,
+    LoraConfig,
+    PromptSampling,
+    RejectKind,
+    RolloutStatus,
+    TaskSpec,
+    WorkerStatus,
+)
+from echo2.protocol.tinker import (
+    AuditPayload,
+    AuditVerdict,
+    PublishOrder,
+    RequestKind,
+    RequestStatus,
+    SampledSequence,
+    SamplePayload,
+    SampleResult,
+)
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ..models import Audit, Job, Lease, Prompt, Rollout, Worker, utcnow
+from ..services import trust
+from ..services.learning import issue_learner_token
+from ..services.pool import return_prompts
+from ..settings import Settings
+from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler
+
+FLEET_WAIT_S = 30.0  # a fleet request no worker has drawn by then is sampled by the host
+TO_HOST = "host"  # a prompt state: its request went to the host, so no worker leases it
+DEMAND_WINDOW_S = 60.0
+MAX_GROUP, MAX_SAMPLE = 64, 16_384  # what a worker may submit in one group (echo2.protocol.GroupSubmit)
+
+
+def publish_order(db: Session, model: TinkerModel) -> PublishOrder | None:
+    """What a save_weights_for_sampler of a LoRA training model publishes: the next version of its fleet job
+    (made now if it has none), with a fresh learner token."""
+    if model.kind != "train" or not model.lora or model.status == "failed":
+        return None
+    job = db.scalar(select(Job).where(Job.tinker_model_id == model.id)) or _new_job(db, model)
+    if job.status.is_terminal():
+        return None
+    return PublishOrder(job_id=job.id, token=issue_learner_token(db, job), version=(job.version or 0) + 1,
+                        base_published=job.version is not None)
+
+
+def _new_job(db: Session, model: TinkerModel) -> Job:
+    spec = JobSpec(name=f"Tinker sampler of {model.id}"[:128], base_model=model.base_model,
+                   task=TaskSpec(name="tinker"), grpo=GRPOConfig(group_size=2, prompts_per_step=1),
+                   staleness=64, max_steps=100_000, lora=LoraConfig(rank=model.lora["rank"]))
+    job = Job(owner_id=model.owner_id, name=spec.name, status=JobStatus.running, spec=spec.model_dump(mode="json"),
+              tinker_model_id=model.id, started_at=utcnow())
+    db.add(job)
+    db.flush()
+    return job
+
+
+def fleet_job_for(db: Session, sampler: TinkerSampler, payload: SamplePayload) -> tuple[Job, int] | None:
+    """The fleet job and version that may draw this request, or None for the host: the sampler's checkpoint
+    must be the job's newest version, a worker must be serving the job, and the request must ask for what a
+    worker's backend draws and may submit (a temperature above 0, no stop strings, no prompt logprobs, at most
+    64 samples of at most 16,384 tokens: echo2.protocol.GroupSubmit)."""
+    params = payload.params
+    if sampler.checkpoint is None or params.temperature <= 0 or params.stop_strings or payload.prompt_logprobs:
+        return None
+    if payload.num_samples > MAX_GROUP or params.max_tokens > MAX_SAMPLE:
+        return None
+    checkpoint = db.get(TinkerCheckpoint, (sampler.model_id, sampler.checkpoint))
+    job = db.scalar(select(Job).where(Job.tinker_model_id == sampler.model_id))
+    if checkpoint is None or checkpoint.version is None or job is None or job.status != JobStatus.running:
+        return None
+    if job.version != checkpoint.version or not _served(db, job):
+        return None
+    return job, checkpoint.version
+
+
+def _served(db: Session, job: Job) -> bool:
+    return db.scalar(select(Worker.id).where(Worker.job_id == job.id, Worker.status == WorkerStatus.active)
+                     .limit(1)) is not None
+
+
+def add_prompt(db: Session, job: Job, version: int, request: TinkerRequest, payload: SamplePayload) -> None:
+    """The request's prompt in the job's pool (the model row is locked by enqueue: indexes never collide)."""
+    params = payload.params
+    index = (db.scalar(select(func.max(Prompt.index)).where(Prompt.job_id == job.id)) or 0) + 1
+    sampling = PromptSampling(n=payload.num_samples, max_tokens=params.max_tokens, temperature=params.temperature,
+                              top_p=params.top_p, top_k=max(params.top_k, 0), stop_token_ids=params.stop_tokens)
+    db.add(Prompt(job_id=job.id, index=index, text="", state="available", epoch=0, order_key=index,
+                  token_ids=list(payload.prompt), sampling=sampling.model_dump(mode="json"), version=version,
+                  request_id=request.id))
+    request.status = RequestStatus.fleet.value
+    job.num_prompts += 1
+
+
+def after_submit(db: Session, job: Job, lease: Lease, settings: Settings) -> tuple[list[str], bool]:
+    """The lease's accepted groups not handled yet: each answers its request, or waits for the host's audit.
+    Returns the requests answered, and whether an audit was queued (hosts to wake)."""
+    rows = list(db.scalars(select(Rollout).where(Rollout.lease_id == lease.id,
+                                                 Rollout.status == RolloutStatus.accepted, Rollout.audit.is_(None))
+                           .with_for_update()))
+    senders = {w.id: w for w in db.scalars(select(Worker).where(Worker.id.in_({r.worker_id for r in rows})))}
+    answered, audits = [], False
+    for rollout in rows:
+        prompt = db.get(Prompt, rollout.prompt_id)
+        assert prompt is not None and prompt.request_id is not None
+        if trust.should_audit(senders.get(rollout.worker_id), rollout, settings):
+            _queue_audit(db, job, rollout, prompt)
+            audits = True
+        else:
+            answered += _deliver(db, rollout, prompt)
+    return answered, audits
+
+
+def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> None:
+    from . import service
+
+    request = db.get(TinkerRequest, prompt.request_id)
+    checkpoint = db.scalar(select(TinkerCheckpoint.name).where(TinkerCheckpoint.model_id == job.tinker_model_id,
+                                                               TinkerCheckpoint.version == rollout.version))
+    model = db.get(TinkerModel, job.tinker_model_id)
+    if request is None or checkpoint is None or model is None:
+        return
+    sampling = PromptSampling.model_validate(prompt.sampling)
+    payload = AuditPayload(checkpoint=checkpoint, rollout_id=rollout.id, prompt=prompt.token_ids,
+                           samples=[(s["token_ids"], s["logprobs"]) for s in rollout.samples],
+                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+    rollout.audit = "pending"
+    service.enqueue(db, model, RequestKind.audit, payload.model_dump(mode="json"), None, bounded=False)
+
+
+def _deliver(db: Session, rollout: Rollout, prompt: Prompt) -> list[str]:
+    """The group answers its request, and counts as trained: its worker is paid for it."""
+    rollout.status, rollout.trained_step = RolloutStatus.trained, rollout.version
+    prompt.state = "trained"
+    request = db.get(TinkerRequest, prompt.request_id, with_for_update=True)
+    if request is None or request.status != RequestStatus.fleet.value:
+        return []  # the session ended meanwhile, or the host drew it already
+    sequences = [SampledSequence(tokens=s["token_ids"], logprobs=s["logprobs"], stop_reason=s["finish_reason"])
+                 for s in rollout.samples]
+    request.status, request.payload = RequestStatus.done.value, {}
+    request.result = {"sample": SampleResult(sequences=sequences).model_dump(mode="json", exclude_none=True),
+                      "worker": rollout.worker_id}
+    request.started_at = request.started_at or rollout.created_at
+    request.finished_at = utcnow()
+    return [request.id]
+
+
+def audited(db: Session, request: TinkerRequest, verdict: AuditVerdict | None, settings: Settings) -> list[str]:
+    """The host's verdict on a group: passed, it answers its request; failed, its sender takes a strike and
+    the request goes back to the pool. None (the host could not audit it): back to the pool, no strike.
+    Returns the requests answered."""
+    rollout_id = AuditPayload.model_validate(request.payload).rollout_id
+    rollout = db.get(Rollout, rollout_id, with_for_update=True)
+    if rollout is None or rollout.status != RolloutStatus.accepted:
+        return []  # its sender was shut out meanwhile: the group was discarded and its prompt re-pooled
+    if verdict is None:
+        rollout.status, rollout.audit = RolloutStatus.rejected, None
+        rollout.reason = f"the learner host could not audit it: {request.error}"[:512]
+        return_prompts(db, [rollout.prompt_id], from_state="submitted")
+        return []
+    worker = db.get(Worker, rollout.worker_id, with_for_update=True)
+    rollout.audit = "passed" if verdict.passed else "failed"
+    db.add(Audit(job_id=rollout.job_id, worker_id=rollout.worker_id, rollout_id=rollout.id, version=rollout.version,
+                 step=rollout.version, passed=verdict.passed, reason=verdict.reason[:512], stats=verdict.stats))
+    prompt = db.get(Prompt, rollout.prompt_id)
+    assert prompt is not None
+    if verdict.passed:
+        if worker is not None:
+            trust.passed(worker, settings)
+        return _deliver(db, rollout, prompt)
+    rollout.status, rollout.reject_kind = RolloutStatus.rejected, RejectKind.audit_failed
+    rollout.reason = f"failed the host's audit: {verdict.reason}"[:512]
+    return_prompts(db, [prompt.id], from_state="submitted")
+    if worker is not None:
+        worker.rejected_rollouts += 1
+        trust.strike(db, worker, f"rollout {rollout.id}: {verdict.reason}", settings, audited=True)
+    return []
+
+
+def sweep(db: Session) -> None:
+    """Fleet requests the host samples instead: not drawn FLEET_WAIT_S after they were asked, for a checkpoint
+    that is no longer the newest, or of a job that is no longer running."""
+    cutoff = utcnow() - timedelta(seconds=FLEET_WAIT_S)
+    rows = db.execute(select(Prompt, TinkerRequest).join(TinkerRequest, TinkerRequest.id == Prompt.request_id)
+                      .join(Job, Job.id == Prompt.job_id)
+                      .where(TinkerRequest.status == RequestStatus.fleet.value, Prompt.state == "available",
+                             (TinkerRequest.created_at < cutoff) | (Job.version != Prompt.version)
+                             | (Job.status != JobStatus.running))
+                      .with_for_update(of=Prompt, skip_locked=True)).all()
+    for prompt, request in rows:
+        prompt.state, request.status = TO_HOST, RequestStatus.pending.value
+
+
+def end_jobs(db: Session, model_ids, reason: str) -> None:  # type: ignore[no-untyped-def]
+    """The fleet jobs of models that are gone: their workers go back to the fleet."""
+    from ..services.jobs import finish_job
+
+    for job in db.scalars(select(Job).where(Job.tinker_model_id.in_(model_ids), Job.status == JobStatus.running)):
+        finish_job(db, job, JobStatus.succeeded, reason)
+
+
+def demand(db: Session, job: Job) -> int:
+    """Groups asked of the job in the last minute (at least 1: a job keeps a worker while its model lives)."""
+    since = utcnow() - timedelta(seconds=DEMAND_WINDOW_S)
+    asked = db.scalar(select(func.count()).select_from(Prompt).join(TinkerRequest,
+                                                                     TinkerRequest.id == Prompt.request_id)
+                      .where(Prompt.job_id == job.id, TinkerRequest.created_at >= since)) or 0
+    return max(1, asked)
