@@ -46,6 +46,8 @@ class Settings(BaseSettings):
     probation_audits: int = Field(5, ge=0, le=1000, description="Audits a new worker must pass to be trusted "
                                   "(0: it starts trusted).")
     quarantine_s: float = Field(3600.0, ge=0, description="How long a worker that failed twice gets no leases.")
+    tinker_fleet: bool = Field(True, description="Tinker sampling requests may be drawn by rollout workers (a "
+                               "user's prompts and adapters then go to them); false: the learner host samples all.")
     learner_max_failures: int = Field(3, ge=1, le=100, description="Learner launches in a row without a "
                                       "committed step before the job fails.")
     pay_rate_fraction: float = Field(0.5, gt=0, le=1, description="A worker is paid in full only while it "

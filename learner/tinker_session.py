@@ -85,6 +85,7 @@ class TinkerSession:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer: torch.optim.AdamW | None = None
         self.checkpoints: dict[str, list[torch.Tensor]] = {}
+        self.published: dict[str, int] = {}  # checkpoint name -> the fleet version it was published as
         self.steps = 0
 
     def info(self) -> ModelInfo:
@@ -170,6 +171,7 @@ class TinkerSession:
 
     def save(self, payload: SavePayload) -> int:
         self.checkpoints[payload.name] = [p.detach().clone() for p in self.params]
+        self.published.pop(payload.name, None)  # re-saved: no longer the weights of the version it was published as
         return self.steps
 
     def sample(self, payloads: list[SamplePayload]) -> list[SampleResult]:
@@ -217,7 +219,7 @@ class TinkerSession:
     def park(self, path: Path) -> None:
         """Everything a later request needs, in one file: adapter, pending gradients, optimizer, checkpoints."""
         grads = [None if p.grad is None else p.grad.detach().cpu() for p in self.params]
-        _write(path, {**self._state(), "grads": grads,
+        _write(path, {**self._state(), "grads": grads, "published": self.published,
                       "checkpoints": {k: [t.cpu() for t in v] for k, v in self.checkpoints.items()}})
 
     def save_state(self, path: Path) -> None:
@@ -238,7 +240,7 @@ class TinkerSession:
         session._apply(state, optimizer=True)
         for param, grad in zip(session.params, state["grads"], strict=True):
             param.grad = grad
-        session.checkpoints = state["checkpoints"]
+        session.checkpoints, session.published = state["checkpoints"], state.get("published", {})
         return session
 
     def load_state(self, path: Path, optimizer: bool) -> None:
@@ -285,6 +287,9 @@ class TinkerSession:
     def audit(self, payload: AuditPayload) -> AuditVerdict:
         """Re-score a group a rollout worker drew for a fleet sample request under the checkpoint it claims
         (learner/audit.py: the worker's logprobs, and how likely its tokens are under the model)."""
+        if self.published.get(payload.checkpoint) != payload.version:
+            raise UserError(f"checkpoint {payload.checkpoint!r} was saved again since version {payload.version}: "
+                            "its weights are gone, so the group cannot be audited")
         vocab = self.model.config.vocab_size
         if max(payload.prompt) >= vocab or any(t >= vocab for tokens, _ in payload.samples for t in tokens):
             return AuditVerdict(passed=False, reason=f"token ids outside the vocabulary (size {vocab})")
@@ -313,6 +318,7 @@ class TinkerSession:
         finally:
             publisher.close()
             plane.close()
+        self.published[checkpoint] = order.version
         return order.version
 
 

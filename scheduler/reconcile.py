@@ -70,6 +70,7 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
     report = TickReport(launched=[])
     report.offline = _mark_offline(db, settings, now)
     report.prompts_returned = expire_leases(db, now)
+    tinker_fleet.sweep(db)
     release_quarantines(db, now)
     relay_probe.probe_reported(db, settings, now)
     billing.bill(db, settings, now, _state(db, "last_tick").get("at"))

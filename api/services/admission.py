@@ -97,6 +97,9 @@ def _rejection(db: Session, job: Job, spec: JobSpec, lease: Lease, group: GroupS
         return f"lease is {lease.status}", RejectKind.lease_ended
     if _of_lease(spec, lease, group) and group.version <= job.step and not spec.admissible(job.step, group.version):
         return f"stale: step {job.step} - version {group.version} > S={spec.staleness}", RejectKind.stale_at_submit
+    prompt = db.get(Prompt, group.prompt_id)
+    if prompt is not None and prompt.request_id is not None and (prompt.state, prompt.lease_id) != ("leased", lease.id):
+        return "too late: its Tinker request went to the learner host", RejectKind.lease_ended
     problem = _invalid(db, job, spec, lease, group)
     return (problem, RejectKind.invalid) if problem else (None, None)
 
@@ -193,7 +196,8 @@ def _invalid_sample(sample: SampleSubmit, max_new: int, vocab: int | None, eos: 
     if sample.finish_reason == "length" and n != max_new and sample.turns is None:  # an episode's may end on its room
         return f"finish_reason is length after {n} tokens, but max_new_tokens is {max_new}"
     if sample.finish_reason == "stop" and eos and sample.token_ids[-1] not in eos:
-        return f"finish_reason is stop, but the last token {sample.token_ids[-1]} is not an end-of-sequence token"
+        return (f"finish_reason is stop, but the last token {sample.token_ids[-1]} is not a stop token (an "
+                "end-of-sequence token, or one the request names)")
     return None
 
 

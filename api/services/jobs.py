@@ -175,8 +175,10 @@ def pause_job(db: Session, job: Job, cause: str, reason: str) -> None:
 
 
 def resume_job(job: Job) -> None:
-    """Back to the queue; the scheduler launches its learner when a slot (and the owner's quota) allows."""
-    job.status, job.paused_for, job.status_reason = JobStatus.queued, None, None
+    """Back to the queue; the scheduler launches its learner when a slot (and the owner's quota) allows. A
+    Tinker fleet job has no learner to wait for (its host publishes): it runs again at once."""
+    running = job.tinker_model_id is not None
+    job.status, job.paused_for, job.status_reason = JobStatus.running if running else JobStatus.queued, None, None
     job.learner_launched_at = job.learner_crashed_at = None
     job.learner_failures, job.learner_failure_step = 0, None
 

@@ -15,8 +15,13 @@ or suspect worker, a sampled share of a trusted one's): then the host re-scores 
 (learner/audit.py, an `audit` request on the model), and a group that fails goes back to the pool while its
 sender takes a strike. A delivered group is `trained`, so billing pays its worker (scheduler/billing.py).
 
-Nothing waits on the fleet forever: a request no worker has drawn FLEET_WAIT_S after it was asked, one whose
-checkpoint is no longer the newest, and any whose job ended, are sampled by the host (`sweep`).
+Nothing waits on the fleet forever: a request no worker has leased FLEET_WAIT_S after it was asked, one a
+worker still holds FLEET_DEADLINE_S after (however often it renewed its lease), one whose checkpoint is no
+longer the newest, and any whose job ended, are sampled by the host (`sweep`, run by host claims and scheduler
+ticks); a group that arrives for it later is refused as late (no strike, no pay).
+
+The operator turns fleet sampling off with ECHO2_TINKER_FLEET=false: a Tinker user's prompts and adapters go
+to the workers that draw them, and some deployments must not send them to untrusted machines.
 """
 
 from __future__ import annotations
@@ -54,16 +59,19 @@ from ..services.pool import return_prompts
 from ..settings import Settings
 from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler
 
-FLEET_WAIT_S = 30.0  # a fleet request no worker has drawn by then is sampled by the host
+FLEET_WAIT_S = 30.0  # a fleet request no worker has leased by then is sampled by the host
+FLEET_DEADLINE_S = 120.0  # nor one a worker still holds by then
+MAX_SLOTS = 16_384  # num_samples x (prompt + max_tokens) of a fleet request: what a worker's memory was sized for
+TEMPERATURES = (0.05, 2.0)  # a job's range, where the audits' tolerances were measured (docs/RELIABILITY.md)
 TO_HOST = "host"  # a prompt state: its request went to the host, so no worker leases it
 DEMAND_WINDOW_S = 60.0
 MAX_GROUP, MAX_SAMPLE = 64, 16_384  # what a worker may submit in one group (echo2.protocol.GroupSubmit)
 
 
-def publish_order(db: Session, model: TinkerModel) -> PublishOrder | None:
+def publish_order(db: Session, model: TinkerModel, settings: Settings) -> PublishOrder | None:
     """What a save_weights_for_sampler of a LoRA training model publishes: the next version of its fleet job
     (made now if it has none), with a fresh learner token."""
-    if model.kind != "train" or not model.lora or model.status == "failed":
+    if not settings.tinker_fleet or model.kind != "train" or not model.lora or model.status == "failed":
         return None
     job = db.scalar(select(Job).where(Job.tinker_model_id == model.id)) or _new_job(db, model)
     if job.status.is_terminal():
@@ -75,7 +83,7 @@ def publish_order(db: Session, model: TinkerModel) -> PublishOrder | None:
 def _new_job(db: Session, model: TinkerModel) -> Job:
     spec = JobSpec(name=f"Tinker sampler of {model.id}"[:128], base_model=model.base_model,
                    task=TaskSpec(name="tinker"), grpo=GRPOConfig(group_size=2, prompts_per_step=1),
-                   staleness=64, max_steps=100_000, lora=LoraConfig(rank=model.lora["rank"]))
+                   staleness=1, max_steps=100_000, lora=LoraConfig(rank=model.lora["rank"]))
     job = Job(owner_id=model.owner_id, name=spec.name, status=JobStatus.running, spec=spec.model_dump(mode="json"),
               tinker_model_id=model.id, started_at=utcnow())
     db.add(job)
@@ -83,15 +91,27 @@ def _new_job(db: Session, model: TinkerModel) -> Job:
     return job
 
 
-def fleet_job_for(db: Session, sampler: TinkerSampler, payload: SamplePayload) -> tuple[Job, int] | None:
+def published(db: Session, model: TinkerModel, version: int) -> None:
+    """A checkpoint became `version`: the job's step follows its newest version, so with S = 1 a group of an
+    older one arrives late (its request goes to the host) and retention keeps only the last two versions (and
+    the base)."""
+    job = db.scalar(select(Job).where(Job.tinker_model_id == model.id))
+    if job is not None and version > job.step:
+        job.step = version
+
+
+def fleet_job_for(db: Session, sampler: TinkerSampler, payload: SamplePayload,
+                  settings: Settings) -> tuple[Job, int] | None:
     """The fleet job and version that may draw this request, or None for the host: the sampler's checkpoint
     must be the job's newest version, a worker must be serving the job, and the request must ask for what a
-    worker's backend draws and may submit (a temperature above 0, no stop strings, no prompt logprobs, at most
-    64 samples of at most 16,384 tokens: echo2.protocol.GroupSubmit)."""
+    worker's backend draws, may submit and the host can audit (a temperature in a job's range, no stop strings, no
+    prompt logprobs, at most 64 samples of at most 16,384 tokens, MAX_SLOTS token slots in all)."""
     params = payload.params
-    if sampler.checkpoint is None or params.temperature <= 0 or params.stop_strings or payload.prompt_logprobs:
+    if not settings.tinker_fleet or sampler.checkpoint is None or params.stop_strings or payload.prompt_logprobs:
         return None
-    if payload.num_samples > MAX_GROUP or params.max_tokens > MAX_SAMPLE:
+    slots = payload.num_samples * (len(payload.prompt) + params.max_tokens)
+    if not TEMPERATURES[0] <= params.temperature <= TEMPERATURES[1] or payload.num_samples > MAX_GROUP \
+            or params.max_tokens > MAX_SAMPLE or slots > MAX_SLOTS:
         return None
     checkpoint = db.get(TinkerCheckpoint, (sampler.model_id, sampler.checkpoint))
     job = db.scalar(select(Job).where(Job.tinker_model_id == sampler.model_id))
@@ -146,10 +166,13 @@ def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> Non
     checkpoint = db.scalar(select(TinkerCheckpoint.name).where(TinkerCheckpoint.model_id == job.tinker_model_id,
                                                                TinkerCheckpoint.version == rollout.version))
     model = db.get(TinkerModel, job.tinker_model_id)
-    if request is None or checkpoint is None or model is None:
+    if request is None or model is None or checkpoint is None:  # saved again under its name: nothing to audit by
+        _late(rollout, "its checkpoint was saved again before it could be audited")
+        _to_host(prompt, request)
         return
     sampling = PromptSampling.model_validate(prompt.sampling)
-    payload = AuditPayload(checkpoint=checkpoint, rollout_id=rollout.id, prompt=prompt.token_ids,
+    payload = AuditPayload(checkpoint=checkpoint, version=rollout.version, rollout_id=rollout.id,
+                           prompt=prompt.token_ids,
                            samples=[(s["token_ids"], s["logprobs"]) for s in rollout.samples],
                            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
     rollout.audit = "pending"
@@ -158,11 +181,12 @@ def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> Non
 
 def _deliver(db: Session, rollout: Rollout, prompt: Prompt) -> list[str]:
     """The group answers its request, and counts as trained: its worker is paid for it."""
-    rollout.status, rollout.trained_step = RolloutStatus.trained, rollout.version
-    prompt.state = "trained"
     request = db.get(TinkerRequest, prompt.request_id, with_for_update=True)
     if request is None or request.status != RequestStatus.fleet.value:
-        return []  # the session ended meanwhile, or the host drew it already
+        _late(rollout, "its request was answered otherwise (the host took it, or the session ended)")
+        return []
+    rollout.status, rollout.trained_step = RolloutStatus.trained, rollout.version
+    prompt.state = "trained"
     sequences = [SampledSequence(tokens=s["token_ids"], logprobs=s["logprobs"], stop_reason=s["finish_reason"])
                  for s in rollout.samples]
     request.status, request.payload = RequestStatus.done.value, {}
@@ -205,32 +229,47 @@ def audited(db: Session, request: TinkerRequest, verdict: AuditVerdict | None, s
     return []
 
 
+def _late(rollout: Rollout, reason: str) -> None:
+    """Refused without a strike or pay: the worker was not at fault, and its group answers nothing now."""
+    rollout.status, rollout.reject_kind, rollout.reason = RolloutStatus.rejected, RejectKind.lease_ended, reason
+
+
+def _to_host(prompt: Prompt, request: TinkerRequest | None) -> None:
+    prompt.state = TO_HOST
+    if request is not None and request.status == RequestStatus.fleet.value:
+        request.status = RequestStatus.pending.value
+
+
 def sweep(db: Session) -> None:
-    """Fleet requests the host samples instead: not drawn FLEET_WAIT_S after they were asked, for a checkpoint
-    that is no longer the newest, or of a job that is no longer running."""
-    cutoff = utcnow() - timedelta(seconds=FLEET_WAIT_S)
+    """Fleet requests the host samples instead: not leased FLEET_WAIT_S after they were asked, still held by a
+    worker FLEET_DEADLINE_S after, for a checkpoint that is no longer the newest, or of a job no longer running."""
+    now = utcnow()
+    waited, held = now - timedelta(seconds=FLEET_WAIT_S), now - timedelta(seconds=FLEET_DEADLINE_S)
+    available = Prompt.state == "available"
+    due = ((available & (TinkerRequest.created_at < waited)) | (TinkerRequest.created_at < held)
+           | (available & (Job.version != Prompt.version)) | (Job.status != JobStatus.running))
     rows = db.execute(select(Prompt, TinkerRequest).join(TinkerRequest, TinkerRequest.id == Prompt.request_id)
                       .join(Job, Job.id == Prompt.job_id)
-                      .where(TinkerRequest.status == RequestStatus.fleet.value, Prompt.state == "available",
-                             (TinkerRequest.created_at < cutoff) | (Job.version != Prompt.version)
-                             | (Job.status != JobStatus.running))
+                      .where(TinkerRequest.status == RequestStatus.fleet.value,
+                             Prompt.state.in_(("available", "leased")), due)
                       .with_for_update(of=Prompt, skip_locked=True)).all()
     for prompt, request in rows:
-        prompt.state, request.status = TO_HOST, RequestStatus.pending.value
+        _to_host(prompt, request)
 
 
 def end_jobs(db: Session, model_ids, reason: str) -> None:  # type: ignore[no-untyped-def]
     """The fleet jobs of models that are gone: their workers go back to the fleet."""
     from ..services.jobs import finish_job
 
-    for job in db.scalars(select(Job).where(Job.tinker_model_id.in_(model_ids), Job.status == JobStatus.running)):
+    live = [s for s in JobStatus if not s.is_terminal()]
+    for job in db.scalars(select(Job).where(Job.tinker_model_id.in_(model_ids), Job.status.in_(live))):
         finish_job(db, job, JobStatus.succeeded, reason)
 
 
 def demand(db: Session, job: Job) -> int:
-    """Groups asked of the job in the last minute (at least 1: a job keeps a worker while its model lives)."""
+    """Groups asked of the model over the last minute, whoever drew them: a model nobody samples needs no
+    worker, and one whose requests the host has been sampling (no worker served yet) gets one."""
     since = utcnow() - timedelta(seconds=DEMAND_WINDOW_S)
-    asked = db.scalar(select(func.count()).select_from(Prompt).join(TinkerRequest,
-                                                                     TinkerRequest.id == Prompt.request_id)
-                      .where(Prompt.job_id == job.id, TinkerRequest.created_at >= since)) or 0
-    return max(1, asked)
+    return db.scalar(select(func.count()).where(TinkerRequest.model_id == job.tinker_model_id,
+                                                TinkerRequest.kind == RequestKind.sample.value,
+                                                TinkerRequest.created_at >= since)) or 0

@@ -36,6 +36,7 @@ from sqlalchemy.orm import Session
 from ..db import Database
 from ..deps import SessionDep, SettingsDep
 from ..models import utcnow
+from ..settings import Settings
 from . import fleet, service
 from .deps import ApiKey, Bell, HostUser, require_host, user_of
 from .models import TinkerHost, TinkerModel, TinkerRequest, TinkerSession
@@ -52,7 +53,7 @@ async def claim(body: HostClaim, api_key: ApiKey, request: Request) -> HostWorkR
     state = request.app.state
     deadline = time.monotonic() + body.wait_s
     while True:
-        reply = await anyio.to_thread.run_sync(_claim_once, state.db, api_key, body)
+        reply = await anyio.to_thread.run_sync(_claim_once, state.db, state.settings, api_key, body)
         left = deadline - time.monotonic()
         if reply.work is not None or left <= 0:
             return reply
@@ -61,7 +62,7 @@ async def claim(body: HostClaim, api_key: ApiKey, request: Request) -> HostWorkR
             return HostWorkReply()
 
 
-def _claim_once(database: Database, api_key: str, body: HostClaim) -> HostWorkReply:
+def _claim_once(database: Database, settings: Settings, api_key: str, body: HostClaim) -> HostWorkReply:
     with database.session() as db:
         require_host(user_of(db, api_key))
         host = db.get(TinkerHost, body.host, with_for_update=True) or TinkerHost(name=body.host)
@@ -78,8 +79,8 @@ def _claim_once(database: Database, api_key: str, body: HostClaim) -> HostWorkRe
             park, held = park + made, held - set(made)
         free = body.slots - len(held)
         row = _next_request(db, list(held)) or _admit(db, body.host, free)
-        work = _start(db, row) if row is not None else None
-        more = [_start(db, r) for r in _batchable(db, row)] if row is not None else []
+        work = _start(db, row, settings) if row is not None else None
+        more = [_start(db, r, settings) for r in _batchable(db, row)] if row is not None else []
         db.commit()
         return HostWorkReply(work=work, more=more, drop=drop, park=park)
 
@@ -227,7 +228,7 @@ def _idle_since(db: Session, model: TinkerModel) -> datetime | None:
     return last or model.created_at
 
 
-def _start(db: Session, row: TinkerRequest) -> HostWork:
+def _start(db: Session, row: TinkerRequest, settings: Settings) -> HostWork:
     model = db.get(TinkerModel, row.model_id)
     assert model is not None
     row.status, row.started_at = RequestStatus.running.value, utcnow()
@@ -237,7 +238,8 @@ def _start(db: Session, row: TinkerRequest) -> HostWork:
     if restore or row.kind == RequestKind.create_model.value:
         model.slot_at = row.started_at
     lora = TinkerLora(**model.lora) if model.lora else None
-    publish = fleet.publish_order(db, model) if row.kind == RequestKind.save_weights_for_sampler.value else None
+    publish = fleet.publish_order(db, model, settings) if row.kind == RequestKind.save_weights_for_sampler.value \
+        else None
     return HostWork(request_id=row.id, model_id=model.id, kind=RequestKind(row.kind),
                     model=ModelSpec(base_model=model.base_model, lora=lora), payload=row.payload, restore=restore,
                     publish=publish)

@@ -9,7 +9,7 @@ from fastapi import APIRouter
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 
-from ..deps import SessionDep
+from ..deps import SessionDep, SettingsDep
 from ..errors import ApiError
 from . import fleet, service
 from .deps import Bell, IdempotencyKey, TinkerUser
@@ -58,7 +58,8 @@ def get_sampler(sampler_id: str, user: TinkerUser, db: SessionDep) -> dict[str, 
 
 
 @router.post("/asample")
-def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey, bell: Bell) -> dict[str, Any]:
+def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey, bell: Bell,
+            settings: SettingsDep) -> dict[str, Any]:
     if body.sampling_session_id is None:
         raise ApiError(400, "Echo2 samples through a sampling session: create_sampling_client first",
                        field="sampling_session_id")
@@ -68,7 +69,7 @@ def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: Idempote
     payload = _payload(body, sampler.checkpoint)
     _check_size(payload, model.info.get("max_context_length"))
     row = service.enqueue(db, model, RequestKind.sample, payload.model_dump(mode="json"), key)
-    if row.status == RequestStatus.pending.value and (target := fleet.fleet_job_for(db, sampler, payload)):
+    if row.status == RequestStatus.pending.value and (target := fleet.fleet_job_for(db, sampler, payload, settings)):
         fleet.add_prompt(db, *target, row, payload)
     db.commit()
     bell.announce(service.HOSTS_KEY)

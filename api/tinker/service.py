@@ -244,4 +244,6 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult, host:
         checkpoint.host = host if kind == "training" else None  # a state loads only where it was saved
         checkpoint.version = result.published
         db.add(checkpoint)
+        if result.published is not None:
+            fleet.published(db, model, result.published)
     return answered

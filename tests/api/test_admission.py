@@ -42,7 +42,7 @@ def submit(worker, lease, i, samples):
     (sample(tokens=(5, 96, 0)), "outside the vocabulary (size 96)"),
     (sample(logprobs=[-4.5, -1e4, -4.5]), "no sampler draws a token that unlikely"),
     (sample(finish="length"), "finish_reason is length after 3 tokens"),
-    (sample(tokens=(5, 6, 7)), "not an end-of-sequence token"),
+    (sample(tokens=(5, 6, 7)), "is not a stop token (an end-of-sequence token"),
 ])
 def test_each_invalid_sample_is_refused_with_its_own_reason_and_a_strike(api, door, bad, reason):
     job, alice, wid, worker, lease = door

@@ -186,6 +186,7 @@ class AuditPayload(Model):
     """A group a worker drew for a fleet sample request, to re-score under the checkpoint it claims."""
 
     checkpoint: CheckpointName
+    version: int = Field(ge=1, description="The fleet version the group claims: the checkpoint as published then.")
     rollout_id: Annotated[str, StringConstraints(max_length=40)]
     prompt: list[TokenId] = Field(min_length=1, max_length=MAX_TOKENS)
     samples: list[tuple[list[TokenId], list[Logprob]]] = Field(min_length=1, max_length=128)
