@@ -193,3 +193,16 @@ def test_a_group_whose_checkpoint_was_saved_again_is_not_audited_against_other_w
         assert rollout.status == "rejected" and "saved again" in rollout.reason  # ...but nothing can audit it
         assert s.get(Worker, worker_id).strikes == 0
         assert s.get(TinkerRequest, request_id).status == "pending"  # the host samples it, with the new weights
+
+
+def test_with_the_fleet_turned_off_the_host_samples_and_publishes_nothing(api, fleet_model, monkeypatch):
+    client, sampler, job_id, _, _ = fleet_model
+    monkeypatch.setattr(api.server.settings, "tinker_fleet", False)
+    request_id = asample(client, sampler)
+    model_id = _model_of(api, job_id)
+    ok(client.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "sampling_session_seq_id": 2}))
+    sample = claim(api, holding=[model_id])["work"]
+    assert sample["request_id"] == request_id  # the host's, at once
+    report(api, sample, sample={"sequences": []})
+    save = claim(api, holding=[model_id])["work"]
+    assert save["kind"] == "save_weights_for_sampler" and save["publish"] is None
