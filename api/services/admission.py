@@ -131,7 +131,7 @@ def _invalid(db: Session, job: Job, spec: JobSpec, lease: Lease, group: GroupSub
         return problem
     prompt = db.get(Prompt, group.prompt_id)
     own = PromptSampling.model_validate(prompt.sampling) if prompt is not None and prompt.sampling else None
-    if own is not None and (problem := _unlike_request(prompt, own, group)):
+    if own is not None and (problem := _unlike_request(prompt, own, group, job.eos_token_ids)):
         return problem
     size, max_new = (own.n, own.max_tokens) if own else (spec.grpo.group_size, spec.grpo.max_new_tokens)
     if len(group.samples) != size:
@@ -147,7 +147,7 @@ def _invalid(db: Session, job: Job, spec: JobSpec, lease: Lease, group: GroupSub
     return None
 
 
-def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit) -> str | None:
+def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit, eos: list[Any] | None) -> str | None:
     """A prompt with its own sampling (a Tinker request) must be drawn from exactly its tokens, with its
     version, one turn of it, and stop where the request says."""
     if group.version != prompt.version:
@@ -157,11 +157,11 @@ def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit) -> 
     for k, sample in enumerate(group.samples):
         if sample.turns is not None or sample.versions is not None:
             return f"sample {k}: a Tinker sample is one turn of one version"
-        stops = own.stop_token_ids
-        early = [i for i, t in enumerate(sample.token_ids[:-1]) if stops is not None and t in stops]
+        stops = own.stop_token_ids if own.stop_token_ids is not None else (eos or [])
+        early = [i for i, t in enumerate(sample.token_ids[:-1]) if t in stops]
         if early:
             return f"sample {k}: it goes on past the stop token at position {early[0]}"
-        if sample.finish_reason == "stop" and stops == []:
+        if sample.finish_reason == "stop" and own.stop_token_ids == []:
             return f"sample {k}: finish_reason is stop, but the request has no stop tokens"
     return None
 
@@ -220,9 +220,7 @@ def _row(job: Job, lease: Lease, worker: Worker, group: GroupSubmit, reason: str
 
 
 def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]) -> None:
-    for row in rows:  # numbered for the audit windows; a race between two submissions repeats a number, never skips
-        if row["status"] == RolloutStatus.accepted:
-            row["seq"], worker.groups_numbered = worker.groups_numbered, worker.groups_numbered + 1
+    _number(db, worker, [r for r in rows if r["status"] == RolloutStatus.accepted])
     if rows:
         db.execute(insert(Rollout), rows)
     accepted = [r["prompt_id"] for r in rows if r["status"] == RolloutStatus.accepted]
@@ -237,6 +235,19 @@ def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]
     worker.rejected_rollouts += len(rows) - len(accepted)
     if lease.status == LeaseStatus.active and _all_answered(db, lease):
         lease.status, lease.finished_at = LeaseStatus.completed, utcnow()
+
+
+def _number(db: Session, worker: Worker, rows: list[dict[str, Any]]) -> None:
+    """Accepted groups numbered for the audit windows (trust.should_audit), in one atomic step: two submissions
+    at once never share numbers, so a worker cannot send many at once to have them all fall outside its audit."""
+    if not rows:
+        return
+    end = db.execute(update(Worker).where(Worker.id == worker.id)
+                     .values(groups_numbered=Worker.groups_numbered + len(rows)).returning(Worker.groups_numbered)
+                     .execution_options(synchronize_session=False)).scalar_one()
+    for k, row in enumerate(rows):
+        row["seq"] = end - len(rows) + k
+    worker.groups_numbered = end
 
 
 def _all_answered(db: Session, lease: Lease) -> bool:

@@ -55,3 +55,27 @@ def test_more_callers_than_request_threads_never_deadlock_the_database(api):
     with ThreadPoolExecutor(max_workers=120) as pool:
         codes = list(pool.map(call, range(360)))
     assert codes == [200] * 360
+
+
+def test_groups_one_worker_submits_at_once_get_numbers_of_their_own(api, tmp_path):
+    """The audit windows count a worker's groups (api/services/trust.py): submissions racing each other must
+    not share numbers, or a worker could send many at once to have them all fall outside its audit."""
+    from sqlalchemy import select
+
+    from api.models import Rollout
+    from tests.factories import submit_group
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), num_prompts=64,
+                         grpo={"group_size": 2, "prompts_per_step": 64})
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    leases = [ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+              for _ in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda lease: submit_group(worker, lease, lease["prompts"][0], 0), leases))
+    assert all(r.status_code == 200 for r in results)
+    with api.db.session() as s:
+        numbers = list(s.scalars(select(Rollout.seq).where(Rollout.worker_id == wid)))
+    assert sorted(numbers) == list(range(16))
