@@ -208,14 +208,6 @@ class TinkerSession:
                 for param, value in zip(self.params, current, strict=True):
                     param.copy_(value)
 
-    def _adapter_state(self) -> dict[str, torch.Tensor]:
-        """The adapter's own tensors, a CPU copy. Not peft's default, which with `lm_head` among the targets
-        also saves the (untrained) embedding matrix: 113 MB more per version for SmolLM2, which workers hold."""
-        from peft import get_peft_model_state_dict
-
-        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
-        return {k: v.detach().to("cpu", copy=True) for k, v in state.items()}
-
     def park(self, path: Path) -> None:
         """Everything a later request needs, in one file: adapter, pending gradients, optimizer, checkpoints."""
         grads = [None if p.grad is None else p.grad.detach().cpu() for p in self.params]
@@ -312,7 +304,7 @@ class TinkerSession:
                 publisher.submit(0, 0, {})  # version 0 is the base: its weights are read from the model
                 publisher.wait()
             with self._weights(checkpoint):
-                state = self._adapter_state()
+                state = weights.snapshot()
             publisher.submit(order.version, order.version, state)
             publisher.wait()
         finally:

@@ -80,10 +80,12 @@ class LoraWeights(Weights):
         return True
 
     def snapshot(self) -> dict[str, torch.Tensor]:
+        """The adapter's own tensors. Not peft's default, which with `lm_head` among the targets also saves the
+        embedding matrix, untrained and already in the base: 113 MB more per version for SmolLM2."""
         from peft import get_peft_model_state_dict
 
-        return cast({k: v.detach().to("cpu", copy=True) for k, v in get_peft_model_state_dict(self.model).items()},
-                    self.dtype)
+        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
+        return cast({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, self.dtype)
 
     def write(self, state: dict[str, torch.Tensor], folder: Path, role: Role) -> None:
         _fresh(folder)
