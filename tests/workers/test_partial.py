@@ -65,7 +65,9 @@ def test_a_generation_continues_on_the_version_published_while_it_ran(api: Api, 
     assert [v for v, _ in mixed["versions"]] == [0, 1] and sum(n for _, n in mixed["versions"]) == len(
         mixed["token_ids"])
 
-    # Each token's logprob is its own version's: re-scored per version it passes; under version 0 alone it does not.
+    # Each token's logprob is its own version's: re-scored per version they all match; under version 0 alone the
+    # version-1 tokens do not. (Whether they are off by more than the audit's tolerance depends on how many tokens
+    # came after the swap, which timing decides, so the test compares the differences themselves.)
     models = {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
               for v, d in ((0, tiny_model_dir), (1, next_model_dir))}
     pad = AutoTokenizer.from_pretrained(tiny_model_dir).pad_token_id
@@ -74,7 +76,8 @@ def test_a_generation_continues_on_the_version_published_while_it_ran(api: Api, 
                 for x in row.samples]
     per_version = audit_versions(models.__getitem__, row.prompt_token_ids, samples, versions, temperature=1.0,
                                  top_p=1.0, pad_id=pad)
-    assert per_version.passed, per_version.reason
-    assert not audit_group(models[0], row.prompt_token_ids, samples, temperature=1.0, top_p=1.0, pad_id=pad).passed
+    assert per_version.passed and per_version.max_abs_diff < 1e-3, per_version
+    alone = audit_group(models[0], row.prompt_token_ids, samples, temperature=1.0, top_p=1.0, pad_id=pad)
+    assert alone.max_abs_diff > 100 * max(per_version.max_abs_diff, 1e-4), alone
     assert w.worker.versions.loaded == (setup.id, 1)
     assert w.drain() == 0
