@@ -1,6 +1,6 @@
 """Churn and infrastructure failures during a real run: kill -9 the Celery scheduler mid-run, restart
-Redis, kill -9 two of the three workers, then kill -9 the learner host in the middle of its learner
-task. The database is the source of truth, so the job still completes and no prompt is lost."""
+Redis, kill -9 all three workers as a newcomer joins, then kill -9 the learner host in the middle of its
+learner task. The database is the source of truth, so the job still completes and no prompt is lost."""
 
 import os
 import signal
@@ -19,6 +19,7 @@ from server.stack import Stack
 
 pytestmark = pytest.mark.e2e
 STEPS = 40
+VICTIMS = ("worker-0", "worker-1", "worker-2")
 
 
 def wait_until(predicate, stack, timeout=600):
@@ -58,12 +59,12 @@ def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, mo
             os.killpg(scheduler.proc.pid, signal.SIGKILL)
             stack.redis.stop()
             stack.redis.start()
-            for victim in (c for c in stack.children if c.name in ("worker-0", "worker-1")):
+            for victim in (c for c in stack.children if c.name in VICTIMS):
                 victim.restarts = 10**6  # stays dead: churn, not a restart
                 os.killpg(victim.proc.pid, signal.SIGKILL)
-            # A newcomer the scheduler should put to work beside the one survivor. Two victims, not one:
-            # whether a third worker is needed is the capacity rule's call on measured rates, and on a
-            # loaded machine two workers sometimes met it, so the newcomer stayed idle until the job ended.
+            # A newcomer the scheduler must put to work. Every old worker dies: whether another worker is
+            # needed beside a survivor is the capacity rule's call on measured rates, and one or two survivors
+            # sometimes met it on a loaded machine, so the newcomer stayed idle until the job ended.
             stack.add_worker()
             # It must join, be activated, fetch and generate before the job ends: wait for its rollouts.
             wait_until(lambda: _newcomer_worked(client, job.id, db), stack)
@@ -76,7 +77,7 @@ def test_job_survives_scheduler_kill_redis_restart_and_worker_churn(tmp_path, mo
     assert final.status.value == "succeeded" and final.step == STEPS, final
     with db.session() as s:
         workers = {w.name: w for w in s.scalars(select(Worker))}
-        for dead in ("local-0", "local-1"):
+        for dead in ("local-0", "local-1", "local-2"):
             assert workers[dead].status == "offline" and workers[dead].job_id is None
             assert not list(s.scalars(select(Lease).where(Lease.worker_id == workers[dead].id,
                                                           Lease.status == "active")))
