@@ -82,7 +82,7 @@ def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, d
     if lease.status == LeaseStatus.active and lease.expires_at < utcnow():
         pool.end_lease(db, lease, LeaseStatus.expired)
     results = admission.submit_groups(db, job, lease, worker, body.groups, settings)
-    answered, audits = tinker_fleet.after_submit(db, job, lease, settings) if job.tinker_model_id else ([], False)
+    answered, audits = tinker_fleet.after_submit(db, job, lease, worker, settings)
     db.commit()
     announcer = request.app.state.announcer
     if any(r.status is RolloutStatus.accepted for r in results):  # a learner waiting to claim hears at once

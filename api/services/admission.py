@@ -100,7 +100,7 @@ def _rejection(db: Session, job: Job, spec: JobSpec, lease: Lease, group: GroupS
     prompt = db.get(Prompt, group.prompt_id)
     if prompt is not None and prompt.request_id is not None and (prompt.state, prompt.lease_id) != ("leased", lease.id):
         return "too late: its Tinker request went to the learner host", RejectKind.lease_ended
-    problem = _invalid(db, job, spec, lease, group)
+    problem = _invalid(job, spec, lease, group, prompt)
     return (problem, RejectKind.invalid) if problem else (None, None)
 
 
@@ -118,7 +118,7 @@ def _episodes_rejection(db: Session, lease: Lease, group: GroupSubmit, bounds: E
     return reason, RejectKind.invalid, None
 
 
-def _invalid(db: Session, job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> str | None:
+def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: Prompt | None) -> str | None:
     """Why the group cannot be a real sample of the leased version under the job's settings (or its prompt's
     own, for a Tinker request: api/tinker/fleet.py), or None."""
     if not _of_lease(spec, lease, group):
@@ -129,7 +129,6 @@ def _invalid(db: Session, job: Job, spec: JobSpec, lease: Lease, group: GroupSub
     problem = _invalid_versions(job, spec, group)
     if problem:
         return problem
-    prompt = db.get(Prompt, group.prompt_id)
     own = PromptSampling.model_validate(prompt.sampling) if prompt is not None and prompt.sampling else None
     if own is not None and (problem := _unlike_request(prompt, own, group, job.eos_token_ids)):
         return problem
@@ -154,10 +153,10 @@ def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit, eos
         return f"drawn with version {group.version}, but the request is for version {prompt.version}"
     if group.prompt_token_ids != prompt.token_ids:
         return "prompt_token_ids differ from the leased prompt's token_ids"
+    stops = own.stop_token_ids if own.stop_token_ids is not None else (eos or [])
     for k, sample in enumerate(group.samples):
         if sample.turns is not None or sample.versions is not None:
             return f"sample {k}: a Tinker sample is one turn of one version"
-        stops = own.stop_token_ids if own.stop_token_ids is not None else (eos or [])
         early = [i for i, t in enumerate(sample.token_ids[:-1]) if t in stops]
         if early:
             return f"sample {k}: it goes on past the stop token at position {early[0]}"

@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 
 from .. import auth
 from ..errors import ApiError
-from ..models import Audit, Job, Prompt, Rollout, StepMetric, Worker, utcnow
+from ..models import Job, Prompt, Rollout, StepMetric, Worker, utcnow
 from ..settings import Settings
 from . import trust
 from .admission import release_claims
@@ -80,9 +80,7 @@ def _judge(db: Session, job: Job, report: StepReport, rows: dict[str, Rollout], 
         Worker.id.in_({r.worker_id for r in rows.values()})).with_for_update())} if rows else {}
     for audit in report.audits:
         rollout = rows[audit.rollout_id]
-        rollout.audit = "passed" if audit.passed else "failed"
-        db.add(Audit(job_id=job.id, worker_id=rollout.worker_id, rollout_id=rollout.id, version=rollout.version,
-                     step=report.step, passed=audit.passed, reason=audit.reason, stats=audit.stats))
+        trust.record_audit(db, rollout, report.step, audit.passed, audit.reason, audit.stats)
         if audit.passed and rollout.worker_id in senders:
             trust.passed(senders[rollout.worker_id], settings)
     for refusal in report.rejected:

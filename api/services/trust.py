@@ -59,6 +59,14 @@ def should_audit(worker: Worker | None, rollout: Rollout, settings: Settings) ->
     return slot == int.from_bytes(pick[:8], "big") % window
 
 
+def record_audit(db: Session, rollout: Rollout, step: int, passed: bool, reason: str | None,
+                 stats: dict[str, float]) -> None:
+    """A re-scoring's verdict on the rollout, kept as evidence (the `audits` table its worker's provider reads)."""
+    rollout.audit = "passed" if passed else "failed"
+    db.add(Audit(job_id=rollout.job_id, worker_id=rollout.worker_id, rollout_id=rollout.id, version=rollout.version,
+                 step=step, passed=passed, reason=reason, stats=stats))
+
+
 def passed(worker: Worker, settings: Settings) -> None:
     worker.audits_passed += 1
     worker.clean_streak += 1

@@ -52,7 +52,7 @@ from echo2.protocol.tinker import (
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ..models import Audit, Job, Lease, Prompt, Rollout, Worker, utcnow
+from ..models import Job, Lease, Prompt, Rollout, Worker, utcnow
 from ..services import trust
 from ..services.learning import issue_learner_token
 from ..services.pool import return_prompts
@@ -73,11 +73,16 @@ def publish_order(db: Session, model: TinkerModel, settings: Settings) -> Publis
     (made now if it has none), with a fresh learner token."""
     if not settings.tinker_fleet or model.kind != "train" or not model.lora or model.status == "failed":
         return None
-    job = db.scalar(select(Job).where(Job.tinker_model_id == model.id)) or _new_job(db, model)
+    job = job_of(db, model.id) or _new_job(db, model)
     if job.status.is_terminal():
         return None
     return PublishOrder(job_id=job.id, token=issue_learner_token(db, job), version=(job.version or 0) + 1,
                         base_published=job.version is not None)
+
+
+def job_of(db: Session, model_id: str) -> Job | None:
+    """The model's fleet job, if it has one."""
+    return db.scalar(select(Job).where(Job.tinker_model_id == model_id))
 
 
 def _new_job(db: Session, model: TinkerModel) -> Job:
@@ -95,7 +100,7 @@ def published(db: Session, model: TinkerModel, version: int) -> None:
     """A checkpoint became `version`: the job's step follows its newest version, so with S = 1 a group of an
     older one arrives late (its request goes to the host) and retention keeps only the last two versions (and
     the base)."""
-    job = db.scalar(select(Job).where(Job.tinker_model_id == model.id))
+    job = job_of(db, model.id)
     if job is not None and version > job.step:
         job.step = version
 
@@ -114,7 +119,7 @@ def fleet_job_for(db: Session, sampler: TinkerSampler, payload: SamplePayload,
             or params.max_tokens > MAX_SAMPLE or slots > MAX_SLOTS:
         return None
     checkpoint = db.get(TinkerCheckpoint, (sampler.model_id, sampler.checkpoint))
-    job = db.scalar(select(Job).where(Job.tinker_model_id == sampler.model_id))
+    job = job_of(db, sampler.model_id)
     if checkpoint is None or checkpoint.version is None or job is None or job.status != JobStatus.running:
         return None
     if job.version != checkpoint.version or not _served(db, job):
@@ -140,18 +145,20 @@ def add_prompt(db: Session, job: Job, version: int, request: TinkerRequest, payl
     job.num_prompts += 1
 
 
-def after_submit(db: Session, job: Job, lease: Lease, settings: Settings) -> tuple[list[str], bool]:
-    """The lease's accepted groups not handled yet: each answers its request, or waits for the host's audit.
-    Returns the requests answered, and whether an audit was queued (hosts to wake)."""
+def after_submit(db: Session, job: Job, lease: Lease, worker: Worker, settings: Settings) -> tuple[list[str], bool]:
+    """The lease's accepted groups not handled yet (all sent by its worker): each answers its request, or waits
+    for the host's audit. Returns the requests answered, and whether an audit was queued (hosts to wake). Nothing
+    for a job that is not a fleet job."""
+    if job.tinker_model_id is None:
+        return [], False
     rows = list(db.scalars(select(Rollout).where(Rollout.lease_id == lease.id,
                                                  Rollout.status == RolloutStatus.accepted, Rollout.audit.is_(None))
                            .with_for_update()))
-    senders = {w.id: w for w in db.scalars(select(Worker).where(Worker.id.in_({r.worker_id for r in rows})))}
     answered, audits = [], False
     for rollout in rows:
         prompt = db.get(Prompt, rollout.prompt_id)
         assert prompt is not None and prompt.request_id is not None
-        if trust.should_audit(senders.get(rollout.worker_id), rollout, settings):
+        if trust.should_audit(worker, rollout, settings):
             _queue_audit(db, job, rollout, prompt)
             audits = True
         else:
@@ -211,9 +218,7 @@ def audited(db: Session, request: TinkerRequest, verdict: AuditVerdict | None, s
         return_prompts(db, [rollout.prompt_id], from_state="submitted")
         return []
     worker = db.get(Worker, rollout.worker_id, with_for_update=True)
-    rollout.audit = "passed" if verdict.passed else "failed"
-    db.add(Audit(job_id=rollout.job_id, worker_id=rollout.worker_id, rollout_id=rollout.id, version=rollout.version,
-                 step=rollout.version, passed=verdict.passed, reason=verdict.reason[:512], stats=verdict.stats))
+    trust.record_audit(db, rollout, rollout.version, verdict.passed, verdict.reason[:512], verdict.stats)
     prompt = db.get(Prompt, rollout.prompt_id)
     assert prompt is not None
     if verdict.passed:

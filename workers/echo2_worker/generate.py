@@ -14,6 +14,7 @@ from echo2.protocol import (
     GroupSubmit,
     LeasedPrompt,
     LeaseRead,
+    PromptSampling,
     SampleSubmit,
     SamplingParams,
 )
@@ -67,13 +68,10 @@ class Generator:
 
 
 def _request(prompt: LeasedPrompt, ids: list[int], sampling: SamplingParams) -> GenRequest:
-    """A prompt's generation: the lease's sampling, or the prompt's own (a Tinker request)."""
-    own = prompt.sampling
-    if own is None:
-        g = sampling.group_size
-        return GenRequest(prompt_token_ids=ids, n=g, seeds=[sample_seed(prompt.seed, k) for k in range(g)],
-                          max_new_tokens=sampling.max_new_tokens, temperature=sampling.temperature,
-                          top_p=sampling.top_p, top_k=sampling.top_k)
+    """A prompt's generation: its own sampling (a Tinker request), else the lease's."""
+    own = prompt.sampling or PromptSampling(n=sampling.group_size, max_tokens=sampling.max_new_tokens,
+                                            temperature=sampling.temperature, top_p=sampling.top_p,
+                                            top_k=sampling.top_k, stop_token_ids=None)
     return GenRequest(prompt_token_ids=ids, n=own.n, seeds=[sample_seed(prompt.seed, k) for k in range(own.n)],
                       max_new_tokens=own.max_tokens, temperature=own.temperature, top_p=own.top_p, top_k=own.top_k,
                       stop_token_ids=own.stop_token_ids or [], stop_at_eos=own.stop_token_ids is None)
