@@ -1,5 +1,6 @@
 """A Tinker model on a learner host, in process, on the tiny model: the losses are the ones stated in
-learner/tinker_losses.py, gradients accumulate until optim_step, checkpoints sample as saved, stops stop."""
+learner/tinker_losses.py, gradients accumulate until optim_step, checkpoints sample as saved, stops stop.
+On the CPU, and on a CUDA GPU where there is one (a host's `--device`)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,19 @@ from echo2.protocol.tinker import (
 from learner.tinker_session import TinkerSession, UserError
 
 PROMPT = [5, 6, 7, 8]
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                        reason="no CUDA GPU here")])
+
+
+@pytest.fixture(scope="module", params=["cpu", CUDA])
+def device(request) -> str:
+    return request.param
 
 
 @pytest.fixture(scope="module")
-def session(tiny_model_dir, tmp_path_factory) -> TinkerSession:
+def session(tiny_model_dir, tmp_path_factory, device) -> TinkerSession:
     spec = ModelSpec(base_model=str(tiny_model_dir), lora=TinkerLora(rank=4, seed=0))
-    return TinkerSession(spec, tmp_path_factory.mktemp("cache"))
+    return TinkerSession(spec, tmp_path_factory.mktemp("cache"), device)
 
 
 def one(session: TinkerSession, payload: SamplePayload):
@@ -99,7 +107,9 @@ def test_sampling_stops_and_reports_logprobs(session):
 
 
 def test_a_batch_of_requests_samples_as_each_would_alone(session):
-    """Left-padding and per-request parameters: greedy continuations and their logprobs match one by one."""
+    """Left-padding and per-request parameters: greedy continuations and their logprobs match one by one.
+    Within 1e-4 relative: padded and unpadded attention are different fp32 kernels, and once earlier tests
+    have trained the adapter a logprob of -18 differed by 9e-4 between them."""
     payloads = [SamplePayload(prompt=prompt, num_samples=2, prompt_logprobs=True,
                               params={"max_tokens": n, "temperature": 0.0})
                 for prompt, n in (([5, 6, 7, 8, 9, 10], 5), ([11, 12], 3), ([13, 14, 15], 4))]
@@ -108,10 +118,9 @@ def test_a_batch_of_requests_samples_as_each_would_alone(session):
         alone = one(session, payload)
         for a, b in zip(alone.sequences, batched.sequences, strict=True):
             assert a.tokens == b.tokens and len(b.tokens) == payload.params.max_tokens
-            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4
+            assert b.logprobs == pytest.approx(a.logprobs, rel=1e-4, abs=1e-4)
         assert batched.prompt_logprobs[0] is None
-        assert max(abs(x - y) for x, y in zip(alone.prompt_logprobs[1:], batched.prompt_logprobs[1:],
-                                              strict=True)) < 1e-4
+        assert batched.prompt_logprobs[1:] == pytest.approx(alone.prompt_logprobs[1:], rel=1e-4, abs=1e-4)
 
 
 def test_datums_of_any_length_train_together_as_alone(session, monkeypatch):
@@ -131,15 +140,15 @@ def test_datums_of_any_length_train_together_as_alone(session, monkeypatch):
     assert together.metrics["loss:sum"] == pytest.approx(split.metrics["loss:sum"], rel=1e-5)
 
 
-def test_a_parked_model_comes_back_as_it_was(tiny_model_dir, tmp_path):
+def test_a_parked_model_comes_back_as_it_was(tiny_model_dir, tmp_path, device):
     spec = ModelSpec(base_model=str(tiny_model_dir), lora=TinkerLora(rank=4, seed=0))
-    model = TinkerSession(spec, tmp_path / "cache")
+    model = TinkerSession(spec, tmp_path / "cache", device)
     fwdbwd(model, "cross_entropy", {})
     model.optim_step(AdamStep(learning_rate=1e-2))
     model.save(SavePayload(name="first", kind="sampler"))
     fwdbwd(model, "cross_entropy", {})  # gradients pending at park time
     model.park(tmp_path / "parked" / "m.pt")
-    back = TinkerSession.restore(spec, tmp_path / "cache", "cpu", tmp_path / "parked" / "m.pt")
+    back = TinkerSession.restore(spec, tmp_path / "cache", device, tmp_path / "parked" / "m.pt")
     assert back.steps == 1 and list(back.checkpoints) == ["first"]
     for mine, theirs in zip(model.params, back.params, strict=True):
         assert torch.equal(mine, theirs) and torch.equal(mine.grad, theirs.grad)
@@ -150,7 +159,7 @@ def test_a_parked_model_comes_back_as_it_was(tiny_model_dir, tmp_path):
     saved = SamplePayload(checkpoint="first", prompt=PROMPT, num_samples=2, params={"max_tokens": 6, "seed": 3})
     assert one(model, saved) == one(back, saved)
     with pytest.raises(FileNotFoundError, match="parked state of this model is gone"):
-        TinkerSession.restore(spec, tmp_path / "cache", "cpu", tmp_path / "parked" / "missing.pt")
+        TinkerSession.restore(spec, tmp_path / "cache", device, tmp_path / "parked" / "missing.pt")
 
 
 def test_a_saved_state_loads_with_or_without_its_optimizer(tiny_model_dir, tmp_path):
