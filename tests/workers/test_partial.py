@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api.models import Rollout
 from learner.audit import audit_group, audit_versions
+from learner.tiny import build_long_tail_model
 from tests.conftest import Api
 from tests.factories import publish
 
@@ -81,3 +82,31 @@ def test_a_generation_continues_on_the_version_published_while_it_ran(api: Api, 
     assert alone.max_abs_diff > 100 * max(per_version.max_abs_diff, 1e-4), alone
     assert w.worker.versions.loaded == (setup.id, 1)
     assert w.drain() == 0
+
+
+def test_a_short_group_leaves_while_a_long_one_of_its_batch_still_generates(api: Api, tiny_model_dir: Path,
+                                                                           tmp_path: Path, worker_factory) -> None:
+    """Groups are submitted as they finish: three short groups batched with a long one are accepted while the
+    long one is held at its second segment (without partial rollouts they would wait for it, and age)."""
+    model = build_long_tail_model(tiny_model_dir, tmp_path / "long-tail", p_stop_short=0.5, p_stop_long=1e-6)
+    items = [{"prompt": "what is 1+2 #", "reference": "0"}] + [{"prompt": f"what is {i}+2?", "reference": "0"}
+                                                                for i in range(3)]
+    setup = start_job(api, model, partial_rollouts=True, task={"name": "exact_match"}, num_prompts=None,
+                      prompts=[{"item": i} for i in items],
+                      grpo={"group_size": 2, "prompts_per_step": 4, "max_new_tokens": MAX_NEW})
+    GatedBackend.gates = [threading.Event(), threading.Event()]
+    GatedBackend.gates[0].set()  # the first segment returns at once; the second (the long group's) is held
+    w = worker_factory(setup, backend_factory=GatedBackend, gen_batch_prompts=4)
+    short = wait_for(lambda: len(rows := groups(api, setup.id)) >= 3 and rows, 120, "the three short groups")
+    assert len(short) == 3 and all(r.status == "accepted" for r in short)
+    assert all(len(x["token_ids"]) < MAX_NEW // 4 for r in short for x in r.samples)
+    GatedBackend.gates[1].set()
+    rows = wait_for(lambda: len(rows := groups(api, setup.id)) == 4 and rows, 120, "the long group")
+    [long] = [r for r in rows if r.id not in {r.id for r in short}]
+    assert max(len(x["token_ids"]) for x in long.samples) > MAX_NEW // 4 and long.status == "accepted"
+    assert w.drain() == 0
+
+
+def groups(api: Api, job_id: str) -> list[Rollout]:
+    with api.db.session() as s:
+        return list(s.scalars(select(Rollout).where(Rollout.job_id == job_id)).all())

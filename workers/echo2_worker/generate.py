@@ -6,6 +6,7 @@ rollouts moved on, and its samples are clamped to what the protocol accepts."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 from echo2.prompting import encode_prompt
 from echo2.protocol import (
@@ -34,23 +35,28 @@ class Generator:
     def __init__(self, versions: Versions, partial: PartialRollouts, control: ControlPlane, stats: Stats) -> None:
         self.versions, self.partial, self.control, self.stats = versions, partial, control, stats
 
-    def groups(self, prompts: list[LeasedPrompt], lease: LeaseRead) -> list[GroupSubmit]:
-        """G samples of each prompt, as the lease's sampling asks, tagged with the version that drew them."""
+    def groups(self, prompts: list[LeasedPrompt], lease: LeaseRead) -> Iterator[list[GroupSubmit]]:
+        """G samples of each prompt, as the lease's sampling asks, tagged with the version that drew them: all
+        at once, or with partial rollouts, each group as soon as it is done (partial.py). Each yielded group's
+        gen_seconds is its share of the time since the last yield, so they add up to the batch's."""
         backend = self.versions.backend
         assert backend is not None
-        sampling, version = lease.sampling, lease.version
+        sampling = lease.sampling
         prompt_ids = [p.token_ids or encode_prompt(self.versions.tokenizer, p.text) for p in prompts]
         if lease.episode is not None:
-            return self._play(prompts, prompt_ids, lease, lease.episode)
+            yield self._play(prompts, prompt_ids, lease, lease.episode)
+            return
         requests = [_request(p, ids, sampling) for p, ids in zip(prompts, prompt_ids, strict=True)]
         t0 = time.monotonic()
-        outputs = self.partial.generate(requests) if sampling.partial_rollouts else backend.generate(requests)
-        seconds = time.monotonic() - t0
-        tokens = sum(len(s.token_ids) for group in outputs for s in group)
-        self.stats.tokens.add(tokens)
-        return [GroupSubmit(prompt_id=p.prompt_id, version=oldest_version(group, version), prompt_token_ids=ids,
-                            samples=[_sample(s) for s in group], gen_seconds=round(seconds / len(prompts), 4))
-                for p, ids, group in zip(prompts, prompt_ids, outputs, strict=True)]
+        batches = self.partial.generate(requests) if sampling.partial_rollouts else [
+            list(enumerate(backend.generate(requests)))]
+        for done in batches:
+            now = time.monotonic()
+            seconds, t0 = now - t0, now
+            self.stats.tokens.add(sum(len(s.token_ids) for _, group in done for s in group))
+            yield [GroupSubmit(prompt_id=prompts[i].prompt_id, version=oldest_version(group, lease.version),
+                               prompt_token_ids=prompt_ids[i], samples=[_sample(s) for s in group],
+                               gen_seconds=round(seconds / len(done), 4)) for i, group in done]
 
     def _play(self, prompts: list[LeasedPrompt], prompt_ids: list[list[int]], lease: LeaseRead,
               limits: EpisodeLimits) -> list[GroupSubmit]:

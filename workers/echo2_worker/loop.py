@@ -179,7 +179,8 @@ class Worker:
                 break
             self.leases.prefetch(None if self._drain.is_set() else self.versions.settled())
             batch = lease.prompts[done : done + step]
-            self.leases.submit(lease, self._generator.groups(batch, lease), refused)
+            for groups in self._generator.groups(batch, lease):
+                self.leases.submit(lease, groups, refused)
             done += len(batch)
         return done, not refused.is_set()
 

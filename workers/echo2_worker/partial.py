@@ -10,6 +10,8 @@ all, whereas this way each token's behaviour logprob is exactly base.py's defini
 that drew it, which is what the learner's ratio and the auditor recompute. Every token is tagged with
 that version (SampleSubmit.versions, runs oldest first); a group's version is its oldest token's, which
 bounds its staleness (api/services/admission.py): a swap never makes a group look fresher than it is.
+Segments are also where finished groups leave: each is submitted as soon as all its samples are done, so
+the short groups of a batch are not held back (and made stale) by a long one beside them.
 
 Seeds stay pure functions of (job, prompt, sample): segment 0 uses the server's sample seed, so a
 sample that ends within one segment is the sample non-partial generation draws; segment s > 0 draws
@@ -18,7 +20,7 @@ with sample_seed(seed, s).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from echo2.protocol import Assignment
@@ -99,8 +101,11 @@ class PartialRollouts:
         assert self.versions.loaded is not None
         return self.versions.loaded[1]
 
-    def generate(self, requests: list[GenRequest]) -> list[list[VersionedSample]]:
-        """Per request, its n samples in seed order (as GenerationBackend.generate), version-tagged."""
+    def generate(self, requests: list[GenRequest]) -> Iterator[list[tuple[int, list[VersionedSample]]]]:
+        """After each segment, the requests whose samples have all finished in it: (index in `requests`, its n
+        samples in seed order, as GenerationBackend.generate), version-tagged. A request is yielded as soon as
+        it is done, not when the batch is: a short group batched with a long one would otherwise wait for it,
+        and be stale when it is submitted."""
         size = segment_tokens(max(r.max_new_tokens for r in requests))
         groups = [[_Draft(r, seed) for seed in r.seeds] for r in requests]
         first = [replace(r, max_new_tokens=min(size, r.max_new_tokens)) for r in requests]
@@ -108,16 +113,22 @@ class PartialRollouts:
         for drafts, outs in zip(groups, self._backend().generate(first), strict=True):
             for draft, out in zip(drafts, outs, strict=True):
                 draft.extend(out, version)
+        pending = set(range(len(requests)))
         segment = 1
-        while unfinished := [d for drafts in groups for d in drafts if d.finish is None]:
-            version = self.refresh()
-            outs = self._backend().generate([d.next_segment(segment, size) for d in unfinished])
-            for draft, (out,) in zip(unfinished, outs, strict=True):
-                draft.extend(out, version)
-            segment += 1
+        while pending:
+            if done := sorted(i for i in pending if all(d.finish is not None for d in groups[i])):
+                pending -= set(done)
+                yield [(i, self._samples(groups[i])) for i in done]
+            if unfinished := [d for i in sorted(pending) for d in groups[i] if d.finish is None]:
+                version = self.refresh()
+                outs = self._backend().generate([d.next_segment(segment, size) for d in unfinished])
+                for draft, (out,) in zip(unfinished, outs, strict=True):
+                    draft.extend(out, version)
+                segment += 1
+
+    def _samples(self, drafts: list[_Draft]) -> list[VersionedSample]:
         tokenizer = self.versions.tokenizer
-        return [[d.sample(lambda t: tokenizer.decode(t, skip_special_tokens=True)) for d in drafts]
-                for drafts in groups]
+        return [d.sample(lambda t: tokenizer.decode(t, skip_special_tokens=True)) for d in drafts]
 
     def _backend(self) -> GenerationBackend:
         assert self.versions.backend is not None
