@@ -26,10 +26,8 @@ from typing import Any
 from pydantic import Field
 
 from learner.tasks.base import Episode, TaskError, TaskParams, TaskPrompt, Turn
-from learner.tasks.http_reward import GaveUp, HttpRewardParams, HttpRewardTask
+from learner.tasks.http_reward import GaveUp, HttpRewardParams, HttpRewardTask, ReplyTooLarge
 from learner.tasks.registry import register
-
-MAX_REPLY_BYTES = 64 * 1024
 
 
 class HttpEnvParams(HttpRewardParams):
@@ -86,14 +84,14 @@ class HttpEnvTask(HttpRewardTask):
         """POST with retries (HttpRewardTask.post); the reply's JSON, or a TaskError that says what went wrong."""
         try:
             response = self.post(p, payload)
+        except ReplyTooLarge as exc:
+            raise TaskError(f"http_env {p.url}: {exc}") from None
         except GaveUp as exc:
             raise TaskError(f"http_env {p.url}: no answer after {p.max_retries + 1} tries: {exc}") from None
         # Errors name the status and size only, never the body: they reach the job's owner (rollout
         # reasons), and the URL is the owner's choice, so a body could be another service's answer.
         if response.status_code != 200:
             raise TaskError(f"http_env {p.url}: HTTP {response.status_code} ({len(response.content)} bytes)")
-        if len(response.content) > MAX_REPLY_BYTES:
-            raise TaskError(f"http_env {p.url}: a reply of {len(response.content)} bytes, more than {MAX_REPLY_BYTES}")
         try:
             return response.json()
         except ValueError:

@@ -4,7 +4,10 @@ For each completion the learner POSTs JSON {"prompt", "completion", "reference"}
 a finite number back, either bare (`0.5`) or as {"reward": 0.5}. Transport errors, timeouts, 429 and
 5xx are retried `max_retries` times with exponential backoff (honouring Retry-After, capped), through
 `echo2.transport`; any other failure or an invalid reply yields None (the sample is dropped) and is
-logged. Prompts come from user JSONL items {"prompt": ..., "reference": ...} (reference optional).
+logged. Each try has `timeout_s` for the whole exchange, and a reply may hold MAX_REPLY_BYTES: the
+endpoint is the job owner's, so a reply that never ends, or never stops growing, must not hold a thread
+or fill the memory of the process that asked. Prompts come from user JSONL items
+{"prompt": ..., "reference": ...} (reference optional).
 
 The request is made from the learner host. With ECHO2_ENV=production a job is refused unless the URL
 resolves to public addresses (api/services/jobs.py); deployments should still restrict egress there, as
@@ -15,13 +18,13 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from collections.abc import Mapping
 from typing import Any
 
+import anyio
 import httpx
 from echo2 import errors
-from echo2.transport import Call, RetryPolicy, Transport
+from echo2.transport import AsyncTransport, Call, RetryPolicy
 from pydantic import Field, field_validator
 
 from learner.tasks.base import TaskAdapter, TaskParams, TaskPrompt, require_key
@@ -30,6 +33,7 @@ from learner.tasks.registry import register
 logger = logging.getLogger(__name__)
 MAX_RETRY_AFTER_S = 10.0
 RETRY_STATUSES = frozenset({429, *range(500, 600)})
+MAX_REPLY_BYTES = 64 * 1024
 
 
 class HttpRewardParams(TaskParams):
@@ -52,6 +56,10 @@ class HttpRewardParams(TaskParams):
 
 class GaveUp(Exception):
     """No usable answer after every try; the message names the last failure (never the reply's body)."""
+
+
+class ReplyTooLarge(GaveUp):
+    """The reply was longer than MAX_REPLY_BYTES (not retried)."""
 
 
 def _policy(p: HttpRewardParams) -> RetryPolicy:
@@ -81,19 +89,6 @@ class HttpRewardTask(TaskAdapter):
     Params = HttpRewardParams
     needs_dataset = True
 
-    def __init__(self) -> None:
-        self._transports: dict[float, Transport] = {}
-        self._lock = threading.Lock()
-
-    def _transport(self, timeout_s: float) -> Transport:
-        with self._lock:
-            transport = self._transports.get(timeout_s)
-            if transport is None:
-                # The endpoint gets exactly the request documented above: no Idempotency-Key.
-                transport = Transport(timeout=timeout_s, idempotency_keys=False)
-                self._transports[timeout_s] = transport
-            return transport
-
     def prompt_from_item(self, item: Mapping[str, Any], params: TaskParams) -> TaskPrompt:
         p = self.parse_params(params)
         assert isinstance(p, HttpRewardParams)
@@ -120,10 +115,16 @@ class HttpRewardTask(TaskAdapter):
 
     def post(self, p: HttpRewardParams, payload: dict[str, Any]) -> httpx.Response:
         """POST `payload` to `p.url`, retrying transport errors, timeouts, 429 and 5xx (`_policy`): the answer
-        whatever its status, or GaveUp naming the last failure once the retries ran out."""
-        call = Call("POST", p.url, json=payload, replay=True)  # the endpoint answers a repeat as the first
+        whatever its status, or GaveUp naming the last failure once the retries ran out (ReplyTooLarge for
+        a reply over MAX_REPLY_BYTES). Called from worker threads, each call in an event loop of its own:
+        only the async transport can cut a try off at its deadline."""
+        # The endpoint answers a repeat as the first (replay), and gets exactly the request documented
+        # above: no Idempotency-Key.
+        call = Call("POST", p.url, json=payload, replay=True, max_bytes=MAX_REPLY_BYTES, deadline=p.timeout_s)
         try:
-            return self._transport(p.timeout_s).send(call, policy=_policy(p))
+            return anyio.run(_send, call, p)
+        except errors.UnexpectedResponseError:
+            raise ReplyTooLarge(f"a reply of more than {MAX_REPLY_BYTES} bytes") from None
         except errors.APIStatusError as exc:
             if exc.status not in RETRY_STATUSES and exc.response is not None:
                 return exc.response  # not retried: the caller judges the answer
@@ -131,5 +132,10 @@ class HttpRewardTask(TaskAdapter):
         except errors.ConnectionError as exc:
             cause = exc.__cause__
             raise GaveUp(f"{type(cause).__name__}: {cause}") from None
+
+async def _send(call: Call, p: HttpRewardParams) -> httpx.Response:
+    async with AsyncTransport(timeout=p.timeout_s, idempotency_keys=False) as http:
+        return await http.send(call, policy=_policy(p))
+
 
 register(HttpRewardTask())

@@ -79,7 +79,8 @@ class APITimeoutError(ConnectionError):
 
 
 class UnexpectedResponseError(Echo2Error):
-    """A success status whose body is not what the protocol says (a proxy page, an older server...)."""
+    """A success status whose body is not what the protocol says (a proxy page, an older server...), or an
+    answer larger than the call accepts (`echo2.transport.Call.max_bytes`)."""
 
     def __init__(self, message: str, *, response: httpx.Response | None = None) -> None:
         super().__init__(message, title="Unexpected response")

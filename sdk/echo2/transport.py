@@ -15,6 +15,11 @@ again and how long to wait first:
 - waits grow exponentially with jitter, or are what Retry-After asks (never less), and `give_up_after`
   bounds a call's retries in time as `max_retries` bounds them in number.
 Every unsafe call (POST, PUT, PATCH, DELETE) carries one Idempotency-Key, reused by all its retries.
+A call to a server nobody vouches for (a user's own endpoint) can bound what it takes: `max_bytes` caps an
+answer's body as it is read (a larger one raises `UnexpectedResponseError`, not retried), and `deadline`
+bounds each attempt in wall-clock time, headers and body together (past it the attempt fails as a timeout
+does). httpx's timeouts are per read, so a server sending a byte now and then would otherwise hold a call
+for ever; only `AsyncTransport` can cancel a request mid-way, so only it takes a `deadline`.
 When the retries run out: `echo2.errors.ConnectionError` (`APITimeoutError` for a timeout) if no answer
 came, else the `APIStatusError` subclass of the last answer's status (with its `retry_after`).
 """
@@ -22,10 +27,11 @@ came, else the `APIStatusError` subclass of the last answer's status (with its `
 from __future__ import annotations
 
 import logging
+import math
 import random
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass
 from email.utils import parsedate_to_datetime
 from types import TracebackType
@@ -76,6 +82,8 @@ class Call:
     timeout: float | httpx.Timeout | None = None
     # May a request that might have reached the server be sent again? None: its method says.
     replay: bool | None = None
+    max_bytes: int | None = None  # the most of an answer's body read (decoded), any status; None: no bound
+    deadline: float | None = None  # seconds one attempt may take, body included (AsyncTransport only)
 
     @property
     def replayable(self) -> bool:
@@ -153,7 +161,8 @@ def connection_error(exc: httpx.TransportError, request: httpx.Request) -> error
     """The SDK's error for a request that got no answer (also for a stream broken while being read)."""
     where = f"{request.method} {request.url}"
     if isinstance(exc, httpx.TimeoutException):
-        return errors.APITimeoutError(f"request timed out: {where} ({type(exc).__name__})", request=request)
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return errors.APITimeoutError(f"request timed out: {where} ({why})", request=request)
     reason = str(exc) or type(exc).__name__
     return errors.ConnectionError(f"could not reach the Echo2 server: {where}: {reason}", request=request)
 
@@ -220,11 +229,20 @@ class Transport(_BaseTransport):
 
     def send(self, call: Call, *, stream: bool = False, policy: RetryPolicy | None = None) -> httpx.Response:
         """The call's successful answer (unread when `stream`: close it), after the retries the policy allows."""
+        if call.deadline is not None:
+            raise ValueError("Call.deadline needs AsyncTransport: a blocking httpx request cannot be cut off mid-way")
         attempts, headers = _Attempts(policy or self.policy, call), self._headers(call)
+        bounded = call.max_bytes is not None and not stream
         while True:
             request = self._build(self.http, call, headers)
             try:
-                response = self.http.send(request, stream=stream)
+                response = self.http.send(request, stream=stream or bounded)
+                if bounded:
+                    streamed = response
+                    try:
+                        response = _bounded(streamed, streamed.iter_bytes(), call)
+                    finally:
+                        streamed.close()
             except httpx.TransportError as exc:
                 wait = attempts.after_error(exc)
                 if wait is None:
@@ -264,10 +282,11 @@ class AsyncTransport(_BaseTransport):
 
     async def send(self, call: Call, *, stream: bool = False, policy: RetryPolicy | None = None) -> httpx.Response:
         attempts, headers = _Attempts(policy or self.policy, call), self._headers(call)
+        bounded = call.max_bytes is not None and not stream
         while True:
             request = self._build(self.http, call, headers)
             try:
-                response = await self.http.send(request, stream=stream)
+                response = await self._attempt(request, call, stream=stream, bounded=bounded)
             except httpx.TransportError as exc:
                 wait = attempts.after_error(exc)
                 if wait is None:
@@ -285,6 +304,16 @@ class AsyncTransport(_BaseTransport):
             raise status_error(response)
         return response
 
+    async def _attempt(self, request: httpx.Request, call: Call, *, stream: bool, bounded: bool) -> httpx.Response:
+        """One attempt, within `call.deadline` (a ReadTimeout past it, as if the server had gone quiet)."""
+        with anyio.move_on_after(call.deadline if call.deadline is not None else math.inf) as scope:
+            response = await self.http.send(request, stream=stream or bounded)
+            if bounded:
+                return _bounded(response, [chunk async for chunk in _capped(response, call)], call)
+            return response
+        assert scope.cancelled_caught
+        raise httpx.ReadTimeout(f"no whole answer within the call's deadline of {call.deadline} s", request=request)
+
     async def close(self) -> None:
         await self.http.aclose()
 
@@ -294,3 +323,34 @@ class AsyncTransport(_BaseTransport):
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.close()
+
+
+def _bounded(response: httpx.Response, chunks: Iterable[bytes], call: Call) -> httpx.Response:
+    """The streamed answer read whole, or UnexpectedResponseError once its body passes `call.max_bytes`."""
+    assert call.max_bytes is not None
+    body, size = [], 0
+    for chunk in chunks:
+        size += len(chunk)
+        if size > call.max_bytes:
+            raise errors.UnexpectedResponseError(f"{call.method} {call.url}: an answer (HTTP "
+                                                 f"{response.status_code}) of more than {call.max_bytes} bytes",
+                                                 response=response)
+        body.append(chunk)
+    # Decoded already: the new answer must not say it is compressed, nor give the old length.
+    headers = [(k, v) for k, v in response.headers.multi_items() if k.lower() not in ("content-encoding",
+                                                                                        "content-length")]
+    return httpx.Response(response.status_code, headers=headers, content=b"".join(body), request=response.request)
+
+
+async def _capped(response: httpx.Response, call: Call) -> AsyncIterator[bytes]:
+    """The async answer's body chunks, stopping (and closing it) one chunk past `call.max_bytes`."""
+    assert call.max_bytes is not None
+    size = 0
+    try:
+        async for chunk in response.aiter_bytes():
+            size += len(chunk)
+            yield chunk
+            if size > call.max_bytes:
+                return
+    finally:
+        await response.aclose()

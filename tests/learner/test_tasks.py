@@ -324,6 +324,53 @@ def test_http_reward_unreachable_and_bad_params():
     assert no_ref.reference is None
 
 
+
+class _Hostile(BaseHTTPRequestHandler):
+    """An endpoint its owner turned against the platform: /huge sends 50 MB, /drip a byte every 0.1 s."""
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self.send_response(200)
+        self.send_header("Content-Length", str(50_000_000))
+        self.end_headers()
+        with contextlib.suppress(OSError):  # the client gave up, as it should
+            for _ in range(50_000 if self.path == "/huge" else 0):
+                self.wfile.write(b"0" * 1000)
+            for _ in range(100_000 if self.path == "/drip" else 0):
+                self.wfile.write(b"0")
+                self.wfile.flush()
+                time.sleep(0.1)
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.fixture
+def hostile_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Hostile)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.mark.parametrize("name", ["http_env", "http_reward"])
+def test_an_endpoint_that_sends_too_much_or_drips_is_cut_off(hostile_url, name):
+    """A reply is read up to 64 KiB and each try ends at timeout_s, body included: neither holds the caller's
+    thread or memory (httpx's own timeout is per read, which a byte every 0.1 s never trips)."""
+    task = get_task(name)
+    prompt = TaskPrompt(text="p", reference="r")
+    for path, why, most_s in (("/huge", "more than 65536 bytes", 5.0), ("/drip", "deadline of 0.5 s", 2.5)):
+        params = task.parse_params({"url": hostile_url + path, "timeout_s": 0.5, "max_retries": 1, "backoff_s": 0})
+        started = time.monotonic()
+        if name == "http_env":
+            with pytest.raises(TaskError, match=why):
+                task.new_episode(prompt, params).step("guess")
+        else:
+            assert task.reward(prompt, "c", params) is None
+        assert time.monotonic() - started < most_s, path
+
 def test_guess_number_is_a_real_multi_turn_episode():
     task = get_task("guess_number")
     assert task.multi_turn

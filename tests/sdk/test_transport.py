@@ -5,6 +5,7 @@ Retry-After clamped or left to the caller, and the async loop under the same pol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import socket
 import threading
@@ -13,7 +14,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from echo2 import APITimeoutError, ConflictError, ConnectionError, RateLimitError, ServerError
+from echo2 import APITimeoutError, ConflictError, ConnectionError, RateLimitError, ServerError, UnexpectedResponseError
 from echo2.transport import AsyncTransport, Call, RetryPolicy, Transport
 
 from server.local import free_port
@@ -136,3 +137,62 @@ def test_delays_honour_retry_after_and_back_off():
     assert all(0.375 <= policy.delay(0) <= 0.5 for _ in range(50))
     assert all(6.0 <= policy.delay(10) <= 8.0 for _ in range(50))
     assert all(0.1 <= RetryPolicy(max_retry_after=0.1).delay(0, asked) <= 0.11 for _ in range(50))
+
+
+@pytest.fixture
+def dripping() -> Iterator[str]:
+    """A server that answers 200 at once, then sends its body one byte every 0.1 s for as long as asked."""
+    server = socket.create_server(("127.0.0.1", 0))
+
+    def serve(conn: socket.socket) -> None:
+        with conn, contextlib.suppress(OSError):
+            conn.recv(65536)
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 100000\r\n\r\n")
+            for _ in range(100000):
+                conn.sendall(b"x")
+                time.sleep(0.1)
+
+    def accept() -> None:
+        while True:
+            try:
+                conn = server.accept()[0]
+            except OSError:
+                return
+            threading.Thread(target=serve, args=(conn,), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    yield f"http://127.0.0.1:{server.getsockname()[1]}"
+    server.close()
+
+
+def test_an_answer_over_max_bytes_is_refused_as_it_is_read_whatever_its_status(stub):
+    big = b'{"x": "' + b"y" * 1_000_000 + b'"}'
+    once = RetryPolicy(max_retries=0)
+
+    async def read_async(call: Call) -> httpx.Response:
+        async with AsyncTransport(stub.url, policy=once) as http:
+            return await http.send(call)
+
+    for send in (lambda call: Transport(stub.url, policy=once).send(call), lambda call: asyncio.run(read_async(call))):
+        for status in (200, 500):
+            stub.reply(Reply(status, big))
+            with pytest.raises(UnexpectedResponseError, match=f"HTTP {status}.* more than 1000 bytes"):
+                send(Call("POST", "/x", max_bytes=1000))
+        stub.reply(Reply(200, b'{"ok": true}', {"Content-Encoding": "identity"}))
+        assert send(Call("POST", "/x", max_bytes=1000)).json() == {"ok": True}
+
+
+def test_a_deadline_cuts_off_an_answer_that_drips(dripping):
+    """httpx's timeouts are per read: a byte every 0.1 s never trips a 1 s timeout, but the deadline ends it."""
+    policy = RetryPolicy(max_retries=1, initial_delay=0.01)
+
+    async def main() -> None:
+        async with AsyncTransport(dripping, timeout=1.0, policy=policy) as http:
+            await http.send(Call("POST", "/x", replay=True, max_bytes=10**6, deadline=0.5))
+
+    started = time.monotonic()
+    with pytest.raises(APITimeoutError, match="deadline"):
+        asyncio.run(main())
+    assert 1.0 <= time.monotonic() - started < 2.5  # two tries of 0.5 s
+    with pytest.raises(ValueError, match="needs AsyncTransport"):
+        Transport(dripping).send(Call("GET", "/x", deadline=0.5))
