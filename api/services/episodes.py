@@ -12,8 +12,12 @@ control plane keeps no live objects and any API process can serve any turn; a ta
 therefore be a deterministic function of its prompt and the actions (learner/tasks/base.py).
 An environment that raises or times out (a user-hosted one, say) ends the episode with no reward and
 the reason stored: its group is refused as the platform's fault, never the worker's, and the
-learner never waits on it. A worker that falls silent mid-episode loses its lease at its TTL, and
-the prompt goes back to the pool like any other.
+learner never waits on it. No database transaction waits on an environment: a request's steps are
+checked, the transaction ends, the environments run, and a second transaction stores their replies
+(on SQLite one transaction holds the only connection, so an environment taking its time would have
+stalled every other request). A request carries at most `EpisodeLimits.max_steps` steps: the ones the
+environment can answer within the request's deadline at its concurrency. A worker that falls silent
+mid-episode loses its lease at its TTL, and the prompt goes back to the pool like any other.
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from functools import cached_property
 
 from echo2.protocol import EpisodeLimits, EpisodeReply, EpisodeStep, GroupSubmit, JobSpec, LeaseStatus
 from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from learner.tasks import TaskAdapter, TaskError, TaskParams, TaskPrompt, get_task
@@ -40,6 +46,7 @@ log = logging.getLogger(__name__)
 MAX_EPISODE_TOKENS = 16_384  # a submitted sample's token limit (echo2.protocol.SampleSubmit)
 ENV_DEADLINE_S = 60.0  # one request's environment calls; a worker's client waits longer (echo2_worker.control)
 MAX_OBSERVATION_TOKENS = 512  # one environment reply; a longer one ends its episode as the environment's failure
+MAX_STEPS = 4_096  # echo2.protocol.EpisodeTurns
 
 
 def limits(job: Job) -> EpisodeLimits | None:
@@ -50,9 +57,13 @@ def limits(job: Job) -> EpisodeLimits | None:
     task = get_task(spec.task.name)
     if not task.multi_turn:
         return None
-    turns = task.max_turns(task.parse_params(spec.task.params))
+    params = task.parse_params(spec.task.params)
+    turns = task.max_turns(params)
     room = turns * spec.grpo.max_new_tokens + (turns - 1) * MAX_OBSERVATION_TOKENS
-    return EpisodeLimits(max_turns=turns, max_tokens=min(MAX_EPISODE_TOKENS, room))
+    step_s = task.step_seconds(params)
+    rounds = MAX_STEPS if step_s <= 0 else max(1, int(ENV_DEADLINE_S // step_s))
+    return EpisodeLimits(max_turns=turns, max_tokens=min(MAX_EPISODE_TOKENS, room),
+                         max_steps=min(MAX_STEPS, task.concurrency(params) * rounds))
 
 
 @dataclass
@@ -74,31 +85,55 @@ class _Game:
 
 
 def play(db: Session, blobs: BlobStore, lease: Lease, job: Job, steps: list[EpisodeStep]) -> list[EpisodeReply]:
-    """Model turns of the lease's episodes: check them all, run the environments (up to the task's
-    concurrency at once, within ENV_DEADLINE_S), store and answer their replies. A bad turn refuses the
-    whole request (nothing of it is stored: the caller does not commit)."""
+    """Model turns of the lease's episodes: check them all and end the transaction, run the environments
+    (up to the task's concurrency at once, within ENV_DEADLINE_S) holding no connection, then store and
+    answer their replies in a new transaction (the caller commits it). A bad step refuses the whole
+    request before anything of it is stored."""
     bounds = limits(job)
     if bounds is None:
         raise ApiError(409, f"job {job.id}'s task is single-turn: generate and submit whole completions")
     if lease.status != LeaseStatus.active or lease.expires_at < utcnow():
         raise ApiError(409, f"lease {lease.id} is no longer active; its episodes are over")
+    if len(steps) > bounds.max_steps:
+        raise ApiError(422, f"{len(steps)} steps in one request, but this job's environment answers at most "
+                            f"{bounds.max_steps} within a request's deadline (EpisodeLimits.max_steps): send them "
+                            "in several requests", field="steps")
     spec = spec_of(job)
     task = get_task(spec.task.name)
     game = _Game(db, job, spec, task, task.parse_params(spec.task.params), bounds,
                  modelinfo.decoder(blobs, job.id), blobs)
     _refuse_repeats(steps)
     moves = [_move(game, lease, step, i) for i, step in enumerate(steps)]
-    fresh = [(episode, step) for episode, step, new in moves if new]
-    texts = [game.decode(step.action_token_ids) for _, step in fresh]
-    outcomes = _run_environments(game, [(e.prompt_id, [*e.actions, text]) for (e, _), text in zip(fresh, texts,
-                                                                                                 strict=True)])
-    for (episode, step), text, outcome in zip(fresh, texts, outcomes, strict=True):
+    fresh = [(i, episode, step) for i, (episode, step, new) in enumerate(moves) if new]
+    texts = [game.decode(step.action_token_ids) for _, _, step in fresh]
+    prompts = _prompts(db, {step.prompt_id for _, _, step in fresh})
+    db.commit()  # nothing was written: this ends the transaction, and its hold on the database
+    outcomes = _run_environments(game, [(prompts[e.prompt_id], [*e.actions, text])
+                                        for (_, e, _), text in zip(fresh, texts, strict=True)])
+    played = {i: _store(game, lease, step, f"steps.{i}", text, outcome)
+              for (i, _, step), text, outcome in zip(fresh, texts, outcomes, strict=True)}
+    return [_reply(game, played.get(i, episode), step.turn) for i, (episode, step, _) in enumerate(moves)]
+
+
+def _store(game: _Game, lease: Lease, step: EpisodeStep, where: str, text: str, outcome: _Outcome) -> Episode:
+    """The played turn, stored on the episode's row, locked now; if another request played this turn in the
+    meantime (a retry racing its first attempt), its answer stands when the tokens are the same."""
+    key = {"lease_id": lease.id, "prompt_id": step.prompt_id, "sample": step.sample}
+    insert = pg_insert if game.db.get_bind().dialect.name == "postgresql" else sqlite_insert
+    game.db.execute(insert(Episode).values(**key, job_id=game.job.id, actions=[], turns=[], done=False)
+                    .on_conflict_do_nothing())  # the first turn of a new episode, unless a twin inserted it
+    episode = game.db.get(Episode, tuple(key.values()), with_for_update=True, populate_existing=True)
+    assert episode is not None
+    if step.turn < len(episode.actions):
+        _check_retry(episode, step, where)
+    else:
         _advance(game, episode, step.action_token_ids, text, outcome)
-    return [_reply(game, episode, step.turn) for episode, step, _ in moves]
+    return episode
 
 
 def _move(game: _Game, lease: Lease, step: EpisodeStep, i: int) -> tuple[Episode, EpisodeStep, bool]:
-    """The step's episode, and whether the step is a new turn (False: a retry of an answered one)."""
+    """The step's episode as stored (a new one, not stored, for a first turn), and whether the step is a new
+    turn (False: a retry of an answered one)."""
     where = f"steps.{i}"
     episode = _episode(game, lease, step, where)
     if step.turn < len(episode.actions):
@@ -130,11 +165,10 @@ def _episode(game: _Game, lease: Lease, step: EpisodeStep, where: str) -> Episod
     if step.sample >= game.spec.grpo.group_size:
         raise ApiError(422, f"{where}: sample {step.sample} is outside the group (group size "
                             f"{game.spec.grpo.group_size})", field=f"{where}.sample")
-    episode = game.db.get(Episode, (lease.id, step.prompt_id, step.sample), with_for_update=True)
-    if episode is None:
-        episode = Episode(lease_id=lease.id, prompt_id=step.prompt_id, sample=step.sample, job_id=game.job.id,
-                          actions=[], turns=[], done=False)
-        game.db.add(episode)
+    episode = game.db.get(Episode, (lease.id, step.prompt_id, step.sample))
+    if episode is None:  # its first turn: _store inserts it
+        return Episode(lease_id=lease.id, prompt_id=step.prompt_id, sample=step.sample, job_id=game.job.id,
+                       actions=[], turns=[], done=False)
     return episode
 
 
@@ -166,14 +200,19 @@ class _Outcome:
     error: str | None = None
 
 
-def _run_environments(game: _Game, episodes: list[tuple[int, list[str]]]) -> list[_Outcome]:
-    """Each (prompt id, actions so far) through a fresh environment, `concurrency` at once. Past the
+def _prompts(db: Session, ids: set[int]) -> dict[int, TaskPrompt]:
+    return {p.id: TaskPrompt(text=p.text, reference=p.reference)
+            for p in db.scalars(select(Prompt).where(Prompt.id.in_(ids)))}
+
+
+def _run_environments(game: _Game, episodes: list[tuple[TaskPrompt, list[str]]]) -> list[_Outcome]:
+    """Each (prompt, actions so far) through a fresh environment, `concurrency` at once. Past the
     deadline the request answers without the stragglers (their episodes end as failed); their threads
-    finish on their own (an HTTP environment's calls have their own timeouts)."""
-    prompts = {p.id: TaskPrompt(text=p.text, reference=p.reference)
-               for p in game.db.scalars(select(Prompt).where(Prompt.id.in_({pid for pid, _ in episodes})))}
+    finish on their own (an HTTP environment's every try has its own deadline)."""
+    if not episodes:
+        return []
     pool = ThreadPoolExecutor(max(1, min(game.task.concurrency(game.params), len(episodes))))
-    futures = [pool.submit(_environment, game.task, game.params, prompts[pid], actions) for pid, actions in episodes]
+    futures = [pool.submit(_environment, game.task, game.params, prompt, actions) for prompt, actions in episodes]
     finished, _ = wait(futures, timeout=ENV_DEADLINE_S)
     pool.shutdown(wait=False, cancel_futures=True)
     late = _Outcome(None, True, None, f"the environment did not answer within {ENV_DEADLINE_S:.0f} s")

@@ -157,6 +157,11 @@ class TaskAdapter(ABC):
         """How many rewards or environment turns of this task may be computed at once (HTTP tasks: more)."""
         return int(getattr(params, "concurrency", 1))
 
+    def step_seconds(self, params: TaskParams) -> float:
+        """The longest one environment turn takes when the environment is well (HTTP tasks: a try's timeout);
+        0 for an environment computed in process. It sizes the episode requests (EpisodeLimits.max_steps)."""
+        return float(getattr(params, "timeout_s", 0.0))
+
     def max_turns(self, params: TaskParams) -> int:
         """A multi-turn task's model turns per episode: its params' `max_turns`, else Episode.max_turns."""
         return int(getattr(params, "max_turns", Episode.max_turns))

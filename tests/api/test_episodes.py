@@ -73,7 +73,8 @@ def play(worker, lease, prompt_id, sample, guesses, tok):
 
 def test_a_lease_of_a_multi_turn_job_says_how_to_play_it(game):
     _, _, _, lease, _ = game
-    assert lease["episode"] == {"max_turns": 3, "max_tokens": 3 * 16 + 2 * 512}  # model turns, replies
+    # Model turns, replies; an in-process environment answers as many steps as a request may carry.
+    assert lease["episode"] == {"max_turns": 3, "max_tokens": 3 * 16 + 2 * 512, "max_steps": 4096}
 
 
 def test_episodes_are_scored_by_the_platform_and_the_secret_never_reaches_the_worker(api, game):
@@ -175,6 +176,8 @@ class Environment(BaseHTTPRequestHandler):
         Environment.seen.append(body)
         if Environment.mode == "slow":
             time.sleep(3)
+        if Environment.mode == "lagging":
+            time.sleep(0.8)  # within the job's 1 s timeout
         if Environment.mode == "down":
             return self._send(503, {"error": "down"})
         guess = body["actions"][-1].strip().rstrip(".")
@@ -252,6 +255,60 @@ def test_a_failing_or_slow_environment_ends_its_episodes_with_a_clear_reason_not
     standing = ok(worker.get(f"/v1/workers/{wid}"))
     assert standing["trust"] == "probation" and standing["trust_reason"] is None  # not struck: not its fault
 
+
+def test_an_environment_at_work_holds_no_database_connection(api, hosted):
+    """The route checks its steps, ends its transaction, then waits on the environment: on SQLite (one
+    connection) another tenant's request used to wait for the environment too."""
+    _, _, worker, lease, tok, _ = hosted
+    Environment.mode = "lagging"
+    pid = lease["prompts"][0]["prompt_id"]
+    step = {"prompt_id": pid, "sample": 0, "turn": 0, "action_token_ids": said(tok, "3")}
+    answers: list = []
+    playing = threading.Thread(target=lambda: answers.append(worker.post(f"/v1/leases/{lease['id']}/episodes",
+                                                                         json={"steps": [step]})))
+    _, bob = new_user(api)
+    playing.start()
+    time.sleep(0.3)
+    started = time.monotonic()
+    ok(bob.get("/v1/jobs"))
+    assert time.monotonic() - started < 0.4 and playing.is_alive()
+    playing.join()
+    assert reply(answers[0]) == {"turn": 0, "done": False, "observation": "no.\n",
+                                 "observation_token_ids": tok.encode("no.\n").ids}
+
+
+def test_a_request_carries_what_the_environment_answers_within_its_deadline(api, hosted):
+    """A 1 s timeout and 4 at once: 60 s hold 240 steps. More would run past the deadline and fail episodes
+    that an honest worker played; the worker is told to send them in several requests."""
+    _, _, worker, lease, tok, _ = hosted
+    assert lease["episode"]["max_steps"] == 240
+    pid = lease["prompts"][0]["prompt_id"]
+    steps = [{"prompt_id": pid, "sample": 0, "turn": 0, "action_token_ids": said(tok, "7")}] * 241
+    r = worker.post(f"/v1/leases/{lease['id']}/episodes", json={"steps": steps})
+    assert r.status_code == 422 and "at most 240" in r.json()["detail"] and Environment.seen == []
+
+
+def test_a_turn_sent_twice_at_once_is_played_once(api, game):
+    """Racing twins of a first turn (a retry while its first attempt still runs) get one answer; a twin with
+    other tokens is refused. On PostgreSQL both used to insert the episode, and the second got a 500."""
+    _, _, worker, lease, tok = game
+    pid = lease["prompts"][0]["prompt_id"]
+    same = race(worker, lease, pid, 0, [said(tok, "5")] * 6)
+    assert [r.status_code for r in same] == [200] * 6 and len({r.text for r in same}) == 1
+    other = race(worker, lease, pid, 1, [said(tok, str(k)) for k in range(6)])
+    assert sorted(r.status_code for r in other) == [200] + [409] * 5
+
+
+def race(worker, lease, pid, sample, actions):
+    """Turn 0 of one episode, each action sent at once from a thread of its own."""
+    answers: list = []
+    twins = [threading.Thread(target=lambda ids=ids: answers.append(turn(worker, lease, pid, sample, 0, ids)))
+             for ids in actions]
+    for t in twins:
+        t.start()
+    for t in twins:
+        t.join()
+    return answers
 
 def fail_all(worker, job, tok, lease=None) -> list[int]:
     """Lease every prompt the pool gives (or use `lease`), play each to the environment's failure, submit."""

@@ -64,8 +64,9 @@ def _turn(backend: GenerationBackend, control: ControlPlane, lease_id: str, epis
     actions = [sample for (sample,) in backend.generate(requests)]
     steps = [EpisodeStep(prompt_id=e.prompt_id, sample=e.sample, turn=turn, action_token_ids=a.token_ids)
              for e, a in zip(episodes, actions, strict=True)]
-    replies = [reply for i in range(0, len(steps), STEPS_PER_CALL)
-               for reply in control.play_turns(lease_id, steps[i : i + STEPS_PER_CALL])]
+    per_call = min(STEPS_PER_CALL, limits.max_steps)
+    replies = [reply for i in range(0, len(steps), per_call)
+               for reply in control.play_turns(lease_id, steps[i : i + per_call])]
     for e, action, reply in zip(episodes, actions, replies, strict=True):
         e.tokens += action.token_ids
         e.logprobs += [max(MIN_LOGPROB, min(0.0, lp)) for lp in action.logprobs]

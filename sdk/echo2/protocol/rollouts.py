@@ -46,6 +46,8 @@ class EpisodeLimits(ReadModel):
 
     max_turns: int = Field(description="Model turns at most; the environment ends the episode at the last.")
     max_tokens: int = Field(description="Tokens of all turns together, the model's and the environment's.")
+    max_steps: int = Field(4_096, description="Steps one request to the episodes route may carry: what the "
+                                              "environment answers within the request's deadline.")
 
 
 class LeaseRead(ReadModel):
