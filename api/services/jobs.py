@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import secrets
 from typing import Any
 
 from echo2.protocol import DesiredState, JobCost, JobRead, JobSpec, JobStatus, JobUpdate, LeaseStatus, SamplingParams
@@ -110,9 +111,10 @@ def _prompt_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]
         if adapter.needs_dataset:
             raise ApiError(422, f"task {adapter.name} needs prompts: give dataset_id or prompts", field="dataset_id")
         count = spec.num_prompts or min(spec.max_steps * spec.grpo.prompts_per_step, MAX_GENERATED_PROMPTS)
+        seed = secrets.randbits(62) if adapter.secret_references else spec.seed  # see TaskAdapter
         try:
-            generated = adapter.generate_prompts(params, spec.seed, count)
-            held = adapter.eval_prompts(params, spec.seed, spec.eval.size)
+            generated = adapter.generate_prompts(params, seed, count)
+            held = adapter.eval_prompts(params, seed, spec.eval.size)
         except TaskError as exc:
             raise ApiError(422, str(exc), field="task.params") from None
         return [(p.text, p.reference) for p in generated], [(p.text, p.reference) for p in held]

@@ -120,6 +120,10 @@ class TaskAdapter(ABC):
     description: ClassVar[str] = ""
     Params: ClassVar[type[TaskParams]] = TaskParams
     needs_dataset: ClassVar[bool] = False
+    # The reference is what the model must find out, and the prompt does not give it away (a hidden number).
+    # Such a task's prompts are generated from a seed drawn for the job, not from the job's seed: workers
+    # can work the job's seed out of their leases' sample seeds, and then replay generate_prompts.
+    secret_references: ClassVar[bool] = False
 
     def parse_params(self, raw: Mapping[str, Any] | TaskParams | None = None) -> TaskParams:
         """Validate user-supplied params; raises TaskParamsError naming each bad field."""

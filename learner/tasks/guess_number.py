@@ -55,6 +55,7 @@ class GuessNumberTask(TaskAdapter):
     description = "Multi-turn: find a secret number from higher/lower hints."
     Params = GuessNumberParams
     needs_dataset = False
+    secret_references = True
 
     def generate_prompts(self, params: TaskParams, seed: int, count: int) -> list[TaskPrompt]:
         p = self.parse_params(params)

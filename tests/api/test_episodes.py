@@ -100,6 +100,18 @@ def lease_text(worker, lease) -> str:
     return worker.post(f"/v1/leases/{lease['id']}/renew").text
 
 
+def test_the_secrets_cannot_be_replayed_from_the_jobs_seed(api, game):
+    """A worker can work a job's seed out of its leases' sample seeds (echo2.seeds): the hidden numbers must
+    not be what generate_prompts draws from it."""
+    from learner.tasks import get_task
+
+    job = game[0]
+    task = get_task("guess_number")
+    replayed = [p.reference for p in task.generate_prompts(task.parse_params(GUESS["params"]), job["spec"]["seed"], 8)]
+    with api.db.session() as s:
+        stored = [p.reference for p in s.query(Prompt).filter(Prompt.job_id == job["id"]).order_by(Prompt.id)]
+    assert len(stored) == 8 and stored != replayed
+
 def test_turns_must_come_in_order_and_a_replayed_turn_must_be_the_same(game):
     _, _, worker, lease, tok = game
     pid = lease["prompts"][0]["prompt_id"]
