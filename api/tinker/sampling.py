@@ -67,7 +67,7 @@ def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: Idempote
     sampler = service.owned_sampler(db, user.id, body.sampling_session_id)
     model = service.owned_model(db, user.id, sampler.model_id)
     payload = _payload(body, sampler.checkpoint)
-    _check_size(payload, model.info.get("max_context_length"))
+    _check_fits(payload, model.info.get("vocab_size"), model.info.get("max_context_length"))
     row = service.enqueue(db, model, RequestKind.sample, payload.model_dump(mode="json"), key)
     if row.status == RequestStatus.pending.value and (target := fleet.fleet_job_for(db, sampler, payload, settings)):
         fleet.add_prompt(db, *target, row, payload)
@@ -77,9 +77,14 @@ def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: Idempote
     return {"request_id": row.id, "model_id": model.id, "sample_sequence_ids": ids}
 
 
-def _check_size(payload: SamplePayload, context: int | None) -> None:
-    """Bound what one request may make the host hold: its KV cache grows with every sample's prompt and
-    completion, and a host that runs out of memory fails every model it holds, not just this one."""
+def _check_fits(payload: SamplePayload, vocab: int | None, context: int | None) -> None:
+    """Token ids inside the vocabulary: a worker drawing the request would copy an id it cannot run into its
+    group and be refused (and struck) at the door. And a bound on what one request may make the host hold:
+    its KV cache grows with every sample's prompt and completion, and a host that runs out of memory fails
+    every model it holds, not just this one."""
+    stops = payload.params.stop_tokens or []
+    if vocab is not None and max([*payload.prompt, *stops]) >= vocab:
+        raise ApiError(400, f"prompt and stop token ids must be below the vocabulary size {vocab}", field="prompt")
     length = len(payload.prompt) + payload.params.max_tokens
     if context is not None and length > context:
         raise ApiError(400, f"prompt ({len(payload.prompt)} tokens) + max_tokens ({payload.params.max_tokens}) is "

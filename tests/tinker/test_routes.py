@@ -298,11 +298,15 @@ def test_what_one_sample_request_or_batch_may_make_a_host_hold_is_bounded(api, m
     report(api, claim(api, holding=[model_id])["work"], step=0)
     sampler = ok(retrieve(client, save["request_id"]))["sampling_session_id"]
 
-    def asample(num_samples: int, max_tokens: int) -> httpx.Response:
+    def asample(num_samples: int, max_tokens: int, tokens: tuple[int, ...] = (1, 2), **params) -> httpx.Response:
         return client.post("/api/v1/asample", json={"sampling_session_id": sampler, "num_samples": num_samples,
-                                                    "prompt": {"chunks": [{"tokens": [1, 2]}]},
-                                                    "sampling_params": {"max_tokens": max_tokens}})
+                                                    "prompt": {"chunks": [{"tokens": list(tokens)}]},
+                                                    "sampling_params": {"max_tokens": max_tokens, **params}})
 
+    # An id the model cannot run would reach a fleet worker, which copies it into its group and is struck.
+    vocab = INFO["vocab_size"]
+    for outside in (asample(1, 8, tokens=(1, vocab)), asample(1, 8, stop=[vocab + 5])):
+        assert outside.status_code == 400 and f"below the vocabulary size {vocab}" in outside.json()["detail"]
     too_long = asample(1, 511)
     assert too_long.status_code == 400 and "beyond the model's context of 512 tokens" in too_long.json()["detail"]
     monkeypatch.setattr(sampling, "MAX_SAMPLE_TOKENS", 100)
