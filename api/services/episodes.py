@@ -26,7 +26,6 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from functools import cached_property
 
 from echo2.protocol import EpisodeLimits, EpisodeReply, EpisodeStep, GroupSubmit, JobSpec, LeaseStatus
 from sqlalchemy import select
@@ -77,11 +76,6 @@ class _Game:
     params: TaskParams
     bounds: EpisodeLimits
     decode: Callable[[list[int]], str]
-    blobs: BlobStore
-
-    @cached_property
-    def encode_observation(self) -> Callable[[str, bool], list[int]]:
-        return modelinfo.observation_encoder(self.blobs, self.job.id)
 
 
 def play(db: Session, blobs: BlobStore, lease: Lease, job: Job, steps: list[EpisodeStep]) -> list[EpisodeReply]:
@@ -101,21 +95,24 @@ def play(db: Session, blobs: BlobStore, lease: Lease, job: Job, steps: list[Epis
     spec = spec_of(job)
     task = get_task(spec.task.name)
     game = _Game(db, job, spec, task, task.parse_params(spec.task.params), bounds,
-                 modelinfo.decoder(blobs, job.id), blobs)
+                 modelinfo.decoder(blobs, job.id))
     _refuse_repeats(steps)
     moves = [_move(game, lease, step, i) for i, step in enumerate(steps)]
     fresh = [(i, episode, step) for i, (episode, step, new) in enumerate(moves) if new]
     texts = [game.decode(step.action_token_ids) for _, _, step in fresh]
     prompts = _prompts(db, {step.prompt_id for _, _, step in fresh})
     db.commit()  # nothing was written: this ends the transaction, and its hold on the database
+    # The first turn of a job renders its chat template, in a child process that may take seconds.
+    encode = modelinfo.observation_encoder(blobs, job.id) if fresh else None
     outcomes = _run_environments(game, [(prompts[e.prompt_id], [*e.actions, text])
                                         for (_, e, _), text in zip(fresh, texts, strict=True)])
-    played = {i: _store(game, lease, step, f"steps.{i}", text, outcome)
+    played = {i: _store(game, lease, step, f"steps.{i}", text, outcome, encode)
               for (i, _, step), text, outcome in zip(fresh, texts, outcomes, strict=True)}
     return [_reply(game, played.get(i, episode), step.turn) for i, (episode, step, _) in enumerate(moves)]
 
 
-def _store(game: _Game, lease: Lease, step: EpisodeStep, where: str, text: str, outcome: _Outcome) -> Episode:
+def _store(game: _Game, lease: Lease, step: EpisodeStep, where: str, text: str, outcome: _Outcome,
+           encode: Callable[[str, bool], list[int]] | None) -> Episode:
     """The played turn, stored on the episode's row, locked now; if another request played this turn in the
     meantime (a retry racing its first attempt), its answer stands when the tokens are the same."""
     key = {"lease_id": lease.id, "prompt_id": step.prompt_id, "sample": step.sample}
@@ -127,7 +124,8 @@ def _store(game: _Game, lease: Lease, step: EpisodeStep, where: str, text: str, 
     if step.turn < len(episode.actions):
         _check_retry(episode, step, where)
     else:
-        _advance(game, episode, step.action_token_ids, text, outcome)
+        assert encode is not None
+        _advance(game, episode, step.action_token_ids, text, outcome, encode)
     return episode
 
 
@@ -232,13 +230,14 @@ def _environment(task: TaskAdapter, params: TaskParams, prompt: TaskPrompt, acti
     return _Outcome(turn.observation, turn.done, turn.reward)
 
 
-def _advance(game: _Game, episode: Episode, ids: list[int], text: str, outcome: _Outcome) -> None:
+def _advance(game: _Game, episode: Episode, ids: list[int], text: str, outcome: _Outcome,
+             encode: Callable[[str, bool], list[int]]) -> None:
     actions, turns = [*episode.actions, text], [*episode.turns, list(ids)]
     observation, done, reward, error = outcome.observation, outcome.done, outcome.reward, outcome.error
     if not done and len(actions) >= game.bounds.max_turns:
         done, reward = True, 0.0  # out of turns without finishing: a failure, as run_episode scores it
     if not done:
-        obs_ids = game.encode_observation(observation or "", ids[-1] in (game.job.eos_token_ids or ()))
+        obs_ids = encode(observation or "", ids[-1] in (game.job.eos_token_ids or ()))
         if len(obs_ids) > MAX_OBSERVATION_TOKENS:
             error, done = (f"the environment's reply at turn {len(actions) - 1} has {len(obs_ids)} tokens, more than "
                            f"{MAX_OBSERVATION_TOKENS}"), True

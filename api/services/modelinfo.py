@@ -4,6 +4,8 @@ with for display (a worker's own text is never shown)."""
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from collections.abc import Callable
 from functools import lru_cache
 from typing import Any
@@ -23,10 +25,11 @@ from echo2.snapshots import atomic_write
 from ..errors import ApiError
 from ..models import Job
 from ..storage import BlobStore
+from . import chat_frame
 
 MAX_INFO_BYTES = 64 * 2**20  # a tokenizer.json of a very large vocabulary stays well below
 TOKENIZER, TOKENIZER_CONFIG = "tokenizer.json", "tokenizer_config.json"
-MARK = "\x00echo2-turn\x00"  # stands in for a model turn when the chat template is rendered
+CHAT_FRAME = "chat_frame.json"  # what the chat template puts around an environment's reply (chat_frame.py)
 
 
 def record(blobs: BlobStore, job: Job, manifest: Manifest) -> None:
@@ -64,7 +67,9 @@ def decoder(blobs: BlobStore, job_id: str) -> Any:
 def observation_encoder(blobs: BlobStore, job_id: str) -> Callable[[str, bool], list[int]]:
     """A function (environment reply, the model's turn ended with eos) -> the tokens that follow the
     model's turn: the reply as a user turn plus the generation prompt by the model's chat template, as
-    `echo2.prompting.encode_prompt` frames the first one; a model without a template gets the text as is."""
+    `echo2.prompting.encode_prompt` frames the first one; a model without a template gets the text as is.
+    The template is rendered once per job, in a child process (chat_frame.py), and the frame kept beside
+    the job's tokenizer. Call it outside any database transaction: that first rendering may take seconds."""
     path = blobs.job_file(job_id, TOKENIZER)
     tokenizer = _load(str(path), path.stat().st_mtime) if path.exists() else None
     if tokenizer is None:
@@ -74,36 +79,29 @@ def observation_encoder(blobs: BlobStore, job_id: str) -> Callable[[str, bool], 
     template = config.get("chat_template")
     if not isinstance(template, str) or not template:
         return lambda text, _eos: tokenizer.encode(text, add_special_tokens=False).ids
-    frame = _frame(template, config)
-    return lambda text, eos: tokenizer.encode(frame(text, eos), add_special_tokens=False).ids
+    frame = _frame(blobs, job_id, template, config)
+    return lambda text, eos: tokenizer.encode(frame.around(text, eos), add_special_tokens=False).ids
 
 
-def _frame(template: str, config: dict[str, Any]) -> Callable[[str, bool], str]:
-    """What the chat template puts between the end of a model turn and the next one, around `text`."""
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def _frame(blobs: BlobStore, job_id: str, template: str, config: dict[str, Any]) -> chat_frame.Frame:
+    """The job's frame, rendered the first time and kept (a template that cannot frame a turn, too)."""
 
     def token(name: str) -> str:
         value = config.get(name)
         return value.get("content", "") if isinstance(value, dict) else str(value or "")
 
-    render = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template).render
-    specials = {"bos_token": token("bos_token"), "eos_token": token("eos_token")}
-    before = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": MARK}]
-    try:
-        base = render(messages=before, add_generation_prompt=False, **specials)
-        closing = base[base.rindex(MARK) + len(MARK):]
-    except Exception as exc:  # a template we cannot render this way: say so rather than guess
-        raise ApiError(409, f"the model's chat template cannot frame an environment turn: {exc}") from None
-
-    def frame(text: str, ended_with_eos: bool) -> str:
-        full = render(messages=[*before, {"role": "user", "content": text}], add_generation_prompt=True, **specials)
-        if not full.startswith(base):
-            raise ApiError(409, "the model's chat template renders earlier turns differently once a reply follows; "
-                                "episodes cannot be framed for it")
-        tail = closing.removeprefix(specials["eos_token"]) if ended_with_eos else closing
-        return tail + full[len(base):]
-
-    return frame
+    path = blobs.job_file(job_id, CHAT_FRAME)
+    if not path.exists():
+        try:
+            kept = dataclasses.asdict(chat_frame.render(template, {"bos_token": token("bos_token"),
+                                                                   "eos_token": token("eos_token")}))
+        except chat_frame.FrameError as exc:
+            kept = {"error": str(exc)}
+        atomic_write(path, json.dumps(kept).encode())
+    kept = json.loads(path.read_bytes())
+    if "error" in kept:
+        raise ApiError(409, kept["error"])
+    return chat_frame.Frame(**kept)
 
 
 @lru_cache(maxsize=16)

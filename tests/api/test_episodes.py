@@ -3,6 +3,7 @@ control plane runs the environment, keeps its secret and its reward, and checks 
 
 import contextlib
 import json
+import shutil
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -111,6 +112,28 @@ def test_the_secrets_cannot_be_replayed_from_the_jobs_seed(api, game):
     with api.db.session() as s:
         stored = [p.reference for p in s.query(Prompt).filter(Prompt.job_id == job["id"]).order_by(Prompt.id)]
     assert len(stored) == 8 and stored != replayed
+
+def test_the_models_chat_template_frames_the_environments_reply(api, tiny_model_dir, tmp_path):
+    templated = tmp_path / "templated"
+    shutil.copytree(tiny_model_dir, templated)
+    config = json.loads((templated / "tokenizer_config.json").read_text())
+    config["chat_template"] = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                               "{% if add_generation_prompt %}assistant: {% endif %}")
+    (templated / "tokenizer_config.json").write_text(json.dumps(config))
+    _, alice = new_user(api)
+    job = ok(alice.post("/v1/jobs", json={
+        "name": "guess", "base_model": "echo2:tiny", "task": GUESS, "num_prompts": 2, "max_steps": 1,
+        "grpo": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 16}, "staleness": 1}), 201)
+    publish(start_learner(api, job["id"]), job["id"], templated, version=0, step=0)
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+    tok = Tokenizer.from_file(str(templated / "tokenizer.json"))
+    answer = reply(turn(worker, lease, lease["prompts"][0]["prompt_id"], 0, 0, said(tok, "hm")))
+    # The model's turn ended with eos, which stands for the end of its turn; then the reply as a user turn.
+    assert answer["observation"] == tok.decode(answer["observation_token_ids"]) == \
+        "\nuser: say a number.\n\nassistant: "
 
 def test_turns_must_come_in_order_and_a_replayed_turn_must_be_the_same(game):
     _, _, worker, lease, tok = game
