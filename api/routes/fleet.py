@@ -89,7 +89,7 @@ def register_worker(body: WorkerRegister, provider: CurrentProvider, db: Session
 
 @router.get("/workers", operation_id="list_workers",
             summary="Workers you can see: all (admin), yours (provider), or those on your jobs (user)")
-def list_workers(p: AnyPrincipal, db: SessionDep, status: WorkerStatus | None = None,
+def list_workers(p: AnyPrincipal, db: SessionDep, settings: SettingsDep, status: WorkerStatus | None = None,
                  job_id: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")] = None,
                  limit: Annotated[int, Query(ge=1, le=500)] = 100,
                  offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0) -> Page[WorkerRead]:
@@ -100,14 +100,14 @@ def list_workers(p: AnyPrincipal, db: SessionDep, status: WorkerStatus | None = 
         query = query.where(Worker.job_id == job_id)
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
     rows = db.scalars(query.order_by(Worker.created_at, Worker.id).limit(limit).offset(offset))
-    items = [WorkerRead.model_validate(w) for w in rows]
+    items = trust.worker_reads(db, list(rows), settings, admin=p.is_admin)
     nxt = offset + len(items) if offset + len(items) < total else None
     return Page[WorkerRead](items=items, total=total, next_offset=nxt)
 
 
 @router.get("/workers/{worker_id}", operation_id="get_worker", summary="Get a worker")
-def get_worker(worker_id: str, p: AnyPrincipal, db: SessionDep) -> WorkerRead:
-    return WorkerRead.model_validate(_visible_worker(db, p, worker_id))
+def get_worker(worker_id: str, p: AnyPrincipal, db: SessionDep, settings: SettingsDep) -> WorkerRead:
+    return trust.worker_reads(db, [_visible_worker(db, p, worker_id)], settings, admin=p.is_admin)[0]
 
 
 @router.post("/workers/{worker_id}/heartbeat", operation_id="worker_heartbeat", response_model=HeartbeatReply,
@@ -122,14 +122,18 @@ async def heartbeat(worker_id: str, body: Heartbeat, token: Token, request: Requ
 
 @router.get("/workers/{worker_id}/audits", operation_id="list_worker_audits",
             summary="The learner's audits of this worker's groups, newest first: the evidence behind its trust",
-            description="Visible to the worker itself, its provider and admins.")
-def list_worker_audits(worker_id: str, p: AnyPrincipal, db: SessionDep,
+            description="Visible to the worker itself, its provider and admins. A trusted worker's groups are "
+                        "audited one in each window of 1/audit_rate groups: a passed audit of the window still "
+                        "open shows (here and in `audits_passed`) once the window closes, as it would tell which "
+                        "of the window's other groups go unaudited.")
+def list_worker_audits(worker_id: str, p: AnyPrincipal, db: SessionDep, settings: SettingsDep,
                        passed: PassedFilter = None,
                        limit: Annotated[int, Query(ge=1, le=500)] = 100) -> list[AuditRead]:
     worker = _visible_worker(db, p, worker_id)
     if p.kind == "user" and not p.is_admin:
         raise ApiError(403, "a worker's audits are for the worker, its provider and admins")
-    return trust.audit_reads(db, select(Audit).where(Audit.worker_id == worker.id), passed, limit)
+    query = select(Audit).where(Audit.worker_id == worker.id) if p.is_admin else trust.shown_audits(worker, settings)
+    return trust.audit_reads(db, query, passed, limit)
 
 
 @router.delete("/workers/{worker_id}", status_code=204, operation_id="deregister_worker",

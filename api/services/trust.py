@@ -18,8 +18,8 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime, timedelta
 
-from echo2.protocol import AuditRead, RejectKind, RolloutStatus, TrustState
-from sqlalchemy import Select, select, update
+from echo2.protocol import AuditRead, RejectKind, RolloutStatus, TrustState, WorkerRead
+from sqlalchemy import ColumnElement, Select, and_, false, func, not_, or_, select, update
 from sqlalchemy.orm import Session
 
 from ..models import Audit, Rollout, Worker, utcnow
@@ -57,6 +57,40 @@ def should_audit(worker: Worker | None, rollout: Rollout, settings: Settings) ->
     index, slot = divmod(rollout.seq, window)
     pick = hashlib.sha256(f"{worker.audit_salt}:{index}".encode()).digest()
     return slot == int.from_bytes(pick[:8], "big") % window
+
+
+def open_window_start(worker: Worker, settings: Settings) -> int:
+    """The first group of the worker's audit window still open. A passed audit of that window is shown to
+    no one but admins until the window closes (`shown_audits`, `worker_reads`): seeing it, a worker would
+    know the rest of its window goes unaudited, and could forge it (about half its groups, unseen)."""
+    rate = settings.audit_rate
+    if worker.trust is not TrustState.trusted or not 0 < rate < 1:
+        return worker.groups_numbered  # every group is audited: nothing to tell
+    window = max(1, round(1 / rate))
+    return worker.groups_numbered // window * window
+
+
+def _in_open_window(workers: list[Worker], settings: Settings) -> ColumnElement[bool]:
+    """Passed audits of the workers' open windows (an audit whose group is gone or unnumbered is in none)."""
+    seq = func.coalesce(Rollout.seq, -1)
+    return and_(Audit.passed, or_(false(), *(and_(Audit.worker_id == w.id, seq >= open_window_start(w, settings))
+                                             for w in workers)))
+
+
+def shown_audits(worker: Worker, settings: Settings) -> Select[tuple[Audit]]:
+    """The worker's audits as its provider and the worker itself see them (open_window_start)."""
+    return (select(Audit).outerjoin(Rollout, Rollout.id == Audit.rollout_id)
+            .where(Audit.worker_id == worker.id, not_(_in_open_window([worker], settings))))
+
+
+def worker_reads(db: Session, workers: list[Worker], settings: Settings, *, admin: bool) -> list[WorkerRead]:
+    """Workers as a principal sees them: audits passed in a window still open not counted but for admins."""
+    reads = [WorkerRead.model_validate(w) for w in workers]
+    if admin or not workers:
+        return reads
+    hidden = dict(db.execute(select(Audit.worker_id, func.count()).outerjoin(Rollout, Rollout.id == Audit.rollout_id)
+                             .where(_in_open_window(workers, settings)).group_by(Audit.worker_id)).all())
+    return [r.model_copy(update={"audits_passed": r.audits_passed - hidden.get(r.id, 0)}) for r in reads]
 
 
 def record_audit(db: Session, rollout: Rollout, step: int, passed: bool, reason: str | None,

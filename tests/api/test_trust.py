@@ -93,6 +93,32 @@ def test_a_trusted_worker_that_starts_forging_is_quarantined_within_twenty_of_it
     assert trust_of(api, wid)["trust"] == "quarantined" and forged <= 20
 
 
+def test_a_passed_audit_shows_once_its_window_closes(api, setup):
+    """Seeing the one audit of its open window, a worker would know the rest goes unaudited and could forge
+    it: until the window's last group comes, its provider (and the worker) see neither it nor its count."""
+    job, learner, wid, worker, provider, _ = setup
+    settings = api.server.settings
+    with api.db.session() as s:  # a salt that puts window 6's audit before its last group (69)
+        row = s.get(Worker, wid)
+        row.trust, row.audit_salt = "trusted", next(
+            salt for salt in (f"{k:032d}" for k in range(100))
+            if not trust.should_audit(Worker(trust="trusted", audit_salt=salt), Rollout(id="r", seq=69), settings))
+        s.commit()
+    one_step(api, job, learner, worker, [True] * 5, step=0)
+    one_step(api, job, learner, worker, [True] * 64, step=1)  # groups 0..68: windows 0..5 closed, 60..69 open
+    with api.db.session() as s:
+        seq = {r.id: r.seq for r in s.query(Rollout).filter(Rollout.worker_id == wid)}
+    every = ok(api.admin.get(f"/v1/workers/{wid}/audits", params={"limit": 500}))
+    hidden = [a for a in every if seq[a["rollout_id"]] >= 60]
+    assert len(hidden) == 1
+    shown = ok(provider.get(f"/v1/workers/{wid}/audits", params={"limit": 500}))
+    assert {a["id"] for a in shown} == {a["id"] for a in every} - {a["id"] for a in hidden}
+    assert ok(provider.get(f"/v1/workers/{wid}"))["audits_passed"] == trust_of(api, wid)["audits_passed"] - len(hidden)
+    one_step(api, job, learner, worker, [True], step=2)  # group 69 closes the window
+    assert len(ok(provider.get(f"/v1/workers/{wid}/audits", params={"limit": 500}))) == len(every) + (
+        trust_of(api, wid)["audits_passed"] - len(every))
+    assert ok(provider.get(f"/v1/workers/{wid}")) == trust_of(api, wid)
+
 def test_audit_windows_take_exactly_one_group_in_ten_at_a_secret_place(api):
     settings = api.server.settings
     places = []
