@@ -106,8 +106,10 @@ def play(db: Session, blobs: BlobStore, lease: Lease, job: Job, steps: list[Epis
     encode = modelinfo.observation_encoder(blobs, job.id) if fresh else None
     outcomes = _run_environments(game, [(prompts[e.prompt_id], [*e.actions, text])
                                         for (_, e, _), text in zip(fresh, texts, strict=True)])
+    # Rows are locked in one order, so that two requests storing the same episodes cannot deadlock.
+    stored = sorted(zip(fresh, texts, outcomes, strict=True), key=lambda m: (m[0][2].prompt_id, m[0][2].sample))
     played = {i: _store(game, lease, step, f"steps.{i}", text, outcome, encode)
-              for (i, _, step), text, outcome in zip(fresh, texts, outcomes, strict=True)}
+              for (i, _, step), text, outcome in stored}
     return [_reply(game, played.get(i, episode), step.turn) for i, (episode, step, _) in enumerate(moves)]
 
 
