@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import pydantic_core
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
 
 
@@ -49,6 +52,13 @@ def _sqlite_engine(url: str) -> Engine:
         conn.exec_driver_sql("BEGIN IMMEDIATE")
 
     return engine
+
+
+def insert_skipping_conflicts(db: Session, entity: Any) -> Any:
+    """INSERT ... ON CONFLICT DO NOTHING on the session's database (PostgreSQL or SQLite): rows another
+    transaction inserted first are left as they are."""
+    insert = pg_insert if db.get_bind().dialect.name == "postgresql" else sqlite_insert
+    return insert(entity).on_conflict_do_nothing()
 
 
 class Database:

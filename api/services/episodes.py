@@ -29,12 +29,11 @@ from dataclasses import dataclass
 
 from echo2.protocol import EpisodeLimits, EpisodeReply, EpisodeStep, GroupSubmit, JobSpec, LeaseStatus
 from sqlalchemy import select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from learner.tasks import TaskAdapter, TaskError, TaskParams, TaskPrompt, get_task
 
+from ..db import insert_skipping_conflicts
 from ..errors import ApiError
 from ..models import Episode, Job, Lease, Prompt, utcnow
 from ..storage import BlobStore
@@ -118,9 +117,9 @@ def _store(game: _Game, lease: Lease, step: EpisodeStep, where: str, text: str, 
     """The played turn, stored on the episode's row, locked now; if another request played this turn in the
     meantime (a retry racing its first attempt), its answer stands when the tokens are the same."""
     key = {"lease_id": lease.id, "prompt_id": step.prompt_id, "sample": step.sample}
-    insert = pg_insert if game.db.get_bind().dialect.name == "postgresql" else sqlite_insert
-    game.db.execute(insert(Episode).values(**key, job_id=game.job.id, actions=[], turns=[], done=False)
-                    .on_conflict_do_nothing())  # the first turn of a new episode, unless a twin inserted it
+    # The first turn of a new episode, unless a twin inserted it.
+    game.db.execute(insert_skipping_conflicts(game.db, Episode).values(**key, job_id=game.job.id, actions=[],
+                                                                       turns=[], done=False))
     episode = game.db.get(Episode, tuple(key.values()), with_for_update=True, populate_existing=True)
     assert episode is not None
     if step.turn < len(episode.actions):

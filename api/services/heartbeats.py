@@ -21,12 +21,10 @@ from typing import Any
 import anyio
 from echo2.protocol import DesiredState, Heartbeat, HeartbeatReply, WorkerStatus
 from sqlalchemy import Row, select, update
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from .. import auth
-from ..db import Database
+from ..db import Database, insert_skipping_conflicts
 from ..errors import ApiError, unauthorized
 from ..models import Job, VersionHold, WeightVersion, Worker, utcnow
 from ..settings import Settings
@@ -174,5 +172,4 @@ def _record_holds(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str
             if db.scalar(select(WeightVersion.version).where(WeightVersion.job_id == job_id,
                                                              WeightVersion.version == version)) is not None]
     if rows:
-        insert = pg_insert if db.get_bind().dialect.name == "postgresql" else sqlite_insert
-        db.execute(insert(VersionHold).on_conflict_do_nothing(), rows)
+        db.execute(insert_skipping_conflicts(db, VersionHold), rows)

@@ -19,10 +19,9 @@ from urllib.parse import urlsplit
 
 from echo2.protocol import Heartbeat, TrustState
 from sqlalchemy import func, select
-from sqlalchemy.dialects.postgresql import insert as pg_insert
-from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from ..db import insert_skipping_conflicts
 from ..errors import ApiError
 from ..models import RelayReport, Worker
 
@@ -40,8 +39,7 @@ def record(db: Session, reporter_id: str, reporter_provider: str, hb: Heartbeat)
               if w.provider_id != reporter_provider and w.id != reporter_id}
     reported = [(relays[b.url.rstrip("/")], b.reason) for b in hb.bad_sources if b.url.rstrip("/") in relays]
     if reported:
-        insert = pg_insert if db.get_bind().dialect.name == "postgresql" else sqlite_insert
-        db.execute(insert(RelayReport).on_conflict_do_nothing(), [
+        db.execute(insert_skipping_conflicts(db, RelayReport), [
             {"reported_worker_id": w.id, "reporter_worker_id": reporter_id, "reporter_provider_id": reporter_provider,
              "reason": reason[:512]} for w, reason in reported])
         for w in {w.id: w for w, _ in reported}.values():
