@@ -12,7 +12,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from learner.models import private_dir_of, private_model_error
+from learner.models import model_error, private_dir_of, private_model_error
 from learner.tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
 
 from ..errors import ApiError
@@ -71,13 +71,18 @@ Items = list[tuple[str, str | None]]
 
 
 def check_references(spec: JobSpec, settings: Settings) -> None:
-    """What a spec points at on the platform's side: not a model folder inside Echo2's own data (the learner
-    host refuses it too; here the user hears at once), and, in production, a task endpoint (http_reward,
+    """What a spec points at on the platform's side: a model the learner host can load (with `model_check`
+    "host", the control plane sees the learner hosts' disks, Hugging Face cache and network; with "names", only
+    built-in names are checked) and not a model folder inside Echo2's own data (the learner host refuses it
+    too; here the user hears at once), and, in production, a task endpoint (http_reward,
     http_env: called from inside the platform) only at a public address, never at the platform's own
     services or a cloud's metadata endpoint."""
     private = private_dir_of(spec.base_model, (settings.data_dir,))
     if private is not None:
         raise ApiError(422, private_model_error(spec.base_model, private), field="base_model")
+    problem = model_error(spec.base_model, settings.hf_hub_cache, look=settings.model_check == "host")
+    if problem is not None:
+        raise ApiError(422, problem, field="base_model")
     url = (spec.task.params or {}).get("url")
     if settings.env == "production" and isinstance(url, str):
         check_public_url(url, "task.params.url", "the platform calls only public addresses for a job's task")

@@ -158,7 +158,9 @@ class JobSpec(Model):
     name: Name
     base_model: ModelRef = Field(
         description="HF hub id, a local path on the learner host (outside Echo2's own data directory, where "
-                    "other jobs' files are), or a built-in: `echo2:tiny`, `echo2:smollm2`."
+                    "other jobs' files are), or a built-in: `echo2:tiny`, `echo2:smollm2`. Refused at submission "
+                    "(422) when the learner host could not load it: an unknown built-in, a path that is no model "
+                    "folder, a Hub id it cannot reach and has not in its Hugging Face cache."
     )
     task: TaskSpec
     dataset_id: Id | None = Field(None, description="Uploaded dataset to draw prompts from.")
