@@ -94,7 +94,23 @@ def training_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items
     items, held_out = _prompt_items(db, user, spec)
     if not items:
         raise ApiError(422, "no prompt is left to train on (the held-out share took them all)", field="eval.fraction")
-    return items, held_out
+    return _fill_a_step(items, len(held_out), spec), held_out
+
+
+def _fill_a_step(items: Items, held_out: int, spec: JobSpec) -> Items:
+    """The training prompts, or the 422 when they are fewer than one step needs: the learner would wait for
+    the missing groups forever. With `reuse_prompts` they are repeated (each a group of its own) to fill it."""
+    need = spec.grpo.prompts_per_step
+    if len(items) >= need:
+        return items
+    if spec.reuse_prompts:
+        return items * -(-need // len(items))
+    besides = f" ({held_out} more held out for evaluation, eval.fraction)" if held_out else ""
+    have = f"{len(items)} training prompt{'' if len(items) == 1 else 's'}{besides} {'is' if len(items) == 1 else 'are'}"
+    raise ApiError(422, f"{have} fewer than one step's "
+                   f"grpo.prompts_per_step = {need}: the job would wait for the rest forever. Give more prompts, "
+                   f"set grpo.prompts_per_step to {len(items)} or less, or set reuse_prompts to true to train on "
+                   "each of them several times a step", field="grpo.prompts_per_step")
 
 
 def _prompt_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]:

@@ -62,7 +62,8 @@ def test_dataset_task_without_prompts_is_rejected(api):
 def test_inline_prompts_and_bad_items(api):
     _, alice = new_user(api)
     items = [{"item": {"question": "What is 2+3?", "answer": "#### 5"}}]
-    job = ok(alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, prompts=items)), 201)
+    job = ok(alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, prompts=items,
+                                                  grpo={"group_size": 2, "prompts_per_step": 1})), 201)
     prompts = ok(alice.get(f"/v1/jobs/{job['id']}/prompts"))
     assert prompts["total"] == 1 and "2+3" in prompts["items"][0]["text"]
     bad = alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, prompts=[{"item": {"q": "x"}}]))

@@ -191,7 +191,7 @@ def test_finish_requires_a_published_final_version(api, setup):
 def test_learner_token_is_scoped_to_its_job(api, setup):
     job, learner, _, alice, _ = setup
     other = ok(alice.post("/v1/jobs", json={"name": "o", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
-                                            "num_prompts": 4}), 201)
+                                            "num_prompts": 16}), 201)
     assert learner.post(f"/v1/jobs/{other['id']}/learner/start").status_code == 403
     assert alice.post(f"/v1/jobs/{job['id']}/learner/start").status_code == 403
     assert alice.post(f"/v1/jobs/{job['id']}/learner/token").status_code == 403
