@@ -63,3 +63,14 @@ def test_a_dataset_smaller_than_one_step_is_refused_or_with_the_flag_reused(api)
     assert job["num_prompts"] == 18  # each item twice: a step of 16 groups can be leased
     texts = [p["text"] for p in ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 50}))["items"]]
     assert len(texts) == 18 and len(set(texts)) == 9
+
+
+def test_a_dataset_over_the_body_limit_is_refused_naming_the_limit_in_mib(api):
+    _, alice = new_user(api)
+    line = json.dumps({"question": "1+1?" + " " * 1000, "answer": "2"}) + "\n"
+    big = line * (api.server.settings.max_body_bytes // len(line) + 1)
+    r = alice.post("/v1/datasets/upload", data={"name": "big"}, files={"file": ("d.jsonl", big)})
+    assert r.status_code == 413 and r.json()["errors"][0]["field"] == "body"
+    assert r.json()["detail"].startswith("the dataset is larger than this server's limit of 16 MiB per upload: "
+                                         "upload fewer or shorter items")
+    assert ok(alice.get("/v1/datasets"))["total"] == 0
