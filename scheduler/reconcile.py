@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from echo2.protocol import Fault, JobStatus, RejectKind, TrustState, WorkerStatus
@@ -63,9 +63,15 @@ UNPAUSED = (JobStatus.queued, JobStatus.running)
 class TickReport:
     offline: int = 0
     prompts_returned: int = 0
-    launched: list[tuple[str, str]] | None = None
+    launched: list[tuple[str, str]] | None = field(default=None, repr=False)  # (job id, learner token)
     activated: int = 0
     deactivated: int = 0
+
+    def __str__(self) -> str:
+        """What the scheduler logs: the jobs launched, never their learner tokens."""
+        jobs = [job_id for job_id, _ in self.launched or []]
+        return (f"offline={self.offline} prompts_returned={self.prompts_returned} launched={jobs} "
+                f"activated={self.activated} deactivated={self.deactivated}")
 
 
 def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None = None) -> TickReport:

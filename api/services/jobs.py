@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from learner.models import model_error, private_dir_of, private_model_error
 from learner.tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
 
+from .. import auth
 from ..errors import ApiError
 from ..models import Dataset, DatasetItem, Job, Lease, Prompt, User, Worker, utcnow
 from ..settings import Settings
@@ -179,11 +180,13 @@ def job_read(job: Job) -> JobRead:
 
 
 def finish_job(db: Session, job: Job, status: JobStatus, reason: str | None) -> None:
-    """Move a job to a terminal state; refuse if it already is in one. Frees its workers and leases."""
+    """Move a job to a terminal state; refuse if it already is in one. Frees its workers and leases, and
+    revokes its learner tokens."""
     if job.status.is_terminal():
         raise ApiError(409, f"job {job.id} is already {job.status}; a finished job cannot change state")
     job.status, job.status_reason, job.finished_at = status, reason, utcnow()
     job.queue_position = job.paused_for = None
+    auth.revoke_all(db, "learner", job.id)  # a finished job's learner can do nothing more
     _free_fleet(db, job)
 
 

@@ -177,7 +177,8 @@ def test_heartbeat_and_stop_at_max_steps(api, setup):
     done = ok(learner.post(f"/v1/jobs/{job['id']}/learner/finish",
                            json={"outcome": "succeeded", "final_version": 3}))
     assert done["status"] == "succeeded" and done["finished_at"]
-    assert learner.post(f"/v1/jobs/{job['id']}/learner/start").status_code == 409
+    for route, body in (("start", None), ("heartbeat", {"step": 3}), ("claim", {"step": 3})):
+        assert learner.post(f"/v1/jobs/{job['id']}/learner/{route}", json=body).status_code == 401  # token revoked
 
 
 def test_finish_requires_a_published_final_version(api, setup):

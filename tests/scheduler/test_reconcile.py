@@ -362,3 +362,11 @@ def test_a_job_the_scheduler_cannot_handle_is_recorded_on_it_and_the_others_go_o
         s.commit()
     run_tick(api)
     assert ok(alice.get(f"/v1/jobs/{broken['id']}"))["status_reason"] is None
+
+
+def test_the_tick_report_the_scheduler_logs_names_launched_jobs_without_their_tokens(api):
+    _, alice = new_user(api)
+    job = new_job(alice)
+    report, launched = run_tick(api)
+    token = launched[0][1]
+    assert job["id"] in str(report) and token not in str(report) and token not in repr(report)
