@@ -301,15 +301,15 @@ def test_a_job_can_state_its_memory_need_and_backends(api, tmp_path):
     assert alice.post("/v1/jobs", json=job_spec(workers={"gpu": "a100"})).status_code == 422
 
 
-def idle_tinker_model(api, tmp_path) -> str:
-    """A Tinker model whose sampler checkpoint is version 1 of its fleet job, that nobody samples (demand 0)
-    and that no worker serves: the fleet job's id."""
+def idle_tinker_model(api, tmp_path, user=None) -> str:
+    """A Tinker model of `user` (a new one by default) whose sampler checkpoint is version 1 of its fleet job,
+    that nobody samples (demand 0) and that no worker serves: the fleet job's id."""
     import httpx
 
     from tests.factories import publish
     from tests.tinker.test_routes import claim, key_of, ready_model, report, sdk
 
-    _, user = new_user(api, "tinkerer")
+    user = user or new_user(api, "tinkerer")[1]
     client = sdk(api, key_of(user))
     _, model_id = ready_model(api, client)
     ok(client.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "sampling_session_seq_id": 1}))
