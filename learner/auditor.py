@@ -22,7 +22,7 @@ import torch
 from echo2.loading import LOAD_LOCK
 from echo2.protocol import ClaimedGroup, JobSpec
 
-from .audit import AuditConfig, AuditResult, audit_group, audit_versions
+from .audit import AuditConfig, AuditResult, GroupClaim, audit_group, audit_versions
 from .models import with_adapter
 from .weights import ADAPTER_DIR
 
@@ -31,9 +31,8 @@ Fetch = Callable[[int], Path]  # version -> a local folder holding its safetenso
 
 
 class Auditor:
-    def __init__(self, model_path: str, spec: JobSpec, pad_id: int, fetch: Fetch,
-                 config: AuditConfig | None = None) -> None:
-        self.model_path, self.spec, self.pad_id, self.fetch = model_path, spec, pad_id, fetch
+    def __init__(self, model_path: str, spec: JobSpec, fetch: Fetch, config: AuditConfig | None = None) -> None:
+        self.model_path, self.spec, self.fetch = model_path, spec, fetch
         self.config = config or AuditConfig()
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self._model: Any = None
@@ -55,17 +54,11 @@ class Auditor:
     def audit(self, group: ClaimedGroup) -> AuditResult:
         start = time.perf_counter()
         try:
-            g = self.spec.grpo
-            samples = [(list(s.token_ids), list(s.logprobs)) for s in group.samples]
+            claim = claim_of(group, self.spec)
             if any(s.versions is not None for s in group.samples):  # a partial rollout: each token its version
-                return audit_versions(self._model_at, list(group.prompt_token_ids), samples,
-                                      [s.token_versions(group.version) for s in group.samples],
-                                      temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, pad_id=self.pad_id,
-                                      config=self.config)
-            model = self._model_at(group.version)
-            masks = [None if s.turns is None else s.model_token_mask() for s in group.samples]
-            return audit_group(model, list(group.prompt_token_ids), samples, temperature=g.temperature,
-                               top_p=g.top_p, top_k=g.top_k, pad_id=self.pad_id, config=self.config, masks=masks)
+                return audit_versions(self._model_at, claim, [s.token_versions(group.version) for s in group.samples],
+                                      self.config)
+            return audit_group(self._model_at(group.version), claim, self.config)
         finally:
             self.seconds += time.perf_counter() - start
 
@@ -111,3 +104,13 @@ class Auditor:
             state.update(load_file(str(file)))
         log.info("audit weights loaded from %s", folder)
         return state
+
+
+def claim_of(group: ClaimedGroup, spec: JobSpec) -> GroupClaim:
+    """What a claimed group says about itself, for the audit: drawn at the job's settings with its leased seed."""
+    g = spec.grpo
+    return GroupClaim(prompt=list(group.prompt_token_ids), samples=[(list(s.token_ids), list(s.logprobs))
+                                                                     for s in group.samples],
+                      temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=group.seed,
+                      precision=group.precision.value,
+                      masks=[None if s.turns is None else s.model_token_mask() for s in group.samples])

@@ -10,7 +10,7 @@ from .. import auth
 from ..errors import ApiError
 from ..models import Job, Prompt, Rollout, StepMetric, Worker, utcnow
 from ..settings import Settings
-from . import trust
+from . import evidence, trust
 from .admission import release_claims
 from .jobs import over_budget, pause_job, spec_of
 from .pool import return_prompts
@@ -41,6 +41,7 @@ def commit_step(db: Session, job: Job, report: StepReport, settings: Settings) -
     refused = _claimed(db, job, report, [r.rollout_id for r in report.rejected], "rejected")
     _judge(db, job, report, {r.id: r for r in rollouts + refused}, settings)
     _mark_trained(db, job, report, rollouts)
+    evidence.compare_fleet(db, job.id, report.step)
     db.add(_metric_row(db, job, report, len(rollouts)))
     job.step += 1
     job.reward_mean = report.reward_mean if report.reward_mean is not None else job.reward_mean
@@ -82,7 +83,8 @@ def _judge(db: Session, job: Job, report: StepReport, rows: dict[str, Rollout], 
         rollout = rows[audit.rollout_id]
         trust.record_audit(db, rollout, report.step, audit.passed, audit.reason, audit.stats)
         if audit.passed and rollout.worker_id in senders:
-            trust.passed(senders[rollout.worker_id], settings)
+            trust.passed(db, senders[rollout.worker_id], settings)
+            evidence.record(db, senders[rollout.worker_id], audit.stats, rollout.precision, settings)
     for refusal in report.rejected:
         rollout = rows[refusal.rollout_id]
         rollout.status, rollout.reason = RolloutStatus.rejected, f"refused by the learner: {refusal.reason}"

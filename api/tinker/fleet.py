@@ -53,7 +53,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..models import Job, Lease, Prompt, Rollout, Worker, utcnow
-from ..services import trust
+from ..services import evidence, trust
 from ..services.learning import issue_learner_token
 from ..services.pool import return_prompts
 from ..settings import Settings
@@ -223,7 +223,8 @@ def audited(db: Session, request: TinkerRequest, verdict: AuditVerdict | None, s
     assert prompt is not None
     if verdict.passed:
         if worker is not None:
-            trust.passed(worker, settings)
+            trust.passed(db, worker, settings)
+            evidence.record(db, worker, verdict.stats, rollout.precision, settings)
         return _deliver(db, rollout, prompt)
     rollout.status, rollout.reject_kind = RolloutStatus.rejected, RejectKind.audit_failed
     rollout.reason = f"failed the host's audit: {verdict.reason}"[:512]

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
-from .common import JobStatus, Model, ReadModel, ShortText, Step
+from .common import JobStatus, Model, Precision, ReadModel, ShortText, Step
 from .jobs import JobRead
 from .rollouts import SampleSubmit
 
@@ -45,6 +45,10 @@ class ClaimedGroup(ReadModel):
         None, description="Multi-turn: each sample's reward, computed by the control plane's environment.")
     audit: bool = Field(False, description="Re-score this group under `version` before training on it (the "
                         "control plane picks by the sender's trust); report the outcome in the step's `audits`.")
+    seed: int | None = Field(None, description="The prompt's leased base seed: sample k was drawn with "
+                             "echo2.seeds.sample_seed(seed, k), which the audit replays. None: stored before "
+                             "seeds were bound to rollouts.")
+    precision: Precision = Field(Precision.float32, description="The dtype its worker computed logits in.")
 
 
 class ReplayStep(ReadModel):
