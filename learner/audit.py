@@ -62,12 +62,15 @@ class AuditConfig:
     max_bad_tokens: int = 0
     z_crit: float = 6.0
     logit_error: tuple[tuple[str, float], ...] = tuple(LOGIT_ERROR.items())
+    auditor: str = "float32"  # the precision the audit itself computes in
 
     def margin(self, precision: str, temperature: float) -> float:
-        """Replay margin in nats of log q: twice the precision's largest honest logit error, over T. An
-        unknown precision gets the largest."""
+        """Replay margin in nats of log q: twice the largest honest logit difference between a worker computing
+        in `precision` and this auditor (the sum of both precisions' errors), over T. An unknown precision
+        gets the largest."""
         errors = dict(self.logit_error)
-        return 2 * errors.get(precision, max(errors.values())) / temperature
+        worst = max(errors.values())
+        return 2 * (errors.get(precision, worst) + errors.get(self.auditor, worst)) / temperature
 
 
 @dataclass(frozen=True)

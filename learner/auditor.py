@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +32,16 @@ Fetch = Callable[[int], Path]  # version -> a local folder holding its safetenso
 
 
 class Auditor:
-    def __init__(self, model_path: str, spec: JobSpec, fetch: Fetch, config: AuditConfig | None = None) -> None:
+    """Audits on `device` (the learner's), in the dtype the learner computes in there: bfloat16 on a GPU that
+    has it, float32 elsewhere. The replay's margin then allows for the auditor's precision as well as the
+    worker's (AuditConfig.auditor)."""
+
+    def __init__(self, model_path: str, spec: JobSpec, fetch: Fetch, config: AuditConfig | None = None,
+                 device: torch.device | str = "cpu") -> None:
         self.model_path, self.spec, self.fetch = model_path, spec, fetch
-        self.config = config or AuditConfig()
+        self.device = torch.device(device)
+        self.dtype = compute_dtype(self.device)
+        self.config = replace(config or AuditConfig(), auditor=str(self.dtype).removeprefix("torch."))
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self._model: Any = None
         self._zero_adapter: dict[str, torch.Tensor] = {}
@@ -82,7 +90,8 @@ class Auditor:
         from transformers import AutoModelForCausalLM
 
         with LOAD_LOCK:
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, use_safetensors=True)
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, use_safetensors=True)
+        model = model.to(self.device)
         if self.spec.lora is not None:
             model = with_adapter(model, self.spec.lora)
             from peft import get_peft_model_state_dict
@@ -104,6 +113,11 @@ class Auditor:
             state.update(load_file(str(file)))
         log.info("audit weights loaded from %s", folder)
         return state
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """What the learner computes in on `device` (policy._autocast): bfloat16 on a GPU that has it."""
+    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
 
 
 def claim_of(group: ClaimedGroup, spec: JobSpec) -> GroupClaim:

@@ -94,7 +94,7 @@ class Learner:
                                    private=(self.opt.work_dir,))
         self.world.announce("start", (spec, model_path))
         trainer, restored = build_trainer(spec, model_path, self.opt, self.world, work / "checkpoints")
-        trainer.auditor = Auditor(model_path, spec,
+        trainer.auditor = Auditor(model_path, spec, device=next(trainer.model.parameters()).device,
                                   fetch=lambda v: self.plane.fetch_version(v, work / "audit" / f"v{v}"))
         consumed = restored.consumed if restored else set()
         if restored is not None:
