@@ -118,8 +118,18 @@ class BodyLimit:
         return self.large_limit if is_chunk else self.default_limit
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
-        response = _problem(413, f"request body exceeds {limit} bytes", [{"field": "body", "reason": "too large"}])
+        detail = too_large(scope.get("path", ""), limit)
+        response = _problem(413, detail, [{"field": "body", "reason": detail}])
         await response(scope, receive, send)
+
+
+def too_large(path: str, limit: int) -> str:
+    """What a 413 says: the limit in MiB, and what to do about it."""
+    mib = f"{limit / 2**20:.3g} MiB"
+    if path.startswith("/v1/datasets"):
+        return (f"the dataset is larger than this server's limit of {mib} per upload: upload fewer or shorter "
+                "items (a dataset per part of your data), or ask the operator to raise ECHO2_MAX_BODY_BYTES")
+    return f"the request body is larger than this server's limit of {mib} for {path}: send less at once"
 
 
 class _TooLarge(Exception):

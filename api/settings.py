@@ -58,6 +58,13 @@ class Settings(BaseSettings):
                                "most this share of a job's needed throughput, whatever it claims.")
     delivery_grace_s: float = Field(120.0, gt=0, description="An activated worker that delivers nothing for this "
                                     "long is measured at zero throughput (and deactivated).")
+    model_check: Literal["host", "names"] = Field("host", description="How a job's base model is checked at "
+                                                  "submission: `host`, as the learner host would load it (folders, "
+                                                  "the Hugging Face cache and the Hub, seen from this machine: true of "
+                                                  "`echo2-server up`); `names`, only built-in names (learner hosts "
+                                                  "on other machines).")
+    hf_hub_cache: Path | None = Field(None, description="The Hugging Face cache the learner hosts load from "
+                                      "(default: huggingface_hub's own, HF_HUB_CACHE).")
     log_level: str = Field("INFO", description="Python logging level.")
     log_format: Literal["text", "json"] = Field("text", description="Log lines for people, or one JSON object "
                                                 "per line (ts, level, logger, msg, exc) for a log pipeline.")

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from echo2.errors import AuthenticationError
 from echo2.loading import LOAD_LOCK
 from echo2.protocol import (
     ClaimedGroup,
@@ -25,6 +26,7 @@ from echo2.protocol import (
     JobSpec,
     LearnerFinish,
     LearnerHeartbeat,
+    LearnerStartReply,
     RolloutRejection,
     StepAck,
     StepReport,
@@ -65,12 +67,17 @@ class Learner:
         self.uploader = resume.CheckpointUploader(plane, options.chunk_size)
         self.evaluator: Evaluator | None = None
         self._stop = threading.Event()
+        self.phase = "starting"  # what its heartbeats say it is doing (LearnerHeartbeat.state)
 
     def run(self) -> None:
         """Train the job to its end. An error is reported to the control plane before it propagates, so
-        the scheduler relaunches at once and can tell a crash loop from progress."""
+        the scheduler relaunches at once and can tell a crash loop from progress. A token the control plane
+        no longer accepts (the job ended, or a new learner took over) stops this one quietly."""
         try:
             self._run()
+        except AuthenticationError as exc:
+            log.info("job %s: the control plane no longer accepts this learner (%s): stopping",
+                     self.plane.job_id, exc)
         except Exception as exc:
             self._report_error(exc)
             raise
@@ -86,13 +93,26 @@ class Learner:
 
     def _run(self) -> None:
         reply = self.plane.start()
+        # Heartbeats from here on: converting, loading, the first publication and evaluation can take
+        # minutes, and a learner silent that long is relaunched by the scheduler.
+        beat = threading.Thread(target=self._heartbeat_loop, name="learner-heartbeat", daemon=True)
+        beat.start()
+        try:
+            self._start_and_train(reply)
+        finally:
+            self._stop.set()
+
+    def _start_and_train(self, reply: LearnerStartReply) -> None:
         spec = reply.job.spec
         self.step = reply.step
         work = self.opt.work_dir / self.plane.job_id
+        self.phase = "starting: fetching its checkpoint" if reply.checkpoint_step else self.phase
         resume.sync_checkpoint(self.plane, work / "checkpoints", reply.checkpoint_step)
+        self.phase = f"starting: preparing the base model {spec.base_model} (a built-in is converted once)"
         model_path = resolve_model(spec.base_model, self.opt.work_dir / "models", seed=spec.seed,
                                    private=(self.opt.work_dir,))
         self.world.announce("start", (spec, model_path))
+        self.phase = "starting: loading the model"
         trainer, restored = build_trainer(spec, model_path, self.opt, self.world, work / "checkpoints")
         trainer.auditor = Auditor(model_path, spec, device=next(trainer.model.parameters()).device,
                                   fetch=lambda v: self.plane.fetch_version(v, work / "audit" / f"v{v}"))
@@ -104,16 +124,16 @@ class Learner:
                                       consumed, reply.version)
         self.evaluator = self._evaluator(spec, trainer)
         publisher = Publisher(self.plane, trainer.weights, work / "publish", self.opt.chunk_size, spec.weights)
-        beat = threading.Thread(target=self._heartbeat_loop, name="learner-heartbeat", daemon=True)
-        beat.start()
         try:
+            self.phase = "starting: publishing the first version for the workers"
             self._publish_initial(publisher, trainer, reply.version, restored is not None or self.step > 0)
             if self.evaluator is not None and self.evaluator.due(self.step):
+                self.phase = f"starting: evaluating on {len(self.evaluator.prompts)} held-out prompts"
                 self.plane.report_eval(self.evaluator.run(self.step, self.step))
+            self.phase = "training"
             self._train(spec, trainer, publisher, consumed, work)
             self.world.announce("stop")
         finally:
-            self._stop.set()
             publisher.close()
             self.uploader.wait()
 
@@ -244,7 +264,7 @@ class Learner:
             try:
                 wall = time.monotonic() - self.started
                 self.last_ack = self.plane.heartbeat(LearnerHeartbeat(step=self.step, busy_s=self.busy_s,
-                                                                      wall_s=wall))
+                                                                      wall_s=wall, state=self.phase))
             except Exception as exc:  # a missed heartbeat is not fatal; the next one may get through
                 log.warning("learner heartbeat failed: %s", exc)
 

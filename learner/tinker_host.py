@@ -4,8 +4,9 @@
 
 It long-polls the control plane for the next request of a model it holds (or a new model to load while
 a slot is free), runs it and reports the result; one request at a time, so each model trains in exactly
-the order its client sent. When the control plane asks, it parks an idle model (its state to one file
-under --work-dir, its memory freed) and loads it back for its next request. A failure of the request (bad
+the order its client sent. A request whose session ends while it runs stops at its next micro-batch. When
+the control plane asks, it parks an idle model (its state to one file under --work-dir, its memory freed)
+and loads it back for its next request. A failure of the request (bad
 input, a missing checkpoint) is reported as the caller's, anything else as the server's; neither stops the
 host.
 """
@@ -21,12 +22,14 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from echo2.protocol.tinker import (
     ErrorCategory,
     HostClaim,
+    HostRequestState,
     HostResult,
     HostWork,
     HostWorkReply,
@@ -37,6 +40,7 @@ from echo2.protocol.tinker import (
 from echo2.transport import Call, RetryPolicy, Transport
 
 log = logging.getLogger("echo2.tinker_host")
+WATCH_S = 5.0  # how often a running request's host asks whether it is still wanted
 
 
 class Host:
@@ -113,7 +117,9 @@ class Host:
                 load = LoadPayload.model_validate(work.payload)
                 session.load_state(self.state_path(load.model_id, load.name), load.optimizer)
                 return HostResult(step=session.steps)
-            result = HostResult(**session.run(work.kind.value, work.payload))
+            with self._watch(work.request_id) as ended:
+                session.should_stop = ended.is_set
+                result = HostResult(**session.run(work.kind.value, work.payload))
             if work.kind is RequestKind.save_weights:  # a state to load again (load_weights), on this host's disk
                 session.save_state(self.state_path(work.model_id, work.payload["name"]))
             if work.publish is not None:
@@ -125,6 +131,33 @@ class Host:
             log.exception("request %s (%s) failed", work.request_id, work.kind)
             return HostResult(error=f"learner host error: {type(exc).__name__}: {exc}"[:500],
                               category=ErrorCategory.server)
+
+    @contextlib.contextmanager
+    def _watch(self, request_id: str) -> Iterator[threading.Event]:
+        """An event set once the control plane no longer waits for the request (its session ended): asked every
+        WATCH_S while it runs, so that a dead client's long forward_backward stops and frees the host."""
+        ended, done = threading.Event(), threading.Event()
+
+        def watch() -> None:
+            while True:
+                try:
+                    answer = self.http.send(Call("GET", f"/v1/tinker/host/requests/{request_id}", timeout=10))
+                except Exception as exc:  # noqa: BLE001 - the control plane away: keep working, ask again
+                    log.warning("could not ask whether request %s is still wanted: %s", request_id, exc)
+                else:
+                    if not HostRequestState.model_validate(answer.json()).running:
+                        log.info("stopping request %s: the control plane no longer waits for it", request_id)
+                        ended.set()
+                        return
+                if done.wait(WATCH_S):
+                    return
+
+        watcher = threading.Thread(target=watch, name=f"watch-{request_id}", daemon=True)
+        watcher.start()
+        try:
+            yield ended
+        finally:
+            done.set()
 
     def publish(self, session: Any, work: HostWork) -> int | None:
         """A sampler checkpoint to the model's fleet job. A failure costs the fleet this checkpoint, not the

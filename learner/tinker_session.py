@@ -14,7 +14,7 @@ one file (`park`) and built again from it (`restore`): adapter, gradients, optim
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,10 @@ class UserError(ValueError):
     """The request cannot be run as asked (the SDK reports it as the caller's fault)."""
 
 
+class Cancelled(UserError):
+    """The control plane no longer waits for the request (its session ended): stopped between micro-batches."""
+
+
 def lora_targets(lora: TinkerLora, module_names: set[str]) -> list[str]:
     wanted = [name for part, on in (("attn", lora.train_attn), ("mlp", lora.train_mlp),
                                     ("unembed", lora.train_unembed)) if on for name in TARGETS[part]]
@@ -87,6 +91,7 @@ class TinkerSession:
         self.checkpoints: dict[str, list[torch.Tensor]] = {}
         self.published: dict[str, int] = {}  # checkpoint name -> the fleet version it was published as
         self.steps = 0
+        self.should_stop: Callable[[], bool] = lambda: False  # the host's: is the running request still wanted
 
     def info(self) -> ModelInfo:
         config = self.model.config
@@ -97,7 +102,8 @@ class TinkerSession:
         """Per-token logprobs of each datum's targets, its loss summed into `loss:sum`; gradients accumulate
         unless `forward_only`. Datums go through in micro-batches of at most MICRO_BATCH_TOKENS padded
         tokens, each backward as soon as its losses are known to be finite; a non-finite one fails the request
-        and puts the gradients back as they were before it."""
+        and puts the gradients back as they were before it, as does `should_stop` (checked before each
+        micro-batch) turning true."""
         train = not payload.forward_only
         if train and not self.params:
             raise UserError("this model has no adapter to train (a sampling-only model): use forward")
@@ -109,6 +115,8 @@ class TinkerSession:
         try:
             with torch.set_grad_enabled(train):
                 for rows in _micro_batches([len(d.tokens) for d in payload.data], MICRO_BATCH_TOKENS):
+                    if self.should_stop():
+                        raise Cancelled("cancelled: the control plane no longer waits for this request")
                     self._micro_batch(payload, rows, outputs, metrics)
         except UserError:
             for param, grad in zip(self.params, grads, strict=True):

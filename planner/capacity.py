@@ -237,6 +237,8 @@ def predict_utilisation(job: JobProfile, workers: Iterable[WorkerProfile]) -> fl
     min(1, Σ u·μ · T_train / R) over qualifying workers.
     Windowed-synchronous (κ = S + 1): κ·T_train / (κ·T_train + max T_bcast + max(max T_gen, R / Σμ)).
     """
+    if job.rollouts_per_step <= 0:
+        return 1.0  # nothing to wait for
     fresh = [q for q in (qualify(w, job) for w in workers) if q.ok]
     total_mu = sum(q.mu for q in fresh)
     if total_mu <= 0:

@@ -13,6 +13,7 @@ from .capacity import JobProfile, Miss, Qualification, WorkerProfile, qualify, r
 from .decision import SolverConfig, SolverState
 
 TOL = 1e-9
+NO_DEMAND = "no demand"
 
 
 @dataclass(slots=True)
@@ -124,16 +125,20 @@ def _best_partial(fresh: list[Pair], stale: list[Pair], demand: float) -> list[P
     return chosen
 
 
-def _solve_job(fresh: list[Pair], stale: list[Pair], demand: float, config: SolverConfig) -> tuple[list[Pair], str]:
-    """Cheapest set for one job; the best partial set when even every qualifying worker is short."""
+def _solve_job(job_id: str, fresh: list[Pair], stale: list[Pair], demand: float,
+               config: SolverConfig) -> tuple[list[Pair], str]:
+    """Cheapest set for one job; the best partial set when even every qualifying worker is short. A job that
+    needs nothing (a Tinker model nobody samples) keeps only the workers its dwell time holds."""
     if config.method == "all":
         return fresh + stale, "all"
+    if demand <= 0:
+        return [p for p in fresh if p.locked], NO_DEMAND
     if sum(p.mu for p in fresh) < demand * (1 - TOL):
         return _best_partial(fresh, stale, demand), "partial"
     greedy = _greedy(fresh, demand)
     if config.method == "greedy":
         return greedy, "greedy"
-    chosen, note = _milp(fresh, {fresh[0].job.job_id: demand}, config)
+    chosen, note = _milp(fresh, {job_id: demand}, config)
     if chosen is None:
         return greedy, f"greedy (fallback: {note})"
     if sum(p.cost for p in greedy) < sum(p.cost for p in chosen) - TOL:  # MILP stopped early
@@ -183,7 +188,7 @@ def _take_in_order(jobs: list[JobProfile], cands: Candidates, config: SolverConf
     for job in jobs:
         fresh = [p for p in cands.fresh[job.job_id] if p.worker.worker_id not in used]
         stale = [p for p in cands.stale[job.job_id] if p.worker.worker_id not in used]
-        chosen[job.job_id], notes[job.job_id] = _solve_job(fresh, stale, required_throughput(job), config)
+        chosen[job.job_id], notes[job.job_id] = _solve_job(job.job_id, fresh, stale, required_throughput(job), config)
         used |= {p.worker.worker_id for p in chosen[job.job_id]}
     return chosen, notes
 

@@ -11,7 +11,8 @@ from what is left, and jobs of equal priority that cannot all be met share it fa
 covered takes the next worker). A job that cannot be satisfied gets its best partial set: every qualifying
 worker left, then — so that it is never left with nothing — the live workers that miss only
 freshness, closest to fresh first, each marked as such, and a reason naming what excluded the
-rest.
+rest. A job that needs nothing now (demand 0: a Tinker model nobody samples) takes no worker beyond those its
+dwell time holds, whether or not any worker qualifies for it.
 
 Hysteresis, so the set does not flap:
   * re-solve only on a trigger: first decision, job set changed, churn (an assigned worker lost,
@@ -171,6 +172,8 @@ def _record(
         reason = "meets the capacity rule" if feasible else infeasible_reason(job, have, cands)
         if feasible and have < required_throughput(job) * (1 - TOL):
             reason = f"within {config.drift:.0%} of the capacity rule ({have:.2f}/{required_throughput(job):.2f})"
+        if required_throughput(job) <= 0:
+            reason = "no demand: it needs no worker now"
         allocations.append(_allocation(job, [p.worker for p in picked], have, feasible, reason))
         for rank, p in enumerate(sorted(picked, key=lambda p: (p.cost / p.mu, p.worker.worker_id)), 1):
             wid = p.worker.worker_id

@@ -59,11 +59,15 @@ def _register(app: Celery, settings: Settings) -> None:
             return  # another tick is running; the next beat will come
         try:
             with database().session() as session:
-                report = tick(session, settings, launch=lambda job, token: run_learner.delay(job, token))
+                report = tick(session, settings, launch=launch)
             if report.launched or report.offline or report.activated or report.deactivated:
                 log.info("tick: %s", report)
         finally:
             lock.release()
+
+    def launch(job_id: str, token: str) -> None:
+        # argsrepr: what Celery's logs and events show of the task's arguments, never the token itself
+        run_learner.apply_async((job_id, token), argsrepr=repr((job_id, "<learner token>")))
 
     @app.task(name="echo2.run_learner", acks_late=False)
     def run_learner(job_id: str, token: str) -> None:

@@ -6,7 +6,9 @@ ledger advances (billing.py); jobs over budget, or whose owner spent their daily
 finished-but-orphaned jobs are closed; learners are launched or relaunched when missing or dead, into
 the learner hosts' free slots, the rest wait in line (hosts.py, queue.py); then the activation solver picks which
 workers serve which job and the choice is applied and recorded. Every step is idempotent, so a tick
-delivered twice (at-least-once Celery) or interrupted half-way does no harm.
+delivered twice (at-least-once Celery) or interrupted half-way does no harm. One job's trouble (a spec that
+no longer validates, a planner failure) is logged with the job, recorded in its `status_reason` and rolled
+back, and the tick goes on for the others (`Trouble`).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from echo2.protocol import Fault, JobStatus, RejectKind, TrustState, WorkerStatus
@@ -41,6 +43,7 @@ from api.settings import Settings
 from api.tinker import fleet as tinker_fleet
 from planner.capacity import DEFAULT_T_TRAIN_S, JobProfile, WorkerPerf, WorkerProfile, required_throughput
 from planner.decision import Action, SolverConfig, SolverState, WorkerDecision
+from planner.decision import Decision as PlanDecision
 from planner.solver import decide
 
 from . import billing, hosts, queue, relay_probe
@@ -60,9 +63,15 @@ UNPAUSED = (JobStatus.queued, JobStatus.running)
 class TickReport:
     offline: int = 0
     prompts_returned: int = 0
-    launched: list[tuple[str, str]] | None = None
+    launched: list[tuple[str, str]] | None = field(default=None, repr=False)  # (job id, learner token)
     activated: int = 0
     deactivated: int = 0
+
+    def __str__(self) -> str:
+        """What the scheduler logs: the jobs launched, never their learner tokens."""
+        jobs = [job_id for job_id, _ in self.launched or []]
+        return (f"offline={self.offline} prompts_returned={self.prompts_returned} launched={jobs} "
+                f"activated={self.activated} deactivated={self.deactivated}")
 
 
 def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None = None) -> TickReport:
@@ -76,15 +85,16 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
     billing.bill(db, settings, now, _state(db, "last_tick").get("at"))
     _put_state(db, "last_tick", {"at": now.timestamp()})
     jobs = list(db.scalars(select(Job).where(Job.status.in_(LIVE)).with_for_update()))
+    trouble = Trouble(db)
     for job in jobs:
-        _enforce_budget(db, job)
-        _close_orphan(db, job, settings, now)
+        trouble.isolate(job, "check its budget and finish", lambda job=job: _check_job(db, job, settings, now))
     queue.apply_daily_quotas(db, jobs, now)
     # A Tinker fleet job has no learner of its own: the Tinker learner host publishes its versions.
     report.launched = _launch(db, settings, [j for j in jobs if j.status in UNPAUSED and j.tinker_model_id is None],
                               now)
     db.flush()
-    report.activated, report.deactivated = _activate(db, settings, now)
+    report.activated, report.deactivated = _activate(db, settings, now, trouble)
+    trouble.settle()
     db.commit()
     for job_id, token in report.launched:  # enqueue only after the launch is recorded
         launch(job_id, token)
@@ -104,9 +114,47 @@ def _mark_offline(db: Session, settings: Settings, now: datetime) -> int:
     return count
 
 
-def _enforce_budget(db: Session, job: Job) -> None:
+def _check_job(db: Session, job: Job, settings: Settings, now: datetime) -> None:
     if job.status in UNPAUSED and (why := over_budget(job)) is not None:
         pause_job(db, job, "budget", why)
+    _close_orphan(db, job, settings, now)
+
+
+class Trouble:
+    """One job's trouble never stops a tick for the others: its part of the tick runs in a savepoint, and a
+    failure is logged with the job, rolled back, and recorded on it (`status_reason`) while the tick goes on.
+    The reason is cleared at the first tick that plans the job again (the failures of the last tick are kept
+    in the scheduler state to know which reasons are the scheduler's own)."""
+
+    def __init__(self, db: Session) -> None:
+        self.db, self.before = db, _state(db, "trouble")
+        self.failed: dict[str, str] = {}
+
+    def isolate(self, job: Job, what: str, step: Callable[[], object]) -> bool:
+        """Run one job's step; False (and recorded) when it failed."""
+        try:
+            with self.db.begin_nested():
+                step()
+            return True
+        except Exception as exc:
+            self.record(job, what, exc)
+            return False
+
+    def record(self, job: Job, what: str, exc: Exception) -> None:
+        log.error("job %s: could not %s", job.id, what, exc_info=exc)
+        reason = (f"the scheduler could not {what} this job: {type(exc).__name__}: {exc} (retried every tick; "
+                  "other jobs are not held up)")[:512]
+        self.failed[job.id] = reason
+        if not job.status.is_terminal():
+            job.status_reason = reason
+
+    def settle(self) -> None:
+        """Clear the reasons of jobs that came through this tick; keep this tick's for the next."""
+        for job_id, reason in self.before.items():
+            job = self.db.get(Job, job_id)
+            if job_id not in self.failed and job is not None and job.status_reason == reason:
+                job.status_reason = None
+        _put_state(self.db, "trouble", self.failed)
 
 
 def _launch(db: Session, settings: Settings, jobs: list[Job], now: datetime) -> list[tuple[str, str]]:
@@ -167,16 +215,23 @@ def _learner_needed(job: Job, settings: Settings, now: datetime) -> bool:
     return now - launched > timedelta(seconds=settings.learner_start_timeout_s)
 
 
-def _activate(db: Session, settings: Settings, now: datetime) -> tuple[int, int]:
-    jobs = list(db.scalars(select(Job).where(Job.status == JobStatus.running, Job.version.is_not(None))))
+def _activate(db: Session, settings: Settings, now: datetime, trouble: Trouble) -> tuple[int, int]:
+    jobs = [j for j in db.scalars(select(Job).where(Job.status == JobStatus.running, Job.version.is_not(None)))
+            if j.id not in trouble.failed]
     workers = list(db.scalars(select(Worker).where(Worker.status.in_((WorkerStatus.idle, WorkerStatus.active)),
                                                    Worker.trust.in_(WORKING))))
-    job_profiles = [_job_profile(db, j) for j in jobs]
-    profiles = {w.id: _worker_profile(db, w, now, job_profiles, settings) for w in workers}
+    job_profiles = {}
+    for job in jobs:
+        trouble.isolate(job, "measure its need for workers",
+                        lambda job=job: job_profiles.setdefault(job.id, _job_profile(db, job)))
+    jobs = [j for j in jobs if j.id in job_profiles]
+    profiles = {w.id: _worker_profile(db, w, now, list(job_profiles.values()), settings) for w in workers}
     stored = _state(db, "solver")
-    decision = decide(job_profiles, list(profiles.values()),
-                      now=now.timestamp(), state=SolverState.from_dict(stored) if stored else None,
-                      config=SolverConfig(method=settings.solver, min_dwell_s=settings.min_dwell_s))
+    config = SolverConfig(method=settings.solver, min_dwell_s=settings.min_dwell_s)
+    decision = _decide(jobs, job_profiles, list(profiles.values()), now.timestamp(),
+                       SolverState.from_dict(stored) if stored else None, config, trouble)
+    if decision is None:
+        return 0, 0
     _put_state(db, "solver", decision.state.to_dict())
     by_id, jobs_by_id = {w.id: w for w in workers}, {j.id: j for j in jobs}
     activated = deactivated = 0
@@ -196,6 +251,30 @@ def _activate(db: Session, settings: Settings, now: datetime) -> tuple[int, int]
             inputs = {"method": decision.method, "jobs": [_alloc(a) for a in decision.jobs]}
             _record(db, worker.id, job_id, line, decision.trigger, inputs, decision.resolved)
     return activated, deactivated
+
+
+def _decide(jobs: list[Job], job_profiles: dict[str, JobProfile], workers: list[WorkerProfile], now: float,
+            state: SolverState | None, config: SolverConfig, trouble: Trouble) -> PlanDecision | None:
+    """The activation decision over every job; when it fails, each job is solved alone to find the ones that
+    fail, which are recorded and left out, and the others are decided together. None (nothing changes this
+    tick) only if they still fail together."""
+    try:
+        return decide(list(job_profiles.values()), workers, now=now, state=state, config=config)
+    except Exception as exc:
+        joint = exc
+    for job in jobs:
+        try:
+            decide([job_profiles[job.id]], workers, now=now, state=state, config=config)
+        except Exception as exc:
+            trouble.record(job, "plan its workers", exc)
+            del job_profiles[job.id]
+    try:
+        return decide(list(job_profiles.values()), workers, now=now, state=state, config=config)
+    except Exception:
+        for job in jobs:
+            if job.id in job_profiles:
+                trouble.record(job, "plan workers for the jobs together", joint)
+        return None
 
 
 def _record(db: Session, worker_id: str, job_id: str | None, line: WorkerDecision, trigger: str, inputs: dict,

@@ -8,7 +8,7 @@ import time
 from typing import Any, TextIO
 
 from echo2 import Client
-from echo2.protocol import JobReport, JobStatus
+from echo2.protocol import JobRead, JobReport, JobStatus
 
 from learner.tasks.arithmetic import DEMO_DEFAULTS
 
@@ -57,17 +57,27 @@ def run_demo(stack: Stack, model: str, steps: int | None, staleness: int, out: T
         rewards = _follow(client, job.id, out)
         final = client.jobs.get(job.id)
         report = client.jobs.report(job.id)
-    took = time.monotonic() - start
+    for line in summary(final, report, rewards, time.monotonic() - start):
+        print(line, file=out, flush=True)
+    return 0 if final.status is JobStatus.succeeded else 1
+
+
+def summary(final: JobRead, report: JobReport, rewards: list[float], took: float) -> list[str]:
     first = f"{rewards[0]:.2f}" if rewards else "n/a"
     last = f"{sum(rewards[-3:]) / len(rewards[-3:]):.2f}" if rewards else "n/a"
-    print(f"{final.status.value}: held-out accuracy {_held_out(report)}; training reward {first} -> {last} "
-          f"(mean of the last 3 steps) in {final.step} steps, {took:.0f}s wall, ${final.cost.total_usd:.4f}"
-          + (f" ({final.status_reason})" if final.status_reason else ""), file=out, flush=True)
     stale = f"{report.stale_fraction:.1%}" if report.stale_fraction is not None else "n/a"
     util = f"{report.learner_utilization:.0%}" if report.learner_utilization is not None else "n/a"
-    print(f"rollout groups: {report.rollouts.generated} generated, {report.rollouts.trained} trained, "
-          f"{stale} rejected as stale; learner busy {util} of its wall time", file=out, flush=True)
-    return 0 if final.status is JobStatus.succeeded else 1
+    return [
+        f"{final.status.value}: held-out accuracy {_held_out(report)}; training reward {first} -> {last} "
+        f"(mean of the last 3 steps) in {final.step} steps, {took:.0f}s wall, ${final.cost.total_usd:.4f}"
+        + (f" ({final.status_reason})" if final.status_reason else ""),
+        "  held-out: the model's greedy answers to problems it never trained on, before and after: what it "
+        "learned. Training reward: the mean reward of the samples drawn at temperature "
+        f"{final.spec.grpo.temperature:g} for each step's groups, on ever new problems: noisy, and it moves "
+        "slowly over a few steps.",
+        f"rollout groups: {report.rollouts.generated} generated, {report.rollouts.trained} trained, "
+        f"{stale} rejected as stale; learner busy {util} of its wall time",
+    ]
 
 
 def _held_out(report: JobReport) -> str:
@@ -79,12 +89,23 @@ def _held_out(report: JobReport) -> str:
             f"trained on; sampled {before.sampled_accuracy:.2f} -> {after.sampled_accuracy:.2f})")
 
 
+STALENESS_LEGEND = ("staleness a:n = n of the step's groups were made by the policy a versions older than the "
+                    "one trained (0: on-policy; at most S)")
+
+
 def _follow(client: Client, job_id: str, out: TextIO) -> list[float]:
+    """Print what the job is doing while it starts (its status and reason when they change) and a line per step."""
     rewards: list[float] = []
-    seen = 0
+    seen, said, start = 0, "", time.monotonic()
     while True:
         job = client.jobs.get(job_id)
+        now = job.status.value + (f" ({job.status_reason})" if job.status_reason else "")
+        if now != said:
+            print(f"[{time.monotonic() - start:4.0f}s] {now}", file=out, flush=True)
+            said = now
         for m in client.jobs.metrics(job_id, since_step=seen):
+            if seen == 0:
+                print(STALENESS_LEGEND, file=out, flush=True)
             rewards.append(m.reward_mean or 0.0)
             seen = m.step + 1
             workers = client.workers.list(job_id=job_id).total

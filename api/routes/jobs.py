@@ -57,12 +57,16 @@ def create_job(spec: JobSpec, user: CurrentUser, db: SessionDep, settings: Setti
 def list_jobs(user: CurrentUser, db: SessionDep, limit: Limit = 20, offset: Offset = 0,
               status: JobStatus | None = None,
               name: NameFilter = None,
+              tinker: Annotated[bool | None, Query(description="true: only the fleet jobs of Tinker models (one per "
+                                                   "model that saved a sampler); false: leave them out.")] = None,
               ) -> Page[JobRead]:
     query = select(Job)
     if user.role != "admin":
         query = query.where(Job.owner_id == user.id)
     if status is not None:
         query = query.where(Job.status == status)
+    if tinker is not None:
+        query = query.where(Job.tinker_model_id.is_not(None) if tinker else Job.tinker_model_id.is_(None))
     if name:
         query = query.where(Job.name.contains(name, autoescape=True))
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0

@@ -12,9 +12,10 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from learner.models import private_dir_of, private_model_error
+from learner.models import model_error, private_dir_of, private_model_error
 from learner.tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
 
+from .. import auth
 from ..errors import ApiError
 from ..models import Dataset, DatasetItem, Job, Lease, Prompt, User, Worker, utcnow
 from ..settings import Settings
@@ -71,13 +72,18 @@ Items = list[tuple[str, str | None]]
 
 
 def check_references(spec: JobSpec, settings: Settings) -> None:
-    """What a spec points at on the platform's side: not a model folder inside Echo2's own data (the learner
-    host refuses it too; here the user hears at once), and, in production, a task endpoint (http_reward,
+    """What a spec points at on the platform's side: a model the learner host can load (with `model_check`
+    "host", the control plane sees the learner hosts' disks, Hugging Face cache and network; with "names", only
+    built-in names are checked) and not a model folder inside Echo2's own data (the learner host refuses it
+    too; here the user hears at once), and, in production, a task endpoint (http_reward,
     http_env: called from inside the platform) only at a public address, never at the platform's own
     services or a cloud's metadata endpoint."""
     private = private_dir_of(spec.base_model, (settings.data_dir,))
     if private is not None:
         raise ApiError(422, private_model_error(spec.base_model, private), field="base_model")
+    problem = model_error(spec.base_model, settings.hf_hub_cache, look=settings.model_check == "host")
+    if problem is not None:
+        raise ApiError(422, problem, field="base_model")
     url = (spec.task.params or {}).get("url")
     if settings.env == "production" and isinstance(url, str):
         check_public_url(url, "task.params.url", "the platform calls only public addresses for a job's task")
@@ -89,7 +95,23 @@ def training_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items
     items, held_out = _prompt_items(db, user, spec)
     if not items:
         raise ApiError(422, "no prompt is left to train on (the held-out share took them all)", field="eval.fraction")
-    return items, held_out
+    return _fill_a_step(items, len(held_out), spec), held_out
+
+
+def _fill_a_step(items: Items, held_out: int, spec: JobSpec) -> Items:
+    """The training prompts, or the 422 when they are fewer than one step needs: the learner would wait for
+    the missing groups forever. With `reuse_prompts` they are repeated (each a group of its own) to fill it."""
+    need = spec.grpo.prompts_per_step
+    if len(items) >= need:
+        return items
+    if spec.reuse_prompts:
+        return items * -(-need // len(items))
+    besides = f" ({held_out} more held out for evaluation, eval.fraction)" if held_out else ""
+    have = f"{len(items)} training prompt{'' if len(items) == 1 else 's'}{besides} {'is' if len(items) == 1 else 'are'}"
+    raise ApiError(422, f"{have} fewer than one step's "
+                   f"grpo.prompts_per_step = {need}: the job would wait for the rest forever. Give more prompts, "
+                   f"set grpo.prompts_per_step to {len(items)} or less, or set reuse_prompts to true to train on "
+                   "each of them several times a step", field="grpo.prompts_per_step")
 
 
 def _prompt_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]:
@@ -158,11 +180,13 @@ def job_read(job: Job) -> JobRead:
 
 
 def finish_job(db: Session, job: Job, status: JobStatus, reason: str | None) -> None:
-    """Move a job to a terminal state; refuse if it already is in one. Frees its workers and leases."""
+    """Move a job to a terminal state; refuse if it already is in one. Frees its workers and leases, and
+    revokes its learner tokens."""
     if job.status.is_terminal():
         raise ApiError(409, f"job {job.id} is already {job.status}; a finished job cannot change state")
     job.status, job.status_reason, job.finished_at = status, reason, utcnow()
     job.queue_position = job.paused_for = None
+    auth.revoke_all(db, "learner", job.id)  # a finished job's learner can do nothing more
     _free_fleet(db, job)
 
 

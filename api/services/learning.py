@@ -131,13 +131,21 @@ def _ack(job: Job) -> StepAck:
     return StepAck(step=job.step, job_status=job.status, stop=stop)
 
 
+LEARNER_IS = "its learner is"  # a running job's status_reason while its learner starts
+
+
 def record_heartbeat(job: Job, beat: LearnerHeartbeat) -> None:
     """Liveness and utilisation; an error report marks the learner crashed, so the scheduler relaunches
-    it at once (and counts the launch against the job's crash-loop limit)."""
+    it at once (and counts the launch against the job's crash-loop limit). While the learner starts, what
+    it is doing is the job's status_reason."""
     job.learner_heartbeat_at = utcnow()
     job.learner_busy_s, job.learner_wall_s = beat.busy_s, beat.wall_s
     if beat.error is not None:
         job.learner_error, job.learner_crashed_at = beat.error, utcnow()
+    elif job.status == JobStatus.running and beat.starting():
+        job.status_reason = f"{LEARNER_IS} {beat.state}"[:512]
+    elif job.status == JobStatus.running and (job.status_reason or "").startswith(LEARNER_IS):
+        job.status_reason = None  # it started
 
 
 def ack(job: Job) -> StepAck:

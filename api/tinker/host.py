@@ -18,6 +18,7 @@ import anyio
 from echo2.protocol.tinker import (
     ErrorCategory,
     HostClaim,
+    HostRequestState,
     HostResult,
     HostWork,
     HostWorkReply,
@@ -46,6 +47,13 @@ router = APIRouter(prefix="/v1/tinker/host", tags=["tinker"], include_in_schema=
 MAX_SAMPLE_BATCH = 32
 PARK_AFTER_S = 60.0  # a model idle this long gives its slot up to one that waits
 SLICE_S = 120.0  # and a busy one, once it has held the slot this long: two busy clients of one slot take turns
+
+
+@router.get("/requests/{request_id}")
+def request_state(request_id: str, user: HostUser, db: SessionDep) -> HostRequestState:
+    """Asked by a host while it runs the request: once its session ended the host stops and frees its slot."""
+    row = db.get(TinkerRequest, request_id)
+    return HostRequestState(running=row is not None and row.status == RequestStatus.running.value)
 
 
 @router.post("/claim")

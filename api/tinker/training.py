@@ -6,6 +6,7 @@ from typing import Any
 
 import anyio
 from echo2.protocol.tinker import (
+    MAX_REQUEST_TOKENS,
     AdamStep,
     ForwardBackwardPayload,
     LoadPayload,
@@ -138,9 +139,15 @@ def _datum(datum: wire.Datum, index: int, loss: LossFn) -> TinkerDatum:
 
 
 def _check_fits(model: TinkerModel, payload: ForwardBackwardPayload) -> None:
-    """Token ids inside the vocabulary, and no datum longer than the model's context: a longer one would make
-    the host build attention over it anyway, and the memory that takes can fail every model the host holds."""
+    """Token ids inside the vocabulary, no datum longer than the model's context (a longer one would make the host
+    build attention over it anyway, and the memory that takes can fail every model the host holds), and at most
+    MAX_REQUEST_TOKENS in all: what one request may cost its owner and hold the host for."""
     vocab, context = model.info.get("vocab_size"), model.info.get("max_context_length")
+    total = sum(len(datum.tokens) for datum in payload.data)
+    if total > MAX_REQUEST_TOKENS:
+        raise ApiError(400, f"data: {total:,} tokens in one request, more than Echo2 runs at once "
+                            f"({MAX_REQUEST_TOKENS:,}): split the batch into several forward_backward calls (their "
+                            "gradients add up until optim_step)", field="data")
     for i, datum in enumerate(payload.data):
         if vocab is not None and (max(datum.tokens) >= vocab or max(datum.target_tokens, default=0) >= vocab):
             raise ApiError(400, f"data[{i}]: token ids must be below the vocabulary size {vocab}", field=f"data[{i}]")

@@ -227,9 +227,11 @@ class _Jobs(Resource):
 
     @endpoint(Page[JobRead])
     def list(self, *, status: JobStatus | str | None = None, name: str | None = None, limit: int = 20,
-             offset: int = 0) -> Call:
-        """Your jobs, newest first (all jobs for an admin); `name` matches a substring."""
-        return Call("GET", "/v1/jobs", params=query(status=status, name=name, limit=limit, offset=offset))
+             offset: int = 0, tinker: bool | None = None) -> Call:
+        """Your jobs, newest first (all jobs for an admin); `name` matches a substring; `tinker` True lists only
+        the fleet jobs of Tinker models, False leaves them out."""
+        return Call("GET", "/v1/jobs", params=query(status=status, name=name, limit=limit, offset=offset,
+                                                     tinker=tinker))
 
     @endpoint(JobRead)
     def get(self, job_id: str) -> Call:

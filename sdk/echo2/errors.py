@@ -200,8 +200,12 @@ def error_from_response(response: httpx.Response, retry_after: float | None = No
 def format_message(status: int | None, title: str, detail: str | None, errors: list[FieldReason]) -> str:
     """One line a person can act on: `HTTP 422 Unprocessable Content: staleness: ... (also: ...)`."""
     head = f"HTTP {status} {title}" if status is not None else title
+    # A route's own error repeats its detail as its field's reason: said once, after the field's name.
+    own = next((e for e in errors if e.field and e.reason == detail), None)
+    if own is not None and detail is not None and not detail.startswith(f"{own.field}:"):
+        detail = f"{own.field}: {detail}"
     text = f"{head}: {detail}" if detail else head
-    extra = [str(e) for e in errors if str(e) and (detail is None or str(e) not in detail)]
+    extra = [str(e) for e in errors if str(e) and e is not own and (detail is None or str(e) not in detail)]
     if extra:
         text += f" (also {'; '.join(extra[:5])}{'; ...' if len(extra) > 5 else ''})"
     return " ".join(text.split())

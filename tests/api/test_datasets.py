@@ -44,3 +44,33 @@ def test_item_values_are_stored_as_sent(api):
     item = {"question": "q", "answer": "1", "flag": True, "n": 3, "x": 0.5, "none": None}
     dataset = ok(alice.post("/v1/datasets", json={"name": "kinds", "items": [item]}), 201)
     assert ok(alice.get(f"/v1/datasets/{dataset['id']}/items"))["items"] == [item]
+
+
+def test_a_dataset_smaller_than_one_step_is_refused_or_with_the_flag_reused(api):
+    """9 items with 16 prompts per step used to sit at "9 waiting", billing the learner, until cancelled."""
+    _, alice = new_user(api)
+    items = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(9)]
+    ds = ok(alice.post("/v1/datasets", json={"name": "nine", "items": items}), 201)
+    spec = job_spec(task={"name": "gsm8k"}, dataset_id=ds["id"], num_prompts=None,
+                    grpo={"group_size": 2, "prompts_per_step": 16})
+    refused = alice.post("/v1/jobs", json=spec)
+    assert refused.status_code == 422 and refused.json()["errors"][0]["field"] == "grpo.prompts_per_step"
+    assert refused.json()["detail"].startswith("9 training prompts are fewer than one step's "
+                                               "grpo.prompts_per_step = 16")
+    assert "set reuse_prompts to true" in refused.json()["detail"]
+    assert ok(alice.get("/v1/jobs"))["total"] == 0
+    job = ok(alice.post("/v1/jobs", json={**spec, "reuse_prompts": True}), 201)
+    assert job["num_prompts"] == 18  # each item twice: a step of 16 groups can be leased
+    texts = [p["text"] for p in ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 50}))["items"]]
+    assert len(texts) == 18 and len(set(texts)) == 9
+
+
+def test_a_dataset_over_the_body_limit_is_refused_naming_the_limit_in_mib(api):
+    _, alice = new_user(api)
+    line = json.dumps({"question": "1+1?" + " " * 1000, "answer": "2"}) + "\n"
+    big = line * (api.server.settings.max_body_bytes // len(line) + 1)
+    r = alice.post("/v1/datasets/upload", data={"name": "big"}, files={"file": ("d.jsonl", big)})
+    assert r.status_code == 413 and r.json()["errors"][0]["field"] == "body"
+    assert r.json()["detail"].startswith("the dataset is larger than this server's limit of 16 MiB per upload: "
+                                         "upload fewer or shorter items")
+    assert ok(alice.get("/v1/datasets"))["total"] == 0

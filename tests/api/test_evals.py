@@ -77,7 +77,8 @@ def test_a_synthetic_task_holds_out_problems_it_never_trains_on(api):
 
 def test_a_small_dataset_holds_nothing_out(api):
     _, alice = new_user(api)
-    small = dataset_job(api, alice, prompts=[{"item": it} for it in ITEMS[:9]], grpo={"group_size": 2})
+    small = dataset_job(api, alice, prompts=[{"item": it} for it in ITEMS[:9]],
+                        grpo={"group_size": 2, "prompts_per_step": 9})
     assert small["num_prompts"] == 9  # 10 % of 9 items is less than one: no held-out split
 
 

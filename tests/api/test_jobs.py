@@ -62,7 +62,8 @@ def test_dataset_task_without_prompts_is_rejected(api):
 def test_inline_prompts_and_bad_items(api):
     _, alice = new_user(api)
     items = [{"item": {"question": "What is 2+3?", "answer": "#### 5"}}]
-    job = ok(alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, prompts=items)), 201)
+    job = ok(alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, prompts=items,
+                                                  grpo={"group_size": 2, "prompts_per_step": 1})), 201)
     prompts = ok(alice.get(f"/v1/jobs/{job['id']}/prompts"))
     assert prompts["total"] == 1 and "2+3" in prompts["items"][0]["text"]
     bad = alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k"}, prompts=[{"item": {"q": "x"}}]))
@@ -140,3 +141,35 @@ def test_a_base_model_inside_echo2s_own_data_is_refused(api, tmp_path):
             refused = alice.post(route, json=job_spec(base_model=ref))
             assert refused.status_code == 422, refused.text
             assert refused.json()["errors"][0]["field"] == "base_model" and "Echo2's own data" in refused.text
+
+
+def test_a_model_the_learner_host_cannot_load_is_refused_at_submission(api, tmp_path):
+    """Each used to make a job that failed only after three learner launches, billed meanwhile."""
+    _, alice = new_user(api)
+    (tmp_path / "empty").mkdir()
+    refused = {
+        "echo2:huge": "unknown built-in model 'echo2:huge': built-ins are echo2:tiny, echo2:smollm2",
+        "/nonexistent/model": "/nonexistent/model: no such folder on the learner host",
+        str(tmp_path / "empty"): "has no config.json: not a Hugging Face model folder",
+        "no-such-org/no-such-model": "no-such-org/no-such-model is not in the learner host's Hugging Face cache",
+        "a/b/c": "is neither a folder on the learner host nor a Hugging Face id",
+    }
+    for ref, why in refused.items():
+        r = alice.post("/v1/jobs", json=job_spec(base_model=ref))
+        assert r.status_code == 422 and why in r.json()["detail"], (ref, r.text)
+        assert r.json()["errors"][0]["field"] == "base_model"
+    assert ok(alice.get("/v1/jobs"))["total"] == 0  # nothing half-created
+
+
+def test_a_hub_id_in_the_hosts_hugging_face_cache_is_accepted_offline(api, tmp_path, monkeypatch):
+    snapshot = tmp_path / "hub" / "models--some-org--small-model" / "snapshots" / "abc123"
+    snapshot.mkdir(parents=True)
+    (snapshot / "config.json").write_text("{}")
+    (tmp_path / "hub" / "models--some-org--small-model" / "refs").mkdir()
+    (tmp_path / "hub" / "models--some-org--small-model" / "refs" / "main").write_text("abc123")
+    monkeypatch.setattr(api.server.settings, "hf_hub_cache", tmp_path / "hub")
+    _, alice = new_user(api)
+    new_job(alice, base_model="some-org/small-model")
+    monkeypatch.setattr(api.server.settings, "model_check", "names")  # learner hosts on other machines
+    new_job(alice, base_model="/on/the/learner/host")
+    assert alice.post("/v1/jobs", json=job_spec(base_model="echo2:huge")).status_code == 422

@@ -177,7 +177,8 @@ def test_heartbeat_and_stop_at_max_steps(api, setup):
     done = ok(learner.post(f"/v1/jobs/{job['id']}/learner/finish",
                            json={"outcome": "succeeded", "final_version": 3}))
     assert done["status"] == "succeeded" and done["finished_at"]
-    assert learner.post(f"/v1/jobs/{job['id']}/learner/start").status_code == 409
+    for route, body in (("start", None), ("heartbeat", {"step": 3}), ("claim", {"step": 3})):
+        assert learner.post(f"/v1/jobs/{job['id']}/learner/{route}", json=body).status_code == 401  # token revoked
 
 
 def test_finish_requires_a_published_final_version(api, setup):
@@ -191,7 +192,7 @@ def test_finish_requires_a_published_final_version(api, setup):
 def test_learner_token_is_scoped_to_its_job(api, setup):
     job, learner, _, alice, _ = setup
     other = ok(alice.post("/v1/jobs", json={"name": "o", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
-                                            "num_prompts": 4}), 201)
+                                            "num_prompts": 16}), 201)
     assert learner.post(f"/v1/jobs/{other['id']}/learner/start").status_code == 403
     assert alice.post(f"/v1/jobs/{job['id']}/learner/start").status_code == 403
     assert alice.post(f"/v1/jobs/{job['id']}/learner/token").status_code == 403

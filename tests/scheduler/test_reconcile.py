@@ -299,3 +299,74 @@ def test_a_job_can_state_its_memory_need_and_backends(api, tmp_path):
     r = alice.post("/v1/jobs", json=job_spec(workers={"memory_gb": 0}))
     assert r.status_code == 422 and "workers.memory_gb" in r.text
     assert alice.post("/v1/jobs", json=job_spec(workers={"gpu": "a100"})).status_code == 422
+
+
+def idle_tinker_model(api, tmp_path, user=None) -> str:
+    """A Tinker model of `user` (a new one by default) whose sampler checkpoint is version 1 of its fleet job,
+    that nobody samples (demand 0) and that no worker serves: the fleet job's id."""
+    import httpx
+
+    from tests.factories import publish
+    from tests.tinker.test_routes import claim, key_of, ready_model, report, sdk
+
+    user = user or new_user(api, "tinkerer")[1]
+    client = sdk(api, key_of(user))
+    _, model_id = ready_model(api, client)
+    ok(client.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "sampling_session_seq_id": 1}))
+    work = claim(api, holding=[model_id])["work"]
+    order = work["publish"]
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {order['token']}"}) as learner:
+        publish(learner, order["job_id"], fake_model_folder(tmp_path / "v0"), version=0, step=0)
+        publish(learner, order["job_id"], fake_model_folder(tmp_path / "v1", seed=1), version=1, step=1)
+    report(api, work, step=1, published=1)
+    return order["job_id"]
+
+
+def test_an_idle_tinker_model_does_not_hold_up_an_ordinary_job(api, tmp_path):
+    fleet_job = idle_tinker_model(api, tmp_path)
+    _, alice = new_user(api)
+    job = new_job(alice)
+    _, launched = run_tick(api)  # the fleet job alone is planned: it needs nothing and nothing qualifies
+    assert [j for j, _ in launched] == [job["id"]]
+    learner = api.client(launched[0][1])
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/start"))
+    from tests.factories import publish
+    publish(learner, job["id"], fake_model_folder(tmp_path / "m"), version=0, step=0)
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, price_per_hour=1.0)
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
+    report, _ = run_tick(api)
+    assert report.activated == 1 and ok(api.admin.get(f"/v1/workers/{wid}"))["job_id"] == job["id"]
+    fleet = ok(api.admin.get(f"/v1/jobs/{fleet_job}"))
+    assert fleet["status"] == "running" and fleet["status_reason"] is None
+
+
+def test_a_job_the_scheduler_cannot_handle_is_recorded_on_it_and_the_others_go_on(api, tmp_path):
+    _, alice = new_user(api)
+    broken, _ = running_job(api, alice, fake_model_folder(tmp_path / "b"), name="broken")
+    with api.db.session() as s:  # a spec no longer valid (written by an older release, or by hand)
+        s.get_one(Job, broken["id"]).spec = {**broken["spec"], "staleness": -1}
+        s.commit()
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, price_per_hour=1.0)
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
+    report, _ = run_tick(api)
+    assert report.activated == 1 and ok(api.admin.get(f"/v1/workers/{wid}"))["job_id"] == job["id"]
+    with api.db.session() as s:
+        reason = s.get_one(Job, broken["id"]).status_reason
+    assert reason.startswith("the scheduler could not check its budget and finish this job: ValidationError")
+    assert "staleness" in reason and "retried every tick" in reason
+    with api.db.session() as s:  # mended: the next tick plans it and the reason goes
+        s.get_one(Job, broken["id"]).spec = broken["spec"]
+        s.commit()
+    run_tick(api)
+    assert ok(alice.get(f"/v1/jobs/{broken['id']}"))["status_reason"] is None
+
+
+def test_the_tick_report_the_scheduler_logs_names_launched_jobs_without_their_tokens(api):
+    _, alice = new_user(api)
+    job = new_job(alice)
+    report, launched = run_tick(api)
+    token = launched[0][1]
+    assert job["id"] in str(report) and token not in str(report) and token not in repr(report)

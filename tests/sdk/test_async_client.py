@@ -55,7 +55,7 @@ def test_async_jobs(alice, api):
             again = await client.jobs.create(SPEC, idempotency_key="k1")
             assert isinstance(job, JobRead) and again.id == job.id
             other = await client.jobs.create(name="other", base_model="echo2:tiny", task="arithmetic",
-                                             num_prompts=4)
+                                             num_prompts=16)
             assert (await client.jobs.get(job.id)).id == job.id
             page = await client.jobs.list(limit=1)
             assert page.total == 2 and page.items[0].id == other.id and page.next_offset == 1

@@ -116,6 +116,11 @@ def test_errors_are_one_line(api, alice):
     assert "404" in one_line_error(echo2("jobs", "get", "nope", url=url, key=key))
     assert "401" in one_line_error(echo2("jobs", "list", url=url, key="e2u_wrong"))
     assert "ECHO2_API_KEY" in one_line_error(echo2("jobs", "list", url=url))
+    no_model = one_line_error(echo2("jobs", "submit", "--model", "echo2:huge", "--task", "arithmetic", url=url,
+                                    key=key))
+    assert no_model.count("unknown built-in model") == 1 and "422 Unprocessable Entity: base_model: unknown" in no_model
+    statement = one_line_error(echo2("providers", "statement", url=url, key=ADMIN_KEY))
+    assert "403" in statement and "name the provider with --provider PROVIDER_ID" in statement
     missing = echo2("datasets", "upload", "d", "/nonexistent.jsonl", url=url, key=key)
     assert "No such file" in one_line_error(missing)
     assert echo2("jobs", "frobnicate").returncode == 2

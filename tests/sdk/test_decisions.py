@@ -107,15 +107,19 @@ def test_cli_jobs_explain(api, alice, explained):
     human = echo2("jobs", "explain", jid, url=url, key=key)
     assert human.returncode == 0, human.stderr
     lines = human.stdout.splitlines()
-    assert len(lines) == len(decisions)
-    for line, d in zip(lines, decisions, strict=True):
-        m = re.fullmatch(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)  (\w+) *  (\S.*)", line)
-        assert m, line
-        assert m.groups() == (d.created_at.strftime("%Y-%m-%d %H:%M:%S"), d.action, d.line)
-    assert lines[-1].endswith(f"  activated {decisions[-1].worker_id}: " + decisions[-1].line.split(": ", 1)[1])
+    history_at = lines.index('history, newest first (a worker\'s repeated "kept" lines folded):')
+    assert lines[0] == "why each worker is where it is (its newest reason):"
+    newest: dict[str, DecisionRead] = {}
+    for d in decisions:
+        if d.action != "kept":
+            newest.setdefault(d.worker_id, d)
+    assert [parse(line)[1:] for line in lines[1:history_at]] == [(d.action, d.line) for d in newest.values()]
+    assert {w for w, d in newest.items() if d.action == "activated"} >= explained.cheap
+    history = [parse(line) for line in lines[history_at + 1:]]
+    assert history[-1][1:] == (decisions[-1].action, decisions[-1].line)  # the first tick's activation, last
 
     one = echo2("jobs", "explain", jid, "--limit", "1", url=url, key=key)
-    assert one.returncode == 0 and one.stdout.splitlines() == lines[:1]
+    assert one.returncode == 0 and parse(one.stdout.splitlines()[-1])[2] == decisions[0].line
 
     as_json = echo2("jobs", "explain", jid, "--json", url=url, key=key)
     assert as_json.returncode == 0, as_json.stderr
@@ -133,3 +137,28 @@ def test_cli_jobs_explain(api, alice, explained):
     assert json.loads(echo2("jobs", "explain", fresh.id, "--json", url=url, key=key).stdout) == {
         "decisions": [], "failed_audits": []}
     assert "explain" in echo2("jobs", "--help").stdout
+
+
+def parse(line: str) -> tuple[str, str, str]:
+    m = re.fullmatch(r"  (\d{4}-\d\d-\d\d \d\d:\d\d:\d\d)  (\w+) *  (\S.*?)(?:  \(x\d+ since [\d:]+\))?", line)
+    assert m, line
+    return m.group(1), m.group(2), m.group(3)
+
+
+def test_explain_puts_the_activation_reasons_first_and_folds_repeated_kept_lines(api, alice, explained):
+    _, provider = new_provider(api, "more")
+    for i in range(6):  # each tick re-solves (a worker joined) and keeps the job's workers: "kept" lines pile up
+        wid, worker = new_worker(api, provider, f"more{i}", price_per_hour=5.0, rollouts_per_s=100.0)
+        ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
+        reconcile(api)
+    decisions = alice.client.jobs.decisions(explained.job_id, limit=200)
+    human = echo2("jobs", "explain", explained.job_id, "--limit", "200", url=api.url, key=alice.key)
+    lines = human.stdout.splitlines()
+    history_at = next(i for i, line in enumerate(lines) if line.startswith("history"))
+    now = [parse(line) for line in lines[1:history_at]]
+    for worker in explained.cheap:  # its activation is among the first lines, not below its "kept" ones
+        assert any(line.startswith(f"activated {worker}: ") for _, _, line in now), now
+    kept = [d for d in decisions if d.action == "kept" and d.worker_id in explained.cheap]
+    assert len(kept) >= 4 * 6
+    folded = [line for line in lines[history_at + 1:] if " kept " in line]
+    assert len(folded) == len(explained.cheap) and all("(x" in line for line in folded)

@@ -474,3 +474,27 @@ def test_pages_fit_a_phone(api, browser, api_routes, training):
     finally:
         close_dashboard(context, ui)
     ui.check()
+
+
+def test_the_jobs_table_fits_a_laptop_and_tinker_samplers_are_shown_on_request(api, browser, api_routes, tmp_path):
+    from tests.scheduler.test_reconcile import idle_tinker_model
+
+    key, alice = user_key(api)
+    folder = fake_model_folder(tmp_path / "models" / "SmolLM2-135M-Instruct-converted-from-gguf-for-a-long-run")
+    new_job(alice, name="a-rather-long-job-name-that-says-what-this-run-is-about-v2", base_model=str(folder))
+    idle_tinker_model(api, tmp_path, alice)
+    context, ui = open_dashboard(browser, api, api_routes, viewport={"width": 1280, "height": 800})
+    try:
+        ui.login(key)
+        expect_text(ui, "#jobs-count", "of 1")
+        rows = ui.page.locator("#jobs-table tbody tr")
+        assert rows.count() == 1 and "Tinker sampler" not in rows.first.inner_text()
+        cut = ui.page.evaluate("(w => w.scrollWidth - w.clientWidth)(document.querySelector('.table-wrap'))")
+        assert cut <= 1, f"the jobs table is cut off by {cut}px at 1280 px"
+        ui.page.get_by_label("Show Tinker samplers").check()
+        expect_text(ui, "#jobs-count", "of 2")
+        expect_text(ui, "#jobs-table tbody tr", "Tinker sampler of")
+        assert ui.page.url.endswith("?tinker=true")
+    finally:
+        close_dashboard(context, ui)
+    ui.check()

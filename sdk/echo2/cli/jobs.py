@@ -94,8 +94,10 @@ def _add_insight(jc: Any, conn: Parser) -> None:
     report.set_defaults(func=_report)
 
     explain = jc.add_parser("explain", parents=[conn], help="why the scheduler activated or released workers",
-                            description="The scheduler's activation decisions for a job, newest first: "
-                                        "one line each with its time, action and explanation; then the "
+                            description="Why each worker is where it is (its newest activation, release or skip "
+                                        "reason) first; then the scheduler's decisions for the job, newest first, "
+                                        "one line each with its time, action and explanation (a worker's "
+                                        "repeated 'kept' lines folded into one with their count); then the "
                                         "failed audits of its rollouts, each with the worker's trust state.")
     explain.add_argument("job_id", metavar="JOB_ID")
     explain.add_argument("--limit", type=int, default=50, metavar="N", help="decisions shown (default 50, max 200)")
@@ -208,8 +210,8 @@ def _explain(args: argparse.Namespace) -> int:
         print(json.dumps({"decisions": [d.model_dump(mode="json") for d in decisions],
                           "failed_audits": [a.model_dump(mode="json") for a in failed]}, indent=2))
         return 0
-    for d in decisions:
-        print(f"{d.created_at.strftime('%Y-%m-%d %H:%M:%S')}  {d.action:<11}  {' '.join(d.line.split())}")
+    for line in explain_lines(decisions):
+        print(line)
     if not decisions:
         print("(no activation decisions yet)")
     for a in failed:
@@ -217,3 +219,34 @@ def _explain(args: argparse.Namespace) -> int:
         print(f"{a.created_at.strftime('%Y-%m-%d %H:%M:%S')}  audit fail   {a.worker_id} ({state}): "
               f"rollout {a.rollout_id} of version {a.version}: {a.reason}")
     return 0
+
+
+def explain_lines(decisions: list[Any]) -> list[str]:
+    """Why each worker is where it is (its newest line that is not a "kept") first; then the history, newest
+    first, where each worker's run of "kept" lines between two changes is one line with its count: a job
+    re-solved every tick would otherwise bury its activation reasons under pages of "still chosen"."""
+    if not decisions:
+        return []
+    latest: dict[str, Any] = {}
+    for d in decisions:
+        if d.action != "kept":
+            latest.setdefault(d.worker_id, d)
+    history: list[tuple[Any, int, Any]] = []  # (newest decision, how many, oldest time)
+    folding: dict[str, int] = {}  # worker -> where its run of "kept" lines is in `history`
+    for d in decisions:
+        at = folding.get(d.worker_id)
+        if d.action == "kept" and at is not None:
+            history[at] = (history[at][0], history[at][1] + 1, d.created_at)
+            continue
+        if d.action == "kept":
+            folding[d.worker_id] = len(history)
+        else:
+            folding.pop(d.worker_id, None)
+        history.append((d, 1, d.created_at))
+    folded = [_row(d) + (f"  (x{n} since {since:%H:%M:%S})" if n > 1 else "") for d, n, since in history]
+    return (["why each worker is where it is (its newest reason):"] + [f"  {_row(d)}" for d in latest.values()]
+            + ['history, newest first (a worker\'s repeated "kept" lines folded):'] + [f"  {r}" for r in folded])
+
+
+def _row(d: Any) -> str:
+    return f"{d.created_at:%Y-%m-%d %H:%M:%S}  {d.action:<11}  {' '.join(d.line.split())}"

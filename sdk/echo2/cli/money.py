@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from .common import Parser, connect, key_value, print_json
+from .common import Parser, UsageError, connect, key_value, print_json
 from .render import more, num, table, when
 from .spec import read_spec, set_path
 
@@ -87,6 +87,18 @@ def _jobs_ledger(args: argparse.Namespace) -> int:
 
 
 def _providers_statement(args: argparse.Namespace) -> int:
+    from ..errors import PermissionDeniedError
+
+    try:
+        return _statement(args)
+    except PermissionDeniedError as exc:
+        if args.provider is not None:
+            raise
+        raise UsageError(f"{exc}: your own statement needs your provider token as the API key; with an admin key, "
+                         "name the provider with --provider PROVIDER_ID") from None
+
+
+def _statement(args: argparse.Namespace) -> int:
     with connect(args) as client:
         if args.csv:
             sys.stdout.write(client.providers.statement_csv(args.provider, since=args.since, until=args.until,

@@ -158,7 +158,9 @@ class JobSpec(Model):
     name: Name
     base_model: ModelRef = Field(
         description="HF hub id, a local path on the learner host (outside Echo2's own data directory, where "
-                    "other jobs' files are), or a built-in: `echo2:tiny`, `echo2:smollm2`."
+                    "other jobs' files are), or a built-in: `echo2:tiny`, `echo2:smollm2`. Refused at submission "
+                    "(422) when the learner host could not load it: an unknown built-in, a path that is no model "
+                    "folder, a Hub id it cannot reach and has not in its Hugging Face cache."
     )
     task: TaskSpec
     dataset_id: Id | None = Field(None, description="Uploaded dataset to draw prompts from.")
@@ -166,6 +168,10 @@ class JobSpec(Model):
     num_prompts: int | None = Field(
         None, ge=1, le=200_000, description="Prompts to generate for synthetic tasks (default: enough for all steps)."
     )
+    reuse_prompts: bool = Field(False, description="When the training prompts are fewer than one step's "
+                                "grpo.prompts_per_step, repeat them (each copy a group of its own) to fill a step. "
+                                "Off: such a job is refused (422), since it would wait for the missing groups "
+                                "forever.")
     grpo: GRPOConfig = Field(default_factory=GRPOConfig)
     staleness: int = Field(2, ge=0, le=64, description="S: a rollout of version x trains at step t only if t-x <= S.")
     publish_period: int = Field(1, ge=1, le=64, description="κ: publish a weight version every κ steps.")

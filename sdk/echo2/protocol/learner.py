@@ -120,10 +120,16 @@ class LearnerHeartbeat(Model):
     step: Step
     busy_s: float = Field(0, ge=0, le=1e9, description="Seconds spent training since the learner started.")
     wall_s: float = Field(0, ge=0, le=1e9)
-    state: ShortText = "training"
+    state: ShortText = Field("training", description="What the learner is doing: `training`, `failed` (with "
+                             "`error`), or while it starts `starting: ...` in words (preparing or loading the "
+                             "model, the first publication and evaluation), shown as the job's status_reason.")
     error: ShortText | None = Field(None, description="Set by a learner that is about to exit on an error: the "
                                     "scheduler relaunches it at once, and fails the job after a few launches in "
                                     "a row without a committed step.")
+
+
+    def starting(self) -> bool:
+        return self.state.startswith("starting")
 
 
 class EvalPrompt(ReadModel):

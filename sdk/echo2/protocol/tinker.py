@@ -21,6 +21,9 @@ CheckpointName = Annotated[str, StringConstraints(min_length=1, max_length=128, 
 HostName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.:\-]+$")]
 Value = Annotated[float, Finite, Field(ge=-1e9, le=1e9)]
 MAX_TOKENS = 32_768
+# Tokens of all datums of one forward or forward_backward: bounds what one request may cost and hold a host
+# for (about a minute per 4k tokens of a 135M model on a CPU); larger batches are split, gradients add up.
+MAX_REQUEST_TOKENS = 65_536
 
 
 class SessionStatus(StrEnum):
@@ -234,6 +237,13 @@ class SampleResult(Model):
 class ForwardBackwardResult(Model):
     outputs: list[dict[Annotated[str, StringConstraints(max_length=64)], list[Value]]] = Field(max_length=4096)
     metrics: dict[Annotated[str, StringConstraints(max_length=64)], Value] = Field(max_length=64)
+
+
+class HostRequestState(ReadModel):
+    """Whether the control plane still waits for a running request: false once its session ended (or its
+    model failed), and the host stops working on it."""
+
+    running: bool
 
 
 class HostResult(Model):

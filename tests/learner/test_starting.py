@@ -1,0 +1,45 @@
+"""A learner heartbeats from the moment it starts: preparing the base model, loading it, the first
+publication and evaluation take minutes for a real model, and a learner silent for `learner_dead_after_s`
+used to be relaunched by the scheduler while the first was still converting (and then died on a 401). What it
+is doing is the job's status_reason meanwhile; a cancelled job's learner stops quietly."""
+
+import threading
+import time
+
+import pytest
+
+from api.models import Job
+from learner.loop import Learner, LearnerOptions
+from learner.remote import ControlPlane
+from server.demo import demo_spec
+from tests.factories import learner_for, new_user, ok
+
+pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+
+
+def test_a_starting_learner_heartbeats_and_says_what_it_does(api, tmp_path):
+    _, alice = new_user(api)
+    job = ok(alice.post("/v1/jobs", json=demo_spec("tiny", 2, 1)), 201)
+    token = learner_for(api, job["id"]).headers["Authorization"].split()[1]
+    plane = ControlPlane(api.url, token, job["id"])
+    learner = Learner(plane, LearnerOptions(work_dir=tmp_path / "learner", heartbeat_s=0.05, threads=1))
+    thread = threading.Thread(target=learner.run, daemon=True)
+    thread.start()
+    seen: list[str] = []
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        got = ok(alice.get(f"/v1/jobs/{job['id']}"))
+        if got["status_reason"] and got["status_reason"] not in seen:
+            seen.append(got["status_reason"])
+        if got["version"] is not None or not thread.is_alive():
+            break
+        time.sleep(0.02)
+    # heartbeats every 50 ms: the phases that take longer than that on the tiny model are seen
+    assert seen[0] == "its learner is starting: preparing the base model echo2:tiny (a built-in is converted once)"
+    assert len(seen) >= 2 and all(s.startswith("its learner is starting: ") for s in seen), seen
+    ok(alice.post(f"/v1/jobs/{job['id']}/cancel"))  # its token is revoked: it stops at its next call
+    thread.join(60)
+    plane.close()
+    assert not thread.is_alive()
+    with api.db.session() as s:
+        assert s.get_one(Job, job["id"]).learner_error is None  # stopped, not crashed
