@@ -43,10 +43,12 @@ class TransformersBackend(GenerationBackend):
 
     name = "transformers"
 
-    def __init__(self, device: str = "auto", dtype: str = "auto", max_batch_rows: int | None = None) -> None:
+    def __init__(self, device: str = "auto", dtype: str = "auto", max_batch_rows: int | None = None,
+                 memory_share: float = 0.75) -> None:
         self._device_arg = device
         self._dtype_arg = dtype
         self.max_batch_rows = max_batch_rows
+        self.memory_share = memory_share  # of the free GPU memory the KV cache of a batch may take
         self.model: Any = None
         self.tokenizer: Any = None
         self.model_dir: Path | None = None
@@ -168,7 +170,7 @@ class TransformersBackend(GenerationBackend):
 
     def _row_budget(self, requests: list[GenRequest]) -> int:
         """Rows decoded together: `max_batch_rows`, or on a GPU with it unset, as many as the KV cache of
-        the longest request fits in three quarters of the free memory (at least one group)."""
+        the longest request fits in `memory_share` of the free memory (at least one group)."""
         if self.max_batch_rows is not None or self.model.device.type != "cuda":
             return self.max_batch_rows or CPU_ROWS
         import torch
@@ -176,7 +178,7 @@ class TransformersBackend(GenerationBackend):
         free, _ = torch.cuda.mem_get_info(self.model.device)
         longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
         per_row = kv_bytes_per_token(self.model.config, self.model.dtype) * longest
-        return max(max(r.n for r in requests), min(MAX_ROWS, int(0.75 * free / max(per_row, 1))))
+        return max(max(r.n for r in requests), min(MAX_ROWS, int(self.memory_share * free / max(per_row, 1))))
 
     def _generate_chunk(self, requests: list[GenRequest]) -> list[list[GenSample]]:
         device = self.model.device
