@@ -13,9 +13,11 @@
 2. Fleet comparisons of what the replay cannot judge: each worker's trained groups against the rest of the
    job's over the last FLEET_WINDOW trained groups, by their reward, their length and how often their samples
    repeat, each as its difference from the mean of the groups of the same version (a slow worker's groups are
-   older, and may be worse for that alone). A Welch z beyond FLEET_Z on any of them, with at least
+   older, and may be worse for that alone). In the direction a cheat moves them (rewards lower: picked worst
+   samples; lengths shorter: cut short; repeats more often: copied), a Welch z beyond FLEET_Z, with at least
    FLEET_MIN_GROUPS groups on each side, makes the worker a suspect (every group audited, its reason says
-   why): a statistic points, the replay proves. It costs an honest worker audits, never money.
+   why): a statistic points, the replay proves. It costs an honest worker audits, never money. (Directional,
+   so that beside one bad worker the good ones, above the rest, are not flagged too.)
 
 False-alarm rates of both, measured on honest fleets, are in docs/RELIABILITY.md ("Evidence").
 """
@@ -82,9 +84,9 @@ def compare_fleet(db: Session, job_id: str, step: int) -> list[str]:
     rows = db.execute(select(Rollout.worker_id, Rollout.version, Rollout.rewards, Rollout.samples, Rollout.suspicion)
                       .where(Rollout.job_id == job_id, Rollout.status == RolloutStatus.trained)
                       .order_by(Rollout.trained_step.desc(), Rollout.id).limit(FLEET_WINDOW)).all()
-    measures = {"reward": [_mean(r.rewards) for r in rows],
-                "length": [_mean(len(s["token_ids"]) for s in r.samples) for r in rows],
-                "repeats": [float(r.suspicion is not None) for r in rows]}
+    measures = {("reward", -1): [_mean(r.rewards) for r in rows],
+                ("length", -1): [_mean(len(s["token_ids"]) for s in r.samples) for r in rows],
+                ("repeats", 1): [float(r.suspicion is not None) for r in rows]}
     flagged = []
     for worker_id, why in _outliers([r.worker_id for r in rows], [r.version for r in rows], measures).items():
         worker = db.get(Worker, worker_id, with_for_update=True)
@@ -94,10 +96,12 @@ def compare_fleet(db: Session, job_id: str, step: int) -> list[str]:
     return flagged
 
 
-def _outliers(workers: list[str], versions: list[int], measures: dict[str, list[float | None]]) -> dict[str, str]:
-    """worker -> why, for the workers whose groups' residuals (value - mean of their version) stand out."""
+def _outliers(workers: list[str], versions: list[int],
+              measures: dict[tuple[str, int], list[float | None]]) -> dict[str, str]:
+    """worker -> why, for the workers whose groups' residuals (value - mean of their version) stand out in the
+    direction (+1 above, -1 below) of each measure."""
     out: dict[str, str] = {}
-    for name, values in measures.items():
+    for (name, direction), values in measures.items():
         residual = _residuals(versions, values)
         by_worker: dict[str, list[float]] = defaultdict(list)
         for w, r in zip(workers, residual, strict=True):
@@ -106,7 +110,7 @@ def _outliers(workers: list[str], versions: list[int], measures: dict[str, list[
         for w, mine in by_worker.items():
             rest = [r for other, rs in by_worker.items() if other != w for r in rs]
             z = _welch(mine, rest)
-            if z is not None and abs(z) > FLEET_Z and w not in out:
+            if z is not None and z * direction > FLEET_Z and w not in out:
                 out[w] = (f"its groups' {name} is {abs(z):.1f} standard errors {'above' if z > 0 else 'below'} the "
                           f"rest of the fleet's over {len(mine)} and {len(rest)} groups")
     return out

@@ -58,6 +58,8 @@ from .jobs import (
     slack_steps,
 )
 from .learner import (
+    AuditsRecorded,
+    AuditVerdicts,
     AuditReport,
     ClaimedGroup,
     EvalPrompt,
@@ -122,6 +124,8 @@ __all__ = [
     "AdapterInfo",
     "AuditRead",
     "AuditReport",
+    "AuditVerdicts",
+    "AuditsRecorded",
     "DecisionRead",
     "ApiKeyCreated",
     "Quotas",

@@ -88,6 +88,19 @@ class AuditReport(Model):
         Field(default_factory=dict, max_length=16, description="e.g. tokens, max_abs_diff, mean_abs_diff, z.")
 
 
+class AuditVerdicts(Model):
+    """Audits of groups the learner claimed for `step`, sent as soon as they are made, before the step commits:
+    the sender's trust moves at once, and a worker on probation, whose unjudged groups are bounded, gets more
+    work once they are judged. The step's report still refuses the groups that failed."""
+
+    step: Step
+    audits: list[AuditReport] = Field(min_length=1, max_length=4096)
+
+
+class AuditsRecorded(ReadModel):
+    recorded: int = Field(description="Verdicts recorded now; one already recorded for its group is skipped.")
+
+
 class StepReport(Model):
     step: Step
     rollout_ids: list[RolloutId] = Field(max_length=4096, description="Rollouts consumed by this step.")
