@@ -33,6 +33,7 @@ from echo2.protocol import (
     JobSpec,
     JobStatus,
     LoraConfig,
+    Precision,
     PromptSampling,
     RejectKind,
     RolloutStatus,
@@ -181,7 +182,8 @@ def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> Non
     payload = AuditPayload(checkpoint=checkpoint, version=rollout.version, rollout_id=rollout.id,
                            prompt=prompt.token_ids,
                            samples=[(s["token_ids"], s["logprobs"]) for s in rollout.samples],
-                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                           seed=rollout.seed, precision=rollout.precision or Precision.float32)
     rollout.audit = "pending"
     service.enqueue(db, model, RequestKind.audit, payload.model_dump(mode="json"), None, bounded=False)
 

@@ -1,13 +1,16 @@
 """Rational cheaters against a running stack (API, Celery scheduler, learner host and two honest local workers
-as real processes): each cheat of issue 27 (tests/cheaters.py) mounted over HTTP by a worker of its own
+as real processes): the cheats of issue 27 (tests/cheaters.py) mounted over HTTP, each by a worker of its own
 provider, all during one job, each recomputing its logprobs honestly so that only the replay audit can see it.
 
-Every cheater is quarantined within 20 of its groups, every one of its audited groups that the replay could
-judge against the sampler fails it (the cheats that change seeds or samples always; those that sample a
-nearby model or an old version wherever the two models rank the top candidates differently, which on this
-tiny model is in most 24-token groups), and it ends with $0.00 net pay in the ledger: what it was paid
-before it was caught is clawed back. The honest workers are never struck. The catch rates over thousands of
-groups, on SmolLM2 and both backends, are bench/audit.py's (docs/RELIABILITY.md).
+Every cheater is quarantined, and ends with $0.00 net pay in the ledger: what it was paid before it was
+caught is clawed back. Those whose samples are never the leased seeds' draws (copied, cut short) fail every
+audit and are shut out within 20 of their groups (a worker on probation has at most 8 groups waiting for their
+verdict). Those that pick or sample an old version pass the audits of the groups that are exactly what the
+current version draws with the leased seeds (honest work in all but name: the lowest-reward samples were
+the leased ones, the old weights ranked every position alike) and fail, by the replay, every other. The
+honest workers are never struck. The nearby-model cheat (1 % noise) is left to bench/replay.py: on this tiny
+model 97 % of its groups are token for token an honest draw, so a job ends before it has been caught twice;
+the rates of every cheat over thousands of groups are there (docs/RELIABILITY.md).
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from api.settings import Settings
 from server.demo import demo_spec
 from server.local import free_port
 from server.stack import Stack
-from tests.cheaters import CHEATS, Cheater
+from tests.cheaters import Cheater
 from tests.e2e.test_attacks import wait_for
 
 pytestmark = pytest.mark.e2e
-STEPS = 40
-SEEDS_CHANGE = ("copy", "eos", "pick")  # cheats whose samples are not the leased seeds' draws at all
+STEPS = 60
+SEEDS_CHANGE = ("copy", "eos")  # cheats whose samples are never the leased seeds' draws
+MOUNTED = ("stale", "stale3", "pick", *SEEDS_CHANGE)
 
 
 def register(url: str, admin_key: str, name: str) -> tuple[str, str]:
@@ -49,10 +53,10 @@ def test_rational_cheaters_are_caught_quarantined_and_paid_nothing(tmp_path, mon
     try:
         with Client(base_url=stack.url, api_key=stack.admin_key) as client:
             job = client.jobs.create(demo_spec("tiny", STEPS, 2))
-            for cheat in CHEATS:
+            for cheat in MOUNTED:
                 wid, token = register(stack.url, stack.admin_key, cheat)
                 cheaters[cheat] = Cheater(cheat, stack.url, wid, token, tmp_path / cheat).start()
-            wait_for(lambda: _all_shut_out(db, CHEATS), stack, "every cheater is quarantined")
+            wait_for(lambda: _all_shut_out(client, MOUNTED), stack, "every cheater is quarantined")
             wait_for(lambda: client.jobs.get(job.id).status.is_terminal(), stack, "the job finishes")
             final = client.jobs.get(job.id)
     finally:
@@ -65,14 +69,16 @@ def test_rational_cheaters_are_caught_quarantined_and_paid_nothing(tmp_path, mon
         rollouts = list(s.scalars(select(Rollout).order_by(Rollout.created_at)))
         audits = list(s.scalars(select(Audit)))
         ledger = list(s.scalars(select(LedgerEntry).where(LedgerEntry.worker_id.is_not(None))))
-    for cheat in CHEATS:
+    for cheat in MOUNTED:
         w = workers[cheat]
         mine = [r for r in rollouts if r.worker_id == w.id]
         judged = [a for a in audits if a.worker_id == w.id and a.stats.get("replayed")]
         assert w.trust in ("quarantined", "banned"), (cheat, w.trust, w.trust_reason)
-        assert len(mine) <= 20 + 8, (cheat, len(mine))  # shut out within 20 groups (one lease may be in flight)
+        failed = [a for a in judged if not a.passed]
+        assert failed and all(a.reason.startswith("replay:") for a in failed), (cheat, [a.reason for a in failed])
         if cheat in SEEDS_CHANGE:
-            assert judged and all(not a.passed for a in judged), (cheat, [a.reason for a in judged])
+            assert len(mine) <= 20, (cheat, len(mine))
+            assert len(failed) == len(judged), (cheat, [a.reason for a in judged])
         assert sum(e.amount_usd for e in ledger if e.worker_id == w.id) == pytest.approx(0.0, abs=1e-12), cheat
     for name in ("local-0", "local-1"):
         honest = workers[name]
@@ -80,7 +86,6 @@ def test_rational_cheaters_are_caught_quarantined_and_paid_nothing(tmp_path, mon
         assert any(r.status == "trained" for r in rollouts if r.worker_id == honest.id)
 
 
-def _all_shut_out(db: Database, names: tuple[str, ...]) -> bool:
-    with db.session() as s:
-        states = dict(s.execute(select(Worker.name, Worker.trust).where(Worker.name.in_(names))).all())
-    return len(states) == len(names) and all(str(t) in ("quarantined", "banned") for t in states.values())
+def _all_shut_out(client: Client, names: tuple[str, ...]) -> bool:
+    states = {w.name: w.trust.value for w in client.workers.list(limit=500).items if w.name in names}
+    return len(states) == len(names) and all(t in ("quarantined", "banned") for t in states.values())
