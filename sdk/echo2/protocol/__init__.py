@@ -58,9 +58,9 @@ from .jobs import (
     slack_steps,
 )
 from .learner import (
+    AuditReport,
     AuditsRecorded,
     AuditVerdicts,
-    AuditReport,
     ClaimedGroup,
     EvalPrompt,
     EvalReport,
