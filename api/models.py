@@ -90,6 +90,11 @@ class Provider(Base):
     name: Mapped[str] = mapped_column(String(128))
     contact: Mapped[str | None] = mapped_column(String(256))
     earnings_usd: Mapped[float] = mapped_column(Float, default=0.0)
+    # Providers answer for their workers (api/services/trust.py): a quarantine puts the provider on watch
+    # until it ends, a ban bans it.
+    watch_until: Mapped[datetime | None]
+    banned_at: Mapped[datetime | None]
+    standing_reason: Mapped[str | None] = mapped_column(String(512))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -136,6 +141,7 @@ class Worker(Base):
     quarantines: Mapped[int] = mapped_column(Integer, default=0)
     quarantined_until: Mapped[datetime | None]
     trust_reason: Mapped[str | None] = mapped_column(String(512))
+    evidence: Mapped[dict[str, Any]] = mapped_column(default=dict)  # sequential tests (api/services/evidence.py)
     # Which of a trusted worker's groups are audited (trust.should_audit): its accepted groups are
     # numbered in arrival order, and this secret, never sent to it, picks one per window.
     groups_numbered: Mapped[int] = mapped_column(Integer, default=0)
@@ -293,6 +299,9 @@ class Rollout(Base):
     reject_kind: Mapped[RejectKind | None] = mapped_column(stored_as_value(RejectKind, 24))
     audit: Mapped[str | None] = mapped_column(String(16))  # "passed" / "failed" once audited
     seq: Mapped[int | None] = mapped_column(Integer)  # the sender's n-th accepted group (Worker.groups_numbered)
+    seed: Mapped[int | None] = mapped_column(BigInteger)  # the prompt's leased base seed, which the audit replays
+    precision: Mapped[str | None] = mapped_column(String(16))  # the dtype its worker computed logits in
+    suspicion: Mapped[str | None] = mapped_column(String(64))  # what the door saw that gets it audited anyway
     paid_entry_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
     claim_step: Mapped[int | None] = mapped_column(Integer)
     trained_step: Mapped[int | None] = mapped_column(Integer)
@@ -407,6 +416,7 @@ class LedgerEntry(Base):
     rollout_ids: Mapped[list[Any]] = mapped_column(default=list)
     step: Mapped[int | None] = mapped_column(Integer)  # the job's step when the entry was made
     memo: Mapped[str | None] = mapped_column(String(256))  # what it pays for, in words
+    clawed_back_by: Mapped[int | None] = mapped_column(BigInteger)  # the clawback entry that reversed this one
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -43,6 +44,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+# This tree's SDK and worker first: the vLLM venv's editable installs may point at another checkout.
+VLLM_ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'sdk'}:{REPO / 'workers'}"}
 CACHE = REPO / ".echo2-cache" / "smollm2-135m-instruct"
 G, NEW_TOKENS = 8, 16
 SETTINGS = ((1.0, 1.0), (0.7, 0.9))
@@ -54,19 +57,27 @@ class Group:
     samples: list[tuple[list[int], list[float]]]
     temperature: float
     top_p: float
+    seed: int | None = None  # the leased base seed: sample k drew with sample_seed(seed, k)
+    precision: str = "float32"
 
 
 def requests(tok: Any, n: int, seed: int) -> list[dict[str, Any]]:
     from echo2.prompting import encode_prompt
+    from echo2.seeds import sample_seed
 
     rng = random.Random(seed)
     out = []
     for i in range(n):
         t, p = SETTINGS[i % 2]
         text = f"What is {rng.randint(10, 99)}+{rng.randint(10, 99)}? Answer with the number only."
-        out.append({"prompt_token_ids": encode_prompt(tok, text), "n": G, "seeds": [rng.getrandbits(31) for _ in
-                    range(G)], "max_new_tokens": NEW_TOKENS, "temperature": t, "top_p": p})
+        base = rng.getrandbits(31)
+        out.append({"prompt_token_ids": encode_prompt(tok, text), "n": G, "seeds": [sample_seed(base, k) for k in
+                    range(G)], "max_new_tokens": NEW_TOKENS, "temperature": t, "top_p": p, "base": base})
     return out
+
+
+def _request(r: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in r.items() if k != "base"}
 
 
 def generate_transformers(model_dir: Path, reqs: list[dict[str, Any]], temperature_scale: float = 1.0) -> list[Group]:
@@ -77,24 +88,25 @@ def generate_transformers(model_dir: Path, reqs: list[dict[str, Any]], temperatu
     try:
         groups = []
         for start in range(0, len(reqs), 8):
-            batch = [GenRequest(**{**r, "temperature": r["temperature"] * temperature_scale})
-                     for r in reqs[start:start + 8]]
-            for r, out in zip(batch, backend.generate(batch), strict=True):
+            part = reqs[start:start + 8]
+            batch = [GenRequest(**{**_request(r), "temperature": r["temperature"] * temperature_scale})
+                     for r in part]
+            for raw, r, out in zip(part, batch, backend.generate(batch), strict=True):
                 groups.append(Group(r.prompt_token_ids, [(s.token_ids, s.logprobs) for s in out],
-                                    r.temperature, r.top_p))
+                                    r.temperature, r.top_p, raw["base"]))
         return groups
     finally:
         backend.close()
 
 
 def generate_vllm(model_dir: Path, reqs: list[dict[str, Any]], dtype: str, work: Path) -> list[Group]:
-    (work / "req.json").write_text(json.dumps(reqs))
+    (work / "req.json").write_text(json.dumps([_request(r) for r in reqs]))
     out = work / f"vllm-{dtype}.json"
     subprocess.run([str(VLLM_PYTHON), str(REPO / "bench" / "vllm_generate.py"), "--model", str(model_dir),
                     "--requests", str(work / "req.json"), "--out", str(out), "--dtype", dtype], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-    return [Group(r["prompt_token_ids"], [(s["token_ids"], s["logprobs"]) for s in g], r["temperature"], r["top_p"])
-            for r, g in zip(reqs, json.loads(out.read_text()), strict=True)]
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, env=VLLM_ENV)
+    return [Group(r["prompt_token_ids"], [(s["token_ids"], s["logprobs"]) for s in g], r["temperature"], r["top_p"],
+                  r["base"], dtype) for r, g in zip(reqs, json.loads(out.read_text()), strict=True)]
 
 
 def recomputed(model: Any, g: Group, pad_id: int) -> Group:
@@ -108,7 +120,7 @@ def recomputed(model: Any, g: Group, pad_id: int) -> Group:
     with torch.no_grad():
         lp = completion_logprobs(model, batch, temperature=g.temperature)
     samples = [(t, lp[i, : len(t)].tolist()) for i, t in enumerate(comps)]
-    return Group(g.prompt, samples, g.temperature, g.top_p)
+    return Group(g.prompt, samples, g.temperature, g.top_p, g.seed)
 
 
 def forgeries(honest: list[Group], model: Any, pad_id: int, vocab: int, eos: int, other: list[Group],
@@ -119,19 +131,20 @@ def forgeries(honest: list[Group], model: Any, pad_id: int, vocab: int, eos: int
         j = rng.randrange(len(tokens))
         tokens = [*tokens[:j], (tokens[j] + rng.randrange(1, vocab)) % vocab, *tokens[j + 1:]]
         samples[0] = (tokens, lps)
-        return Group(g.prompt, samples, g.temperature, g.top_p)
+        return Group(g.prompt, samples, g.temperature, g.top_p, g.seed)
 
     def rand(g: Group) -> Group:
         samples = [([rng.randrange(vocab) for _ in t[:-1]] + [t[-1] if t[-1] == eos else rng.randrange(vocab)],
                     [0.0] * len(t)) for t, _ in g.samples]
-        return Group(g.prompt, samples, g.temperature, g.top_p)
+        return Group(g.prompt, samples, g.temperature, g.top_p, g.seed)
 
     def invent(g: Group) -> Group:
-        return Group(g.prompt, [(t, [rng.uniform(-3, 0) for _ in t]) for t, _ in g.samples], g.temperature, g.top_p)
+        return Group(g.prompt, [(t, [rng.uniform(-3, 0) for _ in t]) for t, _ in g.samples], g.temperature, g.top_p,
+                     g.seed)
 
     base = honest[:n]
     randoms = [rand(g) for g in base]
-    claimed = [Group(g.prompt, g.samples, g.temperature / 2, g.top_p) for g in hot[:n]]  # they claim the job's T
+    claimed = [Group(g.prompt, g.samples, g.temperature / 2, g.top_p, g.seed) for g in hot[:n]]  # the job's T
     return {
         "flip": [flip(g) for g in base], "random": randoms,
         "random-match": [recomputed(model, g, pad_id) for g in randoms],
@@ -141,11 +154,12 @@ def forgeries(honest: list[Group], model: Any, pad_id: int, vocab: int, eos: int
     }
 
 
-def audit_all(model: Any, groups: list[Group], pad_id: int) -> list[Any]:
-    from learner.audit import audit_group
+def audit_all(model: Any, groups: list[Group]) -> list[Any]:
+    """learner/audit.py's audit of each group, the replay with its leased seed included."""
+    from learner.audit import GroupClaim, audit_group
 
-    return [audit_group(model, g.prompt, g.samples, temperature=g.temperature, top_p=g.top_p, pad_id=pad_id)
-            for g in groups]
+    return [audit_group(model, GroupClaim(prompt=g.prompt, samples=g.samples, temperature=g.temperature,
+                                          top_p=g.top_p, seed=g.seed, precision=g.precision)) for g in groups]
 
 
 def train_seconds_per_group(model_dir: Path, groups: list[Group], pad_id: int, micro_batch_tokens: int) -> float:
@@ -226,7 +240,7 @@ def _report_honest(model: Any, honest: dict[str, list[Group]], pad_id: int) -> N
     print(f"{'honest groups':<22} {'groups':>6} {'rejected':>9} {'max |Δ| nat':>11} {'p99.9 |Δ|':>9} "
           f"{'|z| max':>8}")
     for name, groups in honest.items():
-        results = audit_all(model, groups, pad_id)
+        results = audit_all(model, groups)
         worst = sorted(r.max_abs_diff for r in results)
         rejected = [r for r in results if not r.passed]
         print(f"{name:<22} {len(results):>6} {len(rejected) / len(results):>9.2%} {worst[-1]:>11.4f} "
@@ -238,7 +252,7 @@ def _report_honest(model: Any, honest: dict[str, list[Group]], pad_id: int) -> N
 def _report_forged(model: Any, forged: dict[str, list[Group]], pad_id: int) -> None:
     print(f"\n{'forged groups':<22} {'groups':>6} {'caught':>9}  typical reason")
     for name, groups in forged.items():
-        results = audit_all(model, groups, pad_id)
+        results = audit_all(model, groups)
         caught = [r for r in results if not r.passed]
         reason = (caught[0].reason or "")[:70] if caught else "-"
         print(f"{name:<22} {len(results):>6} {len(caught) / len(results):>9.2%}  {reason}", flush=True)
@@ -246,7 +260,7 @@ def _report_forged(model: Any, forged: dict[str, list[Group]], pad_id: int) -> N
 
 def _report_cost(model: Any, model_dir: Path, groups: list[Group], pad_id: int, micro_batch_tokens: int) -> None:
     start = time.perf_counter()
-    audit_all(model, groups, pad_id)
+    audit_all(model, groups)
     audit_s = (time.perf_counter() - start) / len(groups)
     train_s = train_seconds_per_group(model_dir, groups, pad_id, micro_batch_tokens)
     print(f"\ncost over {len(groups)} groups (micro-batches of {micro_batch_tokens} tokens): "

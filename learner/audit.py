@@ -1,28 +1,36 @@
-"""Rollout audits: did this group really come from the claimed model version, at the job's temperature?
+"""Rollout audits: did this group really come from the claimed model version, drawn with the seeds the
+server leased it with, at the job's sampling settings?
 
 The learner re-scores a group under the weights of the version its worker claims (learner/auditor.py
-holds them) and runs two tests on every completion token y_t of every sample:
+holds them) by teacher forcing, and runs three tests on every completion token y_t of every sample:
 
-1. Logprob check. The behaviour logprob a worker reports is log q_t(y_t), q_t = softmax(logits_t / T)
+1. Replay (the one that binds a rollout to its policy). Every backend draws with echo2.sampler: token t of
+   sample k is a pure function of the logits, the settings, the sample's server-assigned seed and t. The
+   audit replays that draw on the recomputed logits: a token the sampler would not have chosen there, by
+   more than a numerical margin, is a mismatch, and any mismatch fails the group. Samples of another
+   version or a nearby model show as mismatches wherever the two models rank the top candidates
+   differently; samples drawn with other seeds (picked from extra draws, or one sample copied G times),
+   cut short with an end-of-sequence token, or drawn at another temperature, nearly everywhere. The margin
+   covers honest numerical differences: a draw is an argmax, so an honest token's score is below the best
+   by at most twice the largest logit difference between the worker's forward and this one (over T), which
+   depends on the precision the worker computed in (`GroupClaim.precision`; calibrated by bench/audit.py,
+   docs/RELIABILITY.md "Replay margins").
+2. Logprob check. The behaviour logprob a worker reports is log q_t(y_t), q_t = softmax(logits_t / T)
    over the full vocabulary before top-p (workers/echo2_worker/backends/base.py). The audit recomputes
    it; a token whose reported value is off by more than `token_tol` nats is a bad token, and more than
-   `max_bad_tokens` of them fail the group. Catches invented logprobs, a flipped token whose logprob
-   was left alone, another model's or another temperature's logprobs.
-2. Likelihood check. Tokens sampled honestly from p~_t (q_t truncated to its top-k/top-p nucleus and
+   `max_bad_tokens` of them fail the group (invented logprobs, a flipped token whose logprob was left).
+3. Likelihood check. Tokens sampled honestly from p~_t (q_t truncated to its top-k/top-p nucleus and
    renormalised) have E[log q_t(y_t)] = m_t = sum_y p~_t(y) log q_t(y) and variance v_t, so
        z = sum_t (log q_t(y_t) - m_t) / sqrt(sum_t v_t)
-   is a sum of martingale differences, about N(0, 1) for an honest group. |z| > z_crit fails it.
-   Catches tokens that are implausible under the claimed model even when their logprobs were
-   recomputed to match: random tokens, another model's, sampling too hot (z << 0) or too cold or
-   cherry-picked (z >> 0). A token outside the nucleus cannot be sampled at all and fails the group.
+   is about N(0, 1) for an honest group; |z| > z_crit fails it. It still judges groups made before seeds
+   were bound (no replay possible), and its z feeds the per-worker sequential test (api/services/evidence.py).
+   A token outside the nucleus cannot be sampled at all and fails the group.
 
 A partial rollout's tokens come from several versions (SampleSubmit.versions): `audit_versions` re-scores
-each token under its own version and runs the same two tests over all of them.
+and replays each token under its own version and runs the same tests over all of them.
 
-Tolerances (AuditConfig defaults) and how they were chosen are in docs/RELIABILITY.md ("Rollout
-audits"), measured with bench/audit.py on honest groups from both backends.
-Nothing here raises on input that passed the door's checks (ids inside the vocabulary, finite
-logprobs in [-1e4, 0], at most max_new_tokens): a group that cannot be right fails instead.
+Nothing here raises on input that passed the door's checks (ids inside the vocabulary, finite logprobs in
+[-1e4, 0], at most max_new_tokens): a group that cannot be right fails instead.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from echo2.sampler import RowSettings, logprobs, replay, support
+from echo2.seeds import sample_seed
 
 from .policy import pad_batch, position_ids
 
@@ -40,6 +50,10 @@ MIN_VARIANCE = 1e-6  # nats^2: a group of near-certain tokens has no spread to t
 # Workers compute the nucleus in their own precision (bf16 on many GPUs): a token at its edge may fall
 # on either side. Only a token outside a nucleus this much wider is called impossible.
 NUCLEUS_SLACK = 0.02
+REPLAY_ROWS = 512  # positions replayed at once: bounds the [rows, V] tensors of a long group
+# Largest logit difference (nats, at T = 1) between an honest worker's forward and the auditor's, by the
+# precision the worker computed in; the replay margin is twice this over T. Measured by bench/audit.py.
+LOGIT_ERROR = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,34 @@ class AuditConfig:
     token_tol: float = 0.5  # nats between a reported and a recomputed logprob
     max_bad_tokens: int = 0
     z_crit: float = 6.0
+    logit_error: tuple[tuple[str, float], ...] = tuple(LOGIT_ERROR.items())
+    auditor: str = "float32"  # the precision the audit itself computes in
+
+    def margin(self, precision: str, temperature: float) -> float:
+        """Replay margin in nats of log q: twice the largest honest logit difference between a worker computing
+        in `precision` and this auditor (the sum of both precisions' errors), over T. An unknown precision
+        gets the largest."""
+        errors = dict(self.logit_error)
+        worst = max(errors.values())
+        return 2 * (errors.get(precision, worst) + errors.get(self.auditor, worst)) / temperature
+
+
+@dataclass(frozen=True)
+class GroupClaim:
+    """What a group claims: its prompt, samples (tokens, behaviour logprobs), the settings and seeds they were
+    drawn with, and the precision its worker computed in."""
+
+    prompt: list[int]
+    samples: list[tuple[list[int], list[float]]]
+    temperature: float
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None  # the prompt's leased base seed; sample k drew with sample_seed(seed, k). None: no replay
+    precision: str = "float32"
+    masks: list[list[bool] | None] | None = None  # multi-turn: the model's tokens (the environment's are not draws)
+
+    def seeds(self) -> list[int] | None:
+        return None if self.seed is None else [sample_seed(self.seed, k) for k in range(len(self.samples))]
 
 
 @dataclass(frozen=True)
@@ -58,10 +100,16 @@ class AuditResult:
     mean_abs_diff: float
     bad_tokens: int
     z: float
+    replayed: int = 0  # tokens replayed (0: the group carries no seed)
+    mismatches: int = 0  # replayed tokens the sampler would not have drawn, beyond the margin
+    near_ties: int = 0  # replayed tokens not drawn by the replay, but within the margin (numerics)
+    max_gap: float = 0.0  # nats; the largest replay gap (capped at 1e6 for tokens outside the support)
 
     def stats(self) -> dict[str, float]:
         return {"tokens": float(self.tokens), "max_abs_diff": self.max_abs_diff,
-                "mean_abs_diff": self.mean_abs_diff, "bad_tokens": float(self.bad_tokens), "z": self.z}
+                "mean_abs_diff": self.mean_abs_diff, "bad_tokens": float(self.bad_tokens), "z": self.z,
+                "replayed": float(self.replayed), "mismatches": float(self.mismatches),
+                "near_ties": float(self.near_ties), "max_gap": self.max_gap}
 
 
 @dataclass(frozen=True)
@@ -71,52 +119,59 @@ class _Scores:
     expected: torch.Tensor  # [N] m_t
     variance: torch.Tensor  # [N] v_t
     outside: int  # tokens outside their top-k/top-p nucleus
+    gaps: torch.Tensor  # [M] replay gaps of the replayed tokens (M = N with seeds, else 0)
+    first: tuple[int, int] | None  # (sample, position) of the first replay mismatch
 
 
 @torch.no_grad()
-def audit_group(model: Any, prompt_token_ids: list[int], samples: Sequence[tuple[list[int], list[float]]], *,
-                temperature: float, top_p: float, pad_id: int, config: AuditConfig | None = None,
-                top_k: int = 0, masks: Sequence[Sequence[bool] | None] | None = None) -> AuditResult:
-    """Re-score one group (every sample answers the same prompt) under `model` and test it. `masks`:
-    a multi-turn sample's model tokens; the environment's tokens in between are not the model's draws."""
-    scores = _score(model, prompt_token_ids, samples, temperature, top_p, top_k, pad_id, masks)
-    return _judge(scores, config or AuditConfig(), temperature)
+def audit_group(model: Any, claim: GroupClaim, config: AuditConfig | None = None) -> AuditResult:
+    """Re-score and replay one group (every sample answers the same prompt) under `model` and test it."""
+    config = config or AuditConfig()
+    return _judge(_score(model, claim, claim.masks, config), config, claim)
 
 
 @torch.no_grad()
-def audit_versions(model_at: Callable[[int], Any], prompt_token_ids: list[int],
-                   samples: Sequence[tuple[list[int], list[float]]], versions: Sequence[Sequence[int]], *,
-                   temperature: float, top_p: float, pad_id: int, config: AuditConfig | None = None,
-                   top_k: int = 0) -> AuditResult:
-    """A partial rollout (`versions`: each sample's per-token versions): every token is re-scored under
-    the version that produced it, one pass per version with the other versions' tokens masked out (they
-    stay in the context the model reads), then the group is tested on all its tokens together. No token
-    is skipped: the tests are sums over tokens, and each token's terms are its own version's."""
-    parts = [_score(model_at(v), prompt_token_ids, samples, temperature, top_p, top_k, pad_id,
-                    [[x == v for x in row] for row in versions])
+def audit_versions(model_at: Callable[[int], Any], claim: GroupClaim, versions: Sequence[Sequence[int]],
+                   config: AuditConfig | None = None) -> AuditResult:
+    """A partial rollout (`versions`: each sample's per-token versions): every token is re-scored and replayed
+    under the version that produced it, one pass per version with the other versions' tokens masked out (they
+    stay in the context the model reads), then the group is tested on all its tokens together. No token is
+    skipped: the tests are sums over tokens, and each token's terms are its own version's."""
+    config = config or AuditConfig()
+    parts = [_score(model_at(v), claim, [[x == v for x in row] for row in versions], config)
              for v in sorted({v for row in versions for v in row})]
+    firsts = [p.first for p in parts if p.first is not None]
     joined = _Scores(torch.cat([p.picked for p in parts]), torch.cat([p.reported for p in parts]),
                      torch.cat([p.expected for p in parts]), torch.cat([p.variance for p in parts]),
-                     sum(p.outside for p in parts))
-    return _judge(joined, config or AuditConfig(), temperature)
+                     sum(p.outside for p in parts), torch.cat([p.gaps for p in parts]), min(firsts, default=None))
+    return _judge(joined, config, claim)
 
 
-def _judge(scores: _Scores, config: AuditConfig, temperature: float) -> AuditResult:
+def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResult:
     diff = (scores.picked - scores.reported).abs()
     bad = int((diff > config.token_tol).sum())
     spread = float(scores.variance.sum())
     z = float((scores.picked - scores.expected).sum()) / math.sqrt(max(spread, MIN_VARIANCE))
+    margin = config.margin(claim.precision, claim.temperature)
+    gaps = scores.gaps
+    mismatches, near = int((gaps > margin).sum()), int(((gaps > 0) & (gaps <= margin)).sum())
     result = dict(tokens=int(diff.numel()), max_abs_diff=float(diff.max()), mean_abs_diff=float(diff.mean()),
-                  bad_tokens=bad, z=z)
-    reason = _verdict(config, bad, int(diff.numel()), float(diff.max()), z, scores.outside, temperature)
-    return AuditResult(passed=reason is None, reason=reason, **result)
-
-
-def _verdict(config: AuditConfig, bad: int, tokens: int, worst: float, z: float, outside: int,
-             temperature: float) -> str | None:
+                  bad_tokens=bad, z=z, replayed=int(gaps.numel()), mismatches=mismatches, near_ties=near,
+                  max_gap=min(float(gaps.max()), 1e6) if gaps.numel() else 0.0)
     if bad > config.max_bad_tokens:
-        return (f"logprob mismatch: {bad} of {tokens} tokens off by more than {config.token_tol:g} nat "
-                f"(largest {worst:.3g})")
+        reason: str | None = (f"logprob mismatch: {bad} of {diff.numel()} tokens off by more than "
+                              f"{config.token_tol:g} nat (largest {float(diff.max()):.3g})")
+    elif mismatches:
+        sample, position = scores.first or (0, 0)
+        reason = (f"replay: {mismatches} of {gaps.numel()} tokens are not what the sampler draws with the leased "
+                  f"seeds under the claimed version (first: sample {sample}, position {position}; largest gap "
+                  f"{result['max_gap']:.3g} nats, margin {margin:.3g})")
+    else:
+        reason = _verdict(config, z, scores.outside, int(diff.numel()), claim.temperature)
+    return AuditResult(passed=reason is None, reason=reason, **result)  # type: ignore[arg-type]
+
+
+def _verdict(config: AuditConfig, z: float, outside: int, tokens: int, temperature: float) -> str | None:
     if outside:
         return (f"{outside} of {tokens} tokens lie outside the top-k/top-p nucleus: no sampler at these settings "
                 "draws them")
@@ -125,41 +180,59 @@ def _verdict(config: AuditConfig, bad: int, tokens: int, worst: float, z: float,
     return None
 
 
-def _score(model: Any, prompt: list[int], samples: Sequence[tuple[list[int], list[float]]], temperature: float,
-           top_p: float, top_k: int, pad_id: int, masks: Sequence[Sequence[bool] | None] | None = None) -> _Scores:
+def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None] | None,
+           config: AuditConfig) -> _Scores:
+    samples = claim.samples
     completions = [list(tokens) for tokens, _ in samples]
-    batch = pad_batch([prompt] * len(samples), completions, pad_id, masks).to(next(model.parameters()).device)
+    batch = pad_batch([claim.prompt] * len(samples), completions, 0, masks).to(next(model.parameters()).device)
     c = batch.completion_len
     out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                 position_ids=position_ids(batch.attention_mask), logits_to_keep=c + 1, use_cache=False)
-    logq = torch.log_softmax(out.logits[:, :-1, :].float() / temperature, dim=-1)  # [B, C, V]
+    logits = out.logits[:, :-1, :].float()  # [B, C, V]: row t predicts completion token t
     targets = batch.input_ids[:, -c:]
     mask = batch.completion_mask.bool()
-    picked = logq.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    sampling, possible = _nuclei(logq.exp(), (top_p, min(1.0, top_p + NUCLEUS_SLACK)), top_k)
-    expected = (sampling * logq).sum(-1)
-    variance = (sampling * logq.square()).sum(-1) - expected.square()
-    outside = int(((possible.gather(-1, targets.unsqueeze(-1)).squeeze(-1) <= 0) & mask).sum())
-    reported = torch.zeros_like(picked)
-    for i, (_, logprobs) in enumerate(samples):
-        reported[i, : len(logprobs)] = torch.as_tensor(logprobs, dtype=torch.float32)
-    return _Scores(picked[mask].cpu(), reported[mask].cpu(), expected[mask].cpu(), variance[mask].clamp(min=0).cpu(),
-                   outside)
+    rows, tokens = logits[mask], targets[mask]  # [N, V], [N]: the real completion tokens only
+    settings = _settings(claim, len(rows), logits.device)
+    logq = logprobs(rows, settings)
+    picked = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    sampling = support(logq, settings).softmax(-1)  # the nucleus the sampler draws from
+    possible = support(logq, settings, NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature))
+    expected = torch.nan_to_num(sampling * logq).sum(-1)
+    variance = torch.nan_to_num(sampling * logq.square()).sum(-1) - expected.square()
+    outside = int(torch.isinf(possible.gather(-1, tokens.unsqueeze(-1))).sum())
+    reported = torch.zeros_like(mask, dtype=torch.float32)
+    for i, (_, lp) in enumerate(samples):
+        reported[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
+    gaps, first = _replay(logits, targets, mask, claim, config)
+    return _Scores(picked.cpu(), reported[mask].cpu(), expected.cpu(), variance.clamp(min=0).cpu(), outside, gaps,
+                   first)
 
 
-def _nuclei(probs: torch.Tensor, top_ps: tuple[float, ...], top_k: int = 0) -> list[torch.Tensor]:
-    """For each top_p, the distribution a top-k/top-p sampler draws from: the k most likely tokens,
-    then the smallest prefix of them whose mass reaches top_p of theirs, renormalised — the same rule
-    as the workers' samplers (and vLLM's). One sort serves them all (it is most of an audit's cost)."""
-    if top_k <= 0 and all(p >= 1.0 for p in top_ps):
-        return [probs] * len(top_ps)
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    if top_k > 0:
-        sorted_p[..., top_k:] = 0.0
-    before = sorted_p.cumsum(-1) - sorted_p
-    total = sorted_p.sum(-1, keepdim=True)
-    out = []
-    for top_p in top_ps:
-        kept = torch.zeros_like(probs).scatter(-1, order, sorted_p.masked_fill(before >= top_p * total, 0.0))
-        out.append(kept / kept.sum(-1, keepdim=True))
-    return out
+def _replay(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, claim: GroupClaim,
+            config: AuditConfig) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """Replay gaps of the masked tokens (sample-major, position order) and the first mismatch, if any."""
+    seeds = claim.seeds()
+    if seeds is None:
+        return torch.zeros(0), None
+    device = logits.device
+    sample_idx, position = mask.nonzero(as_tuple=True)
+    row_seeds = torch.tensor(seeds, dtype=torch.int64, device=device)[sample_idx]
+    settings = _settings(claim, len(sample_idx), device)
+    gaps = []
+    for start in range(0, len(sample_idx), REPLAY_ROWS):
+        part = slice(start, start + REPLAY_ROWS)
+        rows = sample_idx[part], position[part]
+        n = len(rows[0])
+        chunk = replay(logits[rows], targets[rows], settings.select(torch.arange(start, start + n, device=device)),
+                       row_seeds[part], rows[1], NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature))
+        gaps.append(chunk.gap)
+    gap = torch.cat(gaps).cpu() if gaps else torch.zeros(0)
+    bad = (gap > config.margin(claim.precision, claim.temperature)).nonzero()
+    first = (int(sample_idx[bad[0, 0]]), int(position[bad[0, 0]])) if len(bad) else None
+    return gap, first
+
+
+def _settings(claim: GroupClaim, n: int, device: torch.device) -> RowSettings:
+    """The claim's sampling settings on each of n rows."""
+    one = RowSettings.of([(claim.temperature, claim.top_k, claim.top_p)], device)
+    return RowSettings(one.temperature.expand(n), one.top_k.expand(n), one.top_p.expand(n))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ import torch
 from echo2.loading import LOAD_LOCK
 from echo2.protocol import ClaimedGroup, JobSpec
 
-from .audit import AuditConfig, AuditResult, audit_group, audit_versions
+from .audit import AuditConfig, AuditResult, GroupClaim, audit_group, audit_versions
 from .models import with_adapter
 from .weights import ADAPTER_DIR
 
@@ -31,10 +32,16 @@ Fetch = Callable[[int], Path]  # version -> a local folder holding its safetenso
 
 
 class Auditor:
-    def __init__(self, model_path: str, spec: JobSpec, pad_id: int, fetch: Fetch,
-                 config: AuditConfig | None = None) -> None:
-        self.model_path, self.spec, self.pad_id, self.fetch = model_path, spec, pad_id, fetch
-        self.config = config or AuditConfig()
+    """Audits on `device` (the learner's), in the dtype the learner computes in there: bfloat16 on a GPU that
+    has it, float32 elsewhere. The replay's margin then allows for the auditor's precision as well as the
+    worker's (AuditConfig.auditor)."""
+
+    def __init__(self, model_path: str, spec: JobSpec, fetch: Fetch, config: AuditConfig | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        self.model_path, self.spec, self.fetch = model_path, spec, fetch
+        self.device = torch.device(device)
+        self.dtype = compute_dtype(self.device)
+        self.config = replace(config or AuditConfig(), auditor=str(self.dtype).removeprefix("torch."))
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self._model: Any = None
         self._zero_adapter: dict[str, torch.Tensor] = {}
@@ -55,17 +62,11 @@ class Auditor:
     def audit(self, group: ClaimedGroup) -> AuditResult:
         start = time.perf_counter()
         try:
-            g = self.spec.grpo
-            samples = [(list(s.token_ids), list(s.logprobs)) for s in group.samples]
+            claim = claim_of(group, self.spec)
             if any(s.versions is not None for s in group.samples):  # a partial rollout: each token its version
-                return audit_versions(self._model_at, list(group.prompt_token_ids), samples,
-                                      [s.token_versions(group.version) for s in group.samples],
-                                      temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, pad_id=self.pad_id,
-                                      config=self.config)
-            model = self._model_at(group.version)
-            masks = [None if s.turns is None else s.model_token_mask() for s in group.samples]
-            return audit_group(model, list(group.prompt_token_ids), samples, temperature=g.temperature,
-                               top_p=g.top_p, top_k=g.top_k, pad_id=self.pad_id, config=self.config, masks=masks)
+                return audit_versions(self._model_at, claim, [s.token_versions(group.version) for s in group.samples],
+                                      self.config)
+            return audit_group(self._model_at(group.version), claim, self.config)
         finally:
             self.seconds += time.perf_counter() - start
 
@@ -89,7 +90,8 @@ class Auditor:
         from transformers import AutoModelForCausalLM
 
         with LOAD_LOCK:
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32, use_safetensors=True)
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, use_safetensors=True)
+        model = model.to(self.device)
         if self.spec.lora is not None:
             model = with_adapter(model, self.spec.lora)
             from peft import get_peft_model_state_dict
@@ -111,3 +113,18 @@ class Auditor:
             state.update(load_file(str(file)))
         log.info("audit weights loaded from %s", folder)
         return state
+
+
+def compute_dtype(device: torch.device) -> torch.dtype:
+    """What the learner computes in on `device` (policy._autocast): bfloat16 on a GPU that has it."""
+    return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
+
+
+def claim_of(group: ClaimedGroup, spec: JobSpec) -> GroupClaim:
+    """What a claimed group says about itself, for the audit: drawn at the job's settings with its leased seed."""
+    g = spec.grpo
+    return GroupClaim(prompt=list(group.prompt_token_ids), samples=[(list(s.token_ids), list(s.logprobs))
+                                                                     for s in group.samples],
+                      temperature=g.temperature, top_p=g.top_p, top_k=g.top_k, seed=group.seed,
+                      precision=group.precision.value,
+                      masks=[None if s.turns is None else s.model_token_mask() for s in group.samples])

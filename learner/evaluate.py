@@ -16,7 +16,6 @@ import logging
 import time
 from typing import Any
 
-import torch
 from echo2.prompting import encode_prompt
 from echo2.protocol import EvalPrompt, EvalReport, JobSpec
 
@@ -44,9 +43,8 @@ class Evaluator:
         was_training = self.model.training
         self.model.eval()
         try:
-            greedy = self._rewards(0.0, None)
-            gen = torch.Generator().manual_seed(derive_seed("eval", self.spec.seed, step) % 2**63)
-            sampled = self._rewards(self.spec.grpo.temperature, gen)
+            greedy = self._rewards(0.0, 0)
+            sampled = self._rewards(self.spec.grpo.temperature, derive_seed("eval", self.spec.seed, step))
         finally:
             self.model.train(was_training)
         report = EvalReport(step=step, version=version, prompts=len(self.prompts),
@@ -56,13 +54,14 @@ class Evaluator:
                  report.greedy_accuracy, report.sampled_accuracy, report.prompts, report.seconds)
         return report
 
-    def _rewards(self, temperature: float, gen: torch.Generator | None) -> list[float | None]:
+    def _rewards(self, temperature: float, seed: int) -> list[float | None]:
         rewards: list[float | None] = []
         for start in range(0, len(self.prompts), BATCH):
             batch = self.prompts[start:start + BATCH]
             ids = [encode_prompt(self.tokenizer, p.text) for p in batch]
             out = sample(self.model, ids, max_new_tokens=self.spec.grpo.max_new_tokens,
-                         eos_id=self.tokenizer.eos_token_id, pad_id=self.pad_id, temperature=temperature, generator=gen)
+                         eos_id=self.tokenizer.eos_token_id, pad_id=self.pad_id, temperature=temperature,
+                         seed=seed + start)
             for p, s in zip(batch, out, strict=True):
                 text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
                 rewards.append(self.task.reward(TaskPrompt(text=p.text, reference=p.reference), text, self.params))

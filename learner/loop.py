@@ -21,6 +21,7 @@ import torch
 from echo2.errors import AuthenticationError
 from echo2.loading import LOAD_LOCK
 from echo2.protocol import (
+    AuditVerdicts,
     ClaimedGroup,
     FinishOutcome,
     JobSpec,
@@ -114,7 +115,7 @@ class Learner:
         self.world.announce("start", (spec, model_path))
         self.phase = "starting: loading the model"
         trainer, restored = build_trainer(spec, model_path, self.opt, self.world, work / "checkpoints")
-        trainer.auditor = Auditor(model_path, spec, trainer.pad_id,
+        trainer.auditor = Auditor(model_path, spec, device=next(trainer.model.parameters()).device,
                                   fetch=lambda v: self.plane.fetch_version(v, work / "audit" / f"v{v}"))
         consumed = restored.consumed if restored else set()
         if restored is not None:
@@ -164,7 +165,7 @@ class Learner:
         t = self.step
         try:
             while t < spec.max_steps:
-                groups = self._collect(spec, t, ahead.take(t))
+                groups = self._collect(spec, trainer, t, ahead.take(t))
                 if groups is None:
                     return  # stopped from outside (cancelled, or paused: a new learner resumes it)
                 result = self._trained(trainer, groups, t)
@@ -236,15 +237,25 @@ class Learner:
                                  consumed)
         self.uploader.submit(folder, self.step)
 
-    def _collect(self, spec: JobSpec, t: int, groups: list[ClaimedGroup]) -> list[ClaimedGroup] | None:
+    def _collect(self, spec: JobSpec, trainer: GRPOTrainer, t: int,
+                 groups: list[ClaimedGroup]) -> list[ClaimedGroup] | None:
         """Claim until the step has prompts_per_step groups, starting from those claimed ahead (waiting
-        is what utilisation measures)."""
+        is what utilisation measures); the groups picked for an audit are audited as they come, and the
+        verdicts sent at once (trainer.audit_claimed)."""
         want = spec.grpo.prompts_per_step
+        self._send_audits(trainer, t, groups)
         while len(groups) < want:
             if self._stopped():
                 return None
-            groups += self.plane.claim(t, want - len(groups), wait_s=CLAIM_WAIT_S).groups
+            claimed = self.plane.claim(t, want - len(groups), wait_s=CLAIM_WAIT_S).groups
+            self._send_audits(trainer, t, claimed)
+            groups += claimed
         return groups
+
+    def _send_audits(self, trainer: GRPOTrainer, t: int, groups: list[ClaimedGroup]) -> None:
+        audits = trainer.audit_claimed(groups)
+        if audits:
+            self.plane.report_audits(AuditVerdicts(step=t, audits=audits))
 
     def _finish(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
         if publisher.submitted != self.step:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from echo2.sampler import RowSettings, draw
+from echo2.seeds import sample_seed
 
 from learner.objective import ObjectiveConfig, group_advantages, grpo_loss, loss_denominator
 from learner.parallel import Solo
@@ -168,31 +170,29 @@ def sample(
     eos_id: int,
     pad_id: int,
     temperature: float = 1.0,
-    generator: torch.Generator | None = None,
+    seed: int = 0,
 ) -> list[Sample]:
-    """Reference sampler (KV cache, batched): the worker's contract in ~40 lines.
+    """Reference sampler (KV cache, batched): the worker's contract in ~40 lines. Row i draws with the
+    replayable sampler (echo2.sampler) from seed sample_seed(seed, i), token j at position j.
 
     temperature = 0 means greedy; logprobs are then reported at temperature 1.
     """
     batch = pad_batch(prompts, [[] for _ in prompts], pad_id)
-    ids = batch.input_ids[:, : batch.prompt_len]
-    attention = batch.attention_mask[:, : batch.prompt_len]
-    scale = temperature if temperature > 0 else 1.0
+    device = next(model.parameters()).device
+    ids = batch.input_ids[:, : batch.prompt_len].to(device)
+    attention = batch.attention_mask[:, : batch.prompt_len].to(device)
+    settings = RowSettings.of([(temperature, 0, 1.0)] * len(prompts), device)
+    seeds = torch.tensor([sample_seed(seed, i) for i in range(len(prompts))], device=device)
     out = model(input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), use_cache=True)
     next_pos = attention.sum(-1, keepdim=True)
     tokens: list[torch.Tensor] = []
     logps: list[torch.Tensor] = []
-    done = torch.zeros(len(prompts), dtype=torch.bool)
-    for _ in range(max_new_tokens):
-        logits = out.logits[:, -1, :].float() / scale
-        logprobs = torch.log_softmax(logits, dim=-1)
-        if temperature > 0:
-            tok = torch.multinomial(logprobs.exp(), 1, generator=generator).squeeze(-1)
-        else:
-            tok = logits.argmax(-1)
+    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
+    for step in range(max_new_tokens):
+        tok, logp = draw(out.logits[:, -1, :], settings, seeds, torch.full_like(seeds, step))
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         tokens.append(tok)
-        logps.append(logprobs.gather(-1, tok.unsqueeze(-1)).squeeze(-1))
+        logps.append(logp)
         done = done | (tok == eos_id)
         if bool(done.all()):
             break

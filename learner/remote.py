@@ -14,6 +14,8 @@ from typing import Any, TypeVar
 import httpx
 from echo2.deltas import Folder, apply_delta
 from echo2.protocol import (
+    AuditsRecorded,
+    AuditVerdicts,
     EvalPrompt,
     EvalRead,
     EvalReport,
@@ -70,6 +72,9 @@ class ControlPlane:
 
     def report(self, report: StepReport) -> StepAck:
         return self._post("/learner/steps", report, StepAck)
+
+    def report_audits(self, verdicts: AuditVerdicts) -> AuditsRecorded:
+        return self._post("/learner/audits", verdicts, AuditsRecorded)
 
     def heartbeat(self, beat: LearnerHeartbeat) -> StepAck:
         return self._post("/learner/heartbeat", beat, StepAck)

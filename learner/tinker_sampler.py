@@ -1,5 +1,5 @@
 """Sampling for Tinker `asample` requests: `num_samples` continuations of each request's prompt, several
-requests batched together with one KV cache.
+requests batched together with one KV cache, drawn by the replayable sampler (echo2.sampler).
 
 Each token's logprob is reported under the distribution it was drawn from before top-k/top-p cut it
 (log-softmax of logits / temperature; at temperature 0, greedy, under temperature 1), as the
@@ -9,11 +9,14 @@ text contains a stop string (the tokens that completed it kept), else at `max_to
 
 from __future__ import annotations
 
+import secrets
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from echo2.protocol.tinker import SampledSequence, SampleParams, SamplePayload, SampleResult
+from echo2.sampler import RowSettings, draw
+from echo2.seeds import sample_seed
 
 
 @dataclass
@@ -22,13 +25,12 @@ class _Slice:
 
     payload: SamplePayload
     rows: range
-    generator: torch.Generator
     stop_ids: set[int]
 
 
 def sample(model: Any, tokenizer: Any, payloads: list[SamplePayload], eos_id: int | None) -> list[SampleResult]:
-    """Several requests in one batch (left-padded prompts, one KV cache), each drawn with its own parameters
-    and its own seeded generator."""
+    """Several requests in one batch (left-padded prompts, one KV cache), every row drawn by the replayable
+    sampler (echo2.sampler) with its request's parameters and seed sample_seed(seed, k) for its k-th sample."""
     slices, prompts = _layout(payloads, eos_id)
     device = next(model.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos_id or 0)
@@ -36,6 +38,7 @@ def sample(model: Any, tokenizer: Any, payloads: list[SamplePayload], eos_id: in
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts], device=device)
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    settings, seeds = _row_settings(slices, device)
     rows: list[list[int]] = [[] for _ in prompts]
     logps: list[list[float]] = [[] for _ in prompts]
     stopped, done = [False] * len(prompts), [False] * len(prompts)
@@ -44,22 +47,19 @@ def sample(model: Any, tokenizer: Any, payloads: list[SamplePayload], eos_id: in
         prompt_logprobs = [_prompt_logprobs(out.logits[s.rows[0], width - len(s.payload.prompt):], s.payload.prompt)
                            if s.payload.prompt_logprobs else None for s in slices]
         next_pos = positions[:, -1:] + 1
-        for _ in range(max(p.params.max_tokens for p in payloads)):
-            tokens = torch.full((len(prompts),), pad, dtype=torch.long)
-            logits = out.logits[:, -1, :].float().cpu()
+        for step in range(max(p.params.max_tokens for p in payloads)):
+            drawn, chosen = draw(out.logits[:, -1, :], settings, seeds, torch.full_like(seeds, step))
             for s in slices:
-                drawn, chosen = _draw(logits[s.rows.start:s.rows.stop], s.payload.params, s.generator)
-                tokens[s.rows.start:s.rows.stop] = drawn
-                for i, token, logprob in zip(s.rows, drawn.tolist(), chosen.tolist(), strict=True):
+                for i in s.rows:
                     if not done[i]:
-                        rows[i].append(token)
-                        logps[i].append(min(0.0, max(logprob, -1e4)))
-                        stopped[i] = token in s.stop_ids or _stopped(tokenizer, rows[i], s.payload.params)
+                        rows[i].append(int(drawn[i]))
+                        logps[i].append(min(0.0, max(float(chosen[i]), -1e4)))
+                        stopped[i] = rows[i][-1] in s.stop_ids or _stopped(tokenizer, rows[i], s.payload.params)
                         done[i] = stopped[i] or len(rows[i]) >= s.payload.params.max_tokens
             if all(done):
                 break
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=-1)
-            out = model(input_ids=tokens.unsqueeze(-1).to(device), attention_mask=mask, position_ids=next_pos,
+            out = model(input_ids=drawn.unsqueeze(-1), attention_mask=mask, position_ids=next_pos,
                         past_key_values=out.past_key_values, use_cache=True)
             next_pos = next_pos + 1
     return [SampleResult(sequences=[SampledSequence(tokens=rows[i], logprobs=logps[i],
@@ -71,32 +71,23 @@ def _layout(payloads: list[SamplePayload], eos_id: int | None) -> tuple[list[_Sl
     slices, prompts = [], []
     for payload in payloads:
         params = payload.params
-        seed = params.seed if params.seed is not None else int(torch.seed())
         stop_ids = set(params.stop_tokens) if params.stop_tokens is not None else ({eos_id} - {None})
         rows = range(len(prompts), len(prompts) + payload.num_samples)
-        slices.append(_Slice(payload, rows, torch.Generator().manual_seed(seed), stop_ids))
+        slices.append(_Slice(payload, rows, stop_ids))
         prompts.extend([payload.prompt] * payload.num_samples)
     return slices, prompts
 
 
-def _draw(logits: torch.Tensor, params: SampleParams, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row and its logprob under the untruncated distribution at this temperature."""
-    logits = logits.cpu()
-    if params.temperature == 0:
-        tokens = logits.argmax(-1)
-        return tokens, torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    logprobs = torch.log_softmax(logits / params.temperature, -1)
-    masked = logprobs.clone()
-    if params.top_k > 0:
-        kth = masked.topk(min(params.top_k, masked.shape[-1]), dim=-1).values[:, -1:]
-        masked[masked < kth] = float("-inf")
-    if params.top_p < 1:
-        order = masked.argsort(-1, descending=True)
-        sorted_probs = masked.gather(-1, order).exp()
-        beyond = sorted_probs.cumsum(-1) - sorted_probs > params.top_p  # keep the smallest set reaching top_p
-        masked.scatter_(-1, order, masked.gather(-1, order).masked_fill(beyond, float("-inf")))
-    tokens = torch.multinomial(masked.exp(), 1, generator=generator).squeeze(-1)
-    return tokens, logprobs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+def _row_settings(slices: list[_Slice], device: Any) -> tuple[RowSettings, torch.Tensor]:
+    """Each row's sampling settings and seed: sample_seed(the request's seed, k) for its k-th sample; a request
+    without a seed gets a random one."""
+    settings, seeds = [], []
+    for s in slices:
+        p = s.payload.params
+        seed = p.seed if p.seed is not None else secrets.randbelow(2**31)
+        settings += [(p.temperature, p.top_k, p.top_p)] * len(s.rows)
+        seeds += [sample_seed(seed, k) for k in range(len(s.rows))]
+    return RowSettings.of(settings, device), torch.tensor(seeds, dtype=torch.int64, device=device)
 
 
 def _stopped(tokenizer: Any, tokens: list[int], params: SampleParams) -> bool:

@@ -36,7 +36,7 @@ from echo2.protocol.tinker import (
 )
 from echo2.snapshots import atomic_file
 
-from .audit import audit_group
+from .audit import GroupClaim, audit_group
 from .models import resolve_model, with_adapter
 from .publisher import Publisher
 from .remote import ControlPlane
@@ -293,12 +293,12 @@ class TinkerSession:
         vocab = self.model.config.vocab_size
         if max(payload.prompt) >= vocab or any(t >= vocab for tokens, _ in payload.samples for t in tokens):
             return AuditVerdict(passed=False, reason=f"token ids outside the vocabulary (size {vocab})")
-        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.model.eval()
+        claim = GroupClaim(prompt=list(payload.prompt), samples=[(list(t), list(lp)) for t, lp in payload.samples],
+                           temperature=payload.temperature, top_p=payload.top_p, top_k=payload.top_k,
+                           seed=payload.seed, precision=payload.precision.value)
         with self._weights(payload.checkpoint):
-            result = audit_group(self.model, payload.prompt, [(list(t), list(lp)) for t, lp in payload.samples],
-                                 temperature=payload.temperature, top_p=payload.top_p, top_k=payload.top_k,
-                                 pad_id=pad)
+            result = audit_group(self.model, claim)
         return AuditVerdict(passed=result.passed, reason=result.reason or "", stats=result.stats())
 
     def publish(self, order: PublishOrder, checkpoint: str, server: str, work_dir: Path) -> int:

@@ -61,6 +61,8 @@ class GRPOTrainer:
         self.world = world or Solo()
         self.auditor = auditor
         self.weights: Weights = Weights(model, tokenizer, torch.float32, self.world)  # what versions carry
+        self.verdicts: dict[str, AuditReport] = {}  # audits made as groups were claimed (audit_claimed)
+        self.early_audit_s = 0.0  # their time, counted in the next step's audit_s
         self.task = get_task(spec.task.name)
         self.task_params = self.task.parse_params(spec.task.params)
         self.cfg = objective_config(spec)
@@ -86,6 +88,22 @@ class GRPOTrainer:
         result.seconds = time.perf_counter() - start
         return result
 
+    def audit_claimed(self, groups: list[ClaimedGroup]) -> list[AuditReport]:
+        """Audit the groups picked for it as soon as they are claimed, before the step: the verdicts go to the
+        control plane at once (a worker on probation gets more work once its groups are judged) and the step
+        uses them."""
+        start = self.auditor.seconds if self.auditor else 0.0
+        made = []
+        for group in groups:
+            if group.audit and self.auditor is not None and group.rollout_id not in self.verdicts \
+                    and self._misfit(group) is None:
+                verdict = self.auditor.audit(group)
+                made.append(AuditReport(rollout_id=group.rollout_id, passed=verdict.passed, reason=verdict.reason,
+                                        stats=verdict.stats()))
+                self.verdicts[group.rollout_id] = made[-1]
+        self.early_audit_s += (self.auditor.seconds - start) if self.auditor else 0.0
+        return made
+
     def _admit(self, groups: list[ClaimedGroup], result: StepResult) -> list[ClaimedGroup]:
         """Groups that fit the model and, when picked for an audit, pass it."""
         kept = []
@@ -97,6 +115,7 @@ class GRPOTrainer:
             else:
                 kept.append(group)
         result.audit_s = (self.auditor.seconds - audit_start) if self.auditor else 0.0
+        result.audit_s, self.early_audit_s = result.audit_s + self.early_audit_s, 0.0
         return kept
 
     def _misfit(self, group: ClaimedGroup) -> str | None:
@@ -110,10 +129,13 @@ class GRPOTrainer:
     def _audit(self, group: ClaimedGroup, result: StepResult) -> str | None:
         if not group.audit or self.auditor is None:
             return None
-        verdict = self.auditor.audit(group)
-        result.audits.append(AuditReport(rollout_id=group.rollout_id, passed=verdict.passed,
-                                         reason=verdict.reason, stats=verdict.stats()))
-        return None if verdict.passed else f"failed its audit: {verdict.reason}"
+        report = self.verdicts.pop(group.rollout_id, None)
+        if report is None:
+            verdict = self.auditor.audit(group)
+            report = AuditReport(rollout_id=group.rollout_id, passed=verdict.passed, reason=verdict.reason,
+                                 stats=verdict.stats())
+        result.audits.append(report)
+        return None if report.passed else f"failed its audit: {report.reason}"
 
     def replay(self, groups: list[ClaimedGroup], rewards: dict[str, list[float | None]], t: int) -> StepResult:
         """Train a committed step again exactly as it was: its trained groups in order, with the rewards

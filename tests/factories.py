@@ -165,8 +165,9 @@ def hold(worker: httpx.Client, *versions: int) -> None:
 
 def submit_group(worker: httpx.Client, lease: dict[str, Any], prompt: dict[str, Any], version: int,
                  group_size: int = 2) -> httpx.Response:
-    samples = [{"token_ids": [5, 6, 7], "logprobs": [-0.5, -1.0, -0.1], "text": "42", "finish_reason": "stop"}
-               for _ in range(group_size)]
+    # Samples differ (the door audits a group of identical ones whatever its sender's trust).
+    samples = [{"token_ids": [5 + k, 6, 7], "logprobs": [-0.5, -1.0, -0.1], "text": "42", "finish_reason": "stop"}
+               for k in range(group_size)]
     group = {"prompt_id": prompt["prompt_id"], "version": version, "prompt_token_ids": [1, 2, 3],
              "samples": samples}
     return worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]})

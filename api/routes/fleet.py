@@ -74,8 +74,11 @@ def register_worker(body: WorkerRegister, provider: CurrentProvider, db: Session
                     settings: SettingsDep) -> WorkerRegistered:
     if body.relay_url and settings.env == "production":
         relay.check_public_url(body.relay_url)
+    if provider.banned_at is not None:
+        raise ApiError(403, f"this provider is banned and registers no more workers: {provider.standing_reason}")
     data = body.model_dump(mode="json", exclude={"relay_url"})
-    probation = TrustState.probation if settings.probation_audits else TrustState.trusted  # 0: no probation
+    on_watch = trust.on_watch(provider)
+    probation = TrustState.probation if settings.probation_audits or on_watch else TrustState.trusted
     worker = Worker(provider_id=provider.id, relay_url=body.relay_url.rstrip("/") if body.relay_url else None,
                     status=WorkerStatus.idle, desired=DesiredState.idle, stats={}, trust=probation,
                     **data)
@@ -176,4 +179,6 @@ def _provider_read(db: SessionDep, provider: Provider) -> ProviderRead:
     n = db.scalar(select(func.count()).where(Worker.provider_id == provider.id,
                                              Worker.status != WorkerStatus.deregistered)) or 0
     return ProviderRead(id=provider.id, name=provider.name, contact=provider.contact, num_workers=n,
-                        earnings_usd=provider.earnings_usd, created_at=provider.created_at)
+                        earnings_usd=provider.earnings_usd, watch_until=provider.watch_until,
+                        banned_at=provider.banned_at, standing_reason=provider.standing_reason,
+                        created_at=provider.created_at)

@@ -6,6 +6,8 @@ import time
 
 import anyio
 from echo2.protocol import (
+    AuditsRecorded,
+    AuditVerdicts,
     FinishOutcome,
     JobRead,
     JobStatus,
@@ -95,6 +97,17 @@ def _claim_once(database: Database, settings: Settings, token: str, job_id: str,
             db, rows, lambda r: trust.should_audit(senders.get(r.worker_id), r, settings))
         db.commit()
         return LearnerBatch(step=body.step, groups=groups, rejected_stale=rejected)
+
+
+@router.post("/audits", operation_id="learner_report_audits",
+             summary="Audits of claimed groups, as soon as they are made: their senders' trust moves before the "
+                     "step commits")
+def report_audits(job_id: str, body: AuditVerdicts, token_job: LearnerJobId, db: SessionDep,
+                  settings: SettingsDep) -> AuditsRecorded:
+    job = learner_job(db, token_job, job_id, for_update=True)
+    recorded = learning.record_audits(db, job, body, settings)
+    db.commit()
+    return AuditsRecorded(recorded=recorded)
 
 
 @router.post("/steps", operation_id="learner_report_step",

@@ -26,11 +26,13 @@ from echo2.protocol import (
     GroupSubmit,
     JobSpec,
     LeaseStatus,
+    Precision,
     PromptSampling,
     RejectKind,
     RolloutStatus,
     SampleSubmit,
 )
+from echo2.seeds import prompt_seed
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
@@ -52,6 +54,8 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
                                                   Rollout.prompt_id.in_([g.prompt_id for g in groups])))
     }
     in_lease = set(lease.prompt_ids)
+    prompts = {p.id: p for p in db.scalars(select(Prompt).where(Prompt.id.in_(in_lease & {g.prompt_id
+                                                                                         for g in groups})))}
     results: list[GroupResult] = []
     rows: list[dict[str, Any]] = []
     for group in groups:
@@ -65,11 +69,13 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
             results.append(GroupResult(prompt_id=group.prompt_id, rollout_id=None, status=RolloutStatus.rejected,
                                        reason="prompt is not part of this lease"))
             continue
-        reason, kind = _rejection(db, job, spec, lease, group)
+        prompt = prompts.get(group.prompt_id)
+        reason, kind = _rejection(job, spec, lease, group, prompt)
         rewards = None
         if reason is None and (bounds := episodes.limits(job)) is not None:
             reason, kind, rewards = _episodes_rejection(db, lease, group, bounds)
         row = _row(job, lease, worker, group, reason, kind)
+        row["seed"] = prompt_seed(spec.seed, job.id, prompt.index, prompt.epoch) if prompt is not None else None
         row["rewards"] = rewards
         if kind is not None and kind.fault() is Fault.worker:
             trust.strike(db, worker, f"rollout {row['id']} refused at the door: {reason}", settings)
@@ -91,13 +97,12 @@ def _refuse_all(rows: list[dict[str, Any]], results: list[GroupResult], reason: 
             by_id[row["id"]].status, by_id[row["id"]].reason = RolloutStatus.rejected, reason
 
 
-def _rejection(db: Session, job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit
+def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: Prompt | None
                ) -> tuple[str | None, RejectKind | None]:
     if lease.status != LeaseStatus.active:
         return f"lease is {lease.status}", RejectKind.lease_ended
     if _of_lease(spec, lease, group) and group.version <= job.step and not spec.admissible(job.step, group.version):
         return f"stale: step {job.step} - version {group.version} > S={spec.staleness}", RejectKind.stale_at_submit
-    prompt = db.get(Prompt, group.prompt_id)
     if prompt is not None and prompt.request_id is not None and (prompt.state, prompt.lease_id) != ("leased", lease.id):
         return "too late: its Tinker request went to the learner host", RejectKind.lease_ended
     problem = _invalid(job, spec, lease, group, prompt)
@@ -214,8 +219,17 @@ def _row(job: Job, lease: Lease, worker: Worker, group: GroupSubmit, reason: str
         "reject_kind": kind, "prompt_token_ids": group.prompt_token_ids,
         # The worker's text is not kept: the platform shows its own decoding of the tokens.
         "samples": [s.model_dump(mode="json", exclude={"text"}) for s in group.samples],
-        "gen_seconds": group.gen_seconds, "seq": None,
+        "gen_seconds": group.gen_seconds, "seq": None, "precision": group.precision.value,
+        "suspicion": duplicated(group),
     }
+
+
+def duplicated(group: GroupSubmit) -> str | None:
+    """Samples of one group drawn with different seeds that are token for token the same: an honest sampler
+    makes them only where the model is near certain, a worker that copies one sample G times always. Such a
+    group is audited whatever its sender's trust (trust.should_audit): the replay tells the two apart."""
+    seen = {tuple(s.token_ids) for s in group.samples}
+    return f"{len(group.samples) - len(seen)} duplicated samples" if len(seen) < len(group.samples) else None
 
 
 def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]) -> None:
@@ -302,5 +316,5 @@ def claimed_groups(db: Session, rows: list[Rollout], audit: Callable[[Rollout], 
     return [ClaimedGroup(rollout_id=r.id, prompt_id=r.prompt_id, prompt_text=prompts[r.prompt_id].text,
                          reference=prompts[r.prompt_id].reference, version=r.version, worker_id=r.worker_id,
                          prompt_token_ids=r.prompt_token_ids, samples=r.samples, rewards=r.rewards,
-                         audit=audit(r))
+                         audit=audit(r), seed=r.seed, precision=r.precision or Precision.float32)
             for r in rows]

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from echo2.protocol import JobStatus, LearnerHeartbeat, RejectKind, RolloutStatus, StepAck, StepReport
+from echo2.protocol import (
+    AuditReport,
+    AuditVerdicts,
+    JobStatus,
+    LearnerHeartbeat,
+    RejectKind,
+    RolloutStatus,
+    StepAck,
+    StepReport,
+)
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
@@ -10,7 +19,7 @@ from .. import auth
 from ..errors import ApiError
 from ..models import Job, Prompt, Rollout, StepMetric, Worker, utcnow
 from ..settings import Settings
-from . import trust
+from . import evidence, trust
 from .admission import release_claims
 from .jobs import over_budget, pause_job, spec_of
 from .pool import return_prompts
@@ -41,6 +50,7 @@ def commit_step(db: Session, job: Job, report: StepReport, settings: Settings) -
     refused = _claimed(db, job, report, [r.rollout_id for r in report.rejected], "rejected")
     _judge(db, job, report, {r.id: r for r in rollouts + refused}, settings)
     _mark_trained(db, job, report, rollouts)
+    evidence.compare_fleet(db, job.id, report.step)
     db.add(_metric_row(db, job, report, len(rollouts)))
     job.step += 1
     job.reward_mean = report.reward_mean if report.reward_mean is not None else job.reward_mean
@@ -73,16 +83,25 @@ def _claimed(db: Session, job: Job, report: StepReport, wanted: list[str], field
     return rows
 
 
+def record_audits(db: Session, job: Job, body: AuditVerdicts, settings: Settings) -> int:
+    """Verdicts on groups claimed for a step not committed yet: recorded, and their senders' trust moved, now.
+    A group's verdict is recorded once; the step's report refuses the groups that failed."""
+    ids = {a.rollout_id for a in body.audits}
+    rows = {r.id: r for r in db.scalars(select(Rollout).where(Rollout.id.in_(ids), Rollout.job_id == job.id)
+                                        .with_for_update())}
+    bad = ids - {i for i, r in rows.items() if r.status == RolloutStatus.claimed and r.claim_step == body.step}
+    if bad:
+        raise ApiError(409, f"rollouts not claimed for step {body.step}: {sorted(bad)[:5]}", field="audits")
+    return _record(db, rows, body.audits, body.step, settings, strike=True)
+
+
 def _judge(db: Session, job: Job, report: StepReport, rows: dict[str, Rollout], settings: Settings) -> None:
-    """The learner's verdicts: audits are recorded as evidence, refused groups go back to the pool,
-    and each sender's trust moves (services/trust.py)."""
+    """The learner's verdicts: audits are recorded as evidence (unless they were already, with record_audits),
+    refused groups go back to the pool, and each sender's trust moves (services/trust.py)."""
+    early = {i for i, r in rows.items() if r.audit is not None}  # judged before the step committed
+    _record(db, rows, [a for a in report.audits if a.rollout_id not in early], report.step, settings, strike=False)
     senders = {w.id: w for w in db.scalars(select(Worker).where(
         Worker.id.in_({r.worker_id for r in rows.values()})).with_for_update())} if rows else {}
-    for audit in report.audits:
-        rollout = rows[audit.rollout_id]
-        trust.record_audit(db, rollout, report.step, audit.passed, audit.reason, audit.stats)
-        if audit.passed and rollout.worker_id in senders:
-            trust.passed(senders[rollout.worker_id], settings)
     for refusal in report.rejected:
         rollout = rows[refusal.rollout_id]
         rollout.status, rollout.reason = RolloutStatus.rejected, f"refused by the learner: {refusal.reason}"
@@ -92,8 +111,33 @@ def _judge(db: Session, job: Job, report: StepReport, rows: dict[str, Rollout], 
         if rollout.worker_id in senders:
             sender = senders[rollout.worker_id]
             sender.rejected_rollouts += 1
-            trust.strike(db, sender, f"rollout {rollout.id}: {refusal.reason}", settings, audited=failed)
+            if not (failed and refusal.rollout_id in early):  # a failed audit recorded early struck already
+                trust.strike(db, sender, f"rollout {rollout.id}: {refusal.reason}", settings, audited=failed)
     return_prompts(db, [rows[r.rollout_id].prompt_id for r in report.rejected], from_state="submitted")
+
+
+def _record(db: Session, rows: dict[str, Rollout], audits: list[AuditReport], step: int, settings: Settings,
+            *, strike: bool) -> int:
+    """Audits as evidence; a passed one counts for its sender, a failed one strikes it when `strike` (recorded
+    before the step's report; the report's refusal strikes otherwise)."""
+    senders = {w.id: w for w in db.scalars(select(Worker).where(
+        Worker.id.in_({rows[a.rollout_id].worker_id for a in audits})).with_for_update())} if audits else {}
+    recorded = 0
+    for audit in audits:
+        rollout = rows[audit.rollout_id]
+        if rollout.audit is not None:
+            continue
+        trust.record_audit(db, rollout, step, audit.passed, audit.reason, audit.stats)
+        recorded += 1
+        sender = senders.get(rollout.worker_id)
+        if sender is None:
+            continue
+        if audit.passed:
+            trust.passed(db, sender, settings)
+            evidence.record(db, sender, audit.stats, rollout.precision, settings)
+        elif strike:
+            trust.strike(db, sender, f"rollout {rollout.id}: failed its audit: {audit.reason}", settings, audited=True)
+    return recorded
 
 
 def _mark_trained(db: Session, job: Job, report: StepReport, rollouts: list[Rollout]) -> None:

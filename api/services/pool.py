@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from datetime import datetime, timedelta
 
-from echo2.protocol import JobSpec, JobStatus, LeaseStatus, RejectKind, RolloutStatus
+from echo2.protocol import JobSpec, JobStatus, LeaseStatus, RejectKind, RolloutStatus, TrustState
 from echo2.seeds import order_key, prompt_seed
 from sqlalchemy import and_, case, func, select, update
 from sqlalchemy.orm import Session
@@ -20,6 +20,8 @@ STARVING = 3  # returns after which a prompt is leased before the rest of its ep
 ENV_FAILURES = 3  # environment failures after which a prompt is set aside for the rest of the job
 SET_ASIDE = "set_aside"  # a prompt state: never leased again, and no epoch waits for it
 FRONT = 2**31  # order keys are in [0, 2**31): subtracting this puts a prompt before all of them
+UNJUDGED = 8  # groups a worker on probation or suspect may have waiting for their audit (one lease's worth)
+UNJUDGED_ANY = 2**31
 
 
 def return_prompts(db: Session, prompt_ids: list[int], lease_id: str | None = None,
@@ -96,6 +98,7 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
         raise ApiError(409, f"no room: the groups queued and in flight already cover what the learner can train "
                        f"before version {version} goes stale (S={spec.staleness}); retry after its next step",
                        headers=_retry_after(wait))
+    room = min(room, _unjudged_room(db, worker))
     chosen = _take_available(db, job, min(max_prompts, room), version)
     if not chosen and job.tinker_model_id is None and _start_next_epoch(db, job, spec.seed):
         chosen = _take_available(db, job, min(max_prompts, room), version)
@@ -108,6 +111,26 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
     db.flush()
     db.execute(update(Prompt).where(Prompt.id.in_(lease.prompt_ids)).values(state="leased", lease_id=lease.id))
     return lease
+
+
+def _unjudged_room(db: Session, worker: Worker) -> int:
+    """How many more prompts a worker whose every group is audited (probation, suspect) may take: at most
+    UNJUDGED of its groups wait for the learner's verdict at once, counting the prompts it holds, so a worker that
+    cheats from its first group is quarantined within two such batches, whatever the lease room. None for a
+    trusted worker (its audits are the windows of trust.should_audit)."""
+    if worker.trust not in (TrustState.probation, TrustState.suspect):
+        return UNJUDGED_ANY
+    waiting = db.scalar(select(func.count()).where(
+        Rollout.worker_id == worker.id, Rollout.status.in_((RolloutStatus.accepted, RolloutStatus.claimed)),
+        Rollout.audit.is_(None)))
+    held = db.scalar(select(func.count()).select_from(Prompt).join(Lease, Lease.id == Prompt.lease_id)
+                     .where(Lease.worker_id == worker.id, Lease.status == LeaseStatus.active, Prompt.state == "leased"))
+    room = UNJUDGED - (waiting or 0) - (held or 0)
+    if room <= 0:
+        raise ApiError(409, f"on {worker.trust.value}: {waiting} of this worker's groups wait for the learner's audit "
+                       f"(at most {UNJUDGED} at once until it is trusted); retry once they are judged",
+                       headers=_retry_after(1.0))
+    return room
 
 
 def lease_room(db: Session, job: Job, spec: JobSpec, version: int) -> int:

@@ -6,11 +6,17 @@
     any state, once quarantined before --(a strike)--> banned
 
 A strike is a group the worker sent that was invalid at the door, failed its audit, or that the
-learner refused to train on (poisoned loss, tokens that do not fit the model). Probation and suspect
-workers have every group audited; trusted ones a sampled `audit_rate` of them. A quarantined or
-banned worker gets no leases and is not activated; its rollouts still waiting to be trained are
-discarded and their prompts go back to the pool. The evidence stays in the `audits` table and in
-`trust_reason`, which its provider can read.
+learner refused to train on (poisoned loss, tokens that do not fit the model), or an alarm of the
+sequential tests over its audits (api/services/evidence.py). Probation and suspect workers have every
+group audited; trusted ones a sampled `audit_rate` of them. A quarantined or banned worker gets no
+leases and is not activated; its rollouts still waiting to be trained are discarded and their prompts
+go back to the pool, and what it was paid is clawed back (api/services/clawback.py). The evidence stays
+in the `audits` table and in `trust_reason`, which its provider can read.
+
+Providers answer for their workers. While one of a provider's workers is quarantined the provider is on
+watch: its other workers become suspects (every group audited), its new ones start on probation, and none
+of them becomes trusted until the watch ends. A ban bans the provider: its other workers are banned with
+it and it registers no more.
 """
 
 from __future__ import annotations
@@ -22,8 +28,9 @@ from echo2.protocol import AuditRead, RejectKind, RolloutStatus, TrustState, Wor
 from sqlalchemy import ColumnElement, Select, and_, false, func, not_, or_, select, update
 from sqlalchemy.orm import Session
 
-from ..models import Audit, Rollout, Worker, utcnow
+from ..models import Audit, Provider, Rollout, Worker, utcnow
 from ..settings import Settings
+from .clawback import claw_back
 from .fleet import unassign
 from .pool import return_prompts
 
@@ -45,8 +52,8 @@ def should_audit(worker: Worker | None, rollout: Rollout, settings: Settings) ->
     within 20 groups at the default rate, always (a random draw per group would leave it unaudited for
     20 groups 12 % of the time). It cannot tell which groups are safe to forge. A pure function of
     the rows: a retried claim audits the same groups. A sender the control plane no longer knows is
-    audited."""
-    if worker is None:
+    audited, and so is a group the door found suspicious (admission.duplicated)."""
+    if worker is None or rollout.suspicion is not None:
         return True
     rate = audit_rate(worker, settings)
     if rate >= 1 or rate <= 0:
@@ -101,9 +108,15 @@ def record_audit(db: Session, rollout: Rollout, step: int, passed: bool, reason:
                  step=step, passed=passed, reason=reason, stats=stats))
 
 
-def passed(worker: Worker, settings: Settings) -> None:
+def on_watch(provider: Provider | None, now: datetime | None = None) -> bool:
+    return provider is not None and provider.watch_until is not None and provider.watch_until > (now or utcnow())
+
+
+def passed(db: Session, worker: Worker, settings: Settings) -> None:
     worker.audits_passed += 1
     worker.clean_streak += 1
+    if on_watch(db.get(Provider, worker.provider_id)):
+        return  # no worker of a provider on watch is trusted until the watch ends
     state = worker.trust
     if state is TrustState.probation and worker.audits_passed >= settings.probation_audits:
         worker.trust = TrustState.trusted
@@ -122,13 +135,42 @@ def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audi
     if not state.can_work():
         return
     if worker.quarantines:
-        _shut_out(db, worker, TrustState.banned, f"banned (a strike after a quarantine): {reason}")
+        ban(db, worker, f"banned (a strike after a quarantine): {reason}")
     elif worker.strikes < STRIKES_TO_QUARANTINE:
         worker.trust = TrustState.suspect
     else:
         worker.quarantined_until = utcnow() + timedelta(seconds=settings.quarantine_s)
         worker.quarantines += 1
-        _shut_out(db, worker, TrustState.quarantined, f"quarantined: {worker.strikes} strikes, latest: {reason}")
+        why = f"quarantined: {worker.strikes} strikes, latest: {reason}"
+        _shut_out(db, worker, TrustState.quarantined, why)
+        _watch(db, worker, why)
+
+
+def ban(db: Session, worker: Worker, reason: str) -> None:
+    """Ban the worker and, with it, its provider and every other worker of the provider."""
+    _shut_out(db, worker, TrustState.banned, reason)
+    provider = db.get(Provider, worker.provider_id, with_for_update=True)
+    if provider is None or provider.banned_at is not None:
+        return
+    provider.banned_at, provider.standing_reason = utcnow(), f"worker {worker.id} {reason}"[:512]
+    for other in db.scalars(select(Worker).where(Worker.provider_id == provider.id, Worker.id != worker.id,
+                                                 Worker.trust != TrustState.banned)):
+        _shut_out(db, other, TrustState.banned, f"banned with its provider: worker {worker.id} {reason}")
+
+
+def _watch(db: Session, worker: Worker, reason: str) -> None:
+    """A quarantine puts the worker's provider on watch until it ends (module docstring)."""
+    provider = db.get(Provider, worker.provider_id, with_for_update=True)
+    if provider is None:
+        return
+    until = worker.quarantined_until
+    if provider.watch_until is None or until is not None and until > provider.watch_until:
+        provider.watch_until = until
+    provider.standing_reason = f"on watch: worker {worker.id} {reason}"[:512]
+    for other in db.scalars(select(Worker).where(Worker.provider_id == provider.id, Worker.id != worker.id,
+                                                 Worker.trust == TrustState.trusted)):
+        other.trust = TrustState.suspect
+        other.trust_reason = f"its provider is on watch: worker {worker.id} was quarantined"
 
 
 def release_quarantines(db: Session, now: datetime) -> int:
@@ -166,6 +208,7 @@ def _shut_out(db: Session, worker: Worker, state: TrustState, reason: str) -> No
     worker.trust, worker.trust_reason = state, reason[:512]
     unassign(db, worker)
     discard_queued(db, worker.id, f"sender {state.value}")
+    claw_back(db, worker, f"worker {state.value}: {reason}")
 
 
 def discard_queued(db: Session, worker_id: str, reason: str) -> int:

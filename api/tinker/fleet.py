@@ -33,6 +33,7 @@ from echo2.protocol import (
     JobSpec,
     JobStatus,
     LoraConfig,
+    Precision,
     PromptSampling,
     RejectKind,
     RolloutStatus,
@@ -53,7 +54,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..models import Job, Lease, Prompt, Rollout, Worker, utcnow
-from ..services import trust
+from ..services import evidence, trust
 from ..services.learning import issue_learner_token
 from ..services.pool import return_prompts
 from ..settings import Settings
@@ -181,7 +182,8 @@ def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> Non
     payload = AuditPayload(checkpoint=checkpoint, version=rollout.version, rollout_id=rollout.id,
                            prompt=prompt.token_ids,
                            samples=[(s["token_ids"], s["logprobs"]) for s in rollout.samples],
-                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                           seed=rollout.seed, precision=rollout.precision or Precision.float32)
     rollout.audit = "pending"
     service.enqueue(db, model, RequestKind.audit, payload.model_dump(mode="json"), None, bounded=False)
 
@@ -223,7 +225,8 @@ def audited(db: Session, request: TinkerRequest, verdict: AuditVerdict | None, s
     assert prompt is not None
     if verdict.passed:
         if worker is not None:
-            trust.passed(worker, settings)
+            trust.passed(db, worker, settings)
+            evidence.record(db, worker, verdict.stats, rollout.precision, settings)
         return _deliver(db, rollout, prompt)
     rollout.status, rollout.reject_kind = RolloutStatus.rejected, RejectKind.audit_failed
     rollout.reason = f"failed the host's audit: {verdict.reason}"[:512]

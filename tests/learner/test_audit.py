@@ -1,47 +1,98 @@
 """learner/audit.py on the real tiny model: honest groups from the worker's transformers backend pass, at
-temperature 1 and with top-p; forged ones fail with their reason; hostile but door-valid input never raises.
-The catch rates on a real model and both backends are measured by bench/audit.py (docs/RELIABILITY.md)."""
+temperature 1 and with top-p/top-k; forged ones fail with their reason, the rational cheats (another version,
+a nearby model, other seeds, copied, picked or cut-short samples, logprobs always recomputed honestly) by the
+replay; hostile but door-valid input never raises. The catch rates on a real model and both backends are
+measured by bench/audit.py (docs/RELIABILITY.md)."""
 
 from __future__ import annotations
 
+import copy
 import random
+from dataclasses import replace
 
 import pytest
 import torch
+from echo2.seeds import sample_seed
 from echo2_worker.backends import GenRequest, create_backend
 
-from learner.audit import AuditConfig, audit_group
+from learner.audit import AuditConfig, GroupClaim, audit_group
+from learner.objective import ObjectiveConfig
+from learner.policy import Rollouts, completion_logprobs, grpo_update, pad_batch
 
 V = 96
+BASE_SEEDS = [1000 + i for i in range(6)]
+
+
+def _requests(tok) -> list[GenRequest]:
+    return [GenRequest(prompt_token_ids=tok(f"{i}+{i}=")["input_ids"], n=8,
+                       seeds=[sample_seed(BASE_SEEDS[i], k) for k in range(8)],
+                       max_new_tokens=12, temperature=t, top_p=p, top_k=k)
+            for i in range(6) for t, p, k in ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 0.95, 5))]
+
+
+def _generate(folder, requests, **backend_options):
+    backend = create_backend("transformers", device="cpu", **backend_options)
+    backend.load(folder)
+    try:
+        return backend.generate(requests)
+    finally:
+        backend.close()
 
 
 @pytest.fixture(scope="module")
-def honest(tiny_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def tok(tiny_dir):
+    from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    backend = create_backend("transformers", device="cpu")
-    backend.load(tiny_dir)
-    requests = [GenRequest(prompt_token_ids=tok(f"{i}+{i}=")["input_ids"], n=8, seeds=list(range(8)),
-                           max_new_tokens=12, temperature=t, top_p=p, top_k=k)
-                for i in range(6) for t, p, k in ((1.0, 1.0, 0), (0.7, 0.9, 0), (1.0, 0.95, 5))]
-    groups = backend.generate(requests)
-    backend.close()
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    return model, [(r, [(s.token_ids, s.logprobs) for s in g]) for r, g in zip(requests, groups, strict=True)]
+    return AutoTokenizer.from_pretrained(tiny_dir)
 
 
-def run(model, request, samples, config=None):
-    return audit_group(model, request.prompt_token_ids, samples, temperature=request.temperature,
-                       top_p=request.top_p, top_k=request.top_k, pad_id=0, config=config)
+@pytest.fixture(scope="module")
+def model(tiny_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
 
-def test_honest_groups_pass(honest):
-    model, groups = honest
-    for request, samples in groups:
+@pytest.fixture(scope="module")
+def honest(tiny_dir, tok):
+    requests = _requests(tok)
+    groups = _generate(tiny_dir, requests)
+    return [(r, [(s.token_ids, s.logprobs) for s in g]) for r, g in zip(requests, groups, strict=True)]
+
+
+def claim(request, samples, seed: int | None = None, precision: str = "float32") -> GroupClaim:
+    return GroupClaim(prompt=request.prompt_token_ids, samples=samples, temperature=request.temperature,
+                      top_p=request.top_p, top_k=request.top_k, seed=seed, precision=precision)
+
+
+def seed_of(request) -> int:
+    return next(b for b in BASE_SEEDS if sample_seed(b, 0) == request.seeds[0])
+
+
+def run(model, request, samples, config=None, seed: int | None = -1):
+    return audit_group(model, claim(request, samples, seed_of(request) if seed == -1 else seed), config)
+
+
+def rescored(model, request, tokens: list[list[int]]) -> list[tuple[list[int], list[float]]]:
+    """Tokens with their logprobs recomputed honestly under `model`: what a cheater sends."""
+    batch = pad_batch([request.prompt_token_ids] * len(tokens), tokens, 0)
+    with torch.no_grad():
+        lp = completion_logprobs(model, batch, temperature=request.temperature)
+    return [(t, lp[i, : len(t)].tolist()) for i, t in enumerate(tokens)]
+
+
+def test_honest_groups_pass_and_every_token_replays(model, honest):
+    for request, samples in honest:
         result = run(model, request, samples)
         assert result.passed, result
         assert result.max_abs_diff < 1e-4 and result.tokens == sum(len(t) for t, _ in samples)
+        assert result.replayed == result.tokens and result.mismatches == 0
+
+
+def test_a_group_stored_without_a_seed_is_judged_without_replay(model, honest):
+    request, samples = honest[0]
+    result = run(model, request, samples, seed=None)
+    assert result.passed and result.replayed == 0
 
 
 @pytest.mark.parametrize(("forge", "every_sample"), [
@@ -49,47 +100,114 @@ def test_honest_groups_pass(honest):
     (lambda t, lp, rng: (t, [rng.uniform(-3.0, 0.0) for _ in lp]), True),  # invented logprobs
     (lambda t, lp, rng: ([(t[0] + 1) % V, *t[1:]], lp), False),  # one flipped token, its logprob left alone
 ])
-def test_forged_groups_fail_with_their_reason(honest, forge, every_sample):
-    model, groups = honest
+def test_forged_logprobs_fail_with_their_reason(model, honest, forge, every_sample):
     rng = random.Random(0)
     # The tiny model is near uniform (every token about -ln 96): an fp32 tolerance shows the mechanism here;
     # the default, sized for bf16 workers, is measured on a real model by bench/audit.py.
     fp32 = AuditConfig(token_tol=1e-3)
-    for request, samples in groups:
+    for request, samples in honest:
         forged = [forge(t, lp, rng) if every_sample or k == 0 else (t, lp) for k, (t, lp) in enumerate(samples)]
         result = run(model, request, forged, fp32)
         assert not result.passed and result.reason.startswith("logprob mismatch"), result
 
 
-def test_a_token_outside_the_nucleus_is_impossible(honest):
-    model, groups = honest
-    request, samples = next((r, s) for r, s in groups if r.top_p < 1)
+def _nudged(tiny_dir, scale: float, seed: int):
+    from transformers import AutoModelForCausalLM
+
+    other = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(scale * p.abs().mean() * torch.randn(p.shape, generator=gen))
+    return other
+
+
+@pytest.mark.parametrize("cheat", ["other_seeds", "copied", "picked", "cut_short", "hotter"])
+def test_rational_cheats_with_honest_logprobs_fail_the_replay(tiny_dir, tok, model, honest, cheat):
+    """Each cheat recomputes its logprobs honestly under the claimed model, so only the replay can see it; none
+    of these groups is what the leased seeds draw, and every one is caught."""
+    requests = _requests(tok)
+    if cheat in ("other_seeds", "picked"):  # picked: the best of extra draws, which used seeds never leased
+        drawn = _generate(tiny_dir, [replace(r, seeds=[s + 7 for s in r.seeds]) for r in requests])
+        forged = [[s.token_ids for s in g] for g in drawn]
+    elif cheat == "copied":
+        forged = [[samples[0][0]] * len(samples) for _, samples in honest]
+    elif cheat == "cut_short":  # stop every sample after one token with an end-of-sequence token
+        forged = [[[t[0], tok.eos_token_id] for t, _ in samples] for _, samples in honest]
+    else:  # hotter: sampled at twice the job's temperature
+        drawn = _generate(tiny_dir, [replace(r, temperature=r.temperature * 2) for r in requests])
+        forged = [[s.token_ids for s in g] for g in drawn]
+    for (request, _), tokens in zip(honest, forged, strict=True):
+        result = run(model, request, rescored(model, request, tokens))
+        assert not result.passed and result.mismatches > 0, (cheat, result)
+
+
+def _long(requests: list[GenRequest]) -> list[GenRequest]:
+    return [replace(r, max_new_tokens=48) for r in requests]
+
+
+def test_a_nearby_model_fails_the_replay(tiny_dir, tok, model, tmp_path):
+    """The weights plus 5 % noise, logprobs rescored under the claimed model: about one token in twenty is not
+    what the claimed model draws (the tiny model is near uniform; docs/RELIABILITY.md has the rates on real
+    models), so every 8 x 48-token group is caught."""
+    other = tmp_path / "nearby"
+    _nudged(tiny_dir, 0.05, 5).save_pretrained(other)
+    tok.save_pretrained(other)
+    requests = _long(_requests(tok))
+    forged = [[s.token_ids for s in g] for g in _generate(other, requests)]
+    results = [run(model, r, rescored(model, r, t)) for r, t in zip(requests, forged, strict=True)]
+    assert all(not r.passed and r.reason.startswith("replay:") for r in results), [r.reason for r in results]
+    honest = _generate(tiny_dir, requests)
+    assert all(run(model, r, [(s.token_ids, s.logprobs) for s in g]).passed
+               for r, g in zip(requests, honest, strict=True))
+
+
+def test_a_stale_version_fails_the_replay(tiny_dir, tok, model, tmp_path):
+    """A worker that keeps sampling the version before, claims the current one and rescores its logprobs under
+    it. The current version is the old one after one real GRPO step at the demo's learning rate."""
+    old = copy.deepcopy(model)
+    requests = _long(_requests(tok))
+    drawn = _generate(tiny_dir, requests)
+    rollouts = Rollouts()
+    for g, (r, group) in enumerate(zip(requests, drawn, strict=True)):
+        for k, s in enumerate(group):
+            rollouts.add(r.prompt_token_ids, s.token_ids, s.logprobs, float(k % 2), g, 0)
+    current = copy.deepcopy(model).train()
+    grpo_update(current, torch.optim.AdamW(current.parameters(), lr=5e-4), rollouts, ObjectiveConfig())
+    current.eval()
+    results = [run(current, r, rescored(current, r, [s.token_ids for s in g]))
+               for r, g in zip(requests, drawn, strict=True)]
+    assert all(not r.passed and r.reason.startswith("replay:") for r in results), [r.reason for r in results]
+    assert all(run(old, r, [(s.token_ids, s.logprobs) for s in g]).passed for r, g in zip(requests, drawn, strict=True))
+
+
+def test_the_margin_covers_a_bf16_worker(tiny_dir, tok, model):
+    """A worker computing in bfloat16 (here on the CPU) draws tokens the fp32 replay agrees with, within the
+    bf16 margin."""
+    requests = _requests(tok)
+    groups = _generate(tiny_dir, requests, dtype="bfloat16")
+    results = [audit_group(model, claim(r, [(s.token_ids, s.logprobs) for s in g], seed_of(r), "bfloat16"))
+               for r, g in zip(requests, groups, strict=True)]
+    assert all(r.passed for r in results), [r.reason for r in results if not r.passed]
+
+
+def test_a_token_outside_the_nucleus_is_impossible(model, honest):
+    request, samples = next((r, s) for r, s in honest if r.top_p < 1)
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([request.prompt_token_ids])).logits[0, -1] / request.temperature
     rarest = int(logits.argmin())
     logprob = float(torch.log_softmax(logits, -1)[rarest])
-    result = run(model, request, [([rarest], [logprob])] + samples[1:])
+    result = run(model, request, [([rarest], [logprob])] + samples[1:], seed=None)
     assert not result.passed and "outside the top-k/top-p nucleus" in result.reason
 
 
-def test_top_k_samples_stay_in_the_top_k_and_a_token_beyond_it_is_impossible(honest):
-    model, groups = honest
-    request, samples = next((r, s) for r, s in groups if r.top_k)
-    ids = torch.tensor([request.prompt_token_ids])
-    with torch.no_grad():
-        top = model(input_ids=ids).logits[0, -1].topk(request.top_k).indices.tolist()
-    assert all(tokens[0] in top for tokens, _ in samples)  # the first sampled token came from the top 5
-    rank = model(input_ids=ids).logits[0, -1].argsort(descending=True).tolist()
-    tokens, logprobs = samples[0]
-    beyond = rank[-1]  # the least likely token: never drawn with top_k = 5
-    with torch.no_grad():
-        lp = torch.log_softmax(model(input_ids=ids).logits[0, -1].float() / request.temperature, -1)[beyond]
-    result = run(model, request, [([beyond, *tokens[1:]], [float(lp), *logprobs[1:]]), *samples[1:]])
-    assert not result.passed and "outside the top-k/top-p nucleus" in result.reason
-
-
-def test_hostile_but_valid_input_never_raises(honest):
-    model, groups = honest
-    request, _ = groups[0]
+def test_hostile_but_valid_input_never_raises(model, honest):
+    request, _ = honest[0]
     for samples in ([([V - 1] * 12, [-1e4] * 12)], [([0], [0.0])], [([5, 6], [0.0, -1e4])] * 8):
         assert not run(model, request, samples).passed
+
+
+def test_a_copy_of_the_model_passes(tiny_dir, model, honest):
+    twin = copy.deepcopy(model)
+    for request, samples in honest[:3]:
+        assert audit_group(twin, claim(request, samples, seed_of(request))).passed

@@ -32,8 +32,7 @@ def rollouts(tiny) -> Rollouts:
     model, tok = tiny
     prompts = [tok(f"{a}+{b}=")["input_ids"] for a, b in ((1, 2), (30, 4), (5, 67), (8, 9))]
     ids = [p for p in prompts for _ in range(3)]
-    gen = torch.Generator().manual_seed(0)
-    out = sample(model, ids, max_new_tokens=8, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, generator=gen)
+    out = sample(model, ids, max_new_tokens=8, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id, seed=0)
     noise = torch.Generator().manual_seed(1)
     behaviour = [[lp + 0.5 * float(torch.randn(1, generator=noise)) for lp in s.logprobs] for s in out]
     rewards = [1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.0]

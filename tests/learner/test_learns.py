@@ -41,7 +41,7 @@ def _greedy_accuracy(model, tok, task, params) -> float:
     return sum(task.reward(p, t, params) for p, t in zip(prompts, texts, strict=True)) / len(prompts)
 
 
-def _sample_step(model, tok, task, params, step: int, seed: int, gen: torch.Generator):
+def _sample_step(model, tok, task, params, step: int, seed: int):
     """One step's rollouts from `model`, scored by the task."""
     prompts = task.generate_prompts(params, derive_seed("test_learns", seed, step), D["prompts_per_step"])
     prompt_ids, group_ids, refs = [], [], []
@@ -51,7 +51,8 @@ def _sample_step(model, tok, task, params, step: int, seed: int, gen: torch.Gene
         group_ids += [g] * D["group_size"]
         refs += [p] * D["group_size"]
     out = sample(model, prompt_ids, max_new_tokens=D["max_new_tokens"], eos_id=tok.eos_token_id,
-                 pad_id=tok.pad_token_id, temperature=D["temperature"], generator=gen)
+                 pad_id=tok.pad_token_id, temperature=D["temperature"],
+                 seed=derive_seed("test_learns_sample", seed, step))
     texts = [tok.decode(s.completion_ids, skip_special_tokens=True) for s in out]
     rewards = [task.reward(p, t, params) for p, t in zip(refs, texts, strict=True)]
     return prompt_ids, out, rewards, group_ids
@@ -84,7 +85,6 @@ def _run_grpo(workdir: Path, *, seed: int, staleness: int, max_steps: int) -> di
                             weight_decay=D["weight_decay"])
     behaviour = copy.deepcopy(model)
     versions: collections.deque = collections.deque(maxlen=staleness + 1)  # weights of the last S+1 steps
-    gen = torch.Generator().manual_seed(seed)
     result = {
         "rewards": [],
         "eval_start": _greedy_accuracy(model, tok, task, params),
@@ -97,7 +97,7 @@ def _run_grpo(workdir: Path, *, seed: int, staleness: int, max_steps: int) -> di
         versions.append({k: v.detach().clone() for k, v in model.state_dict().items()})
         behaviour.load_state_dict(versions[0])  # the oldest kept version: staleness len(versions) - 1
         behaviour.eval()
-        prompt_ids, out, rewards, group_ids = _sample_step(behaviour, tok, task, params, step, seed, gen)
+        prompt_ids, out, rewards, group_ids = _sample_step(behaviour, tok, task, params, step, seed)
         rollouts = Rollouts(prompt_ids, [s.completion_ids for s in out], [s.logprobs for s in out],
                             rewards, group_ids, [len(versions) - 1] * len(out))
         stats = grpo_update(model, opt, rollouts, cfg, temperature=D["temperature"],

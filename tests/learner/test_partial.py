@@ -49,9 +49,9 @@ def partial_group(tok, v0, v1, text: str, audit: bool) -> ClaimedGroup:
     ids = encode_prompt(tok, text)
     pad, eos = tok.pad_token_id, tok.eos_token_id
     first = sample(v0, [ids] * 4, max_new_tokens=HALF, eos_id=-1, pad_id=pad,
-                   generator=torch.Generator().manual_seed(2))
+                   seed=2)
     rest = sample(v1, [ids + s.completion_ids for s in first], max_new_tokens=HALF, eos_id=-1, pad_id=pad,
-                  generator=torch.Generator().manual_seed(3))
+                  seed=3)
     samples = [SampleSubmit(token_ids=a.completion_ids + b.completion_ids, logprobs=a.logprobs + b.logprobs,
                             finish_reason="length", versions=[(0, HALF), (1, HALF)])
                for a, b in zip(first, rest, strict=True)]
@@ -84,7 +84,7 @@ def test_an_honest_partial_rollout_passes_its_audit_and_trains_a_forged_one_fail
                                    "partial_rollouts": True, "staleness": 1,
                                    "grpo": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 2 * HALF}})
     trainer = GRPOTrainer(v1, tok, spec)  # the learner at step 1 holds version 1
-    trainer.auditor = Auditor(str(tiny_dir), spec, trainer.pad_id, fetch=lambda v: pytest.fail("no fetch expected"))
+    trainer.auditor = Auditor(str(tiny_dir), spec, fetch=lambda v: pytest.fail("no fetch expected"))
     trainer.auditor.remember(0, Solo().model_state(v0))
     trainer.auditor.remember(1, Solo().model_state(v1))
     honest = partial_group(tok, v0, v1, "What is 2 + 2?", audit=True)

@@ -46,9 +46,8 @@ def test_sampler_logprobs_are_the_behaviour_logprobs(tiny):
     """What a worker reports must equal what the learner recomputes (same definition, same positions)."""
     model, tok = tiny
     prompts = [tok(t)["input_ids"] for t in ["3+4=", "what is 2*3?\n", "0+0=", "44+1="]]
-    gen = torch.Generator().manual_seed(1)
     samples = sample(model, prompts, max_new_tokens=6, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                     temperature=0.9, generator=gen)
+                     temperature=0.9, seed=1)
     batch = pad_batch(prompts, [s.completion_ids for s in samples], tok.pad_token_id)
     with torch.no_grad():
         learner_lp = completion_logprobs(model, batch, temperature=0.9)
@@ -65,8 +64,8 @@ def test_sampler_is_seeded_and_greedy_is_deterministic(tiny):
     model, tok = tiny
     prompts = [tok("3+4=")["input_ids"]] * 3
     kw = {"max_new_tokens": 4, "eos_id": tok.eos_token_id, "pad_id": tok.pad_token_id}
-    a = sample(model, prompts, temperature=1.0, generator=torch.Generator().manual_seed(5), **kw)
-    b = sample(model, prompts, temperature=1.0, generator=torch.Generator().manual_seed(5), **kw)
+    a = sample(model, prompts, temperature=1.0, seed=5, **kw)
+    b = sample(model, prompts, temperature=1.0, seed=5, **kw)
     assert [s.completion_ids for s in a] == [s.completion_ids for s in b]
     g = sample(model, prompts, temperature=0.0, **kw)
     assert g[0].completion_ids == g[1].completion_ids == g[2].completion_ids
@@ -154,7 +153,7 @@ def test_grpo_update_steps_only_on_signal(tiny_dir):
     prompts = [tok("1+1=")["input_ids"]] * 2 + [tok("2+2=")["input_ids"]] * 2
     model.eval()
     out = sample(model, prompts, max_new_tokens=3, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                 generator=torch.Generator().manual_seed(0))
+                 seed=0)
     before = [p.detach().clone() for p in model.parameters()]
 
     def rollouts(rewards):
@@ -185,7 +184,7 @@ def _update_with(tiny_dir, poison):
     prompts = [tok(f"{i}+{i}=")["input_ids"] for i in range(3) for _ in range(2)]
     model.eval()
     out = sample(model, prompts, max_new_tokens=4, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
-                 generator=torch.Generator().manual_seed(0))
+                 seed=0)
     behaviour = [list(s.logprobs) for s in out]
     poison(behaviour)
     rollouts = Rollouts(prompts, [s.completion_ids for s in out], behaviour, [1.0, 0.0] * 3, [0, 0, 1, 1, 2, 2],

@@ -27,7 +27,7 @@ def trainer(tiny_dir):
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     t = GRPOTrainer(model, tok, spec)
-    t.auditor = Auditor(str(tiny_dir), spec, t.pad_id, fetch=lambda v: pytest.fail("no fetch expected"))
+    t.auditor = Auditor(str(tiny_dir), spec, fetch=lambda v: pytest.fail("no fetch expected"))
     t.auditor.remember(0, Solo().model_state(model))
     return t
 
@@ -37,7 +37,7 @@ def group(trainer, i: int, audit: bool = False, forge=None) -> ClaimedGroup:
     ids = encode_prompt(trainer.tokenizer, text)
     trainer.model.eval()
     out = sample(trainer.model, [ids] * 4, max_new_tokens=6, eos_id=trainer.tokenizer.eos_token_id,
-                 pad_id=trainer.pad_id, generator=torch.Generator().manual_seed(i))
+                 pad_id=trainer.pad_id, seed=i)
     samples = [SampleSubmit(token_ids=s.completion_ids or [trainer.tokenizer.eos_token_id],
                             logprobs=s.logprobs or [0.0], finish_reason="stop" if s.finished else "length")
                for s in out]

@@ -136,4 +136,24 @@ def test_bench_reports_throughput(tmp_path: Path, tiny_model_dir: Path) -> None:
     assert proc.returncode == 0, proc.stderr
     result = json.loads(proc.stdout)
     assert result["tokens_per_s"] > 0 and result["groups_per_s"] > 0
+    # beside model.generate on the same device and rows: the ratio is what it says
+    assert result["vs_generate"] == pytest.approx(result["tokens_per_s"] / result["generate_tokens_per_s"], rel=0.01)
     assert json.loads((tmp_path / "bench.json").read_text())["tokens_per_s"] == result["tokens_per_s"]
+
+
+def test_join_takes_the_gpu_settings_a_provider_needs() -> None:
+    """--dtype, --gpu-memory and --max-batch reach the backend (vLLM's engine or the transformers batch), and
+    a share of memory or a batch out of range is refused before anything starts."""
+    from echo2_worker.cli import _backend_factory, build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["join", "--server", "http://x", "--dtype", "bfloat16", "--gpu-memory", "0.6",
+                              "--max-batch", "256"])
+    vllm = _backend_factory("vllm", args)()
+    assert vllm.engine_kwargs | {"dtype": "bfloat16", "gpu_memory_utilization": 0.6, "max_num_seqs": 256} == \
+        vllm.engine_kwargs
+    hf = _backend_factory("transformers", args)()
+    assert (hf._dtype_arg, hf.memory_share, hf.max_batch_rows) == ("bfloat16", 0.6, 256)
+    for bad in (["--gpu-memory", "1.5"], ["--max-batch", "0"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["join", "--server", "http://x", *bad])

@@ -10,10 +10,10 @@ from pathlib import Path
 import torch
 from echo2_worker.backends.transformers_backend import TransformersBackend
 from sqlalchemy import select
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM
 
 from api.models import Rollout
-from learner.audit import audit_group, audit_versions
+from learner.audit import GroupClaim, audit_group, audit_versions
 from learner.tiny import build_long_tail_model
 from tests.conftest import Api
 from tests.factories import publish
@@ -66,19 +66,20 @@ def test_a_generation_continues_on_the_version_published_while_it_ran(api: Api, 
     assert [v for v, _ in mixed["versions"]] == [0, 1] and sum(n for _, n in mixed["versions"]) == len(
         mixed["token_ids"])
 
-    # Each token's logprob is its own version's: re-scored per version they all match; under version 0 alone the
-    # version-1 tokens do not. (Whether they are off by more than the audit's tolerance depends on how many tokens
-    # came after the swap, which timing decides, so the test compares the differences themselves.)
+    # Each token's logprob is its own version's, and each token replays under its own version from the group's
+    # leased seed: re-scored and replayed per version they all match; under version 0 alone the version-1
+    # tokens do not. (Whether they are off by more than the audit's tolerance depends on how many tokens came
+    # after the swap, which timing decides, so the test compares the differences themselves.)
     models = {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
               for v, d in ((0, tiny_model_dir), (1, next_model_dir))}
-    pad = AutoTokenizer.from_pretrained(tiny_model_dir).pad_token_id
-    samples = [(x["token_ids"], x["logprobs"]) for x in row.samples]
+    claim = GroupClaim(prompt=row.prompt_token_ids, samples=[(x["token_ids"], x["logprobs"]) for x in row.samples],
+                       temperature=1.0, seed=row.seed)
     versions = [[v for v, n in (x.get("versions") or [[row.version, len(x["token_ids"])]]) for _ in range(n)]
                 for x in row.samples]
-    per_version = audit_versions(models.__getitem__, row.prompt_token_ids, samples, versions, temperature=1.0,
-                                 top_p=1.0, pad_id=pad)
+    per_version = audit_versions(models.__getitem__, claim, versions)
     assert per_version.passed and per_version.max_abs_diff < 1e-3, per_version
-    alone = audit_group(models[0], row.prompt_token_ids, samples, temperature=1.0, top_p=1.0, pad_id=pad)
+    assert per_version.replayed == per_version.tokens and per_version.mismatches == 0
+    alone = audit_group(models[0], claim)
     assert alone.max_abs_diff > 100 * max(per_version.max_abs_diff, 1e-4), alone
     assert w.worker.versions.loaded == (setup.id, 1)
     assert w.drain() == 0

@@ -198,3 +198,19 @@ def test_vllm_serves_a_lora_adapter_with_the_learners_logprobs_and_swaps_it(lora
     assert new_worst < LOGPROB_TOL, f"after the adapter swap: max {new_worst:.3g} vs the new adapter"
     old_worst, _ = diff_stats(recompute(models[0], lora_probe["reloaded adapter"], adapters[0]))
     assert old_worst > 100 * LOGPROB_TOL, "after the swap vLLM still serves the old adapter"
+
+
+def test_vllm_draws_the_tokens_the_transformers_backend_draws(probe, models):
+    """Both backends draw with the replayable sampler (echo2.sampler): with the same seeds they make the same
+    samples, token for token, so the learner's replay of a vLLM worker's rollout finds its tokens."""
+    from echo2_worker.backends import GenRequest
+    from echo2_worker.backends.transformers_backend import TransformersBackend
+
+    backend = TransformersBackend(device="cpu")
+    backend.load(models[0])
+    try:
+        expected = backend.generate([GenRequest(**r) for r in REQUESTS])
+    finally:
+        backend.close()
+    for vllm_group, group in zip(probe["first"], expected, strict=True):
+        assert [s["token_ids"] for s in vllm_group] == [s.token_ids for s in group]

@@ -65,9 +65,10 @@ def bench_generation(backend_name: str, model_dir: Path | None = None, *, prompt
             cfg = json.loads((folder / "config.json").read_text())
             vocab = int(cfg.get("vocab_size", 100))
             rng = random.Random(0)
+            # No stop: every sample runs to max_new_tokens, so tokens/s compares with model.generate's below.
             requests = [GenRequest(prompt_token_ids=[rng.randrange(2, vocab) for _ in range(prompt_len)], n=group_size,
                                    seeds=[rng.randrange(2**31) for _ in range(group_size)],
-                                   max_new_tokens=max_new_tokens) for _ in range(prompts)]
+                                   max_new_tokens=max_new_tokens, stop_at_eos=False) for _ in range(prompts)]
             backend.generate(requests[:1])  # warm-up
             calls, tokens, t0 = 0, 0, time.monotonic()
             while calls == 0 or time.monotonic() - t0 < seconds:
@@ -75,14 +76,36 @@ def bench_generation(backend_name: str, model_dir: Path | None = None, *, prompt
                 tokens += sum(len(s.token_ids) for group in out for s in group)
                 calls += 1
             elapsed = time.monotonic() - t0
+            precision = backend.precision
         finally:
             backend.close()
+        generate = generate_tokens_per_s(folder, requests, device, precision)
     return {
         "backend": backend_name, "model": str(model_dir) if model_dir else "tiny (random Qwen2, 2 layers, 128 wide)",
         "tokens_per_s": round(tokens / elapsed, 1), "groups_per_s": round(calls * prompts / elapsed, 3),
+        "generate_tokens_per_s": round(generate, 1), "vs_generate": round(tokens / elapsed / generate, 3),
         "group_size": group_size, "max_new_tokens": max_new_tokens, "seconds": round(elapsed, 2),
         "machine": f"{platform.machine()} {platform.system()}",
     }
+
+
+def generate_tokens_per_s(folder: Path, requests: list[Any], device: str, precision: str) -> float:
+    """transformers' `model.generate` sampling the same rows on the same device in the same dtype, every row to
+    max_new_tokens, logits returned as a sampler for RL needs them: the baseline `vs_generate` compares with."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, precision)).to(device).eval()
+    model.generation_config.eos_token_id = None
+    ids = torch.tensor([r.prompt_token_ids for r in requests for _ in range(r.n)], device=device)
+    new = requests[0].max_new_tokens
+    with torch.inference_mode():
+        model.generate(ids[:1], do_sample=True, max_new_tokens=2, pad_token_id=0)  # warm-up
+        t0 = time.monotonic()
+        model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True, top_k=0, max_new_tokens=new,
+                       output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+        return ids.shape[0] * new / (time.monotonic() - t0)
 
 
 def bench_bandwidth(server: str, provider_token: str | None = None, seconds: float = 2.0) -> dict[str, Any]:

@@ -52,6 +52,15 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--relay-bind", default=None, help="address the relay listens on (default: --relay-host)")
     join.add_argument("--backend", choices=["auto", "vllm", "transformers"], default="auto")
     join.add_argument("--device", default="auto", help="transformers backend device: auto, cpu, cuda, cuda:1")
+    join.add_argument("--dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                      help="what the model computes in (auto: bfloat16 on a GPU that has it, else float32); the "
+                           "learner's audit allows for the precision's numerical differences")
+    join.add_argument("--gpu-memory", type=_share, default=None, metavar="SHARE",
+                      help="share of the GPU's memory to use, 0.1-0.95 (vLLM: gpu_memory_utilization, default 0.85; "
+                           "transformers: of the free memory its KV cache may take, default 0.75)")
+    join.add_argument("--max-batch", type=_rows, default=None, metavar="ROWS",
+                      help="samples decoded at once (vLLM: max_num_seqs; transformers: rows, default sized from "
+                           "free GPU memory, 64 on a CPU)")
     join.add_argument("--max-prompts", type=int, default=8, help="prompts per lease")
     join.add_argument("--data-dir", type=Path, default=None, help="where weight versions are kept")
     join.add_argument("--no-bench", action="store_true", help="register without measuring throughput first")
@@ -150,7 +159,7 @@ def _join(args: argparse.Namespace) -> int:
 
         opts = LoopOptions(worker_id=worker_id, data_dir=store.root, max_prompts=args.max_prompts,
                            heartbeat_interval_s=reg, relay_url=relay.url if relay else None)
-        worker = Worker(opts, control, _backend_factory(backend_name, args.device), store, stats,
+        worker = Worker(opts, control, _backend_factory(backend_name, args), store, stats,
                         on_deregistered=lambda: creds.forget_worker(server))
         _install_signals(signal, worker)
         reporter = ProgressReporter(stats).start()
@@ -237,7 +246,30 @@ def _register_or_reuse(control: Any, creds: Any, saved: Any, body: Any, provider
     return reg.worker.id, reg.token, reg.heartbeat_interval_s
 
 
-def _backend_factory(name: str, device: str) -> Any:
+def _share(text: str) -> float:
+    value = float(text)
+    if not 0.1 <= value <= 0.95:
+        raise argparse.ArgumentTypeError(f"{text} is not a share of memory between 0.1 and 0.95")
+    return value
+
+
+def _rows(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 65_536:
+        raise argparse.ArgumentTypeError(f"{text} is not a number of rows between 1 and 65536")
+    return value
+
+
+def _backend_factory(name: str, args: argparse.Namespace) -> Any:
+    options: dict[str, Any] = {"dtype": args.dtype}
+    if name == "transformers":
+        options |= {"device": args.device, "max_batch_rows": args.max_batch}
+        if args.gpu_memory is not None:
+            options["memory_share"] = args.gpu_memory
+    else:
+        options |= {k: v for k, v in (("gpu_memory_utilization", args.gpu_memory),
+                                      ("max_num_seqs", args.max_batch)) if v is not None}
+
     def make() -> Any:
         from .backends import create_backend
 
@@ -248,7 +280,7 @@ def _backend_factory(name: str, device: str) -> Any:
         except ImportError:
             pass
 
-        return create_backend(name, **({"device": device} if name == "transformers" else {}))
+        return create_backend(name, **options)
 
     return make
 

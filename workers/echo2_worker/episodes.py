@@ -57,9 +57,12 @@ def play(backend: GenerationBackend, control: ControlPlane, lease_id: str, promp
 
 def _turn(backend: GenerationBackend, control: ControlPlane, lease_id: str, episodes: list[_Episode], turn: int,
           sampling: SamplingParams, limits: EpisodeLimits) -> None:
-    requests = [GenRequest(prompt_token_ids=e.context, n=1, seeds=[sample_seed(e.seed, turn)],
+    # One seed per episode; each turn draws from the position its first token has in the sample, so the
+    # auditor replays every model token from (seed, position) as for a single-turn sample.
+    requests = [GenRequest(prompt_token_ids=e.context, n=1, seeds=[e.seed],
                            max_new_tokens=min(sampling.max_new_tokens, limits.max_tokens - len(e.tokens)),
-                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+                           temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
+                           start_position=len(e.tokens))
                 for e in episodes]
     actions = [sample for (sample,) in backend.generate(requests)]
     steps = [EpisodeStep(prompt_id=e.prompt_id, sample=e.sample, turn=turn, action_token_ids=a.token_ids)

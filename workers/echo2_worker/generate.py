@@ -56,7 +56,8 @@ class Generator:
             self.stats.tokens.add(sum(len(s.token_ids) for _, group in done for s in group))
             yield [GroupSubmit(prompt_id=prompts[i].prompt_id, version=oldest_version(group, lease.version),
                                prompt_token_ids=prompt_ids[i], samples=[_sample(s) for s in group],
-                               gen_seconds=round(seconds / len(done), 4)) for i, group in done]
+                               gen_seconds=round(seconds / len(done), 4), precision=backend.precision)
+                   for i, group in done]
 
     def _play(self, prompts: list[LeasedPrompt], prompt_ids: list[list[int]], lease: LeaseRead,
               limits: EpisodeLimits) -> list[GroupSubmit]:
@@ -69,7 +70,7 @@ class Generator:
         seconds = time.monotonic() - t0
         self.stats.tokens.add(sum(len(s.token_ids) for group in groups for s in group))
         return [GroupSubmit(prompt_id=p.prompt_id, version=lease.version, prompt_token_ids=ids, samples=samples,
-                            gen_seconds=round(seconds / len(prompts), 4))
+                            gen_seconds=round(seconds / len(prompts), 4), precision=self.versions.backend.precision)
                 for p, ids, samples in zip(prompts, prompt_ids, groups, strict=True)]
 
 

@@ -13,9 +13,9 @@ bounds its staleness (api/services/admission.py): a swap never makes a group loo
 Segments are also where finished groups leave: each is submitted as soon as all its samples are done, so
 the short groups of a batch are not held back (and made stale) by a long one beside them.
 
-Seeds stay pure functions of (job, prompt, sample): segment 0 uses the server's sample seed, so a
-sample that ends within one segment is the sample non-partial generation draws; segment s > 0 draws
-with sample_seed(seed, s).
+Every segment draws with the sample's own seed from the position it has reached (GenRequest.start_position),
+so a sample is the one non-partial generation draws wherever no version changed, and the auditor replays
+each token under its own version with the same (seed, position).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 
 from echo2.protocol import Assignment
-from echo2.seeds import sample_seed
 
 from .backends import GenerationBackend, GenRequest, GenSample
 from .backends.base import FinishReason
@@ -69,11 +68,11 @@ class _Draft:
         elif len(self.tokens) >= self.request.max_new_tokens:
             self.finish = "length"
 
-    def next_segment(self, segment: int, size: int) -> GenRequest:
+    def next_segment(self, size: int) -> GenRequest:
         r = self.request
-        return replace(r, prompt_token_ids=r.prompt_token_ids + self.tokens, n=1,
-                       seeds=[sample_seed(self.seed, segment)],
-                       max_new_tokens=min(size, r.max_new_tokens - len(self.tokens)))
+        return replace(r, prompt_token_ids=r.prompt_token_ids + self.tokens, n=1, seeds=[self.seed],
+                       max_new_tokens=min(size, r.max_new_tokens - len(self.tokens)),
+                       start_position=r.start_position + len(self.tokens))
 
     def sample(self, decode: Callable[[list[int]], str]) -> VersionedSample:
         assert self.finish is not None
@@ -114,17 +113,15 @@ class PartialRollouts:
             for draft, out in zip(drafts, outs, strict=True):
                 draft.extend(out, version)
         pending = set(range(len(requests)))
-        segment = 1
         while pending:
             if done := sorted(i for i in pending if all(d.finish is not None for d in groups[i])):
                 pending -= set(done)
                 yield [(i, self._samples(groups[i])) for i in done]
             if unfinished := [d for i in sorted(pending) for d in groups[i] if d.finish is None]:
                 version = self.refresh()
-                outs = self._backend().generate([d.next_segment(segment, size) for d in unfinished])
+                outs = self._backend().generate([d.next_segment(size) for d in unfinished])
                 for draft, (out,) in zip(unfinished, outs, strict=True):
                     draft.extend(out, version)
-                segment += 1
 
     def _samples(self, drafts: list[_Draft]) -> list[VersionedSample]:
         tokenizer = self.versions.tokenizer

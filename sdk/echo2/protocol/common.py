@@ -185,6 +185,15 @@ class RejectKind(StrEnum):
         return Fault.worker
 
 
+class Precision(StrEnum):
+    """The dtype a worker computed its logits in: the replay audit's margin for numerical differences
+    depends on it (learner/audit.py)."""
+
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
 class Backend(StrEnum):
     transformers = "transformers"
     vllm = "vllm"

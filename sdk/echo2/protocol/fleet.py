@@ -37,7 +37,14 @@ class ProviderRead(ReadModel):
     name: str
     contact: str | None = None
     num_workers: int = 0
-    earnings_usd: float = 0.0
+    earnings_usd: float = Field(0.0, description="Paid so far, less what was clawed back from workers caught "
+                                "forging (it may be negative: owed).")
+    watch_until: datetime | None = Field(None, description="While one of its workers is quarantined, the provider "
+                                         "is on watch: every group of each of its workers is audited, and none "
+                                         "leaves probation.")
+    banned_at: datetime | None = Field(None, description="A worker of the provider was banned: the provider is too; "
+                                       "it registers no more workers.")
+    standing_reason: str | None = None
     created_at: datetime
 
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
-from .common import JobStatus, Model, ReadModel, ShortText, Step
+from .common import JobStatus, Model, Precision, ReadModel, ShortText, Step
 from .jobs import JobRead
 from .rollouts import SampleSubmit
 
@@ -45,6 +45,10 @@ class ClaimedGroup(ReadModel):
         None, description="Multi-turn: each sample's reward, computed by the control plane's environment.")
     audit: bool = Field(False, description="Re-score this group under `version` before training on it (the "
                         "control plane picks by the sender's trust); report the outcome in the step's `audits`.")
+    seed: int | None = Field(None, description="The prompt's leased base seed: sample k was drawn with "
+                             "echo2.seeds.sample_seed(seed, k), which the audit replays. None: stored before "
+                             "seeds were bound to rollouts.")
+    precision: Precision = Field(Precision.float32, description="The dtype its worker computed logits in.")
 
 
 class ReplayStep(ReadModel):
@@ -82,6 +86,19 @@ class AuditReport(Model):
     reason: ShortText | None = None
     stats: dict[Annotated[str, StringConstraints(max_length=32)], Annotated[float, Field(ge=-1e12, le=1e12)]] = \
         Field(default_factory=dict, max_length=16, description="e.g. tokens, max_abs_diff, mean_abs_diff, z.")
+
+
+class AuditVerdicts(Model):
+    """Audits of groups the learner claimed for `step`, sent as soon as they are made, before the step commits:
+    the sender's trust moves at once, and a worker on probation, whose unjudged groups are bounded, gets more
+    work once they are judged. The step's report still refuses the groups that failed."""
+
+    step: Step
+    audits: list[AuditReport] = Field(min_length=1, max_length=4096)
+
+
+class AuditsRecorded(ReadModel):
+    recorded: int = Field(description="Verdicts recorded now; one already recorded for its group is skipped.")
 
 
 class StepReport(Model):

@@ -15,6 +15,7 @@ from .jobs import JobCost
 class LedgerKind(StrEnum):
     worker = "worker"  # a worker paid for the rollouts it delivered
     learner = "learner"  # the job's reserved learner, for the time it was alive
+    clawback = "clawback"  # a worker's payments taken back (negative) once it was caught forging
 
 
 class LedgerEntryRead(ReadModel):
@@ -27,9 +28,10 @@ class LedgerEntryRead(ReadModel):
     worker_id: str | None = Field(description="The worker paid (worker entries only).")
     provider_id: str | None
     step: int | None = Field(description="The job's step when the entry was made.")
-    groups: int = Field(description="Rollout groups paid for (worker entries).")
+    groups: int = Field(description="Rollout groups paid for (worker entries); negative on a clawback, the "
+                        "groups whose pay it takes back.")
     seconds: float = Field(description="Billed time: a worker's active time its rollouts bought, or the "
-                           "learner's reserved time.")
+                           "learner's reserved time; negative on a clawback.")
     amount_usd: float
     memo: str | None = Field(description="What it pays for, in words.")
 

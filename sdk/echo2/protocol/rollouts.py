@@ -8,7 +8,20 @@ from typing import Annotated
 
 from pydantic import Field, model_validator
 
-from .common import Fault, Id, LeaseStatus, Logprob, Model, ReadModel, RejectKind, RolloutStatus, Text, TokenId, Version
+from .common import (
+    Fault,
+    Id,
+    LeaseStatus,
+    Logprob,
+    Model,
+    Precision,
+    ReadModel,
+    RejectKind,
+    RolloutStatus,
+    Text,
+    TokenId,
+    Version,
+)
 from .fleet import SamplingParams
 
 
@@ -168,8 +181,11 @@ class GroupSubmit(Model):
     version: Version = Field(description="Weight version every sample of this group was generated with; with "
                              "partial rollouts, the version of its oldest token (it bounds the group's staleness).")
     prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=32_768)
-    samples: list[SampleSubmit] = Field(min_length=1, max_length=64)
+    samples: list[SampleSubmit] = Field(min_length=1, max_length=64, description="Sample k drawn with "
+                                        "echo2.seeds.sample_seed(the prompt's leased seed, k), by echo2.sampler.")
     gen_seconds: float = Field(0.0, ge=0, le=86_400)
+    precision: Precision = Field(Precision.float32, description="The dtype the worker computed its logits in: "
+                                 "the audit's replay allows for that precision's numerical differences.")
 
     @model_validator(mode="after")
     def _oldest_is_the_version(self) -> GroupSubmit:

@@ -14,7 +14,7 @@ from typing import Annotated, Any
 
 from pydantic import Field, StringConstraints
 
-from .common import Finite, Logprob, Model, NoNul, ReadModel, ShortText, TokenId
+from .common import Finite, Logprob, Model, NoNul, Precision, ReadModel, ShortText, TokenId
 
 ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512), NoNul]
 CheckpointName = Annotated[str, StringConstraints(min_length=1, max_length=128, pattern=r"^[A-Za-z0-9_.\-]+$")]
@@ -196,6 +196,9 @@ class AuditPayload(Model):
     temperature: float = Field(gt=0, le=100)
     top_p: float = Field(gt=0, le=1)
     top_k: int = Field(ge=0, le=1_000_000)
+    seed: int | None = Field(None, ge=0, le=2**63, description="The request's leased base seed (sample k drew with "
+                             "sample_seed(seed, k)): the audit replays the sampler with it.")
+    precision: Precision = Precision.float32
 
 
 class AuditVerdict(Model):

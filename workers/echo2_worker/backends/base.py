@@ -1,5 +1,9 @@
 """The generation-backend interface the worker's poll loop talks to.
 
+Sampling: every backend draws with echo2.sampler, the replayable sampler: token i of a sample is a pure
+function of the logits, the request's settings, the sample's seed and i, so the learner's auditor can
+replay it under the version the worker claims.
+
 Behaviour logprob (both backends, and the learner's recomputation, use this exact definition):
     logprob(token_t) = log_softmax(logits_t / temperature)[token_t]
 computed on the full vocabulary BEFORE top-k/top-p truncation. Truncation only changes which tokens can
@@ -40,6 +44,9 @@ class GenRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     # False: stop only at stop_token_ids, not at the model's eos (a Tinker request that names its stop tokens).
     stop_at_eos: bool = True
+    # Where the new tokens start in the sample's completion: a partial rollout's next segment or an episode's
+    # next turn continues from the tokens it has. The sampler draws token i of a sample from (seed, position i).
+    start_position: int = 0
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -56,6 +63,8 @@ class GenRequest:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if self.start_position < 0:
+            raise ValueError(f"start_position must be >= 0, got {self.start_position}")
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,7 @@ class GenerationBackend(ABC):
     adapter_config.json + adapter_model.safetensors) applied to it, and samples groups of completions."""
 
     name: str = "base"
+    precision: str = "float32"  # the dtype logits are computed in once loaded (echo2.protocol.Precision)
 
     @abstractmethod
     def load(self, model_dir: Path, adapter_dir: Path | None = None, *, lora_rank: int | None = None) -> None:

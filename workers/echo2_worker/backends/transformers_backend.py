@@ -1,11 +1,13 @@
 """Transformers generation backend: a manual KV-cached decode loop on CPU or one GPU.
 
-Why not `model.generate`: every sample must draw from its own seeded torch.Generator so that a
-sample is a pure function of (weights, prompt, seed), and every sampled token needs its logprob
-under log_softmax(logits / T) before top-p (see base.py), which `generate` does not report.
+Why not `model.generate`: every token must be drawn by the replayable sampler (echo2.sampler: a pure
+function of the logits, the settings, the sample's seed and the token's position, one batched draw for
+all rows), and every sampled token needs its logprob under log_softmax(logits / T) before top-p (see
+base.py), which `generate` does not report.
 
 Each prompt is prefilled once (requests batched with left padding); its KV cache rows are then
-repeated for the group's n samples, which decode together until every row hits eos or its length.
+repeated for the group's n samples, which decode together until every row hits a stop token or its
+length. Tokens, logprobs and stop checks stay on the device until the batch is done.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger(__name__)
+CPU_ROWS = 64  # rows decoded together on a CPU (or wherever max_batch_rows is unset and memory is not measured)
+MAX_ROWS = 1024  # the most a GPU decodes together when its free memory sizes the batch
+SYNC_EVERY = 8  # decode steps between two checks (device syncs) of whether every row is done
 
 
 class TransformersBackend(GenerationBackend):
@@ -38,10 +43,12 @@ class TransformersBackend(GenerationBackend):
 
     name = "transformers"
 
-    def __init__(self, device: str = "auto", dtype: str = "auto", max_batch_rows: int = 64) -> None:
+    def __init__(self, device: str = "auto", dtype: str = "auto", max_batch_rows: int | None = None,
+                 memory_share: float = 0.75) -> None:
         self._device_arg = device
         self._dtype_arg = dtype
         self.max_batch_rows = max_batch_rows
+        self.memory_share = memory_share  # of the free GPU memory the KV cache of a batch may take
         self.model: Any = None
         self.tokenizer: Any = None
         self.model_dir: Path | None = None
@@ -64,6 +71,7 @@ class TransformersBackend(GenerationBackend):
             if adapter_dir is not None:
                 self._wrap(Path(adapter_dir))
         self.model.eval()
+        self.precision = str(dtype).removeprefix("torch.")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_dir = model_dir
         self._eos_ids = model_eos_token_ids(model_dir)
@@ -156,16 +164,44 @@ class TransformersBackend(GenerationBackend):
 
         out: list[list[GenSample]] = []
         with torch.inference_mode():
-            for chunk in _chunks(requests, self.max_batch_rows):
+            for chunk in _chunks(requests, self._row_budget(requests)):
                 out.extend(self._generate_chunk(chunk))
         return out
 
+    def _row_budget(self, requests: list[GenRequest]) -> int:
+        """Rows decoded together: `max_batch_rows`, or on a GPU with it unset, as many as the KV cache of
+        the longest request fits in `memory_share` of the free memory (at least one group)."""
+        if self.max_batch_rows is not None or self.model.device.type != "cuda":
+            return self.max_batch_rows or CPU_ROWS
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(self.model.device)
+        longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
+        per_row = kv_bytes_per_token(self.model.config, self.model.dtype) * longest
+        return max(max(r.n for r in requests), min(MAX_ROWS, int(self.memory_share * free / max(per_row, 1))))
+
     def _generate_chunk(self, requests: list[GenRequest]) -> list[list[GenSample]]:
+        device = self.model.device
+        rows = _Rows(requests, self._eos_ids, device)
+        logits, cache, mask, next_pos = self._prefill(requests, rows.fanout)
+        tokens, logprobs, lengths, stopped = _decode(self.model, rows, logits, cache, mask, next_pos)
+        flat = zip(tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist(), strict=True)
+        samples = [GenSample(token_ids=t[:n], logprobs=lp[:n], finish_reason="stop" if stop else "length",
+                             text=self.tokenizer.decode(t[:n], skip_special_tokens=True))
+                   for t, lp, n, stop in flat]
+        grouped, start = [], 0
+        for r in requests:
+            grouped.append(samples[start : start + r.n])
+            start += r.n
+        return grouped
+
+    def _prefill(self, requests: list[GenRequest], fanout: Any) -> tuple[Any, Any, Any, Any]:
+        """Every distinct prompt once (left padded); its KV cache rows are then repeated for its n samples.
+        Returns the first logits, the cache, the attention mask and the next position of every row."""
         import torch
 
         device = self.model.device
         pad_id = min(self._eos_ids) if self._eos_ids else 0
-        # Prefill every distinct prompt once, left padded.
         plen = max(len(r.prompt_token_ids) for r in requests)
         ids = torch.full((len(requests), plen), pad_id, dtype=torch.long)
         mask = torch.zeros((len(requests), plen), dtype=torch.long)
@@ -175,93 +211,65 @@ class TransformersBackend(GenerationBackend):
         ids, mask = ids.to(device), mask.to(device)
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         res = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
-        # Fan out: one row per sample, in request order then seed order.
-        rows = torch.tensor([i for i, r in enumerate(requests) for _ in range(r.n)], device=device)
         cache = res.past_key_values
-        cache.reorder_cache(rows)
-        logits = res.logits[:, -1, :].index_select(0, rows)
-        mask = mask.index_select(0, rows)
-        next_pos = positions[:, -1:].index_select(0, rows) + 1
+        cache.reorder_cache(fanout)
+        logits = res.logits[:, -1, :].index_select(0, fanout)
+        return logits, cache, mask.index_select(0, fanout), positions[:, -1:].index_select(0, fanout) + 1
+
+
+class _Rows:
+    """One row per sample, in request order then seed order: its sampling settings, seed, first position,
+    length limit and stop ids, as tensors on the model's device."""
+
+    def __init__(self, requests: list[GenRequest], eos_ids: set[int], device: Any) -> None:
+        import torch
+        from echo2.sampler import RowSettings
 
         flat = [(r, seed) for r in requests for seed in r.seeds]
-        sampler = _RowSampler(flat, device)
-        stops = [(self._eos_ids if r.stop_at_eos else set()) | set(r.stop_token_ids) for r, _ in flat]
-        limits = [r.max_new_tokens for r, _ in flat]
-        tokens: list[list[int]] = [[] for _ in flat]
-        logprobs: list[list[float]] = [[] for _ in flat]
-        finish: list[str | None] = [None] * len(flat)
-
-        for step in range(max(limits)):
-            picked, picked_lp = sampler.sample(logits)
-            for b, (tok, lp) in enumerate(zip(picked.tolist(), picked_lp.tolist(), strict=True)):
-                if finish[b] is not None:
-                    continue
-                tokens[b].append(tok)
-                logprobs[b].append(lp)
-                if tok in stops[b]:
-                    finish[b] = "stop"
-                elif len(tokens[b]) >= limits[b]:
-                    finish[b] = "length"
-            if all(f is not None for f in finish) or step == max(limits) - 1:
-                break
-            # Finished rows keep decoding (their outputs are ignored) so the batch stays rectangular.
-            mask = torch.cat([mask, mask.new_ones((len(flat), 1))], dim=1)
-            res = self.model(
-                input_ids=picked.unsqueeze(1),
-                attention_mask=mask,
-                position_ids=next_pos,
-                past_key_values=cache,
-                use_cache=True,
-            )
-            cache, logits, next_pos = res.past_key_values, res.logits[:, -1, :], next_pos + 1
-
-        samples = [
-            GenSample(
-                token_ids=tokens[b],
-                logprobs=logprobs[b],
-                finish_reason=finish[b] or "length",  # type: ignore[arg-type]
-                text=self.tokenizer.decode(tokens[b], skip_special_tokens=True),
-            )
-            for b in range(len(flat))
-        ]
-        grouped, start = [], 0
-        for r in requests:
-            grouped.append(samples[start : start + r.n])
-            start += r.n
-        return grouped
+        self.fanout = torch.tensor([i for i, r in enumerate(requests) for _ in range(r.n)], device=device)
+        self.settings = RowSettings.of([(r.temperature, r.top_k, r.top_p) for r, _ in flat], device)
+        self.seeds = torch.tensor([seed % 2**32 for _, seed in flat], dtype=torch.int64, device=device)
+        self.start = torch.tensor([r.start_position for r, _ in flat], dtype=torch.int64, device=device)
+        self.limits = torch.tensor([r.max_new_tokens for r, _ in flat], dtype=torch.int64, device=device)
+        stops = [sorted((eos_ids if r.stop_at_eos else set()) | set(r.stop_token_ids)) for r, _ in flat]
+        width = max(1, max(len(s) for s in stops))
+        self.stops = torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.int64, device=device)
 
 
-class _RowSampler:
-    """Per-row temperature / top-p sampling, each row drawing from its own seeded generator."""
+def _decode(model: Any, rows: _Rows, logits: Any, cache: Any, mask: Any, next_pos: Any) -> tuple[Any, Any, Any, Any]:
+    """Decode every row to its stop token or its limit with the replayable sampler. Everything stays on the
+    device: a GPU is synchronised only every SYNC_EVERY steps, to see whether all rows are done (finished
+    rows keep decoding meanwhile, their tokens ignored, so the batch stays rectangular)."""
+    import torch
+    from echo2.sampler import draw
 
-    def __init__(self, flat: list[tuple[GenRequest, int]], device: Any) -> None:
-        import torch
+    n, longest = len(rows.seeds), int(rows.limits.max())
+    tokens = torch.zeros((n, longest), dtype=torch.long, device=logits.device)
+    logprobs = torch.zeros((n, longest), dtype=torch.float32, device=logits.device)
+    lengths, stopped = rows.limits.clone(), torch.zeros(n, dtype=torch.bool, device=logits.device)
+    done = torch.zeros(n, dtype=torch.bool, device=logits.device)
+    sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
+    for step in range(longest):
+        picked, picked_lp = draw(logits, rows.settings, rows.seeds, rows.start + step)
+        tokens[:, step], logprobs[:, step] = picked, picked_lp
+        hit = (picked.unsqueeze(-1) == rows.stops).any(-1) & ~done
+        ending = hit | (~done & (rows.limits <= step + 1))
+        lengths = torch.where(ending, step + 1, lengths)
+        stopped, done = stopped | hit, done | ending
+        if step == longest - 1 or (step % sync_every == sync_every - 1 and bool(done.all())):
+            break
+        mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
+        res = model(input_ids=picked.unsqueeze(1), attention_mask=mask, position_ids=next_pos, past_key_values=cache,
+                    use_cache=True)
+        cache, logits, next_pos = res.past_key_values, res.logits[:, -1, :], next_pos + 1
+    return tokens, logprobs, lengths, stopped
 
-        self.temps = torch.tensor([[r.temperature] for r, _ in flat], dtype=torch.float32, device=device)
-        self.top_ps = torch.tensor([[r.top_p] for r, _ in flat], dtype=torch.float32, device=device)
-        self.top_ks = torch.tensor([[r.top_k] for r, _ in flat], dtype=torch.long, device=device)
-        self.generators = []
-        for _, seed in flat:
-            g = torch.Generator(device=device)
-            g.manual_seed(int(seed) % (2**63))
-            self.generators.append(g)
 
-    def sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Return the sampled ids and their behaviour logprobs (before top-p), both shape (rows,)."""
-        import torch
-
-        logp = torch.log_softmax(logits.float() / self.temps, dim=-1)
-        probs = logp.exp()
-        if bool((self.top_ps < 1).any()) or bool((self.top_ks > 0).any()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)
-            sorted_p = sorted_p.masked_fill((self.top_ks > 0) & (rank >= self.top_ks), 0.0)  # top-k first
-            # Then the smallest prefix whose mass reaches top_p of what top-k kept (the top token survives).
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= self.top_ps * sorted_p.sum(-1, keepdim=True)
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        picked = torch.cat([torch.multinomial(probs[b], 1, generator=g) for b, g in enumerate(self.generators)])
-        return picked, logp.gather(-1, picked.unsqueeze(-1)).squeeze(-1)
+def kv_bytes_per_token(config: Any, dtype: Any) -> int:
+    """Bytes of KV cache one token of one row holds: keys and values of every layer."""
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * config.num_hidden_layers * heads * head_dim * dtype.itemsize
 
 
 def _adapter_params(model: Any) -> dict[str, Any]:

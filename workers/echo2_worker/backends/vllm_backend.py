@@ -1,17 +1,14 @@
 """vLLM generation backend: an in-process `vllm.LLM` engine (vllm is imported lazily).
 
-Behaviour logprobs. vLLM 0.32's `logprobs_mode` offers raw_logprobs (log_softmax(logits): no
-temperature), raw_logits, processed_logprobs (log_softmax after temperature AND top-k/top-p
-masking, i.e. renormalised over the kept tokens) and processed_logits (the logits after
-temperature, the argmax-invariant logits processors and top-k/top-p masking). None of them is
-log_softmax(logits / T) before top-p when T != 1 and top_p < 1. So the engine runs with
-`processed_logits` plus one argmax-invariant logits processor, `LogSoftmaxProcessor`, which vLLM
-applies after temperature and before top-k/top-p: it replaces each row by
-log_softmax(logits / T). That changes no sampling probability (a per-row shift), top-p only masks
-other tokens to -inf, and the sampled token's returned value is exactly the definition in base.py.
-
-Seeds. Each sample is its own request with n=1 and its own seed: with n > 1 vLLM derives the
-children's seeds as seed + index, which would not honour the seeds the server assigned.
+Sampling. Every token is drawn by echo2.sampler, the replayable sampler the learner's auditor replays,
+through one logits processor, `ReplayableSampler`. vLLM applies it after temperature (it is declared
+argmax-invariant, which only means vLLM skips it for greedy requests, and a worker never sends one) and
+before top-k/top-p: it draws each row's token from log_softmax(logits / T) with the row's own seed,
+position (where the request starts in its sample plus the tokens output so far), top-k and top-p, and
+leaves that token the row's only finite entry, holding its behaviour logprob. vLLM's own top-k/top-p are
+off (the processor applied them) and its draw from a one-hot row is that token; with
+`logprobs_mode="processed_logits"` the value it returns is exactly the behaviour logprob of base.py.
+The request's seed, position and truncation travel in SamplingParams.extra_args["echo2"].
 
 Reload. vLLM 0.32 reloads weights in place: Worker.reload_weights(weights_path=...) runs the model
 loader's safetensors iterator into the live model (engine, KV cache and compiled graphs are kept).
@@ -48,7 +45,8 @@ from echo2_worker.backends.base import (
 
 log = logging.getLogger(__name__)
 
-LOGITS_PROCESSOR_FQCN = f"{__name__}:LogSoftmaxProcessor"
+LOGITS_PROCESSOR_FQCN = f"{__name__}:ReplayableSampler"
+SAMPLER_KEY = "echo2"  # SamplingParams.extra_args[SAMPLER_KEY]: the replayable sampler's settings of a request
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's max_lora_rank choices
 WORKER_EXTENSION_FQCN = f"{__name__}.Echo2WorkerExtension"
 # config.json fields that must match for an in-place reload to be valid.
@@ -118,6 +116,7 @@ class VLLMBackend(GenerationBackend):
             **kwargs,
         )
         self.model_dir, self._rank = model_dir, rank
+        self.precision = str(self.llm.llm_engine.model_config.dtype).removeprefix("torch.")
         self._use_adapter(adapter_dir)
         self._arch = _arch_signature(model_dir)
         self._eos_ids = model_eos_token_ids(model_dir)
@@ -164,11 +163,10 @@ class VLLMBackend(GenerationBackend):
                 params.append(
                     SamplingParams(
                         n=1,
-                        seed=int(seed) % (2**63),
                         temperature=r.temperature,
-                        top_p=r.top_p,
-                        top_k=r.top_k,
                         max_tokens=r.max_new_tokens,
+                        extra_args={SAMPLER_KEY: {"seed": int(seed) % 2**32, "start": r.start_position,
+                                                  "top_k": r.top_k, "top_p": r.top_p}},
                         stop_token_ids=stops,
                         ignore_eos=not r.stop_at_eos,
                         logprobs=0,  # just the sampled token's value
@@ -285,33 +283,61 @@ _processor_class: type | None = None
 def _build_processor_class() -> type:
     """Defined on first use so that importing this module does not import vllm."""
     import torch
+    from echo2.sampler import RowSettings, draw
     from vllm.v1.sample.logits_processor import LogitsProcessor
 
-    class LogSoftmaxProcessor(LogitsProcessor):
-        """Rows -> log_softmax(rows). Argmax-invariant, so vLLM applies it after temperature and
-        before top-k/top-p; with logprobs_mode="processed_logits" the sampled token then reports
-        log_softmax(logits / T)[token] (see the module docstring)."""
+    class ReplayableSampler(LogitsProcessor):
+        """Draws each row's token with echo2.sampler and leaves it the row's only finite logit, holding its
+        behaviour logprob (the module docstring says why vLLM then returns exactly that token and value)."""
 
         def __init__(self, vllm_config: Any, device: Any, is_pin_memory: bool) -> None:
-            pass
+            self.rows: dict[int, tuple[dict[str, Any], list[int]]] = {}  # batch index -> (settings, outputs)
 
         def is_argmax_invariant(self) -> bool:
             return True
 
         def update_state(self, batch_update: Any) -> None:
-            pass
+            if batch_update is None:
+                return
+            for index in batch_update.removed:
+                self.rows.pop(index, None)
+            for index, params, _, output_ids in batch_update.added:
+                args = (params.extra_args or {}).get(SAMPLER_KEY) if params is not None else None
+                if args is None:
+                    self.rows.pop(index, None)
+                else:
+                    self.rows[index] = (args, output_ids)
+            for a, b, direction in batch_update.moved:  # a -> b, or a <-> b
+                at_a, at_b = self.rows.pop(a, None), self.rows.pop(b, None)
+                if at_a is not None:
+                    self.rows[b] = at_a
+                if direction.name == "SWAP" and at_b is not None:
+                    self.rows[a] = at_b
 
         def apply(self, logits: torch.Tensor) -> torch.Tensor:
-            return torch.log_softmax(logits, dim=-1)
+            mine = sorted(i for i in self.rows if i < logits.shape[0])
+            if not mine:
+                return logits
+            index = torch.tensor(mine, device=logits.device)
+            args = [self.rows[i][0] for i in mine]
+            settings = RowSettings.of([(1.0, a["top_k"], a["top_p"]) for a in args], logits.device)  # T applied
+            seeds = torch.tensor([a["seed"] for a in args], dtype=torch.int64, device=logits.device)
+            positions = torch.tensor([a["start"] + len(self.rows[i][1]) for a, i in zip(args, mine, strict=True)],
+                                     dtype=torch.int64, device=logits.device)
+            tokens, logprobs = draw(logits.index_select(0, index), settings, seeds, positions)
+            rows = torch.full((len(mine), logits.shape[1]), float("-inf"), dtype=logits.dtype, device=logits.device)
+            rows.scatter_(1, tokens.unsqueeze(1), logprobs.to(logits.dtype).unsqueeze(1))
+            logits.index_copy_(0, index, rows)
+            return logits
 
-    LogSoftmaxProcessor.__module__ = __name__
-    return LogSoftmaxProcessor
+    ReplayableSampler.__module__ = __name__
+    return ReplayableSampler
 
 
 def __getattr__(name: str) -> Any:
-    # vLLM resolves LOGITS_PROCESSOR_FQCN with getattr(module, "LogSoftmaxProcessor").
+    # vLLM resolves LOGITS_PROCESSOR_FQCN with getattr(module, "ReplayableSampler").
     global _processor_class
-    if name == "LogSoftmaxProcessor":
+    if name == "ReplayableSampler":
         if _processor_class is None:
             _processor_class = _build_processor_class()
         return _processor_class

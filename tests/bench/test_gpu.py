@@ -1,0 +1,23 @@
+"""bench/gpu.py --smoke runs every stage of the GPU benchmark on the CPU (the tiny shape: the code paths, not
+the figures) and ends with its summary line."""
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_gpu_benchmark_runs_every_stage_on_the_cpu(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--smoke", "--out", str(out)], cwd=ROOT, timeout=600,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    last = proc.stdout.strip().splitlines()[-1]
+    assert re.fullmatch(r"gpu: worker/bound n/a %, worker/generate [\d.]+, audit share [\d.]+ %, publish [\d.]+ "
+                        r"steps, MFU n/a % \(cpu, smoke\)", last), last
+    row = json.loads(out.read_text())["shapes"]["smoke"]
+    assert row["stepped"] and row["audits_passed"] == row["audits"] > 0  # the worker's groups replay
+    assert row["publish_bytes"] > 0 and row["worker_tokens_per_s"] > 0 and row["generate_tokens_per_s"] > 0
