@@ -118,12 +118,28 @@ class Manifest(Model):
         return self
 
 
+PROBE_BYTES = 4096  # the longest probe: a range this long of a trained version almost surely changed since the last
+
+
+class Probe(Model):
+    """A range of a version's bytes (its model folder as one stream: Manifest.target_files() in order) and the
+    sha256 of those bytes: a secret of the control plane, which challenges workers with the range."""
+
+    offset: int = Field(ge=0, le=2**42)
+    length: int = Field(ge=1, le=PROBE_BYTES)
+    sha256: Sha256
+
+
 class VersionPublish(Model):
     """A version's forms, published together (announced once both are stored)."""
 
     full: Manifest | None = Field(None, description="The whole model folder (a keyframe); required for the first "
                                   "version.")
     delta: Manifest | None = Field(None, description="The delta against the version published before it.")
+    probes: list[Probe] = Field(default_factory=list, max_length=64, description="Secret ranges of the version's "
+                                "model folder (echo2.possession): a worker is leased this version only once it "
+                                "hashed one of them from its copy. Never shown back. Without probes a worker "
+                                "holds the version when its heartbeat says so.")
 
     @model_validator(mode="after")
     def _forms(self) -> VersionPublish:
