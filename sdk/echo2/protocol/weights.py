@@ -175,10 +175,11 @@ class VersionRead(ReadModel):
                             "rollout can use any more is deleted unless it is the final (or newest) one or kept by "
                             "the server's ECHO2_KEEP_VERSIONS_EVERY; its row and timings stay.")
     workers_targeted: int = Field(0, description="Workers active on the job when the version was announced.")
-    workers_holding: int = Field(0, description="Workers that have reported holding this version.")
+    workers_holding: int = Field(0, description="Workers that hold this version: proved it, for a version "
+                                 "published with probes; reported it, for one without.")
     dissemination_s: float | None = Field(
-        None, description="Seconds from announcement until every targeted worker reported holding it, as seen "
-        "in the heartbeat each worker sends right after its download. Targeted workers that left the job, "
+        None, description="Seconds from announcement until every targeted worker held it (workers_holding), as "
+        "seen in the heartbeats each worker sends right after its download. Targeted workers that left the job, "
         "went offline or moved on to a newer version are not waited for. Null while some still fetch, or "
         "when no worker was targeted.")
     created_at: datetime
