@@ -345,6 +345,9 @@ class WeightVersion(Base):
     delta_size: Mapped[int | None] = mapped_column(BigInteger)
     delta_base: Mapped[int | None] = mapped_column(Integer)
     adapter_base: Mapped[int | None] = mapped_column(Integer)  # a LoRA adapter version: the base it applies to
+    # Secret ranges of the version and their sha256 (echo2.possession), never in a response; null when
+    # published without: then a worker holds it when its heartbeat says so (api/services/possession.py).
+    probes: Mapped[list[Any] | None] = mapped_column(JSON(none_as_null=True))
     publish_seconds: Mapped[float | None] = mapped_column(Float)
     # Workers active on the job when it was announced: dissemination is done when they hold it.
     targets: Mapped[list[Any]] = mapped_column(default=list)
@@ -353,13 +356,15 @@ class WeightVersion(Base):
 
 
 class VersionHold(Base):
-    """When a worker first reported holding a version (its heartbeat after the download)."""
+    """When a worker first held a version: for a version with probes, when it proved it (the hold is
+    recorded then, `proven_at` set); for one without, its first heartbeat reporting it (a claim)."""
 
     __tablename__ = "version_holds"
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     worker_id: Mapped[str] = mapped_column(String(32), primary_key=True)
     held_at: Mapped[datetime] = mapped_column(default=utcnow)
+    proven_at: Mapped[datetime | None]
 
 
 class StepMetric(Base):

@@ -352,8 +352,9 @@ def _delivered(db: Session, worker_id: str, since: datetime) -> tuple[int, float
 
 
 def _t_bcast(db: Session, worker: Worker) -> float:
-    """Seconds from a version's announcement until this worker reported holding it, as the control
-    plane saw it (mean of its last few versions); the worker's own download time until then."""
+    """Seconds from a version's announcement until this worker held it (proved it, for a version with
+    probes), as the control plane saw it (mean of its last few versions); the worker's own download time
+    until then."""
     seen = db.execute(select(VersionHold.held_at, WeightVersion.created_at)
                       .join(WeightVersion, and_(WeightVersion.job_id == VersionHold.job_id,
                                                 WeightVersion.version == VersionHold.version))

@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 from echo2.deltas import Folder, build_delta, file_refs
-from echo2.protocol import Manifest
+from echo2.possession import draw_probes
+from echo2.protocol import Manifest, Probe
 from echo2.snapshots import build_manifest, iter_stream
 
 from api.models import Job, Worker, utcnow
@@ -77,13 +78,17 @@ def step_report(step: int, ids: list[str], **fields: Any) -> dict[str, Any]:
 
 
 def publish(learner: httpx.Client, job_id: str, folder: Path, version: int, step: int,
-            chunk_size: int = 64 * 1024) -> dict[str, Any]:
-    return publish_forms(learner, job_id, [(folder, build_manifest(folder, version, step, chunk_size))])
+            chunk_size: int = 64 * 1024, probes: bool = False) -> dict[str, Any]:
+    """Publish `folder` in full; with `probes`, as the learner does (workers must prove they hold it)."""
+    manifest = build_manifest(folder, version, step, chunk_size)
+    return publish_forms(learner, job_id, [(folder, manifest)],
+                         draw_probes(folder, manifest.target_files()) if probes else [])
 
 
-def publish_forms(learner: httpx.Client, job_id: str, forms: list[tuple[Path, Manifest]]) -> dict[str, Any]:
+def publish_forms(learner: httpx.Client, job_id: str, forms: list[tuple[Path, Manifest]],
+                  probes: list[Probe] | None = None) -> dict[str, Any]:
     """Upload each form's chunks (a full folder, or a delta's payload folder), then publish them together."""
-    body: dict[str, Any] = {}
+    body: dict[str, Any] = {"probes": [p.model_dump() for p in probes or []]}
     for folder, manifest in forms:
         base = f"/v1/jobs/{job_id}/versions/{manifest.version}" + ("/delta" if manifest.delta else "")
         for info, data in zip(manifest.chunks, iter_stream(folder, manifest.files, manifest.chunk_size), strict=True):
@@ -138,11 +143,12 @@ def fake_model_folder(root: Path, seed: int = 0) -> Path:
     return root
 
 
-def running_job(api: Api, user: httpx.Client, folder: Path, **overrides: Any) -> tuple[dict[str, Any], httpx.Client]:
-    """A job whose learner has started and published version 0."""
+def running_job(api: Api, user: httpx.Client, folder: Path, *, probes: bool = False,
+                **overrides: Any) -> tuple[dict[str, Any], httpx.Client]:
+    """A job whose learner has started and published version 0 (with `probes`, as the learner does)."""
     job = new_job(user, **overrides)
     learner = start_learner(api, job["id"])
-    publish(learner, job["id"], folder, version=0, step=0)
+    publish(learner, job["id"], folder, version=0, step=0, probes=probes)
     return job, learner
 
 
