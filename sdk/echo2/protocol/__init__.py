@@ -35,6 +35,8 @@ from .fleet import (
     WorkerStats,
 )
 from .jobs import (
+    Correction,
+    CorrectionLevel,
     DecisionRead,
     Device,
     EvalConfig,
@@ -49,6 +51,7 @@ from .jobs import (
     LrSchedule,
     PromptIn,
     PromptRead,
+    Rounding,
     TaskInfo,
     TaskSpec,
     WeightDtype,
@@ -84,7 +87,7 @@ from .ledger import (
     LedgerTotal,
     ProviderStatement,
 )
-from .metrics import EvalRead, JobReport, RolloutCounts, StepMetrics
+from .metrics import EvalRead, JobReport, MismatchStats, RolloutCounts, StepMetrics
 from .rollouts import (
     EpisodeLimits,
     EpisodeReplies,
@@ -182,6 +185,9 @@ __all__ = [
     "LeasedPrompt",
     "PromptSampling",
     "LossAggregation",
+    "Correction",
+    "CorrectionLevel",
+    "Rounding",
     "LrSchedule",
     "Manifest",
     "Page",
@@ -205,6 +211,7 @@ __all__ = [
     "SamplingParams",
     "StepAck",
     "StepMetrics",
+    "MismatchStats",
     "StepReport",
     "TaskInfo",
     "TaskSpec",
