@@ -279,8 +279,8 @@ def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: So
         model = with_adapter(model, spec.lora)
     trainer = GRPOTrainer(world.wrap(model, dtype), tokenizer, spec, reference, world)
     kind = LoraWeights if spec.lora is not None else Weights
-    rounder = None if isinstance(world, Sharded) else Rounder(
-        trainer.model, dtype, dithered=spec.weights.rounding is Rounding.dithered, seed=spec.seed)
+    dithered = spec.weights.rounding is Rounding.dithered and dtype == torch.bfloat16  # `auto` may be another
+    rounder = None if isinstance(world, Sharded) else Rounder(trainer.model, dtype, dithered, seed=spec.seed)
     trainer.weights = kind(trainer.model, tokenizer, dtype, world, rounder)
     return trainer, checkpoint.load_latest(checkpoints, trainer.model, trainer.optimizer, trainer.scheduler, world)
 

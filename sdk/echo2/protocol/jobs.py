@@ -155,7 +155,8 @@ class WeightsConfig(Model):
                                "`dithered` (bfloat16 versions): the master plus a random fraction of a step fixed "
                                "per weight, truncated; a weight moves once its master passes its own threshold, "
                                "so on average the published weights move as far as the masters, and still only "
-                               "the weights that crossed change from one version to the next.")
+                               "the weights that crossed change from one version to the next. With `auto` on a "
+                               "base whose own dtype is not bfloat16, nearest.")
     delta: bool = Field(True, description="Publish each version after the first also as a delta against the one "
                         "before it: workers holding that one fetch only what changed.")
     keyframe_every: int = Field(10, ge=1, le=10_000, description="Every K-th publication (and the first and the "
