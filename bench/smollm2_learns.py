@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 import tempfile
@@ -55,10 +56,10 @@ def run(args: argparse.Namespace) -> None:
     work = Path(tempfile.mkdtemp(prefix="echo2-smollm2-"))
     exit_on_sigterm()
     # On a machine shared with other work a starved learner or worker can miss a heartbeat for longer than the
-    # defaults allow (30 s, 15 s), and a relaunch loop would end the run: the bench waits 10 minutes.
-    settings = Settings(data_dir=work / ".echo2", port=free_port(), learner_dead_after_s=600,
-                        worker_offline_after_s=600)
-    stack = Stack(settings, workers=args.workers).start()
+    # defaults allow (30 s, 15 s), and a relaunch loop would end the run: the bench's stack (its processes
+    # read their settings from the environment) waits 10 minutes.
+    os.environ.update(ECHO2_LEARNER_DEAD_AFTER_S="600", ECHO2_WORKER_OFFLINE_AFTER_S="600")
+    stack = Stack(Settings(data_dir=work / ".echo2", port=free_port()), workers=args.workers).start()
     try:
         with Client(base_url=stack.url, api_key=stack.admin_key, timeout=60) as client:
             start = time.monotonic()
