@@ -76,9 +76,11 @@ class Folder:
     files: list[FileRef]
 
 
-def build_delta(base: Folder, target: Folder, out: Path, step: int, chunk_size: int) -> Manifest | None:
+def build_delta(base: Folder, target: Folder, out: Path, step: int, chunk_size: int,
+                sparse: bool = True) -> Manifest | None:
     """Write under `out` the payload that turns `base` into `target` and return its manifest (version
-    `target.version`); None when no file changed."""
+    `target.version`); None when no file changed. `sparse=False` never writes sparse patches (to measure
+    the XOR form against them)."""
     old = {f.path: f for f in base.files}
     out.mkdir(parents=True, exist_ok=True)
     payload = []
@@ -87,17 +89,17 @@ def build_delta(base: Folder, target: Folder, out: Path, step: int, chunk_size: 
         if prev is not None and prev.sha256 == ref.sha256:
             continue
         payload.append(_changed_file(base.path / ref.path, target.path / ref.path, prev is not None and
-                                     prev.size == ref.size, out / ref.path))
+                                     prev.size == ref.size, out / ref.path, sparse))
     if not payload:
         return None
     info = DeltaInfo(base_version=base.version, base_digest=files_digest(base.files), target=target.files)
     return build_manifest(out, target.version, step, chunk_size, paths=payload).model_copy(update={"delta": info})
 
 
-def _changed_file(base: Path, target: Path, same_size: bool, dest: Path) -> Path:
+def _changed_file(base: Path, target: Path, same_size: bool, dest: Path, sparse: bool) -> Path:
     """The payload file for one changed model file: a sparse patch, its XOR with the base, or the file."""
     if same_size:
-        patch = _sparse_patch(base, target)
+        patch = _sparse_patch(base, target) if sparse else None
         if patch is not None:
             out = dest.with_name(dest.name + SPARSE_SUFFIX)
             _compress(iter([patch]), out, SPARSE_LEVEL)
