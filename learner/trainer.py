@@ -70,8 +70,10 @@ class GRPOTrainer:
         self.cfg = objective_config(spec)
         g = spec.grpo
         trainable = [p for p in model.parameters() if p.requires_grad]  # a LoRA job's adapter only
+        # One fused kernel for the whole step on a GPU (not with FSDP's sharded parameters)
+        fused = type(self.world) is Solo and all(p.is_cuda for p in trainable) or None
         self.optimizer = torch.optim.AdamW(trainable, lr=g.lr, betas=g.adam_betas, eps=g.adam_eps,
-                                           weight_decay=g.weight_decay)
+                                           weight_decay=g.weight_decay, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, spec))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
