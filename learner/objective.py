@@ -51,11 +51,11 @@ of the sampled token under three policies, all computed as log softmax(logits / 
 4. Optional KL to the reference policy, k3 estimator (unbiased, always >= 0):
        k3_{i,t} = exp(logref_{i,t} - logp_{i,t}) - (logref_{i,t} - logp_{i,t}) - 1
 
-5. Per-token loss  l_{i,t} = -v_{i,t} * u_{i,t} + kl_coef * k3_{i,t},  reduced with weights w and divisor D:
-       loss = sum_{i,t} keep_i * m_{i,t} * w_{i,t} * l_{i,t} / D
-   length_norm = "token_mean" (DAPO):  w = 1,      D = sum_{i,t} keep_i * m_{i,t}
-   length_norm = "seq_mean"   (GRPO):  w = 1/L_i,  D = sum_i keep_i
-   length_norm = "max_len"    (Dr.GRPO): w = 1,    D = (sum_i keep_i) * max_len   (a constant per sample)
+5. Per-token loss  l_{i,t} = -v_{i,t} * u_{i,t} + kl_coef * k3_{i,t},  reduced with length weights n and divisor D:
+       loss = sum_{i,t} keep_i * m_{i,t} * n_{i,t} * l_{i,t} / D
+   length_norm = "token_mean" (DAPO):  n = 1,      D = sum_{i,t} keep_i * m_{i,t}
+   length_norm = "seq_mean"   (GRPO):  n = 1/L_i,  D = sum_i keep_i
+   length_norm = "max_len"    (Dr.GRPO): n = 1,    D = (sum_i keep_i) * max_len   (a constant per sample)
    D is a property of the whole optimiser step: with gradient accumulation, compute it once over all
    micro-batches (`loss_denominator`) and pass it to every `grpo_loss` call so the sum of the
    micro-batch losses equals the full-batch loss.
@@ -157,7 +157,7 @@ def group_advantages(
 
 
 def token_weights(completion_mask: torch.Tensor, keep: torch.Tensor, cfg: ObjectiveConfig) -> torch.Tensor:
-    """Step 5 weights keep_i * m_{i,t} * w_{i,t}, shape [B, T]."""
+    """Step 5 weights keep_i * m_{i,t} * n_{i,t}, shape [B, T]."""
     mask = completion_mask.to(torch.float32) * keep.to(torch.float32).unsqueeze(-1)
     if cfg.length_norm == "seq_mean":
         lengths = completion_mask.to(torch.float32).sum(-1, keepdim=True).clamp(min=1.0)
