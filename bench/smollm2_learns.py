@@ -55,10 +55,12 @@ def run(args: argparse.Namespace) -> None:
     from server.stack import Stack, exit_on_sigterm
     work = Path(tempfile.mkdtemp(prefix="echo2-smollm2-"))
     exit_on_sigterm()
-    # On a machine shared with other work a starved learner or worker can miss a heartbeat for longer than the
-    # defaults allow (30 s, 15 s), and a relaunch loop would end the run: the bench's stack (its processes
-    # read their settings from the environment) waits 10 minutes.
-    os.environ.update(ECHO2_LEARNER_DEAD_AFTER_S="600", ECHO2_WORKER_OFFLINE_AFTER_S="600")
+    # On a machine shared with other work a starved learner or worker can miss a heartbeat, a lease renewal or
+    # a delivery for longer than the defaults allow (30 s, 15 s, 60 s, 120 s): relaunch loops ended runs, and a
+    # worker deactivated for "no measured throughput" idled for 20 minutes. The bench's stack (its processes
+    # read their settings from the environment) waits 10 to 30 minutes instead.
+    os.environ.update(ECHO2_LEARNER_DEAD_AFTER_S="600", ECHO2_WORKER_OFFLINE_AFTER_S="600",
+                      ECHO2_LEASE_TTL_S="600", ECHO2_DELIVERY_GRACE_S="1800")
     stack = Stack(Settings(data_dir=work / ".echo2", port=free_port()), workers=args.workers).start()
     try:
         with Client(base_url=stack.url, api_key=stack.admin_key, timeout=60) as client:
