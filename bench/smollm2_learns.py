@@ -63,12 +63,12 @@ def run(args: argparse.Namespace) -> None:
                       ECHO2_LEASE_TTL_S="600", ECHO2_DELIVERY_GRACE_S="1800")
     stack = Stack(Settings(data_dir=work / ".echo2", port=free_port()), workers=args.workers).start()
     try:
-        with Client(base_url=stack.url, api_key=stack.admin_key, timeout=60) as client:
+        with Client(base_url=stack.url, api_key=stack.admin_key, timeout=300) as client:
             start = time.monotonic()
             job = client.jobs.create(spec(args))
             print(f"{job.id}: {args.steps} steps, S={args.staleness}, {args.workers} CPU worker(s)", flush=True)
             seen = 0
-            while not client.jobs.get(job.id).status.is_terminal():
+            while not _finished(client, job.id):
                 seen = _print_evals(client, job.id, seen, start)
                 if args.max_minutes and time.monotonic() - start > args.max_minutes * 60:
                     print(f"stopped at {args.max_minutes} minutes", flush=True)
@@ -80,6 +80,17 @@ def run(args: argparse.Namespace) -> None:
             _versions(client, job.id)
     finally:
         stack.stop()
+
+
+def _finished(client: Any, job_id: str) -> bool:
+    """Whether the job ended; an API too starved to answer (load averages of 60 were seen) is asked again."""
+    from echo2.errors import ConnectionError as Unreachable
+
+    try:
+        return bool(client.jobs.get(job_id).status.is_terminal())
+    except Unreachable as exc:
+        print(f"the API did not answer ({exc}); asking again", flush=True)
+        return False
 
 
 def _print_evals(client: Any, job_id: str, seen: int, start: float) -> int:
