@@ -94,7 +94,12 @@ def _finished(client: Any, job_id: str) -> bool:
 
 
 def _print_evals(client: Any, job_id: str, seen: int, start: float) -> int:
-    evals = client.jobs.evals(job_id)
+    from echo2.errors import ConnectionError as Unreachable
+
+    try:
+        evals = client.jobs.evals(job_id)
+    except Unreachable:
+        return seen  # printed at the next poll
     for e in evals[seen:]:
         print(f"held-out at step {e.step:4d}: greedy {_acc(e.greedy_accuracy, e.prompts)}  sampled "
               f"{_acc(e.sampled_accuracy, e.prompts)}  ({e.prompts} problems, {e.seconds:.0f} s to evaluate; "
