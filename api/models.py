@@ -384,6 +384,8 @@ class StepMetric(Base):
     audit_s: Mapped[float] = mapped_column(Float, default=0.0)
     rollout_ids: Mapped[list[Any]] = mapped_column(default=list)  # trained, in the learner's order (replay)
     staleness_hist: Mapped[list[Any]]
+    # behaviour against learner per staleness, then the whole step (echo2.protocol.MismatchStats)
+    mismatch: Mapped[list[Any]] = mapped_column(default=list)
     tokens: Mapped[int] = mapped_column(BigInteger)
     learner_utilization: Mapped[float | None] = mapped_column(Float)
     rollouts_per_s: Mapped[float | None] = mapped_column(Float)

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 from echo2.prompting import encode_prompt
@@ -28,8 +30,10 @@ BATCH = 32  # prompts generated at once
 
 
 class Evaluator:
-    def __init__(self, spec: JobSpec, prompts: list[EvalPrompt], model: Any, tokenizer: Any, pad_id: int) -> None:
+    def __init__(self, spec: JobSpec, prompts: list[EvalPrompt], model: Any, tokenizer: Any, pad_id: int,
+                 computing: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         self.spec, self.prompts, self.model, self.tokenizer, self.pad_id = spec, prompts, model, tokenizer, pad_id
+        self.computing = computing  # the model holding the published weights (learner/rounding.py)
         self.task = get_task(spec.task.name)
         self.params = self.task.parse_params(spec.task.params)
 
@@ -43,8 +47,9 @@ class Evaluator:
         was_training = self.model.training
         self.model.eval()
         try:
-            greedy = self._rewards(0.0, 0)
-            sampled = self._rewards(self.spec.grpo.temperature, derive_seed("eval", self.spec.seed, step))
+            with self.computing():
+                greedy = self._rewards(0.0, 0)
+                sampled = self._rewards(self.spec.grpo.temperature, derive_seed("eval", self.spec.seed, step))
         finally:
             self.model.train(was_training)
         report = EvalReport(step=step, version=version, prompts=len(self.prompts),

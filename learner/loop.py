@@ -28,7 +28,9 @@ from echo2.protocol import (
     LearnerFinish,
     LearnerHeartbeat,
     LearnerStartReply,
+    MismatchStats,
     RolloutRejection,
+    Rounding,
     StepAck,
     StepReport,
 )
@@ -37,10 +39,11 @@ from . import checkpoint, resume
 from .auditor import Auditor
 from .evaluate import Evaluator
 from .models import resolve_model, with_adapter
-from .parallel import Solo
+from .parallel import Sharded, Solo
 from .pipeline import Ahead, Committer
 from .publisher import Publisher
 from .remote import ControlPlane
+from .rounding import Rounder
 from .trainer import GRPOTrainer, StepResult
 from .weights import LoraWeights, Weights, published_dtype
 
@@ -196,7 +199,8 @@ class Learner:
             log.warning("held-out evaluation runs in single-process learners only; this job has %d ranks",
                         self.world.size)
             return None
-        return Evaluator(spec, self.plane.eval_prompts(), trainer.model, trainer.tokenizer, trainer.pad_id)
+        return Evaluator(spec, self.plane.eval_prompts(), trainer.model, trainer.tokenizer, trainer.pad_id,
+                         computing=trainer.weights.computing)
 
     def _evaluate(self, committer: Committer, step: int) -> None:
         """Held-out accuracy of the weights after `step` steps, reported once that step is committed."""
@@ -298,12 +302,17 @@ def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: So
     model = model.to(world.device(wanted))
     if spec.learner.activation_checkpointing:
         model.gradient_checkpointing_enable()  # recompute activations in backward: memory for compute
+    dtype = published_dtype(spec, model_path)
     reference = _reference(model, spec)  # a full replica on every rank: it is only read
+    if reference is not None:
+        Rounder(reference, dtype)  # version 0 as published: frozen, so rounded once
     if spec.lora is not None:
         model = with_adapter(model, spec.lora)
-    trainer = GRPOTrainer(world.wrap(model), tokenizer, spec, reference, world)
+    trainer = GRPOTrainer(world.wrap(model, dtype), tokenizer, spec, reference, world)
     kind = LoraWeights if spec.lora is not None else Weights
-    trainer.weights = kind(trainer.model, tokenizer, published_dtype(spec, model_path), world)
+    dithered = spec.weights.rounding is Rounding.dithered and dtype == torch.bfloat16  # `auto` may be another
+    rounder = None if isinstance(world, Sharded) else Rounder(trainer.model, dtype, dithered, seed=spec.seed)
+    trainer.weights = kind(trainer.model, tokenizer, dtype, world, rounder)
     return trainer, checkpoint.load_latest(checkpoints, trainer.model, trainer.optimizer, trainer.scheduler, world)
 
 
@@ -327,10 +336,15 @@ def _report(step: int, ids: list[str], r: StepResult) -> StepReport:
         step=step, rollout_ids=ids, t_train_s=r.seconds, reward_mean=r.reward_mean, reward_std=r.reward_std,
         loss=_bounded(r.loss), kl=_bounded(r.kl), clip_frac=min(1.0, r.clip_frac), groups_dropped=r.groups_dropped,
         staleness_hist=r.staleness_hist, tokens=r.tokens,
+        mismatch=[MismatchStats(**_int_counts(m)) for m in r.mismatch],
         rewards=[{"rollout_id": k, "rewards": v} for k, v in r.rewards.items()],
         rejected=[RolloutRejection(rollout_id=k, reason=v[:500]) for k, v in r.rejected.items()],
         audits=r.audits, audit_s=r.audit_s,
     )
+
+
+def _int_counts(row: dict[str, float]) -> dict[str, float | int]:
+    return {**row, "staleness": int(row["staleness"]), "tokens": int(row["tokens"])}
 
 
 def _bounded(value: float, limit: float = 1e9) -> float | None:

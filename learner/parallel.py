@@ -9,7 +9,9 @@ batch wait on a socket, not on a spinning GPU kernel.
 
 Both offer the same methods, so the learner code reads the same for both:
 - `announce(command, payload)`: rank 0 tells the followers what to do next (no-op for Solo);
-- `wrap(model)`: shard the model (before the optimiser is built over its parameters);
+- `wrap(model, dtype)`: shard the model (before the optimiser is built over its parameters); with FSDP
+  the float32 shards are cast to `dtype` (the published one) as they are gathered, so the forward runs
+  on the weights as published (learner/rounding.py does it for Solo);
 - `model_state(model)`: a full CPU copy of the weights (rank 0 gets it; other ranks help gather);
 - `optimizer_state` / `restore`: full optimiser state for checkpoints, and loading both back;
 - `share(rows)` / `total(stats, grad_norm, device)`: the rows of a micro-batch this rank computes, and a
@@ -35,7 +37,7 @@ class Solo:
     def announce(self, command: str, payload: Any = None) -> None:
         """Nothing to tell: there are no other ranks."""
 
-    def wrap(self, model: Any) -> Any:
+    def wrap(self, model: Any, dtype: torch.dtype = torch.float32) -> Any:
         return model
 
     def model_state(self, model: Any) -> dict[str, torch.Tensor]:
@@ -94,14 +96,16 @@ class Sharded(Solo):
         dist.broadcast_object_list(box, src=0, group=self._control)
         return box[0]
 
-    def wrap(self, model: Any) -> Any:
-        from torch.distributed.fsdp import fully_shard
+    def wrap(self, model: Any, dtype: torch.dtype = torch.float32) -> Any:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+        # Gradients are reduced in float32 whatever the compute dtype: they update float32 masters.
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
         layers = set(getattr(model, "_no_split_modules", None) or [])  # HF names its decoder layer class
         for module in model.modules():
             if type(module).__name__ in layers:
-                fully_shard(module)
-        fully_shard(model)
+                fully_shard(module, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
         return model
 
     def model_state(self, model: Any) -> dict[str, torch.Tensor]:

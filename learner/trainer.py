@@ -42,6 +42,7 @@ class StepResult:
     groups_dropped: int = 0
     tokens: int = 0
     staleness_hist: list[int] = field(default_factory=list)
+    mismatch: list[dict[str, float]] = field(default_factory=list)  # objective.mismatch_summary
     seconds: float = 0.0
     rejected: dict[str, str] = field(default_factory=dict)  # rollout id -> why it was not trained
     audits: list[AuditReport] = field(default_factory=list)
@@ -51,7 +52,10 @@ class StepResult:
 def objective_config(spec: JobSpec) -> ObjectiveConfig:
     g = spec.grpo
     return ObjectiveConfig(eps_low=g.eps_low, eps_high=g.eps_high, ratio_cap=g.ratio_cap, kl_coef=g.kl_coef,
-                           length_norm=g.loss_agg.value, max_len=g.max_new_tokens, scale_by_std=g.scale_rewards)
+                           length_norm=g.loss_agg.value, max_len=g.max_new_tokens, scale_by_std=g.scale_rewards,
+                           correction=g.correction.value, correction_level=g.correction_level.value,
+                           correction_low=g.correction_low, correction_high=g.correction_high,
+                           max_staleness=spec.staleness)
 
 
 class GRPOTrainer:
@@ -68,8 +72,10 @@ class GRPOTrainer:
         self.cfg = objective_config(spec)
         g = spec.grpo
         trainable = [p for p in model.parameters() if p.requires_grad]  # a LoRA job's adapter only
+        # One fused kernel for the whole step on a GPU (not with FSDP's sharded parameters)
+        fused = type(self.world) is Solo and all(p.is_cuda for p in trainable) or None
         self.optimizer = torch.optim.AdamW(trainable, lr=g.lr, betas=g.adam_betas, eps=g.adam_eps,
-                                           weight_decay=g.weight_decay)
+                                           weight_decay=g.weight_decay, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, spec))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -193,12 +199,15 @@ class GRPOTrainer:
         g = self.spec.grpo
         stats = grpo_update(self.model, self.optimizer, rows, self.cfg, temperature=g.temperature,
                             max_tokens_per_micro_batch=g.micro_batch_tokens, grad_clip=g.max_grad_norm,
-                            ref_model=self.ref_model, pad_id=self.pad_id, world=self.world)
+                            ref_model=self.ref_model, pad_id=self.pad_id, world=self.world,
+                            computing=self.weights.computing,
+                            support=(g.top_k, g.top_p) if g.support_replay else None)
         if stats["stepped"]:
             self.scheduler.step()
         result.groups_dropped += int(stats["dropped_groups"])
         result.loss, result.kl = stats.get("loss", 0.0), stats.get("kl", 0.0)
         result.clip_frac, result.tokens = stats.get("clip_frac", 0.0), int(stats.get("tokens", 0))
+        result.mismatch = stats["mismatch"]
         return list(stats["poisoned_groups"])
 
 

@@ -162,7 +162,7 @@ def _metric_row(db: Session, job: Job, report: StepReport, groups: int) -> StepM
         reward_std=report.reward_std, loss=report.loss, kl=report.kl, clip_frac=report.clip_frac,
         groups=groups, groups_dropped=report.groups_dropped, groups_rejected=len(report.rejected),
         audits=len(report.audits), audit_s=report.audit_s, rollout_ids=list(report.rollout_ids),
-        staleness_hist=report.staleness_hist,
+        staleness_hist=report.staleness_hist, mismatch=[m.model_dump() for m in report.mismatch],
         tokens=report.tokens, learner_utilization=util, rollouts_per_s=groups / elapsed,
         cost_usd=job.learner_usd + job.workers_usd,
     )

@@ -40,16 +40,17 @@ def rollouts(tiny) -> Rollouts:
                     [i % 2 for i in range(12)])
 
 
-def update(model, batch: Rollouts, pad_id: int, world=None):
+def update(model, batch: Rollouts, pad_id: int, world=None, dtype=torch.float32):
     ref = copy.deepcopy(model).eval()
-    model = world.wrap(model) if world else model
+    model = world.wrap(model, dtype) if world else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     # 40 tokens per micro-batch: several micro-batches, some with an odd number of rows
     return grpo_update(model, optimizer, batch, CFG, max_tokens_per_micro_batch=40, grad_clip=None,
                        ref_model=ref, pad_id=pad_id, world=world)
 
 
-def _rank(rank: int, port: int, tiny_dir: str, batch: Rollouts, pad_id: int, out: str) -> None:
+def _rank(rank: int, port: int, tiny_dir: str, batch: Rollouts, pad_id: int, out: str,
+          dtype: torch.dtype = torch.float32) -> None:
     from transformers import AutoModelForCausalLM
 
     from learner.parallel import Sharded
@@ -58,7 +59,7 @@ def _rank(rank: int, port: int, tiny_dir: str, batch: Rollouts, pad_id: int, out
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     world = Sharded(local_rank=rank)
     model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
-    stats = update(model, batch, pad_id, world)
+    stats = update(model, batch, pad_id, world, dtype)
     if rank:  # as launch.follow does: rank 0 announces the gather
         assert world.receive()[0] == "model_state"
     state = world.model_state(model)
@@ -89,6 +90,32 @@ def test_sharded_update_equals_single_process(tiny, tiny_dir, tmp_path):
         torch.testing.assert_close(value, state[name], rtol=1e-5, atol=1e-6, msg=name)
         moved += not torch.equal(value, initial[name])
     assert moved > len(state) // 2, "the update changed almost nothing: the comparison would prove little"
+
+
+def test_sharded_bf16_versions_compute_in_bf16_on_float32_masters(tiny, tiny_dir, tmp_path):
+    """With bf16 versions, FSDP gathers the float32 master shards cast to bf16 (the published weights) and
+    computes on them; the gathered state stays float32 masters, moved by the step. The update is close to
+    the single process's on the same rounded weights (bf16 arithmetic: not equal)."""
+    from transformers import AutoModelForCausalLM
+
+    from learner.rounding import Rounder
+
+    _, tok = tiny
+    batch = rollouts(tiny)
+    torch.multiprocessing.spawn(_rank, args=(free_port(), str(tiny_dir), batch, tok.pad_token_id,
+                                             str(tmp_path / "sharded.pt"), torch.bfloat16), nprocs=2, join=True)
+    sharded = torch.load(tmp_path / "sharded.pt")
+    single = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    initial = {k: v.clone() for k, v in single.state_dict().items()}
+    rounder = Rounder(single, torch.bfloat16)
+    ref = copy.deepcopy(single).eval()
+    stats = grpo_update(single, torch.optim.SGD(single.parameters(), lr=0.5), batch, CFG,
+                        max_tokens_per_micro_batch=40, grad_clip=None, ref_model=ref, pad_id=tok.pad_token_id,
+                        computing=rounder.computing)
+    assert all(v.dtype == torch.float32 for v in sharded["state"].values())
+    assert sum(not torch.equal(v, initial[k]) for k, v in sharded["state"].items()) > len(initial) // 2
+    assert sharded["stats"]["loss"] == pytest.approx(stats["loss"], rel=0.05, abs=1e-3)
+    assert sharded["stats"]["tokens"] == stats["tokens"]
 
 
 def torchrun_pid() -> int | None:

@@ -168,6 +168,16 @@ E2.page("job", () => {
       kl: E2Charts.line(fig("kl"), {
         series: [{ label: "KL", color: "#c2410c" }, { label: "clip fraction", color: "#0e7490", scale: "y2" }],
       }),
+      mismatch: E2Charts.line(fig("mismatch"), {
+        series: [
+          { label: "mismatch KL", color: "#c2410c" },
+          { label: "KL, fresh (t − x = 0)", color: "#f59e0b", width: 1, dash: [4, 4] },
+          { label: "ESS", color: "#1f6feb", scale: "y2" },
+          { label: "clipped", color: "#0e7490", scale: "y2", dash: [2, 3] },
+          { label: "masked", color: "#7c3aed", scale: "y2", dash: [6, 3] },
+        ],
+        y: { min: 0 },
+      }),
       cost: E2Charts.line(fig("cost"), {
         series: [{ label: "total USD", color: "#b91c1c" }], time: true, y: { min: 0 },
         format: (v) => (v === null || v === undefined ? "–" : "$" + Number(v.toPrecision(3))),
@@ -184,6 +194,10 @@ E2.page("job", () => {
     charts.util.set([steps, col((m) => m.learner_utilization)]);
     charts.rps.set([steps, col((m) => m.rollouts_per_s)]);
     charts.kl.set([steps, col((m) => m.kl), col((m) => m.clip_frac)]);
+    // mismatch rows: one per staleness, then the whole step's (staleness -1)
+    const mm = (m, s, key) => { const r = (m.mismatch || []).find((x) => x.staleness === s); return r ? r[key] : null; };
+    charts.mismatch.set([steps, col((m) => mm(m, -1, "kl")), col((m) => mm(m, 0, "kl")), col((m) => mm(m, -1, "ess")),
+      col((m) => mm(m, -1, "clipped")), col((m) => mm(m, -1, "masked"))]);
     const costed = metrics.filter((m) => m.cost_usd !== null);
     charts.cost.set([costed.map((m) => new Date(m.created_at).getTime() / 1000), costed.map((m) => m.cost_usd)]);
     drawStaleness();

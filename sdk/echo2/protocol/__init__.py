@@ -37,6 +37,8 @@ from .fleet import (
     WorkerStats,
 )
 from .jobs import (
+    Correction,
+    CorrectionLevel,
     DecisionRead,
     Device,
     EvalConfig,
@@ -51,6 +53,7 @@ from .jobs import (
     LrSchedule,
     PromptIn,
     PromptRead,
+    Rounding,
     TaskInfo,
     TaskSpec,
     WeightDtype,
@@ -88,7 +91,7 @@ from .ledger import (
     LedgerTotal,
     ProviderStatement,
 )
-from .metrics import EvalRead, JobReport, RolloutCounts, StepMetrics
+from .metrics import EvalRead, JobReport, MismatchStats, RolloutCounts, StepMetrics
 from .rollouts import (
     EpisodeLimits,
     EpisodeReplies,
@@ -190,6 +193,9 @@ __all__ = [
     "LeasedPrompt",
     "PromptSampling",
     "LossAggregation",
+    "Correction",
+    "CorrectionLevel",
+    "Rounding",
     "LrSchedule",
     "Manifest",
     "Page",
@@ -215,6 +221,7 @@ __all__ = [
     "SamplingParams",
     "StepAck",
     "StepMetrics",
+    "MismatchStats",
     "StepReport",
     "TaskInfo",
     "TaskSpec",

@@ -9,6 +9,7 @@ from pydantic import Field, StringConstraints
 
 from .common import JobStatus, Model, Precision, ReadModel, ShortText, Step
 from .jobs import JobRead
+from .metrics import MismatchStats
 from .rollouts import SampleSubmit
 
 RolloutId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
@@ -119,6 +120,9 @@ class StepReport(Model):
     clip_frac: float | None = Field(None, ge=0, le=1)
     groups_dropped: int = Field(0, ge=0, le=4096, description="Groups whose rewards were all equal.")
     staleness_hist: list[int] = Field(default_factory=list, max_length=65, description="Index = t - x.")
+    mismatch: list[MismatchStats] = Field(default_factory=list, max_length=66, description="Behaviour policy "
+                                          "against the learner's, per staleness with tokens, then all of the "
+                                          "step's tokens (staleness -1).")
     tokens: int = Field(0, ge=0, le=10**10)
 
 
