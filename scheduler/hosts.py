@@ -66,16 +66,16 @@ def probe_gpus() -> list[dict[str, Any]]:
 
 
 def describe(slots: int | None, gpus: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
-    """(slots, the GPU of each slot) for a host with these GPUs: a slot a GPU (the first `slots` of them
-    when given), or without GPUs `slots` CPU slots (default: one a pair of cores)."""
+    """(slots, the GPU of each slot) for a host with these GPUs: a slot a GPU, the first `slots` of them
+    when given (never more than it has: two learners on one card would share its memory); without GPUs,
+    `slots` CPU slots (default: one a pair of cores)."""
     if slots is not None and slots < 1:
         raise ValueError(f"--slots {slots}: a learner host needs at least 1 slot")
     if not gpus:
         return slots or max(1, (os.cpu_count() or 2) // 2), []
     if slots is not None and slots > len(gpus):
-        raise ValueError(f"--slots {slots}: this host has {len(gpus)} GPU(s) and a slot is a GPU (two learners on "
-                         f"one card would share its memory); give at most {len(gpus)}, or hide the GPUs "
-                         "(CUDA_VISIBLE_DEVICES=) to run CPU learners")
+        log.warning("--slots %d on a host with %d GPU(s): %d slots, a slot a GPU (hide the GPUs with "
+                    "CUDA_VISIBLE_DEVICES= to run CPU learners instead)", slots, len(gpus), len(gpus))
     used = gpus[:slots] if slots is not None else gpus
     return len(used), used
 

@@ -33,7 +33,8 @@ def _parser() -> argparse.ArgumentParser:
     host = sub.add_parser("learner-host", help="run a learner host: a Celery worker on its own queue, a learner "
                           "slot a GPU (CUDA_VISIBLE_DEVICES picks them)")
     host.add_argument("--slots", type=int, help="learner slots on this host: with GPUs, a slot is a GPU (default "
-                      "all of them; N: the first N); without CUDA, CPU slots (default one per two CPU cores)")
+                      "all of them; N: the first N, at most all); without CUDA, CPU slots (default one per two "
+                      "CPU cores)")
     for name, text in (("up", "run everything locally: Redis, API, scheduler, learner host, Tinker host, N CPU "
                                "workers"),
                        ("demo", "`up`, then train the demo job and follow it live (exit 0 if it succeeded)")):

@@ -33,9 +33,12 @@ one does, it waits in line saying so (scheduler/placement.py).
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -223,7 +226,9 @@ def judge(db: Session, spec: JobSpec, shape: Shape | None) -> tuple[LearnerMemor
     if memory.fits:
         return memory, None
     assert shape is not None
-    return memory, _too_big(memory, spec, largest) + "; ".join(_remedies(shape, spec, hosts))
+    remedies = _remedies(shape, spec, hosts)
+    what = f"To change: {'; '.join(remedies)}" if remedies else "It needs a learner host with larger GPUs."
+    return memory, f"{_too_big(memory, spec, largest)}. {what}"
 
 
 def registered_gpu_hosts(db: Session) -> list[LearnerHost]:
@@ -245,37 +250,60 @@ def _too_big(m: LearnerMemory, spec: JobSpec, largest: float) -> str:
              f"{m.runtime_gib:g}")
     return (f"this job needs about {m.per_gpu_gib:g} GiB on each of its {m.gpus} learner GPU(s) ({what} of "
             f"{m.params / 1e9:.2f}B parameters: {parts} GiB), and the largest registered learner host's GPUs hold "
-            f"{largest:g} GiB. To change: ")
+            f"{largest:g} GiB")
 
 
 def _remedies(shape: Shape, spec: JobSpec, hosts: list[LearnerHost]) -> list[str]:
-    """What the user could change, each with the need it gives and whether a registered host holds it."""
-    out = []
+    """What the user could change, each with the need it gives and whether a registered host holds it; when
+    no single change is enough, also the fewest changes together that are."""
+    options = _options(shape, spec, hosts)
 
-    def option(words: str, changed: JobSpec) -> None:
+    def fits(changed: JobSpec) -> tuple[float, bool]:
         m = need(shape, changed)
-        fits = m.per_gpu_gib <= _capacity(hosts, m.gpus)
-        out.append(f"{words}: about {m.per_gpu_gib:g} GiB a GPU ({'fits' if fits else 'still too big'})")
+        return m.per_gpu_gib, m.per_gpu_gib <= _capacity(hosts, m.gpus)
 
-    learner, grpo = spec.learner, spec.grpo
+    out = []
+    for words, change in options:
+        gib, ok = fits(change(spec))
+        out.append(f"{words}: about {gib:g} GiB a GPU ({'fits' if ok else 'still too big'})")
+    if not any(line.endswith("(fits)") for line in out):
+        for size in range(2, len(options) + 1):
+            for combo in itertools.combinations(options, size):
+                changed = functools.reduce(lambda acc, option: option[1](acc), combo, spec)
+                gib, ok = fits(changed)
+                if ok:
+                    return [*out, f"together, {' and '.join(w for w, _ in combo)}: about {gib:g} GiB a GPU (fits)"]
+    return out
+
+
+Change = Callable[[JobSpec], JobSpec]
+
+
+def _options(shape: Shape, spec: JobSpec, hosts: list[LearnerHost]) -> list[tuple[str, Change]]:
+    """The single changes worth naming for this job: LoRA, more GPUs (the fewest that hold it, else all of
+    the widest host's), activation checkpointing, smaller micro-batches, no KL reference."""
+    def learner(**update: Any) -> Change:
+        return lambda s: s.model_copy(update={"learner": s.learner.model_copy(update=update)})
+
+    def grpo(**update: Any) -> Change:
+        return lambda s: s.model_copy(update={"grpo": s.grpo.model_copy(update=update)})
+
+    out: list[tuple[str, Change]] = []
     if spec.lora is None:
-        option("train a LoRA adapter (lora: {})", spec.model_copy(update={"lora": LoraConfig()}))
+        out.append(("train a LoRA adapter (lora: {})", lambda s: s.model_copy(update={"lora": LoraConfig()})))
     most = max(len(h.gpus) for h in hosts)
-    for gpus in range(max(2, learner.gpus + 1), most + 1):
-        wider = spec.model_copy(update={"learner": learner.model_copy(update={"gpus": gpus})})
-        if need(shape, wider).per_gpu_gib <= _capacity(hosts, gpus) or gpus == most:
-            option(f"shard it over more GPUs (learner.gpus: {gpus})", wider)
-            break
-    if not learner.activation_checkpointing:
-        option("learner.activation_checkpointing: true", spec.model_copy(
-            update={"learner": learner.model_copy(update={"activation_checkpointing": True})}))
-    smaller = max(64, grpo.micro_batch_tokens // 4)
-    if smaller < grpo.micro_batch_tokens:
-        option(f"grpo.micro_batch_tokens: {smaller}", spec.model_copy(
-            update={"grpo": grpo.model_copy(update={"micro_batch_tokens": smaller})}))
-    if grpo.kl_coef > 0:
-        option("grpo.kl_coef: 0 (no reference model)", spec.model_copy(
-            update={"grpo": grpo.model_copy(update={"kl_coef": 0.0})}))
+    wider = [g for g in range(max(2, spec.learner.gpus + 1), most + 1)
+             if need(shape, learner(gpus=g)(spec)).per_gpu_gib <= _capacity(hosts, g)]
+    if most > max(1, spec.learner.gpus):
+        gpus = wider[0] if wider else most
+        out.append((f"shard it over more GPUs (learner.gpus: {gpus})", learner(gpus=gpus)))
+    if not spec.learner.activation_checkpointing:
+        out.append(("learner.activation_checkpointing: true", learner(activation_checkpointing=True)))
+    smaller = max(64, spec.grpo.micro_batch_tokens // 4)
+    if smaller < spec.grpo.micro_batch_tokens:
+        out.append((f"grpo.micro_batch_tokens: {smaller}", grpo(micro_batch_tokens=smaller)))
+    if spec.grpo.kl_coef > 0:
+        out.append(("grpo.kl_coef: 0 (no reference model)", grpo(kl_coef=0.0)))
     return out
 
 

@@ -77,7 +77,7 @@ def test_two_learners_on_a_two_gpu_host_each_see_only_their_own_gpu(api, tmp_pat
     for thread in threads:
         thread.start()
     try:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + 300  # loading torch in two children on a busy machine
         while len(seen := children_running("learner.launch")) < 2:
             assert time.monotonic() < deadline and not failures, (seen, failures)
             time.sleep(0.1)
@@ -86,7 +86,7 @@ def test_two_learners_on_a_two_gpu_host_each_see_only_their_own_gpu(api, tmp_pat
         for job in jobs:
             ok(alice.post(f"/v1/jobs/{job}/cancel"))
         for thread in threads:
-            thread.join(timeout=120)
+            thread.join(timeout=300)
     assert failures == [] and not any(t.is_alive() for t in threads)
 
 
@@ -141,8 +141,9 @@ def test_a_host_never_offers_more_slots_than_gpus():
     gpus = [{"id": "0", "name": "H100", "memory_gib": 79.1}, {"id": "1", "name": "H100", "memory_gib": 79.1}]
     assert hosts.describe(None, gpus) == (2, gpus)
     assert hosts.describe(1, gpus) == (1, gpus[:1])
-    with pytest.raises(ValueError, match="this host has 2 GPU\\(s\\) and a slot is a GPU"):
-        hosts.describe(4, gpus)
+    assert hosts.describe(4, gpus) == (2, gpus)  # never two learners on one card
+    with pytest.raises(ValueError, match="at least 1 slot"):
+        hosts.describe(0, gpus)
     assert hosts.describe(3, []) == (3, [])
     assert hosts.describe(None, [])[0] == max(1, (os.cpu_count() or 2) // 2)
 
