@@ -29,8 +29,10 @@ import sys
 from pathlib import Path
 
 from echo2 import logs
+from echo2.protocol import EvalPrompt
 
 from . import tether
+from .evaluate import Evaluator
 from .exclusive import sole_learner
 from .loop import Learner, LearnerOptions, build_trainer
 from .parallel import Sharded
@@ -169,10 +171,17 @@ def follow(world: Sharded, options: LearnerOptions, job_id: str) -> None:
     command, (spec, model_path) = world.receive()
     assert command == "start", command
     trainer, _ = build_trainer(spec, model_path, options, world, options.work_dir / job_id / "checkpoints")
+
+    def evaluate(payload: tuple[int, int, list[EvalPrompt]]) -> None:
+        step, version, prompts = payload
+        Evaluator(spec, prompts, trainer.model, trainer.tokenizer, trainer.pad_id, world).run(step, version)
+
     handlers = {
         "optimise": lambda rows: trainer.optimise(rows, StepResult()),
         "model_state": lambda _: world.model_state(trainer.model),
         "optimizer_state": lambda _: world.optimizer_state(trainer.model, trainer.optimizer),
+        "trainable_state": lambda _: world.trainable_state(trainer.model),
+        "evaluate": evaluate,
     }
     while (message := world.receive())[0] != "stop":
         handlers[message[0]](message[1])

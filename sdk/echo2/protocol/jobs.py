@@ -125,8 +125,8 @@ class LoraConfig(Model):
 
 class LearnerResources(Model):
     gpus: int = Field(0, ge=0, le=64, description="GPUs on the reserved learner cluster (0 = CPU). More than 1 "
-                      "runs the learner as torchrun with FSDP, one process per GPU (CPU processes without CUDA). "
-                      "The learner starts only where this many slots are free on one "
+                      "runs the learner as torchrun with FSDP, one process per GPU (CPU processes without CUDA), "
+                      "LoRA or full fine-tuning. The learner starts only where this many slots are free on one "
                       "learner host (a slot is a GPU), each GPU at least the job's estimated memory need; a job "
                       "that no registered learner host could hold is refused at submission (422, with the "
                       "numbers).")
@@ -205,8 +205,6 @@ class JobSpec(Model):
             )
         if self.dataset_id is not None and self.prompts is not None:
             raise ValueError("give either dataset_id or inline prompts, not both")
-        if self.lora is not None and self.learner.gpus > 1:
-            raise ValueError("a LoRA job runs its learner in one process: set learner.gpus to 0 or 1")
         return self
 
     def admissible(self, step: int, version: int) -> bool:
