@@ -229,6 +229,10 @@ class Job(Base):
     estimate_usd: Mapped[float | None] = mapped_column(Float)
     # GiB a rollout worker must offer: spec.workers.memory_gb, or derived from the first version (modelinfo).
     memory_need_gb: Mapped[float | None] = mapped_column(Float)
+    # GiB each of its learner's GPUs needs, estimated at submission from the model's config (services/memory.py).
+    learner_memory_gib: Mapped[float | None] = mapped_column(Float)
+    # Where its learner was last launched: {"host", "slots", "devices"} (scheduler/queue.py).
+    learner_placement: Mapped[dict[str, Any] | None]
     # A Tinker model's fleet sampler (api/tinker/fleet.py): its versions are the model's sampler checkpoints,
     # its prompts the sample requests on them; it has no learner of its own and no task.
     tinker_model_id: Mapped[str | None] = mapped_column(String(96), index=True)
@@ -459,12 +463,14 @@ class Decision(Base):
 
 
 class LearnerHost(Base):
-    """A learner host (a Celery worker on the queue `learner`) and how many learners it runs at once;
+    """A learner host (a Celery worker on its own queue) and how many learners it runs at once;
     it re-registers every few seconds, and the scheduler launches learners only into free slots."""
 
     __tablename__ = "learner_hosts"
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     slots: Mapped[int] = mapped_column(Integer)
+    # Slot i's GPU on a host with GPUs ({"id", "name", "memory_gib"}: scheduler/hosts.py); empty on a CPU host.
+    gpus: Mapped[list[Any] | None]
     seen_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

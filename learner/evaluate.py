@@ -6,8 +6,12 @@ trusted side (a worker could report any accuracy; references never leave the con
 learner), on exactly the weights of the version being measured, in float32. It costs learner time:
 generation of `eval.size` prompts, up to max_new_tokens each, before the first step, every `eval.every`
 steps and after the last — a few seconds on the tiny model, tens of seconds for SmolLM2 on CPU. Sampling
-here applies the temperature but no top-k/top-p truncation. Runs in single-process learners (with
-FSDP over several ranks it is skipped: every rank would have to generate in lockstep).
+here applies the temperature but no top-k/top-p truncation; each batch of prompts draws from its own seed
+(the job's seed, the step, the batch), so the figures do not depend on how the batches are spread.
+
+Under FSDP (learner.gpus > 1) rank 0 announces the evaluation and every rank generates every size-th
+batch on the sharded model, the ranks' forward passes kept in lockstep (parallel.Sharded.generating); the
+rewards are gathered on rank 0, which reports them.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from echo2.protocol import EvalPrompt, EvalReport, JobSpec
 
 from learner.tasks import TaskPrompt, derive_seed, get_task
 
+from .parallel import Solo
 from .policy import sample
 
 log = logging.getLogger(__name__)
@@ -31,8 +36,10 @@ BATCH = 32  # prompts generated at once
 
 class Evaluator:
     def __init__(self, spec: JobSpec, prompts: list[EvalPrompt], model: Any, tokenizer: Any, pad_id: int,
+                 world: Solo | None = None,
                  computing: Callable[[], AbstractContextManager[None]] = nullcontext) -> None:
         self.spec, self.prompts, self.model, self.tokenizer, self.pad_id = spec, prompts, model, tokenizer, pad_id
+        self.world = world or Solo()
         self.computing = computing  # the model holding the published weights (learner/rounding.py)
         self.task = get_task(spec.task.name)
         self.params = self.task.parse_params(spec.task.params)
@@ -43,15 +50,18 @@ class Evaluator:
         return bool(self.prompts) and (step == 0 or (every > 0 and step % every == 0))
 
     def run(self, step: int, version: int) -> EvalReport:
+        """The report (on rank 0; on the other ranks, of their share alone, and not to be reported)."""
         start = time.perf_counter()
+        self.world.announce("evaluate", (step, version, self.prompts))
         was_training = self.model.training
         self.model.eval()
         try:
-            with self.computing():
-                greedy = self._rewards(0.0, 0)
-                sampled = self._rewards(self.spec.grpo.temperature, derive_seed("eval", self.spec.seed, step))
+            with self.computing(), self.world.generating(self.model) as model:
+                greedy = self._rewards(model, 0.0, 0)
+                sampled = self._rewards(model, self.spec.grpo.temperature, derive_seed("eval", self.spec.seed, step))
         finally:
             self.model.train(was_training)
+        greedy, sampled = self._everyone(greedy), self._everyone(sampled)
         report = EvalReport(step=step, version=version, prompts=len(self.prompts),
                             greedy_accuracy=_accuracy(greedy), sampled_accuracy=_accuracy(sampled),
                             sampled_reward_mean=_mean(sampled), seconds=time.perf_counter() - start)
@@ -59,18 +69,24 @@ class Evaluator:
                  report.greedy_accuracy, report.sampled_accuracy, report.prompts, report.seconds)
         return report
 
-    def _rewards(self, temperature: float, seed: int) -> list[float | None]:
-        rewards: list[float | None] = []
-        for start in range(0, len(self.prompts), BATCH):
+    def _rewards(self, model: Any, temperature: float, seed: int) -> list[tuple[int, float | None]]:
+        """(prompt index, reward) of this rank's batches: every size-th one, from its rank's."""
+        rewards: list[tuple[int, float | None]] = []
+        for start in range(self.world.rank * BATCH, len(self.prompts), self.world.size * BATCH):
             batch = self.prompts[start:start + BATCH]
             ids = [encode_prompt(self.tokenizer, p.text) for p in batch]
-            out = sample(self.model, ids, max_new_tokens=self.spec.grpo.max_new_tokens,
+            out = sample(model, ids, max_new_tokens=self.spec.grpo.max_new_tokens,
                          eos_id=self.tokenizer.eos_token_id, pad_id=self.pad_id, temperature=temperature,
                          seed=seed + start)
-            for p, s in zip(batch, out, strict=True):
+            for i, (p, s) in enumerate(zip(batch, out, strict=True)):
                 text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
-                rewards.append(self.task.reward(TaskPrompt(text=p.text, reference=p.reference), text, self.params))
+                reward = self.task.reward(TaskPrompt(text=p.text, reference=p.reference), text, self.params)
+                rewards.append((start + i, reward))
         return rewards
+
+    def _everyone(self, mine: list[tuple[int, float | None]]) -> list[float | None]:
+        """Every rank's rewards, in prompt order."""
+        return [reward for _, reward in sorted(self.world.gather(mine), key=lambda ir: ir[0])]
 
 
 def _accuracy(rewards: list[float | None]) -> float | None:

@@ -4,8 +4,9 @@ It talks to the control plane over HTTP only.
 
 A job with `learner.gpus > 1` runs this same loop on rank 0 of a `torchrun` group (launch.py): the
 `world` (parallel.Sharded) shards the model with FSDP, and each collective step (train, gather the
-weights for a version or a checkpoint, stop) is announced to the other ranks, which follow it
-(launch.follow). Only rank 0 claims, reports, heartbeats, publishes and writes checkpoints."""
+weights for a version or a checkpoint, evaluate on held-out prompts, stop) is announced to the other
+ranks, which follow it (launch.follow). Only rank 0 claims, reports, heartbeats, publishes and writes
+checkpoints; a LoRA job's versions are written from an unsharded copy of its base (sharded_lora.py)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ from .pipeline import Ahead, Committer
 from .publisher import Publisher
 from .remote import ControlPlane
 from .rounding import Rounder
+from .sharded_lora import ShardedLoraWeights
 from .trainer import GRPOTrainer, StepResult
 from .weights import LoraWeights, Weights, published_dtype
 
@@ -195,12 +197,8 @@ class Learner:
     def _evaluator(self, spec: JobSpec, trainer: GRPOTrainer) -> Evaluator | None:
         if spec.eval.size == 0:
             return None
-        if self.world.size > 1:
-            log.warning("held-out evaluation runs in single-process learners only; this job has %d ranks",
-                        self.world.size)
-            return None
         return Evaluator(spec, self.plane.eval_prompts(), trainer.model, trainer.tokenizer, trainer.pad_id,
-                         computing=trainer.weights.computing)
+                         self.world, computing=trainer.weights.computing)
 
     def _evaluate(self, committer: Committer, step: int) -> None:
         """Held-out accuracy of the weights after `step` steps, reported once that step is committed."""
@@ -309,11 +307,20 @@ def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: So
     if spec.lora is not None:
         model = with_adapter(model, spec.lora)
     trainer = GRPOTrainer(world.wrap(model, dtype), tokenizer, spec, reference, world)
-    kind = LoraWeights if spec.lora is not None else Weights
-    dithered = spec.weights.rounding is Rounding.dithered and dtype == torch.bfloat16  # `auto` may be another
-    rounder = None if isinstance(world, Sharded) else Rounder(trainer.model, dtype, dithered, seed=spec.seed)
-    trainer.weights = kind(trainer.model, tokenizer, dtype, world, rounder)
+    trainer.weights = _versions(trainer.model, tokenizer, spec, model_path, dtype, world)
     return trainer, checkpoint.load_latest(checkpoints, trainer.model, trainer.optimizer, trainer.scheduler, world)
+
+
+def _versions(model: Any, tokenizer: Any, spec: JobSpec, model_path: str, dtype: torch.dtype, world: Solo) -> Weights:
+    """What the job's versions carry: the model, or a LoRA adapter (gathered from the ranks when sharded).
+    A single process computes on its masters rounded to the published dtype (learner/rounding.py); FSDP casts
+    them as it gathers them."""
+    if spec.lora is not None and world.size > 1:
+        return ShardedLoraWeights(model, tokenizer, dtype, world, model_path, spec.lora)
+    dithered = spec.weights.rounding is Rounding.dithered and dtype == torch.bfloat16  # `auto` may be another
+    rounder = None if isinstance(world, Sharded) else Rounder(model, dtype, dithered, seed=spec.seed)
+    kind = LoraWeights if spec.lora is not None else Weights
+    return kind(model, tokenizer, dtype, world, rounder)
 
 
 def _reference(model: Any, spec: JobSpec) -> Any:

@@ -218,7 +218,7 @@ def run_tick(api: Api, now: Any = None, slots: int = TEST_SLOTS) -> tuple[TickRe
         hosts.register(s, "test-learner-host", slots, now)
         s.commit()
     with api.db.session() as s:
-        report = tick(s, api.server.settings, lambda job, token: launched.append((job, token)), now=now)
+        report = tick(s, api.server.settings, lambda job, token, _: launched.append((job, token)), now=now)
     return report, launched
 
 

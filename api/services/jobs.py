@@ -19,7 +19,7 @@ from .. import auth
 from ..errors import ApiError
 from ..models import Dataset, DatasetItem, Job, Lease, Prompt, User, Worker, utcnow
 from ..settings import Settings
-from . import evals
+from . import evals, memory
 from .estimate import estimate
 from .relay import check_public_url
 
@@ -39,6 +39,7 @@ def create_job(
             return existing, False
     items, held_out = training_items(db, user, spec)
     check_references(spec, settings)
+    learner_memory = memory.check(db, spec, settings)
     if spec.learner.price_per_hour is None:
         spec.learner.price_per_hour = settings.learner_price_per_hour
     job = Job(
@@ -49,6 +50,7 @@ def create_job(
         idempotency_key=idempotency_key,
         request_hash=request_hash,
         estimate_usd=estimate(db, spec, settings).cost_usd,
+        learner_memory_gib=learner_memory.per_gpu_gib if learner_memory is not None else None,
     )
     try:
         with db.begin_nested():  # a concurrent replay of the same key may insert first
@@ -172,8 +174,8 @@ def job_read(job: Job) -> JobRead:
                    total_usd=job.learner_usd + job.workers_usd)
     return JobRead.model_validate(
         {**{c: getattr(job, c) for c in ("id", "name", "owner_id", "status", "status_reason", "queue_position",
-                                         "paused_for", "memory_need_gb", "step", "version", "final_version",
-                                         "num_prompts",
+                                         "paused_for", "memory_need_gb", "learner_memory_gib", "step", "version",
+                                         "final_version", "num_prompts",
                                          "reward_mean", "created_at", "started_at", "finished_at")},
          "spec": job.spec, "cost": cost}
     )

@@ -70,7 +70,7 @@ def train_step(api: Any, job: dict[str, Any], learner: httpx.Client, worker: htt
 def reconcile(api: Any) -> None:
     """One scheduler tick on the live control plane's database (activation decisions are recorded)."""
     with api.db.session() as session:
-        tick(session, api.server.settings, lambda job, token: None)
+        tick(session, api.server.settings, lambda job, token, placement: None)
 
 
 @pytest.fixture

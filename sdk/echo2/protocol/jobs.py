@@ -181,7 +181,11 @@ class LoraConfig(Model):
 
 class LearnerResources(Model):
     gpus: int = Field(0, ge=0, le=64, description="GPUs on the reserved learner cluster (0 = CPU). More than 1 "
-                      "runs the learner as torchrun with FSDP, one process per GPU (CPU processes without CUDA).")
+                      "runs the learner as torchrun with FSDP, one process per GPU (CPU processes without CUDA), "
+                      "LoRA or full fine-tuning. The learner starts only where this many slots are free on one "
+                      "learner host (a slot is a GPU), each GPU at least the job's estimated memory need; a job "
+                      "that no registered learner host could hold is refused at submission (422, with the "
+                      "numbers).")
     device: Device = Device.auto
     price_per_hour: Price | None = Field(
         None, description="Reserved learner price in $/h; the server default applies when omitted."
@@ -257,8 +261,6 @@ class JobSpec(Model):
             )
         if self.dataset_id is not None and self.prompts is not None:
             raise ValueError("give either dataset_id or inline prompts, not both")
-        if self.lora is not None and self.learner.gpus > 1:
-            raise ValueError("a LoRA job runs its learner in one process: set learner.gpus to 0 or 1")
         if self.weights.rounding is Rounding.dithered and self.learner.gpus > 1:
             raise ValueError("weights.rounding `dithered` needs a single-process learner (with FSDP the masters are "
                              "cast to the published dtype as they are gathered, to nearest): set learner.gpus to "
@@ -319,6 +321,10 @@ class JobRead(ReadModel):
                                    "`quota` (the owner's daily spending; it resumes by itself).")
     memory_need_gb: float | None = Field(None, description="GiB a worker needs to be activated for the job: "
                                          "`workers.memory_gb`, or derived from its first version.")
+    learner_memory_gib: float | None = Field(None, description="GiB each of its learner's GPUs needs, estimated "
+                                             "at submission from the model's config (POST /v1/jobs:estimate "
+                                             "gives the parts); its learner starts only on GPUs that large. "
+                                             "Null when the model's config was not at hand.")
     spec: JobSpec
     step: int = Field(description="Learner steps completed (the current policy version counter t).")
     version: int | None = Field(description="Latest published weight version, if any.")
