@@ -217,8 +217,11 @@ class Job(Base):
     relay_secret: Mapped[str] = mapped_column(String(64), default=lambda: secrets.token_hex(32))
     # A queued job's place among those waiting for a learner slot (1 = next), set by each reconcile tick.
     queue_position: Mapped[int | None] = mapped_column(Integer)
-    # Why a paused job is paused: "budget" (resumes when the budget is raised) or "quota" (by itself).
+    # Why a paused job is paused: "budget" (resumes when the budget is raised), "quota" (by itself) or "reward"
+    # (its task could not score its groups; resumed by its owner).
     paused_for: Mapped[str | None] = mapped_column(String(16))
+    # Claimed groups in a row its task could not score (learning.commit_step): it pauses at reward_failures_to_pause.
+    reward_failures: Mapped[int] = mapped_column(Integer, default=0)
     # The cost estimated when the job was submitted (api/services/estimate.py), to compare with the actual.
     estimate_usd: Mapped[float | None] = mapped_column(Float)
     # GiB a rollout worker must offer: spec.workers.memory_gb, or derived from the first version (modelinfo).
@@ -289,6 +292,8 @@ class Rollout(Base):
     prompt_token_ids: Mapped[list[Any]]
     samples: Mapped[list[Any]]
     rewards: Mapped[list[Any] | None]
+    # The learner's own logprob of each token of each sample when it trained the group (learner/traces.py).
+    learner_logprobs: Mapped[list[Any] | None]
     gen_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     reject_kind: Mapped[RejectKind | None] = mapped_column(stored_as_value(RejectKind, 24))
     audit: Mapped[str | None] = mapped_column(String(16))  # "passed" / "failed" once audited
@@ -366,6 +371,7 @@ class StepMetric(Base):
     groups: Mapped[int] = mapped_column(Integer)
     groups_dropped: Mapped[int] = mapped_column(Integer)
     groups_rejected: Mapped[int] = mapped_column(Integer, default=0)  # refused by the learner (sender's fault)
+    groups_unscored: Mapped[int] = mapped_column(Integer, default=0)  # its task could not score them (platform's)
     audits: Mapped[int] = mapped_column(Integer, default=0)
     audit_s: Mapped[float] = mapped_column(Float, default=0.0)
     rollout_ids: Mapped[list[Any]] = mapped_column(default=list)  # trained, in the learner's order (replay)

@@ -65,8 +65,17 @@ class Evaluator:
                          eos_id=self.tokenizer.eos_token_id, pad_id=self.pad_id, temperature=temperature, generator=gen)
             for p, s in zip(batch, out, strict=True):
                 text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
-                rewards.append(self.task.reward(TaskPrompt(text=p.text, reference=p.reference), text, self.params))
+                rewards.append(self._score(TaskPrompt(text=p.text, reference=p.reference), text))
         return rewards
+
+    def _score(self, prompt: TaskPrompt, text: str) -> float | None:
+        """The reward, or None (counted as wrong) when the task cannot score it: an evaluation never stops the
+        learner; the training groups it could not score pause the job."""
+        try:
+            return self.task.reward(prompt, text, self.params)
+        except Exception as exc:  # noqa: BLE001 - the task may call out (http_reward)
+            log.warning("held-out answer left unscored: %s", exc)
+            return None
 
 
 def _accuracy(rewards: list[float | None]) -> float | None:

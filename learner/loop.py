@@ -308,7 +308,8 @@ def _reference(model: Any, spec: JobSpec) -> Any:
 
 
 def _kept(groups: list[ClaimedGroup], result: StepResult) -> list[str]:
-    return [g.rollout_id for g in groups if g.rollout_id not in result.rejected]
+    """The groups the step trained on: neither refused nor left unscored."""
+    return [g.rollout_id for g in groups if g.rollout_id not in result.rejected and g.rollout_id not in result.unscored]
 
 
 def _report(step: int, ids: list[str], r: StepResult) -> StepReport:
@@ -316,8 +317,10 @@ def _report(step: int, ids: list[str], r: StepResult) -> StepReport:
         step=step, rollout_ids=ids, t_train_s=r.seconds, reward_mean=r.reward_mean, reward_std=r.reward_std,
         loss=_bounded(r.loss), kl=_bounded(r.kl), clip_frac=min(1.0, r.clip_frac), groups_dropped=r.groups_dropped,
         staleness_hist=r.staleness_hist, tokens=r.tokens,
-        rewards=[{"rollout_id": k, "rewards": v} for k, v in r.rewards.items()],
+        rewards=[{"rollout_id": k, "rewards": v, "learner_logprobs": r.learner_logprobs.get(k)}
+                 for k, v in r.rewards.items()],
         rejected=[RolloutRejection(rollout_id=k, reason=v[:500]) for k, v in r.rejected.items()],
+        unscored=[RolloutRejection(rollout_id=k, reason=v[:500]) for k, v in r.unscored.items()],
         audits=r.audits, audit_s=r.audit_s,
     )
 

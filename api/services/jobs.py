@@ -224,6 +224,20 @@ def _free_fleet(db: Session, job: Job) -> None:
     )
 
 
+def resume_by_owner(job: Job) -> None:
+    """Resume a job its task paused (paused_for "reward") once its owner fixed the task: back in the queue, and
+    its new learner resumes from its checkpoint where it stopped. Other pauses have their own way back."""
+    if job.status != JobStatus.paused:
+        raise ApiError(409, f"job {job.id} is {job.status}, not paused")
+    if job.paused_for == "budget":
+        raise ApiError(409, f"job {job.id} is paused by its budget: raise budget_usd (PATCH /v1/jobs/{job.id})")
+    if job.paused_for == "quota":
+        raise ApiError(409, f"job {job.id} is paused by its owner's daily quota: it resumes by itself as the last 24 "
+                       "hours' spending falls")
+    job.reward_failures = 0
+    resume_job(job)
+
+
 def update_job(job: Job, update: JobUpdate) -> None:
     """Change the budget; a job its budget paused is queued again once the new one leaves money to spend."""
     if job.status.is_terminal():

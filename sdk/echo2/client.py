@@ -243,6 +243,12 @@ class _Jobs(Resource):
         return Call("POST", f"/v1/jobs/{seg(job_id, 'job_id')}/cancel")
 
     @endpoint(JobRead)
+    def resume(self, job_id: str) -> Call:
+        """Resume a job its task paused (`paused_for` "reward": its groups could not be scored) once the task is
+        fixed: it is queued, and its new learner resumes from its checkpoint. `ConflictError` otherwise."""
+        return Call("POST", f"/v1/jobs/{seg(job_id, 'job_id')}/resume")
+
+    @endpoint(JobRead)
     def update(self, job_id: str, *, budget_usd: float | None) -> Call:
         """Set the job's budget (None: no budget); a job its budget paused is queued again when it has
         money left. `ConflictError` if it already finished."""

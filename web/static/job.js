@@ -35,6 +35,9 @@ E2.page("job", () => {
     const reason = $("#job-reason");
     reason.hidden = !job.status_reason;
     reason.textContent = job.status_reason || "";
+    const traces = $("#job-traces");
+    traces.hidden = job.step === 0;
+    traces.href = `/jobs/${encodeURIComponent(job.id)}/steps/${Math.max(0, job.step - 1)}`;
     setText("#sum-step", `${job.step} / ${spec.max_steps} steps `);
     Object.assign($("#sum-progress"), { max: spec.max_steps, value: job.step });
     setText("#sum-reward", fmt.num(job.reward_mean));

@@ -189,6 +189,15 @@ class JobSpec(Model):
     lora: LoraConfig | None = Field(None, description="Train a LoRA adapter instead of the full model.")
     workers: WorkerNeeds = Field(default_factory=WorkerNeeds)
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="Learner checkpoint period in steps.")
+    trace_logprobs: bool = Field(True, description="The learner records its own logprob of every token it trains "
+                                 "on, beside the worker's, for rollout traces (GET /v1/jobs/{id}/rollouts/{rollout}): "
+                                 "one forward pass without gradients per step, about a third of a step's compute "
+                                 "(single-process learners).")
+    reward_failures_to_pause: int = Field(
+        16, ge=1, le=100_000, description="Pause the job (paused_for `reward`, the reason in status_reason) once this "
+        "many claimed groups in a row could not be scored by its task (an http_reward endpoint down, an exception, a "
+        "timeout). Such a group is never trained; its worker is paid (the platform's fault) and its prompt returns to "
+        "the pool. A step with no unscored group starts the count again; POST /v1/jobs/{id}/resume resumes the job.")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     priority: int = Field(0, ge=-100, le=100, description="Higher first when jobs compete for workers.")
 
@@ -251,8 +260,10 @@ class JobRead(ReadModel):
                                       "for), paused, or how it ended.")
     queue_position: int | None = Field(None, description="A queued job's place among those waiting for a learner "
                                        "(1 = next).")
-    paused_for: str | None = Field(None, description="A paused job's cause: `budget` (raise it to resume) or "
-                                   "`quota` (the owner's daily spending; it resumes by itself).")
+    paused_for: str | None = Field(None, description="A paused job's cause: `budget` (raise it to resume), "
+                                   "`quota` (the owner's daily spending; it resumes by itself) or `reward` (its task "
+                                   "could not score its groups: fix the task's endpoint, then POST "
+                                   "/v1/jobs/{id}/resume).")
     memory_need_gb: float | None = Field(None, description="GiB a worker needs to be activated for the job: "
                                          "`workers.memory_gb`, or derived from its first version.")
     spec: JobSpec

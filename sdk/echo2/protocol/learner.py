@@ -7,7 +7,7 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
-from .common import JobStatus, Model, ReadModel, ShortText, Step
+from .common import JobStatus, Logprob, Model, ReadModel, ShortText, Step
 from .jobs import JobRead
 from .rollouts import SampleSubmit
 
@@ -65,6 +65,9 @@ class LearnerBatch(ReadModel):
 class RolloutRewards(Model):
     rollout_id: RolloutId
     rewards: list[Reward | None] = Field(max_length=64)
+    learner_logprobs: list[Annotated[list[Logprob], Field(max_length=16_384)]] | None = Field(
+        None, max_length=64, description="The learner's own logprob of each completion token of each sample, under "
+        "the weights the step started from (rollout traces); absent when the job does not trace them.")
 
 
 class RolloutRejection(Model):
@@ -91,6 +94,11 @@ class StepReport(Model):
         default_factory=list, max_length=4096,
         description="Claimed rollouts not trained: failed audit, poisoned loss, tokens that do not fit the model. "
         "They are rejected as the sender's fault and their prompts return to the pool.")
+    unscored: list[RolloutRejection] = Field(
+        default_factory=list, max_length=4096,
+        description="Claimed rollouts the task could not score (its endpoint down, an exception, a timeout): not "
+        "trained, never the sender's fault (it is paid as for work the platform could not use), and their prompts "
+        "return to the pool. A job whose groups keep failing pauses (JobSpec.reward_failures_to_pause).")
     audits: list[AuditReport] = Field(default_factory=list, max_length=4096)
     audit_s: float = Field(0.0, ge=0, le=86_400, description="Learner seconds spent auditing in this step.")
     rewards: list[RolloutRewards] = Field(default_factory=list, max_length=4096)
@@ -100,7 +108,8 @@ class StepReport(Model):
     loss: float | None = Field(None, ge=-1e9, le=1e9)
     kl: float | None = Field(None, ge=-1e9, le=1e9)
     clip_frac: float | None = Field(None, ge=0, le=1)
-    groups_dropped: int = Field(0, ge=0, le=4096, description="Groups whose rewards were all equal.")
+    groups_dropped: int = Field(0, ge=0, le=4096, description="Groups trained on that taught nothing: their "
+                                "rewards were all equal (zero advantage), or their loss was not finite.")
     staleness_hist: list[int] = Field(default_factory=list, max_length=65, description="Index = t - x.")
     tokens: int = Field(0, ge=0, le=10**10)
 

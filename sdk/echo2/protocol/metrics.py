@@ -20,6 +20,8 @@ class StepMetrics(ReadModel):
     groups: int
     groups_dropped: int
     groups_rejected: int = 0
+    groups_unscored: int = Field(0, description="Groups claimed for the step that its task could not score: not "
+                                 "trained, back in the pool.")
     audits: int = 0
     audit_s: float = 0.0
     staleness_hist: list[int]

@@ -1,0 +1,33 @@
+"""a user's workflow: groups the task could not score (counted on the job until it pauses, per step), the
+learner's own logprob of each trained token (rollout traces), chat context of a prompt, and resumable
+dataset uploads
+
+Revision ID: 0022
+Revises: 0017
+Create Date: 2026-11-28 10:00:00
+"""
+from alembic import op
+import sqlalchemy as sa
+
+
+revision = '0022'
+# Written after 0017; 0018-0021 land from other branches first, and the lead chains this one after 0021.
+down_revision = '0017'
+branch_labels = None
+depends_on = None
+
+
+def upgrade() -> None:
+    with op.batch_alter_table('jobs') as batch_op:
+        batch_op.add_column(sa.Column('reward_failures', sa.Integer(), nullable=False, server_default='0'))
+    with op.batch_alter_table('step_metrics') as batch_op:
+        batch_op.add_column(sa.Column('groups_unscored', sa.Integer(), nullable=False, server_default='0'))
+    op.add_column('rollouts', sa.Column('learner_logprobs', sa.JSON(), nullable=True))
+
+
+def downgrade() -> None:
+    op.drop_column('rollouts', 'learner_logprobs')
+    with op.batch_alter_table('step_metrics') as batch_op:
+        batch_op.drop_column('groups_unscored')
+    with op.batch_alter_table('jobs') as batch_op:
+        batch_op.drop_column('reward_failures')

@@ -1,0 +1,77 @@
+"""Rollout traces over the real API: a group token by token with its version, the worker's logprobs beside the
+learner's, the worker's trust, the audit, the rewards and what the group cost."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from transformers import AutoTokenizer
+
+from api.models import Job, Worker, utcnow
+from tests.factories import activate, new_provider, new_user, new_worker, ok, run_tick, running_job, step_report
+
+
+def test_a_trained_group_is_shown_token_by_token(api, tiny_model_dir):
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, tiny_model_dir, staleness=1, max_steps=3, learner={"price_per_hour": 1.0},
+                               grpo={"group_size": 2, "max_new_tokens": 3})
+    jid = job["id"]
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, name="traced-worker")
+    activate(api, wid, jid)
+    lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 2, "version": 0}), 201)
+    ids = []
+    for p in lease["prompts"]:
+        samples = [{"token_ids": [72, 15, 33], "logprobs": [-0.5, -1.0, -0.25], "finish_reason": "length"},
+                   {"token_ids": [52, 0], "logprobs": [-0.1, -2.0], "finish_reason": "stop"}]  # 0: end of text
+        group = {"prompt_id": p["prompt_id"], "version": 0, "prompt_token_ids": [1, 2, 3], "samples": samples}
+        result = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
+        assert result["status"] == "accepted", result
+        ids.append(result["rollout_id"])
+    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 10}))
+    report = step_report(0, ids, audits=[{"rollout_id": ids[0], "passed": True, "stats": {"tokens": 5.0}}])
+    report["rewards"] = [{"rollout_id": ids[0], "rewards": [1.0, 0.0],
+                          "learner_logprobs": [[-0.5, -0.75, -0.25], [-0.1, -1.5]]},
+                         {"rollout_id": ids[1], "rewards": [0.0, 0.0],
+                          "learner_logprobs": [[-0.5], [-0.1, -2.0]]}]  # does not fit: not kept
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
+    now = utcnow()
+    with api.db.session() as s:  # the scheduler pays the worker for its trained groups
+        w = s.get_one(Worker, wid)
+        w.status, w.desired, w.price_per_hour, w.activated_mu = "active", "active", 3600.0, 1.0
+        s.get_one(Job, jid).learner_heartbeat_at = now
+        s.commit()
+    run_tick(api, now=now)
+    run_tick(api, now=now + timedelta(seconds=2))
+
+    trace = ok(alice.get(f"/v1/jobs/{jid}/rollouts/{ids[0]}"))
+    assert trace["status"] == "trained" and trace["trained_step"] == 0 and trace["version"] == 0
+    assert trace["worker"]["name"] == "traced-worker" and trace["worker"]["trust"] == "probation"
+    assert trace["audit"] == {"passed": True, "reason": None, "step": 0, "stats": {"tokens": 5.0}}
+    first = trace["samples"][0]
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)  # the job's, decoded by the platform
+    assert first["text"] == tokenizer.decode([72, 15, 33]) and first["reward"] == 1.0
+    assert first["finish_reason"] == "length" and trace["samples"][1]["finish_reason"] == "stop"
+    assert [t["text"] for t in first["tokens"]] == [tokenizer.decode([i]) for i in (72, 15, 33)]
+    assert [t["id"] for t in first["tokens"]] == [72, 15, 33]
+    assert trace["samples"][1]["tokens"][-1]["text"] == "<|endoftext|>"  # special tokens shown in a trace
+    assert [(t["version"], t["behaviour_logprob"], t["learner_logprob"]) for t in first["tokens"]] == \
+        [(0, -0.5, -0.5), (0, -1.0, -0.75), (0, -0.25, -0.25)]
+    assert first["max_abs_mismatch"] == 0.25 and trace["samples"][1]["max_abs_mismatch"] == 0.5
+    assert trace["reward_mean"] == 0.5
+    assert trace["cost_usd"] is not None and trace["cost_usd"] > 0  # its share of the worker's paid entry
+    ledger = ok(alice.get(f"/v1/jobs/{jid}/ledger"))
+    worker_paid = sum(e["amount_usd"] for e in ledger["entries"] if e["kind"] == "worker")
+    assert abs(trace["cost_usd"] * 2 - worker_paid) < 1e-9
+
+    misfit = ok(alice.get(f"/v1/jobs/{jid}/rollouts/{ids[1]}"))
+    assert all(t["learner_logprob"] is None for s in misfit["samples"] for t in s["tokens"])
+    assert misfit["audit"] is None and misfit["samples"][0]["max_abs_mismatch"] is None
+
+    step = ok(alice.get(f"/v1/jobs/{jid}/traces", params={"step": 0}))
+    assert step["total"] == 2 and {t["id"] for t in step["items"]} == set(ids)
+    assert ok(alice.get(f"/v1/jobs/{jid}/traces", params={"step": 1}))["total"] == 0
+
+    _, mallory = new_user(api, "mallory")
+    assert mallory.get(f"/v1/jobs/{jid}/rollouts/{ids[0]}").status_code == 404
+    assert alice.get(f"/v1/jobs/{jid}/rollouts/rol_nope").status_code == 404
