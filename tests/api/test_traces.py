@@ -3,46 +3,13 @@ learner's, the worker's trust, the audit, the rewards and what the group cost.""
 
 from __future__ import annotations
 
-from datetime import timedelta
-
 from transformers import AutoTokenizer
 
-from api.models import Job, Worker, utcnow
-from tests.factories import activate, new_provider, new_user, new_worker, ok, run_tick, running_job, step_report
+from tests.factories import new_user, ok, traced_step
 
 
 def test_a_trained_group_is_shown_token_by_token(api, tiny_model_dir):
-    _, alice = new_user(api)
-    job, learner = running_job(api, alice, tiny_model_dir, staleness=1, max_steps=3, learner={"price_per_hour": 1.0},
-                               grpo={"group_size": 2, "max_new_tokens": 3})
-    jid = job["id"]
-    _, provider = new_provider(api)
-    wid, worker = new_worker(api, provider, name="traced-worker")
-    activate(api, wid, jid)
-    lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 2, "version": 0}), 201)
-    ids = []
-    for p in lease["prompts"]:
-        samples = [{"token_ids": [72, 15, 33], "logprobs": [-0.5, -1.0, -0.25], "finish_reason": "length"},
-                   {"token_ids": [52, 0], "logprobs": [-0.1, -2.0], "finish_reason": "stop"}]  # 0: end of text
-        group = {"prompt_id": p["prompt_id"], "version": 0, "prompt_token_ids": [1, 2, 3], "samples": samples}
-        result = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
-        assert result["status"] == "accepted", result
-        ids.append(result["rollout_id"])
-    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 10}))
-    report = step_report(0, ids, audits=[{"rollout_id": ids[0], "passed": True, "stats": {"tokens": 5.0}}])
-    report["rewards"] = [{"rollout_id": ids[0], "rewards": [1.0, 0.0],
-                          "learner_logprobs": [[-0.5, -0.75, -0.25], [-0.1, -1.5]]},
-                         {"rollout_id": ids[1], "rewards": [0.0, 0.0],
-                          "learner_logprobs": [[-0.5], [-0.1, -2.0]]}]  # does not fit: not kept
-    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
-    now = utcnow()
-    with api.db.session() as s:  # the scheduler pays the worker for its trained groups
-        w = s.get_one(Worker, wid)
-        w.status, w.desired, w.price_per_hour, w.activated_mu = "active", "active", 3600.0, 1.0
-        s.get_one(Job, jid).learner_heartbeat_at = now
-        s.commit()
-    run_tick(api, now=now)
-    run_tick(api, now=now + timedelta(seconds=2))
+    jid, ids, alice, _ = traced_step(api, tiny_model_dir)
 
     trace = ok(alice.get(f"/v1/jobs/{jid}/rollouts/{ids[0]}"))
     assert trace["status"] == "trained" and trace["trained_step"] == 0 and trace["version"] == 0
