@@ -19,6 +19,7 @@ from .routes import (
     datasets,
     estimates,
     evals,
+    export,
     fleet,
     health,
     jobs,
@@ -86,7 +87,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
     app.add_middleware(MetricsMiddleware, telemetry=telemetry)
     for module in (health, users, estimates, jobs, datasets, fleet, ledger, leases, learner, learner_state, evals,
-                   weights, traces, packages, tinker):
+                   weights, export, traces, packages, tinker):
         app.include_router(module.router)
     web.install(app)
     logs.configure(settings.log_format, settings.log_level)  # no-op when the CLI configured it first

@@ -180,6 +180,19 @@ class DatasetItem(Base):
     __table_args__ = (UniqueConstraint("dataset_id", "index"),)
 
 
+class DatasetUpload(Base):
+    """A JSONL file on its way in, in parts (api/services/uploads.py); it becomes a dataset when complete."""
+
+    __tablename__ = "dataset_uploads"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("upl"))
+    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    part_size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Job(Base):
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("job"))
@@ -245,6 +258,9 @@ class Prompt(Base):
     index: Mapped[int] = mapped_column(Integer)
     text: Mapped[str] = mapped_column(Text)
     reference: Mapped[str | None] = mapped_column(Text)
+    # A chat item's turns before its last user turn (system, earlier turns), rendered with `text` as that turn
+    # by the model's chat template (echo2.prompting.encode_prompt).
+    context: Mapped[list[Any] | None]
     state: Mapped[str] = mapped_column(String(16), default="available")
     epoch: Mapped[int] = mapped_column(Integer, default=0)
     order_key: Mapped[int] = mapped_column(BigInteger)
@@ -394,6 +410,7 @@ class EvalResult(Base):
     greedy_accuracy: Mapped[float | None] = mapped_column(Float)
     sampled_accuracy: Mapped[float | None] = mapped_column(Float)
     sampled_reward_mean: Mapped[float | None] = mapped_column(Float)
+    greedy_answers: Mapped[list[Any] | None]  # in the order of the held-out prompts
     seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

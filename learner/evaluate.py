@@ -26,6 +26,7 @@ from .policy import sample
 
 log = logging.getLogger(__name__)
 BATCH = 32  # prompts generated at once
+ANSWER_CHARS = 4096  # of each greedy answer, reported
 
 
 class Evaluator:
@@ -44,29 +45,33 @@ class Evaluator:
         was_training = self.model.training
         self.model.eval()
         try:
-            greedy = self._rewards(0.0, None)
+            greedy, answers = self._rewards(0.0, None)
             gen = torch.Generator().manual_seed(derive_seed("eval", self.spec.seed, step) % 2**63)
-            sampled = self._rewards(self.spec.grpo.temperature, gen)
+            sampled, _ = self._rewards(self.spec.grpo.temperature, gen)
         finally:
             self.model.train(was_training)
         report = EvalReport(step=step, version=version, prompts=len(self.prompts),
                             greedy_accuracy=_accuracy(greedy), sampled_accuracy=_accuracy(sampled),
-                            sampled_reward_mean=_mean(sampled), seconds=time.perf_counter() - start)
+                            sampled_reward_mean=_mean(sampled), seconds=time.perf_counter() - start,
+                            greedy_answers=[a[:ANSWER_CHARS] for a in answers])
         log.info("held-out accuracy at step %d: greedy %s, sampled %s (%d prompts, %.1fs)", step,
                  report.greedy_accuracy, report.sampled_accuracy, report.prompts, report.seconds)
         return report
 
-    def _rewards(self, temperature: float, gen: torch.Generator | None) -> list[float | None]:
+    def _rewards(self, temperature: float, gen: torch.Generator | None) -> tuple[list[float | None], list[str]]:
+        """Each prompt's reward and answer."""
         rewards: list[float | None] = []
+        answers: list[str] = []
         for start in range(0, len(self.prompts), BATCH):
             batch = self.prompts[start:start + BATCH]
-            ids = [encode_prompt(self.tokenizer, p.text) for p in batch]
+            ids = [encode_prompt(self.tokenizer, p.text, p.context) for p in batch]
             out = sample(self.model, ids, max_new_tokens=self.spec.grpo.max_new_tokens,
                          eos_id=self.tokenizer.eos_token_id, pad_id=self.pad_id, temperature=temperature, generator=gen)
             for p, s in zip(batch, out, strict=True):
                 text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
                 rewards.append(self._score(TaskPrompt(text=p.text, reference=p.reference), text))
-        return rewards
+                answers.append(text)
+        return rewards, answers
 
     def _score(self, prompt: TaskPrompt, text: str) -> float | None:
         """The reward, or None (counted as wrong) when the task cannot score it: an evaluation never stops the

@@ -109,7 +109,7 @@ class GRPOTrainer:
         vocab = self.model.get_input_embeddings().num_embeddings
         if max(max(s.token_ids) for s in group.samples) >= vocab:
             return f"a token id is outside the model's vocabulary ({vocab})"
-        if list(group.prompt_token_ids) != encode_prompt(self.tokenizer, group.prompt_text):
+        if list(group.prompt_token_ids) != encode_prompt(self.tokenizer, group.prompt_text, group.prompt_context):
             return "its prompt tokens are not the encoding of the leased prompt"
         return None
 

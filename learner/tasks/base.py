@@ -150,6 +150,15 @@ class TaskAdapter(ABC):
         """Dataset tasks: one prompt from one JSONL item."""
         raise TaskError(f"task {self.name!r} generates its own prompts; use generate_prompts")
 
+    def prompt_key(self, params: TaskParams) -> str | None:
+        """The item key a dataset task reads its prompt's text from (`prompt_key`, or `question_key` in its
+        params); a chat item's last user turn is given to it under this key."""
+        for name in ("prompt_key", "question_key"):
+            value = getattr(params, name, None)
+            if isinstance(value, str):
+                return value
+        return None
+
     def eval_prompts(self, params: TaskParams, seed: int, count: int) -> list[TaskPrompt]:
         """Synthetic tasks: up to `count` held-out prompts that `generate_prompts` never returns (disjoint
         by construction). None of them by default: a task without such a split has no held-out evaluation

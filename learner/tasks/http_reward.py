@@ -8,8 +8,7 @@ naming it: the group is not trained, and a job whose endpoint keeps failing paus
 Each try has `timeout_s` for the whole exchange, and a reply may hold MAX_REPLY_BYTES: the endpoint is
 the job owner's, so a reply that never ends, or never stops growing, must not hold a thread or fill the
 memory of the process that asked. Prompts come from user JSONL items {"prompt": ..., "reference": ...}
-(reference optional), or chat items (`messages`); the request then also carries the conversation as
-`messages`.
+(reference optional), or chat items (`messages`), whose last user turn is the prompt.
 
 The request is made from the learner host. With ECHO2_ENV=production a job is refused unless the URL
 resolves to public addresses (api/services/jobs.py); deployments should still restrict egress there, as

@@ -16,7 +16,7 @@ from .common import (
     TrustState,
     WorkerStatus,
 )
-from .datasets import DatasetCreate, DatasetItems, DatasetRead
+from .datasets import ChatRole, ChatTurn, DatasetCreate, DatasetItems, DatasetRead, UploadCreate, UploadRead
 from .fleet import (
     Assignment,
     BadSource,
@@ -135,7 +135,11 @@ __all__ = [
     "BadSource",
     "ChunkInfo",
     "ClaimedGroup",
+    "ChatRole",
+    "ChatTurn",
     "DatasetCreate",
+    "UploadCreate",
+    "UploadRead",
     "DatasetItems",
     "DatasetRead",
     "DeltaInfo",

@@ -282,6 +282,7 @@ class PromptRead(ReadModel):
     id: int
     index: int
     text: str
+    context: list[dict[str, str]] | None = Field(None, description="A chat item's turns before `text`.")
     reference: str | None
     state: str
     epoch: int

@@ -36,6 +36,8 @@ class ClaimedGroup(ReadModel):
     rollout_id: str
     prompt_id: int
     prompt_text: str
+    prompt_context: list[dict[str, str]] | None = Field(None, description="A chat item's turns before prompt_text "
+                                                        "(LeasedPrompt.context).")
     reference: str | None
     version: int
     worker_id: str
@@ -142,6 +144,7 @@ class EvalPrompt(ReadModel):
 
     id: int
     text: str
+    context: list[dict[str, str]] | None = None
     reference: str | None
 
 
@@ -153,6 +156,9 @@ class EvalReport(Model):
     sampled_accuracy: float | None = Field(None, ge=0, le=1)
     sampled_reward_mean: float | None = Field(None, ge=-1e6, le=1e6)
     seconds: float = Field(ge=0, le=86_400)
+    greedy_answers: list[Annotated[str, StringConstraints(max_length=4096)]] | None = Field(
+        None, max_length=4096, description="Each held-out prompt's greedy answer, in the order of the prompts "
+        "(GET /v1/jobs/{id}/prompts?held_out=true).")
 
 
 class FinishOutcome(StrEnum):

@@ -51,6 +51,8 @@ class EvalRead(ReadModel):
     sampled_accuracy: float | None = Field(description="pass@1 at the job's temperature: share of prompts whose one "
                                            "sample is right.")
     sampled_reward_mean: float | None = Field(description="Mean reward of the samples (the task's reward).")
+    greedy_answers: list[str] | None = Field(None, description="Each held-out prompt's greedy answer as the learner "
+                                             "decoded it, in the order of GET /v1/jobs/{id}/prompts?held_out=true.")
     seconds: float
     created_at: datetime
 

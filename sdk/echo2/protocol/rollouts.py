@@ -47,6 +47,9 @@ class PromptSampling(ReadModel):
 class LeasedPrompt(ReadModel):
     prompt_id: int
     text: str
+    context: list[dict[str, str]] | None = Field(
+        None, description="A chat item's turns before `text` ({role, content}: a system prompt, earlier turns): "
+        "encode with echo2.prompting.encode_prompt(tokenizer, text, context).")
     seed: int = Field(description="Base seed; sample k uses echo2.seeds.sample_seed(seed, k).")
     token_ids: list[int] | None = Field(None, description="A Tinker prompt: generate after exactly these tokens "
                                         "(no tokenising, no chat template); `text` is empty.")
