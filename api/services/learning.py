@@ -162,7 +162,7 @@ def _metric_row(db: Session, job: Job, report: StepReport, groups: int) -> StepM
 
 def _ack(job: Job) -> StepAck:
     stop = job.status.stops_learner() or job.step >= spec_of(job).max_steps
-    return StepAck(step=job.step, job_status=job.status, stop=stop)
+    return StepAck(step=job.step, job_status=job.status, stop=stop, cost_usd=job.learner_usd + job.workers_usd)
 
 
 LEARNER_IS = "its learner is"  # a running job's status_reason while its learner starts

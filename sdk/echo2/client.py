@@ -57,6 +57,7 @@ from .protocol import (
     Role,
     RolloutRead,
     RolloutStatus,
+    RolloutTrace,
     StepMetrics,
     TaskInfo,
     UploadCreate,
@@ -268,6 +269,18 @@ class _Jobs(Resource):
                  offset: int = 0) -> Call:
         return Call("GET", f"/v1/jobs/{seg(job_id, 'job_id')}/rollouts",
                     params=query(status=status, limit=limit, offset=offset))
+
+    @endpoint(RolloutTrace)
+    def trace(self, job_id: str, rollout_id: str) -> Call:
+        """One rollout group token by token: each token decoded, its version, the worker's behaviour logprob
+        beside the learner's, the worker and its trust state, the audit, the rewards and what it cost."""
+        return Call("GET", f"/v1/jobs/{seg(job_id, 'job_id')}/rollouts/{seg(rollout_id, 'rollout_id')}")
+
+    @endpoint(Page[RolloutTrace])
+    def traces(self, job_id: str, *, step: int, limit: int = 16, offset: int = 0) -> Call:
+        """The traces of the groups learner step `step` trained on, a page at a time."""
+        return Call("GET", f"/v1/jobs/{seg(job_id, 'job_id')}/traces",
+                    params=query(step=step, limit=limit, offset=offset))
 
     @endpoint(builtins.list[StepMetrics])
     def metrics(self, job_id: str, *, since_step: int = 0, limit: int | None = None) -> Call:

@@ -3,6 +3,7 @@ learner's, the worker's trust, the audit, the rewards and what the group cost.""
 
 from __future__ import annotations
 
+from echo2 import Client
 from transformers import AutoTokenizer
 
 from tests.factories import new_user, ok, traced_step
@@ -37,6 +38,9 @@ def test_a_trained_group_is_shown_token_by_token(api, tiny_model_dir):
 
     step = ok(alice.get(f"/v1/jobs/{jid}/traces", params={"step": 0}))
     assert step["total"] == 2 and {t["id"] for t in step["items"]} == set(ids)
+    with Client(base_url=api.url, api_key=alice.headers["Authorization"].removeprefix("Bearer ")) as sdk:
+        assert sdk.jobs.trace(jid, ids[0]).samples[0].tokens[1].learner_logprob == -0.75
+        assert [t.id for t in sdk.jobs.traces(jid, step=0, limit=1).items] == [step["items"][0]["id"]]
     assert ok(alice.get(f"/v1/jobs/{jid}/traces", params={"step": 1}))["total"] == 0
 
     _, mallory = new_user(api, "mallory")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
@@ -146,6 +146,35 @@ class WorkerNeeds(Model):
                                     "(empty: any).")
 
 
+class TrackerKind(StrEnum):
+    wandb = "wandb"
+    mlflow = "mlflow"
+
+
+TrackerText = Annotated[str, StringConstraints(min_length=1, max_length=256), NoNul]
+
+
+class TrackingConfig(Model):
+    """Stream the job's metrics to an experiment tracker, from the learner host: every step's training metrics
+    (reward, loss, KL, clipping, tokens, groups, staleness, learner utilisation) and cost, and every held-out
+    evaluation. Its credentials stay on the learner host (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...), never in a
+    spec. A resumed job goes on in the same run. Needs `echo2-server[trackers]` on the learner host."""
+
+    kind: TrackerKind = Field(description="`wandb` (Weights & Biases) or `mlflow`.")
+    project: TrackerText = Field(description="The W&B project, or the MLflow experiment.")
+    run_name: TrackerText | None = Field(None, description="The run's name (default: the job's name and id).")
+    uri: TrackerText | None = Field(None, description="MLflow: the tracking URI as the learner host reaches it "
+                                    "(http://..., sqlite:///path, or file:///path with MLFLOW_ALLOW_FILE_STORE=true "
+                                    "there); W&B: the server's base URL (default: the host's own setting).")
+    mode: Literal["online", "offline"] = Field("online", description="W&B: `offline` writes the run to `dir` on the "
+                                               "learner host only (`wandb sync` uploads it later).")
+    dir: TrackerText | None = Field(None, description="W&B: the folder its run directory goes in, on the learner "
+                                    "host (default: the learner's work folder).")
+    entity: TrackerText | None = Field(None, description="W&B: the team or user the run belongs to.")
+    tags: list[Annotated[str, StringConstraints(min_length=1, max_length=64), NoNul]] = Field(
+        default_factory=list, max_length=16)
+
+
 class PromptIn(Model):
     """One inline prompt item; keys depend on the task (e.g. `question`/`answer` for gsm8k)."""
 
@@ -189,6 +218,8 @@ class JobSpec(Model):
     lora: LoraConfig | None = Field(None, description="Train a LoRA adapter instead of the full model.")
     workers: WorkerNeeds = Field(default_factory=WorkerNeeds)
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="Learner checkpoint period in steps.")
+    tracking: TrackingConfig | None = Field(None, description="Stream the job's metrics to Weights & Biases or "
+                                            "MLflow from the learner host.")
     trace_logprobs: bool = Field(True, description="The learner records its own logprob of every token it trains "
                                  "on, beside the worker's, for rollout traces (GET /v1/jobs/{id}/rollouts/{rollout}): "
                                  "one forward pass without gradients per step, about a third of a step's compute "

@@ -121,6 +121,7 @@ class StepAck(ReadModel):
     job_status: JobStatus
     stop: bool = Field(description="True when the learner should stop: the job was cancelled, paused (budget or "
                        "quota; a new learner resumes it) or reached max_steps.")
+    cost_usd: float | None = Field(None, description="What the job has cost so far (learner and workers).")
 
 
 class LearnerHeartbeat(Model):
