@@ -55,6 +55,7 @@ E2.page("job", () => {
       : job.started_at ? ["started ", timeEl(job.started_at, true)] : ["not started"]));
     $("#cancel").hidden = TERMINAL.has(job.status);
     $("#budget-form").hidden = TERMINAL.has(job.status);
+    $("#resume").hidden = !(job.status === "paused" && job.paused_for === "reward");
     const budget = $("#budget-usd");
     if (document.activeElement !== budget) budget.value = spec.budget_usd ?? "";
     $("#download").disabled = job.version === null || job.version === undefined;
@@ -72,6 +73,18 @@ E2.page("job", () => {
       $("#download").focus();
     } catch (err) {
       setText("#download-status", "Could not cancel: " + err.message);
+    }
+    poller.now();
+  });
+
+  // A job its task paused (its groups could not be scored) is resumed by its owner once the task is fixed.
+  $("#resume").addEventListener("click", async () => {
+    try {
+      job = await api(base + "/resume", { method: "POST" });
+      renderJob();
+      E2.announce(`Job ${job.name} resumed: it is ${job.status}.`);
+    } catch (err) {
+      setText("#download-status", "Could not resume: " + err.message);
     }
     poller.now();
   });
@@ -309,7 +322,9 @@ E2.page("job", () => {
     return h("li", { class: "rollout", dataset: { key: r.id } },
       h("div", { class: "rollout-meta" },
         badge(r.status), ` version ${r.version}`,
-        r.trained_step !== null ? ` · trained at step ${r.trained_step}` : "",
+        r.trained_step !== null ? [" · trained at step ", h("a", {
+          href: `/jobs/${encodeURIComponent(r.job_id)}/steps/${r.trained_step}#rollout-${encodeURIComponent(r.id)}`,
+          title: "Its trace, token by token" }, String(r.trained_step))] : "",
         " · worker ", h("a", { href: "/workers/" + encodeURIComponent(r.worker_id) }, h("code", {}, r.worker_id.slice(0, 12))),
         " · ", timeEl(r.created_at, true)),
       r.reason ? h("p", { class: "muted" }, r.reason) : null,
