@@ -186,6 +186,19 @@ class DatasetItem(Base):
     __table_args__ = (UniqueConstraint("dataset_id", "index"),)
 
 
+class DatasetUpload(Base):
+    """A JSONL file on its way in, in parts (api/services/uploads.py); it becomes a dataset when complete."""
+
+    __tablename__ = "dataset_uploads"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("upl"))
+    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    part_size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Job(Base):
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("job"))
@@ -223,8 +236,11 @@ class Job(Base):
     relay_secret: Mapped[str] = mapped_column(String(64), default=lambda: secrets.token_hex(32))
     # A queued job's place among those waiting for a learner slot (1 = next), set by each reconcile tick.
     queue_position: Mapped[int | None] = mapped_column(Integer)
-    # Why a paused job is paused: "budget" (resumes when the budget is raised) or "quota" (by itself).
+    # Why a paused job is paused: "budget" (resumes when the budget is raised), "quota" (by itself) or "reward"
+    # (its task could not score its groups; resumed by its owner).
     paused_for: Mapped[str | None] = mapped_column(String(16))
+    # Claimed groups in a row its task could not score (learning.commit_step): it pauses at reward_failures_to_pause.
+    reward_failures: Mapped[int] = mapped_column(Integer, default=0)
     # The cost estimated when the job was submitted (api/services/estimate.py), to compare with the actual.
     estimate_usd: Mapped[float | None] = mapped_column(Float)
     # GiB a rollout worker must offer: spec.workers.memory_gb, or derived from the first version (modelinfo).
@@ -252,6 +268,9 @@ class Prompt(Base):
     index: Mapped[int] = mapped_column(Integer)
     text: Mapped[str] = mapped_column(Text)
     reference: Mapped[str | None] = mapped_column(Text)
+    # A chat item's turns before its last user turn (system, earlier turns), rendered with `text` as that turn
+    # by the model's chat template (echo2.prompting.encode_prompt).
+    context: Mapped[list[Any] | None]
     state: Mapped[str] = mapped_column(String(16), default="available")
     epoch: Mapped[int] = mapped_column(Integer, default=0)
     order_key: Mapped[int] = mapped_column(BigInteger)
@@ -299,6 +318,8 @@ class Rollout(Base):
     prompt_token_ids: Mapped[list[Any]]
     samples: Mapped[list[Any]]
     rewards: Mapped[list[Any] | None]
+    # The learner's own logprob of each token of each sample when it trained the group (learner/traces.py).
+    learner_logprobs: Mapped[list[Any] | None]
     gen_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     reject_kind: Mapped[RejectKind | None] = mapped_column(stored_as_value(RejectKind, 24))
     audit: Mapped[str | None] = mapped_column(String(16))  # "passed" / "failed" once audited
@@ -384,6 +405,7 @@ class StepMetric(Base):
     groups: Mapped[int] = mapped_column(Integer)
     groups_dropped: Mapped[int] = mapped_column(Integer)
     groups_rejected: Mapped[int] = mapped_column(Integer, default=0)  # refused by the learner (sender's fault)
+    groups_unscored: Mapped[int] = mapped_column(Integer, default=0)  # its task could not score them (platform's)
     audits: Mapped[int] = mapped_column(Integer, default=0)
     audit_s: Mapped[float] = mapped_column(Float, default=0.0)
     rollout_ids: Mapped[list[Any]] = mapped_column(default=list)  # trained, in the learner's order (replay)
@@ -408,6 +430,7 @@ class EvalResult(Base):
     greedy_accuracy: Mapped[float | None] = mapped_column(Float)
     sampled_accuracy: Mapped[float | None] = mapped_column(Float)
     sampled_reward_mean: Mapped[float | None] = mapped_column(Float)
+    greedy_answers: Mapped[list[Any] | None]  # in the order of the held-out prompts
     seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

@@ -32,6 +32,7 @@ from .policy import sample
 
 log = logging.getLogger(__name__)
 BATCH = 32  # prompts generated at once
+ANSWER_CHARS = 4096  # of each greedy answer, reported
 
 
 class Evaluator:
@@ -61,32 +62,42 @@ class Evaluator:
                 sampled = self._rewards(model, self.spec.grpo.temperature, derive_seed("eval", self.spec.seed, step))
         finally:
             self.model.train(was_training)
-        greedy, sampled = self._everyone(greedy), self._everyone(sampled)
+        (greedy, answers), (sampled, _) = self._everyone(greedy), self._everyone(sampled)
         report = EvalReport(step=step, version=version, prompts=len(self.prompts),
                             greedy_accuracy=_accuracy(greedy), sampled_accuracy=_accuracy(sampled),
-                            sampled_reward_mean=_mean(sampled), seconds=time.perf_counter() - start)
+                            sampled_reward_mean=_mean(sampled), seconds=time.perf_counter() - start,
+                            greedy_answers=[a[:ANSWER_CHARS] for a in answers])
         log.info("held-out accuracy at step %d: greedy %s, sampled %s (%d prompts, %.1fs)", step,
                  report.greedy_accuracy, report.sampled_accuracy, report.prompts, report.seconds)
         return report
 
-    def _rewards(self, model: Any, temperature: float, seed: int) -> list[tuple[int, float | None]]:
-        """(prompt index, reward) of this rank's batches: every size-th one, from its rank's."""
-        rewards: list[tuple[int, float | None]] = []
+    def _rewards(self, model: Any, temperature: float, seed: int) -> list[tuple[int, float | None, str]]:
+        """(prompt index, reward, answer) of this rank's batches: every size-th one, from its rank's."""
+        rewards: list[tuple[int, float | None, str]] = []
         for start in range(self.world.rank * BATCH, len(self.prompts), self.world.size * BATCH):
             batch = self.prompts[start:start + BATCH]
-            ids = [encode_prompt(self.tokenizer, p.text) for p in batch]
+            ids = [encode_prompt(self.tokenizer, p.text, p.context) for p in batch]
             out = sample(model, ids, max_new_tokens=self.spec.grpo.max_new_tokens,
                          eos_id=self.tokenizer.eos_token_id, pad_id=self.pad_id, temperature=temperature,
                          seed=seed + start)
             for i, (p, s) in enumerate(zip(batch, out, strict=True)):
                 text = self.tokenizer.decode(s.completion_ids, skip_special_tokens=True)
-                reward = self.task.reward(TaskPrompt(text=p.text, reference=p.reference), text, self.params)
-                rewards.append((start + i, reward))
+                rewards.append((start + i, self._score(TaskPrompt(text=p.text, reference=p.reference), text), text))
         return rewards
 
-    def _everyone(self, mine: list[tuple[int, float | None]]) -> list[float | None]:
-        """Every rank's rewards, in prompt order."""
-        return [reward for _, reward in sorted(self.world.gather(mine), key=lambda ir: ir[0])]
+    def _score(self, prompt: TaskPrompt, text: str) -> float | None:
+        """The reward, or None (counted as wrong) when the task cannot score it: an evaluation never stops the
+        learner; the training groups it could not score pause the job."""
+        try:
+            return self.task.reward(prompt, text, self.params)
+        except Exception as exc:  # noqa: BLE001 - the task may call out (http_reward)
+            log.warning("held-out answer left unscored: %s", exc)
+            return None
+
+    def _everyone(self, mine: list[tuple[int, float | None, str]]) -> tuple[list[float | None], list[str]]:
+        """Every rank's rewards and answers, in prompt order."""
+        ordered = sorted(self.world.gather(mine), key=lambda row: row[0])
+        return [reward for _, reward, _ in ordered], [answer for _, _, answer in ordered]
 
 
 def _accuracy(rewards: list[float | None]) -> float | None:

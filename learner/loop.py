@@ -24,6 +24,7 @@ from echo2.loading import LOAD_LOCK
 from echo2.protocol import (
     AuditVerdicts,
     ClaimedGroup,
+    EvalReport,
     FinishOutcome,
     JobSpec,
     LearnerFinish,
@@ -46,6 +47,7 @@ from .publisher import Publisher
 from .remote import ControlPlane
 from .rounding import Rounder
 from .sharded_lora import ShardedLoraWeights
+from .tracking import Tracking
 from .trainer import GRPOTrainer, StepResult
 from .weights import LoraWeights, Weights, published_dtype
 
@@ -72,6 +74,7 @@ class Learner:
         self.replayed = resume.Replay()  # what the start had to re-train to catch up with the job's records
         self.uploader = resume.CheckpointUploader(plane, options.chunk_size)
         self.evaluator: Evaluator | None = None
+        self.tracking = Tracking(None, "", options.work_dir)  # the job's, once its spec is known
         self._stop = threading.Event()
         self.phase = "starting"  # what its heartbeats say it is doing (LearnerHeartbeat.state)
 
@@ -130,18 +133,20 @@ class Learner:
                                       consumed, reply.version)
         self.evaluator = self._evaluator(spec, trainer)
         publisher = Publisher(self.plane, trainer.weights, work / "publish", self.opt.chunk_size, spec.weights)
+        self.tracking = Tracking(spec, self.plane.job_id, work / "tracking")
         try:
             self.phase = "starting: publishing the first version for the workers"
             self._publish_initial(publisher, trainer, reply.version, restored is not None or self.step > 0)
             if self.evaluator is not None and self.evaluator.due(self.step):
                 self.phase = f"starting: evaluating on {len(self.evaluator.prompts)} held-out prompts"
-                self.plane.report_eval(self.evaluator.run(self.step, self.step))
+                self._report_eval(self.evaluator.run(self.step, self.step))
             self.phase = "training"
             self._train(spec, trainer, publisher, consumed, work)
             self.world.announce("stop")
         finally:
             publisher.close()
             self.uploader.wait()
+            self.tracking.close()
 
     def _publish_initial(self, publisher: Publisher, trainer: GRPOTrainer, server_version: int | None,
                          resumed: bool) -> None:
@@ -200,11 +205,15 @@ class Learner:
         return Evaluator(spec, self.plane.eval_prompts(), trainer.model, trainer.tokenizer, trainer.pad_id,
                          self.world, computing=trainer.weights.computing)
 
+    def _report_eval(self, report: EvalReport) -> None:
+        self.plane.report_eval(report)
+        self.tracking.evaluation(report)
+
     def _evaluate(self, committer: Committer, step: int) -> None:
         """Held-out accuracy of the weights after `step` steps, reported once that step is committed."""
         if self.evaluator is not None and self.evaluator.due(step):
             report = self.evaluator.run(step, step)
-            committer.then(lambda: self.plane.report_eval(report), f"the evaluation of step {step}")
+            committer.then(lambda: self._report_eval(report), f"the evaluation of step {step}")
 
     def _trained(self, trainer: GRPOTrainer, groups: list[ClaimedGroup], t: int) -> StepResult:
         if trainer.auditor is not None:  # versions no rollout of this step can claim any more
@@ -225,6 +234,7 @@ class Learner:
 
         def committed(ack: StepAck) -> None:
             self.step, self.last_ack = ack.step, ack
+            self.tracking.step(report, ack)
             if state is not None:  # the job's last version (it stops) is published in full
                 publisher.submit(ack.step, ack.step, state, final=ack.stop)
             if spec.staleness > 0 and ack.step + 1 < spec.max_steps and not ack.stop:
@@ -263,7 +273,7 @@ class Learner:
         if publisher.submitted != self.step:
             self._submit(publisher, trainer, final=True)
         if self.evaluator is not None and self.evaluator.prompts and not self.evaluator.due(self.step):
-            self.plane.report_eval(self.evaluator.run(self.step, self.step))  # the final weights, always
+            self._report_eval(self.evaluator.run(self.step, self.step))  # the final weights, always
         publisher.wait()
         self.plane.finish(LearnerFinish(outcome=FinishOutcome.succeeded, final_version=publisher.published,
                                         reason=f"finished {self.step} steps"))
@@ -335,7 +345,8 @@ def _reference(model: Any, spec: JobSpec) -> Any:
 
 
 def _kept(groups: list[ClaimedGroup], result: StepResult) -> list[str]:
-    return [g.rollout_id for g in groups if g.rollout_id not in result.rejected]
+    """The groups the step trained on: neither refused nor left unscored."""
+    return [g.rollout_id for g in groups if g.rollout_id not in result.rejected and g.rollout_id not in result.unscored]
 
 
 def _report(step: int, ids: list[str], r: StepResult) -> StepReport:
@@ -344,8 +355,10 @@ def _report(step: int, ids: list[str], r: StepResult) -> StepReport:
         loss=_bounded(r.loss), kl=_bounded(r.kl), clip_frac=min(1.0, r.clip_frac), groups_dropped=r.groups_dropped,
         staleness_hist=r.staleness_hist, tokens=r.tokens,
         mismatch=[MismatchStats(**_int_counts(m)) for m in r.mismatch],
-        rewards=[{"rollout_id": k, "rewards": v} for k, v in r.rewards.items()],
+        rewards=[{"rollout_id": k, "rewards": v, "learner_logprobs": r.learner_logprobs.get(k)}
+                 for k, v in r.rewards.items()],
         rejected=[RolloutRejection(rollout_id=k, reason=v[:500]) for k, v in r.rejected.items()],
+        unscored=[RolloutRejection(rollout_id=k, reason=v[:500]) for k, v in r.unscored.items()],
         audits=r.audits, audit_s=r.audit_s,
     )
 

@@ -256,3 +256,43 @@ def paid_job(api: Api, folder: Path, workers: list[tuple[str, httpx.Client]],
     run_tick(api, now=now)
     run_tick(api, now=now + timedelta(seconds=2))
     return job["id"], owner
+
+
+def traced_step(api: Api, model_dir: Path) -> tuple[str, list[str], httpx.Client, str]:
+    """A job on the tiny model whose step 0 trained two groups of a worker, the first audited and traced (the
+    learner's logprobs beside the worker's), the second with learner logprobs that do not fit; the worker paid.
+    Returns (job id, rollout ids, the owner's client, the owner's key)."""
+    _, alice = new_user(api)
+    key = alice.headers["Authorization"].removeprefix("Bearer ")
+    job, learner = running_job(api, alice, model_dir, staleness=1, max_steps=3, learner={"price_per_hour": 1.0},
+                               grpo={"group_size": 2, "max_new_tokens": 3})
+    jid = job["id"]
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, name="traced-worker")
+    activate(api, wid, jid)
+    lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 2, "version": 0}), 201)
+    ids = []
+    for p in lease["prompts"]:
+        samples = [{"token_ids": [72, 15, 33], "logprobs": [-0.5, -1.0, -0.25], "finish_reason": "length"},
+                   {"token_ids": [52, 0], "logprobs": [-0.1, -2.0], "finish_reason": "stop"}]  # 0: end of text
+        group = {"prompt_id": p["prompt_id"], "version": 0, "prompt_token_ids": [1, 2, 3], "samples": samples}
+        result = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
+        assert result["status"] == "accepted", result
+        ids.append(result["rollout_id"])
+    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 10}))
+    report = step_report(0, ids, audits=[{"rollout_id": ids[0], "passed": True, "stats": {"tokens": 5.0}}])
+    report["rewards"] = [{"rollout_id": ids[0], "rewards": [1.0, 0.0],
+                          "learner_logprobs": [[-0.5, -0.75, -0.25], [-0.1, -1.5]]},
+                         {"rollout_id": ids[1], "rewards": [0.0, 0.0],
+                          "learner_logprobs": [[-0.5], [-0.1, -2.0]]}]  # does not fit: not kept
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
+    now = utcnow()
+    with api.db.session() as s:  # the scheduler pays the worker for its trained groups
+        w = s.get_one(Worker, wid)
+        w.status, w.desired, w.price_per_hour, w.activated_mu = "active", "active", 3600.0, 1.0
+        s.get_one(Job, jid).learner_heartbeat_at = now
+        s.commit()
+    run_tick(api, now=now)
+    run_tick(api, now=now + timedelta(seconds=2))
+
+    return jid, ids, alice, key

@@ -221,7 +221,8 @@ def leased_prompts(db: Session, lease: Lease, job: Job) -> list[dict[str, object
     spec = spec_of(job)
     prompts = db.scalars(select(Prompt).where(Prompt.id.in_(lease.prompt_ids)).order_by(Prompt.epoch, Prompt.order_key))
     return [
-        {"prompt_id": p.id, "text": p.text, "seed": prompt_seed(spec.seed, job.id, p.index, p.epoch),
+        {"prompt_id": p.id, "text": p.text, "context": p.context,
+         "seed": prompt_seed(spec.seed, job.id, p.index, p.epoch),
          **({"token_ids": p.token_ids, "sampling": p.sampling} if p.request_id else {})}
         for p in prompts
     ]

@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from api.models import Decision
+from api.models import Decision, Job
+from api.services.jobs import pause_job
 from scheduler.reconcile import tick
 from tests.conftest import ADMIN_KEY
 from tests.factories import (
@@ -351,6 +352,23 @@ def test_a_paused_job_says_why_and_raising_its_budget_queues_it_again(api, ui, t
     got = ok(alice.get(f"/v1/jobs/{job['id']}"))
     assert got["status"] == "queued" and got["spec"]["budget_usd"] == 100
     ui.audit()
+
+
+def test_a_job_its_reward_paused_says_why_and_resumes_from_its_page(api, ui, tmp_path):
+    key, alice = user_key(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    with api.db.session() as s:  # what commit_step does after reward_failures_to_pause unscored groups in a row
+        pause_job(s, s.get_one(Job, job["id"]), "reward", "paused at step 0: 16 groups in a row could not be "
+                  "scored by task arithmetic (last: http://x/ answered HTTP 503)")
+        s.commit()
+    ui.login(key)
+    ui.goto(f"/jobs/{job['id']}")
+    expect_text(ui, "#job-status", "paused")
+    expect_text(ui, "#job-reason", "16 groups in a row could not be scored")
+    ui.page.get_by_role("button", name="Resume job").click()
+    expect_text(ui, "#job-status", "queued")
+    assert ok(alice.get(f"/v1/jobs/{job['id']}"))["status"] == "queued"
+    assert ui.page.get_by_role("button", name="Resume job").is_hidden()
 
 
 def test_download_a_checkpoint(api, ui, training, tmp_path):

@@ -1,4 +1,4 @@
-"""`echo2 jobs ...`: submit, list, get, cancel, budget, watch, metrics, report, explain."""
+"""`echo2 jobs ...`: submit, list, get, cancel, resume, budget, watch, metrics, report, explain."""
 
 from __future__ import annotations
 
@@ -29,7 +29,9 @@ def add_jobs(groups: Any, conn: Parser) -> Any:
     lst.add_argument("--json", action="store_true", help="print the page as JSON")
     lst.set_defaults(func=_list)
 
-    for action, helptext, func in (("get", "show a job", _get), ("cancel", "cancel a job", _cancel)):
+    for action, helptext, func in (("get", "show a job", _get), ("cancel", "cancel a job", _cancel),
+                                   ("resume", "resume a job its task paused (its groups could not be scored), once "
+                                              "the task is fixed", _resume)):
         p = jc.add_parser(action, parents=[conn], help=helptext)
         p.add_argument("job_id", metavar="JOB_ID")
         p.add_argument("--json", action="store_true", help="print the job as JSON")
@@ -155,6 +157,16 @@ def _cancel(args: argparse.Namespace) -> int:
         print_json(job)
     else:
         print(f"job {job.id} {job.status.value}" + (f": {job.status_reason}" if job.status_reason else ""))
+    return 0
+
+
+def _resume(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        job = client.jobs.resume(args.job_id)
+    if args.json:
+        print_json(job)
+    else:
+        print(f"job {job.id} {job.status.value}: its learner resumes from step {job.step}")
     return 0
 
 

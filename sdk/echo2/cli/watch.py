@@ -21,9 +21,11 @@ def watch(client: Client, job_id: str, interval: float, timeout: float | None) -
     latest: StepMetrics | None = None
     held_out: list[EvalRead] = []
     shown = ""
+    said = ""  # the last pause reason printed
     job: JobRead | None = None
     try:
         for job in client.jobs.follow(job_id, poll_interval=interval, timeout=timeout):
+            said = _say_pause(job, said, tty)
             if latest is None or job.step > latest.step + 1:
                 fresh = client.jobs.metrics(job_id, since_step=0 if latest is None else latest.step + 1)
                 latest = fresh[-1] if fresh else latest
@@ -45,6 +47,14 @@ def watch(client: Client, job_id: str, interval: float, timeout: float | None) -
         sys.stdout.write("\n")
     assert job is not None
     return _finish(client, job_id, job)
+
+
+def _say_pause(job: JobRead, said: str, tty: bool) -> str:
+    """A paused job's reason, on a line of its own once (the watch goes on: the job may be resumed)."""
+    reason = f"job {job.id} paused: {job.status_reason}" if job.status.value == "paused" and job.status_reason else ""
+    if reason and reason != said:
+        print(("\r\033[K" if tty else "") + reason, flush=True)
+    return reason
 
 
 def _finish(client: Client, job_id: str, job: JobRead) -> int:

@@ -119,6 +119,15 @@ class WorkerRegistered(ReadModel):
     lease_ttl_s: float
 
 
+class PlatformVersion(ReadModel):
+    """What a control plane runs, and where a worker of the same version installs from (its package index)."""
+
+    version: str = Field(description="The platform's version (echo2-server).")
+    packages: dict[str, str] = Field(description="Each distribution it serves, by name, at its version.")
+    index_url: str = Field(description="Its PEP 503 package index: `pip install --index-url INDEX_URL "
+                           "'echo2-worker[cpu]'`.")
+
+
 class BadSource(Model):
     url: Url
     reason: ShortText

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
@@ -206,6 +206,35 @@ class WorkerNeeds(Model):
                                     "(empty: any).")
 
 
+class TrackerKind(StrEnum):
+    wandb = "wandb"
+    mlflow = "mlflow"
+
+
+TrackerText = Annotated[str, StringConstraints(min_length=1, max_length=256), NoNul]
+
+
+class TrackingConfig(Model):
+    """Stream the job's metrics to an experiment tracker, from the learner host: every step's training metrics
+    (reward, loss, KL, clipping, tokens, groups, staleness, learner utilisation) and cost, and every held-out
+    evaluation. Its credentials stay on the learner host (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...), never in a
+    spec. A resumed job goes on in the same run. Needs `echo2-server[trackers]` on the learner host."""
+
+    kind: TrackerKind = Field(description="`wandb` (Weights & Biases) or `mlflow`.")
+    project: TrackerText = Field(description="The W&B project, or the MLflow experiment.")
+    run_name: TrackerText | None = Field(None, description="The run's name (default: the job's name and id).")
+    uri: TrackerText | None = Field(None, description="MLflow: the tracking URI as the learner host reaches it "
+                                    "(http://..., sqlite:///path, or file:///path with MLFLOW_ALLOW_FILE_STORE=true "
+                                    "there); W&B: the server's base URL (default: the host's own setting).")
+    mode: Literal["online", "offline"] = Field("online", description="W&B: `offline` writes the run to `dir` on the "
+                                               "learner host only (`wandb sync` uploads it later).")
+    dir: TrackerText | None = Field(None, description="W&B: the folder its run directory goes in, on the learner "
+                                    "host (default: the learner's work folder).")
+    entity: TrackerText | None = Field(None, description="W&B: the team or user the run belongs to.")
+    tags: list[Annotated[str, StringConstraints(min_length=1, max_length=64), NoNul]] = Field(
+        default_factory=list, max_length=16)
+
+
 class PromptIn(Model):
     """One inline prompt item; keys depend on the task (e.g. `question`/`answer` for gsm8k)."""
 
@@ -249,6 +278,17 @@ class JobSpec(Model):
     lora: LoraConfig | None = Field(None, description="Train a LoRA adapter instead of the full model.")
     workers: WorkerNeeds = Field(default_factory=WorkerNeeds)
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="Learner checkpoint period in steps.")
+    tracking: TrackingConfig | None = Field(None, description="Stream the job's metrics to Weights & Biases or "
+                                            "MLflow from the learner host.")
+    trace_logprobs: bool = Field(True, description="The learner records its own logprob of every token it trains "
+                                 "on, beside the worker's, for rollout traces (GET /v1/jobs/{id}/rollouts/{rollout}): "
+                                 "one forward pass without gradients per step, about a third of a step's compute "
+                                 "(single-process learners).")
+    reward_failures_to_pause: int = Field(
+        16, ge=1, le=100_000, description="Pause the job (paused_for `reward`, the reason in status_reason) once this "
+        "many claimed groups in a row could not be scored by its task (an http_reward endpoint down, an exception, a "
+        "timeout). Such a group is never trained; its worker is paid (the platform's fault) and its prompt returns to "
+        "the pool. A step with no unscored group starts the count again; POST /v1/jobs/{id}/resume resumes the job.")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     priority: int = Field(0, ge=-100, le=100, description="Higher first when jobs compete for workers.")
 
@@ -317,8 +357,10 @@ class JobRead(ReadModel):
                                       "for), paused, or how it ended.")
     queue_position: int | None = Field(None, description="A queued job's place among those waiting for a learner "
                                        "(1 = next).")
-    paused_for: str | None = Field(None, description="A paused job's cause: `budget` (raise it to resume) or "
-                                   "`quota` (the owner's daily spending; it resumes by itself).")
+    paused_for: str | None = Field(None, description="A paused job's cause: `budget` (raise it to resume), "
+                                   "`quota` (the owner's daily spending; it resumes by itself) or `reward` (its task "
+                                   "could not score its groups: fix the task's endpoint, then POST "
+                                   "/v1/jobs/{id}/resume).")
     memory_need_gb: float | None = Field(None, description="GiB a worker needs to be activated for the job: "
                                          "`workers.memory_gb`, or derived from its first version.")
     learner_memory_gib: float | None = Field(None, description="GiB each of its learner's GPUs needs, estimated "
@@ -341,6 +383,7 @@ class PromptRead(ReadModel):
     id: int
     index: int
     text: str
+    context: list[dict[str, str]] | None = Field(None, description="A chat item's turns before `text`.")
     reference: str | None
     state: str
     epoch: int

@@ -42,6 +42,8 @@ class StepMetrics(ReadModel):
     groups: int
     groups_dropped: int
     groups_rejected: int = 0
+    groups_unscored: int = Field(0, description="Groups claimed for the step that its task could not score: not "
+                                 "trained, back in the pool.")
     audits: int = 0
     audit_s: float = 0.0
     staleness_hist: list[int]
@@ -73,6 +75,8 @@ class EvalRead(ReadModel):
     sampled_accuracy: float | None = Field(description="pass@1 at the job's temperature: share of prompts whose one "
                                            "sample is right.")
     sampled_reward_mean: float | None = Field(description="Mean reward of the samples (the task's reward).")
+    greedy_answers: list[str] | None = Field(None, description="Each held-out prompt's greedy answer as the learner "
+                                             "decoded it, in the order of GET /v1/jobs/{id}/prompts?held_out=true.")
     seconds: float
     created_at: datetime
 
