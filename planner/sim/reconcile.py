@@ -9,14 +9,14 @@ import random
 
 from planner.capacity import WorkerPerf, WorkerProfile
 from planner.decision import Decision, SolverState
+from planner.sim.clock import Clock
+from planner.sim.dissemination import Dissemination
+from planner.sim.fleet import Fleet
+from planner.sim.leases import Leases
+from planner.sim.report import DecisionSummary
+from planner.sim.scenario import Scenario
+from planner.sim.state import JobState, WorkerState
 from planner.solver import decide
-from scheduler.sim.clock import Clock
-from scheduler.sim.dissemination import Dissemination
-from scheduler.sim.fleet import Fleet
-from scheduler.sim.leases import Leases
-from scheduler.sim.report import DecisionSummary
-from scheduler.sim.scenario import Scenario
-from scheduler.sim.state import JobState, WorkerState
 
 
 class Reconciler:

@@ -1,4 +1,4 @@
-"""Simulator scenarios: plain dataclasses, loaded from TOML (scheduler/scenarios/*.toml).
+"""Simulator scenarios: plain dataclasses, loaded from TOML (planner/sim/scenarios/*.toml).
 
 Units in TOML: seconds, $/h, GiB for VRAM, GB (10^9 bytes) for model size, MB (10^6 bytes) for
 chunks, Mbit/s for bandwidth. A worker type expands into `count` workers whose bandwidths are

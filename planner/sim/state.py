@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from scheduler.sim.scenario import JobSpec, WorkerSpec
+from planner.sim.scenario import JobSpec, WorkerSpec
 
 POOL, LEASED, READY, CONSUMED = 0, 1, 2, 3  # a prompt's states
 

@@ -1,15 +1,15 @@
 """Versions reaching workers: each publication relayed over the job's active workers
-(scheduler.sim.relay), the estimate the scheduler uses for workers it has not measured yet, and a
+(planner.sim.relay), the estimate the scheduler uses for workers it has not measured yet, and a
 worker taking up a version once it holds it."""
 
 from __future__ import annotations
 
 from planner.capacity import estimate_bcast_s
-from scheduler.sim.clock import Clock
-from scheduler.sim.leases import Leases
-from scheduler.sim.relay import Peer, broadcast
-from scheduler.sim.scenario import Scenario
-from scheduler.sim.state import JobState, WorkerState
+from planner.sim.clock import Clock
+from planner.sim.leases import Leases
+from planner.sim.relay import Peer, broadcast
+from planner.sim.scenario import Scenario
+from planner.sim.state import JobState, WorkerState
 
 
 class Dissemination:

@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
+import planner.sim.reconcile as reconcile
 import planner.solver as solver
-import scheduler.sim.reconcile as reconcile
-from scheduler.cli import simulate_main
-from scheduler.sim import (
+from planner.sim import (
     ScenarioError,
     SimResult,
     Simulation,
@@ -19,10 +18,11 @@ from scheduler.sim import (
     scenario_from_dict,
     simulate,
 )
-from scheduler.sim.relay import Peer, broadcast
-from scheduler.sim.state import LEASED, POOL, READY
+from planner.sim.cli import simulate_main
+from planner.sim.relay import Peer, broadcast
+from planner.sim.state import LEASED, POOL, READY
 
-SCENARIOS = Path(__file__).resolve().parents[2] / "scheduler" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[2] / "planner" / "sim" / "scenarios"
 
 
 @pytest.fixture(scope="module")
@@ -215,8 +215,8 @@ def test_spot_preemption_and_rejoin_lose_nothing():
 
 def test_deltas_let_workers_on_slow_links_stay_fresh():
     """Home uplinks: whole 2 GB versions never arrive within S steps, 20 MB deltas do (bench/freshness_bytes.py)."""
-    from scheduler.sim.engine import simulate
-    from scheduler.sim.scenario import scenario_from_dict
+    from planner.sim.engine import simulate
+    from planner.sim.scenario import scenario_from_dict
 
     def run(version_gb: float | None) -> float:
         scenario = scenario_from_dict({

@@ -8,12 +8,12 @@ import math
 import random
 from collections import Counter, deque
 
-from scheduler.sim.clock import Clock
-from scheduler.sim.dissemination import Dissemination
-from scheduler.sim.fleet import Fleet
-from scheduler.sim.leases import Leases
-from scheduler.sim.scenario import Scenario
-from scheduler.sim.state import CONSUMED, READY, JobState
+from planner.sim.clock import Clock
+from planner.sim.dissemination import Dissemination
+from planner.sim.fleet import Fleet
+from planner.sim.leases import Leases
+from planner.sim.scenario import Scenario
+from planner.sim.state import CONSUMED, READY, JobState
 
 
 class Learner:

@@ -14,7 +14,7 @@ def simulate_main(argv: list[str]) -> int:
         description="Simulate a deployment (learner, heterogeneous workers, relay, churn) driven by the real "
         "capacity rule and activation solver, and print utilisation, cost and activation decisions.",
     )
-    parser.add_argument("scenario", help="scenario TOML file (see scheduler/scenarios/)")
+    parser.add_argument("scenario", help="scenario TOML file (see planner/sim/scenarios/)")
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     parser.add_argument("--method", choices=("milp", "greedy", "all"), help="override the scenario's solver method")
     parser.add_argument("--lines", type=int, default=8, help="explanation lines shown per decision (default 8)")
@@ -22,7 +22,7 @@ def simulate_main(argv: list[str]) -> int:
 
     import dataclasses  # after parsing, so --help stays instant
 
-    from scheduler.sim import ScenarioError, load_scenario, simulate
+    from planner.sim import ScenarioError, load_scenario, simulate
 
     try:
         scenario = load_scenario(args.scenario)

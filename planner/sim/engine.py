@@ -36,16 +36,16 @@ import random
 import time
 from collections import deque
 
-from scheduler.sim.churn import Churn
-from scheduler.sim.clock import Clock
-from scheduler.sim.dissemination import Dissemination
-from scheduler.sim.fleet import Fleet
-from scheduler.sim.learner import Learner
-from scheduler.sim.leases import Leases
-from scheduler.sim.reconcile import Reconciler
-from scheduler.sim.report import JobResult, SimResult
-from scheduler.sim.scenario import Scenario, expand_workers
-from scheduler.sim.state import JobState, WorkerState
+from planner.sim.churn import Churn
+from planner.sim.clock import Clock
+from planner.sim.dissemination import Dissemination
+from planner.sim.fleet import Fleet
+from planner.sim.learner import Learner
+from planner.sim.leases import Leases
+from planner.sim.reconcile import Reconciler
+from planner.sim.report import JobResult, SimResult
+from planner.sim.scenario import Scenario, expand_workers
+from planner.sim.state import JobState, WorkerState
 
 
 class Simulation:

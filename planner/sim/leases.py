@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.sim.clock import Clock
-from scheduler.sim.report import LeaseReturn
-from scheduler.sim.state import LEASED, POOL, READY, JobState, WorkerState
+from planner.sim.clock import Clock
+from planner.sim.report import LeaseReturn
+from planner.sim.state import LEASED, POOL, READY, JobState, WorkerState
 
 
 class Leases:
