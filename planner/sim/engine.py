@@ -58,7 +58,8 @@ class Simulation:
         self.jobs = []
         for spec in scenario.jobs:
             total = spec.rollouts_per_step * spec.max_steps
-            self.jobs.append(JobState(spec, deque(range(total)), bytearray(total), spec.t_train_s))
+            prompts = deque(range(total))
+            self.jobs.append(JobState(spec, spec.platform_spec(), prompts, bytearray(total), spec.t_train_s))
         self.clock = Clock()
         self.leases = Leases(self.clock)
         self.dissemination = Dissemination(scenario, self.clock, self.workers, self.leases)

@@ -69,13 +69,12 @@ class Learner:
 
     def _drop_stale(self, job: JobState) -> int:
         """Queued groups no longer admissible are rejected at the claim; their prompts return."""
-        floor = job.step - job.spec.staleness
-        if not job.ready or min(job.ready_versions) >= floor:
+        if not job.ready or min(job.ready_versions) >= job.rules.oldest_admissible(job.step):
             return 0
         kept: deque[tuple[int, int]] = deque()
         returned = 0
         for version, pid in job.ready:
-            if version >= floor:
+            if job.rules.admissible(job.step, version):
                 kept.append((version, pid))
                 continue
             job.return_to_pool(pid, READY)

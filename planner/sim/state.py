@@ -6,6 +6,8 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
+from echo2 import protocol
+
 from planner.sim.scenario import JobSpec, WorkerSpec
 
 POOL, LEASED, READY, CONSUMED = 0, 1, 2, 3  # a prompt's states
@@ -26,6 +28,7 @@ class Orphans:
 @dataclass(slots=True, eq=False)
 class JobState:
     spec: JobSpec
+    rules: protocol.JobSpec  # the platform's spec of the job: the staleness rule is its method
     pool: deque[int]
     state: bytearray
     t_meas: float

@@ -165,6 +165,8 @@ def test_every_scenario_loads():
          "jobs[0]: unknown field(s) bogus"),
         ({"jobs": [{"id": "j", "rollouts_per_step": 8, "t_train_s": 1, "staleness": 1, "publish_period": 3,
                     "max_steps": 1}]}, "exceeds S + 1 = 2"),
+        ({"jobs": [{"id": "j", "rollouts_per_step": 8, "t_train_s": 1, "staleness": 65, "max_steps": 1}]},
+         "jobs[j]: staleness: Input should be less than or equal to 64"),  # the platform's own bound
         ({"relay": {"topology": "mesh"}}, "relay.topology must be tree, chain or star"),
         ({"solver": {"method": "magic"}}, "solver: method must be one of"),
         ({"jobs": []}, "at least one [[jobs]] table"),
