@@ -57,8 +57,11 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
+import numpy as np
 from echo2.protocol import max_publish_period, slack_steps
+from numpy.typing import ArrayLike
 
 DEFAULT_HEADROOM = 0.1
 DEFAULT_T_TRAIN_S = 2.0  # T_train assumed for a job before its first step
@@ -251,18 +254,19 @@ def predict_utilisation(job: JobProfile, workers: Iterable[WorkerProfile]) -> fl
 
 def estimate_bcast_s(
     model_bytes: float,
-    down_bps: float,
-    relay_bps: float,
-    depth: int,
+    down_bps: ArrayLike,
+    relay_bps: ArrayLike,
+    depth: ArrayLike,
     chunk_bytes: float,
     hop_latency_s: float = 0.0,
-) -> float:
+) -> Any:
     """T_bcast of a pipelined relay: M/B + depth·(chunk/B + hop latency), B = min(own downlink,
-    the rate its parent can give it). Bandwidths in bytes per second."""
-    rate = min(down_bps, relay_bps)
-    if rate <= 0:
-        return math.inf
-    return model_bytes / rate + depth * (chunk_bytes / rate + hop_latency_s)
+    the rate its parent can give it); infinite when B ≤ 0. Bandwidths in bytes per second. Numbers give
+    a float; arrays (one entry per worker) an array, so a whole fleet is estimated in one call."""
+    rate = np.minimum(down_bps, relay_bps)
+    with np.errstate(divide="ignore"):
+        t = np.where(rate > 0, model_bytes / rate + depth * (chunk_bytes / rate + hop_latency_s), np.inf)
+    return t if t.ndim else float(t)
 
 
 def sort_jobs(jobs: Iterable[JobProfile]) -> list[JobProfile]:

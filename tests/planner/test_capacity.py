@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from planner.capacity import (
@@ -130,6 +131,14 @@ def test_estimate_bcast_is_pipelined():
     t = estimate_bcast_s(8e9, down_bps=125e6, relay_bps=1e9, depth=3, chunk_bytes=16e6, hop_latency_s=0.05)
     assert t == pytest.approx(64 + 3 * (0.128 + 0.05))
     assert estimate_bcast_s(8e9, 0.0, 1e9, 1, 16e6) == math.inf
+    assert type(t) is float
+
+
+def test_estimate_bcast_of_a_fleet_in_one_call_is_each_workers_own():
+    down = [125e6, 1e9, 5e9, 0.0]
+    fleet = estimate_bcast_s(8e9, np.array(down), 1e9, np.array([3, 1, 2, 1]), 16e6, 0.05)
+    each = [estimate_bcast_s(8e9, d, 1e9, depth, 16e6, 0.05) for d, depth in zip(down, [3, 1, 2, 1], strict=True)]
+    assert fleet.tolist() == each  # to the last bit: the simulator's decisions must not move
 
 
 def test_jobs_sort_by_priority_then_submission():
