@@ -3,6 +3,8 @@ why a job's set falls short of its rule."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .capacity import JobProfile, Miss, WorkerProfile, required_throughput
 from .decision import Action, SolverConfig, SolverState, WorkerDecision
 from .selection import Candidates, Pair
@@ -65,7 +67,7 @@ def others(line: WorkerDecision, jobs: list[JobProfile], cands: Candidates) -> t
 
 def unassigned_lines(
     jobs: list[JobProfile],
-    workers: list[WorkerProfile],
+    workers: Sequence[WorkerProfile],
     state: SolverState,
     cands: Candidates,
     assignment: dict[str, str],

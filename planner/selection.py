@@ -3,6 +3,7 @@ greedy by price/μ, the best partial set, a fair share among jobs of equal prior
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +39,7 @@ class Candidates:
 
 
 def candidates(
-    jobs: list[JobProfile], workers: list[WorkerProfile], now: float, state: SolverState, config: SolverConfig
+    jobs: list[JobProfile], workers: Sequence[WorkerProfile], now: float, state: SolverState, config: SolverConfig
 ) -> Candidates:
     fresh: dict[str, list[Pair]] = {j.job_id: [] for j in jobs}
     stale: dict[str, list[Pair]] = {j.job_id: [] for j in jobs}
@@ -112,6 +113,30 @@ def _milp(pairs: list[Pair], demands: dict[str, float], config: SolverConfig) ->
     return chosen, "milp" if res.status == 0 else f"milp (best found: {res.message})"
 
 
+def _can_beat(pairs: list[Pair], demand: float, upper: float) -> list[Pair]:
+    """The pairs that can be in a set meeting `demand` for at most `upper` (LP reduced-cost fixing; exact).
+    The LP relaxation takes the best cost per rollout first; with λ its price of a rollout/s (the ratio of
+    the pair it takes in part) and L its bound, a set holding pair i costs at least L + cost_i − λ·μ_i.
+    On a large fleet most workers are priced far above λ: without them the MILP is a few hundred columns,
+    where HiGHS's presolve on ~8,000 ran 15-30 s past a 5 s time limit."""
+    locked = [p.locked for p in pairs]
+    mu = np.array([p.mu for p in pairs])
+    cost = np.array([p.cost for p in pairs])
+    need = demand - mu[locked].sum()
+    price, bound = 0.0, cost[locked].sum()
+    if need > 0:
+        free = np.flatnonzero(~np.array(locked, dtype=bool))
+        order = free[np.argsort(cost[free] / mu[free], kind="stable")]
+        covered = np.cumsum(mu[order])
+        k = int(np.searchsorted(covered, need))  # whole pairs order[:k], then part of order[k]
+        if k == len(order):
+            return pairs  # even every pair falls short: nothing to fix
+        price = cost[order[k]] / mu[order[k]]
+        bound += cost[order[:k]].sum() + (need - (covered[k - 1] if k else 0.0)) * price
+    keep = np.array(locked, dtype=bool) | (cost - price * mu <= upper - bound + 1e-9 * max(1.0, upper))
+    return [p for p, ok in zip(pairs, keep.tolist(), strict=True) if ok]
+
+
 def _best_partial(fresh: list[Pair], stale: list[Pair], demand: float) -> list[Pair]:
     """Every qualifying worker, then live near-misses closest to fresh until the demand is met."""
     chosen = list(fresh)
@@ -133,7 +158,8 @@ def _solve_job(fresh: list[Pair], stale: list[Pair], demand: float, config: Solv
     greedy = _greedy(fresh, demand)
     if config.method == "greedy":
         return greedy, "greedy"
-    chosen, note = _milp(fresh, {fresh[0].job.job_id: demand}, config)
+    upper = sum(p.cost for p in greedy)
+    chosen, note = _milp(_can_beat(fresh, demand, upper), {fresh[0].job.job_id: demand}, config)
     if chosen is None:
         return greedy, f"greedy (fallback: {note})"
     if sum(p.cost for p in greedy) < sum(p.cost for p in chosen) - TOL:  # MILP stopped early

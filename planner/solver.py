@@ -52,6 +52,7 @@ from .decision import Action, Decision, JobAllocation, SolverConfig, SolverState
 from .explain import activate_reason, infeasible_reason, keep_note, others, unassigned_lines
 from .selection import TOL, Candidates, Pair, candidates, current_sets, lp_bound, select
 from .triggers import fingerprint, resolve_trigger
+from .workers import WorkerTable
 
 
 def decide(
@@ -63,14 +64,15 @@ def decide(
 ) -> Decision:
     """One reconcile step: keep the previous set, or re-solve it when a trigger fires.
 
-    `jobs` are the running jobs, `workers` every known worker (dead ones with alive=False);
+    `jobs` are the running jobs, `workers` every known worker (dead ones with alive=False), as a list or
+    as a WorkerTable the caller keeps across steps (planner/workers.py: cheaper on a large fleet);
     `state` is the previous decision's `state` (None the first time). Persist the returned
     `decision.state` and apply `decision.assignment` (worker_id -> job_id; absent: inactive).
     """
     config = config or SolverConfig()
     started = time.perf_counter()
     jobs = sort_jobs(jobs)
-    workers = list(workers)
+    workers = workers if isinstance(workers, WorkerTable) else WorkerTable(workers)
     trigger = resolve_trigger(jobs, workers, now, state, config)
     if trigger is None and state is not None:
         return _keep(jobs, workers, now, state, config, started)
@@ -113,13 +115,13 @@ def _allocation(
 
 def _keep(
     jobs: list[JobProfile],
-    workers: list[WorkerProfile],
+    workers: WorkerTable,
     now: float,
     state: SolverState,
     config: SolverConfig,
     started: float,
 ) -> Decision:
-    by_id = {w.worker_id: w for w in workers}
+    by_id = workers.by_id
     allocations = []
     for job in jobs:
         assigned = [by_id[w] for w, j in sorted(state.assignment.items()) if j == job.job_id]
@@ -146,7 +148,7 @@ def _keep(
 
 def _record(
     jobs: list[JobProfile],
-    workers: list[WorkerProfile],
+    workers: WorkerTable,
     now: float,
     state: SolverState,
     config: SolverConfig,

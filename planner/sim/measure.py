@@ -1,8 +1,8 @@
 """What the scheduler knows of each worker, as a server could measure it: heartbeat liveness, the price,
 nominal μ and T_gen, the last observed T_bcast or an estimate for a worker that has not fetched yet, each
 off by its measurement error. The figures are taken for the whole fleet at once (numpy, one row per
-worker) and a worker's WorkerProfile is rebuilt only when its row changed: at 100,000 workers, building
-every profile on every tick was most of a run."""
+worker) and a worker's WorkerProfile is rebuilt only when its row changed, in a WorkerTable kept from tick
+to tick: at 100,000 workers, building every profile on every tick was most of a run."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from planner.capacity import WorkerPerf, WorkerProfile
 from planner.sim.dissemination import Dissemination
 from planner.sim.scenario import Scenario
 from planner.sim.state import JobState, WorkerState
+from planner.workers import WorkerTable
 
 
 class Measurements:
@@ -30,22 +31,23 @@ class Measurements:
         self.concurrency = np.array([w.spec.concurrency for w in workers], dtype=float)
         self.t_gen_ref = np.array([w.spec.t_gen_s for w in workers])
         self.errors: np.ndarray | None = None  # (μ, T_bcast) relative error per worker
-        self.profiles: list[WorkerProfile] = []
-        self.rows: np.ndarray | None = None  # the figures the profiles were built from
+        self.table = WorkerTable(())
+        self.rows: np.ndarray | None = None  # the figures the table's profiles were built from
         self.job_ids: tuple[str, ...] = ()
 
-    def profiles_for(self, running: list[JobState]) -> list[WorkerProfile]:
+    def profiles_for(self, running: list[JobState]) -> WorkerTable:
         """Every worker's profile for the running jobs (the first job's figures are its defaults)."""
         rows = self._figures(running)
         job_ids = tuple(j.spec.job_id for j in running)
         if self.rows is None or job_ids != self.job_ids:
-            self.profiles = [self._profile(w, row, job_ids) for w, row in zip(self.workers, rows.tolist(), strict=True)]
+            fleet = zip(self.workers, rows.tolist(), strict=True)
+            self.table = WorkerTable(self._profile(w, row, job_ids) for w, row in fleet)
         else:
             changed = np.flatnonzero((rows != self.rows).any(axis=1))
             for i, row in zip(changed.tolist(), rows[changed].tolist(), strict=True):
-                self.profiles[i] = self._profile(self.workers[i], row, job_ids)
+                self.table.replace(i, self._profile(self.workers[i], row, job_ids))
         self.rows, self.job_ids = rows, job_ids
-        return self.profiles
+        return self.table
 
     def _figures(self, running: list[JobState]) -> np.ndarray:
         """One row per worker: alive, price, then μ, T_gen, T_bcast for each running job."""
