@@ -1,4 +1,4 @@
-"""`echo2-server simulate SCENARIO.toml [--json]`: run the scheduler simulator on a scenario."""
+"""`echo2-server simulate SCENARIO.toml [--json] [--scale N]`: run the scheduler simulator on a scenario."""
 
 from __future__ import annotations
 
@@ -18,7 +18,11 @@ def simulate_main(argv: list[str]) -> int:
     parser.add_argument("--json", action="store_true", help="print the full result as JSON")
     parser.add_argument("--method", choices=("milp", "greedy", "all"), help="override the scenario's solver method")
     parser.add_argument("--lines", type=int, default=8, help="explanation lines shown per decision (default 8)")
+    parser.add_argument("--scale", type=int, default=1, metavar="N",
+                        help="N times as many workers of every type as the scenario has (default 1)")
     args = parser.parse_args(argv)
+    if args.scale < 1:
+        parser.error("--scale must be at least 1")
 
     import dataclasses  # after parsing, so --help stays instant
 
@@ -34,6 +38,7 @@ def simulate_main(argv: list[str]) -> int:
         return 2
     if args.method:
         scenario = dataclasses.replace(scenario, solver=dataclasses.replace(scenario.solver, method=args.method))
+    scenario = scenario.with_fleet_scaled(args.scale)
     result = simulate(scenario)
     if args.json:
         print(json.dumps(result.to_dict(max_lines=args.lines), indent=2))

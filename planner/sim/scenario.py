@@ -133,6 +133,11 @@ class Scenario:
     solver: SolverConfig = field(default_factory=SolverConfig)
     events: tuple[EventSpec, ...] = ()
 
+    def with_fleet_scaled(self, factor: int) -> Scenario:
+        """The same scenario with `factor` times as many workers of every type."""
+        types = tuple(replace(t, count=t.count * factor) for t in self.worker_types)
+        return replace(self, worker_types=types)
+
 
 @dataclass(frozen=True, slots=True)
 class WorkerSpec:

@@ -190,6 +190,8 @@ def test_cli_prints_a_summary_and_json(capsys: pytest.CaptureFixture[str]):
     assert simulate_main([str(SCENARIOS / "churn.toml"), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["prompts_lost"] == 0 and data["jobs"][0]["completed"]
+    assert simulate_main([str(SCENARIOS / "churn.toml"), "--scale", "3", "--lines", "0"]) == 0
+    assert ": 780 workers," in capsys.readouterr().out  # 3 × (120 + 120 + 20)
     assert simulate_main(["does-not-exist.toml"]) == 2
     assert "scenario file not found" in capsys.readouterr().err
 
