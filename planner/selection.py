@@ -3,8 +3,11 @@ greedy by price/μ, the best partial set, a fair share among jobs of equal prior
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass
+from heapq import heappush, heappushpop
+from itertools import accumulate
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -137,6 +140,26 @@ def _can_beat(pairs: list[Pair], demand: float, upper: float) -> list[Pair]:
     return [p for p, ok in zip(pairs, keep.tolist(), strict=True) if ok]
 
 
+def _undominated(pairs: list[Pair], upper: float) -> list[Pair]:
+    """Drops a pair that m others are at least as cheap and as fast as, m being the most pairs a set costing
+    at most `upper` can hold: such a set can swap it for one of them it lacks and cost no more, so the
+    cheapest set is still among the rest (the first m pairs dominating any pair are kept themselves)."""
+    cheapest = list(accumulate(sorted(p.cost for p in pairs)))
+    m = bisect_right(cheapest, upper * (1 + 1e-9))
+    if m == 0:
+        return pairs
+    fastest: list[float] = []  # the m largest μ among the pairs seen so far, cheapest first (a min-heap)
+    keep = [True] * len(pairs)
+    for i in sorted(range(len(pairs)), key=lambda i: (pairs[i].cost, -pairs[i].mu, i)):
+        mu = pairs[i].mu
+        if len(fastest) == m:
+            keep[i] = pairs[i].locked or fastest[0] < mu
+            heappushpop(fastest, mu)
+        else:
+            heappush(fastest, mu)
+    return [p for p, ok in zip(pairs, keep, strict=True) if ok]
+
+
 def _best_partial(fresh: list[Pair], stale: list[Pair], demand: float) -> list[Pair]:
     """Every qualifying worker, then live near-misses closest to fresh until the demand is met."""
     chosen = list(fresh)
@@ -159,7 +182,8 @@ def _solve_job(fresh: list[Pair], stale: list[Pair], demand: float, config: Solv
     if config.method == "greedy":
         return greedy, "greedy"
     upper = sum(p.cost for p in greedy)
-    chosen, note = _milp(_can_beat(fresh, demand, upper), {fresh[0].job.job_id: demand}, config)
+    columns = _undominated(_can_beat(fresh, demand, upper), upper)
+    chosen, note = _milp(columns, {fresh[0].job.job_id: demand}, config)
     if chosen is None:
         return greedy, f"greedy (fallback: {note})"
     if sum(p.cost for p in greedy) < sum(p.cost for p in chosen) - TOL:  # MILP stopped early

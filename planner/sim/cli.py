@@ -4,7 +4,25 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+
+@contextmanager
+def _native_stdout_to_stderr() -> Iterator[None]:
+    """HiGHS (scipy's MILP solver) now and then prints a stray debug line straight to file descriptor 1
+    (ERGO-Code/HiGHS#2783); while the simulation runs, fd 1 is stderr, so stdout holds only the result
+    and `--json` stays parseable."""
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def simulate_main(argv: list[str]) -> int:
@@ -39,7 +57,8 @@ def simulate_main(argv: list[str]) -> int:
     if args.method:
         scenario = dataclasses.replace(scenario, solver=dataclasses.replace(scenario.solver, method=args.method))
     scenario = scenario.with_fleet_scaled(args.scale)
-    result = simulate(scenario)
+    with _native_stdout_to_stderr():
+        result = simulate(scenario)
     if args.json:
         print(json.dumps(result.to_dict(max_lines=args.lines), indent=2))
     else:

@@ -183,17 +183,17 @@ def test_bad_scenarios_name_the_field(patch, message):
     assert message in str(exc.value)
 
 
-def test_cli_prints_a_summary_and_json(capsys: pytest.CaptureFixture[str]):
+def test_cli_prints_a_summary_and_json(capfd: pytest.CaptureFixture[str]):
     assert simulate_main([str(SCENARIOS / "churn.toml"), "--lines", "2"]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "qwen3-1.7b-gsm8k" in out and "cost: learner $" in out and "churn:" in out
-    assert simulate_main([str(SCENARIOS / "churn.toml"), "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    assert simulate_main([str(SCENARIOS / "churn.toml"), "--json"]) == 0  # whatever HiGHS prints: not on stdout
+    data = json.loads(capfd.readouterr().out)
     assert data["prompts_lost"] == 0 and data["jobs"][0]["completed"]
     assert simulate_main([str(SCENARIOS / "churn.toml"), "--scale", "3", "--lines", "0"]) == 0
-    assert ": 780 workers," in capsys.readouterr().out  # 3 × (120 + 120 + 20)
+    assert ": 780 workers," in capfd.readouterr().out  # 3 × (120 + 120 + 20)
     assert simulate_main(["does-not-exist.toml"]) == 2
-    assert "scenario file not found" in capsys.readouterr().err
+    assert "scenario file not found" in capfd.readouterr().err
 
 
 def test_no_flapping_in_closed_loop_under_measurement_noise():
