@@ -121,10 +121,10 @@ def _keep(
     config: SolverConfig,
     started: float,
 ) -> Decision:
-    by_id = workers.by_id
-    allocations = []
+    allocations, read = [], []
     for job in jobs:
-        assigned = [by_id[w] for w, j in sorted(state.assignment.items()) if j == job.job_id]
+        assigned = [workers.profile(w) for w, j in sorted(state.assignment.items()) if j == job.job_id]
+        read += assigned
         feasible = job.job_id not in state.infeasible_jobs
         reason = "meets the capacity rule" if feasible else "infeasible at the last solve"
         have = sum(q.mu for q in (qualify(w, job) for w in assigned) if q.ok)
@@ -142,7 +142,7 @@ def _keep(
     )
     return Decision(
         now, "none: inputs within tolerance", False, "kept", tuple(allocations), lines, new_state,
-        tuple(jobs), tuple(workers), time.perf_counter() - started,
+        tuple(jobs), tuple(read), time.perf_counter() - started,
     )  # fmt: skip
 
 

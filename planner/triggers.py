@@ -62,15 +62,14 @@ def resolve_trigger(
             return f"input change: {job.job_id} R {r}→{job.rollouts_per_step}"
         if _drifted(t_train, job.t_train_s, config.drift):
             return f"drift: {job.job_id} T_train {t_train:.1f}s→{job.t_train_s:.1f}s (> {config.drift:.0%})"
-    by_id = workers.by_id
     for wid in sorted(state.assignment):
-        if wid not in by_id or not by_id[wid].alive:
+        if (worker := workers.get(wid)) is None or not worker.alive:
             return f"churn: {wid} lost"
     if workers.marks_differ(old["workers"]) and (change := _fleet_change(workers, old["workers"], state)):
         return change
     jobs_by_id = {j.job_id: j for j in jobs}
     for wid, job_id in sorted(state.assignment.items()):
-        worker, job = by_id[wid], jobs_by_id[job_id]
+        worker, job = workers.profile(wid), jobs_by_id[job_id]
         prev_mu = old["mu"].get(f"{wid}|{job_id}")
         mu = worker.perf_for(job_id).mu
         if prev_mu is not None and _drifted(prev_mu[0], mu, config.drift):
@@ -89,7 +88,7 @@ def resolve_trigger(
             if now - state.solved_at >= config.infeasible_retry_s:
                 return f"retry: {job.job_id} infeasible since t={state.solved_at:.0f}s"
             continue
-        assigned = [by_id[w] for w, j in state.assignment.items() if j == job.job_id]
+        assigned = [workers.profile(w) for w, j in state.assignment.items() if j == job.job_id]
         have = sum(q.mu for q in (qualify(w, job) for w in assigned) if q.ok)
         need = required_throughput(job)
         if have < need * (1 - config.drift):

@@ -3,7 +3,7 @@ liveness) that the churn and price triggers compare between solves."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import overload
 
 from .capacity import WorkerProfile
@@ -17,15 +17,18 @@ def mark(worker: WorkerProfile) -> Mark:
 
 
 class WorkerTable(Sequence[WorkerProfile]):
-    """Every known worker's profile, in the caller's order. `decide` builds one from a list; a caller that
+    """Every known worker's profile, in the caller's order. `decide` builds one from a list. A caller that
     keeps one across reconcile steps and replaces only the profiles that changed (the simulator) makes a
-    step cheap on a large fleet: the index and the marks follow each replacement, and the table knows
-    whether any mark moved since the fingerprint it last gave, so a quiet step does nothing per worker."""
+    step cheap on a large fleet: the marks follow each replacement and the table knows whether any moved
+    since the fingerprint it last gave, so a quiet step reads only the workers serving a job; and a
+    profile whose price and liveness stand can be rebuilt only when it is next read, for a step that
+    re-solves."""
 
     def __init__(self, profiles: Iterable[WorkerProfile]) -> None:
         self._rows = list(profiles)
-        self.by_id = {w.worker_id: w for w in self._rows}
+        self._row_of = {w.worker_id: i for i, w in enumerate(self._rows)}
         self._marks = {w.worker_id: mark(w) for w in self._rows}
+        self._later: dict[int, Callable[[], WorkerProfile]] = {}  # rows to rebuild when read
         self._given: dict[str, Mark] | None = None  # the marks in the last fingerprint
         self._moved = False  # some mark changed since
 
@@ -37,21 +40,44 @@ class WorkerTable(Sequence[WorkerProfile]):
     @overload
     def __getitem__(self, i: slice) -> list[WorkerProfile]: ...
     def __getitem__(self, i: int | slice) -> WorkerProfile | list[WorkerProfile]:
+        if isinstance(i, slice):
+            return list(self)[i]
+        if i in self._later:
+            self._rebuild(i)
         return self._rows[i]
 
     def __iter__(self) -> Iterator[WorkerProfile]:
+        for i in list(self._later):
+            self._rebuild(i)
         return iter(self._rows)
+
+    def profile(self, worker_id: str) -> WorkerProfile:
+        """The worker's profile (KeyError for a worker the table does not hold)."""
+        return self[self._row_of[worker_id]]
+
+    def get(self, worker_id: str) -> WorkerProfile | None:
+        return self.profile(worker_id) if worker_id in self._row_of else None
 
     def replace(self, i: int, profile: WorkerProfile) -> None:
         """Row i gets its worker's new profile."""
         if profile.worker_id != self._rows[i].worker_id:
             raise ValueError(f"row {i} is worker {self._rows[i].worker_id}, not {profile.worker_id}")
         self._rows[i] = profile
-        self.by_id[profile.worker_id] = profile
+        self._later.pop(i, None)
         new = mark(profile)
         if new != self._marks[profile.worker_id]:
             self._marks[profile.worker_id] = new
             self._moved = True
+
+    def replace_later(self, i: int, build: Callable[[], WorkerProfile]) -> None:
+        """Row i gets `build()` when it is next read: for a new profile with the same price and liveness."""
+        self._later[i] = build
+
+    def _rebuild(self, i: int) -> None:
+        profile = self._later.pop(i)()
+        if mark(profile) != self._marks[profile.worker_id]:
+            raise ValueError(f"{profile.worker_id}: a new price or liveness takes replace(), not replace_later()")
+        self.replace(i, profile)
 
     def marks(self) -> dict[str, Mark]:
         """Every worker's mark, for a fingerprint; moves are counted from here."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import random
+from functools import partial
 from operator import attrgetter
 
 import numpy as np
@@ -44,8 +45,14 @@ class Measurements:
             self.table = WorkerTable(self._profile(w, row, job_ids) for w, row in fleet)
         else:
             changed = np.flatnonzero((rows != self.rows).any(axis=1))
-            for i, row in zip(changed.tolist(), rows[changed].tolist(), strict=True):
-                self.table.replace(i, self._profile(self.workers[i], row, job_ids))
+            # a new price or liveness is looked at every step; other figures only when the step re-solves
+            marked = (rows[changed, :2] != self.rows[changed, :2]).any(axis=1)
+            for i, row, now in zip(changed.tolist(), rows[changed].tolist(), marked.tolist(), strict=True):
+                build = partial(self._profile, self.workers[i], row, job_ids)
+                if now:
+                    self.table.replace(i, build())
+                else:
+                    self.table.replace_later(i, build)
         self.rows, self.job_ids = rows, job_ids
         return self.table
 
