@@ -178,8 +178,11 @@ def freshness_slack_s(job: JobProfile) -> float:
     return slack_steps(job.staleness, job.publish_period) * job.t_train_s
 
 
-def hard_constraint_violation(worker: WorkerProfile, job: JobProfile) -> tuple[Miss, str] | None:
-    """Which hard constraint keeps the worker from running the job at all and why, or None."""
+def hard_constraint_violation(
+    worker: WorkerProfile, job: JobProfile, perf: WorkerPerf | None = None
+) -> tuple[Miss, str] | None:
+    """Which hard constraint keeps the worker from running the job at all and why, or None; `perf` is
+    the worker's for the job when the caller has it already."""
     if not worker.alive:
         return Miss.liveness, "not alive"
     if worker.vram_gb < job.vram_need_gb:
@@ -188,7 +191,7 @@ def hard_constraint_violation(worker: WorkerProfile, job: JobProfile) -> tuple[M
         have = ",".join(sorted(worker.backends)) or "none"
         need = ",".join(sorted(job.backends))
         return Miss.backend, f"backend {have} not supported (job needs {need})"
-    perf = worker.perf_for(job.job_id)
+    perf = perf or worker.perf_for(job.job_id)
     if not perf.mu > 0:
         return Miss.throughput, "no measured throughput"
     return None
@@ -214,7 +217,7 @@ def qualify(worker: WorkerProfile, job: JobProfile) -> Qualification:
     latency = perf.t_bcast_s + perf.t_gen_s
     slack = freshness_slack_s(job)
     share = admissible_share(perf, job)
-    hard = hard_constraint_violation(worker, job)
+    hard = hard_constraint_violation(worker, job, perf)
     if hard is not None:
         return Qualification(False, *hard, perf, latency, slack, share, 0.0)
     if latency > slack:

@@ -28,7 +28,7 @@ class WorkerTable(Sequence[WorkerProfile]):
         self._rows = list(profiles)
         self._row_of = {w.worker_id: i for i, w in enumerate(self._rows)}
         self._marks = {w.worker_id: mark(w) for w in self._rows}
-        self._later: dict[int, Callable[[], WorkerProfile]] = {}  # rows to rebuild when read
+        self._later: dict[int, Callable[[int], WorkerProfile]] = {}  # rows to rebuild when read, and how
         self._given: dict[str, Mark] | None = None  # the marks in the last fingerprint
         self._moved = False  # some mark changed since
 
@@ -69,12 +69,12 @@ class WorkerTable(Sequence[WorkerProfile]):
             self._marks[profile.worker_id] = new
             self._moved = True
 
-    def replace_later(self, i: int, build: Callable[[], WorkerProfile]) -> None:
-        """Row i gets `build()` when it is next read: for a new profile with the same price and liveness."""
-        self._later[i] = build
+    def replace_later(self, rows: Iterable[int], build: Callable[[int], WorkerProfile]) -> None:
+        """Each row i gets `build(i)` when it is next read: for new profiles with the same price and liveness."""
+        self._later.update(dict.fromkeys(rows, build))
 
     def _rebuild(self, i: int) -> None:
-        profile = self._later.pop(i)()
+        profile = self._later.pop(i)(i)
         if mark(profile) != self._marks[profile.worker_id]:
             raise ValueError(f"{profile.worker_id}: a new price or liveness takes replace(), not replace_later()")
         self.replace(i, profile)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 import random
-from functools import partial
 from operator import attrgetter
 
 import numpy as np
@@ -44,17 +43,18 @@ class Measurements:
             fleet = zip(self.workers, rows.tolist(), strict=True)
             self.table = WorkerTable(self._profile(w, row, job_ids) for w, row in fleet)
         else:
-            changed = np.flatnonzero((rows != self.rows).any(axis=1))
+            changed = (rows != self.rows).any(axis=1)
             # a new price or liveness is looked at every step; other figures only when the step re-solves
-            marked = (rows[changed, :2] != self.rows[changed, :2]).any(axis=1)
-            for i, row, now in zip(changed.tolist(), rows[changed].tolist(), marked.tolist(), strict=True):
-                build = partial(self._profile, self.workers[i], row, job_ids)
-                if now:
-                    self.table.replace(i, build())
-                else:
-                    self.table.replace_later(i, build)
+            marked = (rows[:, :2] != self.rows[:, :2]).any(axis=1)
+            for i, row in zip(np.flatnonzero(marked).tolist(), rows[marked].tolist(), strict=True):
+                self.table.replace(i, self._profile(self.workers[i], row, job_ids))
+            self.table.replace_later(np.flatnonzero(changed & ~marked).tolist(), self._current)
         self.rows, self.job_ids = rows, job_ids
         return self.table
+
+    def _current(self, i: int) -> WorkerProfile:
+        """Worker i's profile from the latest figures: those of the step that reads it."""
+        return self._profile(self.workers[i], self.rows[i].tolist(), self.job_ids)
 
     def _figures(self, running: list[JobState]) -> np.ndarray:
         """One row per worker: alive, price, then μ, T_gen, T_bcast for each running job."""

@@ -52,9 +52,9 @@ def test_a_row_replaced_later_is_rebuilt_when_read_and_keeps_its_mark():
     first = decide([JOB], table, 0.0)
     built = []
     slower = replace(profiles[5], t_bcast_s=50.0)
-    table.replace_later(5, lambda: built.append(5) or slower)
+    table.replace_later([5], lambda i: built.append(i) or slower)
     assert not decide([JOB], table, 10.0, first.state).resolved and built == []  # a quiet step reads no idle row
     assert table.get("w5") is slower and built == [5]
-    table.replace_later(6, lambda: replace(profiles[6], price_per_h=9.0))
+    table.replace_later([6], lambda i: replace(profiles[i], price_per_h=9.0))
     with pytest.raises(ValueError, match="w6: a new price or liveness takes replace"):
         list(table)
