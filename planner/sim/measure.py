@@ -60,9 +60,11 @@ class Measurements:
         """One row per worker: alive, price, then μ, T_gen, T_bcast for each running job."""
         now, n = self.dissemination.clock.now, len(self.workers)
         alive = np.fromiter(map(attrgetter("alive"), self.workers), bool, n)
-        last_hb = np.fromiter(map(attrgetter("last_hb"), self.workers), float, n)
+        dead = np.flatnonzero(~alive)
+        silent = now - np.array([self.workers[i].last_hb for i in dead.tolist()], dtype=float)
+        alive[dead[silent <= self.sc.dead_after_s]] = True  # the scheduler hears of a death by silence
         price = np.fromiter(map(attrgetter("price"), self.workers), float, n)
-        columns = [alive | (now - last_hb <= self.sc.dead_after_s), price]  # silent for long enough: dead
+        columns = [alive, price]
         noise = self.sc.measure_noise
         if noise:
             self._measurement_errors()
