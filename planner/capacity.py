@@ -109,6 +109,11 @@ class WorkerProfile:
         perf = self.perf_by_job.get(job_id)
         return perf if perf is not None else WorkerPerf(self.mu, self.t_gen_s, self.t_bcast_s)
 
+    def mu_for(self, job_id: str) -> float:
+        """perf_for(job_id).mu, without building the perf (the re-solve triggers read it for every worker)."""
+        perf = self.perf_by_job.get(job_id)
+        return perf.mu if perf is not None else self.mu
+
 
 @dataclass(frozen=True, slots=True)
 class JobProfile:

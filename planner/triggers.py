@@ -13,7 +13,7 @@ def fingerprint(jobs: Sequence[JobProfile], workers: WorkerTable) -> dict:
     return {
         "jobs": {j.job_id: (j.rollouts_per_step, j.t_train_s) for j in jobs},
         "workers": workers.marks(),
-        "mu": {f"{w.worker_id}|{j.job_id}": (w.perf_for(j.job_id).mu,) for w in workers for j in jobs},
+        "mu": {f"{w.worker_id}|{j.job_id}": (w.mu_for(j.job_id),) for w in workers for j in jobs},
     }
 
 
@@ -71,7 +71,7 @@ def resolve_trigger(
     for wid, job_id in sorted(state.assignment.items()):
         worker, job = workers.profile(wid), jobs_by_id[job_id]
         prev_mu = old["mu"].get(f"{wid}|{job_id}")
-        mu = worker.perf_for(job_id).mu
+        mu = worker.mu_for(job_id)
         if prev_mu is not None and _drifted(prev_mu[0], mu, config.drift):
             return f"drift: {wid} μ {prev_mu[0]:.3g}→{mu:.3g} (> {config.drift:.0%})"
         q = qualify(worker, job)

@@ -31,6 +31,7 @@ class Measurements:
         self.concurrency = np.array([w.spec.concurrency for w in workers], dtype=float)
         self.t_gen_ref = np.array([w.spec.t_gen_s for w in workers])
         self.errors: np.ndarray | None = None  # (μ, T_bcast) relative error per worker
+        self.estimates: dict[str, tuple[tuple[float, int], np.ndarray]] = {}  # job -> (relay hint, T_bcast each)
         self.table = WorkerTable(())
         self.rows: np.ndarray | None = None  # the figures the table's profiles were built from
         self.job_ids: tuple[str, ...] = ()
@@ -73,12 +74,20 @@ class Measurements:
             mu = self.concurrency / t_gen
             # the scheduler keeps the last measurement of T_bcast; until there is one it estimates
             seen = job.bcast_seen
-            t_bcast = np.where(np.isnan(seen), self.dissemination.estimate_bcast(self.down, job), seen)
+            t_bcast = np.where(np.isnan(seen), self._estimates(job), seen)
             if noise:
                 mu = mu * np.maximum(0.5, 1 + self.errors[:, 0])
                 t_bcast = t_bcast * np.maximum(0.5, 1 + self.errors[:, 1])
             columns += [mu, t_gen, t_bcast]
         return np.column_stack(columns)
+
+    def _estimates(self, job: JobState) -> np.ndarray:
+        """Every worker's T_bcast estimate for the job; they move only when a publication moves the hint."""
+        hint = (job.hint_rate, job.hint_depth)
+        made = self.estimates.get(job.spec.job_id)
+        if made is None or made[0] != hint:
+            made = self.estimates[job.spec.job_id] = (hint, self.dissemination.estimate_bcast(self.down, job))
+        return made[1]
 
     def _measurement_errors(self) -> None:
         """Relative errors of the scheduler's smoothed measurements (μ, T_bcast) per worker: they

@@ -123,6 +123,7 @@ def test_per_job_measurements_override_defaults():
     w = worker(mu=1.0, perf_by_job={"j2": WorkerPerf(mu=0.25, t_gen_s=30.0, t_bcast_s=50.0)})
     assert w.perf_for("j1") == WorkerPerf(1.0, 4.0, 5.0)
     assert w.perf_for("j2").mu == 0.25
+    assert (w.mu_for("j1"), w.mu_for("j2")) == (1.0, 0.25)
     assert not qualify(w, job(job_id="j2")).ok
 
 
