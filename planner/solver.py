@@ -184,14 +184,12 @@ def _record(
                 if why is None and notes[job.job_id].startswith("kept current set"):
                     why = notes[job.job_id]
                 why = why or ("still chosen" if p.q.ok else activate_reason(p, notes[job.job_id], rank))
-                lines.append(WorkerDecision(wid, Action.KEEP, job.job_id, why))
+                action = Action.KEEP
             else:
                 activated_at[wid] = now
-                why = activate_reason(p, notes[job.job_id], rank)
-                lines.append(WorkerDecision(wid, Action.ACTIVATE, job.job_id, why))
+                action, why = Action.ACTIVATE, activate_reason(p, notes[job.job_id], rank)
+            lines.append(WorkerDecision(wid, action, job.job_id, why, others(wid, job.job_id, jobs, cands)))
     lines += unassigned_lines(jobs, workers, state, cands, assignment)
-    # built anew rather than with dataclasses.replace, which costs several times as much per line
-    lines = [WorkerDecision(x.worker_id, x.action, x.job_id, x.reason, others(x, jobs, cands)) for x in lines]
     new_state = SolverState(
         assignment, activated_at, qualified, now, fingerprint(jobs, workers), infeasible
     )  # fmt: skip
