@@ -18,7 +18,7 @@ model, audits are switched off for this benchmark (ECHO2_AUDIT_RATE=0, ECHO2_PRO
 Procedure. A calibration run with 1.5 times the workers a first guess needs measures T_train (the
 learner's seconds inside a step) and the step overhead (wall per step beyond that, when the learner
 never waits). For each level, N = ceil(level · (1 + h) · R / (T_train · μ)) workers — the capacity rule's
-throughput condition — then: the live run, and the simulator (scheduler/sim) fed the same R, S, κ,
+throughput condition — then: the live run, and the simulator (planner/sim) fed the same R, S, κ,
 steps, N, μ, measured T_train and overhead, notice latency and the learner's claim wait ~0 (both long-poll).
 Reported: steady utilisation (training seconds / wall between the first and the last step) and waste
 (groups rejected as stale / groups generated), live and simulated.
@@ -275,8 +275,8 @@ def _live_figures(metrics: list[dict[str, Any]], report: dict[str, Any]) -> dict
 
 
 def run_sim(args: argparse.Namespace, n_workers: int, t_train: float, overhead: float) -> dict[str, float]:
-    from scheduler.sim.engine import simulate
-    from scheduler.sim.scenario import scenario_from_dict
+    from planner.sim.engine import simulate
+    from planner.sim.scenario import scenario_from_dict
 
     scenario = scenario_from_dict({
         "name": "live-loop", "tick_s": 2.0, "lease_ttl_s": 60.0, "notice_s": 0.0, "learner_poll_s": 0.0,

@@ -64,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["simulate"]:  # the simulator owns its arguments (scenario file, method, ...)
-        from scheduler.cli import simulate_main
+        from planner.sim.cli import simulate_main
 
         return simulate_main(argv[1:])
     args = _parser().parse_args(argv)
