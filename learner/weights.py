@@ -93,8 +93,14 @@ class Weights:
 
     def write(self, state: dict[str, torch.Tensor], folder: Path, role: Role) -> None:
         _fresh(folder)
-        self.model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        _save(self.model, state, folder)
         self.tokenizer.save_pretrained(folder)
+
+
+def _save(model: Any, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """A copy of the dict: transformers 5 empties the one it is given for a model built in code, and the
+    caller's (the snapshot) is also what the auditor keeps (learner/loop.py)."""
+    model.save_pretrained(folder, state_dict=dict(state), safe_serialization=True)
 
 
 class LoraWeights(Weights):
@@ -130,7 +136,7 @@ class LoraWeights(Weights):
         self.model.peft_config["default"].save_pretrained(folder)
 
     def _write_model(self, state: dict[str, torch.Tensor], folder: Path) -> None:
-        self.model.get_base_model().save_pretrained(folder, state_dict=state, safe_serialization=True)
+        _save(self.model.get_base_model(), state, folder)
         self.tokenizer.save_pretrained(folder)
 
     def _base_state(self) -> dict[str, torch.Tensor]:
