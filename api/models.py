@@ -340,7 +340,7 @@ class Rollout(Base):
 class Episode(Base):
     """One sample of a multi-turn group, played turn by turn through the control plane: the worker's
     actions (as tokens, decoded here) and the environment's replies (as tokens, issued here). The
-    environment is rebuilt from the prompt and replayed over `actions` at each turn (learner/tasks/base.py)."""
+    environment is rebuilt from the prompt and replayed over `actions` at each turn (tasks/base.py)."""
 
     __tablename__ = "episodes"
     lease_id: Mapped[str] = mapped_column(ForeignKey("leases.id", ondelete="CASCADE"), primary_key=True)

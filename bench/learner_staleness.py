@@ -4,7 +4,7 @@
     python bench/learner_staleness.py --staleness 0 2 --max-steps 100
 
 Setup, per S: the real control plane as a subprocess (`python -m server.cli api`, SQLite), one job with
-the demo's spec (`server.demo.demo_spec`: learner/tasks/arithmetic.py DEMO_DEFAULTS, built-in
+the demo's spec (`server.demo.demo_spec`: tasks/arithmetic.py DEMO_DEFAULTS, built-in
 `echo2:tiny`, κ = 1; checkpoints off), the real learner (`learner.loop.Learner`, one torch thread)
 in a thread of this process, and two rollout workers (`tests/rollout_driver.RolloutDriver`, the
 transformers backend on CPU) activated on the job the way the scheduler does. For S > 0 the workers

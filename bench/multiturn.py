@@ -55,7 +55,7 @@ def main() -> None:
 
 
 def spec(args: argparse.Namespace) -> dict[str, Any]:
-    from learner.tasks.arithmetic import DEMO_DEFAULTS as d
+    from tasks.arithmetic import DEMO_DEFAULTS as d
 
     return {
         "name": "guess-number", "base_model": "echo2:tiny", "staleness": 2, "publish_period": 1,

@@ -83,7 +83,7 @@ def fixed_groups(tokenizer: Any, prompts: int, group: int) -> list[Any]:
     from echo2.prompting import encode_prompt
     from echo2.protocol import ClaimedGroup
 
-    from learner.tasks import get_task
+    from tasks import get_task
 
     task = get_task("arithmetic")
     params = task.parse_params({})

@@ -58,8 +58,8 @@ def train_versions(folder: Path, out: Path) -> list[Path]:
 
     from learner.objective import ObjectiveConfig
     from learner.policy import Rollouts, grpo_update, sample
-    from learner.tasks import get_task
-    from learner.tasks.arithmetic import DEMO_DEFAULTS as D
+    from tasks import get_task
+    from tasks.arithmetic import DEMO_DEFAULTS as D
 
     tok = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
@@ -297,8 +297,8 @@ def evidence_false_alarms(honest: list[Any], workers: int = 10) -> dict:
 def fleet_false_alarms(tok: Any, versions: list[Path], n: int, work: Path, workers: int = 10) -> dict:
     """Honest groups of the last version split among `workers` workers, rewards scored: outliers found."""
     from api.services import evidence
-    from learner.tasks import TaskPrompt, get_task
-    from learner.tasks.arithmetic import DEMO_DEFAULTS as D
+    from tasks import TaskPrompt, get_task
+    from tasks.arithmetic import DEMO_DEFAULTS as D
 
     task = get_task("arithmetic")
     params = task.parse_params(D["task_params"])

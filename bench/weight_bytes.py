@@ -45,7 +45,7 @@ def grpo_steps(model: Any, tok: Any, steps: int, lr: float, seed: int, computing
 
     from learner.objective import ObjectiveConfig
     from learner.policy import Rollouts, grpo_update, sample
-    from learner.tasks import get_task
+    from tasks import get_task
 
     task = get_task("arithmetic")
     params = task.parse_params({"min_operand": 10, "max_operand": 99, "style": "question"})

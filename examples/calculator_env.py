@@ -6,7 +6,7 @@ Copy it as the template for your own multi-turn environment.
     # then submit a job with task {"name": "http_env", "params": {"url": "http://HOST:8090/step",
     #   "max_turns": 4}} and the items of prompts.jsonl as its prompts
 
-The episode, one model turn at a time (learner/tasks/http_env.py): the control plane POSTs
+The episode, one model turn at a time (tasks/http_env.py): the control plane POSTs
 {"prompt", "reference", "actions"}, the model's turns so far, newest last. A turn that says
 `calc(37*41)` gets the tool's result back as the next observation ("calc(37*41) = 1517"); a turn that
 says `answer: 1522` ends the episode with reward 1.0 when that is the reference, else 0.0; a turn that

@@ -6,7 +6,7 @@
 
 The learner POSTs {"prompt", "completion", "reference"} as JSON for every completion it trains on and
 expects {"reward": <finite number>} back (a bare number works too). How the learner treats answers
-(learner/tasks/http_reward.py): a 429 or 5xx is retried with backoff, honouring Retry-After; any
+(tasks/http_reward.py): a 429 or 5xx is retried with backoff, honouring Retry-After; any
 other status, or a reply that is not a finite number, leaves the sample unscored (it is dropped).
 So this server answers 400 for a malformed request (retrying cannot fix it) and 503 when it is
 overloaded (retrying can).

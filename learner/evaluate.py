@@ -25,7 +25,7 @@ from typing import Any
 from echo2.prompting import encode_prompt
 from echo2.protocol import EvalPrompt, EvalReport, JobSpec
 
-from learner.tasks import TaskPrompt, derive_seed, get_task
+from tasks import TaskPrompt, derive_seed, get_task
 
 from .parallel import Solo
 from .policy import sample

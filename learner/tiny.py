@@ -26,24 +26,12 @@ import string
 from pathlib import Path
 
 from echo2.loading import LOAD_LOCK
+from echo2.models import TINY_CONFIG, TINY_VOCAB_SIZE
 
 EOS_TOKEN = "<|endoftext|>"
 PAD_TOKEN = "<|pad|>"
 TINY_ALPHABET = string.digits + string.ascii_lowercase + " +-*/=?.,:#\n"
 
-# The architecture: head_dim = hidden_size / num_attention_heads must stay >= 64 for vLLM on CPU.
-TINY_CONFIG = {
-    "hidden_size": 128,
-    "intermediate_size": 384,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 2,
-    "num_key_value_heads": 1,
-    "max_position_embeddings": 512,
-    "rope_theta": 10000.0,
-    "tie_word_embeddings": True,
-    "initializer_range": 0.02,
-}
-TINY_VOCAB_SIZE = 96  # base alphabet + specials + a few merges; small on purpose (see module docstring)
 
 
 def _tokenizer_corpus(seed: int) -> list[str]:

@@ -22,7 +22,7 @@ import torch
 from echo2.prompting import encode_prompt
 from echo2.protocol import AuditReport, ClaimedGroup, JobSpec, LrSchedule, SampleSubmit
 
-from learner.tasks import ScoringError, TaskPrompt, get_task
+from tasks import ScoringError, TaskPrompt, get_task
 
 from .auditor import Auditor
 from .objective import ObjectiveConfig

@@ -15,7 +15,7 @@ Each request {prompt, reference, actions} rebuilds the episode from the dataset 
 `reference` (its index), replays the earlier actions and plays the last one, through the hooks
 `MultiTurnEnv.rollout` itself calls (add_model_response, is_completed, get_prompt_messages, which runs
 `env_response`; at the end cleanup and the rubric's score_rollout). So the environment must be a
-deterministic function of its row and the actions, as every Echo2 environment (learner/tasks/base.py).
+deterministic function of its row and the actions, as every Echo2 environment (tasks/base.py).
 The model call is Echo2's workers'; verifiers' own model client is never used.
 
 What works: the classic API of verifiers 0.3 (0.4 dropped it for `verifiers.v1`, where an environment

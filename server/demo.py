@@ -10,7 +10,7 @@ from typing import Any, TextIO
 from echo2 import Client
 from echo2.protocol import JobRead, JobReport, JobStatus
 
-from learner.tasks.arithmetic import DEMO_DEFAULTS
+from tasks.arithmetic import DEMO_DEFAULTS
 
 from .stack import Stack
 

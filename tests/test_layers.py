@@ -9,15 +9,16 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # package -> (its folder, the platform packages it may import); the SDK `echo2` is below them all.
 FLOORS = {
-    "server": ("server", {"api", "scheduler", "planner", "learner"}),
-    "scheduler": ("scheduler", {"api", "planner", "learner"}),
-    "api": ("api", {"planner", "learner"}),
+    "server": ("server", {"api", "scheduler", "planner", "learner", "tasks"}),
+    "scheduler": ("scheduler", {"api", "planner", "learner", "tasks"}),  # its learner host launches learners
+    "api": ("api", {"planner", "tasks"}),  # never the compute plane: the control plane runs without torch
     "planner": ("planner", set()),
-    "learner": ("learner", set()),
+    "learner": ("learner", {"tasks"}),
+    "tasks": ("tasks", set()),
     "echo2_worker": ("workers/echo2_worker", set()),
     "echo2": ("sdk/echo2", set()),
 }
-PUBLIC_SDK_ONLY = ("learner", "echo2_worker")
+PUBLIC_SDK_ONLY = ("learner", "echo2_worker", "tasks")
 
 
 def imported(folder: str) -> list[tuple[str, str]]:
@@ -57,3 +58,10 @@ def test_planner_and_its_simulator_are_pure():
     simulator all run the same code."""
     wrong = [(f, m) for f, m in imported("planner") if m.split(".")[0] in IMPURE]
     assert wrong == [], "planner/ stays pure maths"
+
+
+def test_tasks_need_no_torch():
+    """tasks/ is the data plane (prompts, references, rewards, environments): the control plane validates and
+    scores with it, so it imports no model library."""
+    wrong = [(f, m) for f, m in imported("tasks") if m.split(".")[0] in {"torch", "transformers", "vllm"}]
+    assert wrong == [], "tasks/ is imported by the control plane, which runs without torch"

@@ -23,7 +23,7 @@ from echo2.protocol import (
 from fastapi import APIRouter, Header, Query, Response
 from sqlalchemy import func, select
 
-from learner.tasks import get_task, list_tasks
+from tasks import get_task, list_tasks
 
 from ..deps import BlobsDep, CheckpointsDep, CurrentUser, PassedFilter, SessionDep, SettingsDep, owned_job
 from ..models import Audit, Decision, Job, Prompt, Rollout, StepMetric

@@ -9,7 +9,7 @@ becomes the rollout's at submission (admission.py checks the submitted tokens ag
 
 Environments are rebuilt from the prompt and replayed over the actions so far at every turn, so the
 control plane keeps no live objects and any API process can serve any turn; a task's Episode must
-therefore be a deterministic function of its prompt and the actions (learner/tasks/base.py).
+therefore be a deterministic function of its prompt and the actions (tasks/base.py).
 An environment that raises or times out (a user-hosted one, say) ends the episode with no reward and
 the reason stored: its group is refused as the platform's fault, never the worker's, and the
 learner never waits on it. No database transaction waits on an environment: a request's steps are
@@ -31,7 +31,7 @@ from echo2.protocol import EpisodeLimits, EpisodeReply, EpisodeStep, GroupSubmit
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from learner.tasks import TaskAdapter, TaskError, TaskParams, TaskPrompt, get_task
+from tasks import TaskAdapter, TaskError, TaskParams, TaskPrompt, get_task
 
 from ..db import insert_skipping_conflicts
 from ..errors import ApiError

@@ -6,6 +6,7 @@ import hashlib
 import secrets
 from typing import Any
 
+from echo2.models import model_error, private_dir_of, private_model_error
 from echo2.protocol import DesiredState, JobCost, JobRead, JobSpec, JobStatus, JobUpdate, LeaseStatus, SamplingParams
 from echo2.protocol.datasets import MESSAGES, ChatTurn, item_problem
 from echo2.seeds import order_key
@@ -13,8 +14,7 @@ from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from learner.models import model_error, private_dir_of, private_model_error
-from learner.tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
+from tasks import TaskError, TaskParamsError, UnknownTaskError, get_task
 
 from .. import auth
 from ..errors import ApiError

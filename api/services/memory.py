@@ -45,11 +45,10 @@ from pathlib import Path
 from typing import Any
 
 from echo2.modelinfo import PROMPT_TOKENS, folder_reader
+from echo2.models import TINY_CONFIG, TINY_VOCAB_SIZE
 from echo2.protocol import JobSpec, LearnerMemory, LoraConfig
 from sqlalchemy import select
 from sqlalchemy.orm import Session
-
-from learner.tiny import TINY_CONFIG, TINY_VOCAB_SIZE
 
 from ..errors import ApiError
 from ..models import LearnerHost, utcnow

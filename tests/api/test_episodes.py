@@ -104,7 +104,7 @@ def lease_text(worker, lease) -> str:
 def test_the_secrets_cannot_be_replayed_from_the_jobs_seed(api, game):
     """A worker can work a job's seed out of its leases' sample seeds (echo2.seeds): the hidden numbers must
     not be what generate_prompts draws from it."""
-    from learner.tasks import get_task
+    from tasks import get_task
 
     job = game[0]
     task = get_task("guess_number")
@@ -201,7 +201,7 @@ def test_a_bad_step_refuses_the_whole_request_and_stores_nothing(api, game):
 
 
 class Environment(BaseHTTPRequestHandler):
-    """A user-hosted environment (learner/tasks/http_env.py): guess the reference; `mode` makes it fail."""
+    """A user-hosted environment (tasks/http_env.py): guess the reference; `mode` makes it fail."""
 
     mode = "ok"
     seen: list[dict] = []

@@ -20,10 +20,10 @@ from echo2.protocol import EvalRead, JobRead, PromptRead
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from api.settings import Settings
-from learner.tasks import TaskPrompt, get_task
 from learner.tiny import build_tiny_model
 from server.local import free_port
 from server.stack import Stack
+from tasks import TaskPrompt, get_task
 
 pytestmark = pytest.mark.e2e
 REPO = Path(__file__).resolve().parents[2]

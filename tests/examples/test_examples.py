@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from learner.tasks import get_task
+from tasks import get_task
 from tests.conftest import Api
 from tests.factories import drive_job, fake_model_folder, new_user, ok
 

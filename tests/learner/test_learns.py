@@ -2,7 +2,7 @@
 
 In-process (no server): the model samples G completions per prompt, the `arithmetic` task scores
 them (accuracy of the final answer, nothing shaped), `grpo_update` takes one AdamW step. With the
-demo defaults (learner/tasks/arithmetic.py: DEMO_DEFAULTS) the mean reward of each step's own samples
+demo defaults (tasks/arithmetic.py: DEMO_DEFAULTS) the mean reward of each step's own samples
 starts below 0.2 and must reach 0.8 (3-step moving average), and greedy decoding on every distinct
 problem must then score >= 0.8 too (training goes on until it does), all within `max_steps`.
 One run samples with stale weights (staleness 1, like an asynchronous worker one version behind)
@@ -22,9 +22,9 @@ import torch
 
 from learner.objective import ObjectiveConfig
 from learner.policy import Rollouts, grpo_update, sample
-from learner.tasks import derive_seed, get_task
-from learner.tasks.arithmetic import DEMO_DEFAULTS
 from learner.tiny import build_tiny_model
+from tasks import derive_seed, get_task
+from tasks.arithmetic import DEMO_DEFAULTS
 
 log = logging.getLogger(__name__)
 D = DEMO_DEFAULTS

@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from learner.tasks import (
+from tasks import (
     ScoringError,
     TaskAdapter,
     TaskError,
@@ -27,14 +27,14 @@ from learner.tasks import (
     register,
     run_episode,
 )
-from learner.tasks.answers import extract_final_answer, numbers_equal, parse_number
-from learner.tasks.arithmetic import DEMO_DEFAULTS
+from tasks.answers import extract_final_answer, numbers_equal, parse_number
+from tasks.arithmetic import DEMO_DEFAULTS
 
 BUILTIN = {"arithmetic", "gsm8k", "exact_match", "regex", "http_reward", "http_env", "guess_number"}
 
 
 def test_tasks_import_without_torch():
-    code = "import sys, learner.tasks as t; t.list_tasks(); assert 'torch' not in sys.modules, 'torch'"
+    code = "import sys, tasks as t; t.list_tasks(); assert 'torch' not in sys.modules, 'torch'"
     code += "; assert 'transformers' not in sys.modules, 'transformers'"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
 

@@ -14,8 +14,8 @@ from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit, TaskSpec
 from learner.auditor import Auditor
 from learner.parallel import Solo
 from learner.policy import sample
-from learner.tasks import TaskAdapter, register
 from learner.trainer import GRPOTrainer
+from tasks import TaskAdapter, register
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""math-verify behind a process pool (learner/tasks/verify.py), side by side with our own answer parser."""
+"""math-verify behind a process pool (tasks/verify.py), side by side with our own answer parser."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import time
 
 import pytest
 
-from learner.tasks import TaskPrompt, get_task
-from learner.tasks.answers import extract_final_answer, numbers_equal
-from learner.tasks.verify import math_equal, numeric_answer_equal
+from tasks import TaskPrompt, get_task
+from tasks.answers import extract_final_answer, numbers_equal
+from tasks.verify import math_equal, numeric_answer_equal
 
 HOSTILE = "\\boxed{10^{10^{10^{10}}}}"  # keeps sympy busy for minutes
 
@@ -112,5 +112,5 @@ def test_long_completions_are_checked_on_their_tail():
 
 
 def test_the_control_plane_does_not_import_math_verify():
-    code = "import sys, learner.tasks; assert 'math_verify' not in sys.modules and 'sympy' not in sys.modules"
+    code = "import sys, tasks; assert 'math_verify' not in sys.modules and 'sympy' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)

@@ -8,7 +8,7 @@ from pathlib import Path
 from sqlalchemy import select
 
 from api.models import Episode, Prompt, Rollout
-from learner.tasks.answers import extract_final_answer, parse_number
+from tasks.answers import extract_final_answer, parse_number
 from tests.conftest import Api
 
 from .conftest import rollouts, start_job, wait_for

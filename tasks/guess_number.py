@@ -11,9 +11,9 @@ import random
 
 from pydantic import Field, model_validator
 
-from learner.tasks.answers import extract_final_answer, parse_number
-from learner.tasks.base import Episode, TaskAdapter, TaskParams, TaskPrompt, Turn, check_count
-from learner.tasks.registry import register
+from tasks.answers import extract_final_answer, parse_number
+from tasks.base import Episode, TaskAdapter, TaskParams, TaskPrompt, Turn, check_count
+from tasks.registry import register
 
 
 class GuessNumberParams(TaskParams):

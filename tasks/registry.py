@@ -1,8 +1,8 @@
-"""Name -> task adapter. Built-in tasks register themselves when `learner.tasks` is imported."""
+"""Name -> task adapter. Built-in tasks register themselves when `tasks` is imported."""
 
 from __future__ import annotations
 
-from learner.tasks.base import TaskAdapter, TaskError
+from tasks.base import TaskAdapter, TaskError
 
 _TASKS: dict[str, TaskAdapter] = {}
 

@@ -3,14 +3,14 @@
 The default (operands 0..4, "+", bare "3+4=" prompts) is the demo task: a random-init tiny model
 (learner/tiny.py) learns it from scratch with GRPO in about a hundred steps on a 2-core CPU
 (tests/learner/test_learns.py). The answer is extracted like every numeric task
-(learner/tasks/answers.py: "####", \\boxed{}, "answer is", else the last number); reward 1.0 when it
+(tasks/answers.py: "####", \\boxed{}, "answer is", else the last number); reward 1.0 when it
 equals a op b, else 0.0. No partial credit.
 
 Held out: a `held_out` share of the distinct problems (by a hash of "a op b", so the same problems for
 every job with these settings) is never generated for training; `eval_prompts` draws only from them.
 Held-out accuracy is then accuracy on problems the model never saw, not memorisation.
 
-Unlike gsm8k, this task does not use math-verify (learner/tasks/verify.py): its references are
+Unlike gsm8k, this task does not use math-verify (tasks/verify.py): its references are
 integers and its prompts ask for nothing but the number, which our parser reads in full, so
 math-verify could only change verdicts on LaTeX the task never asks for, at the cost of a round trip
 to a worker process per sample in the demo's hot loop.
@@ -26,9 +26,9 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from learner.tasks.answers import extract_final_answer, numbers_equal
-from learner.tasks.base import TaskAdapter, TaskError, TaskParams, TaskPrompt, check_count
-from learner.tasks.registry import register
+from tasks.answers import extract_final_answer, numbers_equal
+from tasks.base import TaskAdapter, TaskError, TaskParams, TaskPrompt, check_count
+from tasks.registry import register
 
 Op = Literal["+", "-", "*"]
 

@@ -2,8 +2,8 @@
 
 The item's answer may be a bare number or a GSM8K solution ending in "#### 42"; the reference is its
 final answer. A completion scores 1.0 when its final answer equals the reference, else 0.0
-(learner/tasks/verify.py, `numeric_answer_equal`): the final answer is located as in
-learner/tasks/answers.py ("####", else the last \\boxed{}, else the text); a plain number there is
+(tasks/verify.py, `numeric_answer_equal`): the final answer is located as in
+tasks/answers.py ("####", else the last \\boxed{}, else the text); a plain number there is
 compared by our parser (commas, decimals, fractions, signs, $ and % tolerated; `rel_tol` applies to
 it), anything else (\\frac{3}{4}, 1{,}200, words around the number) by math-verify, and by our parser
 when math-verify finds no answer in it or runs out of time (2 s, in a worker process).
@@ -16,10 +16,10 @@ from typing import Any
 
 from pydantic import Field, field_validator
 
-from learner.tasks.answers import extract_final_answer, parse_number
-from learner.tasks.base import TaskAdapter, TaskItemError, TaskParams, TaskPrompt, require_key
-from learner.tasks.registry import register
-from learner.tasks.verify import numeric_answer_equal
+from tasks.answers import extract_final_answer, parse_number
+from tasks.base import TaskAdapter, TaskItemError, TaskParams, TaskPrompt, require_key
+from tasks.registry import register
+from tasks.verify import numeric_answer_equal
 
 DEFAULT_TEMPLATE = "Question: {question}\nThink step by step, then end with \"#### <number>\".\nAnswer:"
 

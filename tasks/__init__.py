@@ -4,8 +4,8 @@ Importable without torch. Importing this package registers the built-in tasks; a
 module that subclasses `TaskAdapter` and calls `register(...)`, plus one import line below.
 """
 
-from learner.tasks import arithmetic, gsm8k, guess_number, http_env, http_reward, matching  # noqa: F401  (register)
-from learner.tasks.base import (
+from tasks import arithmetic, gsm8k, guess_number, http_env, http_reward, matching  # noqa: F401  (register)
+from tasks.base import (
     Episode,
     EpisodeResult,
     ScoringError,
@@ -19,7 +19,7 @@ from learner.tasks.base import (
     derive_seed,
     run_episode,
 )
-from learner.tasks.registry import UnknownTaskError, get_task, list_tasks, register
+from tasks.registry import UnknownTaskError, get_task, list_tasks, register
 
 __all__ = [
     "Episode",

@@ -16,8 +16,8 @@ from typing import Any, Literal
 import re2
 from pydantic import Field, field_validator
 
-from learner.tasks.base import TaskAdapter, TaskItemError, TaskParams, TaskPrompt, require_key
-from learner.tasks.registry import register
+from tasks.base import TaskAdapter, TaskItemError, TaskParams, TaskPrompt, require_key
+from tasks.registry import register
 
 
 class _ItemKeys(TaskParams):

@@ -10,11 +10,11 @@ The worker is forked (where the platform can) after math_verify is imported and 
 first or replacement worker is ready in milliseconds and imports nothing itself; it runs only
 math-verify, never the torch or threads it inherits. 'forkserver' and 'spawn' were measured and
 rejected: their workers re-import the caller's `__main__` (for the learner, torch), seconds per worker
-start. math_verify is imported on the first call only, to keep `learner.tasks` light for the control
+start. math_verify is imported on the first call only, to keep `tasks` light for the control
 plane.
 
 `numeric_answer_equal` is the policy of the numeric tasks. The final answer is located once
-(`answer_span`): after "####", else in the last \\boxed{}, by the precedence of learner/tasks/answers.py;
+(`answer_span`): after "####", else in the last \\boxed{}, by the precedence of tasks/answers.py;
 only free text with neither is left to math-verify's own extraction. A plain number is judged by our
 parser, which covers it fully and is what `rel_tol` is defined on; anything else (LaTeX such as
 \\frac{3}{4}, words around the number) by math-verify, and by our parser only when math-verify cannot
@@ -30,7 +30,7 @@ import multiprocessing
 import re
 import threading
 
-from learner.tasks.answers import NUMBER_RE, extract_final_answer, numbers_equal
+from tasks.answers import NUMBER_RE, extract_final_answer, numbers_equal
 
 MAX_COMPLETION_CHARS = 4_000  # the final answer is at the end: longer texts are checked on their tail
 MAX_REFERENCE_CHARS = 1_000

@@ -25,9 +25,9 @@ from typing import Any
 
 from pydantic import Field
 
-from learner.tasks.base import Episode, TaskError, TaskParams, TaskPrompt, Turn
-from learner.tasks.http_reward import GaveUp, HttpRewardParams, HttpRewardTask, ReplyTooLarge
-from learner.tasks.registry import register
+from tasks.base import Episode, TaskError, TaskParams, TaskPrompt, Turn
+from tasks.http_reward import GaveUp, HttpRewardParams, HttpRewardTask, ReplyTooLarge
+from tasks.registry import register
 
 
 class HttpEnvParams(HttpRewardParams):

@@ -28,8 +28,8 @@ from echo2 import errors
 from echo2.transport import AsyncTransport, Call, RetryPolicy
 from pydantic import Field, field_validator
 
-from learner.tasks.base import ScoringError, TaskAdapter, TaskParams, TaskPrompt, require_key
-from learner.tasks.registry import register
+from tasks.base import ScoringError, TaskAdapter, TaskParams, TaskPrompt, require_key
+from tasks.registry import register
 
 logger = logging.getLogger(__name__)
 MAX_RETRY_AFTER_S = 10.0
