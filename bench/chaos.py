@@ -32,6 +32,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from echo2.client import every
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -139,8 +141,8 @@ def _kill(child) -> None:  # type: ignore[no-untyped-def]
 
 def _check(client, job_id: str) -> dict:  # type: ignore[no-untyped-def]
     job = client.jobs.get(job_id)
-    prompts = _all(lambda offset: client.jobs.prompts(job_id, limit=200, offset=offset))
-    rollouts = _all(lambda offset: client.jobs.rollouts(job_id, limit=200, offset=offset))
+    prompts = every(lambda offset: client.jobs.prompts(job_id, limit=200, offset=offset))
+    rollouts = every(lambda offset: client.jobs.rollouts(job_id, limit=200, offset=offset))
     versions = client.checkpoints.versions(job_id)
     trained = [r for r in rollouts if r.status.value == "trained"]
     lost = [p.id for p in prompts if p.state not in ("available", "leased", "submitted", "trained")]
@@ -164,15 +166,6 @@ def _check(client, job_id: str) -> dict:  # type: ignore[no-untyped-def]
                     and report["trained_twice"] == 0 and report["versions_increasing"]
                     and report["steps_without_rollouts"] == 0)
     return report
-
-
-def _all(page):  # type: ignore[no-untyped-def]
-    items, offset = [], 0
-    while offset is not None:
-        got = page(offset)
-        items += got.items
-        offset = got.next_offset
-    return items
 
 
 def _print(args: argparse.Namespace, chaos: Chaos, report: dict, wall_s: float, work: Path) -> None:

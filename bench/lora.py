@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echo2.client import every
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -66,7 +68,7 @@ def _figures(client: Any, job_id: str, wall_s: float) -> dict[str, Any]:
     versions = client.checkpoints.versions(job_id)
     steady = [v.delta_size or v.total_size for v in versions[1:-1] if (v.delta_size or v.total_size)]
     workers = {w.id: w for w in client.workers.list(job_id=None, limit=200).items}
-    trained = [r for r in _all(lambda o: client.jobs.rollouts(job_id, status="trained", limit=200, offset=o))]
+    trained = [r for r in every(lambda o: client.jobs.rollouts(job_id, status="trained", limit=200, offset=o))]
     by_backend: dict[str, int] = {}
     for r in trained:
         backend = workers[r.worker_id].backends[0].value if r.worker_id in workers else "?"
@@ -74,15 +76,6 @@ def _figures(client: Any, job_id: str, wall_s: float) -> dict[str, Any]:
     return {"status": job.status.value, "steps": job.step, "wall_s": wall_s, "rewards": rewards,
             "v0_bytes": versions[0].total_size, "steady_bytes": statistics.median(steady) if steady else None,
             "adapter": any(v.adapter for v in versions), "by_backend": by_backend}
-
-
-def _all(page):  # type: ignore[no-untyped-def]
-    items, offset = [], 0
-    while offset is not None:
-        got = page(offset)
-        items += got.items
-        offset = got.next_offset
-    return items
 
 
 def main() -> None:

@@ -73,10 +73,22 @@ from .protocol.tinker import TinkerUsage
 from .transport import DEFAULT_TIMEOUT, AsyncTransport, Call, RetryPolicy, Transport, connection_error
 from .untar import Staging, TarSink, check_dest
 
-__all__ = ["Client", "AsyncClient", "DEFAULT_TIMEOUT", "DEFAULT_MAX_RETRIES", "push_to_hub"]
+__all__ = ["Client", "AsyncClient", "DEFAULT_TIMEOUT", "DEFAULT_MAX_RETRIES", "push_to_hub", "every"]
 
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_POLL_INTERVAL = 2.0
+
+
+def every(page: Callable[[int], Page[Any]]) -> list[Any]:
+    """Every item of a paged listing: `page(offset)` fetches one page (e.g. `lambda o: client.jobs.rollouts(
+    job_id, limit=200, offset=o)`), followed by its next_offset until the last."""
+    items: list[Any] = []
+    offset: int | None = 0
+    while offset is not None:
+        got = page(offset)
+        items += got.items
+        offset = got.next_offset
+    return items
 
 
 def _iso(when: datetime | str | None) -> str | None:

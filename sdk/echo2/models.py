@@ -16,7 +16,8 @@ from pathlib import Path
 
 BUILTINS = ("echo2:tiny", "echo2:smollm2")
 
-# The tiny model's architecture (learner/tiny.py builds it): head_dim = hidden_size / num_attention_heads must stay >= 64 for vLLM on CPU.
+# The tiny model's architecture (learner/tiny.py builds it): head_dim = hidden_size / num_attention_heads
+# must stay >= 64 for vLLM on CPU.
 TINY_CONFIG = {
     "hidden_size": 128,
     "intermediate_size": 384,

@@ -9,6 +9,7 @@ import time
 
 import pytest
 from echo2 import Client, ConfigurationError, GoneError, NotFoundError, WaitTimeoutError
+from echo2.client import every
 from echo2.protocol import (
     DatasetRead,
     JobRead,
@@ -69,6 +70,7 @@ def test_create_get_list_jobs(alice):
     assert isinstance(page, Page) and page.total == 2 and page.next_offset == 1
     assert page.items[0].id == second.id
     assert [j.id for j in jobs.list(offset=1).items] == [first.id]
+    assert [j.id for j in every(lambda o: jobs.list(limit=1, offset=o))] == [second.id, first.id]
     assert jobs.list(name="secon").total == 1
     assert jobs.list(status="running").total == 0 and jobs.list(status=JobStatus.queued).total == 2
 
