@@ -7,7 +7,22 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Any
 
-from echo2.protocol import DesiredState, JobStatus, LeaseStatus, RejectKind, RolloutStatus, TrustState, WorkerStatus
+from echo2.protocol import (
+    AuditVerdict,
+    DesiredState,
+    JobStatus,
+    LeaseStatus,
+    LedgerKind,
+    PauseCause,
+    Precision,
+    PromptState,
+    RejectKind,
+    Role,
+    RolloutStatus,
+    TokenKind,
+    TrustState,
+    WorkerStatus,
+)
 from sqlalchemy import (
     JSON,
     BigInteger,
@@ -23,6 +38,8 @@ from sqlalchemy import (
     UniqueConstraint,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from planner.decision import Action
 
 
 def utcnow() -> datetime:
@@ -64,7 +81,7 @@ class User(Base):
     __tablename__ = "users"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("usr"))
     name: Mapped[str] = mapped_column(String(128))
-    role: Mapped[str] = mapped_column(String(16))
+    role: Mapped[Role] = mapped_column(stored_as_value(Role))
     # Quotas an admin sets (None: no limit). Jobs beyond them wait in the queue, they do not fail.
     max_concurrent_jobs: Mapped[int | None] = mapped_column(Integer)
     max_usd_per_day: Mapped[float | None] = mapped_column(Float)
@@ -77,7 +94,7 @@ class Token(Base):
     __tablename__ = "tokens"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("tok"))
     hash: Mapped[str] = mapped_column(String(64), unique=True)
-    kind: Mapped[str] = mapped_column(String(16))
+    kind: Mapped[TokenKind] = mapped_column(stored_as_value(TokenKind))
     principal_id: Mapped[str] = mapped_column(String(32), index=True)
     prefix: Mapped[str] = mapped_column(String(16))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -238,7 +255,7 @@ class Job(Base):
     queue_position: Mapped[int | None] = mapped_column(Integer)
     # Why a paused job is paused: "budget" (resumes when the budget is raised), "quota" (by itself) or "reward"
     # (its task could not score its groups; resumed by its owner).
-    paused_for: Mapped[str | None] = mapped_column(String(16))
+    paused_for: Mapped[PauseCause | None] = mapped_column(stored_as_value(PauseCause))
     # Claimed groups in a row its task could not score (learning.commit_step): it pauses at reward_failures_to_pause.
     reward_failures: Mapped[int] = mapped_column(Integer, default=0)
     # The cost estimated when the job was submitted (api/services/estimate.py), to compare with the actual.
@@ -271,7 +288,7 @@ class Prompt(Base):
     # A chat item's turns before its last user turn (system, earlier turns), rendered with `text` as that turn
     # by the model's chat template (echo2.prompting.encode_prompt).
     context: Mapped[list[Any] | None]
-    state: Mapped[str] = mapped_column(String(16), default="available")
+    state: Mapped[PromptState] = mapped_column(stored_as_value(PromptState), default=PromptState.available)
     epoch: Mapped[int] = mapped_column(Integer, default=0)
     order_key: Mapped[int] = mapped_column(BigInteger)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
@@ -322,10 +339,10 @@ class Rollout(Base):
     learner_logprobs: Mapped[list[Any] | None]
     gen_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     reject_kind: Mapped[RejectKind | None] = mapped_column(stored_as_value(RejectKind, 24))
-    audit: Mapped[str | None] = mapped_column(String(16))  # "passed" / "failed" once audited
+    audit: Mapped[AuditVerdict | None] = mapped_column(stored_as_value(AuditVerdict))  # None: not audited
     seq: Mapped[int | None] = mapped_column(Integer)  # the sender's n-th accepted group (Worker.groups_numbered)
     seed: Mapped[int | None] = mapped_column(BigInteger)  # the prompt's leased base seed, which the audit replays
-    precision: Mapped[str | None] = mapped_column(String(16))  # the dtype its worker computed logits in
+    precision: Mapped[Precision | None] = mapped_column(stored_as_value(Precision))  # its worker's logits dtype
     suspicion: Mapped[str | None] = mapped_column(String(64))  # what the door saw that gets it audited anyway
     paid_entry_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
     claim_step: Mapped[int | None] = mapped_column(Integer)
@@ -441,7 +458,7 @@ class LedgerEntry(Base):
     __tablename__ = "ledger_entries"
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
-    kind: Mapped[str] = mapped_column(String(16))  # "worker" | "learner"
+    kind: Mapped[LedgerKind] = mapped_column(stored_as_value(LedgerKind))
     worker_id: Mapped[str | None] = mapped_column(String(32), index=True)
     provider_id: Mapped[str | None] = mapped_column(String(32), index=True)
     amount_usd: Mapped[float] = mapped_column(Float)
@@ -478,7 +495,7 @@ class Decision(Base):
     id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
     job_id: Mapped[str | None] = mapped_column(String(32), index=True)
     worker_id: Mapped[str] = mapped_column(String(32))
-    action: Mapped[str] = mapped_column(String(16))
+    action: Mapped[Action] = mapped_column(stored_as_value(Action))
     line: Mapped[str] = mapped_column(String(512))
     trigger: Mapped[str] = mapped_column(String(256))
     inputs: Mapped[dict[str, Any]]

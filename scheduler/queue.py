@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from datetime import datetime, timedelta
 
-from echo2.protocol import JobStatus
+from echo2.protocol import JobStatus, PauseCause
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -35,12 +35,12 @@ def apply_daily_quotas(db: Session, jobs: list[Job], now: datetime) -> None:
         spent = spent_today(db, owner, now)
         for job in (j for j in jobs if j.owner_id == owner):
             if spent >= limit and job.status in (JobStatus.queued, JobStatus.running):
-                pause_job(db, job, "quota", f"your daily quota of ${limit:.2f} is spent (${spent:.2f} in the last "
-                          "24 h); the job resumes by itself as the day's spending rolls off")
-            elif spent < limit and job.paused_for == "quota":
+                pause_job(db, job, PauseCause.quota, f"your daily quota of ${limit:.2f} is spent (${spent:.2f} in "
+                          "the last 24 h); the job resumes by itself as the day's spending rolls off")
+            elif spent < limit and job.paused_for is PauseCause.quota:
                 resume_job(job)
     for job in jobs:  # an owner whose quota was lifted
-        if job.paused_for == "quota" and job.owner_id not in limits:
+        if job.paused_for is PauseCause.quota and job.owner_id not in limits:
             resume_job(job)
 
 

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from echo2.protocol import Fault, JobStatus, RejectKind, TrustState, WorkerStatus
+from echo2.protocol import Fault, JobStatus, PauseCause, RejectKind, TrustState, WorkerStatus
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
@@ -123,7 +123,7 @@ def _mark_offline(db: Session, settings: Settings, now: datetime) -> int:
 
 def _check_job(db: Session, job: Job, settings: Settings, now: datetime) -> None:
     if job.status in UNPAUSED and (why := over_budget(job)) is not None:
-        pause_job(db, job, "budget", why)
+        pause_job(db, job, PauseCause.budget, why)
     _close_orphan(db, job, settings, now)
 
 

@@ -15,6 +15,7 @@ from echo2.protocol import (
     JobUpdate,
     Page,
     PromptRead,
+    PromptState,
     RolloutRead,
     RolloutStatus,
     StepMetrics,
@@ -27,8 +28,8 @@ from tasks import get_task, list_tasks
 
 from ..deps import BlobsDep, CheckpointsDep, CurrentUser, PassedFilter, SessionDep, SettingsDep, owned_job
 from ..models import Audit, Decision, Job, Prompt, Rollout, StepMetric
-from ..services import evals, modelinfo, reports, retention, trust
 from ..services import jobs as svc
+from ..services import modelinfo, reports, retention, trust
 from ..services.ledger import next_offset
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
@@ -117,7 +118,7 @@ def list_prompts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 
                  held_out: Annotated[bool, Query(description="The held-out prompts (state `eval`, never trained "
                                                  "on) instead of the training ones.")] = False) -> Page[PromptRead]:
     owned_job(db, user, job_id)
-    split = (Prompt.state == evals.EVAL) if held_out else (Prompt.state != evals.EVAL)
+    split = (Prompt.state == PromptState.eval) if held_out else (Prompt.state != PromptState.eval)
     total = db.scalar(select(func.count()).where(Prompt.job_id == job_id, split)) or 0
     rows = db.scalars(select(Prompt).where(Prompt.job_id == job_id, split).order_by(Prompt.index).limit(limit)
                       .offset(offset))

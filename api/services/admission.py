@@ -28,6 +28,7 @@ from echo2.protocol import (
     LeaseStatus,
     Precision,
     PromptSampling,
+    PromptState,
     RejectKind,
     RolloutStatus,
     SampleSubmit,
@@ -240,7 +241,7 @@ def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]
     back = [r["prompt_id"] for r in rows if r["status"] != RolloutStatus.accepted]
     if accepted:
         db.execute(update(Prompt).where(Prompt.id.in_(accepted), Prompt.lease_id == lease.id)
-                   .values(state="submitted"))
+                   .values(state=PromptState.submitted))
     return_prompts(db, back, lease_id=lease.id)
     set_aside_failing(db, lease.job_id, [r["prompt_id"] for r in rows
                                          if r["reject_kind"] == RejectKind.environment_failed])

@@ -22,7 +22,7 @@ from ..models import Job, LedgerEntry, Provider, Worker
 def claw_back(db: Session, worker: Worker, reason: str) -> float:
     """Reverse every payment to `worker` not reversed yet; returns the amount taken back."""
     paid = list(db.scalars(select(LedgerEntry).where(LedgerEntry.worker_id == worker.id,
-                                                     LedgerEntry.kind == LedgerKind.worker.value,
+                                                     LedgerEntry.kind == LedgerKind.worker,
                                                      LedgerEntry.clawed_back_by.is_(None))
                            .with_for_update()))
     by_job: dict[str, list[LedgerEntry]] = defaultdict(list)
@@ -33,7 +33,7 @@ def claw_back(db: Session, worker: Worker, reason: str) -> float:
     for job_id, entries in by_job.items():
         amount = sum(e.amount_usd for e in entries)
         job = db.get(Job, job_id)
-        reversal = LedgerEntry(job_id=job_id, kind=LedgerKind.clawback.value, worker_id=worker.id,
+        reversal = LedgerEntry(job_id=job_id, kind=LedgerKind.clawback, worker_id=worker.id,
                                provider_id=worker.provider_id, amount_usd=-amount,
                                seconds=-sum(e.seconds for e in entries), groups=-sum(e.groups for e in entries),
                                rollout_ids=[r for e in entries for r in e.rollout_ids],

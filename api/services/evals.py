@@ -16,14 +16,12 @@ import math
 import random
 from typing import Any
 
-from echo2.protocol import EvalPrompt, EvalRead, EvalReport, JobSpec
+from echo2.protocol import EvalPrompt, EvalRead, EvalReport, JobSpec, PromptState
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..errors import ApiError
 from ..models import EvalResult, Job, Prompt
-
-EVAL = "eval"  # the state of a held-out prompt
 
 
 def split_items(items: list[Any], spec: JobSpec) -> tuple[list[Any], list[Any]]:
@@ -38,7 +36,8 @@ def split_items(items: list[Any], spec: JobSpec) -> tuple[list[Any], list[Any]]:
 
 
 def prompts(db: Session, job_id: str) -> list[EvalPrompt]:
-    rows = db.scalars(select(Prompt).where(Prompt.job_id == job_id, Prompt.state == EVAL).order_by(Prompt.index))
+    rows = db.scalars(select(Prompt).where(Prompt.job_id == job_id, Prompt.state == PromptState.eval)
+                      .order_by(Prompt.index))
     return [EvalPrompt(id=p.id, text=p.text, context=p.context, reference=p.reference) for p in rows]
 
 

@@ -7,7 +7,18 @@ import secrets
 from typing import Any
 
 from echo2.models import model_error, private_dir_of, private_model_error
-from echo2.protocol import DesiredState, JobCost, JobRead, JobSpec, JobStatus, JobUpdate, LeaseStatus, SamplingParams
+from echo2.protocol import (
+    DesiredState,
+    JobCost,
+    JobRead,
+    JobSpec,
+    JobStatus,
+    JobUpdate,
+    LeaseStatus,
+    PauseCause,
+    PromptState,
+    SamplingParams,
+)
 from echo2.protocol.datasets import MESSAGES, ChatTurn, item_problem
 from echo2.seeds import order_key
 from sqlalchemy import insert, select, update
@@ -64,7 +75,8 @@ def create_job(
         return existing, False
     rows = [
         {"job_id": job.id, "index": i, "text": text, "reference": ref, "context": context,
-         "order_key": order_key(spec.seed, job.id, i, 0), "state": "available" if i < len(items) else evals.EVAL}
+         "order_key": order_key(spec.seed, job.id, i, 0),
+         "state": PromptState.available if i < len(items) else PromptState.eval}
         for i, (text, ref, context) in enumerate(items + held_out)
     ]
     db.execute(insert(Prompt), rows)
@@ -217,7 +229,7 @@ def finish_job(db: Session, job: Job, status: JobStatus, reason: str | None) -> 
     _free_fleet(db, job)
 
 
-def pause_job(db: Session, job: Job, cause: str, reason: str) -> None:
+def pause_job(db: Session, job: Job, cause: PauseCause, reason: str) -> None:
     """Stop a job without ending it: its learner stops at its next step or heartbeat (the ack says
     paused), its workers and leases go back, and `resume_job` queues it for a new learner, which
     resumes from the job's checkpoint. `cause` is "budget" (resumed when the budget is raised) or
@@ -246,8 +258,8 @@ def _free_fleet(db: Session, job: Job) -> None:
         .values(status=LeaseStatus.released, finished_at=utcnow())
     )
     db.execute(
-        update(Prompt).where(Prompt.job_id == job.id, Prompt.state == "leased")
-        .values(state="available", lease_id=None)
+        update(Prompt).where(Prompt.job_id == job.id, Prompt.state == PromptState.leased)
+        .values(state=PromptState.available, lease_id=None)
     )
 
 
@@ -256,9 +268,9 @@ def resume_by_owner(job: Job) -> None:
     its new learner resumes from its checkpoint where it stopped. Other pauses have their own way back."""
     if job.status != JobStatus.paused:
         raise ApiError(409, f"job {job.id} is {job.status}, not paused")
-    if job.paused_for == "budget":
+    if job.paused_for is PauseCause.budget:
         raise ApiError(409, f"job {job.id} is paused by its budget: raise budget_usd (PATCH /v1/jobs/{job.id})")
-    if job.paused_for == "quota":
+    if job.paused_for is PauseCause.quota:
         raise ApiError(409, f"job {job.id} is paused by its owner's daily quota: it resumes by itself as the last 24 "
                        "hours' spending falls")
     job.reward_failures = 0
@@ -272,7 +284,7 @@ def update_job(job: Job, update: JobUpdate) -> None:
     spec = spec_of(job)
     spec.budget_usd = update.budget_usd
     job.spec = spec.model_dump(mode="json")
-    if job.paused_for != "budget":
+    if job.paused_for is not PauseCause.budget:
         return
     why = over_budget(job)
     if why is None:

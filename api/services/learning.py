@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from echo2.protocol import (
     AuditReport,
+    AuditVerdict,
     AuditVerdicts,
     JobStatus,
     LearnerHeartbeat,
+    PauseCause,
+    PromptState,
     RejectKind,
     RolloutStatus,
     StepAck,
@@ -60,9 +63,9 @@ def commit_step(db: Session, job: Job, report: StepReport, settings: Settings) -
     job.reward_failures = job.reward_failures + len(unscored) if unscored else 0
     if job.status == JobStatus.running and job.step < spec.max_steps:
         if job.reward_failures >= spec.reward_failures_to_pause:
-            pause_job(db, job, "reward", _unscored_reason(job, spec.task.name, report.unscored[-1].reason))
+            pause_job(db, job, PauseCause.reward, _unscored_reason(job, spec.task.name, report.unscored[-1].reason))
         elif (why := over_budget(job)) is not None:
-            pause_job(db, job, "budget", why)  # the ack tells the learner to stop; it resumes when raised
+            pause_job(db, job, PauseCause.budget, why)  # the ack tells the learner to stop; it resumes when raised
     return _ack(job)
 
 
@@ -130,7 +133,7 @@ def _judge(db: Session, job: Job, report: StepReport, rows: dict[str, Rollout], 
     for refusal in report.rejected:
         rollout = rows[refusal.rollout_id]
         rollout.status, rollout.reason = RolloutStatus.rejected, f"refused by the learner: {refusal.reason}"
-        failed = rollout.audit == "failed"
+        failed = rollout.audit is AuditVerdict.failed
         rollout.claim_step = None
         rollout.reject_kind = RejectKind.audit_failed if failed else RejectKind.refused_by_learner
         if rollout.worker_id in senders:
@@ -173,7 +176,8 @@ def _mark_trained(db: Session, job: Job, report: StepReport, rollouts: list[Roll
             r.rewards = scored[r.id].rewards
             r.learner_logprobs = _aligned(r, scored[r.id].learner_logprobs)
     if rollouts:
-        db.execute(update(Prompt).where(Prompt.id.in_([r.prompt_id for r in rollouts])).values(state="trained"))
+        db.execute(update(Prompt).where(Prompt.id.in_([r.prompt_id for r in rollouts]))
+                   .values(state=PromptState.trained))
     release_claims(db, job.id, report.step)
 
 

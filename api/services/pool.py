@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from datetime import datetime, timedelta
 
-from echo2.protocol import JobSpec, JobStatus, LeaseStatus, RejectKind, RolloutStatus, TrustState
+from echo2.protocol import JobSpec, JobStatus, LeaseStatus, PromptState, RejectKind, RolloutStatus, TrustState
 from echo2.seeds import order_key, prompt_seed
 from sqlalchemy import and_, case, func, select, update
 from sqlalchemy.orm import Session
@@ -14,12 +14,10 @@ from sqlalchemy.orm import Session
 from ..errors import ApiError
 from ..models import Job, Lease, Prompt, Rollout, StepMetric, Worker, utcnow
 from . import possession
-from .evals import EVAL
 from .jobs import finish_job, spec_of
 
 STARVING = 3  # returns after which a prompt is leased before the rest of its epoch
 ENV_FAILURES = 3  # environment failures after which a prompt is set aside for the rest of the job
-SET_ASIDE = "set_aside"  # a prompt state: never leased again, and no epoch waits for it
 FRONT = 2**31  # order keys are in [0, 2**31): subtracting this puts a prompt before all of them
 UNJUDGED = 8  # groups a worker on probation or suspect may have waiting for their audit (one lease's worth)
 UNJUDGED_ANY = 2**31
@@ -38,7 +36,7 @@ def return_prompts(db: Session, prompt_ids: list[int], lease_id: str | None = No
         query = query.where(Prompt.lease_id == lease_id)
     starving = case((and_(Prompt.attempts + 1 >= STARVING, Prompt.order_key >= 0), Prompt.order_key - FRONT),
                     else_=Prompt.order_key)
-    result = db.execute(query.values(state="available", lease_id=None, attempts=Prompt.attempts + 1,
+    result = db.execute(query.values(state=PromptState.available, lease_id=None, attempts=Prompt.attempts + 1,
                                      order_key=starving))
     return result.rowcount or 0
 
@@ -56,15 +54,16 @@ def set_aside_failing(db: Session, job_id: str, prompt_ids: list[int]) -> int:
                                                 Rollout.reject_kind == RejectKind.environment_failed)
                 .group_by(Rollout.prompt_id)
                 .having(func.count() >= ENV_FAILURES, func.count(Rollout.worker_id.distinct()) >= min(fleet, 2)))
-    result = db.execute(update(Prompt).where(Prompt.id.in_(failures), Prompt.state == "available")
-                        .values(state=SET_ASIDE))
+    result = db.execute(update(Prompt).where(Prompt.id.in_(failures), Prompt.state == PromptState.available)
+                        .values(state=PromptState.set_aside))
     if result.rowcount:
         _fail_if_starved(db, db.get(Job, job_id))
     return result.rowcount or 0
 
 
 def _fail_if_starved(db: Session, job: Job) -> None:
-    left = db.scalar(select(func.count()).where(Prompt.job_id == job.id, Prompt.state.not_in([SET_ASIDE, EVAL])))
+    left = db.scalar(select(func.count()).where(Prompt.job_id == job.id,
+                                                Prompt.state.not_in([PromptState.set_aside, PromptState.eval])))
     need = spec_of(job).grpo.prompts_per_step
     if left < need and not job.status.is_terminal():
         finish_job(db, job, JobStatus.failed,
@@ -110,7 +109,8 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
                   prompt_ids=[p.id for p in chosen], expires_at=utcnow() + timedelta(seconds=ttl_s))
     db.add(lease)
     db.flush()
-    db.execute(update(Prompt).where(Prompt.id.in_(lease.prompt_ids)).values(state="leased", lease_id=lease.id))
+    db.execute(update(Prompt).where(Prompt.id.in_(lease.prompt_ids))
+               .values(state=PromptState.leased, lease_id=lease.id))
     return lease
 
 
@@ -125,7 +125,8 @@ def _unjudged_room(db: Session, worker: Worker) -> int:
         Rollout.worker_id == worker.id, Rollout.status.in_((RolloutStatus.accepted, RolloutStatus.claimed)),
         Rollout.audit.is_(None)))
     held = db.scalar(select(func.count()).select_from(Prompt).join(Lease, Lease.id == Prompt.lease_id)
-                     .where(Lease.worker_id == worker.id, Lease.status == LeaseStatus.active, Prompt.state == "leased"))
+                     .where(Lease.worker_id == worker.id, Lease.status == LeaseStatus.active,
+                            Prompt.state == PromptState.leased))
     room = UNJUDGED - (waiting or 0) - (held or 0)
     if room <= 0:
         raise ApiError(409, f"on {worker.trust.value}: {waiting} of this worker's groups wait for the learner's audit "
@@ -151,7 +152,7 @@ def lease_room(db: Session, job: Job, spec: JobSpec, version: int) -> int:
         select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.claimed,
                                    Rollout.claim_step >= job.step).scalar_subquery(),
         select(func.count()).select_from(Prompt).join(Lease, Lease.id == Prompt.lease_id)
-        .where(Prompt.job_id == job.id, Prompt.state == "leased", Lease.version >= oldest).scalar_subquery(),
+        .where(Prompt.job_id == job.id, Prompt.state == PromptState.leased, Lease.version >= oldest).scalar_subquery(),
     )).one()
     return steps_left * spec.grpo.prompts_per_step - sum(taken)
 
@@ -192,7 +193,7 @@ def _take_available(db: Session, job: Job, limit: int, version: int) -> list[Pro
     # A prompt that asks for a version (a Tinker request) goes only to a lease of that version.
     query = (
         select(Prompt)
-        .where(Prompt.job_id == job.id, Prompt.state == "available",
+        .where(Prompt.job_id == job.id, Prompt.state == PromptState.available,
                Prompt.version.is_(None) | (Prompt.version == version))
         .order_by(Prompt.epoch, Prompt.order_key)
         .limit(limit)
@@ -204,11 +205,11 @@ def _take_available(db: Session, job: Job, limit: int, version: int) -> list[Pro
 def _start_next_epoch(db: Session, job: Job, seed: int) -> bool:
     """When every training prompt has been trained on, the pool starts over in a new seeded order (held-out
     and set-aside prompts stay out)."""
-    done = ["trained", EVAL, SET_ASIDE]
+    done = [PromptState.trained, PromptState.eval, PromptState.set_aside]
     busy = db.scalar(select(func.count()).where(Prompt.job_id == job.id, Prompt.state.not_in(done)))
     if busy:
         return False
-    prompts = list(db.scalars(select(Prompt).where(Prompt.job_id == job.id, Prompt.state == "trained")
+    prompts = list(db.scalars(select(Prompt).where(Prompt.job_id == job.id, Prompt.state == PromptState.trained)
                               .with_for_update()))
     for p in prompts:
         p.epoch += 1

@@ -24,7 +24,7 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime, timedelta
 
-from echo2.protocol import AuditRead, RejectKind, RolloutStatus, TrustState, WorkerRead
+from echo2.protocol import AuditRead, AuditVerdict, RejectKind, RolloutStatus, TrustState, WorkerRead
 from sqlalchemy import ColumnElement, Select, and_, false, func, not_, or_, select, update
 from sqlalchemy.orm import Session
 
@@ -103,7 +103,7 @@ def worker_reads(db: Session, workers: list[Worker], settings: Settings, *, admi
 def record_audit(db: Session, rollout: Rollout, step: int, passed: bool, reason: str | None,
                  stats: dict[str, float]) -> None:
     """A re-scoring's verdict on the rollout, kept as evidence (the `audits` table its worker's provider reads)."""
-    rollout.audit = "passed" if passed else "failed"
+    rollout.audit = AuditVerdict.passed if passed else AuditVerdict.failed
     db.add(Audit(job_id=rollout.job_id, worker_id=rollout.worker_id, rollout_id=rollout.id, version=rollout.version,
                  step=step, passed=passed, reason=reason, stats=stats))
 

@@ -2,6 +2,7 @@
 
 from .common import (
     MIN_LOGPROB,
+    AuditVerdict,
     Backend,
     DesiredState,
     Fault,
@@ -9,8 +10,10 @@ from .common import (
     JobStatus,
     LeaseStatus,
     Page,
+    PauseCause,
     Precision,
     Problem,
+    PromptState,
     RejectKind,
     Role,
     RolloutStatus,
@@ -136,6 +139,9 @@ from .weights import (
 )
 
 __all__ = [
+    "AuditVerdict",
+    "PauseCause",
+    "PromptState",
     "AdapterInfo",
     "AuditRead",
     "AuditReport",

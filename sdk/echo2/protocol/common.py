@@ -105,6 +105,33 @@ class JobStatus(StrEnum):
         return self is JobStatus.paused or self.is_terminal()
 
 
+class PromptState(StrEnum):
+    """Where one of a job's prompts is in the pool (api/services/pool.py)."""
+
+    available = "available"  # may be leased
+    leased = "leased"  # in a worker's lease
+    submitted = "submitted"  # its group arrived and waits for the learner
+    trained = "trained"  # the learner trained its group this epoch
+    eval = "eval"  # held out for evaluation: never leased (api/services/evals.py)
+    set_aside = "set_aside"  # never leased again, and no epoch waits for it
+
+
+class PauseCause(StrEnum):
+    """Why a paused job is paused (Job.paused_for)."""
+
+    budget = "budget"  # resumes when its owner raises the budget
+    quota = "quota"  # resumes by itself when its owner's daily quota allows
+    reward = "reward"  # its task could not score its groups: resumed by its owner (POST /v1/jobs/{id}/resume)
+
+
+class AuditVerdict(StrEnum):
+    """What the learner's audit of a rollout said (Rollout.audit; None: not audited)."""
+
+    passed = "passed"
+    failed = "failed"
+    pending = "pending"  # a Tinker fleet group waiting for the host's audit (api/tinker/fleet.py)
+
+
 class Role(StrEnum):
     admin = "admin"
     user = "user"

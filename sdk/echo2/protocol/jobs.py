@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
-from .common import Backend, Id, JobStatus, Key, Model, Name, NoNul, ParamValue, Price, ReadModel
+from .common import Backend, Id, JobStatus, Key, Model, Name, NoNul, ParamValue, Price, PromptState, ReadModel
 from .datasets import Item
 
 ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512, strip_whitespace=True), NoNul]
@@ -385,7 +385,7 @@ class PromptRead(ReadModel):
     text: str
     context: list[dict[str, str]] | None = Field(None, description="A chat item's turns before `text`.")
     reference: str | None
-    state: str
+    state: PromptState
     epoch: int
     attempts: int
 
