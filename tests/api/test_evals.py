@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import pytest
 from sqlalchemy import select
 
 from api.models import Lease, Prompt
@@ -21,6 +22,12 @@ from tests.factories import (
 from tests.sdk.test_cli import echo2
 
 ITEMS = [{"prompt": f"say {i}", "reference": str(i)} for i in range(30)]
+
+
+@pytest.fixture(autouse=True)
+def trusted_workers(api, monkeypatch):  # type: ignore[no-untyped-def]
+    """No learner audits here: a worker on probation would stop at 8 groups waiting for their verdict."""
+    monkeypatch.setattr(api.server.settings, "probation_audits", 0)
 
 
 def dataset_job(api, alice, **overrides):  # type: ignore[no-untyped-def]

@@ -32,7 +32,7 @@ def test_lease_gives_server_chosen_prompts_without_answers(api, setup):
     job, _, worker, _ = setup
     got = ok(lease(worker, job, 3), 201)
     assert got["status"] == "active" and len(got["prompts"]) == 3 and got["sampling"]["group_size"] == 2
-    assert all(set(p) == {"prompt_id", "text", "seed", "token_ids", "sampling"} for p in got["prompts"])
+    assert all(set(p) == {"prompt_id", "text", "context", "seed", "token_ids", "sampling"} for p in got["prompts"])
     assert all(p["token_ids"] is None and p["sampling"] is None for p in got["prompts"])  # a Tinker request's only
     second = ok(lease(worker, job, 3), 201)
     assert not {p["prompt_id"] for p in got["prompts"]} & {p["prompt_id"] for p in second["prompts"]}

@@ -70,9 +70,12 @@ def report_line(r: JobReport) -> str:
     util = "-" if r.learner_utilization is None else f"{r.learner_utilization:.0%}"
     rejected = ", ".join(f"{k.value} {n}" for k, n in sorted(r.rollouts.rejected.items())) or "none"
     stale = "-" if r.stale_fraction is None else f"{r.stale_fraction:.1%}"
-    return (f"learner busy {r.learner_busy_s:.0f}s of {r.learner_wall_s:.0f}s ({util}); groups: "
-            f"{r.rollouts.generated} generated, {r.rollouts.trained} trained, {r.rollouts.waiting} waiting; "
-            f"rejected: {rejected}; stale {stale}\n{_held_out_line(r)}\n{mismatch_text(r.mismatch)} (all steps)")
+    lines = [f"learner busy {r.learner_busy_s:.0f}s of {r.learner_wall_s:.0f}s ({util}); groups: "
+             f"{r.rollouts.generated} generated, {r.rollouts.trained} trained, {r.rollouts.waiting} waiting; "
+             f"rejected: {rejected}; stale {stale}", _held_out_line(r)]
+    if any(m.staleness < 0 for m in r.mismatch):  # none before a step trained tokens
+        lines.insert(1, f"{mismatch_text(r.mismatch)} (all steps)")
+    return "\n".join(lines)
 
 
 def _held_out_line(r: JobReport) -> str:
