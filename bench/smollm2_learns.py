@@ -162,7 +162,7 @@ def _parse() -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-6)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="published weights (auto, the default: the base model's own, bf16)")
-    p.add_argument("--rounding", choices=["nearest", "dithered"], help="default: the platform's (WeightsConfig)")
+    p.add_argument("--rounding", choices=["auto", "nearest", "dithered"], help="default: the platform's (auto)")
     p.add_argument("--correction", default="none", choices=["none", "tis", "mis", "icepop"])
     p.add_argument("--correction-level", default="token", choices=["token", "sequence"])
     p.add_argument("--correction-high", type=float, default=2.0)

@@ -327,7 +327,7 @@ def _versions(model: Any, tokenizer: Any, spec: JobSpec, model_path: str, dtype:
     them as it gathers them."""
     if spec.lora is not None and world.size > 1:
         return ShardedLoraWeights(model, tokenizer, dtype, world, model_path, spec.lora)
-    dithered = spec.weights.rounding is Rounding.dithered and dtype == torch.bfloat16  # `auto` may be another
+    dithered = spec.weights.rounding is not Rounding.nearest and dtype == torch.bfloat16  # dtype `auto` may be another
     rounder = None if isinstance(world, Sharded) else Rounder(model, dtype, dithered, seed=spec.seed)
     kind = LoraWeights if spec.lora is not None else Weights
     return kind(model, tokenizer, dtype, world, rounder)

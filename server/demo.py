@@ -36,7 +36,8 @@ def demo_spec(model: str, steps: int | None, staleness: int) -> dict[str, Any]:
 
 # A real instruct model on a task it half knows: two-digit addition asked as a question (8,100 problems,
 # 20 % of them held out), gentle updates, 8 prompts a step on CPU; bench/smollm2_learns.py measures it.
-# Versions are the default: bf16 (SmolLM2's own dtype), which the learner computes on (learner/rounding.py).
+# Versions are the default: bf16 (SmolLM2's own dtype), dithered, which the learner computes on
+# (learner/rounding.py); docs/BENCHMARKS.md compares them with float32 and nearest-rounded versions.
 SMOLLM2_TWO_DIGIT: dict[str, Any] = {
     "task": {"name": "arithmetic", "params": {"min_operand": 10, "max_operand": 99, "style": "question"}},
     "eval": {"size": 100, "every": 10},

@@ -139,6 +139,7 @@ class WeightDtype(StrEnum):
 class Rounding(StrEnum):
     """How the learner's float32 master weights become the published (and computed-on) weights."""
 
+    auto = "auto"  # dithered for bfloat16 versions in a single-process learner, nearest otherwise
     nearest = "nearest"  # round to nearest, ties to even: the plain cast
     dithered = "dithered"  # stochastic rounding with a random threshold fixed per weight (bfloat16 only)
 
@@ -150,13 +151,15 @@ class WeightsConfig(Model):
 
     dtype: WeightDtype = Field(WeightDtype.auto, description="dtype of the published weights; `auto` is the base "
                                "model's own (bfloat16 for most released models, float32 for `echo2:tiny`).")
-    rounding: Rounding = Field(Rounding.nearest, description="How masters become published weights. `nearest`: "
-                               "the plain cast; a weight moves once its master has moved half a bf16 step. "
-                               "`dithered` (bfloat16 versions): the master plus a random fraction of a step fixed "
-                               "per weight, truncated; a weight moves once its master passes its own threshold, "
-                               "so on average the published weights move as far as the masters, and still only "
-                               "the weights that crossed change from one version to the next. With `auto` on a "
-                               "base whose own dtype is not bfloat16, nearest.")
+    rounding: Rounding = Field(Rounding.auto, description="How masters become published weights. `nearest`: "
+                               "the plain cast; a weight moves once its master has moved half a bf16 step (at RL "
+                               "learning rates, tens of steps: SmolLM2's held-out accuracy stayed flat for 20 "
+                               "steps). `dithered` (bfloat16 versions): the master plus a random fraction of a "
+                               "step fixed per weight, truncated; a weight moves once its master passes its own "
+                               "threshold, so on average the published weights move as far as the masters, and "
+                               "still only the weights that crossed change from one version to the next. `auto` "
+                               "(the default): dithered for bfloat16 versions in a single-process learner, nearest "
+                               "otherwise (FSDP casts to nearest as it gathers). Measured in docs/BENCHMARKS.md.")
     delta: bool = Field(True, description="Publish each version after the first also as a delta against the one "
                         "before it: workers holding that one fetch only what changed.")
     keyframe_every: int = Field(10, ge=1, le=10_000, description="Every K-th publication (and the first and the "
