@@ -4,8 +4,16 @@ serialised writers on SQLite)."""
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import pytest
 
 from tests.factories import activate, fake_model_folder, new_provider, new_user, new_worker, ok, running_job
+
+
+@pytest.fixture(autouse=True)
+def trusted_workers(api, monkeypatch):  # type: ignore[no-untyped-def]
+    """No learner audits here: a worker on probation would stop at 8 groups waiting for their verdict."""
+    monkeypatch.setattr(api.server.settings, "probation_audits", 0)
+
 
 CLAIMERS, PROMPTS = 32, 2000
 
