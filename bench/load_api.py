@@ -64,7 +64,10 @@ def api_server(db_url: str, data_dir: Path, lease_ttl_s: float):  # type: ignore
     port = free_port()
     env = {**os.environ, "ECHO2_DATABASE_URL": db_url, "ECHO2_DATA_DIR": str(data_dir),
            "ECHO2_PORT": str(port), "ECHO2_HOST": "127.0.0.1", "ECHO2_BOOTSTRAP_API_KEY": ADMIN_KEY,
-           "ECHO2_LOG_LEVEL": "WARNING", "ECHO2_LEASE_TTL_S": str(lease_ttl_s)}
+           "ECHO2_LOG_LEVEL": "WARNING", "ECHO2_LEASE_TTL_S": str(lease_ttl_s),
+           # A fleet in its steady state: trusted workers (no learner judges the bench's groups, and one on
+           # probation may hold only a few unjudged groups at once).
+           "ECHO2_PROBATION_AUDITS": "0"}
     log = open(data_dir / "server.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "api"], env=env, stdout=log,
                             stderr=subprocess.STDOUT, start_new_session=True)
