@@ -25,7 +25,7 @@ from sqlalchemy import select
 
 from api.db import Database
 from api.migrate import upgrade
-from api.models import Lease, Prompt, Rollout
+from api.models import Lease, Prompt, Rollout, Worker
 from server.local import free_port, wait_port
 from tests.conftest import ADMIN_KEY, Api, LiveServer
 from tests.factories import (
@@ -176,10 +176,21 @@ def test_leases_and_submissions_raced_across_two_processes(two, tmp_path):
 
 
 def test_a_version_published_through_one_process_wakes_waiters_on_the_other(two, tmp_path):
-    """Workers long-poll for the next version on process B while the learner publishes through A, and a
-    learner claim waiting on B hears of groups accepted through A: each waiter gets what happened."""
+    """Every worker heartbeats through both processes at once (each process group-commits its own batches,
+    which name the same workers); then workers long-poll for the next version on process B while the
+    learner publishes through A, and a learner claim waiting on B hears of groups accepted through A:
+    every heartbeat is answered and recorded, and each waiter gets what happened."""
     a, b = two
     job, learner, clients = _fleet(a, b, tmp_path)
+    beats = [(wid, c) for wid, c in clients for _ in range(6)]
+    with ThreadPoolExecutor(2 * WORKERS) as pool:
+        replies = list(pool.map(lambda wc: ok(wc[1].post(f"/v1/workers/{wc[0]}/heartbeat",
+                                                         json={"versions_held": [0]})), beats))
+    assert all(r["desired"] == "active" and r["assignment"]["version"] == 0 for r in replies)
+    with a.db.session() as s:
+        seen = list(s.execute(select(Worker.last_heartbeat_at, Worker.versions_held)
+                              .where(Worker.job_id == job["id"])))
+    assert len(seen) == WORKERS and all(t is not None and held == [0] for t, held in seen)
     waiters = [c for _, c in clients[WORKERS:]]  # the workers' clients on B
     learner_b = on(b, learner)
     lease = ok(clients[0][1].post("/v1/leases", json={"job_id": job["id"], "max_prompts": 2, "version": 0}), 201)
