@@ -1,4 +1,5 @@
-"""Control-plane load: the worker-facing hot endpoints against ONE real uvicorn process.
+"""Control-plane load: the worker-facing hot endpoints against ONE real uvicorn process (or N with
+`--api-processes N`, one PostgreSQL behind them; their CPU is summed).
 
     python bench/load_api.py --db both --duration 10
 
@@ -57,8 +58,8 @@ PHASES = ("heartbeat", "paced", "lease", "rollouts")
 
 
 @contextmanager
-def api_server(db_url: str, data_dir: Path, lease_ttl_s: float):  # type: ignore[no-untyped-def]
-    """`python -m server.cli api` as a subprocess (it migrates, then runs one uvicorn process)."""
+def api_server(db_url: str, data_dir: Path, lease_ttl_s: float, processes: int = 1):  # type: ignore[no-untyped-def]
+    """`python -m server.cli api --workers N` as a subprocess (it migrates, then runs N uvicorn processes)."""
     from server.local import free_port, wait_port
 
     port = free_port()
@@ -69,8 +70,8 @@ def api_server(db_url: str, data_dir: Path, lease_ttl_s: float):  # type: ignore
            # probation may hold only a few unjudged groups at once).
            "ECHO2_PROBATION_AUDITS": "0"}
     log = open(data_dir / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "api"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "api", "--workers", str(processes)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_port(port, timeout=120, proc=proc)
         yield proc, f"http://127.0.0.1:{port}"
@@ -401,11 +402,16 @@ class CpuMeter:
         self.server = psutil.Process(server_pid)
         self.db_root = psutil.Process(db_pid) if db_pid else None
 
+    def _server_tree(self) -> float:
+        """The API: one process, or with --api-processes N uvicorn's supervisor and its N children."""
+        return sum(self._tree(self.server).values())
+
     def _db_tree(self) -> dict[int, float]:
-        if self.db_root is None:
-            return {}
+        return {} if self.db_root is None else self._tree(self.db_root)
+
+    def _tree(self, root: Any) -> dict[int, float]:
         out = {}
-        for p in [self.db_root, *self.db_root.children(recursive=True)]:
+        for p in [root, *root.children(recursive=True)]:
             try:
                 t = p.cpu_times()
                 out[p.pid] = t.user + t.system
@@ -419,7 +425,7 @@ class CpuMeter:
 
     def measure(self, seconds: float) -> dict[str, float]:
         """Cores used by each side during the next `seconds`."""
-        server0, machine0, t0 = self._cpu(self.server), self._machine(), time.monotonic()
+        server0, machine0, t0 = self._server_tree(), self._machine(), time.monotonic()
         first = self._db_tree()
         last = dict(first)
         while (left := t0 + seconds - time.monotonic()) > 0:
@@ -427,12 +433,8 @@ class CpuMeter:
             last.update(self._db_tree())
         wall = time.monotonic() - t0
         db = sum(v - first.get(pid, 0.0) for pid, v in last.items())
-        return {"server": (self._cpu(self.server) - server0) / wall, "db": db / wall,
+        return {"server": (self._server_tree() - server0) / wall, "db": db / wall,
                 "machine": (self._machine() - machine0) / wall, "db_procs_started": len(set(last) - set(first))}
-
-    def _cpu(self, p: Any) -> float:
-        t = p.cpu_times()
-        return t.user + t.system
 
 
 # ---------------------------------------------------------------- phases and report
@@ -480,7 +482,8 @@ def _start_profiler(pid: int, name: str, args: argparse.Namespace) -> subprocess
     # thread, waiting included, which shows where requests queue on locks.
     mode = ["--gil"] if args.profile_mode == "cpu" else ["--idle"]
     cmd = [args.py_spy, "record", "--pid", str(pid), "--duration", str(int(args.duration)), "--rate", "100",
-           *mode, "--nonblocking", "--format", "raw", "--output", str(args.profile / f"{name}.txt")]
+           *mode, *(["--subprocesses"] if args.api_processes > 1 else []), "--nonblocking", "--format", "raw",
+           "--output", str(args.profile / f"{name}.txt")]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -566,7 +569,7 @@ def run_database(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         else:
             db_url = f"sqlite:///{work / 'data' / 'echo2.db'}"
         (work / "data").mkdir(exist_ok=True)
-        proc, base_url = stack.enter_context(api_server(db_url, work / "data", args.lease_ttl))
+        proc, base_url = stack.enter_context(api_server(db_url, work / "data", args.lease_ttl, args.api_processes))
         t0 = time.monotonic()
         fleet = build_fleet(base_url, db_url, work, args)
         _say(f"[{kind}] {len(fleet.workers)} workers, job {fleet.job_id} with {args.prompts} prompts "
@@ -672,6 +675,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-rate", type=float, default=1000.0,
                    help="paced phase: heartbeats per second offered (open loop)")
     p.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    p.add_argument("--api-processes", type=int, default=1,
+                   help="uvicorn processes of the API (echo2-server api --workers N); CPU is summed over them")
     p.add_argument("--prompts", type=int, default=100_000, help="prompts in the job's pool")
     p.add_argument("--lease-prompts", type=int, default=16, help="prompts per lease")
     p.add_argument("--group-size", type=int, default=8, help="G: samples per group")
