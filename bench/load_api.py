@@ -153,7 +153,7 @@ def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace
         # maxima give the job room for (S + 1) R = 66,560 groups in flight.
         spec = {"name": "bench", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
                 "grpo": {"group_size": args.group_size, "prompts_per_step": 1024}, "num_prompts": args.prompts,
-                "staleness": 64, "max_steps": 1000}
+                "staleness": 64, "max_steps": 1000, "partial_rollouts": args.partial}
         job_id = _ok(user.post("/v1/jobs", json=spec), 201)["id"]
         learner_token = _ok(admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"]
         _publish_v0(base_url, learner_token, job_id, _fake_model(work / "model"))
@@ -161,7 +161,11 @@ def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace
     with db.session() as s:
         job = s.get(Job, job_id)
         for worker_id, _ in workers:
-            assign(s.get(Worker, worker_id), job)  # type: ignore[arg-type]
+            worker = s.get(Worker, worker_id)
+            assign(worker, job)  # type: ignore[arg-type]
+            # and it fetched version 0 (a lease is granted only at a version the worker reported holding,
+            # which the heartbeat phase would report; the lease phases may run without it)
+            worker.versions_held = [0]  # type: ignore[union-attr]
         s.commit()
     db.dispose()
     return Fleet(job_id=job_id, workers=workers)
@@ -204,6 +208,7 @@ class ClientSpec:
     tokens: int
     seed: int
     rate: float = 0.0  # paced phase: heartbeats per second this client offers
+    partial: bool = False  # samples carry per-token versions, as partial rollouts send them
 
 
 @dataclass
@@ -352,6 +357,8 @@ def _sample_pool(spec: ClientSpec, n: int = 32) -> list[str]:
         logprobs = [round(-rng.expovariate(2.0), 5) for _ in range(spec.tokens)]
         text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789 ") for _ in range(4 * spec.tokens))
         sample = {"token_ids": ids, "logprobs": logprobs, "text": text, "finish_reason": "stop"}
+        if spec.partial:  # one run of version 0: the only version the bench publishes
+            sample["versions"] = [[0, spec.tokens]]
         out.append(json.dumps(sample))
     return out
 
@@ -460,7 +467,7 @@ def run_phase(phase: str, base_url: str, fleet: Fleet, meter: CpuMeter,
                                 warmup_s=args.warmup, duration_s=args.duration,
                                 lease_prompts=args.lease_prompts, groups_per_request=args.groups_per_request,
                                 group_size=args.group_size, tokens=args.tokens, seed=c,
-                                rate=args.heartbeat_rate / clients))
+                                rate=args.heartbeat_rate / clients, partial=args.partial))
     with ProcessPoolExecutor(max_workers=clients, mp_context=get_context("spawn")) as pool:
         futures = [pool.submit(client_main, s) for s in specs]
         # The CPU window matches the measurement window (after warmup).
@@ -682,6 +689,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=8, help="G: samples per group")
     p.add_argument("--tokens", type=int, default=64, help="completion tokens per sample")
     p.add_argument("--groups-per-request", type=int, default=16, help="groups per rollout POST")
+    p.add_argument("--partial", action="store_true",
+                   help="a job with partial_rollouts on: every sample carries its per-token versions")
     p.add_argument("--lease-ttl", type=float, default=60.0, help="ECHO2_LEASE_TTL_S of the server")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--profile", type=Path, help="py-spy the server during each phase; collapsed stacks here")
