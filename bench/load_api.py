@@ -171,6 +171,24 @@ def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace
     return Fleet(job_id=job_id, workers=workers)
 
 
+def rollout_storage(db_url: str, group_size: int) -> dict[str, Any]:
+    """What the stored rollouts take in the database: the table with its indexes and (PostgreSQL) TOAST."""
+    from sqlalchemy import text
+
+    from api.db import Database
+
+    db = Database(db_url)
+    size = ("SELECT pg_total_relation_size('rollouts')" if db.is_postgres else
+            "SELECT SUM(pgsize) FROM dbstat WHERE name IN (SELECT name FROM sqlite_master WHERE tbl_name = 'rollouts')")
+    with db.engine.connect() as conn:
+        groups = conn.execute(text("SELECT COUNT(*) FROM rollouts")).scalar_one()
+        nbytes = int(conn.execute(text(size)).scalar_one() or 0)
+    db.dispose()
+    samples = groups * group_size
+    return {"groups": groups, "bytes": nbytes, "bytes_per_sample": nbytes / samples if samples else None,
+            "gb_per_million_samples": nbytes / samples * 1e6 / 1e9 if samples else None}
+
+
 def release_leases(db_url: str, job_id: str) -> int:
     """Between phases: give every active lease back so the next phase sees a full pool."""
     from sqlalchemy import select
@@ -593,6 +611,12 @@ def run_database(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 _say("\n".join(hot_spots(stacks, args.top)))
             if phase == "lease":
                 _say(f"[{kind}] released {release_leases(db_url, fleet.job_id)} leases before the next phase")
+            if phase == "rollouts":
+                result["storage"] = store = rollout_storage(db_url, args.group_size)
+                if store["groups"]:
+                    _say(f"[{kind}] rollouts table: {store['groups']} groups in {store['bytes'] / 2**20:.1f} MiB, "
+                         f"{store['bytes_per_sample']:.0f} bytes per sample of {args.tokens} tokens = "
+                         f"{store['gb_per_million_samples']:.2f} GB per million samples")
         return results
 
 
