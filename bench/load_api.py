@@ -1,4 +1,5 @@
-"""Control-plane load: the worker-facing hot endpoints against ONE real uvicorn process.
+"""Control-plane load: the worker-facing hot endpoints against ONE real uvicorn process (or N with
+`--api-processes N`, one PostgreSQL behind them; their CPU is summed).
 
     python bench/load_api.py --db both --duration 10
 
@@ -57,17 +58,20 @@ PHASES = ("heartbeat", "paced", "lease", "rollouts")
 
 
 @contextmanager
-def api_server(db_url: str, data_dir: Path, lease_ttl_s: float):  # type: ignore[no-untyped-def]
-    """`python -m server.cli api` as a subprocess (it migrates, then runs one uvicorn process)."""
+def api_server(db_url: str, data_dir: Path, lease_ttl_s: float, processes: int = 1):  # type: ignore[no-untyped-def]
+    """`python -m server.cli api --workers N` as a subprocess (it migrates, then runs N uvicorn processes)."""
     from server.local import free_port, wait_port
 
     port = free_port()
     env = {**os.environ, "ECHO2_DATABASE_URL": db_url, "ECHO2_DATA_DIR": str(data_dir),
            "ECHO2_PORT": str(port), "ECHO2_HOST": "127.0.0.1", "ECHO2_BOOTSTRAP_API_KEY": ADMIN_KEY,
-           "ECHO2_LOG_LEVEL": "WARNING", "ECHO2_LEASE_TTL_S": str(lease_ttl_s)}
+           "ECHO2_LOG_LEVEL": "WARNING", "ECHO2_LEASE_TTL_S": str(lease_ttl_s),
+           # A fleet in its steady state: trusted workers (no learner judges the bench's groups, and one on
+           # probation may hold only a few unjudged groups at once).
+           "ECHO2_PROBATION_AUDITS": "0"}
     log = open(data_dir / "server.log", "wb")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "api"], env=env, stdout=log,
-                            stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "api", "--workers", str(processes)], env=env,
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_port(port, timeout=120, proc=proc)
         yield proc, f"http://127.0.0.1:{port}"
@@ -149,7 +153,7 @@ def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace
         # maxima give the job room for (S + 1) R = 66,560 groups in flight.
         spec = {"name": "bench", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
                 "grpo": {"group_size": args.group_size, "prompts_per_step": 1024}, "num_prompts": args.prompts,
-                "staleness": 64, "max_steps": 1000}
+                "staleness": 64, "max_steps": 1000, "partial_rollouts": args.partial}
         job_id = _ok(user.post("/v1/jobs", json=spec), 201)["id"]
         learner_token = _ok(admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"]
         _publish_v0(base_url, learner_token, job_id, _fake_model(work / "model"))
@@ -157,10 +161,32 @@ def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace
     with db.session() as s:
         job = s.get(Job, job_id)
         for worker_id, _ in workers:
-            assign(s.get(Worker, worker_id), job)  # type: ignore[arg-type]
+            worker = s.get(Worker, worker_id)
+            assign(worker, job)  # type: ignore[arg-type]
+            # and it fetched version 0 (a lease is granted only at a version the worker reported holding,
+            # which the heartbeat phase would report; the lease phases may run without it)
+            worker.versions_held = [0]  # type: ignore[union-attr]
         s.commit()
     db.dispose()
     return Fleet(job_id=job_id, workers=workers)
+
+
+def rollout_storage(db_url: str, group_size: int) -> dict[str, Any]:
+    """What the stored rollouts take in the database: the table with its indexes and (PostgreSQL) TOAST."""
+    from sqlalchemy import text
+
+    from api.db import Database
+
+    db = Database(db_url)
+    size = ("SELECT pg_total_relation_size('rollouts')" if db.is_postgres else
+            "SELECT SUM(pgsize) FROM dbstat WHERE name IN (SELECT name FROM sqlite_master WHERE tbl_name = 'rollouts')")
+    with db.engine.connect() as conn:
+        groups = conn.execute(text("SELECT COUNT(*) FROM rollouts")).scalar_one()
+        nbytes = int(conn.execute(text(size)).scalar_one() or 0)
+    db.dispose()
+    samples = groups * group_size
+    return {"groups": groups, "bytes": nbytes, "bytes_per_sample": nbytes / samples if samples else None,
+            "gb_per_million_samples": nbytes / samples * 1e6 / 1e9 if samples else None}
 
 
 def release_leases(db_url: str, job_id: str) -> int:
@@ -200,6 +226,7 @@ class ClientSpec:
     tokens: int
     seed: int
     rate: float = 0.0  # paced phase: heartbeats per second this client offers
+    partial: bool = False  # samples carry per-token versions, as partial rollouts send them
 
 
 @dataclass
@@ -348,6 +375,8 @@ def _sample_pool(spec: ClientSpec, n: int = 32) -> list[str]:
         logprobs = [round(-rng.expovariate(2.0), 5) for _ in range(spec.tokens)]
         text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789 ") for _ in range(4 * spec.tokens))
         sample = {"token_ids": ids, "logprobs": logprobs, "text": text, "finish_reason": "stop"}
+        if spec.partial:  # one run of version 0: the only version the bench publishes
+            sample["versions"] = [[0, spec.tokens]]
         out.append(json.dumps(sample))
     return out
 
@@ -398,11 +427,16 @@ class CpuMeter:
         self.server = psutil.Process(server_pid)
         self.db_root = psutil.Process(db_pid) if db_pid else None
 
+    def _server_tree(self) -> float:
+        """The API: one process, or with --api-processes N uvicorn's supervisor and its N children."""
+        return sum(self._tree(self.server).values())
+
     def _db_tree(self) -> dict[int, float]:
-        if self.db_root is None:
-            return {}
+        return {} if self.db_root is None else self._tree(self.db_root)
+
+    def _tree(self, root: Any) -> dict[int, float]:
         out = {}
-        for p in [self.db_root, *self.db_root.children(recursive=True)]:
+        for p in [root, *root.children(recursive=True)]:
             try:
                 t = p.cpu_times()
                 out[p.pid] = t.user + t.system
@@ -416,7 +450,7 @@ class CpuMeter:
 
     def measure(self, seconds: float) -> dict[str, float]:
         """Cores used by each side during the next `seconds`."""
-        server0, machine0, t0 = self._cpu(self.server), self._machine(), time.monotonic()
+        server0, machine0, t0 = self._server_tree(), self._machine(), time.monotonic()
         first = self._db_tree()
         last = dict(first)
         while (left := t0 + seconds - time.monotonic()) > 0:
@@ -424,12 +458,8 @@ class CpuMeter:
             last.update(self._db_tree())
         wall = time.monotonic() - t0
         db = sum(v - first.get(pid, 0.0) for pid, v in last.items())
-        return {"server": (self._cpu(self.server) - server0) / wall, "db": db / wall,
+        return {"server": (self._server_tree() - server0) / wall, "db": db / wall,
                 "machine": (self._machine() - machine0) / wall, "db_procs_started": len(set(last) - set(first))}
-
-    def _cpu(self, p: Any) -> float:
-        t = p.cpu_times()
-        return t.user + t.system
 
 
 # ---------------------------------------------------------------- phases and report
@@ -455,7 +485,7 @@ def run_phase(phase: str, base_url: str, fleet: Fleet, meter: CpuMeter,
                                 warmup_s=args.warmup, duration_s=args.duration,
                                 lease_prompts=args.lease_prompts, groups_per_request=args.groups_per_request,
                                 group_size=args.group_size, tokens=args.tokens, seed=c,
-                                rate=args.heartbeat_rate / clients))
+                                rate=args.heartbeat_rate / clients, partial=args.partial))
     with ProcessPoolExecutor(max_workers=clients, mp_context=get_context("spawn")) as pool:
         futures = [pool.submit(client_main, s) for s in specs]
         # The CPU window matches the measurement window (after warmup).
@@ -477,7 +507,8 @@ def _start_profiler(pid: int, name: str, args: argparse.Namespace) -> subprocess
     # thread, waiting included, which shows where requests queue on locks.
     mode = ["--gil"] if args.profile_mode == "cpu" else ["--idle"]
     cmd = [args.py_spy, "record", "--pid", str(pid), "--duration", str(int(args.duration)), "--rate", "100",
-           *mode, "--nonblocking", "--format", "raw", "--output", str(args.profile / f"{name}.txt")]
+           *mode, *(["--subprocesses"] if args.api_processes > 1 else []), "--nonblocking", "--format", "raw",
+           "--output", str(args.profile / f"{name}.txt")]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
@@ -563,7 +594,7 @@ def run_database(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         else:
             db_url = f"sqlite:///{work / 'data' / 'echo2.db'}"
         (work / "data").mkdir(exist_ok=True)
-        proc, base_url = stack.enter_context(api_server(db_url, work / "data", args.lease_ttl))
+        proc, base_url = stack.enter_context(api_server(db_url, work / "data", args.lease_ttl, args.api_processes))
         t0 = time.monotonic()
         fleet = build_fleet(base_url, db_url, work, args)
         _say(f"[{kind}] {len(fleet.workers)} workers, job {fleet.job_id} with {args.prompts} prompts "
@@ -580,6 +611,12 @@ def run_database(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
                 _say("\n".join(hot_spots(stacks, args.top)))
             if phase == "lease":
                 _say(f"[{kind}] released {release_leases(db_url, fleet.job_id)} leases before the next phase")
+            if phase == "rollouts":
+                result["storage"] = store = rollout_storage(db_url, args.group_size)
+                if store["groups"]:
+                    _say(f"[{kind}] rollouts table: {store['groups']} groups in {store['bytes'] / 2**20:.1f} MiB, "
+                         f"{store['bytes_per_sample']:.0f} bytes per sample of {args.tokens} tokens = "
+                         f"{store['gb_per_million_samples']:.2f} GB per million samples")
         return results
 
 
@@ -669,11 +706,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--heartbeat-rate", type=float, default=1000.0,
                    help="paced phase: heartbeats per second offered (open loop)")
     p.add_argument("--clients", type=int, default=2, help="load-generator processes")
+    p.add_argument("--api-processes", type=int, default=1,
+                   help="uvicorn processes of the API (echo2-server api --workers N); CPU is summed over them")
     p.add_argument("--prompts", type=int, default=100_000, help="prompts in the job's pool")
     p.add_argument("--lease-prompts", type=int, default=16, help="prompts per lease")
     p.add_argument("--group-size", type=int, default=8, help="G: samples per group")
     p.add_argument("--tokens", type=int, default=64, help="completion tokens per sample")
     p.add_argument("--groups-per-request", type=int, default=16, help="groups per rollout POST")
+    p.add_argument("--partial", action="store_true",
+                   help="a job with partial_rollouts on: every sample carries its per-token versions")
     p.add_argument("--lease-ttl", type=float, default=60.0, help="ECHO2_LEASE_TTL_S of the server")
     p.add_argument("--json", type=Path, help="also write the results here")
     p.add_argument("--profile", type=Path, help="py-spy the server during each phase; collapsed stacks here")

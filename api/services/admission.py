@@ -59,6 +59,7 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
                                                                                          for g in groups})))}
     results: list[GroupResult] = []
     rows: list[dict[str, Any]] = []
+    bounds = episodes.limits(job)
     for group in groups:
         if group.prompt_id in existing:  # idempotent per (lease, prompt): replay the first answer
             r = existing[group.prompt_id]
@@ -73,7 +74,7 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
         prompt = prompts.get(group.prompt_id)
         reason, kind = _rejection(job, spec, lease, group, prompt)
         rewards = None
-        if reason is None and (bounds := episodes.limits(job)) is not None:
+        if reason is None and bounds is not None:
             reason, kind, rewards = _episodes_rejection(db, lease, group, bounds)
         row = _row(job, lease, worker, group, reason, kind)
         row["seed"] = prompt_seed(spec.seed, job.id, prompt.index, prompt.epoch) if prompt is not None else None

@@ -20,7 +20,7 @@ from typing import Any
 
 import anyio
 from echo2.protocol import DesiredState, Heartbeat, HeartbeatReply, WorkerStatus
-from sqlalchemy import Row, select, update
+from sqlalchemy import Row, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from .. import auth
@@ -86,6 +86,8 @@ class Heartbeats:
 
 
 _Row = Row[Any]
+# A Core executemany: the ORM bulk update by primary key it replaces adds per-row bookkeeping on the hottest path.
+_BEAT = update(Worker.__table__).where(Worker.__table__.c.id == bindparam("b_id"))
 
 
 def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
@@ -125,11 +127,14 @@ def _apply(db: Session, ok: list[tuple[_Pending, _Row]], now: datetime,
     possession = Possession(db, [Claim(row.id, job_id, row.audit_salt, set(_held(p.hb, job_id)), p.hb.proofs)
                                  for p, row in ok if (job_id := placed[row.id][0]) is not None])
     struck = _strike(db, possession.check(db, now), placed, settings)
-    db.execute(update(Worker), [
-        {"id": row.id, "last_heartbeat_at": now, "version_held": p.hb.version_held,
+    db.flush()  # the strikes above first: the executemany below is Core, which does not autoflush
+    # Rows locked in one order (by id): another API process's batch naming some of the same workers waits
+    # for this one instead of deadlocking with it.
+    db.execute(_BEAT, [
+        {"b_id": row.id, "last_heartbeat_at": now, "version_held": p.hb.version_held,
          "versions_held": _held(p.hb, placed[row.id][0]), "stats": p.hb.stats.model_dump(mode="json"),
          "status": p.hb.status}
-        for p, row in ok])
+        for p, row in sorted(ok, key=lambda beat: beat[1].id)])
     for p, row in ok:
         relay.record(db, row.id, row.provider_id, p.hb)
     return _replies(db, ok, placed, jobs, settings, possession, struck)

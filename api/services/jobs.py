@@ -281,9 +281,7 @@ def update_job(job: Job, update: JobUpdate) -> None:
     """Change the budget; a job its budget paused is queued again once the new one leaves money to spend."""
     if job.status.is_terminal():
         raise ApiError(409, f"job {job.id} is already {job.status}; a finished job cannot change")
-    spec = spec_of(job)
-    spec.budget_usd = update.budget_usd
-    job.spec = spec.model_dump(mode="json")
+    job.spec = spec_of(job).model_copy(update={"budget_usd": update.budget_usd}).model_dump(mode="json")
     if job.paused_for is not PauseCause.budget:
         return
     why = over_budget(job)
@@ -303,7 +301,14 @@ def over_budget(job: Job) -> str | None:
 
 
 def spec_of(job: Job) -> JobSpec:
-    return JobSpec.model_validate(job.spec)
+    """The job's spec, parsed once per loaded row: the hot routes (leases, submissions, heartbeats) read it
+    several times a request. Keyed on the stored dict itself, which is only ever replaced whole (a reload
+    or update_job), never changed in place; callers must not change the returned spec either."""
+    memo = getattr(job, "_spec_memo", None)
+    if memo is None or memo[0] is not job.spec:
+        memo = (job.spec, JobSpec.model_validate(job.spec))
+        job._spec_memo = memo  # type: ignore[attr-defined]  # not a column: per instance, per loaded spec
+    return memo[1]
 
 
 def sampling_of(spec: JobSpec) -> SamplingParams:

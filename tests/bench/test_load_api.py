@@ -23,3 +23,14 @@ def test_load_benchmark_runs_every_phase_on_sqlite(tmp_path: Path) -> None:
             assert set(row["statuses"]) <= {"200", "201"}, (phase, row)
     assert results["paced"]["offered_per_s"] == 40
     assert results["rollouts"]["rejected_groups"] == 0
+
+
+def test_load_benchmark_ingests_partial_rollouts_without_a_heartbeat_phase(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    subprocess.run([sys.executable, "bench/load_api.py", "--db", "sqlite", "--phases", "rollouts", "--partial",
+                    "--duration", "1", "--warmup", "0.5", "--workers", "8", "--concurrency", "4", "--prompts", "2000",
+                    "--lease-prompts", "4", "--groups-per-request", "4", "--json", str(out)],
+                   cwd=ROOT, check=True, timeout=300, capture_output=True)
+    (result,) = json.loads(out.read_text())
+    assert result["errors"] == {} and result["groups_per_s"] > 0 and result["rejected_groups"] == 0
+    assert all(set(row["statuses"]) <= {"200", "201"} for row in result["rows"])
