@@ -19,6 +19,7 @@ from .routes import (
     datasets,
     estimates,
     evals,
+    export,
     fleet,
     health,
     jobs,
@@ -26,12 +27,15 @@ from .routes import (
     learner_state,
     leases,
     ledger,
+    packages,
+    traces,
     users,
     weights,
 )
 from .services import retention
 from .services.heartbeats import Heartbeats
 from .services.notices import Announcer
+from .services.packages import VERSION, WheelIndex
 from .settings import Settings, get_settings
 from .storage import BlobStore
 from .telemetry import MetricsMiddleware, Telemetry
@@ -59,6 +63,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         gc.collect()
         gc.freeze()
         app.state.announcer.bind(asyncio.get_running_loop())
+        if settings.wheel_dir is not None:
+            app.state.wheels.start()  # found at once; a build from the tree waits for the index's first request
         sweeper = asyncio.create_task(retention.sweep_periodically(db, app.state.blobs, app.state.checkpoints,
                                                                    settings))
         yield
@@ -67,20 +73,21 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await sweeper
         db.dispose()
 
-    app = FastAPI(title="Echo2", version="0.1.0", description=DESCRIPTION, lifespan=lifespan)
+    app = FastAPI(title="Echo2", version=VERSION, description=DESCRIPTION, lifespan=lifespan)
     app.state.settings, app.state.db = settings, db
     app.state.blobs = BlobStore(settings.blob_dir)
     app.state.checkpoints = BlobStore(settings.blob_dir, prefix="c")
     app.state.heartbeats = Heartbeats(db, settings)
     app.state.announcer = Announcer()
     app.state.registry = telemetry.registry
+    app.state.wheels = WheelIndex(settings.wheel_dir, settings.data_dir)
     errors.install(app)
     openapi.install(app)
     app.add_middleware(errors.BodyLimit, default_limit=settings.max_body_bytes,
                        large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
     app.add_middleware(MetricsMiddleware, telemetry=telemetry)
     for module in (health, users, estimates, jobs, datasets, fleet, ledger, leases, learner, learner_state, evals,
-                   weights, tinker):
+                   weights, export, traces, packages, tinker):
         app.include_router(module.router)
     web.install(app)
     logs.configure(settings.log_format, settings.log_level)  # no-op when the CLI configured it first

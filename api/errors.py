@@ -127,8 +127,8 @@ def too_large(path: str, limit: int) -> str:
     """What a 413 says: the limit in MiB, and what to do about it."""
     mib = f"{limit / 2**20:.3g} MiB"
     if path.startswith("/v1/datasets"):
-        return (f"the dataset is larger than this server's limit of {mib} per upload: upload fewer or shorter "
-                "items (a dataset per part of your data), or ask the operator to raise ECHO2_MAX_BODY_BYTES")
+        return (f"the dataset is larger than this server's limit of {mib} per request: send it in parts "
+                "(POST /v1/datasets/uploads; `echo2 datasets upload` and the SDK's datasets.upload do)")
     return f"the request body is larger than this server's limit of {mib} for {path}: send less at once"
 
 

@@ -186,6 +186,19 @@ class DatasetItem(Base):
     __table_args__ = (UniqueConstraint("dataset_id", "index"),)
 
 
+class DatasetUpload(Base):
+    """A JSONL file on its way in, in parts (api/services/uploads.py); it becomes a dataset when complete."""
+
+    __tablename__ = "dataset_uploads"
+    id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("upl"))
+    owner_id: Mapped[str] = mapped_column(ForeignKey("users.id"), index=True)
+    name: Mapped[str] = mapped_column(String(128))
+    size: Mapped[int] = mapped_column(BigInteger)
+    sha256: Mapped[str] = mapped_column(String(64))
+    part_size: Mapped[int] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
 class Job(Base):
     __tablename__ = "jobs"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("job"))
@@ -223,12 +236,19 @@ class Job(Base):
     relay_secret: Mapped[str] = mapped_column(String(64), default=lambda: secrets.token_hex(32))
     # A queued job's place among those waiting for a learner slot (1 = next), set by each reconcile tick.
     queue_position: Mapped[int | None] = mapped_column(Integer)
-    # Why a paused job is paused: "budget" (resumes when the budget is raised) or "quota" (by itself).
+    # Why a paused job is paused: "budget" (resumes when the budget is raised), "quota" (by itself) or "reward"
+    # (its task could not score its groups; resumed by its owner).
     paused_for: Mapped[str | None] = mapped_column(String(16))
+    # Claimed groups in a row its task could not score (learning.commit_step): it pauses at reward_failures_to_pause.
+    reward_failures: Mapped[int] = mapped_column(Integer, default=0)
     # The cost estimated when the job was submitted (api/services/estimate.py), to compare with the actual.
     estimate_usd: Mapped[float | None] = mapped_column(Float)
     # GiB a rollout worker must offer: spec.workers.memory_gb, or derived from the first version (modelinfo).
     memory_need_gb: Mapped[float | None] = mapped_column(Float)
+    # GiB each of its learner's GPUs needs, estimated at submission from the model's config (services/memory.py).
+    learner_memory_gib: Mapped[float | None] = mapped_column(Float)
+    # Where its learner was last launched: {"host", "slots", "devices"} (scheduler/queue.py).
+    learner_placement: Mapped[dict[str, Any] | None]
     # A Tinker model's fleet sampler (api/tinker/fleet.py): its versions are the model's sampler checkpoints,
     # its prompts the sample requests on them; it has no learner of its own and no task.
     tinker_model_id: Mapped[str | None] = mapped_column(String(96), index=True)
@@ -248,6 +268,9 @@ class Prompt(Base):
     index: Mapped[int] = mapped_column(Integer)
     text: Mapped[str] = mapped_column(Text)
     reference: Mapped[str | None] = mapped_column(Text)
+    # A chat item's turns before its last user turn (system, earlier turns), rendered with `text` as that turn
+    # by the model's chat template (echo2.prompting.encode_prompt).
+    context: Mapped[list[Any] | None]
     state: Mapped[str] = mapped_column(String(16), default="available")
     epoch: Mapped[int] = mapped_column(Integer, default=0)
     order_key: Mapped[int] = mapped_column(BigInteger)
@@ -295,6 +318,8 @@ class Rollout(Base):
     prompt_token_ids: Mapped[list[Any]]
     samples: Mapped[list[Any]]
     rewards: Mapped[list[Any] | None]
+    # The learner's own logprob of each token of each sample when it trained the group (learner/traces.py).
+    learner_logprobs: Mapped[list[Any] | None]
     gen_seconds: Mapped[float] = mapped_column(Float, default=0.0)
     reject_kind: Mapped[RejectKind | None] = mapped_column(stored_as_value(RejectKind, 24))
     audit: Mapped[str | None] = mapped_column(String(16))  # "passed" / "failed" once audited
@@ -345,6 +370,9 @@ class WeightVersion(Base):
     delta_size: Mapped[int | None] = mapped_column(BigInteger)
     delta_base: Mapped[int | None] = mapped_column(Integer)
     adapter_base: Mapped[int | None] = mapped_column(Integer)  # a LoRA adapter version: the base it applies to
+    # Secret ranges of the version and their sha256 (echo2.possession), never in a response; null when
+    # published without: then a worker holds it when its heartbeat says so (api/services/possession.py).
+    probes: Mapped[list[Any] | None] = mapped_column(JSON(none_as_null=True))
     publish_seconds: Mapped[float | None] = mapped_column(Float)
     # Workers active on the job when it was announced: dissemination is done when they hold it.
     targets: Mapped[list[Any]] = mapped_column(default=list)
@@ -353,13 +381,15 @@ class WeightVersion(Base):
 
 
 class VersionHold(Base):
-    """When a worker first reported holding a version (its heartbeat after the download)."""
+    """When a worker first held a version: for a version with probes, when it proved it (the hold is
+    recorded then, `proven_at` set); for one without, its first heartbeat reporting it (a claim)."""
 
     __tablename__ = "version_holds"
     job_id: Mapped[str] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True)
     version: Mapped[int] = mapped_column(Integer, primary_key=True)
     worker_id: Mapped[str] = mapped_column(String(32), primary_key=True)
     held_at: Mapped[datetime] = mapped_column(default=utcnow)
+    proven_at: Mapped[datetime | None]
 
 
 class StepMetric(Base):
@@ -375,10 +405,13 @@ class StepMetric(Base):
     groups: Mapped[int] = mapped_column(Integer)
     groups_dropped: Mapped[int] = mapped_column(Integer)
     groups_rejected: Mapped[int] = mapped_column(Integer, default=0)  # refused by the learner (sender's fault)
+    groups_unscored: Mapped[int] = mapped_column(Integer, default=0)  # its task could not score them (platform's)
     audits: Mapped[int] = mapped_column(Integer, default=0)
     audit_s: Mapped[float] = mapped_column(Float, default=0.0)
     rollout_ids: Mapped[list[Any]] = mapped_column(default=list)  # trained, in the learner's order (replay)
     staleness_hist: Mapped[list[Any]]
+    # behaviour against learner per staleness, then the whole step (echo2.protocol.MismatchStats)
+    mismatch: Mapped[list[Any]] = mapped_column(default=list)
     tokens: Mapped[int] = mapped_column(BigInteger)
     learner_utilization: Mapped[float | None] = mapped_column(Float)
     rollouts_per_s: Mapped[float | None] = mapped_column(Float)
@@ -397,6 +430,7 @@ class EvalResult(Base):
     greedy_accuracy: Mapped[float | None] = mapped_column(Float)
     sampled_accuracy: Mapped[float | None] = mapped_column(Float)
     sampled_reward_mean: Mapped[float | None] = mapped_column(Float)
+    greedy_answers: Mapped[list[Any] | None]  # in the order of the held-out prompts
     seconds: Mapped[float] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
@@ -452,12 +486,14 @@ class Decision(Base):
 
 
 class LearnerHost(Base):
-    """A learner host (a Celery worker on the queue `learner`) and how many learners it runs at once;
+    """A learner host (a Celery worker on its own queue) and how many learners it runs at once;
     it re-registers every few seconds, and the scheduler launches learners only into free slots."""
 
     __tablename__ = "learner_hosts"
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     slots: Mapped[int] = mapped_column(Integer)
+    # Slot i's GPU on a host with GPUs ({"id", "name", "memory_gib"}: scheduler/hosts.py); empty on a CPU host.
+    gpus: Mapped[list[Any] | None]
     seen_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

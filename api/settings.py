@@ -65,6 +65,12 @@ class Settings(BaseSettings):
                                                   "on other machines).")
     hf_hub_cache: Path | None = Field(None, description="The Hugging Face cache the learner hosts load from "
                                       "(default: huggingface_hub's own, HF_HUB_CACHE).")
+    wheel_dir: Path | None = Field(None, description="A folder holding the echo2 and echo2-worker wheels the "
+                                   "package index (/simple/) serves; default: built from the source tree at start "
+                                   "into DATA_DIR/wheels.")
+    package_upstream: str = Field("https://pypi.org/simple", max_length=512, description="Where the package index "
+                                  "sends pip for every other project (the worker's dependencies); empty: 404, and "
+                                  "pip uses the indexes of its own configuration.")
     log_level: str = Field("INFO", description="Python logging level.")
     log_format: Literal["text", "json"] = Field("text", description="Log lines for people, or one JSON object "
                                                 "per line (ts, level, logger, msg, exc) for a log pipeline.")

@@ -109,6 +109,20 @@ class BlobStore:
             pos += len(piece)
         return bytes(out)
 
+    def iter_file(self, job_id: str, manifest: Manifest, path: str, block: int = 1 << 20) -> Iterator[bytes]:
+        """One file of a published version streamed out of its chunks, `block` bytes at most at a time."""
+        info = next(f for f in manifest.files if f.path == path)
+        pos, end = info.offset, info.offset + info.size
+        while pos < end:
+            index, skip = divmod(pos, manifest.chunk_size)
+            with open(self.chunk_path(job_id, manifest.version, index, manifest.form), "rb") as fh:
+                fh.seek(skip)
+                piece = fh.read(min(end - pos, manifest.chunk_size - skip, block))
+            if not piece:
+                raise ChunkError(f"chunk {index} of version {manifest.version} is shorter than its manifest says")
+            pos += len(piece)
+            yield piece
+
     def job_file(self, job_id: str, name: str) -> Path:
         """A file kept for the job's whole life beside its versions (e.g. the tokenizer for display)."""
         return self.root / job_id / name

@@ -47,6 +47,7 @@ class _DatabaseCollector(Collector):
             yield from _job_families(jobs)
             yield _trained_tokens(s, [j.id for j in jobs])
             yield _staleness(s, jobs)
+            yield from _mismatch(s, [j.id for j in jobs])
             yield _workers_active(s, [j.id for j in jobs])
             yield _dissemination(s, [j.id for j in jobs])
             yield from _worker_families(s)
@@ -102,6 +103,35 @@ def _staleness(session: Session, jobs: list[Job]) -> HistogramMetricFamily:
         buckets.append(("+Inf", sum(total)))
         family.add_metric([job.id], buckets, sum_value=sum(k * n for k, n in enumerate(total)))
     return family
+
+
+MISMATCH_SERIES = (  # (name, field of echo2.protocol.MismatchStats, help)
+    ("echo2_job_mismatch_kl", "kl", "KL(behaviour || learner) per token (k3) over the newest step's trained tokens"),
+    ("echo2_job_ess", "ess", "Effective sample size of the newest step's importance weights, as a share (1: all "
+     "equal)"),
+    ("echo2_job_is_clipped_ratio", "clipped", "Share of the newest step's tokens whose importance weight was "
+     "truncated (tis) or capped (ratio_cap)"),
+    ("echo2_job_is_masked_ratio", "masked", "Share of the newest step's tokens given weight 0 by the correction "
+     "(mis, icepop) or outside the replayed sampler support"),
+)
+
+
+def _mismatch(session: Session, job_ids: list[str]) -> Iterator[GaugeMetricFamily]:
+    """The newest step's mismatch between behaviour and learner (StepMetric.mismatch), by staleness t - x
+    ("all": every token of the step)."""
+    families = [GaugeMetricFamily(name, doc + "; staleness=\"all\" for all of them", labels=["job", "staleness"])
+                for name, _, doc in MISMATCH_SERIES]
+    newest = (select(StepMetric.job_id, func.max(StepMetric.step).label("step"))
+              .where(StepMetric.job_id.in_(job_ids)).group_by(StepMetric.job_id).subquery())
+    on_newest = (StepMetric.job_id == newest.c.job_id) & (StepMetric.step == newest.c.step)
+    rows = session.execute(select(StepMetric.job_id, StepMetric.mismatch).join(newest, on_newest)
+                           .order_by(StepMetric.job_id))
+    for job_id, mismatch in rows:
+        for bucket in mismatch:
+            label = "all" if bucket["staleness"] < 0 else str(bucket["staleness"])
+            for family, (_, field, _) in zip(families, MISMATCH_SERIES, strict=True):
+                family.add_metric([job_id, label], bucket[field])
+    yield from families
 
 
 def _workers_active(session: Session, job_ids: list[str]) -> GaugeMetricFamily:

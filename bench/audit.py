@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -43,6 +44,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+# This tree's SDK and worker first: the vLLM venv's editable installs may point at another checkout.
+VLLM_ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'sdk'}:{REPO / 'workers'}"}
 CACHE = REPO / ".echo2-cache" / "smollm2-135m-instruct"
 G, NEW_TOKENS = 8, 16
 SETTINGS = ((1.0, 1.0), (0.7, 0.9))
@@ -101,7 +104,7 @@ def generate_vllm(model_dir: Path, reqs: list[dict[str, Any]], dtype: str, work:
     out = work / f"vllm-{dtype}.json"
     subprocess.run([str(VLLM_PYTHON), str(REPO / "bench" / "vllm_generate.py"), "--model", str(model_dir),
                     "--requests", str(work / "req.json"), "--out", str(out), "--dtype", dtype], check=True,
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO, env=VLLM_ENV)
     return [Group(r["prompt_token_ids"], [(s["token_ids"], s["logprobs"]) for s in g], r["temperature"], r["top_p"],
                   r["base"], dtype) for r, g in zip(reqs, json.loads(out.read_text()), strict=True)]
 

@@ -18,7 +18,7 @@ model, audits are switched off for this benchmark (ECHO2_AUDIT_RATE=0, ECHO2_PRO
 Procedure. A calibration run with 1.5 times the workers a first guess needs measures T_train (the
 learner's seconds inside a step) and the step overhead (wall per step beyond that, when the learner
 never waits). For each level, N = ceil(level · (1 + h) · R / (T_train · μ)) workers — the capacity rule's
-throughput condition — then: the live run, and the simulator (scheduler/sim) fed the same R, S, κ,
+throughput condition — then: the live run, and the simulator (planner/sim) fed the same R, S, κ,
 steps, N, μ, measured T_train and overhead, notice latency and the learner's claim wait ~0 (both long-poll).
 Reported: steady utilisation (training seconds / wall between the first and the last step) and waste
 (groups rejected as stale / groups generated), live and simulated.
@@ -70,7 +70,8 @@ class Emulated(threading.Thread):
     """A worker that generates at exactly μ groups/s without computing (see the module docstring).
 
     As the real worker does, it hears of versions through the long-poll (a notice thread that also
-    heartbeats every second, reporting the version as held at once: an instant download), leases up
+    heartbeats every second, reporting the version as held at once: an instant download, its possession
+    challenge answered from the control plane's own probes), leases up
     to LEASE_PROMPTS prompts at a time and hands finished groups to a submit thread, so network round
     trips never hold generation up. Generation runs on a virtual clock, one group at a time (T_gen =
     1/μ, as the simulator models a worker): each is done 1/μ after the previous one was (or after its
@@ -78,14 +79,15 @@ class Emulated(threading.Thread):
 
     LEASE_PROMPTS = 4
 
-    def __init__(self, url: str, worker_id: str, token: str, mu: float, tokenizer: Any, stop: threading.Event):
+    def __init__(self, url: str, worker_id: str, token: str, mu: float, tokenizer: Any, stop: threading.Event,
+                 db: Any):
         super().__init__(daemon=True)
         import queue
 
         import httpx
 
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=60)
-        self.worker_id, self.mu, self.tok, self.stop = worker_id, mu, tokenizer, stop
+        self.worker_id, self.mu, self.tok, self.stop, self.db = worker_id, mu, tokenizer, stop, db
         self.version: int | None = None  # reported as held
         self.min_version = 0
         self.job_id: str | None = None
@@ -147,9 +149,22 @@ class Emulated(threading.Thread):
     def _report_held(self, version: int) -> None:
         beat = self.http.post(f"/v1/workers/{self.worker_id}/heartbeat",
                               json={"status": "active", "versions_held": [version]})
+        a = beat.json().get("assignment") if beat.status_code == 200 else None
+        if a and a["challenges"]:
+            beat = self.http.post(f"/v1/workers/{self.worker_id}/heartbeat", json={
+                "status": "active", "versions_held": [version], "proofs": self._proofs(a["job_id"], a["challenges"])})
         if beat.status_code == 200:
             self.version = version
             self.new_version.set()
+
+    def _proofs(self, job_id: str, challenges: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The answers, read from the probes the learner published: an emulated worker holds no weights."""
+        from api.models import WeightVersion
+
+        with self.db.session() as s:
+            probes = {c["version"]: s.get(WeightVersion, (job_id, c["version"])).probes for c in challenges}
+        return [{**c, "sha256": p["sha256"]} for c in challenges for p in probes[c["version"]]
+                if (p["offset"], p["length"]) == (c["offset"], c["length"])]
 
     def _submitter(self) -> None:
         import queue
@@ -215,12 +230,14 @@ def _start_learner(url: str, job_id: str, token: str, work: Path) -> subprocess.
 
 def _emulated(admin: Any, url: str, db_url: str, job_id: str, n: int, mu: float, tok: Any,
               stop: threading.Event) -> list[Emulated]:
-    provider = admin.post("/v1/providers", json={"name": "emulated"}).json()["token"]
+    from api.db import Database
+
+    provider, db = admin.post("/v1/providers", json={"name": "emulated"}).json()["token"], Database(db_url)
     workers = []
     for i in range(n):
         body = admin.post("/v1/workers", json={"name": f"e{i}", "rollouts_per_s": mu, "vram_gb": 16},
                           headers={"Authorization": f"Bearer {provider}"}).json()
-        workers.append(Emulated(url, body["worker"]["id"], body["token"], mu, tok, stop))
+        workers.append(Emulated(url, body["worker"]["id"], body["token"], mu, tok, stop, db))
     while admin.get(f"/v1/jobs/{job_id}").json()["version"] is None:
         time.sleep(0.2)  # the learner publishes version 0 first
     _activate(db_url, job_id, [w.worker_id for w in workers])
@@ -258,8 +275,8 @@ def _live_figures(metrics: list[dict[str, Any]], report: dict[str, Any]) -> dict
 
 
 def run_sim(args: argparse.Namespace, n_workers: int, t_train: float, overhead: float) -> dict[str, float]:
-    from scheduler.sim.engine import simulate
-    from scheduler.sim.scenario import scenario_from_dict
+    from planner.sim.engine import simulate
+    from planner.sim.scenario import scenario_from_dict
 
     scenario = scenario_from_dict({
         "name": "live-loop", "tick_s": 2.0, "lease_ttl_s": 60.0, "notice_s": 0.0, "learner_poll_s": 0.0,

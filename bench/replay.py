@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -43,6 +44,8 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
+# This tree's SDK and worker first: the vLLM venv's editable installs may point at another checkout.
+VLLM_ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'sdk'}:{REPO / 'workers'}"}
 G, NEW_TOKENS, VERSIONS, PROMPTS_PER_STEP = 8, 3, 6, 64
 CHEATS = ("stale", "stale3", "nearby-1", "nearby-5", "copy", "eos", "pick")
 
@@ -98,27 +101,55 @@ def requests(tok: Any, n: int, seed: int, extra: int = 1) -> list[dict[str, Any]
     return out
 
 
-def generate(backend: str, model_dir: Path, reqs: list[dict[str, Any]], work: Path) -> list[list[list[int]]]:
-    """Token ids of every sample of every request, drawn by the worker's backend."""
-    clean = [{k: v for k, v in r.items() if k != "base"} for r in reqs]
-    if backend == "vllm":
-        (work / "req.json").write_text(json.dumps(clean))
-        out = work / "vllm.json"
-        subprocess.run([str(VLLM_PYTHON), str(REPO / "bench" / "vllm_generate.py"), "--model", str(model_dir),
-                        "--requests", str(work / "req.json"), "--out", str(out), "--dtype", "float32"],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-        return [[s["token_ids"] for s in g] for g in json.loads(out.read_text())]
-    from echo2_worker.backends import GenRequest, create_backend
+class Generations:
+    """The groups one backend is asked to draw, generated together: the transformers backend in this process,
+    the vLLM backend in one engine for them all (bench/vllm_generate.py --jobs), reloading weights in place
+    from model to model as a worker does. `add` returns a handle; after `run`, `tokens(handle)` holds each
+    request's samples' token ids."""
 
-    b = create_backend("transformers", device="cpu")
-    b.load(model_dir)
-    try:
-        groups = []
-        for start in range(0, len(clean), 8):  # a lease's worth at a time, as a worker generates
-            groups += [[s.token_ids for s in g] for g in b.generate([GenRequest(**r) for r in clean[start:start + 8]])]
-        return groups
-    finally:
-        b.close()
+    def __init__(self, backend: str, work: Path) -> None:
+        self.backend, self.work = backend, work
+        self.jobs: list[tuple[Path, list[dict[str, Any]]]] = []
+        self.out: list[list[list[list[int]]]] = []
+
+    def add(self, folder: Path, reqs: list[dict[str, Any]]) -> int:
+        self.jobs.append((folder, [{k: v for k, v in r.items() if k != "base"} for r in reqs]))
+        return len(self.jobs) - 1
+
+    def tokens(self, handle: int) -> list[list[list[int]]]:
+        return self.out[handle]
+
+    def run(self) -> None:
+        self.out = self._vllm() if self.backend == "vllm" else self._transformers()
+
+    def _vllm(self) -> list[list[list[list[int]]]]:
+        jobs = []
+        for i, (folder, reqs) in enumerate(self.jobs):
+            (self.work / f"req{i}.json").write_text(json.dumps(reqs))
+            jobs.append({"model": str(folder), "requests": str(self.work / f"req{i}.json"),
+                         "out": str(self.work / f"out{i}.json")})
+        (self.work / "jobs.json").write_text(json.dumps(jobs))
+        subprocess.run([str(VLLM_PYTHON), str(REPO / "bench" / "vllm_generate.py"), "--jobs",
+                        str(self.work / "jobs.json"), "--dtype", "float32"], check=True, stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL, cwd=REPO, env=VLLM_ENV)
+        return [[[s["token_ids"] for s in g] for g in json.loads(Path(j["out"]).read_text())] for j in jobs]
+
+    def _transformers(self) -> list[list[list[list[int]]]]:
+        from echo2_worker.backends import GenRequest, create_backend
+
+        b = create_backend("transformers", device="cpu")
+        out = []
+        try:
+            for folder, reqs in self.jobs:
+                (b.reload if b.model is not None else b.load)(folder)
+                groups = []
+                for start in range(0, len(reqs), 8):  # a lease's worth at a time, as a worker generates
+                    groups += [[s.token_ids for s in g] for g in b.generate([GenRequest(**r)
+                                                                             for r in reqs[start:start + 8]])]
+                out.append(groups)
+        finally:
+            b.close()
+        return out
 
 
 def rescored(model: Any, prompt: list[int], tokens: list[list[int]], pad: int) -> list[tuple[list[int], list[float]]]:
@@ -152,24 +183,32 @@ def nearby(src: Path, out: Path, scale: float) -> Path:
     return out
 
 
-def cheat_groups(cheat: str, backend: str, versions: list[Path], tok: Any, n: int, work: Path) -> list[tuple]:
-    """(claimed version, request, token lists, honest token lists) of n cheating groups, spread over the claimed
-    versions 3..5; the honest lists are what the claimed version draws with the same seeds."""
+def plan_cheat(cheat: str, gens: Generations, versions: list[Path], tok: Any, n: int, work: Path) -> list[tuple]:
+    """n cheating groups spread over the claimed versions 3..5, to generate: (claimed version, requests, handle of
+    the cheater's draws, handle of what the claimed version draws with the same seeds)."""
     out = []
     per = n // 3 + 1
     for claimed in range(3, VERSIONS):
         reqs = requests(tok, per, 100 * claimed + CHEATS.index(cheat), extra=3 if cheat == "pick" else 1)
-        honest = generate(backend, versions[claimed], reqs, work)
+        honest = gens.add(versions[claimed], reqs)
         if cheat == "stale":
-            drawn = generate(backend, versions[claimed - 1], reqs, work)
+            drawn = gens.add(versions[claimed - 1], reqs)
         elif cheat == "stale3":
-            drawn = generate(backend, versions[claimed - 1 - claimed % 2], reqs, work)
+            drawn = gens.add(versions[claimed - 1 - claimed % 2], reqs)
         elif cheat.startswith("nearby"):
-            noisy = nearby(versions[claimed], work / f"{cheat}-{claimed}", int(cheat.split("-")[1]) / 100)
-            drawn = generate(backend, noisy, reqs, work)
+            drawn = gens.add(nearby(versions[claimed], work / f"{cheat}-{claimed}", int(cheat.split("-")[1]) / 100),
+                             reqs)
         else:
             drawn = honest
-        for r, tokens, fair in zip(reqs, drawn, honest, strict=True):
+        out.append((claimed, reqs, drawn, honest))
+    return out
+
+
+def cheat_groups(planned: list[tuple], gens: Generations, tok: Any, n: int, cheat: str) -> list[tuple]:
+    """(claimed version, request, forged token lists, the honest draw's token lists) of the generated groups."""
+    out = []
+    for claimed, reqs, drawn, honest in planned:
+        for r, tokens, fair in zip(reqs, gens.tokens(drawn), gens.tokens(honest), strict=True):
             out.append((claimed, r, _forge(cheat, r, tokens, tok), fair[:G]))
     return out[:n]
 
@@ -194,12 +233,19 @@ def _reward(question: str, answer: str) -> float:
     return float(len(nums) == 2 and bool(got) and int(got[0]) == sum(nums))
 
 
-def run_honest(backend: str, versions: list[Path], models: list[Any], tok: Any, n: int, work: Path) -> dict:
-    results = []
+def plan_honest(gens: Generations, versions: list[Path], tok: Any, n: int, salt: int) -> list[tuple]:
     per = n // 3 + 1
+    planned = []
     for claimed in range(3, VERSIONS):
-        reqs = requests(tok, per, 7 * claimed + (backend == "vllm"))
-        for r, tokens in zip(reqs, generate(backend, versions[claimed], reqs, work), strict=True):
+        reqs = requests(tok, per, 7 * claimed + salt)
+        planned.append((claimed, reqs, gens.add(versions[claimed], reqs)))
+    return planned
+
+
+def run_honest(planned: list[tuple], gens: Generations, models: list[Any], tok: Any, n: int) -> dict:
+    results = []
+    for claimed, reqs, handle in planned:
+        for r, tokens in zip(reqs, gens.tokens(handle), strict=True):
             results.append(audit(models[claimed], r, rescored(models[claimed], r["prompt_token_ids"], tokens,
                                                               tok.pad_token_id)))
     results = results[:n]
@@ -210,9 +256,7 @@ def run_honest(backend: str, versions: list[Path], models: list[Any], tok: Any, 
             "max_abs_z": max(abs(r.z) for r in results), "results": results}
 
 
-def run_cheat(cheat: str, backend: str, versions: list[Path], models: list[Any], tok: Any, n: int,
-              work: Path) -> dict:
-    groups = cheat_groups(cheat, backend, versions, tok, n, work)
+def run_cheat(groups: list[tuple], models: list[Any], tok: Any) -> dict:
     results = [audit(models[v], r, rescored(models[v], r["prompt_token_ids"], tokens, tok.pad_token_id))
                for v, r, tokens, _ in groups]
     effective = [not res.passed for res, (_, _, tokens, fair) in zip(results, groups, strict=True) if tokens != fair]
@@ -259,7 +303,10 @@ def fleet_false_alarms(tok: Any, versions: list[Path], n: int, work: Path, worke
     task = get_task("arithmetic")
     params = task.parse_params(D["task_params"])
     reqs = requests(tok, n, 4242)
-    drawn = generate("transformers", versions[-1], reqs, work)
+    gens = Generations("transformers", work)
+    handle = gens.add(versions[-1], reqs)
+    gens.run()
+    drawn = gens.tokens(handle)
     rewards, lengths = [], []
     for r, tokens in zip(reqs, drawn, strict=True):
         q = tok.decode(r["prompt_token_ids"], skip_special_tokens=True)
@@ -300,14 +347,22 @@ def main() -> None:
         models = [AutoModelForCausalLM.from_pretrained(v, dtype=torch.float32).eval() for v in versions]
         report: dict[str, Any] = {"honest": {}, "cheats": {}}
         for backend in backends:
-            honest = run_honest(backend, versions, models, tok, args.honest, work)
+            gens = Generations(backend, work / backend)
+            gens.work.mkdir()
+            honest_plan = plan_honest(gens, versions, tok, args.honest, backend == "vllm")
+            cheat_plans = {c: plan_cheat(c, gens, versions, tok, args.cheat, work) for c in CHEATS}
+            start_gen = time.perf_counter()
+            gens.run()
+            print(f"{backend}: generated {sum(len(r) for _, r in gens.jobs):,} groups in "
+                  f"{time.perf_counter() - start_gen:.0f} s", flush=True)
+            honest = run_honest(honest_plan, gens, models, tok, args.honest)
             results = honest.pop("results")
             report["honest"][backend] = honest | {"evidence": evidence_false_alarms(results)}
             print(f"honest {backend}: {honest}", flush=True)
-            for cheat in CHEATS:
-                report["cheats"][f"{cheat} ({backend})"] = run_cheat(cheat, backend, versions, models, tok,
-                                                                     args.cheat, work)
-                print(f"{cheat} ({backend}): {report['cheats'][f'{cheat} ({backend})']}", flush=True)
+            for cheat, planned in cheat_plans.items():
+                figures = run_cheat(cheat_groups(planned, gens, tok, args.cheat, cheat), models, tok)
+                report["cheats"][f"{cheat} ({backend})"] = figures
+                print(f"{cheat} ({backend}): {figures}", flush=True)
         report["fleet"] = fleet_false_alarms(tok, versions, min(args.honest, 4000), work)
         report["seconds"] = time.perf_counter() - start
     _print(report)

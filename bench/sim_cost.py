@@ -1,6 +1,6 @@
 """Cost of one training job under four activation policies, measured side by side in one run.
 
-    python bench/sim_cost.py [--scenario scheduler/scenarios/hetero_1000.toml] [--json]
+    python bench/sim_cost.py [--scenario planner/sim/scenarios/hetero_1000.toml] [--json]
 
 Same job, same learner (reserved cluster), same learner-throughput target R / T_train:
   (a) co-located baseline: rollouts also generated on reserved premium GPUs inside the learner's
@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from planner.capacity import required_throughput  # noqa: E402
-from scheduler.sim import Scenario, SimResult, WorkerType, load_scenario, simulate  # noqa: E402
+from planner.sim import Scenario, SimResult, WorkerType, load_scenario, simulate  # noqa: E402
 
 # (a): reserved H100 inside the learner's cluster: same price per GPU-hour as the learner's
 # GPUs, same generation speed as a marketplace H100, NVLink/InfiniBand-class links.
@@ -102,7 +102,7 @@ def row(label: str, r: SimResult) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--scenario", default=str(ROOT / "scheduler/scenarios/hetero_1000.toml"))
+    ap.add_argument("--scenario", default=str(ROOT / "planner/sim/scenarios/hetero_1000.toml"))
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     sc = load_scenario(args.scenario)

@@ -4,8 +4,9 @@ It talks to the control plane over HTTP only.
 
 A job with `learner.gpus > 1` runs this same loop on rank 0 of a `torchrun` group (launch.py): the
 `world` (parallel.Sharded) shards the model with FSDP, and each collective step (train, gather the
-weights for a version or a checkpoint, stop) is announced to the other ranks, which follow it
-(launch.follow). Only rank 0 claims, reports, heartbeats, publishes and writes checkpoints."""
+weights for a version or a checkpoint, evaluate on held-out prompts, stop) is announced to the other
+ranks, which follow it (launch.follow). Only rank 0 claims, reports, heartbeats, publishes and writes
+checkpoints; a LoRA job's versions are written from an unsharded copy of its base (sharded_lora.py)."""
 
 from __future__ import annotations
 
@@ -23,12 +24,15 @@ from echo2.loading import LOAD_LOCK
 from echo2.protocol import (
     AuditVerdicts,
     ClaimedGroup,
+    EvalReport,
     FinishOutcome,
     JobSpec,
     LearnerFinish,
     LearnerHeartbeat,
     LearnerStartReply,
+    MismatchStats,
     RolloutRejection,
+    Rounding,
     StepAck,
     StepReport,
 )
@@ -37,10 +41,13 @@ from . import checkpoint, resume
 from .auditor import Auditor
 from .evaluate import Evaluator
 from .models import resolve_model, with_adapter
-from .parallel import Solo
+from .parallel import Sharded, Solo
 from .pipeline import Ahead, Committer
 from .publisher import Publisher
 from .remote import ControlPlane
+from .rounding import Rounder
+from .sharded_lora import ShardedLoraWeights
+from .tracking import Tracking
 from .trainer import GRPOTrainer, StepResult
 from .weights import LoraWeights, Weights, published_dtype
 
@@ -67,6 +74,7 @@ class Learner:
         self.replayed = resume.Replay()  # what the start had to re-train to catch up with the job's records
         self.uploader = resume.CheckpointUploader(plane, options.chunk_size)
         self.evaluator: Evaluator | None = None
+        self.tracking = Tracking(None, "", options.work_dir)  # the job's, once its spec is known
         self._stop = threading.Event()
         self.phase = "starting"  # what its heartbeats say it is doing (LearnerHeartbeat.state)
 
@@ -125,18 +133,20 @@ class Learner:
                                       consumed, reply.version)
         self.evaluator = self._evaluator(spec, trainer)
         publisher = Publisher(self.plane, trainer.weights, work / "publish", self.opt.chunk_size, spec.weights)
+        self.tracking = Tracking(spec, self.plane.job_id, work / "tracking")
         try:
             self.phase = "starting: publishing the first version for the workers"
             self._publish_initial(publisher, trainer, reply.version, restored is not None or self.step > 0)
             if self.evaluator is not None and self.evaluator.due(self.step):
                 self.phase = f"starting: evaluating on {len(self.evaluator.prompts)} held-out prompts"
-                self.plane.report_eval(self.evaluator.run(self.step, self.step))
+                self._report_eval(self.evaluator.run(self.step, self.step))
             self.phase = "training"
             self._train(spec, trainer, publisher, consumed, work)
             self.world.announce("stop")
         finally:
             publisher.close()
             self.uploader.wait()
+            self.tracking.close()
 
     def _publish_initial(self, publisher: Publisher, trainer: GRPOTrainer, server_version: int | None,
                          resumed: bool) -> None:
@@ -192,17 +202,18 @@ class Learner:
     def _evaluator(self, spec: JobSpec, trainer: GRPOTrainer) -> Evaluator | None:
         if spec.eval.size == 0:
             return None
-        if self.world.size > 1:
-            log.warning("held-out evaluation runs in single-process learners only; this job has %d ranks",
-                        self.world.size)
-            return None
-        return Evaluator(spec, self.plane.eval_prompts(), trainer.model, trainer.tokenizer, trainer.pad_id)
+        return Evaluator(spec, self.plane.eval_prompts(), trainer.model, trainer.tokenizer, trainer.pad_id,
+                         self.world, computing=trainer.weights.computing)
+
+    def _report_eval(self, report: EvalReport) -> None:
+        self.plane.report_eval(report)
+        self.tracking.evaluation(report)
 
     def _evaluate(self, committer: Committer, step: int) -> None:
         """Held-out accuracy of the weights after `step` steps, reported once that step is committed."""
         if self.evaluator is not None and self.evaluator.due(step):
             report = self.evaluator.run(step, step)
-            committer.then(lambda: self.plane.report_eval(report), f"the evaluation of step {step}")
+            committer.then(lambda: self._report_eval(report), f"the evaluation of step {step}")
 
     def _trained(self, trainer: GRPOTrainer, groups: list[ClaimedGroup], t: int) -> StepResult:
         if trainer.auditor is not None:  # versions no rollout of this step can claim any more
@@ -223,6 +234,7 @@ class Learner:
 
         def committed(ack: StepAck) -> None:
             self.step, self.last_ack = ack.step, ack
+            self.tracking.step(report, ack)
             if state is not None:  # the job's last version (it stops) is published in full
                 publisher.submit(ack.step, ack.step, state, final=ack.stop)
             if spec.staleness > 0 and ack.step + 1 < spec.max_steps and not ack.stop:
@@ -261,7 +273,7 @@ class Learner:
         if publisher.submitted != self.step:
             self._submit(publisher, trainer, final=True)
         if self.evaluator is not None and self.evaluator.prompts and not self.evaluator.due(self.step):
-            self.plane.report_eval(self.evaluator.run(self.step, self.step))  # the final weights, always
+            self._report_eval(self.evaluator.run(self.step, self.step))  # the final weights, always
         publisher.wait()
         self.plane.finish(LearnerFinish(outcome=FinishOutcome.succeeded, final_version=publisher.published,
                                         reason=f"finished {self.step} steps"))
@@ -298,13 +310,27 @@ def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: So
     model = model.to(world.device(wanted))
     if spec.learner.activation_checkpointing:
         model.gradient_checkpointing_enable()  # recompute activations in backward: memory for compute
+    dtype = published_dtype(spec, model_path)
     reference = _reference(model, spec)  # a full replica on every rank: it is only read
+    if reference is not None:
+        Rounder(reference, dtype)  # version 0 as published: frozen, so rounded once
     if spec.lora is not None:
         model = with_adapter(model, spec.lora)
-    trainer = GRPOTrainer(world.wrap(model), tokenizer, spec, reference, world)
-    kind = LoraWeights if spec.lora is not None else Weights
-    trainer.weights = kind(trainer.model, tokenizer, published_dtype(spec, model_path), world)
+    trainer = GRPOTrainer(world.wrap(model, dtype), tokenizer, spec, reference, world)
+    trainer.weights = _versions(trainer.model, tokenizer, spec, model_path, dtype, world)
     return trainer, checkpoint.load_latest(checkpoints, trainer.model, trainer.optimizer, trainer.scheduler, world)
+
+
+def _versions(model: Any, tokenizer: Any, spec: JobSpec, model_path: str, dtype: torch.dtype, world: Solo) -> Weights:
+    """What the job's versions carry: the model, or a LoRA adapter (gathered from the ranks when sharded).
+    A single process computes on its masters rounded to the published dtype (learner/rounding.py); FSDP casts
+    them as it gathers them."""
+    if spec.lora is not None and world.size > 1:
+        return ShardedLoraWeights(model, tokenizer, dtype, world, model_path, spec.lora)
+    dithered = spec.weights.rounding is Rounding.dithered and dtype == torch.bfloat16  # `auto` may be another
+    rounder = None if isinstance(world, Sharded) else Rounder(model, dtype, dithered, seed=spec.seed)
+    kind = LoraWeights if spec.lora is not None else Weights
+    return kind(model, tokenizer, dtype, world, rounder)
 
 
 def _reference(model: Any, spec: JobSpec) -> Any:
@@ -319,7 +345,8 @@ def _reference(model: Any, spec: JobSpec) -> Any:
 
 
 def _kept(groups: list[ClaimedGroup], result: StepResult) -> list[str]:
-    return [g.rollout_id for g in groups if g.rollout_id not in result.rejected]
+    """The groups the step trained on: neither refused nor left unscored."""
+    return [g.rollout_id for g in groups if g.rollout_id not in result.rejected and g.rollout_id not in result.unscored]
 
 
 def _report(step: int, ids: list[str], r: StepResult) -> StepReport:
@@ -327,10 +354,17 @@ def _report(step: int, ids: list[str], r: StepResult) -> StepReport:
         step=step, rollout_ids=ids, t_train_s=r.seconds, reward_mean=r.reward_mean, reward_std=r.reward_std,
         loss=_bounded(r.loss), kl=_bounded(r.kl), clip_frac=min(1.0, r.clip_frac), groups_dropped=r.groups_dropped,
         staleness_hist=r.staleness_hist, tokens=r.tokens,
-        rewards=[{"rollout_id": k, "rewards": v} for k, v in r.rewards.items()],
+        mismatch=[MismatchStats(**_int_counts(m)) for m in r.mismatch],
+        rewards=[{"rollout_id": k, "rewards": v, "learner_logprobs": r.learner_logprobs.get(k)}
+                 for k, v in r.rewards.items()],
         rejected=[RolloutRejection(rollout_id=k, reason=v[:500]) for k, v in r.rejected.items()],
+        unscored=[RolloutRejection(rollout_id=k, reason=v[:500]) for k, v in r.unscored.items()],
         audits=r.audits, audit_s=r.audit_s,
     )
+
+
+def _int_counts(row: dict[str, float]) -> dict[str, float | int]:
+    return {**row, "staleness": int(row["staleness"]), "tokens": int(row["tokens"])}
 
 
 def _bounded(value: float, limit: float = 1e9) -> float | None:

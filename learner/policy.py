@@ -12,21 +12,31 @@ same positions as the unpadded sequence a worker (vLLM, transformers) generated 
 
 The behaviour logprob of a sampled token is log softmax(logits / temperature)[token] over the FULL
 vocabulary: no top-k/top-p truncation. Workers report exactly this; the learner recomputes it with
-`completion_logprobs` and both must agree up to numerics.
+`completion_logprobs` and both must agree up to numerics. With sampler-support replay
+(grpo.support_replay), `support_logprobs` also gives the log-mass of the top-k/top-p support the sampler
+drew from, replayed on the learner's logits (objective.py, step 2c).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from echo2.sampler import RowSettings, draw
+from echo2.sampler import RowSettings, draw, support
 from echo2.seeds import sample_seed
 
-from learner.objective import ObjectiveConfig, group_advantages, grpo_loss, loss_denominator
+from learner.objective import (
+    ObjectiveConfig,
+    group_advantages,
+    grpo_loss,
+    loss_denominator,
+    mismatch_keys,
+    mismatch_summary,
+)
 from learner.parallel import Solo
 
 
@@ -104,14 +114,9 @@ def position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def completion_logprobs(
-    model: torch.nn.Module, batch: PaddedBatch, *, temperature: float = 1.0
-) -> torch.Tensor:
-    """log softmax(logits / temperature) of each completion token, [B, C]; 0 on padding.
-
-    Only the C logit rows that predict completion tokens are materialised (logits_to_keep), and the
-    logprob is gathered as logit[token] - logsumexp(logits), never a full [B, T, V] log-softmax.
-    """
+def completion_logits(model: torch.nn.Module, batch: PaddedBatch, temperature: float) -> torch.Tensor:
+    """float32 logits / temperature of the rows predicting each completion token, [B, C, V]. Only those C
+    rows are materialised (logits_to_keep)."""
     if temperature <= 0:
         raise ValueError("temperature must be > 0 for logprobs")
     c = batch.completion_len
@@ -122,11 +127,44 @@ def completion_logprobs(
         logits_to_keep=c + 1,
         use_cache=False,
     )
-    logits = out.logits[:, :-1, :].float() / temperature  # row j predicts completion token j
-    targets = batch.input_ids[:, -c:]
-    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
-    logprobs = picked - torch.logsumexp(logits, dim=-1)
-    return logprobs * batch.completion_mask
+    return out.logits[:, :-1, :].float() / temperature  # row j predicts completion token j
+
+
+def completion_logprobs(
+    model: torch.nn.Module, batch: PaddedBatch, *, temperature: float = 1.0
+) -> torch.Tensor:
+    """log softmax(logits / temperature) of each completion token, [B, C]; 0 on padding. Gathered as
+    logit[token] - logsumexp(logits), never a full [B, T, V] log-softmax."""
+    logits = completion_logits(model, batch, temperature)
+    picked = logits.gather(-1, batch.input_ids[:, -batch.completion_len:].unsqueeze(-1)).squeeze(-1)
+    return (picked - torch.logsumexp(logits, dim=-1)) * batch.completion_mask
+
+
+SUPPORT_ROWS = 512  # token positions whose support is sorted at once: bounds the [rows, V] sort
+
+
+def support_logprobs(model: torch.nn.Module, batch: PaddedBatch, settings: RowSettings
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(logprobs, log-mass of the sampler's support, outside), each [B, C]: the completion logprobs as
+    `completion_logprobs`, log Z = logsumexp over the top-k/top-p support that `settings` (one row) replays
+    on these logits (echo2.sampler.support), and whether the token lies outside it. 0 on padding."""
+    logits = completion_logits(model, batch, float(settings.temperature[0]))
+    lp = torch.log_softmax(logits, dim=-1)
+    b, c, v = lp.shape
+    flat = lp.detach().reshape(-1, v)
+    inside = torch.empty_like(flat, dtype=torch.bool)
+    with torch.no_grad():
+        for start in range(0, flat.shape[0], SUPPORT_ROWS):
+            rows = flat[start:start + SUPPORT_ROWS]
+            one = RowSettings(*(t[:1].expand(rows.shape[0]) for t in (settings.temperature, settings.top_k,
+                                                                      settings.top_p)))
+            inside[start:start + SUPPORT_ROWS] = torch.isfinite(support(rows, one))
+    inside = inside.view(b, c, v)
+    targets = batch.input_ids[:, -c:].unsqueeze(-1)
+    mask = batch.completion_mask
+    log_mass = torch.logsumexp(lp.masked_fill(~inside, float("-inf")), dim=-1)
+    outside = ~inside.gather(-1, targets).squeeze(-1) & mask.bool()
+    return lp.gather(-1, targets).squeeze(-1) * mask, log_mass * mask, outside
 
 
 def micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
@@ -272,10 +310,17 @@ def grpo_update(
     ref_model: torch.nn.Module | None = None,
     pad_id: int = 0,
     world: Solo | None = None,
+    computing: Callable[[], AbstractContextManager[None]] = nullcontext,
+    support: tuple[int, float] | None = None,
 ) -> dict[str, Any]:
     """Advantages -> micro-batched loss with one global divisor -> one optimiser step.
 
-    Skips the step (stats["stepped"] = 0) when every group was dropped. Stats are token-weighted means.
+    The forward and backward run inside `computing()`: the model holding the weights it publishes
+    (learner/rounding.py); the optimiser then steps the masters. `support` = (top_k, top_p) replays the
+    sampler's support (objective.py, step 2c).
+
+    Skips the step (stats["stepped"] = 0) when every group was dropped. Stats are token-weighted means;
+    stats["mismatch"] is objective.mismatch_summary's list (behaviour against learner, per staleness).
     A loss or gradient that is not finite never reaches the weights: the groups causing it are found
     one by one (`_poisoned_groups`), dropped and listed in stats["poisoned_groups"], and the step is
     taken on the others.
@@ -288,10 +333,12 @@ def grpo_update(
     own runs one with weight 0. Stats and the finiteness checks are over all ranks (`world.total`), so
     every rank drops the same groups.
     """
-    pass_ = _Pass(model, ref_model, cfg, temperature, max_tokens_per_micro_batch, grad_clip, world or Solo())
+    settings = None if support is None else RowSettings.of([(temperature, *support)], "cpu")
+    pass_ = _Pass(model, ref_model, cfg, temperature, max_tokens_per_micro_batch, grad_clip, world or Solo(),
+                  computing, settings)
     plan = _plan(rollouts, cfg, pad_id, exclude=set())
     stats: dict[str, Any] = {"stepped": 0.0, "dropped_groups": float(plan.dropped),
-                             "kept_samples": float(len(plan.rows)), "poisoned_groups": []}
+                             "kept_samples": float(len(plan.rows)), "poisoned_groups": [], "mismatch": []}
     if not plan.rows:
         return stats
     model.train()
@@ -306,8 +353,9 @@ def grpo_update(
         totals, grad_norm = pass_.backward(plan, plan.rows)
     optimizer.step()
     tokens = max(totals.pop("tokens"), 1.0)
-    stats.update({k: v / tokens for k, v in totals.items() if k != "loss"})
-    stats.update({"stepped": 1.0, "loss": totals["loss"], "grad_norm": grad_norm, "tokens": tokens})
+    stats.update({k: totals[k] / tokens for k in TOTALS[2:]})
+    stats.update({"stepped": 1.0, "loss": totals["loss"], "grad_norm": grad_norm, "tokens": tokens,
+                  "mismatch": mismatch_summary(totals, cfg.max_staleness)})
     return stats
 
 
@@ -346,35 +394,44 @@ class _Pass:
     max_tokens: int
     grad_clip: float | None
     world: Solo
+    computing: Callable[[], AbstractContextManager[None]] = nullcontext
+    support: RowSettings | None = None  # the sampler's settings, to replay its support (one row)
 
     def backward(self, plan: _Plan, rows: list[int]) -> tuple[dict[str, float], float]:
         """Returns the summed stats (over ranks) and the gradient norm before clipping."""
         self.model.zero_grad(set_to_none=True)
-        totals = dict.fromkeys(TOTALS, 0.0)  # every key on every rank: ranks sum them in one order
+        # every key on every rank: ranks sum them in one order
+        totals = dict.fromkeys((*TOTALS, *mismatch_keys(self.cfg.max_staleness)), 0.0)
         device = next(self.model.parameters()).device
-        for part in micro_batches([plan.lengths[i] for i in rows], self.max_tokens):
-            mine = self.world.share(part)
-            chosen = [rows[j] for j in (mine or part[:1])]
-            loss, mb_stats = self._loss(plan, chosen, device)
-            (loss * (self.world.size if mine else 0.0)).backward()
-            if mine:
-                _accumulate(totals, mb_stats, float(loss.detach()))
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
+        with self.computing():
+            for part in micro_batches([plan.lengths[i] for i in rows], self.max_tokens):
+                mine = self.world.share(part)
+                chosen = [rows[j] for j in (mine or part[:1])]
+                loss, mb_stats = self._loss(plan, chosen, device)
+                (loss * (self.world.size if mine else 0.0)).backward()
+                if mine:
+                    _accumulate(totals, mb_stats, float(loss.detach()))
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip or float("inf"))
         return self.world.total(totals, grad_norm, device)
 
     def _loss(self, plan: _Plan, rows: list[int], device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
         mb = plan.batch.select(rows).to(device)
+        behaviour = plan.behaviour[rows, : mb.completion_len].to(device)
+        outside = None
         with _autocast(device):
-            logprobs = completion_logprobs(self.model, mb, temperature=self.temperature)
+            if self.support is None:
+                logprobs = completion_logprobs(self.model, mb, temperature=self.temperature)
+            else:  # objective.py step 2c: both over the replayed support; its mass cancels in the ratio
+                logprobs, log_mass, outside = support_logprobs(self.model, mb, self.support)
+                logprobs, behaviour = logprobs - log_mass, behaviour - log_mass.detach()
             ref = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref = completion_logprobs(self.ref_model, mb, temperature=self.temperature)
         return grpo_loss(
-            logprobs.float(), plan.behaviour[rows, : mb.completion_len].to(device),
-            plan.advantages[rows].to(device), mb.completion_mask,
+            logprobs.float(), behaviour, plan.advantages[rows].to(device), mb.completion_mask,
             plan.staleness[rows, : mb.completion_len].to(device), self.cfg,
-            ref_logprobs=None if ref is None else ref.float(), denominator=plan.denominator,
+            ref_logprobs=None if ref is None else ref.float(), denominator=plan.denominator, outside=outside,
         )
 
 
@@ -405,3 +462,6 @@ def _accumulate(totals: dict[str, float], mb_stats: dict[str, float], loss: floa
     totals["loss"] = totals.get("loss", 0.0) + loss  # micro-batch losses share one divisor: they add up
     for key in TOTALS[2:]:
         totals[key] = totals.get(key, 0.0) + mb_stats[key] * n
+    for key, value in mb_stats.items():
+        if key.startswith("mismatch/"):  # already sums
+            totals[key] = totals.get(key, 0.0) + value

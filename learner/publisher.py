@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 from echo2.deltas import Folder, build_delta, files_digest
+from echo2.possession import draw_probes
 from echo2.protocol import AdapterInfo, Manifest, WeightsConfig
 from echo2.snapshots import DEFAULT_CHUNK_SIZE, build_manifest
 
@@ -134,7 +135,7 @@ class Publisher:
         delta = None if self.weights.lora else self._delta(target, snap.step, full.total_size)
         keyframe = delta is None or snap.final or self._since_keyframe + 1 >= self.config.keyframe_every
         forms = ([(folder, full)] if keyframe else []) + ([delta] if delta is not None else [])
-        self.plane.publish(forms)
+        self.plane.publish(forms, draw_probes(folder, target.files, self._base))  # workers prove they hold it
         self._since_keyframe = 0 if keyframe else self._since_keyframe + 1
         if delta is not None:
             shutil.rmtree(delta[0], ignore_errors=True)

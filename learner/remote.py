@@ -28,6 +28,7 @@ from echo2.protocol import (
     LearnerHeartbeat,
     LearnerStartReply,
     Manifest,
+    Probe,
     ReplayStep,
     StepAck,
     StepReport,
@@ -88,10 +89,10 @@ class ControlPlane:
     def finish(self, finish: LearnerFinish) -> JobRead:
         return self._post("/learner/finish", finish, JobRead)
 
-    def publish(self, forms: list[tuple[Path, Manifest]]) -> VersionRead | None:
+    def publish(self, forms: list[tuple[Path, Manifest]], probes: list[Probe] | None = None) -> VersionRead | None:
         """Upload every chunk of each form of a version (full and/or delta: the manifest says which, and the
-        folder holds its files), then publish them together. Returns None if this version was already
-        published (a retried publish whose first answer was lost)."""
+        folder holds its files), then publish them together with `probes`. Returns None if this version was
+        already published (a retried publish whose first answer was lost)."""
         v = forms[0][1].version
         latest = self.latest_version()
         if latest is not None and latest >= v:
@@ -99,7 +100,7 @@ class ControlPlane:
         for folder, manifest in forms:
             self._upload_chunks(folder, manifest, self._form_path(v, manifest.form))
         body = VersionPublish(full=next((m for _, m in forms if m.form is Form.full), None),
-                              delta=next((m for _, m in forms if m.form is Form.delta), None))
+                              delta=next((m for _, m in forms if m.form is Form.delta), None), probes=probes or [])
         return self._post("/versions", body, VersionRead)
 
     def upload_checkpoint(self, folder: Path, manifest: Manifest) -> None:

@@ -22,6 +22,7 @@ from echo2.protocol import (
     JobStatus,
     LearnerBatch,
     Manifest,
+    Probe,
     StepAck,
     StepReport,
     VersionRead,
@@ -41,9 +42,10 @@ class RolloutSource(Protocol):
 
 @runtime_checkable
 class WeightSink(Protocol):
-    def publish(self, forms: list[tuple[Path, Manifest]]) -> VersionRead | None:
-        """Publish a version's forms together (full and/or delta: a folder and its manifest each); None when
-        that version or a newer one is already published."""
+    def publish(self, forms: list[tuple[Path, Manifest]], probes: list[Probe] | None = None) -> VersionRead | None:
+        """Publish a version's forms together (full and/or delta: a folder and its manifest each) with the
+        secret probes workers prove possession by (echo2.possession); None when that version or a newer one
+        is already published."""
         ...
 
     def version_files(self, version: int) -> list[FileRef]:
@@ -93,19 +95,22 @@ class LocalRollouts:
 
 class LocalWeights:
     """A WeightSink in process: each form published is copied to `root/v<version>/<form>` (the publisher
-    deletes its own folders) and recorded, as the control plane records it, in `versions`."""
+    deletes its own folders) and recorded, as the control plane records it, in `versions`; its probes in
+    `probes`."""
 
     def __init__(self, root: Path, job_id: str = "local") -> None:
         self.root, self.job_id = root, job_id
         self.versions: list[VersionRead] = []
+        self.probes: dict[int, list[Probe]] = {}
         self._manifests: dict[int, dict[Form, Manifest]] = {}
 
-    def publish(self, forms: list[tuple[Path, Manifest]]) -> VersionRead | None:
+    def publish(self, forms: list[tuple[Path, Manifest]], probes: list[Probe] | None = None) -> VersionRead | None:
         first = forms[0][1]
         if self.versions and self.versions[-1].version >= first.version:
             return None
         for folder, manifest in forms:
             shutil.copytree(folder, self.root / f"v{first.version}" / manifest.form.value)
+        self.probes[first.version] = list(probes or [])
         by_form = self._manifests[first.version] = {m.form: m for _, m in forms}
         full, delta = by_form.get(Form.full), by_form.get(Form.delta)
         read = VersionRead(

@@ -2,7 +2,9 @@
 audit the control plane asked for (learner/auditor.py), score the rest on the trusted side, build the
 padded batch, advantages, loss with gradient accumulation, optimiser step (policy.grpo_update, which
 also drops groups whose loss or gradient is not finite). The loss itself is in objective.py. Every
-refused group is reported with its reason; none of them is trained.
+refused group is reported with its reason; none of them is trained. A group the task could not score
+(its endpoint down, an exception, a timeout) is not trained either: it is reported as unscored, the
+platform's fault, and goes back to the pool.
 
 With FSDP (`parallel.Sharded`), rank 0 scores (rewards stay computed once, on the trusted side) and
 announces the scored rows; every rank then runs `optimise` on its share of them (policy.grpo_update)."""
@@ -20,12 +22,13 @@ import torch
 from echo2.prompting import encode_prompt
 from echo2.protocol import AuditReport, ClaimedGroup, JobSpec, LrSchedule, SampleSubmit
 
-from learner.tasks import TaskPrompt, get_task
+from learner.tasks import ScoringError, TaskPrompt, get_task
 
 from .auditor import Auditor
 from .objective import ObjectiveConfig
 from .parallel import Solo
 from .policy import Rollouts, grpo_update
+from .traces import learner_logprobs
 from .weights import Weights
 
 log = logging.getLogger(__name__)
@@ -42,8 +45,11 @@ class StepResult:
     groups_dropped: int = 0
     tokens: int = 0
     staleness_hist: list[int] = field(default_factory=list)
+    mismatch: list[dict[str, float]] = field(default_factory=list)  # objective.mismatch_summary
     seconds: float = 0.0
     rejected: dict[str, str] = field(default_factory=dict)  # rollout id -> why it was not trained
+    unscored: dict[str, str] = field(default_factory=dict)  # rollout id -> why the task could not score it
+    learner_logprobs: dict[str, list[list[float]]] = field(default_factory=dict)  # per sample, for traces
     audits: list[AuditReport] = field(default_factory=list)
     audit_s: float = 0.0
 
@@ -51,7 +57,10 @@ class StepResult:
 def objective_config(spec: JobSpec) -> ObjectiveConfig:
     g = spec.grpo
     return ObjectiveConfig(eps_low=g.eps_low, eps_high=g.eps_high, ratio_cap=g.ratio_cap, kl_coef=g.kl_coef,
-                           length_norm=g.loss_agg.value, max_len=g.max_new_tokens, scale_by_std=g.scale_rewards)
+                           length_norm=g.loss_agg.value, max_len=g.max_new_tokens, scale_by_std=g.scale_rewards,
+                           correction=g.correction.value, correction_level=g.correction_level.value,
+                           correction_low=g.correction_low, correction_high=g.correction_high,
+                           max_staleness=spec.staleness)
 
 
 class GRPOTrainer:
@@ -68,8 +77,10 @@ class GRPOTrainer:
         self.cfg = objective_config(spec)
         g = spec.grpo
         trainable = [p for p in model.parameters() if p.requires_grad]  # a LoRA job's adapter only
+        # One fused kernel for the whole step on a GPU (not with FSDP's sharded parameters)
+        fused = type(self.world) is Solo and all(p.is_cuda for p in trainable) or None
         self.optimizer = torch.optim.AdamW(trainable, lr=g.lr, betas=g.adam_betas, eps=g.adam_eps,
-                                           weight_decay=g.weight_decay)
+                                           weight_decay=g.weight_decay, fused=fused)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: lr_factor(s, spec))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
 
@@ -80,6 +91,7 @@ class GRPOTrainer:
         groups = self._admit(groups, result)
         rows = self._score(groups, t, result)
         if rows.rewards:
+            self._trace(groups, rows, result)
             self.world.announce("optimise", rows)
             for gi in self.optimise(rows, result):
                 result.rejected[groups[gi].rollout_id] = "its loss or gradient was not finite (poisoned logprobs)"
@@ -122,7 +134,7 @@ class GRPOTrainer:
         vocab = self.model.get_input_embeddings().num_embeddings
         if max(max(s.token_ids) for s in group.samples) >= vocab:
             return f"a token id is outside the model's vocabulary ({vocab})"
-        if list(group.prompt_token_ids) != encode_prompt(self.tokenizer, group.prompt_text):
+        if list(group.prompt_token_ids) != encode_prompt(self.tokenizer, group.prompt_text, group.prompt_context):
             return "its prompt tokens are not the encoding of the leased prompt"
         return None
 
@@ -136,6 +148,16 @@ class GRPOTrainer:
                                  stats=verdict.stats())
         result.audits.append(report)
         return None if report.passed else f"failed its audit: {report.reason}"
+
+    def _trace(self, groups: list[ClaimedGroup], rows: Rollouts, result: StepResult) -> None:
+        """The learner's own logprob of each token, under the weights the step starts from (learner/traces.py);
+        single-process learners only (a sharded forward needs every rank)."""
+        if not self.spec.trace_logprobs or self.world.size > 1:
+            return
+        g = self.spec.grpo
+        values = learner_logprobs(self.model, rows, self.pad_id, g.temperature, g.micro_batch_tokens)
+        for gi, row in zip(rows.group_ids, values, strict=True):
+            result.learner_logprobs.setdefault(groups[gi].rollout_id, []).append(row)
 
     def replay(self, groups: list[ClaimedGroup], rewards: dict[str, list[float | None]], t: int) -> StepResult:
         """Train a committed step again exactly as it was: its trained groups in order, with the rewards
@@ -156,11 +178,12 @@ class GRPOTrainer:
         for gi, (group, rewards) in enumerate(zip(groups, scored, strict=True)):
             staleness = t - group.version
             assert self.spec.admissible(t, group.version), f"rollout {group.rollout_id} has staleness {staleness}"
+            if isinstance(rewards, str) or any(r is None for r in rewards):
+                result.unscored[group.rollout_id] = rewards if isinstance(rewards, str) else \
+                    f"the {self.spec.task.name} task scored no reward for a sample"
+                continue
             hist[staleness] += 1
             result.rewards[group.rollout_id] = rewards
-            if any(r is None for r in rewards):
-                result.groups_dropped += 1
-                continue
             for sample, reward in zip(group.samples, rewards, strict=True):
                 rows.add(list(group.prompt_token_ids), list(sample.token_ids), list(sample.logprobs),
                          float(reward), gi, sample_staleness(sample, group.version, t),  # type: ignore[arg-type]
@@ -168,37 +191,44 @@ class GRPOTrainer:
         result.staleness_hist = hist
         return rows
 
-    def _rewards(self, groups: list[ClaimedGroup]) -> list[list[float | None]]:
-        """Every group's rewards; a task that calls out (http_reward) has `concurrency` calls in flight."""
+    def _rewards(self, groups: list[ClaimedGroup]) -> list[list[float | None] | str]:
+        """Every group's rewards, or why they could not be computed; a task that calls out (http_reward) has
+        `concurrency` calls in flight."""
         workers = self.task.concurrency(self.task_params)
         if workers <= 1:
             return [self._group_rewards(g) for g in groups]
         with ThreadPoolExecutor(workers) as pool:
             return list(pool.map(self._group_rewards, groups))
 
-    def _group_rewards(self, group: ClaimedGroup) -> list[float | None]:
+    def _group_rewards(self, group: ClaimedGroup) -> list[float | None] | str:
         if group.rewards is not None:  # a multi-turn group: its environment's rewards, from the control plane
             return list(group.rewards)
         prompt = TaskPrompt(text=group.prompt_text, reference=group.reference)
         try:
             return [self.task.reward(prompt, self.tokenizer.decode(s.token_ids, skip_special_tokens=True),
                                      self.task_params) for s in group.samples]
-        except Exception:  # noqa: BLE001 - the text is a worker's: no completion may stop the learner
-            log.exception("the %s task failed to score rollout %s; the group is dropped", self.spec.task.name,
+        except ScoringError as exc:
+            log.warning("the %s task could not score rollout %s: %s", self.spec.task.name, group.rollout_id, exc)
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - the text is a worker's: no completion may stop the learner
+            log.exception("the %s task failed to score rollout %s; the group is not trained", self.spec.task.name,
                           group.rollout_id)
-            return [None] * len(group.samples)
+            return f"the {self.spec.task.name} task raised {type(exc).__name__}: {exc}"
 
     def optimise(self, rows: Rollouts, result: StepResult) -> list[int]:
         """One optimiser step; returns the groups (indices) dropped for a non-finite loss or gradient."""
         g = self.spec.grpo
         stats = grpo_update(self.model, self.optimizer, rows, self.cfg, temperature=g.temperature,
                             max_tokens_per_micro_batch=g.micro_batch_tokens, grad_clip=g.max_grad_norm,
-                            ref_model=self.ref_model, pad_id=self.pad_id, world=self.world)
+                            ref_model=self.ref_model, pad_id=self.pad_id, world=self.world,
+                            computing=self.weights.computing,
+                            support=(g.top_k, g.top_p) if g.support_replay else None)
         if stats["stepped"]:
             self.scheduler.step()
         result.groups_dropped += int(stats["dropped_groups"])
         result.loss, result.kl = stats.get("loss", 0.0), stats.get("kl", 0.0)
         result.clip_frac, result.tokens = stats.get("clip_frac", 0.0), int(stats.get("tokens", 0))
+        result.mismatch = stats["mismatch"]
         return list(stats["poisoned_groups"])
 
 

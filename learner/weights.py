@@ -2,7 +2,8 @@
 
 - Full fine-tuning (`Weights`): every version is the model folder, in the published dtype
   (`published_dtype`: the job's choice, or the base model's own); the learner trains float32 master
-  weights and keeps its optimiser state in float32 whatever is published.
+  weights and keeps its optimiser state in float32 whatever is published, and computes on the masters
+  rounded to the published dtype (learner/rounding.py: `Weights.computing`).
 - LoRA (`LoraWeights`, JobSpec.lora, peft): the job's first version (0) is the base model; the adapter
   starts at zero, so that is the policy. Later versions are the adapter folder alone
   (`adapter_config.json` + `adapter_model.safetensors`), named in their manifest as applying to version 0,
@@ -10,13 +11,15 @@
   `adapter/`: the checkpoint download is both.
 
 A snapshot is what a version is made of: a CPU copy of the weights (the whole model, or the adapter's
-tensors) in the published dtype, which the auditor also re-scores rollouts under.
+tensors) in the published dtype, rounded as the learner computes on them, which the auditor also
+re-scores rollouts under. It is cast on the model's device, so only the published bytes cross to the CPU.
 """
 
 from __future__ import annotations
 
 import copy
 import shutil
+from contextlib import AbstractContextManager, nullcontext
 from enum import Enum
 from pathlib import Path
 from typing import Any
@@ -24,7 +27,8 @@ from typing import Any
 import torch
 from echo2.protocol import JobSpec, WeightDtype
 
-from .parallel import Solo
+from .parallel import Sharded, Solo
+from .rounding import Rounder
 
 ADAPTER_DIR = "adapter"  # where the final version of a LoRA job keeps its adapter
 
@@ -53,23 +57,50 @@ def cast(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.
     return {k: v.to(dtype) if v.is_floating_point() else v for k, v in state.items()}
 
 
-class Weights:
-    """A full fine-tune's versions: the model folder."""
+def cpu_copy(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """A CPU copy of `state` with its floating tensors in `dtype`, cast where they are (a GPU sends half the
+    bytes of float32 for a bf16 version); always a copy, never a view of the model's own tensors."""
+    out = {}
+    for k, v in state.items():
+        v = v.detach()
+        t = v.to(dtype) if v.is_floating_point() else v
+        out[k] = t.to("cpu", copy=t.data_ptr() == v.data_ptr())
+    return out
 
-    def __init__(self, model: Any, tokenizer: Any, dtype: torch.dtype, world: Solo | None = None) -> None:
+
+class Weights:
+    """A full fine-tune's versions: the model folder. `rounder` rounds the masters to what is published
+    (learner/rounding.py); without one, nothing is rounded (a float32 job, or FSDP, whose gather casts)."""
+
+    def __init__(self, model: Any, tokenizer: Any, dtype: torch.dtype, world: Solo | None = None,
+                 rounder: Rounder | None = None) -> None:
         self.model, self.tokenizer, self.dtype, self.world = model, tokenizer, dtype, world or Solo()
+        self.rounder = rounder
 
     @property
     def lora(self) -> bool:
         return False
 
+    def computing(self) -> AbstractContextManager[None]:
+        """Inside, the model computes on the published weights (its trainable parameters rounded)."""
+        return self.rounder.computing() if self.rounder is not None else nullcontext()
+
     def snapshot(self) -> dict[str, torch.Tensor]:
-        return cast(self.world.model_state(self.model), self.dtype)
+        if isinstance(self.world, Sharded):  # rank 0 gathers float32 masters on the CPU; cast as FSDP's gather does
+            return cast(self.world.model_state(self.model), self.dtype)
+        with self.computing():
+            return cpu_copy(self.model.state_dict(), self.dtype)
 
     def write(self, state: dict[str, torch.Tensor], folder: Path, role: Role) -> None:
         _fresh(folder)
-        self.model.save_pretrained(folder, state_dict=state, safe_serialization=True)
+        _save(self.model, state, folder)
         self.tokenizer.save_pretrained(folder)
+
+
+def _save(model: Any, state: dict[str, torch.Tensor], folder: Path) -> None:
+    """A copy of the dict: transformers 5 empties the one it is given for a model built in code, and the
+    caller's (the snapshot) is also what the auditor keeps (learner/loop.py)."""
+    model.save_pretrained(folder, state_dict=dict(state), safe_serialization=True)
 
 
 class LoraWeights(Weights):
@@ -84,8 +115,8 @@ class LoraWeights(Weights):
         embedding matrix, untrained and already in the base: 113 MB more per version for SmolLM2."""
         from peft import get_peft_model_state_dict
 
-        state = get_peft_model_state_dict(self.model, save_embedding_layers=False)
-        return cast({k: v.detach().to("cpu", copy=True) for k, v in state.items()}, self.dtype)
+        with self.computing():
+            return cpu_copy(get_peft_model_state_dict(self.model, save_embedding_layers=False), self.dtype)
 
     def write(self, state: dict[str, torch.Tensor], folder: Path, role: Role) -> None:
         _fresh(folder)
@@ -105,7 +136,7 @@ class LoraWeights(Weights):
         self.model.peft_config["default"].save_pretrained(folder)
 
     def _write_model(self, state: dict[str, torch.Tensor], folder: Path) -> None:
-        self.model.get_base_model().save_pretrained(folder, state_dict=state, safe_serialization=True)
+        _save(self.model.get_base_model(), state, folder)
         self.tokenizer.save_pretrained(folder)
 
     def _base_state(self) -> dict[str, torch.Tensor]:

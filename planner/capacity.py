@@ -57,8 +57,11 @@ import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
+import numpy as np
 from echo2.protocol import max_publish_period, slack_steps
+from numpy.typing import ArrayLike
 
 DEFAULT_HEADROOM = 0.1
 DEFAULT_T_TRAIN_S = 2.0  # T_train assumed for a job before its first step
@@ -105,6 +108,11 @@ class WorkerProfile:
     def perf_for(self, job_id: str) -> WorkerPerf:
         perf = self.perf_by_job.get(job_id)
         return perf if perf is not None else WorkerPerf(self.mu, self.t_gen_s, self.t_bcast_s)
+
+    def mu_for(self, job_id: str) -> float:
+        """perf_for(job_id).mu, without building the perf (the re-solve triggers read it for every worker)."""
+        perf = self.perf_by_job.get(job_id)
+        return perf.mu if perf is not None else self.mu
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,8 +183,11 @@ def freshness_slack_s(job: JobProfile) -> float:
     return slack_steps(job.staleness, job.publish_period) * job.t_train_s
 
 
-def hard_constraint_violation(worker: WorkerProfile, job: JobProfile) -> tuple[Miss, str] | None:
-    """Which hard constraint keeps the worker from running the job at all and why, or None."""
+def hard_constraint_violation(
+    worker: WorkerProfile, job: JobProfile, perf: WorkerPerf | None = None
+) -> tuple[Miss, str] | None:
+    """Which hard constraint keeps the worker from running the job at all and why, or None; `perf` is
+    the worker's for the job when the caller has it already."""
     if not worker.alive:
         return Miss.liveness, "not alive"
     if worker.vram_gb < job.vram_need_gb:
@@ -185,7 +196,7 @@ def hard_constraint_violation(worker: WorkerProfile, job: JobProfile) -> tuple[M
         have = ",".join(sorted(worker.backends)) or "none"
         need = ",".join(sorted(job.backends))
         return Miss.backend, f"backend {have} not supported (job needs {need})"
-    perf = worker.perf_for(job.job_id)
+    perf = perf or worker.perf_for(job.job_id)
     if not perf.mu > 0:
         return Miss.throughput, "no measured throughput"
     return None
@@ -211,7 +222,7 @@ def qualify(worker: WorkerProfile, job: JobProfile) -> Qualification:
     latency = perf.t_bcast_s + perf.t_gen_s
     slack = freshness_slack_s(job)
     share = admissible_share(perf, job)
-    hard = hard_constraint_violation(worker, job)
+    hard = hard_constraint_violation(worker, job, perf)
     if hard is not None:
         return Qualification(False, *hard, perf, latency, slack, share, 0.0)
     if latency > slack:
@@ -253,18 +264,19 @@ def predict_utilisation(job: JobProfile, workers: Iterable[WorkerProfile]) -> fl
 
 def estimate_bcast_s(
     model_bytes: float,
-    down_bps: float,
-    relay_bps: float,
-    depth: int,
+    down_bps: ArrayLike,
+    relay_bps: ArrayLike,
+    depth: ArrayLike,
     chunk_bytes: float,
     hop_latency_s: float = 0.0,
-) -> float:
+) -> Any:
     """T_bcast of a pipelined relay: M/B + depth·(chunk/B + hop latency), B = min(own downlink,
-    the rate its parent can give it). Bandwidths in bytes per second."""
-    rate = min(down_bps, relay_bps)
-    if rate <= 0:
-        return math.inf
-    return model_bytes / rate + depth * (chunk_bytes / rate + hop_latency_s)
+    the rate its parent can give it); infinite when B ≤ 0. Bandwidths in bytes per second. Numbers give
+    a float; arrays (one entry per worker) an array, so a whole fleet is estimated in one call."""
+    rate = np.minimum(down_bps, relay_bps)
+    with np.errstate(divide="ignore"):
+        t = np.where(rate > 0, model_bytes / rate + depth * (chunk_bytes / rate + hop_latency_s), np.inf)
+    return t if t.ndim else float(t)
 
 
 def sort_jobs(jobs: Iterable[JobProfile]) -> list[JobProfile]:

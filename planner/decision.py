@@ -98,7 +98,7 @@ class Decision:
     workers: tuple[WorkerDecision, ...]
     state: SolverState
     job_inputs: tuple[JobProfile, ...]
-    worker_inputs: tuple[WorkerProfile, ...]
+    worker_inputs: tuple[WorkerProfile, ...]  # the profiles it read: every worker's on a re-solve, else the assigned
     solve_s: float = 0.0
 
     @property

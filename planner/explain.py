@@ -3,6 +3,8 @@ why a job's set falls short of its rule."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from .capacity import JobProfile, Miss, WorkerProfile, required_throughput
 from .decision import Action, SolverConfig, SolverState, WorkerDecision
 from .selection import Candidates, Pair
@@ -47,17 +49,19 @@ def activate_reason(p: Pair, note: str, rank: int) -> str:
     return f"in the minimum-price set meeting throughput and freshness (${per:.2f}/h per rollout/s, {fresh})"
 
 
-def others(line: WorkerDecision, jobs: list[JobProfile], cands: Candidates) -> tuple[tuple[str, Action, str], ...]:
-    """Why the worker of this line does not serve each running job other than its own."""
-    skipped = cands.skipped.get(line.worker_id, {})
+def others(
+    worker_id: str, job_id: str | None, jobs: list[JobProfile], cands: Candidates
+) -> tuple[tuple[str, Action, str], ...]:
+    """Why the worker, serving `job_id` or none, does not serve each running job other than its own."""
+    skipped = cands.skipped.get(worker_id, {})
     out = []
     for job in jobs:
-        if job.job_id == line.job_id:
+        if job.job_id == job_id:
             continue
         if job.job_id in skipped:
             out.append((job.job_id, Action.SKIP, skipped[job.job_id].reason))
-        elif line.job_id is not None:
-            out.append((job.job_id, Action.SKIP, f"serves job {line.job_id} (one job at a time)"))
+        elif job_id is not None:
+            out.append((job.job_id, Action.SKIP, f"serves job {job_id} (one job at a time)"))
         else:
             out.append((job.job_id, Action.IDLE, "qualifies but not needed (rule met by cheaper workers)"))
     return tuple(out)
@@ -65,7 +69,7 @@ def others(line: WorkerDecision, jobs: list[JobProfile], cands: Candidates) -> t
 
 def unassigned_lines(
     jobs: list[JobProfile],
-    workers: list[WorkerProfile],
+    workers: Sequence[WorkerProfile],
     state: SolverState,
     cands: Candidates,
     assignment: dict[str, str],
@@ -86,14 +90,12 @@ def unassigned_lines(
                 why = f"no longer qualifies: {reasons[before]}"
             else:
                 why = "a cheaper set meets the rule without it"
-            lines.append(WorkerDecision(wid, Action.DEACTIVATE, None, why))
+            action = Action.DEACTIVATE
         elif wid in candidates:
-            lines.append(
-                WorkerDecision(wid, Action.IDLE, None, "qualifies but not needed (rule met by cheaper workers)")
-            )
+            action, why = Action.IDLE, "qualifies but not needed (rule met by cheaper workers)"
         else:
             distinct = set(reasons.values())
             why = distinct.pop() if len(distinct) == 1 else "; ".join(f"{j}: {r}" for j, r in reasons.items())
-            why = why or "no running job"
-            lines.append(WorkerDecision(wid, Action.SKIP, None, why))
+            action, why = Action.SKIP, why or "no running job"
+        lines.append(WorkerDecision(wid, action, None, why, others(wid, None, jobs, cands)))
     return lines

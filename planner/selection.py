@@ -3,7 +3,11 @@ greedy by price/μ, the best partial set, a fair share among jobs of equal prior
 
 from __future__ import annotations
 
+from bisect import bisect_right
+from collections.abc import Sequence
 from dataclasses import dataclass
+from heapq import heappush, heappushpop
+from itertools import accumulate
 
 import numpy as np
 from scipy.optimize import Bounds, LinearConstraint, milp
@@ -39,7 +43,7 @@ class Candidates:
 
 
 def candidates(
-    jobs: list[JobProfile], workers: list[WorkerProfile], now: float, state: SolverState, config: SolverConfig
+    jobs: list[JobProfile], workers: Sequence[WorkerProfile], now: float, state: SolverState, config: SolverConfig
 ) -> Candidates:
     fresh: dict[str, list[Pair]] = {j.job_id: [] for j in jobs}
     stale: dict[str, list[Pair]] = {j.job_id: [] for j in jobs}
@@ -113,6 +117,51 @@ def _milp(pairs: list[Pair], demands: dict[str, float], config: SolverConfig) ->
     return chosen, "milp" if res.status == 0 else f"milp (best found: {res.message})"
 
 
+def _can_beat(pairs: list[Pair], demand: float, upper: float) -> list[Pair]:
+    """The pairs that can be in a set meeting `demand` for at most `upper` (LP reduced-cost fixing; exact).
+    The LP relaxation takes the best cost per rollout first; with λ its price of a rollout/s (the ratio of
+    the pair it takes in part) and L its bound, a set holding pair i costs at least L + cost_i − λ·μ_i.
+    On a large fleet most workers are priced far above λ: HiGHS's presolve alone took 15-32 s on the
+    ~7,700 candidates of 10,000 workers, against a 5 s time limit."""
+    locked = [p.locked for p in pairs]
+    mu = np.array([p.mu for p in pairs])
+    cost = np.array([p.cost for p in pairs])
+    need = demand - mu[locked].sum()
+    price, bound = 0.0, cost[locked].sum()
+    if need > 0:
+        free = np.flatnonzero(~np.array(locked, dtype=bool))
+        order = free[np.argsort(cost[free] / mu[free], kind="stable")]
+        covered = np.cumsum(mu[order])
+        k = int(np.searchsorted(covered, need))  # whole pairs order[:k], then part of order[k]
+        if k == len(order):
+            return pairs  # even every pair falls short: nothing to fix
+        price = cost[order[k]] / mu[order[k]]
+        bound += cost[order[:k]].sum() + (need - (covered[k - 1] if k else 0.0)) * price
+    keep = np.array(locked, dtype=bool) | (cost - price * mu <= upper - bound + 1e-9 * max(1.0, upper))
+    return [p for p, ok in zip(pairs, keep.tolist(), strict=True) if ok]
+
+
+def _undominated(pairs: list[Pair], upper: float) -> list[Pair]:
+    """Drops a pair that m others are at least as cheap and as fast as, m being the most pairs a set costing
+    at most `upper` can hold: such a set can swap it for one of them it lacks and cost no more, so the
+    cheapest set is still among the rest (the first m pairs dominating any pair are kept themselves)."""
+    cheapest = list(accumulate(sorted(p.cost for p in pairs)))
+    m = bisect_right(cheapest, upper * (1 + 1e-9))
+    if m == 0:
+        return pairs
+    fastest: list[float] = []  # the m largest μ among the pairs seen so far (a min-heap)
+    keep = [True] * len(pairs)
+    # cheapest first, then fastest: a pair can only be dominated by pairs before it, never by itself
+    for i in sorted(range(len(pairs)), key=lambda i: (pairs[i].cost, -pairs[i].mu, i)):
+        mu = pairs[i].mu
+        if len(fastest) == m:
+            keep[i] = pairs[i].locked or fastest[0] < mu
+            heappushpop(fastest, mu)
+        else:
+            heappush(fastest, mu)
+    return [p for p, ok in zip(pairs, keep, strict=True) if ok]
+
+
 def _best_partial(fresh: list[Pair], stale: list[Pair], demand: float) -> list[Pair]:
     """Every qualifying worker, then live near-misses closest to fresh until the demand is met."""
     chosen = list(fresh)
@@ -138,7 +187,9 @@ def _solve_job(job_id: str, fresh: list[Pair], stale: list[Pair], demand: float,
     greedy = _greedy(fresh, demand)
     if config.method == "greedy":
         return greedy, "greedy"
-    chosen, note = _milp(fresh, {job_id: demand}, config)
+    upper = sum(p.cost for p in greedy)
+    columns = _undominated(_can_beat(fresh, demand, upper), upper)
+    chosen, note = _milp(columns, {job_id: demand}, config)
     if chosen is None:
         return greedy, f"greedy (fallback: {note})"
     if sum(p.cost for p in greedy) < sum(p.cost for p in chosen) - TOL:  # MILP stopped early

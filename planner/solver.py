@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import replace
 
 from .capacity import (
     JobProfile,
@@ -53,6 +52,7 @@ from .decision import Action, Decision, JobAllocation, SolverConfig, SolverState
 from .explain import activate_reason, infeasible_reason, keep_note, others, unassigned_lines
 from .selection import TOL, Candidates, Pair, candidates, current_sets, lp_bound, select
 from .triggers import fingerprint, resolve_trigger
+from .workers import WorkerTable
 
 
 def decide(
@@ -64,14 +64,15 @@ def decide(
 ) -> Decision:
     """One reconcile step: keep the previous set, or re-solve it when a trigger fires.
 
-    `jobs` are the running jobs, `workers` every known worker (dead ones with alive=False);
+    `jobs` are the running jobs, `workers` every known worker (dead ones with alive=False), as a list or
+    as a WorkerTable the caller keeps across steps (planner/workers.py: cheaper on a large fleet);
     `state` is the previous decision's `state` (None the first time). Persist the returned
     `decision.state` and apply `decision.assignment` (worker_id -> job_id; absent: inactive).
     """
     config = config or SolverConfig()
     started = time.perf_counter()
     jobs = sort_jobs(jobs)
-    workers = list(workers)
+    workers = workers if isinstance(workers, WorkerTable) else WorkerTable(workers)
     trigger = resolve_trigger(jobs, workers, now, state, config)
     if trigger is None and state is not None:
         return _keep(jobs, workers, now, state, config, started)
@@ -114,16 +115,16 @@ def _allocation(
 
 def _keep(
     jobs: list[JobProfile],
-    workers: list[WorkerProfile],
+    workers: WorkerTable,
     now: float,
     state: SolverState,
     config: SolverConfig,
     started: float,
 ) -> Decision:
-    by_id = {w.worker_id: w for w in workers}
-    allocations = []
+    allocations, read = [], []
     for job in jobs:
-        assigned = [by_id[w] for w, j in sorted(state.assignment.items()) if j == job.job_id]
+        assigned = [workers.profile(w) for w, j in sorted(state.assignment.items()) if j == job.job_id]
+        read += assigned
         feasible = job.job_id not in state.infeasible_jobs
         reason = "meets the capacity rule" if feasible else "infeasible at the last solve"
         have = sum(q.mu for q in (qualify(w, job) for w in assigned) if q.ok)
@@ -141,13 +142,13 @@ def _keep(
     )
     return Decision(
         now, "none: inputs within tolerance", False, "kept", tuple(allocations), lines, new_state,
-        tuple(jobs), tuple(workers), time.perf_counter() - started,
+        tuple(jobs), tuple(read), time.perf_counter() - started,
     )  # fmt: skip
 
 
 def _record(
     jobs: list[JobProfile],
-    workers: list[WorkerProfile],
+    workers: WorkerTable,
     now: float,
     state: SolverState,
     config: SolverConfig,
@@ -186,13 +187,12 @@ def _record(
                 if why is None and notes[job.job_id].startswith("kept current set"):
                     why = notes[job.job_id]
                 why = why or ("still chosen" if p.q.ok else activate_reason(p, notes[job.job_id], rank))
-                lines.append(WorkerDecision(wid, Action.KEEP, job.job_id, why))
+                action = Action.KEEP
             else:
                 activated_at[wid] = now
-                why = activate_reason(p, notes[job.job_id], rank)
-                lines.append(WorkerDecision(wid, Action.ACTIVATE, job.job_id, why))
+                action, why = Action.ACTIVATE, activate_reason(p, notes[job.job_id], rank)
+            lines.append(WorkerDecision(wid, action, job.job_id, why, others(wid, job.job_id, jobs, cands)))
     lines += unassigned_lines(jobs, workers, state, cands, assignment)
-    lines = [replace(line, others=others(line, jobs, cands)) for line in lines]
     new_state = SolverState(
         assignment, activated_at, qualified, now, fingerprint(jobs, workers), infeasible
     )  # fmt: skip

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .capacity import JobProfile, WorkerProfile, qualify, required_throughput
+from .capacity import JobProfile, qualify, required_throughput
 from .decision import SolverConfig, SolverState
+from .workers import WorkerTable
 
 
-def fingerprint(jobs: Sequence[JobProfile], workers: Sequence[WorkerProfile]) -> dict:
+def fingerprint(jobs: Sequence[JobProfile], workers: WorkerTable) -> dict:
     return {
         "jobs": {j.job_id: (j.rollouts_per_step, j.t_train_s) for j in jobs},
-        "workers": {w.worker_id: (w.price_per_h, w.alive) for w in workers},
-        "mu": {f"{w.worker_id}|{j.job_id}": (w.perf_for(j.job_id).mu,) for w in workers for j in jobs},
+        "workers": workers.marks(),
+        "mu": {f"{w.worker_id}|{j.job_id}": (w.mu_for(j.job_id),) for w in workers for j in jobs},
     }
 
 
@@ -23,9 +24,25 @@ def _drifted(old: float, new: float, tolerance: float) -> bool:
     return old == 0 or abs(new - old) / abs(old) > tolerance
 
 
+def _fleet_change(workers: WorkerTable, marks: dict, state: SolverState) -> str | None:
+    """The first worker that joined, came back, or changed its price since the last solve."""
+    for w in workers:
+        prev = marks.get(w.worker_id)
+        if prev is None:
+            if w.alive:
+                return f"churn: {w.worker_id} joined"
+            continue
+        price, alive = prev
+        if w.alive and not alive:
+            return f"churn: {w.worker_id} back"
+        if w.price_per_h != price and (w.alive or w.worker_id in state.assignment):
+            return f"price change: {w.worker_id} ${price:.2f}→${w.price_per_h:.2f}/h"
+    return None
+
+
 def resolve_trigger(
     jobs: Sequence[JobProfile],
-    workers: Sequence[WorkerProfile],
+    workers: WorkerTable,
     now: float,
     state: SolverState | None,
     config: SolverConfig,
@@ -45,26 +62,16 @@ def resolve_trigger(
             return f"input change: {job.job_id} R {r}→{job.rollouts_per_step}"
         if _drifted(t_train, job.t_train_s, config.drift):
             return f"drift: {job.job_id} T_train {t_train:.1f}s→{job.t_train_s:.1f}s (> {config.drift:.0%})"
-    by_id = {w.worker_id: w for w in workers}
     for wid in sorted(state.assignment):
-        if wid not in by_id or not by_id[wid].alive:
+        if (worker := workers.get(wid)) is None or not worker.alive:
             return f"churn: {wid} lost"
-    for w in workers:
-        prev = old["workers"].get(w.worker_id)
-        if prev is None:
-            if w.alive:
-                return f"churn: {w.worker_id} joined"
-            continue
-        price, alive = prev
-        if w.alive and not alive:
-            return f"churn: {w.worker_id} back"
-        if w.price_per_h != price and (w.alive or w.worker_id in state.assignment):
-            return f"price change: {w.worker_id} ${price:.2f}→${w.price_per_h:.2f}/h"
+    if workers.marks_differ(old["workers"]) and (change := _fleet_change(workers, old["workers"], state)):
+        return change
     jobs_by_id = {j.job_id: j for j in jobs}
     for wid, job_id in sorted(state.assignment.items()):
-        worker, job = by_id[wid], jobs_by_id[job_id]
+        worker, job = workers.profile(wid), jobs_by_id[job_id]
         prev_mu = old["mu"].get(f"{wid}|{job_id}")
-        mu = worker.perf_for(job_id).mu
+        mu = worker.mu_for(job_id)
         if prev_mu is not None and _drifted(prev_mu[0], mu, config.drift):
             return f"drift: {wid} μ {prev_mu[0]:.3g}→{mu:.3g} (> {config.drift:.0%})"
         q = qualify(worker, job)
@@ -81,7 +88,7 @@ def resolve_trigger(
             if now - state.solved_at >= config.infeasible_retry_s:
                 return f"retry: {job.job_id} infeasible since t={state.solved_at:.0f}s"
             continue
-        assigned = [by_id[w] for w, j in state.assignment.items() if j == job.job_id]
+        assigned = [workers.profile(w) for w, j in state.assignment.items() if j == job.job_id]
         have = sum(q.mu for q in (qualify(w, job) for w in assigned) if q.ok)
         need = required_throughput(job)
         if have < need * (1 - config.drift):

@@ -7,7 +7,8 @@ everything ran):
   learner crashed or is being relaunched costs nothing meanwhile;
 - a worker accrues its active time (at most `pay_window_s` of it waiting to be paid), and is paid out
   of it only for rollouts that were worth something: trained, or accepted in time but then not
-  trained in time (RejectKind.stale_at_claim). Each such group buys 1 / (f · μ_a) seconds, where μ_a is the rate
+  trained through the platform's fault (RejectKind.fault() is platform: stale when claimed, an environment
+  or a reward that failed). Each such group buys 1 / (f · μ_a) seconds, where μ_a is the rate
   the worker was activated for and f = `pay_rate_fraction`: delivering at f · μ_a or better is paid in
   full, less is paid pro rata, nothing is paid nothing — however much a worker claims to be able to do.
   A quarantined or banned worker is paid nothing more.
@@ -98,7 +99,7 @@ def _worker_memo(paid: list[tuple[str, bool]], step: int | None, seconds: float,
     trained = sum(1 for _, was_trained in paid if was_trained)
     groups = f"{_groups(trained)} trained"
     if trained < len(paid):  # accepted in time, then not trained in time: the platform's loss, still paid
-        groups += f", {_groups(len(paid) - trained)} accepted but too stale to train when claimed"
+        groups += f", {_groups(len(paid) - trained)} accepted but not trained through the platform's fault"
     return f"{groups} (job step {step}), {seconds:.0f} s of active time at ${price:.2f}/h"
 
 

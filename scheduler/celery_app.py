@@ -1,4 +1,5 @@
-"""The Celery application: the reconcile tick (beat, default queue) and learner runs (queue `learner`).
+"""The Celery application: the reconcile tick (beat, default queue) and learner runs, each sent to the queue
+of the learner host the tick placed it on (scheduler/hosts.py `queue_of`), with its slots' GPU ids.
 
 The database is the source of truth; Redis only carries work. A tick is idempotent and guarded by a
 Redis lock so ticks never overlap. A learner run is acknowledged on receipt: if its host dies, the
@@ -16,8 +17,11 @@ from celery import Celery
 from api.db import Database
 from api.settings import Settings, get_settings
 
+from .hosts import queue_of
+from .placement import Placement
+
 log = logging.getLogger(__name__)
-LEARNER_QUEUE, DEFAULT_QUEUE = "learner", "echo2"
+DEFAULT_QUEUE = "echo2"
 
 
 def create_celery(settings: Settings) -> Celery:
@@ -26,7 +30,6 @@ def create_celery(settings: Settings) -> Celery:
     app = Celery("echo2", broker=settings.redis_url)
     app.conf.update(
         task_default_queue=DEFAULT_QUEUE,
-        task_routes={"echo2.run_learner": {"queue": LEARNER_QUEUE}},
         task_acks_late=True,
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
@@ -65,18 +68,21 @@ def _register(app: Celery, settings: Settings) -> None:
         finally:
             lock.release()
 
-    def launch(job_id: str, token: str) -> None:
+    def launch(job_id: str, token: str, placement: Placement) -> None:
         # argsrepr: what Celery's logs and events show of the task's arguments, never the token itself
-        run_learner.apply_async((job_id, token), argsrepr=repr((job_id, "<learner token>")))
+        devices = placement.devices or None
+        run_learner.apply_async((job_id, token, devices), queue=queue_of(placement.host),
+                                argsrepr=repr((job_id, "<learner token>", devices)))
 
     @app.task(name="echo2.run_learner", acks_late=False)
-    def run_learner(job_id: str, token: str) -> None:
-        """In this process, or as a torchrun group when the job asks for several GPUs (learner.launch)."""
+    def run_learner(job_id: str, token: str, devices: list[str] | None = None) -> None:
+        """On the GPUs `devices` of this host when given, in a child process that sees only those; else in
+        this process, or as a torchrun group when the job asks for several GPUs (learner.launch)."""
         from learner.launch import run_job
         from learner.loop import LearnerOptions
 
         options = LearnerOptions(work_dir=settings.data_dir / "learner", threads=settings.learner_threads)
-        run_job(settings.public_url, token, job_id, options)
+        run_job(settings.public_url, token, job_id, options, devices)
 
 
 def app_for_cli() -> Celery:

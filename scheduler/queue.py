@@ -1,8 +1,9 @@
 """Which jobs get a learner: slots on the learner hosts, the owners' quotas, and the queue's order.
 
-Each tick, jobs whose learner is alive keep their slot. The others that want one — queued jobs, and
+Each tick, jobs whose learner is alive keep their slots. The others that want one — queued jobs, and
 running jobs whose learner died (their relaunch goes first) — are taken by priority, then age, into
-the free slots, skipping a job whose owner is at their concurrent-jobs quota; each left waiting gets
+free slots on one host (placement.py: N slots for an N-GPU learner, GPUs that hold its memory need),
+skipping a job whose owner is at their concurrent-jobs quota; each left waiting gets
 its place in line and the reason in `status_reason`. An owner whose spending over the last 24 hours
 reached `max_usd_per_day` has their queued and running jobs paused (cause "quota") and queued again
 once the rolling day's spending falls below it.
@@ -10,9 +11,7 @@ once the rolling day's spending falls below it.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from echo2.protocol import JobStatus
@@ -22,24 +21,9 @@ from sqlalchemy.orm import Session
 from api.models import Job, LedgerEntry, User
 from api.services.jobs import pause_job, resume_job
 
+from .placement import Line, Placement
+
 DAY = timedelta(days=1)
-
-
-@dataclass
-class Line:
-    """The learner slots of one tick and who holds them."""
-
-    slots: int
-    used: int  # slots held: a learner over N GPUs (torchrun, one process a GPU) holds N
-    holders: Counter[str]  # owner id -> jobs holding slots
-
-    @property
-    def free(self) -> int:
-        return self.slots - self.used
-
-
-def slots_of(job: Job) -> int:
-    return max(1, int(job.spec.get("learner", {}).get("gpus", 0)))
 
 
 def apply_daily_quotas(db: Session, jobs: list[Job], now: datetime) -> None:
@@ -66,9 +50,9 @@ def spent_today(db: Session, owner_id: str, now: datetime) -> float:
                            .where(Job.owner_id == owner_id, LedgerEntry.created_at >= now - DAY)))
 
 
-def admit(db: Session, waiting: list[Job], line: Line, launch: Callable[[Job], bool]) -> None:
-    """Launch waiting jobs into free slots in order; number the rest and say what they wait for.
-    `launch` returns False when the job did not get a learner after all (it failed its crash loop)."""
+def admit(db: Session, waiting: list[Job], line: Line, launch: Callable[[Job, Placement], bool]) -> None:
+    """Launch waiting jobs into free slots in order (placement.py); number the rest and say what they wait
+    for. `launch` returns False when the job did not get a learner after all (it failed its crash loop)."""
     limits = dict(db.execute(select(User.id, User.max_concurrent_jobs).where(
         User.id.in_({j.owner_id for j in waiting}), User.max_concurrent_jobs.is_not(None))).all()) \
         if waiting else {}
@@ -78,12 +62,12 @@ def admit(db: Session, waiting: list[Job], line: Line, launch: Callable[[Job], b
         if limit is not None and line.holders[job.owner_id] >= limit:
             why = (f"your quota allows {limit} job{'s' if limit != 1 else ''} at a time "
                    f"({line.holders[job.owner_id]} running)")
-        elif line.free < slots_of(job):
-            why = _no_room(line, slots_of(job))
+        elif (placement := line.place(job)) is None:
+            why = line.why_not(job)
         else:
-            if launch(job):
+            if launch(job, placement):
                 line.holders[job.owner_id] += 1
-                line.used += slots_of(job)
+                line.take(placement)
                 if job.status == JobStatus.queued:
                     job.status_reason = "its learner is starting"
             job.queue_position = None
@@ -92,14 +76,6 @@ def admit(db: Session, waiting: list[Job], line: Line, launch: Callable[[Job], b
         job.queue_position = position
         if job.status == JobStatus.queued:
             job.status_reason = f"waiting for a learner, {_ordinal(position)} in line: {why}"
-
-
-def _no_room(line: Line, need: int) -> str:
-    if not line.slots:
-        return "no learner host is up (start one: echo2-server learner-host)"
-    if need > 1:
-        return f"its {need}-GPU learner needs {need} free learner slots ({line.free} of {line.slots} free)"
-    return f"every learner slot is busy ({line.used} of {line.slots})"
 
 
 def _order(job: Job) -> tuple[bool, int, datetime]:

@@ -14,7 +14,6 @@ back, and the tick goes on for the others (`Trouble`).
 from __future__ import annotations
 
 import logging
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -47,9 +46,10 @@ from planner.decision import Decision as PlanDecision
 from planner.solver import decide
 
 from . import billing, hosts, queue, relay_probe
+from .placement import Line, Placement
 
 log = logging.getLogger(__name__)
-Launcher = Callable[[str, str], None]  # (job id, learner token) -> enqueue its learner
+Launcher = Callable[[str, str, Placement], None]  # (job id, learner token, where) -> enqueue its learner
 MU_WINDOW_S = 60.0
 BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
 WORKER_FAULTS = [k for k in RejectKind if k.fault() is Fault.worker]
@@ -60,16 +60,23 @@ UNPAUSED = (JobStatus.queued, JobStatus.running)
 
 
 @dataclass
+class Launch:
+    job_id: str
+    token: str
+    placement: Placement
+
+
+@dataclass
 class TickReport:
     offline: int = 0
     prompts_returned: int = 0
-    launched: list[tuple[str, str]] | None = field(default=None, repr=False)  # (job id, learner token)
+    launched: list[Launch] | None = field(default=None, repr=False)
     activated: int = 0
     deactivated: int = 0
 
     def __str__(self) -> str:
         """What the scheduler logs: the jobs launched, never their learner tokens."""
-        jobs = [job_id for job_id, _ in self.launched or []]
+        jobs = [launch.job_id for launch in self.launched or []]
         return (f"offline={self.offline} prompts_returned={self.prompts_returned} launched={jobs} "
                 f"activated={self.activated} deactivated={self.deactivated}")
 
@@ -96,8 +103,8 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
     report.activated, report.deactivated = _activate(db, settings, now, trouble)
     trouble.settle()
     db.commit()
-    for job_id, token in report.launched:  # enqueue only after the launch is recorded
-        launch(job_id, token)
+    for one in report.launched:  # enqueue only after the launch is recorded
+        launch(one.job_id, one.token, one.placement)
     return report
 
 
@@ -157,18 +164,20 @@ class Trouble:
         _put_state(self.db, "trouble", self.failed)
 
 
-def _launch(db: Session, settings: Settings, jobs: list[Job], now: datetime) -> list[tuple[str, str]]:
-    """Learners for the jobs that need one, into the free learner slots (scheduler/queue.py)."""
+def _launch(db: Session, settings: Settings, jobs: list[Job], now: datetime) -> list[Launch]:
+    """Learners for the jobs that need one, into free learner slots (scheduler/queue.py, placement.py)."""
     alive = [j for j in jobs if j.learner_launched_at is not None and not _learner_needed(j, settings, now)]
-    line = queue.Line(hosts.live_slots(db, now, settings.learner_dead_after_s), sum(map(queue.slots_of, alive)),
-                      Counter(j.owner_id for j in alive))
-    launched: list[tuple[str, str]] = []
+    line = Line.of(hosts.live_hosts(db, now, settings.learner_dead_after_s))
+    for job in alive:
+        line.hold(job)
+    launched: list[Launch] = []
 
-    def launch(job: Job) -> bool:
+    def launch(job: Job, placement: Placement) -> bool:
         if _crash_loop(db, job, settings):
             return False
         job.learner_launched_at, job.learner_launches = now, job.learner_launches + 1
-        launched.append((job.id, issue_learner_token(db, job)))
+        job.learner_placement = placement.as_dict()
+        launched.append(Launch(job.id, issue_learner_token(db, job), placement))
         return True
 
     queue.admit(db, [j for j in jobs if j not in alive and j.status in UNPAUSED], line, launch)
@@ -352,8 +361,9 @@ def _delivered(db: Session, worker_id: str, since: datetime) -> tuple[int, float
 
 
 def _t_bcast(db: Session, worker: Worker) -> float:
-    """Seconds from a version's announcement until this worker reported holding it, as the control
-    plane saw it (mean of its last few versions); the worker's own download time until then."""
+    """Seconds from a version's announcement until this worker held it (proved it, for a version with
+    probes), as the control plane saw it (mean of its last few versions); the worker's own download time
+    until then."""
     seen = db.execute(select(VersionHold.held_at, WeightVersion.created_at)
                       .join(WeightVersion, and_(WeightVersion.job_id == VersionHold.job_id,
                                                 WeightVersion.version == VersionHold.version))

@@ -30,9 +30,11 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("simulate", help="simulate a deployment from a scenario TOML (see `simulate --help`)",
                    add_help=False)
     sub.add_parser("scheduler", help="run the scheduler: Celery worker with embedded beat (reconcile ticks)")
-    host = sub.add_parser("learner-host", help="run a learner host: a Celery worker on the queue `learner`")
-    host.add_argument("--slots", type=int, help="learners run at once on this host (default: one per GPU; "
-                      "without CUDA, one per two CPU cores)")
+    host = sub.add_parser("learner-host", help="run a learner host: a Celery worker on its own queue, a learner "
+                          "slot a GPU (CUDA_VISIBLE_DEVICES picks them)")
+    host.add_argument("--slots", type=int, help="learner slots on this host: with GPUs, a slot is a GPU (default "
+                      "all of them; N: the first N, at most all); without CUDA, CPU slots (default one per two "
+                      "CPU cores)")
     for name, text in (("up", "run everything locally: Redis, API, scheduler, learner host, Tinker host, N CPU "
                                "workers"),
                        ("demo", "`up`, then train the demo job and follow it live (exit 0 if it succeeded)")):
@@ -62,7 +64,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["simulate"]:  # the simulator owns its arguments (scenario file, method, ...)
-        from scheduler.cli import simulate_main
+        from planner.sim.cli import simulate_main
 
         return simulate_main(argv[1:])
     args = _parser().parse_args(argv)
@@ -118,7 +120,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def _celery(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     from echo2 import logs
 
-    from scheduler.celery_app import DEFAULT_QUEUE, LEARNER_QUEUE, create_celery
+    from scheduler.celery_app import DEFAULT_QUEUE, create_celery
 
     logs.configure(settings.log_format, settings.log_level)  # Celery keeps a root logger it finds configured
     app = create_celery(settings)
@@ -128,21 +130,28 @@ def _celery(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyp
         app.worker_main(["worker", "-B", "-s", str(schedule), "-Q", DEFAULT_QUEUE, "-n", "scheduler@%h",
                          "--concurrency", "1", *options])
         return 0
-    return _learner_host(settings, app, args.slots, ["worker", "-Q", LEARNER_QUEUE, "-n", "learner-host@%h", *options])
+    return _learner_host(settings, app, args.slots, ["worker", "-n", "learner-host@%h", *options])
 
 
 def _learner_host(settings, app, slots: int | None, argv: list[str]) -> int:  # type: ignore[no-untyped-def]
-    """A Celery worker with one process a slot, registered with its slots while it runs (scheduler/hosts.py)."""
+    """A Celery worker on its own queue with one process a slot, registered with its slots and their GPUs
+    while it runs (scheduler/hosts.py)."""
     import threading
 
     from api.db import Database
     from scheduler import hosts
 
-    slots = slots or hosts.default_slots()
-    database, stop, name = Database(settings.database_url), threading.Event(), hosts.host_name()
-    hosts.keep_registered(database, name, slots, stop)
     try:
-        app.worker_main([*argv, "--concurrency", str(slots)])
+        slots, gpus = hosts.describe(slots, hosts.probe_gpus())
+    except ValueError as exc:
+        raise SystemExit(f"echo2-server learner-host: {exc}") from None
+    database, stop, name = Database(settings.database_url), threading.Event(), hosts.host_name()
+    hosts.keep_registered(database, name, slots, stop, gpus)
+    print(f"learner host {name}: {slots} slot(s)"
+          + "".join(f"\n  slot {i}: GPU {g['id']} {g['name']}, {g['memory_gib']} GiB" for i, g in enumerate(gpus)),
+          flush=True)
+    try:
+        app.worker_main([*argv, "-Q", hosts.queue_of(name), "--concurrency", str(slots)])
     finally:
         stop.set()
         with database.session() as db:  # its slots are gone at once, not after the silence timeout

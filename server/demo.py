@@ -36,11 +36,8 @@ def demo_spec(model: str, steps: int | None, staleness: int) -> dict[str, Any]:
 
 # A real instruct model on a task it half knows: two-digit addition asked as a question (8,100 problems,
 # 20 % of them held out), gentle updates, 8 prompts a step on CPU; bench/smollm2_learns.py measures it.
-# Published in float32: SmolLM2 ships in bf16, so its weights sit on the bf16 grid, and an update of
-# lr 2e-6 a step moves the published bf16 weights only once it passes half a bf16 step (tens of steps):
-# the policy workers sample stayed frozen and the reward did not rise in 34 steps (docs/BENCHMARKS.md).
+# Versions are the default: bf16 (SmolLM2's own dtype), which the learner computes on (learner/rounding.py).
 SMOLLM2_TWO_DIGIT: dict[str, Any] = {
-    "weights": {"dtype": "float32"},
     "task": {"name": "arithmetic", "params": {"min_operand": 10, "max_operand": 99, "style": "question"}},
     "eval": {"size": 100, "every": 10},
     "grpo": {"group_size": 8, "prompts_per_step": 8, "max_new_tokens": 16, "lr": 2e-6, "temperature": 1.0,

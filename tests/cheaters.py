@@ -51,7 +51,7 @@ class Cheater(RolloutDriver):
         if self._refresh(version):
             self._load_sampler(folder)
             self.sampling_version = version
-        self.held = version
+        self.held, self.files = version, manifest.target_files()  # it holds the claimed version: it proves it
 
     def _refresh(self, version: int) -> bool:
         if self.sampling_version is None or self.cheat not in ("stale", "stale3"):

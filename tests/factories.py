@@ -9,7 +9,8 @@ from typing import Any
 
 import httpx
 from echo2.deltas import Folder, build_delta, file_refs
-from echo2.protocol import Manifest
+from echo2.possession import draw_probes
+from echo2.protocol import Manifest, Probe
 from echo2.snapshots import build_manifest, iter_stream
 
 from api.models import Job, Worker, utcnow
@@ -77,13 +78,17 @@ def step_report(step: int, ids: list[str], **fields: Any) -> dict[str, Any]:
 
 
 def publish(learner: httpx.Client, job_id: str, folder: Path, version: int, step: int,
-            chunk_size: int = 64 * 1024) -> dict[str, Any]:
-    return publish_forms(learner, job_id, [(folder, build_manifest(folder, version, step, chunk_size))])
+            chunk_size: int = 64 * 1024, probes: bool = False) -> dict[str, Any]:
+    """Publish `folder` in full; with `probes`, as the learner does (workers must prove they hold it)."""
+    manifest = build_manifest(folder, version, step, chunk_size)
+    return publish_forms(learner, job_id, [(folder, manifest)],
+                         draw_probes(folder, manifest.target_files()) if probes else [])
 
 
-def publish_forms(learner: httpx.Client, job_id: str, forms: list[tuple[Path, Manifest]]) -> dict[str, Any]:
+def publish_forms(learner: httpx.Client, job_id: str, forms: list[tuple[Path, Manifest]],
+                  probes: list[Probe] | None = None) -> dict[str, Any]:
     """Upload each form's chunks (a full folder, or a delta's payload folder), then publish them together."""
-    body: dict[str, Any] = {}
+    body: dict[str, Any] = {"probes": [p.model_dump() for p in probes or []]}
     for folder, manifest in forms:
         base = f"/v1/jobs/{job_id}/versions/{manifest.version}" + ("/delta" if manifest.delta else "")
         for info, data in zip(manifest.chunks, iter_stream(folder, manifest.files, manifest.chunk_size), strict=True):
@@ -138,11 +143,12 @@ def fake_model_folder(root: Path, seed: int = 0) -> Path:
     return root
 
 
-def running_job(api: Api, user: httpx.Client, folder: Path, **overrides: Any) -> tuple[dict[str, Any], httpx.Client]:
-    """A job whose learner has started and published version 0."""
+def running_job(api: Api, user: httpx.Client, folder: Path, *, probes: bool = False,
+                **overrides: Any) -> tuple[dict[str, Any], httpx.Client]:
+    """A job whose learner has started and published version 0 (with `probes`, as the learner does)."""
     job = new_job(user, **overrides)
     learner = start_learner(api, job["id"])
-    publish(learner, job["id"], folder, version=0, step=0)
+    publish(learner, job["id"], folder, version=0, step=0, probes=probes)
     return job, learner
 
 
@@ -212,7 +218,7 @@ def run_tick(api: Api, now: Any = None, slots: int = TEST_SLOTS) -> tuple[TickRe
         hosts.register(s, "test-learner-host", slots, now)
         s.commit()
     with api.db.session() as s:
-        report = tick(s, api.server.settings, lambda job, token: launched.append((job, token)), now=now)
+        report = tick(s, api.server.settings, lambda job, token, _: launched.append((job, token)), now=now)
     return report, launched
 
 
@@ -250,3 +256,43 @@ def paid_job(api: Api, folder: Path, workers: list[tuple[str, httpx.Client]],
     run_tick(api, now=now)
     run_tick(api, now=now + timedelta(seconds=2))
     return job["id"], owner
+
+
+def traced_step(api: Api, model_dir: Path) -> tuple[str, list[str], httpx.Client, str]:
+    """A job on the tiny model whose step 0 trained two groups of a worker, the first audited and traced (the
+    learner's logprobs beside the worker's), the second with learner logprobs that do not fit; the worker paid.
+    Returns (job id, rollout ids, the owner's client, the owner's key)."""
+    _, alice = new_user(api)
+    key = alice.headers["Authorization"].removeprefix("Bearer ")
+    job, learner = running_job(api, alice, model_dir, staleness=1, max_steps=3, learner={"price_per_hour": 1.0},
+                               grpo={"group_size": 2, "max_new_tokens": 3})
+    jid = job["id"]
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, name="traced-worker")
+    activate(api, wid, jid)
+    lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 2, "version": 0}), 201)
+    ids = []
+    for p in lease["prompts"]:
+        samples = [{"token_ids": [72, 15, 33], "logprobs": [-0.5, -1.0, -0.25], "finish_reason": "length"},
+                   {"token_ids": [52, 0], "logprobs": [-0.1, -2.0], "finish_reason": "stop"}]  # 0: end of text
+        group = {"prompt_id": p["prompt_id"], "version": 0, "prompt_token_ids": [1, 2, 3], "samples": samples}
+        result = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
+        assert result["status"] == "accepted", result
+        ids.append(result["rollout_id"])
+    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 10}))
+    report = step_report(0, ids, audits=[{"rollout_id": ids[0], "passed": True, "stats": {"tokens": 5.0}}])
+    report["rewards"] = [{"rollout_id": ids[0], "rewards": [1.0, 0.0],
+                          "learner_logprobs": [[-0.5, -0.75, -0.25], [-0.1, -1.5]]},
+                         {"rollout_id": ids[1], "rewards": [0.0, 0.0],
+                          "learner_logprobs": [[-0.5], [-0.1, -2.0]]}]  # does not fit: not kept
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
+    now = utcnow()
+    with api.db.session() as s:  # the scheduler pays the worker for its trained groups
+        w = s.get_one(Worker, wid)
+        w.status, w.desired, w.price_per_hour, w.activated_mu = "active", "active", 3600.0, 1.0
+        s.get_one(Job, jid).learner_heartbeat_at = now
+        s.commit()
+    run_tick(api, now=now)
+    run_tick(api, now=now + timedelta(seconds=2))
+
+    return jid, ids, alice, key

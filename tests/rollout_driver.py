@@ -1,6 +1,7 @@
 """A rollout producer for learner tests: the real transformers backend generating from versions fetched
-over HTTP, leasing and submitting through the real API. `lag` makes it deliberately hold a version up
-to `lag` steps older than the newest (still admissible), to exercise bounded staleness."""
+over HTTP, leasing and submitting through the real API, proving it holds each version as a worker does
+(echo2.possession). `lag` makes it deliberately hold a version up to `lag` steps older than the newest
+(still admissible), to exercise bounded staleness."""
 
 from __future__ import annotations
 
@@ -11,8 +12,9 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from echo2.possession import answer
 from echo2.prompting import encode_prompt
-from echo2.protocol import HeartbeatReply, LeaseRead, Manifest
+from echo2.protocol import FileRef, HeartbeatReply, LeaseRead, Manifest, Proof
 from echo2.seeds import sample_seed
 from echo2.snapshots import assemble
 from echo2_worker.backends.base import GenRequest
@@ -33,6 +35,8 @@ class RolloutDriver:
         self.backend = TransformersBackend(device="cpu")
         self.tokenizer: Any = None
         self.held: int | None = None
+        self.files: list[FileRef] = []  # of the held version, for possession challenges
+        self.proofs: list[Proof] = []  # answers to the last reply's challenges, sent with the next heartbeat
         self.versions_used: list[int] = []
         self.error: BaseException | None = None
         self._stop = threading.Event()
@@ -63,12 +67,15 @@ class RolloutDriver:
             self.error = exc
 
     def _iteration(self) -> None:
+        proofs = [p.model_dump() for p in self.proofs]
         reply = HeartbeatReply.model_validate(self._post(f"/v1/workers/{self.worker_id}/heartbeat",
-                                                         {"version_held": self.held}))
+                                                         {"version_held": self.held, "proofs": proofs}))
         if reply.desired.value != "active" or reply.assignment is None:
             time.sleep(0.2)
             return
         a = reply.assignment
+        self.proofs = [answer(self.work_dir / f"v{c.version}", self.files, c) for c in a.challenges
+                       if c.version == self.held]
         if a.version < a.min_version:  # the next version is still being published
             time.sleep(0.05)
             return
@@ -87,7 +94,7 @@ class RolloutDriver:
             self.tokenizer = AutoTokenizer.from_pretrained(folder)
         else:
             self.backend.reload(folder)
-        self.held = version
+        self.held, self.files = version, manifest.target_files()
 
     def _one_lease(self, job_id: str) -> None:
         r = self.http.post("/v1/leases", json={"job_id": job_id, "max_prompts": self.per_lease, "version": self.held})

@@ -46,3 +46,14 @@ def test_uses_only_public_sdk_modules(package):
     private = [(f, m) for f, m in imported(folder) if m.split(".")[0] == "echo2"
                and any(part.startswith("_") and not part.endswith("__") for part in m.split(".")[1:])]
     assert private == [], "a private SDK module changes without notice; use its public name"
+
+
+IMPURE = {"sqlalchemy", "celery", "redis", "fastapi", "starlette", "uvicorn", "httpx", "requests", "torch"}
+
+
+def test_planner_and_its_simulator_are_pure():
+    """planner/ (the rules, the solver and the simulator that drives them) takes plain data and returns
+    plain data: no database, queue, web or model library, so the control plane, the scheduler and the
+    simulator all run the same code."""
+    wrong = [(f, m) for f, m in imported("planner") if m.split(".")[0] in IMPURE]
+    assert wrong == [], "planner/ stays pure maths"

@@ -67,6 +67,10 @@ def _router(templates: Jinja2Templates) -> APIRouter:
     def job(request: Request, job_id: IdPath) -> HTMLResponse:
         return page(request, "job.html", "Job", job_id=job_id)
 
+    @router.get("/jobs/{job_id}/steps/{step}")
+    def trace(request: Request, job_id: IdPath, step: Annotated[int, PathParam(ge=0, le=10_000_000)]) -> HTMLResponse:
+        return page(request, "trace.html", "Rollout traces", job_id=job_id, step=str(step))
+
     @router.get("/workers")
     def workers(request: Request) -> HTMLResponse:
         return page(request, "workers.html", "Workers")

@@ -1,41 +1,106 @@
-"""Datasets: prompt items a user uploads once and reuses across jobs."""
+"""Datasets: prompt items a user uploads once and reuses across jobs: as JSON, as a JSONL file in one request,
+or as a JSONL file of any size in resumable parts (api/services/uploads.py)."""
 
 from __future__ import annotations
 
-import json
-from typing import Annotated, Any
+from collections.abc import Iterator
+from typing import Annotated
 
-from echo2.protocol import DatasetCreate, DatasetItems, DatasetRead, Page
-from echo2.protocol.datasets import Item
-from fastapi import APIRouter, File, Form, Query, UploadFile
-from pydantic import TypeAdapter, ValidationError
-from sqlalchemy import delete, func, insert, select
+from echo2.protocol import DatasetCreate, DatasetItems, DatasetRead, Page, UploadCreate, UploadRead
+from echo2.protocol.datasets import item_problem
+from fastapi import APIRouter, Body, File, Form, Header, Path, Query, UploadFile
+from sqlalchemy import delete, func, select
 
-from ..deps import CurrentUser, SessionDep
+from ..deps import CurrentUser, SessionDep, SettingsDep
 from ..errors import ApiError
-from ..models import Dataset, DatasetItem, User
+from ..models import Dataset, DatasetItem, DatasetUpload, User
+from ..services import uploads
 
 router = APIRouter(prefix="/v1", tags=["datasets"])
-_item = TypeAdapter(Item)
-MAX_ITEMS = 100_000
+UploadPath = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 
 
 @router.post("/datasets", status_code=201, operation_id="create_dataset", summary="Create a dataset from JSON items")
 def create_dataset(body: DatasetCreate, user: CurrentUser, db: SessionDep) -> DatasetRead:
-    dataset = _store(db, user, body.name, body.items)
+    for i, item in enumerate(body.items):
+        if problem := item_problem(item):
+            raise ApiError(422, f"item {i}: {problem}", field=f"items.{i}")
+    items = [{k: [t.model_dump(mode="json") for t in v] if isinstance(v, list) else v for k, v in item.items()}
+             for item in body.items]
+    dataset = uploads.store(db, user, body.name, items)
     db.commit()
     return _read(dataset)
 
 
 @router.post("/datasets/upload", status_code=201, operation_id="upload_dataset",
-             summary="Create a dataset from an uploaded JSONL file (one JSON object per line)")
+             summary="Create a dataset from an uploaded JSONL file (one JSON object per line) of at most "
+                     "ECHO2_MAX_BODY_BYTES; every bad line is named with its number",
+             description="Larger files go in parts: POST /v1/datasets/uploads.")
 def upload_dataset(user: CurrentUser, db: SessionDep,
                    file: Annotated[UploadFile, File(description="JSONL: one JSON object per line.")],
                    name: Annotated[str, Form(min_length=1, max_length=128, pattern=r"^[^\x00]+$")]) -> DatasetRead:
-    items = _parse_jsonl(file)
-    dataset = _store(db, user, name, items)
+    items = uploads.parse(_read_blocks(file))
+    dataset = uploads.store(db, user, name, items)
     db.commit()
     return _read(dataset)
+
+
+def _read_blocks(file: UploadFile) -> Iterator[bytes]:
+    while block := file.file.read(1 << 20):
+        yield block
+
+
+@router.post("/datasets/uploads", operation_id="start_dataset_upload",
+             summary="Start the upload of a JSONL file of any size in parts, or resume it (the same name, size and "
+                     "sha256): the answer lists the parts already received")
+def start_upload(body: UploadCreate, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> UploadRead:
+    upload = uploads.start(db, user, body)
+    db.commit()
+    return uploads.read(settings, upload)
+
+
+@router.get("/datasets/uploads/{upload_id}", operation_id="get_dataset_upload",
+            summary="An upload in progress: which parts the control plane holds")
+def get_upload(upload_id: UploadPath, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> UploadRead:
+    return uploads.read(settings, _upload(db, user, upload_id))
+
+
+@router.put("/datasets/uploads/{upload_id}/parts/{index}", status_code=204, operation_id="put_dataset_upload_part",
+            summary="Send one part (part_size bytes, the last one the rest); its sha256 must match; a repeat "
+                    "replaces it")
+def put_part(upload_id: UploadPath, index: Annotated[int, Path(ge=0, le=1_000_000)], user: CurrentUser,
+             db: SessionDep, settings: SettingsDep,
+             body: Annotated[bytes, Body(media_type="application/octet-stream")],
+             sha256: Annotated[str, Header(alias="X-Echo2-Sha256", pattern=r"^[0-9a-f]{64}$")]) -> None:
+    upload = _upload(db, user, upload_id)
+    db.commit()  # no transaction held while the part is written
+    uploads.put_part(settings, upload, index, body, sha256)
+
+
+@router.post("/datasets/uploads/{upload_id}/complete", status_code=201, operation_id="complete_dataset_upload",
+             summary="Check the whole file against its sha256, parse it (every bad line named with its number) and "
+                     "create the dataset",
+             responses={409: {"description": "Parts are missing."}})
+def complete_upload(upload_id: UploadPath, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> DatasetRead:
+    dataset = uploads.complete(db, user, settings, _upload(db, user, upload_id, for_update=True))
+    db.commit()
+    return _read(dataset)
+
+
+@router.delete("/datasets/uploads/{upload_id}", status_code=204, operation_id="abandon_dataset_upload",
+               summary="Abandon an upload and drop the parts received")
+def abandon_upload(upload_id: UploadPath, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> None:
+    upload = _upload(db, user, upload_id)
+    db.delete(upload)
+    db.commit()
+    uploads.discard(settings, upload_id)
+
+
+def _upload(db: SessionDep, user: User, upload_id: str, for_update: bool = False) -> DatasetUpload:
+    upload = db.get(DatasetUpload, upload_id, with_for_update=for_update)
+    if upload is None or upload.owner_id != user.id:
+        raise ApiError(404, f"upload {upload_id} not found")
+    return upload
 
 
 @router.get("/datasets", operation_id="list_datasets", summary="List your datasets")
@@ -76,35 +141,6 @@ def _owned(db: SessionDep, user: User, dataset_id: str) -> Dataset:
     dataset = db.get(Dataset, dataset_id)
     if dataset is None or (dataset.owner_id != user.id and user.role != "admin"):
         raise ApiError(404, f"dataset {dataset_id} not found")
-    return dataset
-
-
-def _parse_jsonl(file: UploadFile) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
-    for lineno, raw in enumerate(file.file, start=1):
-        line = raw.strip()
-        if not line:
-            continue
-        if len(items) >= MAX_ITEMS:
-            raise ApiError(422, f"more than {MAX_ITEMS} items", field="file")
-        try:
-            items.append(_item.validate_python(json.loads(line)))
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise ApiError(422, f"line {lineno}: not valid JSON ({exc})", field="file") from None
-        except ValidationError as exc:
-            err = exc.errors()[0]
-            raise ApiError(422, f"line {lineno}: {err['msg']} at {err['loc']}", field="file") from None
-    if not items:
-        raise ApiError(422, "the file has no items", field="file")
-    return items
-
-
-def _store(db: SessionDep, user: User, name: str, items: list[dict[str, Any]]) -> Dataset:
-    keys = sorted({k for item in items for k in item})[:64]
-    dataset = Dataset(owner_id=user.id, name=name, num_items=len(items), keys=keys)
-    db.add(dataset)
-    db.flush()
-    db.execute(insert(DatasetItem), [{"dataset_id": dataset.id, "index": i, "data": it} for i, it in enumerate(items)])
     return dataset
 
 

@@ -100,6 +100,18 @@ def cancel_job(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, 
     return svc.job_read(job)
 
 
+@router.post("/jobs/{job_id}/resume", operation_id="resume_job",
+             summary="Resume a job its task paused (paused_for `reward`): queued again, its learner resumes from its "
+                     "checkpoint",
+             responses={409: {"description": "The job is not paused, or paused by its budget or quota (raise the "
+                                             "budget; a quota resumes by itself)."}})
+def resume_job(job_id: str, user: CurrentUser, db: SessionDep) -> JobRead:
+    job = owned_job(db, user, job_id, for_update=True)
+    svc.resume_by_owner(job)
+    db.commit()
+    return svc.job_read(job)
+
+
 @router.get("/jobs/{job_id}/prompts", operation_id="list_job_prompts", summary="A job's prompts and their state")
 def list_prompts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 50, offset: Offset = 0,
                  held_out: Annotated[bool, Query(description="The held-out prompts (state `eval`, never trained "

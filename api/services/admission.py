@@ -316,6 +316,7 @@ def claimed_groups(db: Session, rows: list[Rollout], audit: Callable[[Rollout], 
     """Rollouts as the learner gets them: with their prompt and reference (trusted side only)."""
     prompts = {p.id: p for p in db.scalars(select(Prompt).where(Prompt.id.in_([r.prompt_id for r in rows])))}
     return [ClaimedGroup(rollout_id=r.id, prompt_id=r.prompt_id, prompt_text=prompts[r.prompt_id].text,
+                         prompt_context=prompts[r.prompt_id].context,
                          reference=prompts[r.prompt_id].reference, version=r.version, worker_id=r.worker_id,
                          prompt_token_ids=r.prompt_token_ids, samples=r.samples, rewards=r.rewards,
                          audit=audit(r), seed=r.seed, precision=r.precision or Precision.float32)

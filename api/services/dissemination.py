@@ -1,5 +1,6 @@
 """How fast each weight version reached the workers: from announcement to the last targeted worker's
-first report of holding it (recorded by the heartbeat route in `version_holds`)."""
+first report of holding it, or its proof for a version with probes (recorded by the heartbeat route in
+`version_holds`: services/possession.py)."""
 
 from __future__ import annotations
 

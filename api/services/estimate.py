@@ -33,6 +33,7 @@ from echo2.protocol import (
     JobEstimate,
     JobSpec,
     JobStatus,
+    LearnerMemory,
     LeaseStatus,
     RejectKind,
     RolloutStatus,
@@ -48,6 +49,7 @@ from planner.solver import decide
 
 from ..models import Job, Lease, LedgerEntry, Rollout, StepMetric, VersionHold, WeightVersion, Worker, utcnow
 from ..settings import Settings
+from .memory import computes_on_gpu, judge, shape_of
 
 DEFAULT_MU = 1.0  # groups/s for a worker neither measured nor claiming a rate, as the scheduler's trial counts it
 SIMILAR = 2.0  # "like it": samples per step and max_new_tokens within this factor
@@ -139,6 +141,8 @@ def estimate(db: Session, spec: JobSpec, settings: Settings, now: datetime | Non
         learner_price_per_hour=learner_price, workers_price_per_hour=workers_price, learner_usd=learner_usd,
         workers_usd=workers_usd, cost_usd=learner_usd + workers_usd, assumptions=[])
     out.assumptions = _assumptions(spec, learner, out, len(workers), allocation.reason)
+    out.learner_memory, _ = judge(db, spec, shape_of(spec.base_model, settings))
+    out.assumptions.append(_memory_words(spec, out.learner_memory))
     return out
 
 
@@ -308,3 +312,18 @@ def _assumptions(spec: JobSpec, learner: _Learner, e: JobEstimate, live: int, re
         steps = round(spec.max_steps * spec.budget_usd / e.cost_usd)
         out.append(f"the budget of ${spec.budget_usd:.2f} is spent after about {steps} of {spec.max_steps} steps")
     return out
+
+
+def _memory_words(spec: JobSpec, m: LearnerMemory | None) -> str:
+    if m is None:
+        return (f"its learner's memory is not estimated: the config of {spec.base_model} is not at hand on the "
+                "control plane (a built-in, a folder it sees, or the Hugging Face cache)")
+    words = (f"each of its {m.gpus} learner GPU(s) needs about {m.per_gpu_gib:g} GiB (weights {m.weights_gib:g}, "
+             f"gradients {m.gradients_gib:g}, AdamW {m.optimizer_gib:g}, reference {m.reference_gib:g}, FSDP gathers "
+             f"{m.gathered_gib:g}, activations {m.activations_gib:g}, runtime {m.runtime_gib:g} GiB; {m.source})")
+    if m.fits is not None:
+        return words + f"; the largest registered learner host's GPUs hold {m.largest_gpu_gib:g} GiB"
+    if computes_on_gpu(spec):
+        return words + ("; no learner host with GPUs is registered yet, so whether one can hold it is not known: "
+                        "it waits in line until one that can is up")
+    return words + " when it runs on a GPU (on a CPU learner host, in its memory)"

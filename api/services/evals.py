@@ -39,7 +39,7 @@ def split_items(items: list[Any], spec: JobSpec) -> tuple[list[Any], list[Any]]:
 
 def prompts(db: Session, job_id: str) -> list[EvalPrompt]:
     rows = db.scalars(select(Prompt).where(Prompt.job_id == job_id, Prompt.state == EVAL).order_by(Prompt.index))
-    return [EvalPrompt(id=p.id, text=p.text, reference=p.reference) for p in rows]
+    return [EvalPrompt(id=p.id, text=p.text, context=p.context, reference=p.reference) for p in rows]
 
 
 def record(db: Session, job: Job, report: EvalReport) -> EvalRead:

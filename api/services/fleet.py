@@ -6,7 +6,7 @@ import hashlib
 import hmac
 from collections.abc import Callable
 
-from echo2.protocol import Assignment, DesiredState, JobStatus, LeaseStatus, WorkerStatus
+from echo2.protocol import Assignment, Challenge, DesiredState, JobStatus, LeaseStatus, WorkerStatus
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -30,9 +30,10 @@ def unassign(db: Session, worker: Worker, desired: DesiredState = DesiredState.i
     worker.job_id, worker.desired, worker.active_since = None, desired, None
 
 
-def assignment_for(db: Session, job: Job, settings: Settings) -> Callable[[list[str], set[int]], Assignment] | None:
-    """What every worker active on `job` is told, given its relay parents and the versions it holds;
-    None before version 0."""
+def assignment_for(db: Session, job: Job,
+                   settings: Settings) -> Callable[[list[str], set[int], list[Challenge]], Assignment] | None:
+    """What every worker active on `job` is told, given its relay parents, the versions it holds and those
+    it must prove it holds (services/possession.py); None before version 0."""
     if job.status != JobStatus.running or job.version is None:
         return None
     spec, target = spec_of(job), job.version
@@ -40,8 +41,9 @@ def assignment_for(db: Session, job: Job, settings: Settings) -> Callable[[list[
     fields = dict(job_id=job.id, version=target, min_version=spec.oldest_admissible(job.step),
                   staleness=spec.staleness, sampling=sampling_of(spec), relay_key=relay_key(job, target),
                   lora_rank=spec.lora.rank if spec.lora else None)
-    return lambda parents, held: Assignment(relay_parents=parents,
-                                            fetch=versions.fetch_steps(forms, target, held, base_url), **fields)
+    return lambda parents, held, challenges: Assignment(
+        relay_parents=parents, fetch=versions.fetch_steps(forms, target, held, base_url), challenges=challenges,
+        **fields)
 
 
 def relay_key(job: Job, version: int) -> str:

@@ -29,6 +29,7 @@ from ..errors import ApiError, unauthorized
 from ..models import Job, VersionHold, WeightVersion, Worker, utcnow
 from ..settings import Settings
 from . import fleet, relay, trust
+from .possession import Claim, Possession
 
 log = logging.getLogger(__name__)
 MAX_BATCH = 256  # bounds one transaction's length, so a burst cannot hold the write lock for long
@@ -93,8 +94,7 @@ def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
     ids = {i.principal_id for i in identities if i is not None and i.kind == "worker"}
     rows = {r.id: r for r in db.execute(
         select(Worker.id, Worker.provider_id, Worker.status, Worker.job_id, Worker.desired, Worker.version_held,
-               Worker.trust,
-               Worker.quarantined_until, Worker.trust_reason)
+               Worker.trust, Worker.quarantined_until, Worker.trust_reason, Worker.audit_salt)
         .where(Worker.id.in_(ids)))} if ids else {}
     out: list[_Row | ApiError] = []
     for pending, identity in zip(batch, identities, strict=True):
@@ -122,6 +122,9 @@ def _apply(db: Session, ok: list[tuple[_Pending, _Row]], now: datetime,
             placed[worker_id] = (None, worker.desired)
     db.flush()
     _record_holds(db, ok, placed, now)
+    possession = Possession(db, [Claim(row.id, job_id, row.audit_salt, set(_held(p.hb, job_id)), p.hb.proofs)
+                                 for p, row in ok if (job_id := placed[row.id][0]) is not None])
+    struck = _strike(db, possession.check(db, now), placed, settings)
     db.execute(update(Worker), [
         {"id": row.id, "last_heartbeat_at": now, "version_held": p.hb.version_held,
          "versions_held": _held(p.hb, placed[row.id][0]), "stats": p.hb.stats.model_dump(mode="json"),
@@ -129,7 +132,19 @@ def _apply(db: Session, ok: list[tuple[_Pending, _Row]], now: datetime,
         for p, row in ok])
     for p, row in ok:
         relay.record(db, row.id, row.provider_id, p.hb)
-    return _replies(db, ok, placed, jobs, settings)
+    return _replies(db, ok, placed, jobs, settings, possession, struck)
+
+
+def _strike(db: Session, wrong: dict[str, str], placed: dict[str, tuple[str | None, str]],
+            settings: Settings) -> dict[str, Worker]:
+    """Strike each worker that answered a possession challenge wrong (rare: only a worker that lies does);
+    a quarantine unassigns it, which its reply says."""
+    struck = {}
+    for worker_id, reason in wrong.items():
+        worker = db.get_one(Worker, worker_id)
+        trust.strike(db, worker, reason, settings)
+        placed[worker_id], struck[worker_id] = (worker.job_id, worker.desired), worker
+    return struck
 
 
 def _held(hb: Heartbeat, job_id: str | None) -> list[int]:
@@ -143,7 +158,8 @@ def _held(hb: Heartbeat, job_id: str | None) -> list[int]:
 
 
 def _replies(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tuple[str | None, str]],
-             jobs: dict[str, Job], settings: Settings) -> dict[int, HeartbeatReply]:
+             jobs: dict[str, Job], settings: Settings, possession: Possession,
+             struck: dict[str, Worker]) -> dict[int, HeartbeatReply]:
     live = {job_id for job_id, _ in placed.values() if job_id is not None}
     makers = {job_id: fleet.assignment_for(db, jobs[job_id], settings) for job_id in live}
     trees = {job_id: fleet.RelayTree(db, job_id, settings) for job_id, make in makers.items() if make}
@@ -152,24 +168,27 @@ def _replies(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tup
     for p, row in ok:
         job_id, desired = placed[row.id]
         make = makers.get(job_id) if job_id else None
-        assignment = make(trees[job_id].parents(row.id), set(_held(p.hb, job_id))) if make else None
+        assignment = make(trees[job_id].parents(row.id), set(_held(p.hb, job_id)),
+                          possession.challenges(row.id)) if make else None
         if desired == DesiredState.active and assignment is None:
             desired = DesiredState.idle  # active on a job with no published version yet: wait
         replies[id(p)] = HeartbeatReply(desired=desired, assignment=assignment,
                                         heartbeat_interval_s=settings.heartbeat_interval_s,
-                                        server_time=server_time, notice=trust.notice(row))
+                                        server_time=server_time, notice=trust.notice(struck.get(row.id, row)))
     return replies
 
 
 def _record_holds(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str, tuple[str | None, str]],
                   now: datetime) -> None:
-    """The first report of a newly held version of the worker's job (dissemination time)."""
+    """The first report of a newly held version of the worker's job (dissemination time); a version with
+    probes is held once proven instead (services/possession.py)."""
     new = [(placed[row.id][0], p.hb.version_held, row.id) for p, row in ok
            if p.hb.version_held is not None and p.hb.version_held != row.version_held
            and placed[row.id][0] is not None and p.hb.job_id in (None, placed[row.id][0])]
     rows = [{"job_id": job_id, "version": version, "worker_id": worker_id, "held_at": now}
             for job_id, version, worker_id in new
             if db.scalar(select(WeightVersion.version).where(WeightVersion.job_id == job_id,
-                                                             WeightVersion.version == version)) is not None]
+                                                             WeightVersion.version == version,
+                                                             WeightVersion.probes.is_(None))) is not None]
     if rows:
         db.execute(insert_skipping_conflicts(db, VersionHold), rows)

@@ -7,6 +7,7 @@ import secrets
 from typing import Any
 
 from echo2.protocol import DesiredState, JobCost, JobRead, JobSpec, JobStatus, JobUpdate, LeaseStatus, SamplingParams
+from echo2.protocol.datasets import MESSAGES, ChatTurn, item_problem
 from echo2.seeds import order_key
 from sqlalchemy import insert, select, update
 from sqlalchemy.exc import IntegrityError
@@ -19,7 +20,7 @@ from .. import auth
 from ..errors import ApiError
 from ..models import Dataset, DatasetItem, Job, Lease, Prompt, User, Worker, utcnow
 from ..settings import Settings
-from . import evals
+from . import evals, memory
 from .estimate import estimate
 from .relay import check_public_url
 
@@ -39,6 +40,7 @@ def create_job(
             return existing, False
     items, held_out = training_items(db, user, spec)
     check_references(spec, settings)
+    learner_memory = memory.check(db, spec, settings)
     if spec.learner.price_per_hour is None:
         spec.learner.price_per_hour = settings.learner_price_per_hour
     job = Job(
@@ -49,6 +51,7 @@ def create_job(
         idempotency_key=idempotency_key,
         request_hash=request_hash,
         estimate_usd=estimate(db, spec, settings).cost_usd,
+        learner_memory_gib=learner_memory.per_gpu_gib if learner_memory is not None else None,
     )
     try:
         with db.begin_nested():  # a concurrent replay of the same key may insert first
@@ -60,15 +63,16 @@ def create_job(
                            field="Idempotency-Key") from None
         return existing, False
     rows = [
-        {"job_id": job.id, "index": i, "text": text, "reference": ref,
+        {"job_id": job.id, "index": i, "text": text, "reference": ref, "context": context,
          "order_key": order_key(spec.seed, job.id, i, 0), "state": "available" if i < len(items) else evals.EVAL}
-        for i, (text, ref) in enumerate(items + held_out)
+        for i, (text, ref, context) in enumerate(items + held_out)
     ]
     db.execute(insert(Prompt), rows)
     return job, True
 
 
-Items = list[tuple[str, str | None]]
+# (text, reference, chat context: the turns before a chat item's last user turn, else None)
+Items = list[tuple[str, str | None, list[dict[str, str]] | None]]
 
 
 def check_references(spec: JobSpec, settings: Settings) -> None:
@@ -139,8 +143,11 @@ def _prompt_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]
             held = adapter.eval_prompts(params, seed, spec.eval.size)
         except TaskError as exc:
             raise ApiError(422, str(exc), field="task.params") from None
-        return [(p.text, p.reference) for p in generated], [(p.text, p.reference) for p in held]
+        return [(p.text, p.reference, None) for p in generated], [(p.text, p.reference, None) for p in held]
     prompts = [_from_item(adapter, params, item, i, spec) for i, item in enumerate(raw)]
+    if adapter.multi_turn and any(context is not None for _, _, context in prompts):
+        raise ApiError(422, f"task {adapter.name} is multi-turn: its environment starts each episode, so chat items "
+                       "(messages) cannot be used with it; give plain prompts", field=_items_field(spec))
     if adapter.multi_turn:  # the learner's evaluation answers single turns; episodes are not evaluated yet
         return prompts, []
     return evals.split_items(prompts, spec)
@@ -158,13 +165,33 @@ def _raw_items(db: Session, user: User, spec: JobSpec) -> list[dict[str, Any]] |
                            .order_by(DatasetItem.index)))
 
 
-def _from_item(adapter: Any, params: Any, item: dict[str, Any], i: int, spec: JobSpec) -> tuple[str, str | None]:
+def _items_field(spec: JobSpec) -> str:
+    return "prompts" if spec.prompts is not None else "dataset_id"
+
+
+def _from_item(adapter: Any, params: Any, item: dict[str, Any], i: int,
+               spec: JobSpec) -> tuple[str, str | None, list[dict[str, str]] | None]:
+    """A prompt from an item; a chat item (`messages`) gives the task its last user turn as the prompt's text,
+    and keeps the turns before it as the prompt's context (rendered by the model's chat template)."""
     field = f"prompts.{i}" if spec.prompts is not None else f"dataset_id (item {i})"
+    context = None
+    if MESSAGES in item:
+        problem = item_problem(item)
+        if problem:
+            raise ApiError(422, f"item {i}: {problem}", field=field)
+        key = adapter.prompt_key(params)
+        if key is None:
+            raise ApiError(422, f"item {i}: task {adapter.name} reads no prompt text from an item, so it cannot "
+                           "take chat items (messages)", field=field)
+        turns = [t.model_dump(mode="json") if isinstance(t, ChatTurn) else {"role": t["role"], "content": t["content"]}
+                 for t in item[MESSAGES]]
+        item = {k: v for k, v in item.items() if k != MESSAGES} | {key: turns[-1]["content"]}
+        context = turns[:-1] or None
     try:
         prompt = adapter.prompt_from_item(item, params)
     except (TaskError, KeyError, ValueError, TypeError) as exc:
         raise ApiError(422, f"item {i}: {exc}", field=field) from None
-    return prompt.text, prompt.reference
+    return prompt.text, prompt.reference, context
 
 
 def job_read(job: Job) -> JobRead:
@@ -172,8 +199,8 @@ def job_read(job: Job) -> JobRead:
                    total_usd=job.learner_usd + job.workers_usd)
     return JobRead.model_validate(
         {**{c: getattr(job, c) for c in ("id", "name", "owner_id", "status", "status_reason", "queue_position",
-                                         "paused_for", "memory_need_gb", "step", "version", "final_version",
-                                         "num_prompts",
+                                         "paused_for", "memory_need_gb", "learner_memory_gib", "step", "version",
+                                         "final_version", "num_prompts",
                                          "reward_mean", "created_at", "started_at", "finished_at")},
          "spec": job.spec, "cost": cost}
     )
@@ -222,6 +249,20 @@ def _free_fleet(db: Session, job: Job) -> None:
         update(Prompt).where(Prompt.job_id == job.id, Prompt.state == "leased")
         .values(state="available", lease_id=None)
     )
+
+
+def resume_by_owner(job: Job) -> None:
+    """Resume a job its task paused (paused_for "reward") once its owner fixed the task: back in the queue, and
+    its new learner resumes from its checkpoint where it stopped. Other pauses have their own way back."""
+    if job.status != JobStatus.paused:
+        raise ApiError(409, f"job {job.id} is {job.status}, not paused")
+    if job.paused_for == "budget":
+        raise ApiError(409, f"job {job.id} is paused by its budget: raise budget_usd (PATCH /v1/jobs/{job.id})")
+    if job.paused_for == "quota":
+        raise ApiError(409, f"job {job.id} is paused by its owner's daily quota: it resumes by itself as the last 24 "
+                       "hours' spending falls")
+    job.reward_failures = 0
+    resume_job(job)
 
 
 def update_job(job: Job, update: JobUpdate) -> None:

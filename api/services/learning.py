@@ -48,23 +48,48 @@ def commit_step(db: Session, job: Job, report: StepReport, settings: Settings) -
     _check_disjoint(report)
     rollouts = _claimed(db, job, report, report.rollout_ids, "rollout_ids")
     refused = _claimed(db, job, report, [r.rollout_id for r in report.rejected], "rejected")
-    _judge(db, job, report, {r.id: r for r in rollouts + refused}, settings)
+    unscored = _claimed(db, job, report, [r.rollout_id for r in report.unscored], "unscored")
+    _judge(db, job, report, {r.id: r for r in rollouts + refused + unscored}, settings)
+    _mark_unscored(db, report, {r.id: r for r in unscored})
     _mark_trained(db, job, report, rollouts)
     evidence.compare_fleet(db, job.id, report.step)
     db.add(_metric_row(db, job, report, len(rollouts)))
     job.step += 1
     job.reward_mean = report.reward_mean if report.reward_mean is not None else job.reward_mean
-    if job.status == JobStatus.running and job.step < spec_of(job).max_steps and \
-            (why := over_budget(job)) is not None:
-        pause_job(db, job, "budget", why)  # the ack tells the learner to stop; it resumes when raised
+    spec = spec_of(job)
+    job.reward_failures = job.reward_failures + len(unscored) if unscored else 0
+    if job.status == JobStatus.running and job.step < spec.max_steps:
+        if job.reward_failures >= spec.reward_failures_to_pause:
+            pause_job(db, job, "reward", _unscored_reason(job, spec.task.name, report.unscored[-1].reason))
+        elif (why := over_budget(job)) is not None:
+            pause_job(db, job, "budget", why)  # the ack tells the learner to stop; it resumes when raised
     return _ack(job)
+
+
+def _mark_unscored(db: Session, report: StepReport, rows: dict[str, Rollout]) -> None:
+    """Groups the task could not score: rejected as the platform's fault (no strike; the sender is paid), their
+    prompts back in the pool to be tried again."""
+    for item in report.unscored:
+        rollout = rows[item.rollout_id]
+        rollout.status, rollout.reject_kind, rollout.claim_step = RolloutStatus.rejected, RejectKind.reward_failed, None
+        rollout.reason = f"the task could not score it: {item.reason}"[:256]
+    return_prompts(db, [rows[r.rollout_id].prompt_id for r in report.unscored], from_state="submitted")
+
+
+def _unscored_reason(job: Job, task: str, last: str) -> str:
+    return (f"paused at step {job.step}: {job.reward_failures} groups in a row could not be scored by task {task} "
+            f"(last: {last}); none of them was trained. Fix it, then resume the job: echo2 jobs resume {job.id} "
+            f"(POST /v1/jobs/{job.id}/resume)")
 
 
 def _check_disjoint(report: StepReport) -> None:
     trained, refused = set(report.rollout_ids), {r.rollout_id for r in report.rejected}
+    unscored = {r.rollout_id for r in report.unscored}
     if trained & refused:
         raise ApiError(422, f"rollouts both trained and rejected: {sorted(trained & refused)[:5]}", field="rejected")
-    unknown = {a.rollout_id for a in report.audits} - trained - refused
+    if both := unscored & (trained | refused):
+        raise ApiError(422, f"rollouts both unscored and trained or rejected: {sorted(both)[:5]}", field="unscored")
+    unknown = {a.rollout_id for a in report.audits} - trained - refused - unscored
     if unknown:
         raise ApiError(422, f"audits of rollouts this step neither trained nor rejected: {sorted(unknown)[:5]}",
                        field="audits")
@@ -141,14 +166,24 @@ def _record(db: Session, rows: dict[str, Rollout], audits: list[AuditReport], st
 
 
 def _mark_trained(db: Session, job: Job, report: StepReport, rollouts: list[Rollout]) -> None:
-    rewards = {r.rollout_id: r.rewards for r in report.rewards}
+    scored = {r.rollout_id: r for r in report.rewards}
     for r in rollouts:
         r.status, r.trained_step = RolloutStatus.trained, report.step
-        if r.id in rewards:
-            r.rewards = rewards[r.id]
+        if r.id in scored:
+            r.rewards = scored[r.id].rewards
+            r.learner_logprobs = _aligned(r, scored[r.id].learner_logprobs)
     if rollouts:
         db.execute(update(Prompt).where(Prompt.id.in_([r.prompt_id for r in rollouts])).values(state="trained"))
     release_claims(db, job.id, report.step)
+
+
+def _aligned(rollout: Rollout, logprobs: list[list[float]] | None) -> list[list[float]] | None:
+    """The learner's logprobs when they fit the group (one per token of each sample), else none: a trace shows
+    nothing rather than values beside the wrong tokens."""
+    if logprobs is None or len(logprobs) != len(rollout.samples):
+        return None
+    fits = all(len(lp) == len(s["token_ids"]) for lp, s in zip(logprobs, rollout.samples, strict=True))
+    return logprobs if fits else None
 
 
 def _metric_row(db: Session, job: Job, report: StepReport, groups: int) -> StepMetric:
@@ -161,8 +196,9 @@ def _metric_row(db: Session, job: Job, report: StepReport, groups: int) -> StepM
         job_id=job.id, step=report.step, t_train_s=report.t_train_s, reward_mean=report.reward_mean,
         reward_std=report.reward_std, loss=report.loss, kl=report.kl, clip_frac=report.clip_frac,
         groups=groups, groups_dropped=report.groups_dropped, groups_rejected=len(report.rejected),
+        groups_unscored=len(report.unscored),
         audits=len(report.audits), audit_s=report.audit_s, rollout_ids=list(report.rollout_ids),
-        staleness_hist=report.staleness_hist,
+        staleness_hist=report.staleness_hist, mismatch=[m.model_dump() for m in report.mismatch],
         tokens=report.tokens, learner_utilization=util, rollouts_per_s=groups / elapsed,
         cost_usd=job.learner_usd + job.workers_usd,
     )
@@ -170,7 +206,7 @@ def _metric_row(db: Session, job: Job, report: StepReport, groups: int) -> StepM
 
 def _ack(job: Job) -> StepAck:
     stop = job.status.stops_learner() or job.step >= spec_of(job).max_steps
-    return StepAck(step=job.step, job_status=job.status, stop=stop)
+    return StepAck(step=job.step, job_status=job.status, stop=stop, cost_usd=job.learner_usd + job.workers_usd)
 
 
 LEARNER_IS = "its learner is"  # a running job's status_reason while its learner starts

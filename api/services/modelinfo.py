@@ -64,6 +64,15 @@ def decoder(blobs: BlobStore, job_id: str) -> Any:
     return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
 
 
+def token_pieces(blobs: BlobStore, job_id: str) -> Callable[[list[int]], list[str]]:
+    """A function from token ids to each token's own text (special tokens shown), for traces."""
+    path = blobs.job_file(job_id, TOKENIZER)
+    tokenizer = _load(str(path), path.stat().st_mtime) if path.exists() else None
+    if tokenizer is None:
+        return lambda ids: [f"<{i}>" for i in ids]
+    return lambda ids: [tokenizer.decode([i], skip_special_tokens=False) for i in ids]
+
+
 def observation_encoder(blobs: BlobStore, job_id: str) -> Callable[[str, bool], list[int]]:
     """A function (environment reply, the model's turn ended with eos) -> the tokens that follow the
     model's turn: the reply as a user turn plus the generation prompt by the model's chat template, as

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from ..errors import ApiError
 from ..models import Job, Lease, Prompt, Rollout, StepMetric, Worker, utcnow
+from . import possession
 from .evals import EVAL
 from .jobs import finish_job, spec_of
 
@@ -89,7 +90,7 @@ def expire_leases(db: Session, now: datetime | None = None, job_id: str | None =
 
 def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, version: int, ttl_s: float) -> Lease:
     spec = spec_of(job)
-    _check_version(job, worker, version, spec)
+    _check_version(db, job, worker, version, spec)
     expire_leases(db, job_id=job.id)
     db.execute(select(Job.id).where(Job.id == job.id).with_for_update())  # room is counted per job, exactly
     room = lease_room(db, job, spec, version)
@@ -169,7 +170,7 @@ def _retry_after(seconds: float) -> dict[str, str]:
     return {"Retry-After": str(math.ceil(seconds)), "Retry-After-Ms": str(round(seconds * 1000))}
 
 
-def _check_version(job: Job, worker: Worker, version: int, spec: JobSpec) -> None:
+def _check_version(db: Session, job: Job, worker: Worker, version: int, spec: JobSpec) -> None:
     if job.version is None or version > job.version:
         raise ApiError(409, f"version {version} is not published; the latest is {job.version}", field="version")
     if version < spec.oldest_admissible(job.step):
@@ -179,6 +180,10 @@ def _check_version(job: Job, worker: Worker, version: int, spec: JobSpec) -> Non
     if version not in (worker.versions_held or []):
         raise ApiError(409, f"this worker has not reported holding version {version}: send a heartbeat with it "
                        "in versions_held first", field="version")
+    if not possession.proven(db, job.id, version, worker.id):
+        raise ApiError(409, f"this worker has not proven it holds version {version}: answer the challenge of the "
+                       "last heartbeat reply (assignment.challenges) in the `proofs` of a heartbeat, with the "
+                       "sha256 of those bytes of your copy, then lease again", field="version")
 
 
 def _take_available(db: Session, job: Job, limit: int, version: int) -> list[Prompt]:
@@ -216,7 +221,8 @@ def leased_prompts(db: Session, lease: Lease, job: Job) -> list[dict[str, object
     spec = spec_of(job)
     prompts = db.scalars(select(Prompt).where(Prompt.id.in_(lease.prompt_ids)).order_by(Prompt.epoch, Prompt.order_key))
     return [
-        {"prompt_id": p.id, "text": p.text, "seed": prompt_seed(spec.seed, job.id, p.index, p.epoch),
+        {"prompt_id": p.id, "text": p.text, "context": p.context,
+         "seed": prompt_seed(spec.seed, job.id, p.index, p.epoch),
          **({"token_ids": p.token_ids, "sampling": p.sampling} if p.request_id else {})}
         for p in prompts
     ]

@@ -3,7 +3,7 @@ group its workers generated."""
 
 from __future__ import annotations
 
-from echo2.protocol import EvalRead, Fault, JobReport, RejectKind, RolloutCounts, RolloutStatus
+from echo2.protocol import EvalRead, Fault, JobReport, MismatchStats, RejectKind, RolloutCounts, RolloutStatus
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -34,6 +34,7 @@ def job_report(db: Session, job: Job) -> JobReport:
         stale_fraction=sum(rejected.get(k, 0) for k in STALE) / generated if generated else None,
         wasted_fraction=wasted / generated if generated else None,
         audits=audits, audits_failed=failed, audit_s=float(audit_s or 0.0), estimate_usd=job.estimate_usd,
+        mismatch=_mismatch(db, job),
         cost_usd=job.learner_usd + job.workers_usd, **_evals(db, job))
 
 
@@ -42,3 +43,20 @@ def _evals(db: Session, job: Job) -> dict[str, EvalRead | None]:
     measured = evals.reads(db, job.id)
     before = next((e for e in measured if e.step == 0), None)
     return {"eval_before": before, "eval_after": measured[-1] if measured and measured[-1] is not before else None}
+
+
+MEANS = ("kl", "ess", "clipped", "masked")
+
+
+def _mismatch(db: Session, job: Job) -> list[MismatchStats]:
+    """Every step's mismatch rows (StepMetric.mismatch) pooled per staleness, token-weighted."""
+    pooled: dict[int, dict[str, float]] = {}
+    for rows in db.scalars(select(StepMetric.mismatch).where(StepMetric.job_id == job.id)):
+        for row in rows:
+            acc = pooled.setdefault(row["staleness"], dict.fromkeys(("tokens", *MEANS), 0.0))
+            acc["tokens"] += row["tokens"]
+            for key in MEANS:
+                acc[key] += row[key] * row["tokens"]
+    return [MismatchStats(staleness=s, tokens=int(acc["tokens"]),
+                          **{k: acc[k] / acc["tokens"] if acc["tokens"] else 0.0 for k in MEANS})
+            for s, acc in sorted(pooled.items(), key=lambda kv: (kv[0] < 0, kv[0]))]

@@ -31,6 +31,16 @@ def check_forms(db: Session, job: Job, body: VersionPublish) -> None:
     adapter = (body.full or body.delta).adapter  # type: ignore[union-attr]
     if adapter is not None:
         _check_digest(db, job, adapter.base_version, adapter.base_digest, "adapter.base_digest")
+    _check_probes(body)
+
+
+def _check_probes(body: VersionPublish) -> None:
+    """Each probe a range of the version's model folder (echo2.possession), which its files' sizes bound."""
+    size = sum(f.size for f in (body.full or body.delta).target_files())  # type: ignore[union-attr]
+    for i, probe in enumerate(body.probes):
+        if probe.offset + probe.length > size:
+            raise ApiError(422, f"bytes {probe.offset}..{probe.offset + probe.length} are outside the version's "
+                           f"{size} bytes", field=f"probes[{i}]")
 
 
 def _check_digest(db: Session, job: Job, version: int, digest: str, field: str) -> None:
@@ -60,7 +70,8 @@ def row(job: Job, body: VersionPublish, seconds: float, targets: list[str]) -> W
         delta_manifest=delta.model_dump(mode="json") if delta else None,
         delta_size=delta.total_size if delta else None,
         delta_base=delta.delta.base_version if delta and delta.delta else None,
-        adapter_base=full.adapter.base_version if full and full.adapter else None)
+        adapter_base=full.adapter.base_version if full and full.adapter else None,
+        probes=[p.model_dump() for p in body.probes] or None)
 
 
 def _canonical(manifest: Manifest) -> bytes:

@@ -8,6 +8,7 @@ from learner.tasks import arithmetic, gsm8k, guess_number, http_env, http_reward
 from learner.tasks.base import (
     Episode,
     EpisodeResult,
+    ScoringError,
     TaskAdapter,
     TaskError,
     TaskItemError,
@@ -23,6 +24,7 @@ from learner.tasks.registry import UnknownTaskError, get_task, list_tasks, regis
 __all__ = [
     "Episode",
     "EpisodeResult",
+    "ScoringError",
     "TaskAdapter",
     "TaskError",
     "TaskItemError",

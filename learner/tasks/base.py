@@ -4,8 +4,11 @@ A task adapter is the data plane of a job. The control plane uses it (without to
 the job's task params and to generate or read prompts; the learner uses it to compute rewards on
 the trusted side. Adding a task = one new module with a `TaskAdapter` subclass + `register(...)`.
 
-Contract of `reward`: a float (1.0 / 0.0 for verifiable tasks) or None when the completion could
-not be scored (e.g. a remote verifier was unreachable); the learner drops unscored samples.
+Contract of `reward`: a float (1.0 / 0.0 for verifiable tasks); `ScoringError` naming why when the
+completion could not be scored (a remote verifier down, timing out or answering nonsense); None when
+there is nothing to score it against. A group with a sample the learner could not score is never trained:
+it goes back to the pool as the platform's fault, and a job whose groups keep failing pauses, saying why
+(JobSpec.reward_failures_to_pause).
 
 Multi-turn tasks additionally return an `Episode` from `new_episode`: the generator alternates
 model turns (`action`) and environment replies (`observation`) until the episode is done; the
@@ -41,6 +44,10 @@ class TaskParamsError(TaskError):
         self.errors = errors
         details = "; ".join(f"{loc}: {msg}" for loc, msg in errors)
         super().__init__(f"invalid params for task {task!r}: {details}")
+
+
+class ScoringError(TaskError):
+    """A completion could not be scored: the message says why (an endpoint down, a timeout, a bad reply)."""
 
 
 class TaskItemError(TaskError):
@@ -143,6 +150,15 @@ class TaskAdapter(ABC):
         """Dataset tasks: one prompt from one JSONL item."""
         raise TaskError(f"task {self.name!r} generates its own prompts; use generate_prompts")
 
+    def prompt_key(self, params: TaskParams) -> str | None:
+        """The item key a dataset task reads its prompt's text from (`prompt_key`, or `question_key` in its
+        params); a chat item's last user turn is given to it under this key."""
+        for name in ("prompt_key", "question_key"):
+            value = getattr(params, name, None)
+            if isinstance(value, str):
+                return value
+        return None
+
     def eval_prompts(self, params: TaskParams, seed: int, count: int) -> list[TaskPrompt]:
         """Synthetic tasks: up to `count` held-out prompts that `generate_prompts` never returns (disjoint
         by construction). None of them by default: a task without such a split has no held-out evaluation
@@ -151,7 +167,7 @@ class TaskAdapter(ABC):
 
     @abstractmethod
     def reward(self, prompt: TaskPrompt, completion: str, params: TaskParams) -> float | None:
-        """Score one completion; None when it could not be scored."""
+        """Score one completion; ScoringError (or None) when it cannot be scored."""
 
     def new_episode(self, prompt: TaskPrompt, params: TaskParams) -> Episode | None:
         """Multi-turn tasks return a fresh Episode; single-turn tasks return None."""

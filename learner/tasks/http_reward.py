@@ -3,11 +3,12 @@
 For each completion the learner POSTs JSON {"prompt", "completion", "reference"} to `url` and expects
 a finite number back, either bare (`0.5`) or as {"reward": 0.5}. Transport errors, timeouts, 429 and
 5xx are retried `max_retries` times with exponential backoff (honouring Retry-After, capped), through
-`echo2.transport`; any other failure or an invalid reply yields None (the sample is dropped) and is
-logged. Each try has `timeout_s` for the whole exchange, and a reply may hold MAX_REPLY_BYTES: the
-endpoint is the job owner's, so a reply that never ends, or never stops growing, must not hold a thread
-or fill the memory of the process that asked. Prompts come from user JSONL items
-{"prompt": ..., "reference": ...} (reference optional).
+`echo2.transport`; once they are spent, any other failure or an invalid reply raises ScoringError
+naming it: the group is not trained, and a job whose endpoint keeps failing pauses with that reason.
+Each try has `timeout_s` for the whole exchange, and a reply may hold MAX_REPLY_BYTES: the endpoint is
+the job owner's, so a reply that never ends, or never stops growing, must not hold a thread or fill the
+memory of the process that asked. Prompts come from user JSONL items {"prompt": ..., "reference": ...}
+(reference optional), or chat items (`messages`), whose last user turn is the prompt.
 
 The request is made from the learner host. With ECHO2_ENV=production a job is refused unless the URL
 resolves to public addresses (api/services/jobs.py); deployments should still restrict egress there, as
@@ -27,7 +28,7 @@ from echo2 import errors
 from echo2.transport import AsyncTransport, Call, RetryPolicy
 from pydantic import Field, field_validator
 
-from learner.tasks.base import TaskAdapter, TaskParams, TaskPrompt, require_key
+from learner.tasks.base import ScoringError, TaskAdapter, TaskParams, TaskPrompt, require_key
 from learner.tasks.registry import register
 
 logger = logging.getLogger(__name__)
@@ -96,7 +97,7 @@ class HttpRewardTask(TaskAdapter):
         reference = require_key(item, p.reference_key, self.name) if p.reference_key in item else None
         return TaskPrompt(text=text, reference=reference)
 
-    def reward(self, prompt: TaskPrompt, completion: str, params: TaskParams) -> float | None:
+    def reward(self, prompt: TaskPrompt, completion: str, params: TaskParams) -> float:
         p = self.parse_params(params)
         assert isinstance(p, HttpRewardParams)
         payload = {"prompt": prompt.text, "completion": completion, "reference": prompt.reference}
@@ -104,13 +105,15 @@ class HttpRewardTask(TaskAdapter):
             response = self.post(p, payload)
         except GaveUp as exc:
             logger.warning("http_reward %s: giving up after %d tries: %s", p.url, p.max_retries + 1, exc)
-            return None
+            raise ScoringError(f"{p.url} gave no answer after {p.max_retries + 1} tries: {exc}") from None
         if response.status_code != 200:
             logger.warning("http_reward %s: HTTP %d, sample left unscored", p.url, response.status_code)
-            return None
+            raise ScoringError(f"{p.url} answered HTTP {response.status_code}")
         value = _parse_reward(response)
         if value is None:
             logger.warning("http_reward %s: reply is not a finite number: %.200r", p.url, response.text)
+            raise ScoringError(f"{p.url} answered {response.text[:80]!r}, not a finite number or "
+                               '{"reward": number}')
         return value
 
     def post(self, p: HttpRewardParams, payload: dict[str, Any]) -> httpx.Response:

@@ -16,10 +16,11 @@ methods that do more than one request (follow, wait, download) are written twice
 from __future__ import annotations
 
 import builtins
+import hashlib
 import os
 import re
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
@@ -28,7 +29,7 @@ from typing import Any
 import anyio
 import httpx
 
-from . import __version__, errors
+from . import __version__, dataset_files, errors
 from ._resource import AsyncResource, Resource, SyncResource, endpoint, json_body, parse, query, seg, validated
 from .protocol import (
     ApiKeyCreated,
@@ -56,8 +57,11 @@ from .protocol import (
     Role,
     RolloutRead,
     RolloutStatus,
+    RolloutTrace,
     StepMetrics,
     TaskInfo,
+    UploadCreate,
+    UploadRead,
     UserCreate,
     UserCreated,
     UserRead,
@@ -69,7 +73,7 @@ from .protocol.tinker import TinkerUsage
 from .transport import DEFAULT_TIMEOUT, AsyncTransport, Call, RetryPolicy, Transport, connection_error
 from .untar import Staging, TarSink, check_dest
 
-__all__ = ["Client", "AsyncClient", "DEFAULT_TIMEOUT", "DEFAULT_MAX_RETRIES"]
+__all__ = ["Client", "AsyncClient", "DEFAULT_TIMEOUT", "DEFAULT_MAX_RETRIES", "push_to_hub"]
 
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_POLL_INTERVAL = 2.0
@@ -243,6 +247,12 @@ class _Jobs(Resource):
         return Call("POST", f"/v1/jobs/{seg(job_id, 'job_id')}/cancel")
 
     @endpoint(JobRead)
+    def resume(self, job_id: str) -> Call:
+        """Resume a job its task paused (`paused_for` "reward": its groups could not be scored) once the task is
+        fixed: it is queued, and its new learner resumes from its checkpoint. `ConflictError` otherwise."""
+        return Call("POST", f"/v1/jobs/{seg(job_id, 'job_id')}/resume")
+
+    @endpoint(JobRead)
     def update(self, job_id: str, *, budget_usd: float | None) -> Call:
         """Set the job's budget (None: no budget); a job its budget paused is queued again when it has
         money left. `ConflictError` if it already finished."""
@@ -259,6 +269,18 @@ class _Jobs(Resource):
                  offset: int = 0) -> Call:
         return Call("GET", f"/v1/jobs/{seg(job_id, 'job_id')}/rollouts",
                     params=query(status=status, limit=limit, offset=offset))
+
+    @endpoint(RolloutTrace)
+    def trace(self, job_id: str, rollout_id: str) -> Call:
+        """One rollout group token by token: each token decoded, its version, the worker's behaviour logprob
+        beside the learner's, the worker and its trust state, the audit, the rewards and what it cost."""
+        return Call("GET", f"/v1/jobs/{seg(job_id, 'job_id')}/rollouts/{seg(rollout_id, 'rollout_id')}")
+
+    @endpoint(Page[RolloutTrace])
+    def traces(self, job_id: str, *, step: int, limit: int = 16, offset: int = 0) -> Call:
+        """The traces of the groups learner step `step` trained on, a page at a time."""
+        return Call("GET", f"/v1/jobs/{seg(job_id, 'job_id')}/traces",
+                    params=query(step=step, limit=limit, offset=offset))
 
     @endpoint(builtins.list[StepMetrics])
     def metrics(self, job_id: str, *, since_step: int = 0, limit: int | None = None) -> Call:
@@ -372,15 +394,20 @@ class _Datasets(Resource):
         rows = [dict(i) for i in items]
         return Call("POST", "/v1/datasets", json=json_body(DatasetCreate, {"name": name, "items": rows}))
 
+    @endpoint(UploadRead)
+    def _start_upload(self, name: str, size: int, sha256: str) -> Call:
+        body = json_body(UploadCreate, {"name": name, "size": size, "sha256": sha256})
+        return Call("POST", "/v1/datasets/uploads", json=body, replay=True)  # the same file resumes: replayable
+
+    @endpoint(None)
+    def _put_part(self, upload_id: str, index: int, data: bytes) -> Call:
+        headers = {"Content-Type": "application/octet-stream", "X-Echo2-Sha256": hashlib.sha256(data).hexdigest()}
+        return Call("PUT", f"/v1/datasets/uploads/{seg(upload_id, 'upload_id')}/parts/{int(index)}", content=data,
+                    headers=headers, replay=True)
+
     @endpoint(DatasetRead)
-    def upload(self, name: str, path: str | os.PathLike[str]) -> Call:
-        """Create a dataset from a JSONL file (one JSON object per line); the server validates each line."""
-        if not name or not name.strip():
-            raise ValueError("a dataset needs a non-empty name")
-        file = Path(path)
-        content = file.read_bytes()  # in memory: the server caps bodies anyway, and a retry must resend it
-        return Call("POST", "/v1/datasets/upload", files={"file": (file.name, content, "application/x-ndjson")},
-                    data={"name": name})
+    def _complete_upload(self, upload_id: str) -> Call:
+        return Call("POST", f"/v1/datasets/uploads/{seg(upload_id, 'upload_id')}/complete")
 
     @endpoint(Page[DatasetRead])
     def list(self, *, limit: int = 50, offset: int = 0) -> Call:
@@ -400,12 +427,79 @@ class _Datasets(Resource):
         return Call("DELETE", f"/v1/datasets/{seg(dataset_id, 'dataset_id')}")
 
 
+Progress = Callable[[int, int], None]  # (bytes sent, bytes in all)
+
+
 class Datasets(_Datasets, SyncResource):
     """`client.datasets`: prompt items uploaded once and referenced by jobs (`dataset_id`)."""
+
+    def upload(self, name: str, path: str | os.PathLike[str], *, format: str = "auto", split: str | None = None,
+               progress: Progress | None = None) -> DatasetRead:
+        """Create a dataset from a file of any size: JSONL (one item per line), or a Hugging Face dataset (a Parquet
+        file or folder of them, an Arrow file, a `save_to_disk` folder; `pip install 'echo2[datasets]'`), sent in
+        parts; an interrupted upload of the same file resumes with the parts the server lacks. The server names
+        every bad line with its number. `progress(sent, total)` is called after each part."""
+        with _UploadFile(name, path, format, split) as file:
+            upload = self._start_upload(name, file.size, file.sha256)
+            for index, data in file.missing(upload):
+                self._put_part(upload.id, index, data)
+                file.sent(len(data), progress)
+            return self._complete_upload(upload.id)
 
 
 class AsyncDatasets(_Datasets, AsyncResource):
     """`datasets` of `AsyncClient`: the same methods, awaitable."""
+
+    async def upload(self, name: str, path: str | os.PathLike[str], *, format: str = "auto",
+                     split: str | None = None, progress: Progress | None = None) -> DatasetRead:
+        with _UploadFile(name, path, format, split) as file:
+            upload = await self._start_upload(name, file.size, file.sha256)
+            for index, data in file.missing(upload):
+                await self._put_part(upload.id, index, data)
+                file.sent(len(data), progress)
+            return await self._complete_upload(upload.id)
+
+
+class _UploadFile:
+    """A dataset file as JSONL (converted when need be), its size and sha256, and the parts an upload lacks."""
+
+    def __init__(self, name: str, path: str | os.PathLike[str], fmt: str, split: str | None) -> None:
+        if not name or not name.strip():
+            raise ValueError("a dataset needs a non-empty name")
+        if fmt not in dataset_files.FORMATS:
+            raise ValueError(f"format must be one of {', '.join(dataset_files.FORMATS)}, not {fmt!r}")
+        self.path, self.temporary = dataset_files.as_jsonl(Path(path), fmt, split)
+        self.size = self.path.stat().st_size
+        if self.size == 0:
+            self.close()
+            raise dataset_files.DatasetFileError(f"{path} is empty")
+        self.sha256 = dataset_files.sha256_of(self.path)
+        self.done = 0
+
+    def missing(self, upload: UploadRead) -> Iterator[tuple[int, bytes]]:
+        have = set(upload.received)
+        self.done = sum(min(upload.part_size, upload.size - i * upload.part_size) for i in have)
+        with self.path.open("rb") as f:
+            for index in range(upload.parts):
+                if index in have:
+                    continue
+                f.seek(index * upload.part_size)
+                yield index, f.read(upload.part_size)
+
+    def sent(self, n: int, progress: Progress | None) -> None:
+        self.done += n
+        if progress is not None:
+            progress(self.done, self.size)
+
+    def close(self) -> None:
+        if self.temporary:
+            self.path.unlink(missing_ok=True)
+
+    def __enter__(self) -> _UploadFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class _Tasks(Resource):
@@ -546,6 +640,10 @@ class _Checkpoints(Resource):
         return Call("GET", f"/v1/jobs/{seg(job_id, 'job_id')}/checkpoint", params=query(version=version),
                     headers={"Accept": "application/x-tar"})
 
+    def _export(self, job_id: str, version: int | None, adapter: bool) -> Call:
+        return Call("GET", f"/v1/jobs/{seg(job_id, 'job_id')}/export",
+                    params=query(version=version, adapter=adapter or None), headers={"Accept": "application/x-tar"})
+
 
 class Checkpoints(_Checkpoints, SyncResource):
     """`client.checkpoints`: a job's published weight versions, downloadable as HF model folders."""
@@ -577,6 +675,44 @@ class Checkpoints(_Checkpoints, SyncResource):
         return dest
 
 
+    def export(self, job_id: str, out_dir: str | os.PathLike[str], *, adapter: bool = False,
+               version: int | None = None, overwrite: bool = False) -> Path:
+        """Write the job's model into `out_dir` as a plain Hugging Face folder that `transformers` and vLLM load
+        as it is (safetensors, config, tokenizer, generation config): its final version, a LoRA job merged, or
+        with `adapter` its adapter alone (naming the job's base model). The folder appears complete or not at
+        all, as with `download`. To publish it: `push_to_hub(out_dir, repo_id)`."""
+        dest = check_dest(Path(out_dir), overwrite)
+        response = self._client._send(self._export(job_id, version, adapter), stream=True)
+        try:
+            with Staging(dest, overwrite) as staging, TarSink(staging.path, None) as sink:
+                try:
+                    for block in response.iter_bytes():
+                        sink.feed(block)
+                except httpx.TransportError as exc:
+                    raise connection_error(exc, response.request) from exc
+                sink.finish()
+                staging.commit()
+        finally:
+            response.close()
+        return dest
+
+
+def push_to_hub(folder: str | os.PathLike[str], repo_id: str, *, private: bool = False,
+                token: str | None = None) -> str:
+    """Upload an exported folder to the Hugging Face Hub as model repository `repo_id` (created if need be), with
+    `huggingface_hub` (`pip install 'echo2[hub]'`) and its usual token (HF_TOKEN, or `hf auth login`). Returns the
+    repository's URL."""
+    try:
+        from huggingface_hub import HfApi
+    except ImportError:
+        raise errors.ConfigurationError("pushing to the Hub needs huggingface_hub: pip install 'echo2[hub]'") from None
+    hub = HfApi(token=token)
+    url = hub.create_repo(repo_id, repo_type="model", private=private, exist_ok=True)
+    hub.upload_folder(folder_path=str(folder), repo_id=repo_id, repo_type="model",
+                      commit_message="Upload a model exported from Echo2")
+    return str(url)
+
+
 class AsyncCheckpoints(_Checkpoints, AsyncResource):
     """`checkpoints` of `AsyncClient`: the same methods, awaitable."""
 
@@ -588,6 +724,23 @@ class AsyncCheckpoints(_Checkpoints, AsyncResource):
             chosen = version if version is not None else _version_of(response)
             manifest = await self.manifest(job_id, chosen) if chosen is not None else None
             with Staging(dest, overwrite) as staging, TarSink(staging.path, manifest) as sink:
+                try:
+                    async for block in response.aiter_bytes():
+                        sink.feed(block)
+                except httpx.TransportError as exc:
+                    raise connection_error(exc, response.request) from exc
+                sink.finish()
+                staging.commit()
+        finally:
+            await response.aclose()
+        return dest
+
+    async def export(self, job_id: str, out_dir: str | os.PathLike[str], *, adapter: bool = False,
+                     version: int | None = None, overwrite: bool = False) -> Path:
+        dest = check_dest(Path(out_dir), overwrite)
+        response = await self._client._send(self._export(job_id, version, adapter), stream=True)
+        try:
+            with Staging(dest, overwrite) as staging, TarSink(staging.path, None) as sink:
                 try:
                     async for block in response.aiter_bytes():
                         sink.feed(block)

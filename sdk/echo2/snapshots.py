@@ -31,20 +31,6 @@ def model_files(folder: Path) -> list[Path]:
     return files
 
 
-def _file_infos(folder: Path, files: list[Path]) -> list[FileInfo]:
-    infos, offset = [], 0
-    for path in files:
-        digest, size = hashlib.sha256(), 0
-        with open(path, "rb") as fh:
-            while block := fh.read(1 << 20):
-                digest.update(block)
-                size += len(block)
-        infos.append(FileInfo(path=path.relative_to(folder).as_posix(), size=size, sha256=digest.hexdigest(),
-                              offset=offset))
-        offset += size
-    return infos
-
-
 def iter_stream(folder: Path, files: list[FileInfo], chunk_size: int) -> Iterator[bytes]:
     """The concatenation of the files, cut into chunk_size pieces (the last may be shorter)."""
     buf = bytearray()
@@ -61,13 +47,48 @@ def iter_stream(folder: Path, files: list[FileInfo], chunk_size: int) -> Iterato
 
 def build_manifest(folder: Path, version: int, step: int, chunk_size: int = DEFAULT_CHUNK_SIZE,
                    tensor_index: dict[str, str] | None = None, paths: list[Path] | None = None) -> Manifest:
-    """Hash every file and every chunk of a model folder (reads the folder twice, holds one chunk).
+    """Hash every file and every chunk of a model folder, reading it once (a block at a time).
     `paths` names other files than a model folder's (a learner checkpoint's)."""
-    files = _file_infos(folder, paths if paths is not None else model_files(folder))
-    chunks = [ChunkInfo(index=i, size=len(c), sha256=hashlib.sha256(c).hexdigest())
-              for i, c in enumerate(iter_stream(folder, files, chunk_size))]
-    return Manifest(version=version, step=step, chunk_size=chunk_size, total_size=sum(f.size for f in files),
-                    files=files, chunks=chunks, tensor_index=tensor_index or {}, created_at=datetime.now(UTC))
+    chunks = _Chunks(chunk_size)
+    files, offset = [], 0
+    for path in paths if paths is not None else model_files(folder):
+        digest, size = hashlib.sha256(), 0
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 20):
+                digest.update(block)
+                chunks.update(block)
+                size += len(block)
+        files.append(FileInfo(path=path.relative_to(folder).as_posix(), size=size, sha256=digest.hexdigest(),
+                              offset=offset))
+        offset += size
+    return Manifest(version=version, step=step, chunk_size=chunk_size, total_size=offset, files=files,
+                    chunks=chunks.done(), tensor_index=tensor_index or {}, created_at=datetime.now(UTC))
+
+
+class _Chunks:
+    """sha256 of each chunk_size piece of a byte stream fed in blocks of any size."""
+
+    def __init__(self, chunk_size: int) -> None:
+        self.size, self.infos, self._digest, self._filled = chunk_size, list[ChunkInfo](), hashlib.sha256(), 0
+
+    def update(self, block: bytes) -> None:
+        view = memoryview(block)
+        while view:
+            take = min(len(view), self.size - self._filled)
+            self._digest.update(view[:take])
+            self._filled += take
+            view = view[take:]
+            if self._filled == self.size:
+                self._close()
+
+    def done(self) -> list[ChunkInfo]:
+        if self._filled:
+            self._close()
+        return self.infos
+
+    def _close(self) -> None:
+        self.infos.append(ChunkInfo(index=len(self.infos), size=self._filled, sha256=self._digest.hexdigest()))
+        self._digest, self._filled = hashlib.sha256(), 0
 
 
 def verify_chunk(manifest: Manifest, index: int, data: bytes) -> None:

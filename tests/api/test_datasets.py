@@ -71,6 +71,6 @@ def test_a_dataset_over_the_body_limit_is_refused_naming_the_limit_in_mib(api):
     big = line * (api.server.settings.max_body_bytes // len(line) + 1)
     r = alice.post("/v1/datasets/upload", data={"name": "big"}, files={"file": ("d.jsonl", big)})
     assert r.status_code == 413 and r.json()["errors"][0]["field"] == "body"
-    assert r.json()["detail"].startswith("the dataset is larger than this server's limit of 16 MiB per upload: "
-                                         "upload fewer or shorter items")
+    assert r.json()["detail"].startswith("the dataset is larger than this server's limit of 16 MiB per request: "
+                                         "send it in parts (POST /v1/datasets/uploads")
     assert ok(alice.get("/v1/datasets"))["total"] == 0

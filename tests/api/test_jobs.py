@@ -173,3 +173,23 @@ def test_a_hub_id_in_the_hosts_hugging_face_cache_is_accepted_offline(api, tmp_p
     monkeypatch.setattr(api.server.settings, "model_check", "names")  # learner hosts on other machines
     new_job(alice, base_model="/on/the/learner/host")
     assert alice.post("/v1/jobs", json=job_spec(base_model="echo2:huge")).status_code == 422
+
+
+def test_a_correction_without_its_inputs_is_refused_with_the_reason(api):
+    _, alice = new_user(api)
+    grpo = {"group_size": 2, "prompts_per_step": 4}
+    cases = {
+        "there is no support to replay": job_spec(grpo={**grpo, "support_replay": True}),
+        "keeps nothing": job_spec(grpo={**grpo, "correction": "icepop", "correction_low": 1.0,
+                                        "correction_high": 1.0}),
+        "needs a single-process learner": job_spec(weights={"rounding": "dithered"}, learner={"gpus": 2}),
+        "applies to bfloat16 versions": job_spec(weights={"rounding": "dithered", "dtype": "float16"}),
+    }
+    for reason, spec in cases.items():
+        r = alice.post("/v1/jobs", json=spec)
+        assert r.status_code == 422, (reason, r.text)
+        assert reason in r.text, r.text
+    replayed = job_spec(grpo={**grpo, "support_replay": True, "top_p": 0.9, "correction": "tis",
+                              "correction_level": "sequence", "correction_high": 3.0})
+    spec = ok(alice.post("/v1/jobs", json=replayed), 201)["spec"]["grpo"]
+    assert (spec["correction"], spec["correction_level"], spec["support_replay"]) == ("tis", "sequence", True)

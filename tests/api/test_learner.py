@@ -42,7 +42,7 @@ def test_claim_train_report_cycle(api, setup):
     assert {g["rollout_id"] for g in batch["groups"]} == set(ids)
     assert all(g["reference"] is not None and g["samples"] for g in batch["groups"])
     ack = ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(0, ids)))
-    assert ack == {"step": 1, "job_status": "running", "stop": False}
+    assert ack == {"step": 1, "job_status": "running", "stop": False, "cost_usd": 0.0}
     again = ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(0, ids)))
     assert again["step"] == 1
     metrics = ok(alice.get(f"/v1/jobs/{job['id']}/metrics"))

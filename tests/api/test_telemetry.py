@@ -104,3 +104,46 @@ def test_metrics_cover_paused_jobs_and_leave_out_finished_jobs_and_deregistered_
     workers = {dict(k)["worker"] for k in m["echo2_worker_info"]}
     assert workers == {stays_id}
     assert value(m, "echo2_jobs", status="cancelled") == value(m, "echo2_jobs", status="queued") == 1
+
+
+def _mismatch(kl: float, ess: float, clipped: float, masked: float) -> list[dict[str, Any]]:
+    """A step's mismatch rows: staleness 0 (8 tokens), 1 (4 tokens), then all 12."""
+    fresh = {"staleness": 0, "tokens": 8, "kl": kl, "ess": ess, "clipped": clipped, "masked": masked}
+    stale = {"staleness": 1, "tokens": 4, "kl": 2 * kl, "ess": ess, "clipped": 0.5, "masked": 0.0}
+    whole = {"staleness": -1, "tokens": 12, "kl": 4 * kl / 3, "ess": ess, "clipped": (8 * clipped + 2) / 12,
+             "masked": 8 * masked / 12}
+    return [fresh, stale, whole]
+
+
+def test_mismatch_series_follow_the_newest_step(api, tmp_path):
+    """The learner's mismatch rows reach /metrics (newest step, by staleness and "all"), the job's metrics,
+    and its report (pooled over the steps, token-weighted)."""
+    _, user = new_user(api)
+    folder = fake_model_folder(tmp_path / "model")
+    job, learner = running_job(api, user, folder, staleness=1)
+    jid = job["id"]
+    _, provider = new_provider(api)
+    worker_id, worker = new_worker(api, provider)
+    activate(api, worker_id, jid)
+    steps = [_mismatch(1e-4, 0.99, 0.0, 0.0), _mismatch(0.3, 0.6, 0.25, 0.125)]  # the behaviour perturbed
+    for step, rows in enumerate(steps):
+        ok(worker.post(f"/v1/workers/{worker_id}/heartbeat", json={"status": "active", "job_id": jid,
+                                                                    "version_held": step, "versions_held": [step]}))
+        lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": step}), 201)
+        ids = [ok(submit_group(worker, lease, p, step))["results"][0]["rollout_id"] for p in lease["prompts"]]
+        ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 10}))
+        ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(step, ids, staleness_hist=[1, 0],
+                                                                           mismatch=rows)))
+        publish(learner, jid, folder, version=step + 1, step=step + 1)
+        m = scrape(api)
+        for name, field in (("echo2_job_mismatch_kl", "kl"), ("echo2_job_ess", "ess"),
+                            ("echo2_job_is_clipped_ratio", "clipped"), ("echo2_job_is_masked_ratio", "masked")):
+            assert value(m, name, job=jid, staleness="0") == rows[0][field]
+            assert value(m, name, job=jid, staleness="1") == rows[1][field]
+            assert value(m, name, job=jid, staleness="all") == rows[2][field]
+    served = [m["mismatch"] for m in ok(user.get(f"/v1/jobs/{jid}/metrics"))]
+    assert served == steps
+    pooled = {r["staleness"]: r for r in ok(user.get(f"/v1/jobs/{jid}/report"))["mismatch"]}
+    assert list(pooled) == [0, 1, -1]
+    assert pooled[0]["tokens"] == 16 and pooled[0]["kl"] == (1e-4 + 0.3) / 2
+    assert pooled[-1]["masked"] == (0 + 8 * 0.125 / 12) / 2

@@ -50,7 +50,7 @@ START_ORDER = {
 }
 ONE_SHOT = {"migrate", "provision"}
 # Named in the brief for these files; server/cli.py gets them from the `echo2-server up` work (issue 6).
-PENDING_SUBCOMMANDS = {"scheduler": "Celery worker + beat", "learner-host": "Celery worker on queue `learner`"}
+PENDING_SUBCOMMANDS = {"scheduler": "Celery worker + beat", "learner-host": "Celery worker on a queue of its own"}
 
 
 def _load(path: Path) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """A real model improves on problems it never trained on, through the whole platform: the stack of
 `echo2-server up` (API, Celery scheduler, learner host, a CPU worker as real processes) runs the demo's
-SmolLM2 job (server/demo.py: two-digit addition, float32 versions) for STEPS steps, and the job's own
+SmolLM2 job (server/demo.py: two-digit addition, bf16 versions) for STEPS steps, and the job's own
 held-out evaluation (EVAL_SIZE of the problems never leased for training, one sample each at the
 job's temperature) is compared before and after. Slow: about 15 minutes on a 2-core CPU. The long
 curve is bench/smollm2_learns.py's (docs/BENCHMARKS.md)."""

@@ -4,14 +4,16 @@ A whole stack as real processes (API, Celery scheduler, learner host, Tinker lea
 worker) and the unmodified `tinker` SDK (tests/tinker/fleet_flow.py, in .venv-tinker): a LoRA training client
 saves weights for a sampler, the scheduler activates workers for the model's fleet job, and the samples the
 SDK gets are drawn by a worker. Beside it, a forger registered at the lowest price: it never loads a model,
-claims to hold whatever version it is told to, and answers every request it leases with invented tokens of
-the right shape and plausible logprobs, which pass the door. The learner host audits its groups, so:
+claims to hold whatever version it is told to (fetching from the origin only the bytes each possession
+challenge asks about), and answers every request it leases with invented tokens of the right shape and
+plausible logprobs, which pass the door. The learner host audits its groups, so:
 no forged token reaches the SDK (every sequence it got scores, under the checkpoint, as its logprobs say), the
 forger is quarantined with the evidence and paid nothing, and the honest worker is paid for what it drew.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -46,15 +48,16 @@ class Forger(threading.Thread):
         super().__init__(daemon=True)
         self.http = httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=30)
         self.worker_id, self.stop, self.results = worker_id, threading.Event(), []
-        self.rng, self.held = random.Random(0), None
+        self.rng, self.held, self.proofs = random.Random(0), None, []
 
     def run(self) -> None:
         while not self.stop.wait(0.2):
             reply = self.http.post(f"/v1/workers/{self.worker_id}/heartbeat",
-                                   json={"status": "active", "version_held": self.held}).json()
+                                   json={"status": "active", "version_held": self.held, "proofs": self.proofs}).json()
             assignment = reply.get("assignment")
             if reply.get("desired") != "active" or not assignment:
                 continue
+            self.proofs = [self._prove(assignment["job_id"], c) for c in assignment["challenges"]]
             if self.held != assignment["version"]:
                 self.held = assignment["version"]  # "downloaded" at once; the next heartbeat says it holds it
                 continue
@@ -62,6 +65,17 @@ class Forger(threading.Thread):
                                                        "version": self.held})
             if lease.status_code == 201:
                 self._forge(lease.json())
+
+    def _prove(self, job_id: str, challenge: dict) -> dict:
+        """The challenged bytes, from the chunks of the origin that hold them: proof of possession cannot tell
+        this from holding the version (docs/RELIABILITY.md); the audits must catch what it draws."""
+        base = f"/v1/jobs/{job_id}/versions/{challenge['version']}"
+        size = self.http.get(f"{base}/manifest").raise_for_status().json()["chunk_size"]
+        start, end = challenge["offset"], challenge["offset"] + challenge["length"]
+        data = b"".join(self.http.get(f"{base}/chunks/{i}").raise_for_status().content
+                        for i in range(start // size, (end - 1) // size + 1))
+        skip = start - start // size * size
+        return {**challenge, "sha256": hashlib.sha256(data[skip:skip + challenge["length"]]).hexdigest()}
 
     def _forge(self, lease: dict) -> None:
         groups = [{"prompt_id": p["prompt_id"], "version": lease["version"], "prompt_token_ids": p["token_ids"],

@@ -137,9 +137,14 @@ def test_rational_cheats_with_honest_logprobs_fail_the_replay(tiny_dir, tok, mod
     else:  # hotter: sampled at twice the job's temperature
         drawn = _generate(tiny_dir, [replace(r, temperature=r.temperature * 2) for r in requests])
         forged = [[s.token_ids for s in g] for g in drawn]
-    for (request, _), tokens in zip(honest, forged, strict=True):
+    judged = 0
+    for (request, samples), tokens in zip(honest, forged, strict=True):
+        if tokens == [t for t, _ in samples]:  # the tiny model is near uniform: twice as hot can draw the same
+            continue  # tokens from the leased seeds, and then it is the honest group
         result = run(model, request, rescored(model, request, tokens))
         assert not result.passed and result.mismatches > 0, (cheat, result)
+        judged += 1
+    assert judged >= len(honest) // 2, (cheat, judged)
 
 
 def _long(requests: list[GenRequest]) -> list[GenRequest]:

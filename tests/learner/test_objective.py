@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from learner.objective import ObjectiveConfig, group_advantages, grpo_loss, loss_denominator
+from learner.objective import ObjectiveConfig, group_advantages, grpo_loss, loss_denominator, mismatch_summary
 
 LN = math.log
 
@@ -191,3 +191,92 @@ def test_the_trainer_builds_the_optimiser_the_job_states(tiny):
     opt = GRPOTrainer(model, tok, spec).optimizer
     assert opt.defaults["betas"] == (0.9, 0.99) and opt.defaults["weight_decay"] == 0.01
     assert opt.defaults["eps"] == 1e-6 and opt.param_groups[0]["lr"] == 5e-4
+
+
+# ---- off-policy corrections (step 2b) and the mismatch statistics (step 6), by hand -------------------------
+
+def _corrected(w: list[float], adv: float, cfg: ObjectiveConfig, staleness: list[int] | None = None):
+    """One sample, one token per w: logp = 0 (logold = 0), logq = -ln w, so the weight's w is exactly w."""
+    logp = torch.zeros(1, len(w), requires_grad=True)
+    logq = torch.tensor([[-LN(x) for x in w]])
+    stale = torch.tensor([staleness or [0] * len(w)])
+    loss, stats = grpo_loss(logp, logq, torch.tensor([adv]), torch.ones(1, len(w)), stale, cfg)
+    loss.backward()
+    return loss.item(), stats, logp.grad[0].tolist()
+
+
+@pytest.mark.parametrize(
+    ("kind", "w", "v", "clipped", "masked"),
+    [
+        ("tis", 3.0, 2.0, 1.0, 0.0),  # truncated at H = 2
+        ("tis", 1.5, 1.5, 0.0, 0.0),
+        ("mis", 3.0, 0.0, 0.0, 1.0),  # above H: masked
+        ("mis", 0.25, 0.25, 0.0, 0.0),  # mis masks above only
+        ("icepop", 0.25, 0.0, 0.0, 1.0),  # below L = 0.5: masked
+        ("icepop", 0.75, 0.75, 0.0, 0.0),
+        ("icepop", 3.0, 0.0, 0.0, 1.0),
+    ],
+)
+def test_token_corrections_weight_each_token(kind, w, v, clipped, masked):
+    cfg = ObjectiveConfig(correction=kind, correction_low=0.5, correction_high=2.0)
+    loss, stats, grad = _corrected([w], 1.0, cfg)
+    # rho = exp(logp - logold) = 1 in value, so loss = -v * A and d loss / d logp = -v * A
+    assert loss == pytest.approx(-v, abs=1e-6)
+    assert grad == pytest.approx([-v], abs=1e-6)
+    assert stats["mismatch/0/clipped"] == clipped and stats["mismatch/0/masked"] == masked
+    assert stats["mismatch/0/k3"] == pytest.approx(w - LN(w) - 1, abs=1e-6)
+
+
+def test_sequence_corrections_use_the_product_of_the_tokens_weights():
+    tis = ObjectiveConfig(correction="tis", correction_level="sequence", correction_high=4.0)
+    loss, stats, grad = _corrected([2.0, 1.5], 1.0, tis)  # w = 3 <= 4: each token weighted 3, mean over 2 tokens
+    assert loss == pytest.approx(-3.0, abs=1e-6) and grad == pytest.approx([-1.5, -1.5], abs=1e-6)
+    assert stats["mismatch/0/units"] == 1.0 and stats["mismatch/0/clipped"] == 0.0
+    mis = ObjectiveConfig(correction="mis", correction_level="sequence", correction_high=2.0)
+    loss, stats, grad = _corrected([2.0, 1.5], 1.0, mis)  # w = 3 > 2: the whole sample is masked
+    assert loss == 0.0 and grad == [0.0, 0.0] and stats["mismatch/0/masked"] == 2.0
+    capped = ObjectiveConfig(correction="tis", correction_level="sequence", correction_high=2.0)
+    loss, stats, _ = _corrected([2.0, 1.5], -1.0, capped)
+    assert loss == pytest.approx(2.0, abs=1e-6) and stats["mismatch/0/clipped"] == 2.0
+
+
+def test_none_keeps_the_ratio_against_the_behaviour():
+    loss, stats, grad = _corrected([1.5], 1.0, ObjectiveConfig())  # rho = exp(0 - ln(1/1.5)) = 1.5, clipped at 1.28
+    assert loss == pytest.approx(-1.28, abs=1e-6) and grad == [0.0]
+    assert stats["mismatch/0/clipped"] == 0.0 and stats["mismatch/0/masked"] == 0.0
+    _, stale, _ = _corrected([3.0], -1.0, ObjectiveConfig(max_staleness=1), staleness=[1])
+    assert stale["mismatch/1/clipped"] == 1.0  # the ratio_cap bounded it: counted as clipped
+
+
+def test_mismatch_summary_by_staleness_by_hand():
+    cfg = ObjectiveConfig(correction="tis", correction_high=2.5, max_staleness=2)
+    _, stats, _ = _corrected([2.0, 0.5, 1.0, 4.0], 1.0, cfg, staleness=[0, 0, 1, 1])
+    rows = {r["staleness"]: r for r in mismatch_summary(stats, 2)}
+    k3 = [2 - LN(2) - 1, 0.5 + LN(2) - 1, 0.0, 4 - LN(4) - 1]
+    assert rows[0]["kl"] == pytest.approx((k3[0] + k3[1]) / 2) and rows[0]["tokens"] == 2
+    assert rows[0]["ess"] == pytest.approx(2.5 ** 2 / (2 * (4 + 0.25)))  # (sum w)^2 / (n sum w^2)
+    assert rows[1]["ess"] == pytest.approx(5.0 ** 2 / (2 * (1 + 16))) and rows[1]["clipped"] == 0.5
+    assert 2 not in rows  # no token of staleness 2
+    assert rows[-1]["kl"] == pytest.approx(sum(k3) / 4) and rows[-1]["tokens"] == 4
+    assert rows[-1]["ess"] == pytest.approx(7.5 ** 2 / (4 * (4 + 0.25 + 1 + 16)))
+    assert rows[-1]["clipped"] == 0.25 and rows[-1]["masked"] == 0.0
+
+
+def test_tokens_outside_the_replayed_support_are_masked():
+    cfg = ObjectiveConfig(correction="none")
+    logp = torch.zeros(1, 2, requires_grad=True)
+    loss, stats = grpo_loss(logp, torch.zeros(1, 2), torch.tensor([1.0]), torch.ones(1, 2), torch.tensor([0]), cfg,
+                            outside=torch.tensor([[False, True]]))
+    loss.backward()
+    assert loss.item() == pytest.approx(-0.5) and logp.grad[0].tolist() == pytest.approx([-0.5, 0.0])
+    assert stats["mismatch/0/masked"] == 1.0
+
+
+def test_forged_logprobs_cannot_overflow_the_corrections():
+    for kind in ("tis", "mis", "icepop"):
+        logp = torch.zeros(1, 1, requires_grad=True)
+        loss, stats = grpo_loss(logp, torch.tensor([[-1e4]]), torch.tensor([1.0]), torch.ones(1, 1),
+                                torch.tensor([0]), ObjectiveConfig(correction=kind))
+        loss.backward()
+        assert math.isfinite(loss.item()) and math.isfinite(logp.grad.item())
+        assert all(math.isfinite(v) for v in stats.values())

@@ -4,8 +4,20 @@ from __future__ import annotations
 
 import pytest
 import torch
+from echo2.sampler import RowSettings
 
-from learner.policy import completion_logprobs, micro_batches, pad_batch, pad_values, sample
+from learner.objective import ObjectiveConfig
+from learner.policy import (
+    Rollouts,
+    completion_logits,
+    completion_logprobs,
+    grpo_update,
+    micro_batches,
+    pad_batch,
+    pad_values,
+    sample,
+    support_logprobs,
+)
 
 
 def _naive_logprobs(model, prompt: list[int], completion: list[int], temperature: float) -> list[float]:
@@ -161,7 +173,8 @@ def test_grpo_update_steps_only_on_signal(tiny_dir):
                         [0, 0, 1, 1], [0, 0, 1, 1])
 
     flat = grpo_update(model, opt, rollouts([1.0, 1.0, 0.0, 0.0]), ObjectiveConfig(), pad_id=tok.pad_token_id)
-    assert flat == {"stepped": 0.0, "dropped_groups": 2.0, "kept_samples": 0.0, "poisoned_groups": []}
+    assert flat == {"stepped": 0.0, "dropped_groups": 2.0, "kept_samples": 0.0, "poisoned_groups": [],
+                    "mismatch": []}
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
 
     stats = grpo_update(model, opt, rollouts([1.0, 0.0, 0.0, 0.0]), ObjectiveConfig(), pad_id=tok.pad_token_id,
@@ -211,3 +224,98 @@ def test_a_group_whose_loss_is_not_finite_is_dropped_and_the_step_goes_on(tiny_d
 
     stats = _update_with(tiny_dir, forge)
     assert stats["poisoned_groups"] == [1] and stats["stepped"] == 1.0 and stats["kept_samples"] == 4.0
+
+
+def _perturbed(model, scale: float, seed: int = 0):
+    import copy
+
+    other = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in other.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * scale)
+    return other
+
+
+def _rows_from(behaviour_model, tok, stale: int = 0) -> Rollouts:
+    prompts = [tok(t)["input_ids"] for t in ["3+4=", "12+7=", "5+5=", "9+1=", "2+2=", "8+8="]]
+    out = sample(behaviour_model, prompts, max_new_tokens=6, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                 seed=3)
+    return Rollouts([list(p) for p in prompts], [s.completion_ids for s in out], [s.logprobs for s in out],
+                    [1.0, 0.0, 1.0, 0.0, 0.5, 0.0], [0, 0, 1, 1, 2, 2], [stale] * 6)
+
+
+@pytest.mark.parametrize("kind", ["tis", "mis", "icepop"])
+def test_mismatch_moves_when_the_behaviour_policy_is_perturbed(tiny, kind):
+    """Behaviour = the learner's own weights: KL 0, ESS 1, nothing clipped or masked. Behaviour = the same
+    weights plus noise (another policy): KL up, ESS down, and the correction clips (tis) or masks (mis,
+    icepop) tokens. Each statistic is reported for the staleness the rows have, and for all."""
+    import copy
+
+    model, tok = tiny
+    cfg = ObjectiveConfig(correction=kind, correction_low=0.8, correction_high=1.25, max_staleness=1)
+    seen = {}
+    for name, behaviour in (("same", model), ("perturbed", _perturbed(model, 0.05))):
+        trained = copy.deepcopy(model)
+        stats = grpo_update(trained, torch.optim.SGD(trained.parameters(), lr=0.0), _rows_from(behaviour, tok, 1),
+                            cfg, pad_id=tok.pad_token_id)
+        rows = {r["staleness"]: r for r in stats["mismatch"]}
+        assert set(rows) == {1, -1} and {**rows[1], "staleness": -1} == rows[-1]
+        seen[name] = rows[-1]
+    same, moved = seen["same"], seen["perturbed"]
+    assert same["kl"] < 1e-8 and same["ess"] == pytest.approx(1.0) and same["clipped"] == same["masked"] == 0.0
+    assert moved["kl"] > 1e-3 and moved["ess"] < 0.99
+    assert (moved["clipped"] if kind == "tis" else moved["masked"]) > 0.05
+
+
+@pytest.mark.parametrize("kind", ["tis", "mis", "icepop"])
+def test_each_correction_is_applied_in_the_update(tiny, kind):
+    """Behaviour logprobs 1 nat below the learner's (w = e > H = 2): mis and icepop mask every token, so the
+    step changes no weight; tis truncates every weight to 2, so its update is twice the uncorrected one at
+    w = 1 (with SGD, whose step is linear in the gradient)."""
+    import copy
+
+    model, tok = tiny
+    rows = _rows_from(model, tok)
+    lowered = Rollouts(rows.prompt_ids, rows.completion_ids, [[x - 1.0 for x in lp] for lp in rows.behaviour_logprobs],
+                       rows.rewards, rows.group_ids, rows.staleness)
+
+    def moved(rollouts, correction):
+        trained = copy.deepcopy(model)
+        grpo_update(trained, torch.optim.SGD(trained.parameters(), lr=1e-2), rollouts,
+                    ObjectiveConfig(correction=correction, correction_high=2.0), pad_id=tok.pad_token_id,
+                    grad_clip=None)
+        return torch.cat([(a - b).flatten() for a, b in zip(trained.parameters(), model.parameters(), strict=True)])
+
+    corrected, plain = moved(lowered, kind), moved(rows, "none")
+    assert plain.abs().max() > 0
+    if kind == "tis":
+        assert torch.allclose(corrected, 2 * plain, atol=1e-6)
+    else:
+        assert corrected.abs().max() == 0
+
+
+def test_support_replay_masks_tokens_outside_the_sampler_support(tiny):
+    """top_k = 20 of the tiny model's 96 tokens: log Z is the logsumexp of the 20 most likely tokens'
+    logprobs; tokens sampled at T = 1 from the whole vocabulary fall outside it in part, get weight 0 and are
+    counted as masked."""
+    import copy
+
+    model, tok = tiny
+    rows = _rows_from(model, tok)
+    trained = copy.deepcopy(model)
+    stats = grpo_update(trained, torch.optim.SGD(trained.parameters(), lr=0.0), rows, ObjectiveConfig(),
+                        pad_id=tok.pad_token_id, support=(20, 1.0))
+    batch = pad_batch(rows.prompt_ids, rows.completion_ids, tok.pad_token_id)
+    with torch.no_grad():
+        lp, log_mass, outside = support_logprobs(model, batch, RowSettings.of([(1.0, 20, 1.0)], "cpu"))
+        full = torch.log_softmax(completion_logits(model, batch, 1.0), dim=-1)
+    real = batch.completion_mask > 0
+    expected = torch.logsumexp(full.topk(20, dim=-1).values, dim=-1)
+    assert torch.allclose(log_mass[real], expected[real], atol=1e-5)
+    targets = batch.input_ids[:, -batch.completion_len:]
+    rank = (full > full.gather(-1, targets.unsqueeze(-1))).sum(-1)  # tokens more likely than the one drawn
+    assert torch.equal(outside, (rank >= 20) & real)
+    whole = stats["mismatch"][-1]
+    assert 0 < whole["masked"] < 1
+    assert whole["masked"] == pytest.approx(float(outside.sum()) / float(real.sum()), abs=1e-6)

@@ -4,7 +4,10 @@ reports in order (pipeline.py), versions published as keyframes and deltas (publ
 
 from __future__ import annotations
 
+import hashlib
+
 import torch
+from echo2.possession import read_range
 from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit, StepAck, StepReport, WeightsConfig
 
 from learner.parallel import Solo
@@ -71,3 +74,23 @@ def test_the_publisher_publishes_keyframes_and_deltas_to_an_in_process_sink(tmp_
     before, after = sink.version_files(0), sink.version_files(1)  # version 1 as its delta rebuilds it
     assert [f.path for f in before] == [f.path for f in after] and before != after
     assert (tmp_path / "published" / "v1" / "delta").is_dir() and publisher.published == 2
+
+
+def test_probes_are_drawn_where_a_version_differs_from_the_one_before(tmp_path, tiny):
+    model, tok = tiny
+    sink = LocalWeights(tmp_path / "published")
+    publisher = Publisher(sink, Weights(model, tok, torch.float32), tmp_path / "publish", chunk_size=64 * 1024,
+                          config=WeightsConfig(delta=False))
+    for v in range(2):
+        state = Solo().model_state(model)
+        for name in [n for n in state if n.startswith("model.layers.1.")]:  # about half the bytes change
+            state[name] += v
+        publisher.submit(v, v, state)
+        publisher.wait()
+    publisher.close()
+    folders, files = [tmp_path / "published" / f"v{v}" / "full" for v in range(2)], sink.version_files(1)
+    assert len(sink.probes[0]) == len(sink.probes[1]) == 32
+    for p in sink.probes[1]:  # the answer is in version 1's copy, and in no copy of version 0
+        data = read_range(folders[1], files, p.offset, p.length)
+        assert hashlib.sha256(data).hexdigest() == p.sha256 and p.length == 4096
+        assert read_range(folders[0], files, p.offset, p.length) != data

@@ -16,6 +16,16 @@ from tests.factories import learner_for, new_user, ok
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
+PHASES = [f"its learner is starting: {phase}" for phase in (
+    "preparing the base model echo2:tiny (a built-in is converted once)", "loading the model",
+    "publishing the first version for the workers", "evaluating on")]
+
+
+def _in_order(seen: list[str], phases: list[str]) -> bool:
+    """Each reason seen is one of the phases (an evaluation names its prompt count), in the learner's order."""
+    at = [next((i for i, p in enumerate(phases) if s.startswith(p)), -1) for s in seen]
+    return -1 not in at and at == sorted(at)
+
 
 def test_a_starting_learner_heartbeats_and_says_what_it_does(api, tmp_path):
     _, alice = new_user(api)
@@ -34,9 +44,9 @@ def test_a_starting_learner_heartbeats_and_says_what_it_does(api, tmp_path):
         if got["version"] is not None or not thread.is_alive():
             break
         time.sleep(0.02)
-    # heartbeats every 50 ms: the phases that take longer than that on the tiny model are seen
-    assert seen[0] == "its learner is starting: preparing the base model echo2:tiny (a built-in is converted once)"
-    assert len(seen) >= 2 and all(s.startswith("its learner is starting: ") for s in seen), seen
+    # Heartbeats every 50 ms: which phases outlast one beat depends on the machine's load, but what
+    # is seen is said in the learner's order, and the job is never silent while it starts.
+    assert seen and _in_order(seen, PHASES), seen
     ok(alice.post(f"/v1/jobs/{job['id']}/cancel"))  # its token is revoked: it stops at its next call
     thread.join(60)
     plane.close()

@@ -14,6 +14,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from learner.tasks import (
+    ScoringError,
     TaskAdapter,
     TaskError,
     TaskItemError,
@@ -298,16 +299,20 @@ def test_http_reward_against_a_real_server(verifier_url, caplog):
     assert task.reward(prompt, "flaky", params) == 0.0
     assert len(_Verifier.calls) == n + 3
 
-    for bad in ("garbage", "nan", "string", "missing"):
+    for bad, why in (("garbage", "not a finite number"), ("nan", "not a finite number"),
+                     ("string", "'{\"reward\": \"high\"}', not a finite number"), ("missing", "answered HTTP 404")):
         n = len(_Verifier.calls)
-        assert task.reward(prompt, bad, params) is None
+        with pytest.raises(ScoringError, match=why):
+            task.reward(prompt, bad, params)
         assert len(_Verifier.calls) == n + 1  # not retried
     n = len(_Verifier.calls)
-    assert task.reward(prompt, "broken", params) is None
+    with pytest.raises(ScoringError, match=r"gave no answer after 3 tries: HTTP 5\d\d"):
+        task.reward(prompt, "broken", params)
     assert len(_Verifier.calls) == n + 3  # 5xx: retried max_retries times, then given up
     started = time.perf_counter()
     hasty = task.parse_params({"url": verifier_url, "timeout_s": 0.3, "max_retries": 2, "backoff_s": 0.01})
-    assert task.reward(prompt, "slow", hasty) is None  # timeout: 3 tries of 0.3 s, not 3 of the 1 s answer
+    with pytest.raises(ScoringError, match="gave no answer after 3 tries"):  # timeout: 3 tries of 0.3 s, not
+        task.reward(prompt, "slow", hasty)  # 3 of the 1 s answer
     assert time.perf_counter() - started < 2.9
     assert any("giving up" in r.getMessage() for r in caplog.records)
     assert any("not a finite number" in r.getMessage() for r in caplog.records)
@@ -316,7 +321,8 @@ def test_http_reward_against_a_real_server(verifier_url, caplog):
 def test_http_reward_unreachable_and_bad_params():
     task = get_task("http_reward")
     params = task.parse_params({"url": "http://127.0.0.1:9/x", "timeout_s": 0.2, "max_retries": 1, "backoff_s": 0})
-    assert task.reward(TaskPrompt(text="p"), "c", params) is None
+    with pytest.raises(ScoringError, match="ConnectError"):
+        task.reward(TaskPrompt(text="p"), "c", params)
     for bad in ({"url": "ftp://example.com/x"}, {"url": "not a url"}, {}, {"url": "http://h.io", "max_retries": 9}):
         with pytest.raises(TaskParamsError):
             task.parse_params(bad)
@@ -368,7 +374,8 @@ def test_an_endpoint_that_sends_too_much_or_drips_is_cut_off(hostile_url, name):
             with pytest.raises(TaskError, match=why):
                 task.new_episode(prompt, params).step("guess")
         else:
-            assert task.reward(prompt, "c", params) is None
+            with pytest.raises(ScoringError, match=why):
+                task.reward(prompt, "c", params)
         assert time.monotonic() - started < most_s, path
 
 def test_guess_number_is_a_real_multi_turn_episode():

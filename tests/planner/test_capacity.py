@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 from planner.capacity import (
@@ -122,6 +123,7 @@ def test_per_job_measurements_override_defaults():
     w = worker(mu=1.0, perf_by_job={"j2": WorkerPerf(mu=0.25, t_gen_s=30.0, t_bcast_s=50.0)})
     assert w.perf_for("j1") == WorkerPerf(1.0, 4.0, 5.0)
     assert w.perf_for("j2").mu == 0.25
+    assert (w.mu_for("j1"), w.mu_for("j2")) == (1.0, 0.25)
     assert not qualify(w, job(job_id="j2")).ok
 
 
@@ -130,6 +132,14 @@ def test_estimate_bcast_is_pipelined():
     t = estimate_bcast_s(8e9, down_bps=125e6, relay_bps=1e9, depth=3, chunk_bytes=16e6, hop_latency_s=0.05)
     assert t == pytest.approx(64 + 3 * (0.128 + 0.05))
     assert estimate_bcast_s(8e9, 0.0, 1e9, 1, 16e6) == math.inf
+    assert type(t) is float
+
+
+def test_estimate_bcast_of_a_fleet_in_one_call_is_each_workers_own():
+    down = [125e6, 1e9, 5e9, 0.0]
+    fleet = estimate_bcast_s(8e9, np.array(down), 1e9, np.array([3, 1, 2, 1]), 16e6, 0.05)
+    each = [estimate_bcast_s(8e9, d, 1e9, depth, 16e6, 0.05) for d, depth in zip(down, [3, 1, 2, 1], strict=True)]
+    assert fleet.tolist() == each  # to the last bit: the simulator's decisions must not move
 
 
 def test_jobs_sort_by_priority_then_submission():

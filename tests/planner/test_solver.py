@@ -5,11 +5,13 @@ from __future__ import annotations
 import json
 import random
 from dataclasses import replace
+from itertools import combinations
 
 import pytest
 
 from planner.capacity import JobProfile, WorkerPerf, WorkerProfile, required_throughput
 from planner.decision import Action, Decision, SolverConfig, SolverState
+from planner.selection import _can_beat, _greedy, _undominated, candidates
 from planner.solver import decide
 
 
@@ -56,6 +58,46 @@ def test_milp_never_worse_than_greedy_on_random_pools():
         exact = decide([j], ws, 0.0, config=SolverConfig(method="milp"))
         assert exact.jobs[0].feasible == greedy.jobs[0].feasible
         assert cost(exact) <= cost(greedy) + 1e-9
+
+
+def small_pools(seed: int, mus: tuple[float, ...], prices: tuple[float, ...]):
+    """Pools of 12 workers for one job, some locked by their dwell time: (pairs, demand, greedy's cost, the
+    sets that meet the demand, each as its pairs)."""
+    rng = random.Random(seed)
+    for _ in range(30):
+        ws = [w(f"w{i}", rng.choice(mus) * rng.uniform(0.9, 1.1), rng.choice(prices) * rng.uniform(0.9, 1.1))
+              for i in range(12)]
+        locked = {f"w{i}" for i in range(12) if rng.random() < 0.15}
+        state = SolverState(assignment={x: "j1" for x in locked}, activated_at={x: 0.0 for x in locked})
+        j = job(rollouts_per_step=rng.randint(20, 100))
+        pairs = candidates([j], ws, 1.0, state, SolverConfig()).fresh["j1"]
+        demand = required_throughput(j)
+        if sum(p.mu for p in pairs) >= demand:
+            sets = [c for size in range(len(pairs) + 1) for c in combinations(pairs, size)
+                    if all(p in c for p in pairs if p.locked) and sum(p.mu for p in c) >= demand]
+            yield pairs, demand, sum(p.cost for p in _greedy(pairs, demand)), sets
+
+
+def test_reduced_cost_fixing_keeps_every_worker_of_a_set_no_dearer_than_greedy():
+    """The columns LP reduced-cost fixing spares the MILP are ones no set costing at most greedy's holds."""
+    pruned = 0
+    for pairs, demand, upper, sets in small_pools(3, (0.1, 1.0, 2.0), (0.1, 1.5, 3.0)):
+        kept = _can_beat(pairs, demand, upper)
+        assert all(p in kept for c in sets if sum(p.cost for p in c) <= upper for p in c)
+        pruned += len(pairs) - len(kept)
+    assert pruned > 0
+
+
+def test_dominated_workers_leave_the_milp_without_raising_the_cheapest_set():
+    """A worker that enough others are at least as cheap and as fast as leaves the MILP; the cheapest set
+    costs the same without it (near-identical workers, as on a large fleet)."""
+    pruned = 0
+    for pairs, _, upper, sets in small_pools(5, (0.5, 1.0), (0.5, 1.0)):
+        kept = _undominated(pairs, upper)
+        cheapest = min(sum(p.cost for p in c) for c in sets)
+        assert min(sum(p.cost for p in c) for c in sets if all(p in kept for p in c)) == cheapest
+        pruned += len(pairs) - len(kept)
+    assert pruned > 0
 
 
 def test_freshness_excludes_the_cheapest_worker_when_its_broadcast_is_slow():

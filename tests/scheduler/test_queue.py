@@ -52,7 +52,8 @@ def test_a_multi_gpu_learner_holds_a_slot_per_gpu(api):
     third = _job(alice, "third", learner={"gpus": 4})
     _, launched = run_tick(api, slots=4)
     assert [j for j, _ in launched] == [small]
-    assert "its 4-GPU learner needs 4 free learner slots (3 of 4 free)" in _get(alice, third)["status_reason"]
+    assert ("its 4-GPU learner needs 4 free slot(s) on one host (the most free on one host: 3; 3 of 4 free in all)"
+            in _get(alice, third)["status_reason"])
 
 
 def test_without_a_learner_host_jobs_wait_and_say_so(api):

@@ -122,7 +122,7 @@ def test_errors_are_one_line(api, alice):
     statement = one_line_error(echo2("providers", "statement", url=url, key=ADMIN_KEY))
     assert "403" in statement and "name the provider with --provider PROVIDER_ID" in statement
     missing = echo2("datasets", "upload", "d", "/nonexistent.jsonl", url=url, key=key)
-    assert "No such file" in one_line_error(missing)
+    assert one_line_error(missing) == "echo2: error: /nonexistent.jsonl does not exist"
     assert echo2("jobs", "frobnicate").returncode == 2
 
 

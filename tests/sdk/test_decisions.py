@@ -23,7 +23,7 @@ from .test_cli import echo2, one_line_error
 def reconcile(api: Api) -> None:
     """One reconcile tick on the live control plane's database, as the scheduler process runs it."""
     with api.db.session() as session:
-        tick(session, api.server.settings, lambda job, token: None)
+        tick(session, api.server.settings, lambda job, token, placement: None)
 
 
 @dataclass

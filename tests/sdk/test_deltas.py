@@ -49,7 +49,7 @@ def versions(tmp_path):
 def test_a_delta_rebuilds_the_target_bit_for_bit_and_is_small(tmp_path, versions):
     v0, v1 = versions
     manifest = delta_manifest(v0, v1, tmp_path / "d1")
-    assert [f.path for f in manifest.files] == ["model.safetensors.xor.zst"]  # config.json did not change
+    assert [f.path for f in manifest.files] == ["model.safetensors.sparse.zst"]  # config.json did not change
     full = sum(f.size for f in file_refs(v1))
     assert manifest.total_size < 0.2 * full
     out = apply_delta(manifest, tmp_path / "d1", folder(v0, 0), tmp_path / "rebuilt")
@@ -62,7 +62,7 @@ def test_a_changed_config_travels_whole(tmp_path, versions):
     v0, v1 = versions
     (v1 / "config.json").write_text(json.dumps({"model_type": "qwen2", "note": "a longer config file"}))
     manifest = delta_manifest(v0, v1, tmp_path / "d1")
-    assert sorted(f.path for f in manifest.files) == ["config.json.zst", "model.safetensors.xor.zst"]
+    assert sorted(f.path for f in manifest.files) == ["config.json.zst", "model.safetensors.sparse.zst"]
     out = apply_delta(manifest, tmp_path / "d1", folder(v0, 0), tmp_path / "rebuilt")
     assert (out / "config.json").read_bytes() == (v1 / "config.json").read_bytes()
 
@@ -95,7 +95,7 @@ def test_a_corrupt_or_oversized_payload_is_refused(tmp_path, versions):
 
     v0, v1 = versions
     manifest = delta_manifest(v0, v1, tmp_path / "d1")
-    payload = tmp_path / "d1" / "model.safetensors.xor.zst"
+    payload = tmp_path / "d1" / "model.safetensors.sparse.zst"
     payload.write_bytes(b"not zstd at all")
     with pytest.raises(DeltaError, match="corrupt zstd payload"):
         apply_delta(manifest, tmp_path / "d1", folder(v0, 0), tmp_path / "rebuilt")
@@ -103,3 +103,38 @@ def test_a_corrupt_or_oversized_payload_is_refused(tmp_path, versions):
     payload.write_bytes(zstandard.ZstdCompressor().compress(b"\0" * (size + 10_000_000)))  # a bomb
     with pytest.raises(DeltaError):
         apply_delta(manifest, tmp_path / "d1", folder(v0, 0), tmp_path / "rebuilt")
+
+
+def test_a_sparse_patch_is_sized_by_the_words_that_changed(tmp_path):
+    """k changed bf16 words cost about 6k bytes before compression, whatever the file's size; a file where
+    more than an eighth of the words changed goes as XOR + zstd instead; both rebuild bit for bit."""
+    gen = torch.Generator().manual_seed(0)
+    v0 = {"w": (torch.randn(1024, 1024, generator=gen) * 0.02).to(torch.bfloat16)}
+    sparse = {"w": v0["w"].clone()}
+    sparse["w"].view(-1)[::1000] += 1.0  # 1,049 of 1,048,576 words
+    dense = {"w": (v0["w"].float() * 1.01).to(torch.bfloat16)}  # most words
+    base = weights_folder(tmp_path / "v0", v0)
+    for name, tensors, form in (("sparse", sparse, ".sparse.zst"), ("dense", dense, ".xor.zst")):
+        target = weights_folder(tmp_path / name, tensors)
+        manifest = delta_manifest(base, target, tmp_path / f"d-{name}")
+        assert [f.path for f in manifest.files] == ["model.safetensors" + form]
+        if name == "sparse":
+            assert manifest.total_size < 6 * 1049 + 100
+        out = apply_delta(manifest, tmp_path / f"d-{name}", folder(base, 0), tmp_path / f"rebuilt-{name}")
+        assert (out / "model.safetensors").read_bytes() == (target / "model.safetensors").read_bytes()
+
+
+def test_a_forged_sparse_patch_is_refused(tmp_path, versions):
+    import zstandard
+    from echo2.deltas import SPARSE_MAGIC
+
+    v0, v1 = versions
+    manifest = delta_manifest(v0, v1, tmp_path / "d1")
+    payload = tmp_path / "d1" / "model.safetensors.sparse.zst"
+    size = (v1 / "model.safetensors").stat().st_size
+    outside = SPARSE_MAGIC + (1).to_bytes(8, "little") + (size).to_bytes(4, "little") + b"\x01\x00"
+    short = SPARSE_MAGIC + (5).to_bytes(8, "little") + b"\x01" * 7
+    for forged in (outside, short):
+        payload.write_bytes(zstandard.ZstdCompressor().compress(forged))
+        with pytest.raises(DeltaError, match="patch"):
+            apply_delta(manifest, tmp_path / "d1", folder(v0, 0), tmp_path / "rebuilt")

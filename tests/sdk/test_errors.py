@@ -99,13 +99,14 @@ def test_wrong_kind_of_caller_is_permission_denied(alice):
         alice.client.providers.me()
 
 
-def test_oversized_upload_is_payload_too_large(api, alice, tmp_path):
+def test_an_upload_over_the_body_limit_goes_in_parts_and_a_body_over_it_is_payload_too_large(api, alice, tmp_path):
     limit = api.server.settings.max_body_bytes
     big = tmp_path / "big.jsonl"
     line = json.dumps({"question": "x" * 1000, "answer": "1"}) + "\n"
     big.write_text(line * (limit // len(line) + 10))
+    assert alice.client.datasets.upload("big", big).num_items == limit // len(line) + 10
     with pytest.raises(PayloadTooLargeError) as info:
-        alice.client.datasets.upload("big", big)
+        alice.client.datasets.create("big", [{"question": "x" * 30_000}] * (limit // 30_000 + 10))
     assert info.value.status == 413 and info.value.errors[0].field == "body"
 
 

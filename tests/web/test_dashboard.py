@@ -15,7 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
-from api.models import Decision
+from api.models import Decision, Job
+from api.services.jobs import pause_job
 from scheduler.reconcile import tick
 from tests.conftest import ADMIN_KEY
 from tests.factories import (
@@ -57,8 +58,10 @@ def train_step(api: Any, job: dict[str, Any], learner: httpx.Client, worker: htt
     ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 10}))
     beat = {"step": step, "busy_s": 3.0 + step, "wall_s": 4.0 + step}
     ok(learner.post(f"/v1/jobs/{jid}/learner/heartbeat", json=beat))
+    whole = {"staleness": -1, "tokens": 24, "kl": 0.002 * (step + 1), "ess": 0.99 - 0.1 * step, "clipped": 0.0,
+             "masked": 0.05 * step}
     report = step_report(step, ids, t_train_s=0.5, reward_mean=reward, loss=0.3 - 0.05 * step, kl=0.01 * step,
-                         clip_frac=0.05, tokens=24)
+                         clip_frac=0.05, tokens=24, mismatch=[{**whole, "staleness": 0}, whole])
     ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=report))
     publish_forms(learner, jid, forms(root, step + 1, full=step + 1 != 2))
     held = {"status": "active", "job_id": jid, "version_held": step + 1}
@@ -68,7 +71,7 @@ def train_step(api: Any, job: dict[str, Any], learner: httpx.Client, worker: htt
 def reconcile(api: Any) -> None:
     """One scheduler tick on the live control plane's database (activation decisions are recorded)."""
     with api.db.session() as session:
-        tick(session, api.server.settings, lambda job, token: None)
+        tick(session, api.server.settings, lambda job, token, placement: None)
 
 
 @pytest.fixture
@@ -200,8 +203,11 @@ def test_reward_chart_gains_points_as_the_job_trains(api, ui, training):
     assert re.search(r"3 points; at step 2: mean reward 0\.7", chart.locator(".plot").get_attribute("aria-label"))
     expect_text(ui, "#sum-step", "3 / 5")
     expect_text(ui, "#sum-reward", "0.7")
-    for name in ("util", "rps", "kl", "cost"):
+    for name in ("util", "rps", "kl", "mismatch", "cost"):
         ui.page.locator(f'figure[data-chart="{name}"][data-points="3"]').wait_for()
+    mismatch = ui.page.locator('figure[data-chart="mismatch"] .plot').get_attribute("aria-label")
+    assert re.search(r"at step 2: mismatch KL 0\.006, KL, fresh \(t − x = 0\) 0\.006, ESS 0\.79, clipped 0, "
+                     r"masked 0\.1\.", mismatch), mismatch
     for step, greedy in ((0, 0.1), (3, 0.6)):  # the learner's held-out evaluations
         ok(training["learner"].post(f"/v1/jobs/{job['id']}/learner/evals", json={
             "step": step, "version": step, "prompts": 10, "greedy_accuracy": greedy, "sampled_accuracy": 0.5,
@@ -346,6 +352,23 @@ def test_a_paused_job_says_why_and_raising_its_budget_queues_it_again(api, ui, t
     got = ok(alice.get(f"/v1/jobs/{job['id']}"))
     assert got["status"] == "queued" and got["spec"]["budget_usd"] == 100
     ui.audit()
+
+
+def test_a_job_its_reward_paused_says_why_and_resumes_from_its_page(api, ui, tmp_path):
+    key, alice = user_key(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    with api.db.session() as s:  # what commit_step does after reward_failures_to_pause unscored groups in a row
+        pause_job(s, s.get_one(Job, job["id"]), "reward", "paused at step 0: 16 groups in a row could not be "
+                  "scored by task arithmetic (last: http://x/ answered HTTP 503)")
+        s.commit()
+    ui.login(key)
+    ui.goto(f"/jobs/{job['id']}")
+    expect_text(ui, "#job-status", "paused")
+    expect_text(ui, "#job-reason", "16 groups in a row could not be scored")
+    ui.page.get_by_role("button", name="Resume job").click()
+    expect_text(ui, "#job-status", "queued")
+    assert ok(alice.get(f"/v1/jobs/{job['id']}"))["status"] == "queued"
+    assert ui.page.get_by_role("button", name="Resume job").is_hidden()
 
 
 def test_download_a_checkpoint(api, ui, training, tmp_path):

@@ -8,7 +8,8 @@ import pytest
 
 from web import STATIC
 
-PAGES = ["/login", "/jobs", "/jobs/new", "/jobs/job_123", "/workers", "/workers/w-1", "/provider", "/admin"]
+PAGES = ["/login", "/jobs", "/jobs/new", "/jobs/job_123", "/jobs/job_123/steps/4", "/workers", "/workers/w-1",
+         "/provider", "/admin"]
 
 
 @pytest.mark.parametrize("path", PAGES)
@@ -35,7 +36,8 @@ def test_ids_in_page_paths_are_checked(api):
 
 def test_pages_stay_out_of_the_api_schema(api):
     paths = api.admin.get("/openapi.json").json()["paths"]
-    pages = {"/", "/login", "/jobs", "/jobs/new", "/jobs/{job_id}", "/workers", "/workers/{worker_id}", "/provider",
+    pages = {"/", "/login", "/jobs", "/jobs/new", "/jobs/{job_id}", "/jobs/{job_id}/steps/{step}",
+             "/workers", "/workers/{worker_id}", "/provider",
              "/admin"}
     assert not pages & set(paths) and not any(p.startswith("/static") for p in paths)
 

@@ -69,9 +69,9 @@ class JobSetup:
         return self.job["id"]
 
 
-def start_job(api: Api, model_dir: Path, **overrides: Any) -> JobSetup:
+def start_job(api: Api, model_dir: Path, *, probes: bool = False, **overrides: Any) -> JobSetup:
     _, user = new_user(api)
-    job, learner = running_job(api, user, model_dir, **(JOB | overrides))
+    job, learner = running_job(api, user, model_dir, probes=probes, **(JOB | overrides))
     body = ok(api.admin.post("/v1/providers", json={"name": "gpu-co"}), 201)
     provider = api.client(body["token"])
     return JobSetup(job, learner, provider, body["token"])

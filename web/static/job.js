@@ -35,6 +35,9 @@ E2.page("job", () => {
     const reason = $("#job-reason");
     reason.hidden = !job.status_reason;
     reason.textContent = job.status_reason || "";
+    const traces = $("#job-traces");
+    traces.hidden = job.step === 0;
+    traces.href = `/jobs/${encodeURIComponent(job.id)}/steps/${Math.max(0, job.step - 1)}`;
     setText("#sum-step", `${job.step} / ${spec.max_steps} steps `);
     Object.assign($("#sum-progress"), { max: spec.max_steps, value: job.step });
     setText("#sum-reward", fmt.num(job.reward_mean));
@@ -52,6 +55,7 @@ E2.page("job", () => {
       : job.started_at ? ["started ", timeEl(job.started_at, true)] : ["not started"]));
     $("#cancel").hidden = TERMINAL.has(job.status);
     $("#budget-form").hidden = TERMINAL.has(job.status);
+    $("#resume").hidden = !(job.status === "paused" && job.paused_for === "reward");
     const budget = $("#budget-usd");
     if (document.activeElement !== budget) budget.value = spec.budget_usd ?? "";
     $("#download").disabled = job.version === null || job.version === undefined;
@@ -69,6 +73,18 @@ E2.page("job", () => {
       $("#download").focus();
     } catch (err) {
       setText("#download-status", "Could not cancel: " + err.message);
+    }
+    poller.now();
+  });
+
+  // A job its task paused (its groups could not be scored) is resumed by its owner once the task is fixed.
+  $("#resume").addEventListener("click", async () => {
+    try {
+      job = await api(base + "/resume", { method: "POST" });
+      renderJob();
+      E2.announce(`Job ${job.name} resumed: it is ${job.status}.`);
+    } catch (err) {
+      setText("#download-status", "Could not resume: " + err.message);
     }
     poller.now();
   });
@@ -168,6 +184,16 @@ E2.page("job", () => {
       kl: E2Charts.line(fig("kl"), {
         series: [{ label: "KL", color: "#c2410c" }, { label: "clip fraction", color: "#0e7490", scale: "y2" }],
       }),
+      mismatch: E2Charts.line(fig("mismatch"), {
+        series: [
+          { label: "mismatch KL", color: "#c2410c" },
+          { label: "KL, fresh (t − x = 0)", color: "#f59e0b", width: 1, dash: [4, 4] },
+          { label: "ESS", color: "#1f6feb", scale: "y2" },
+          { label: "clipped", color: "#0e7490", scale: "y2", dash: [2, 3] },
+          { label: "masked", color: "#7c3aed", scale: "y2", dash: [6, 3] },
+        ],
+        y: { min: 0 },
+      }),
       cost: E2Charts.line(fig("cost"), {
         series: [{ label: "total USD", color: "#b91c1c" }], time: true, y: { min: 0 },
         format: (v) => (v === null || v === undefined ? "–" : "$" + Number(v.toPrecision(3))),
@@ -184,6 +210,10 @@ E2.page("job", () => {
     charts.util.set([steps, col((m) => m.learner_utilization)]);
     charts.rps.set([steps, col((m) => m.rollouts_per_s)]);
     charts.kl.set([steps, col((m) => m.kl), col((m) => m.clip_frac)]);
+    // mismatch rows: one per staleness, then the whole step's (staleness -1)
+    const mm = (m, s, key) => { const r = (m.mismatch || []).find((x) => x.staleness === s); return r ? r[key] : null; };
+    charts.mismatch.set([steps, col((m) => mm(m, -1, "kl")), col((m) => mm(m, 0, "kl")), col((m) => mm(m, -1, "ess")),
+      col((m) => mm(m, -1, "clipped")), col((m) => mm(m, -1, "masked"))]);
     const costed = metrics.filter((m) => m.cost_usd !== null);
     charts.cost.set([costed.map((m) => new Date(m.created_at).getTime() / 1000), costed.map((m) => m.cost_usd)]);
     drawStaleness();
@@ -306,7 +336,9 @@ E2.page("job", () => {
     return h("li", { class: "rollout", dataset: { key: r.id } },
       h("div", { class: "rollout-meta" },
         badge(r.status), ` version ${r.version}`,
-        r.trained_step !== null ? ` · trained at step ${r.trained_step}` : "",
+        r.trained_step !== null ? [" · trained at step ", h("a", {
+          href: `/jobs/${encodeURIComponent(r.job_id)}/steps/${r.trained_step}#rollout-${encodeURIComponent(r.id)}`,
+          title: "Its trace, token by token" }, String(r.trained_step))] : "",
         " · worker ", h("a", { href: "/workers/" + encodeURIComponent(r.worker_id) }, h("code", {}, r.worker_id.slice(0, 12))),
         " · ", timeEl(r.created_at, true)),
       r.reason ? h("p", { class: "muted" }, r.reason) : null,

@@ -146,6 +146,7 @@ def _join(args: argparse.Namespace) -> int:
 
     control = ControlPlane(server)
     try:
+        check_version(control, server, backend_name)
         body = _registration(args, server, provider_token, gpus, backend_name, relay.url if relay else None,
                              platform.node())
         worker_id, worker_token, reg = _register_or_reuse(control, creds, saved, body, provider_token, args.new)
@@ -173,6 +174,33 @@ def _join(args: argparse.Namespace) -> int:
         control.close()
         if relay is not None:
             relay.stop()
+
+
+def check_version(control: Any, server: str, backend: str) -> None:
+    """Refuse to join a control plane of another version, saying what to install: the protocol is released with
+    the platform, and the control plane serves the worker of its own version (its package index)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    import echo2
+    from echo2 import errors
+
+    try:
+        platform = control.platform_version()
+    except errors.NotFoundError:  # a control plane from before /v1/version: nothing to compare with
+        log.warning("%s does not say its version (it predates /v1/version); joining anyway", server)
+        return
+    try:
+        mine = {"echo2-worker": version("echo2-worker"), "echo2": echo2.__version__}
+    except PackageNotFoundError:  # run from a source tree without installing: the tree is what it is
+        return
+    wrong = {name: have for name, have in mine.items() if platform.packages.get(name, platform.version) != have}
+    if wrong:
+        extra = "vllm" if backend == "vllm" else "cpu"
+        have = ", ".join(f"{name} {v}" for name, v in wrong.items())
+        raise ValueError(f"this machine has {have}, but {server} runs Echo2 {platform.version}: install its "
+                         f"version with  pip install --upgrade --index-url {platform.index_url} "
+                         f"'echo2-worker[{extra}]=={platform.version}' 'echo2=={platform.version}'")
+    log.info("the control plane runs Echo2 %s, as this worker does", platform.version)
 
 
 def _start_relay(cls: Any, store: Any, bind: str, port: int, host: str, cap: float | None, stats: Any) -> Any:

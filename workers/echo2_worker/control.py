@@ -25,6 +25,7 @@ from echo2.protocol import (
     LeaseRead,
     LeaseRequest,
     Manifest,
+    PlatformVersion,
     RolloutSubmit,
     RolloutSubmitResult,
     VersionNotice,
@@ -67,6 +68,9 @@ class ControlPlane:
 
     def deregister(self, worker_id: str) -> None:
         self._call("DELETE", f"/v1/workers/{worker_id}", None)
+
+    def platform_version(self) -> PlatformVersion:
+        return self._call("GET", "/v1/version", PlatformVersion)
 
     def get_worker(self, worker_id: str) -> WorkerRead:
         return self._call("GET", f"/v1/workers/{worker_id}", WorkerRead)

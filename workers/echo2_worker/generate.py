@@ -42,7 +42,7 @@ class Generator:
         backend = self.versions.backend
         assert backend is not None
         sampling = lease.sampling
-        prompt_ids = [p.token_ids or encode_prompt(self.versions.tokenizer, p.text) for p in prompts]
+        prompt_ids = [p.token_ids or encode_prompt(self.versions.tokenizer, p.text, p.context) for p in prompts]
         if lease.episode is not None:
             yield self._play(prompts, prompt_ids, lease, lease.episode)
             return

@@ -1,7 +1,9 @@
 """The worker's presence in the fleet. A thread reports liveness, status, progress, the versions held and
 bad relay sources every interval (even while a long generation runs) and at once when asked
 (`beat_now`: a download completed, a version was announced), and keeps the control plane's latest
-reply, which says what to work on. `leave` deregisters.
+reply, which says what to work on. A reply that challenges a version held (`Assignment.challenges`:
+prove you hold it) is answered from the copy on disk in a beat sent at once, so a new version costs
+one more round trip before its first lease, not an interval. `leave` deregisters.
 """
 
 from __future__ import annotations
@@ -46,8 +48,9 @@ class BadSources:
 
 
 class Heartbeats:
-    """`status` is written by the main thread. `_reply_lock` guards `_reply`, written here and read by the
-    main and notice threads; `_reported` (what the last beat said the worker holds) is replaced whole."""
+    """`status` is written by the main thread. `_reply_lock` guards `_reply` and `_reported` (what the last
+    beat said the worker holds, less what its reply still challenges: what it may lease at), written here
+    and read by the main and notice threads; `_reported` is replaced whole, so it is also read unlocked."""
 
     def __init__(self, control: ControlPlane, worker_id: str, interval_s: float, versions: Versions, stats: Stats,
                  bad_sources: BadSources, *, on_reply: Callable[[], None],
@@ -58,6 +61,7 @@ class Heartbeats:
         self._reply: HeartbeatReply | None = None
         self._reply_lock = threading.Lock()
         self._reported: tuple[str | None, frozenset[int]] = (None, frozenset())
+        self._asked: frozenset[tuple[int, int, int]] = frozenset()  # the last reply's challenges
         self._now = threading.Event()  # set to beat before the interval is up
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="echo2-heartbeat", daemon=True)
@@ -103,7 +107,8 @@ class Heartbeats:
         return (a.job_id, a.version) if a is not None else None
 
     def await_reported(self, held: VersionKey, stop: threading.Event, timeout: float = 10.0) -> bool:
-        """A lease is granted only at a version a heartbeat reported: after a download, beat and wait for it."""
+        """A lease is granted only at a version a heartbeat reported and, if challenged, proved: after a
+        download, beat (and answer) and wait for it."""
         job_id, version = held
         deadline = time.monotonic() + timeout
         while self._reported[0] != job_id or version not in self._reported[1]:
@@ -120,13 +125,11 @@ class Heartbeats:
             try:
                 body = self._body()
                 reply = self.control.heartbeat(self.worker_id, body)
-                self._reported = (body.job_id, frozenset(body.versions_held))
+                self._received(body, reply)
                 if failures:
                     log.info("control plane reachable again")
                 failures = 0
                 interval = reply.heartbeat_interval_s
-                with self._reply_lock:
-                    self._reply = reply
                 self._on_reply()
             except errors.AuthenticationError as exc:
                 self._on_gone(WorkerGone(f"the control plane no longer accepts this worker's token ({exc.status}); "
@@ -139,9 +142,22 @@ class Heartbeats:
             self._now.wait(interval)
             self._now.clear()
 
+    def _received(self, body: Heartbeat, reply: HeartbeatReply) -> None:
+        """Keep the reply; beat again at once when it challenges anew (the last one asked something else)."""
+        asked = frozenset((c.version, c.offset, c.length) for c in reply.assignment.challenges) \
+            if reply.assignment is not None else frozenset()
+        with self._reply_lock:
+            self._reply = reply
+            self._reported = (body.job_id, frozenset(body.versions_held) - {v for v, _, _ in asked})
+        if asked - self._asked:
+            self._now.set()  # a challenge answered a whole interval later would hold the first lease back
+        self._asked = asked
+
     def _body(self) -> Heartbeat:
         bad = self._bad.take()
         job, held = self.versions.holdings()
+        a = self.assignment()
+        proofs = self.versions.prove(job, a.challenges if a is not None and a.job_id == job else [])
         return Heartbeat(status=self.status, job_id=job, version_held=max(held) if held else None,
                          versions_held=held, stats=self.stats.worker_stats(), bad_sources=bad,
-                         fetched_from=self.versions.take_fetched()[:16])
+                         fetched_from=self.versions.take_fetched()[:16], proofs=proofs)

@@ -24,7 +24,8 @@ from typing import Any
 
 from echo2 import errors
 from echo2.deltas import DeltaError, apply_delta, files_digest
-from echo2.protocol import Assignment, Fetched, FetchStep, Form, Manifest
+from echo2.possession import answer
+from echo2.protocol import Assignment, Challenge, Fetched, FetchStep, Form, Manifest, Proof
 from echo2.transport import RetryPolicy
 
 from .backends import GenerationBackend
@@ -96,6 +97,20 @@ class Versions:
         loaded, target = self.loaded, self.target
         job = loaded[0] if loaded else target[0] if target else None
         return job, self.store.held(job)[-8:] if job else []
+
+    def prove(self, job_id: str | None, challenges: list[Challenge]) -> list[Proof]:
+        """Answers to the control plane's possession challenges, each read from this worker's copy of the
+        version; one no longer on disk (deleted since the last beat) goes unanswered."""
+        proofs = []
+        for c in challenges[:8]:
+            folder = self.store.loadable(job_id, c.version) if job_id is not None else None
+            if folder is None:
+                continue
+            try:
+                proofs.append(answer(folder.path, folder.files, c))
+            except (OSError, ValueError) as exc:
+                log.warning("could not prove holding version %d: %s", c.version, exc)
+        return proofs
 
     def _swap(self, a: Assignment) -> None:
         job_id, version = a.job_id, a.version

@@ -1,15 +1,18 @@
-"""`echo2 jobs ...`: submit, list, get, cancel, budget, watch, metrics, report, explain."""
+"""`echo2 jobs ...`: submit, list, get, cancel, resume, budget, watch, metrics, report, explain."""
 
 from __future__ import annotations
 
 import argparse
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .common import PROG, Parser, UsageError, connect, key_value, print_json
 from .render import describe, num, table
 from .spec import spec_from_args
 from .watch import mean_staleness, report_line, watch
+
+if TYPE_CHECKING:
+    from ..protocol import StepMetrics
 
 
 def add_jobs(groups: Any, conn: Parser) -> Any:
@@ -26,7 +29,9 @@ def add_jobs(groups: Any, conn: Parser) -> Any:
     lst.add_argument("--json", action="store_true", help="print the page as JSON")
     lst.set_defaults(func=_list)
 
-    for action, helptext, func in (("get", "show a job", _get), ("cancel", "cancel a job", _cancel)):
+    for action, helptext, func in (("get", "show a job", _get), ("cancel", "cancel a job", _cancel),
+                                   ("resume", "resume a job its task paused (its groups could not be scored), once "
+                                              "the task is fixed", _resume)):
         p = jc.add_parser(action, parents=[conn], help=helptext)
         p.add_argument("job_id", metavar="JOB_ID")
         p.add_argument("--json", action="store_true", help="print the job as JSON")
@@ -155,6 +160,16 @@ def _cancel(args: argparse.Namespace) -> int:
     return 0
 
 
+def _resume(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        job = client.jobs.resume(args.job_id)
+    if args.json:
+        print_json(job)
+    else:
+        print(f"job {job.id} {job.status.value}: its learner resumes from step {job.step}")
+    return 0
+
+
 def _budget(args: argparse.Namespace) -> int:
     usd = None if args.usd.lower() == "none" else _usd(args.usd)
     with connect(args) as client:
@@ -185,11 +200,16 @@ def _metrics(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([m.model_dump(mode="json") for m in rows], indent=2))
         return 0
-    table(["STEP", "REWARD", "LOSS", "KL", "CLIP", "STALENESS", "T_TRAIN", "UTIL", "COST"],
+    table(["STEP", "REWARD", "LOSS", "KL", "CLIP", "STALENESS", "MISMATCH_KL", "ESS", "T_TRAIN", "UTIL", "COST"],
           [[m.step, num(m.reward_mean), num(m.loss), num(m.kl), num(m.clip_frac),
-            num(mean_staleness(m), 2), num(m.t_train_s, 2), num(m.learner_utilization, 2),
+            num(mean_staleness(m), 2), *_mismatch_cells(m), num(m.t_train_s, 2), num(m.learner_utilization, 2),
             "-" if m.cost_usd is None else f"${m.cost_usd:.4f}"] for m in rows])
     return 0
+
+
+def _mismatch_cells(m: StepMetrics) -> list[str]:
+    whole = next((r for r in m.mismatch if r.staleness < 0), None)
+    return ["-", "-"] if whole is None else [f"{whole.kl:.2g}", f"{whole.ess:.3f}"]
 
 
 def _report(args: argparse.Namespace) -> int:

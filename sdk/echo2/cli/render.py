@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -50,3 +51,27 @@ def describe(job: JobRead) -> None:
     width = max(len(k) for k, _ in rows)
     for key, value in rows:
         print(f"{key:<{width}}  {value}")
+
+
+class ProgressBar:
+    """A progress bar on stderr: redrawn in place on a terminal, a line every 10% elsewhere."""
+
+    def __init__(self, label: str, width: int = 30) -> None:
+        self.label, self.width, self.shown = label, width, -1
+        self.tty = sys.stderr.isatty()
+
+    def update(self, done: int, total: int) -> None:
+        share = done / total if total else 1.0
+        tenth = int(share * 10)
+        if not self.tty and tenth == self.shown:
+            return
+        self.shown = tenth
+        filled = int(share * self.width)
+        line = (f"{self.label} [{'#' * filled}{'.' * (self.width - filled)}] {share:4.0%} "
+                f"{done / 2**20:.1f}/{total / 2**20:.1f} MiB")
+        sys.stderr.write(("\r" + line) if self.tty else line + "\n")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        if self.tty and self.shown >= 0:
+            sys.stderr.write("\n")

@@ -11,7 +11,7 @@ from .render import num
 
 if TYPE_CHECKING:
     from ..client import Client
-    from ..protocol import EvalRead, JobRead, JobReport, StepMetrics
+    from ..protocol import EvalRead, JobRead, JobReport, MismatchStats, StepMetrics
 
 
 def watch(client: Client, job_id: str, interval: float, timeout: float | None) -> int:
@@ -21,9 +21,11 @@ def watch(client: Client, job_id: str, interval: float, timeout: float | None) -
     latest: StepMetrics | None = None
     held_out: list[EvalRead] = []
     shown = ""
+    said = ""  # the last pause reason printed
     job: JobRead | None = None
     try:
         for job in client.jobs.follow(job_id, poll_interval=interval, timeout=timeout):
+            said = _say_pause(job, said, tty)
             if latest is None or job.step > latest.step + 1:
                 fresh = client.jobs.metrics(job_id, since_step=0 if latest is None else latest.step + 1)
                 latest = fresh[-1] if fresh else latest
@@ -47,6 +49,14 @@ def watch(client: Client, job_id: str, interval: float, timeout: float | None) -
     return _finish(client, job_id, job)
 
 
+def _say_pause(job: JobRead, said: str, tty: bool) -> str:
+    """A paused job's reason, on a line of its own once (the watch goes on: the job may be resumed)."""
+    reason = f"job {job.id} paused: {job.status_reason}" if job.status.value == "paused" and job.status_reason else ""
+    if reason and reason != said:
+        print(("\r\033[K" if tty else "") + reason, flush=True)
+    return reason
+
+
 def _finish(client: Client, job_id: str, job: JobRead) -> int:
     """The job's outcome and report; exit status 0 only if it succeeded."""
     reason = f" ({job.status_reason})" if job.status_reason else ""
@@ -62,7 +72,7 @@ def report_line(r: JobReport) -> str:
     stale = "-" if r.stale_fraction is None else f"{r.stale_fraction:.1%}"
     return (f"learner busy {r.learner_busy_s:.0f}s of {r.learner_wall_s:.0f}s ({util}); groups: "
             f"{r.rollouts.generated} generated, {r.rollouts.trained} trained, {r.rollouts.waiting} waiting; "
-            f"rejected: {rejected}; stale {stale}\n{_held_out_line(r)}")
+            f"rejected: {rejected}; stale {stale}\n{_held_out_line(r)}\n{mismatch_text(r.mismatch)} (all steps)")
 
 
 def _held_out_line(r: JobReport) -> str:
@@ -86,9 +96,20 @@ def _progress(job: JobRead, m: StepMetrics | None, held_out: EvalRead | None = N
         f"reward {num(job.reward_mean)}",
         f"held-out {num(held_out.greedy_accuracy)} (step {held_out.step})" if held_out else "held-out -",
         f"staleness {num(stale, 2)} (S={job.spec.staleness})",
+        mismatch_text(m.mismatch if m is not None else []),
         f"cost ${job.cost.total_usd:.4f}",
     ]
     return "  ".join(parts)
+
+
+def mismatch_text(rows: list[MismatchStats]) -> str:
+    """The mismatch of all the step's tokens (staleness -1), and the KL of each staleness beside it."""
+    whole = next((r for r in rows if r.staleness < 0), None)
+    if whole is None:
+        return "mismatch -"
+    by = " ".join(f"s{r.staleness} {r.kl:.2g}" for r in rows if r.staleness >= 0)
+    return (f"mismatch kl {whole.kl:.2g} ({by}) ess {whole.ess:.2f} clipped {whole.clipped:.1%} "
+            f"masked {whole.masked:.1%}")
 
 
 def _without_cost(line: str) -> str:

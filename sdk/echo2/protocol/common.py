@@ -91,7 +91,8 @@ class FieldError(ReadModel):
 class JobStatus(StrEnum):
     queued = "queued"  # waiting for a learner slot or for its owner's quota (see status_reason)
     running = "running"
-    paused = "paused"  # its budget ran out (resumes when raised) or its owner's daily quota did (by itself)
+    paused = "paused"  # its budget ran out (resumes when raised), its owner's daily quota did (by itself), or its
+    # task could not score its groups (resumed by its owner: POST /v1/jobs/{id}/resume)
     succeeded = "succeeded"
     failed = "failed"
     cancelled = "cancelled"
@@ -176,9 +177,10 @@ class RejectKind(StrEnum):
     refused_by_learner = "refused_by_learner"  # tokens that do not fit the model, or a poisoned loss
     sender_shut_out = "sender_shut_out"  # still queued when its sender was quarantined or banned
     environment_failed = "environment_failed"  # a multi-turn task's environment raised or timed out
+    reward_failed = "reward_failed"  # the learner's task could not score it (endpoint down, exception, timeout)
 
     def fault(self) -> Fault:
-        if self in (RejectKind.stale_at_claim, RejectKind.environment_failed):
+        if self in (RejectKind.stale_at_claim, RejectKind.environment_failed, RejectKind.reward_failed):
             return Fault.platform
         if self in (RejectKind.lease_ended, RejectKind.stale_at_submit):
             return Fault.late

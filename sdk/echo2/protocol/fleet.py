@@ -16,13 +16,14 @@ from .common import (
     NoNul,
     Price,
     ReadModel,
+    Sha256,
     ShortText,
     TrustState,
     Url,
     Version,
     WorkerStatus,
 )
-from .weights import Form
+from .weights import PROBE_BYTES, Form
 
 Label = Annotated[str, StringConstraints(max_length=64), NoNul]
 
@@ -118,6 +119,15 @@ class WorkerRegistered(ReadModel):
     lease_ttl_s: float
 
 
+class PlatformVersion(ReadModel):
+    """What a control plane runs, and where a worker of the same version installs from (its package index)."""
+
+    version: str = Field(description="The platform's version (echo2-server).")
+    packages: dict[str, str] = Field(description="Each distribution it serves, by name, at its version.")
+    index_url: str = Field(description="Its PEP 503 package index: `pip install --index-url INDEX_URL "
+                           "'echo2-worker[cpu]'`.")
+
+
 class BadSource(Model):
     url: Url
     reason: ShortText
@@ -139,12 +149,33 @@ class WorkerStats(Model):
     last_download_s: float | None = Field(None, ge=0, le=1e6, description="Time to fetch the last version.")
 
 
+class Challenge(ReadModel):
+    """Prove that you hold `version`: hash these bytes of your copy (echo2.possession.answer)."""
+
+    version: int
+    offset: int
+    length: int
+
+
+class Proof(Model):
+    """The answer to a Challenge: the sha256 of its bytes, read from the worker's copy of the version."""
+
+    version: Version
+    offset: int = Field(ge=0, le=2**42)
+    length: int = Field(ge=1, le=PROBE_BYTES)
+    sha256: Sha256
+
+
 class Heartbeat(Model):
     status: WorkerStatus = WorkerStatus.idle
     job_id: Id | None = None
     version_held: Version | None = None
     versions_held: list[Version] = Field(default_factory=list, max_length=8, description="Every complete version "
-                                         "of the job on disk: a lease is granted only at a version reported here.")
+                                         "of the job on disk: a lease is granted only at a version reported here "
+                                         "(and proven, when the reply challenged it).")
+    proofs: list[Proof] = Field(default_factory=list, max_length=8, description="Answers to the challenges of the "
+                                "last reply. A wrong answer is a strike; one that answers no open challenge is "
+                                "ignored.")
     stats: WorkerStats = Field(default_factory=WorkerStats)
     bad_sources: list[BadSource] = Field(default_factory=list, max_length=32)
     fetched_from: list[Fetched] = Field(default_factory=list, max_length=16,
@@ -192,6 +223,10 @@ class Assignment(ReadModel):
     lora_rank: int | None = Field(None, description="Rank of the adapter the job trains (LoRA jobs): every version "
                                   "after the first is an adapter on version 0, so a backend that must be built "
                                   "for adapters (vLLM) can be from the first version on.")
+    challenges: list[Challenge] = Field(default_factory=list, description="One per version of the job your last "
+                                        "heartbeat listed in `versions_held` but has not proven: answer each in "
+                                        "`proofs` of your next heartbeat (at once). No lease at a version until "
+                                        "then.")
 
 
 class HeartbeatReply(ReadModel):

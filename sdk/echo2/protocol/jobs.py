@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
@@ -45,6 +45,23 @@ class LrSchedule(StrEnum):
     cosine = "cosine"  # likewise, along a half cosine
 
 
+class Correction(StrEnum):
+    """An importance-sampling correction for the gap between the policy that sampled (the behaviour
+    logprobs workers report) and the one the learner trains (learner/objective.py, step 2b). w is the
+    ratio of the learner's probability of a token, on the weights it publishes and before the step, to the
+    behaviour probability; its gradient is not taken."""
+
+    none = "none"  # the ratio against the behaviour logprobs, capped for stale samples (ratio_cap)
+    tis = "tis"  # truncated IS: weight min(w, high)
+    mis = "mis"  # masked IS: weight w where w <= high, else 0 (the token or sequence is dropped)
+    icepop = "icepop"  # two-sided mask: weight w where low <= w <= high, else 0
+
+
+class CorrectionLevel(StrEnum):
+    token = "token"  # w of each token
+    sequence = "sequence"  # w of a sample: the product of its tokens' w, applied to all of them
+
+
 class GRPOConfig(Model):
     group_size: int = Field(8, ge=2, le=64, description="G: samples generated per prompt.")
     prompts_per_step: int = Field(16, ge=1, le=1024, description="Prompt groups per learner step (R).")
@@ -59,6 +76,24 @@ class GRPOConfig(Model):
     temperature: float = Field(1.0, ge=0.05, le=2.0)
     top_p: float = Field(1.0, gt=0, le=1.0)
     top_k: int = Field(0, ge=0, le=100_000, description="Sample from the k most likely tokens only (0: all).")
+    correction: Correction = Field(Correction.none, description=(
+        "Off-policy correction. `none`: PPO's ratio rho = exp(min(logp - logq, log ratio_cap)) against the "
+        "behaviour logprobs logq (cap for stale samples only). Otherwise the learner's own logprobs before the "
+        "step, on the weights it publishes (logp_old), are the ratio's denominator, rho = exp(logp - logp_old), "
+        "and each token's loss is multiplied by c(w), w = exp(logp_old - logq) (per token, or per sample: "
+        "exp(sum of the sample's logp_old - logq)): `tis` c = min(w, correction_high); `mis` c = w if "
+        "w <= correction_high else 0; `icepop` c = w if correction_low <= w <= correction_high else 0."))
+    correction_level: CorrectionLevel = Field(CorrectionLevel.token, description="Apply the correction to "
+                                              "each token's w, or to each sample's (the product of its tokens').")
+    correction_low: float = Field(0.5, gt=0, le=1.0, description="`icepop`: tokens (samples) with w below this "
+                                  "are masked.")
+    correction_high: float = Field(2.0, ge=1.0, le=1e4, description="`tis`: w is truncated to this; `mis`, "
+                                   "`icepop`: tokens (samples) with w above it are masked.")
+    support_replay: bool = Field(False, description="With top-k/top-p sampling, take the learner's logprob of a "
+                                 "token over the support the sampler drew from, replayed on the learner's logits "
+                                 "(echo2.sampler.support): log p(y) - log sum_{i in support} p(i), so the gradient "
+                                 "is the truncated policy's; a token outside the replayed support gets weight 0 "
+                                 "(counted as masked). Needs top_k > 0 or top_p < 1.")
     micro_batch_tokens: int = Field(
         16_384, ge=64, le=1_048_576, description="Padded tokens per forward pass; gradient accumulation beyond."
     )
@@ -71,6 +106,16 @@ class GRPOConfig(Model):
     adam_eps: float = Field(1e-8, gt=0, le=1e-2)
     weight_decay: float = Field(0.0, ge=0, le=1.0, description="AdamW's decoupled weight decay.")
     max_grad_norm: float = Field(1.0, gt=0, le=1e6, description="Gradient clipping norm.")
+
+    def check_correction(self) -> None:
+        """Refuse a correction the learner would not have the inputs for (JobSpec's validation calls it)."""
+        if self.support_replay and self.top_k == 0 and self.top_p >= 1.0:
+            raise ValueError("grpo.support_replay replays the sampler's top-k/top-p support, and this job samples "
+                             "from the whole vocabulary (top_k 0, top_p 1): there is no support to replay; set "
+                             "top_k or top_p, or support_replay false")
+        if self.correction is Correction.icepop and self.correction_low >= self.correction_high:
+            raise ValueError(f"grpo.correction `icepop` keeps w in [correction_low, correction_high]; "
+                             f"{self.correction_low} >= {self.correction_high} keeps nothing")
 
 
 class EvalConfig(Model):
@@ -91,16 +136,27 @@ class WeightDtype(StrEnum):
     float16 = "float16"
 
 
+class Rounding(StrEnum):
+    """How the learner's float32 master weights become the published (and computed-on) weights."""
+
+    nearest = "nearest"  # round to nearest, ties to even: the plain cast
+    dithered = "dithered"  # stochastic rounding with a random threshold fixed per weight (bfloat16 only)
+
+
 class WeightsConfig(Model):
-    """How versions are published. The learner keeps float32 master weights and optimiser state
-    whatever the published dtype; workers load what is published."""
+    """How versions are published. The learner keeps float32 master weights and optimiser state whatever the
+    published dtype, and computes its forward on the masters rounded to the published dtype: the policy it
+    trains is the one workers sample, and every update that changes a published weight reaches them."""
 
     dtype: WeightDtype = Field(WeightDtype.auto, description="dtype of the published weights; `auto` is the base "
-                               "model's own (bfloat16 for most released models, float32 for `echo2:tiny`). A "
-                               "bf16 version moves a weight only once the learner's float32 copy has moved half "
-                               "a bf16 step from it: with small learning rates (≲ 1e-5) on a bf16 base, the "
-                               "policy workers sample can stay frozen for tens of steps, and a job that must "
-                               "learn in few steps should publish float32 (measured in docs/BENCHMARKS.md).")
+                               "model's own (bfloat16 for most released models, float32 for `echo2:tiny`).")
+    rounding: Rounding = Field(Rounding.nearest, description="How masters become published weights. `nearest`: "
+                               "the plain cast; a weight moves once its master has moved half a bf16 step. "
+                               "`dithered` (bfloat16 versions): the master plus a random fraction of a step fixed "
+                               "per weight, truncated; a weight moves once its master passes its own threshold, "
+                               "so on average the published weights move as far as the masters, and still only "
+                               "the weights that crossed change from one version to the next. With `auto` on a "
+                               "base whose own dtype is not bfloat16, nearest.")
     delta: bool = Field(True, description="Publish each version after the first also as a delta against the one "
                         "before it: workers holding that one fetch only what changed.")
     keyframe_every: int = Field(10, ge=1, le=10_000, description="Every K-th publication (and the first and the "
@@ -125,7 +181,11 @@ class LoraConfig(Model):
 
 class LearnerResources(Model):
     gpus: int = Field(0, ge=0, le=64, description="GPUs on the reserved learner cluster (0 = CPU). More than 1 "
-                      "runs the learner as torchrun with FSDP, one process per GPU (CPU processes without CUDA).")
+                      "runs the learner as torchrun with FSDP, one process per GPU (CPU processes without CUDA), "
+                      "LoRA or full fine-tuning. The learner starts only where this many slots are free on one "
+                      "learner host (a slot is a GPU), each GPU at least the job's estimated memory need; a job "
+                      "that no registered learner host could hold is refused at submission (422, with the "
+                      "numbers).")
     device: Device = Device.auto
     price_per_hour: Price | None = Field(
         None, description="Reserved learner price in $/h; the server default applies when omitted."
@@ -144,6 +204,35 @@ class WorkerNeeds(Model):
                                     "with headroom.")
     backends: list[Backend] = Field(default_factory=list, max_length=4, description="Generation backends accepted "
                                     "(empty: any).")
+
+
+class TrackerKind(StrEnum):
+    wandb = "wandb"
+    mlflow = "mlflow"
+
+
+TrackerText = Annotated[str, StringConstraints(min_length=1, max_length=256), NoNul]
+
+
+class TrackingConfig(Model):
+    """Stream the job's metrics to an experiment tracker, from the learner host: every step's training metrics
+    (reward, loss, KL, clipping, tokens, groups, staleness, learner utilisation) and cost, and every held-out
+    evaluation. Its credentials stay on the learner host (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...), never in a
+    spec. A resumed job goes on in the same run. Needs `echo2-server[trackers]` on the learner host."""
+
+    kind: TrackerKind = Field(description="`wandb` (Weights & Biases) or `mlflow`.")
+    project: TrackerText = Field(description="The W&B project, or the MLflow experiment.")
+    run_name: TrackerText | None = Field(None, description="The run's name (default: the job's name and id).")
+    uri: TrackerText | None = Field(None, description="MLflow: the tracking URI as the learner host reaches it "
+                                    "(http://..., sqlite:///path, or file:///path with MLFLOW_ALLOW_FILE_STORE=true "
+                                    "there); W&B: the server's base URL (default: the host's own setting).")
+    mode: Literal["online", "offline"] = Field("online", description="W&B: `offline` writes the run to `dir` on the "
+                                               "learner host only (`wandb sync` uploads it later).")
+    dir: TrackerText | None = Field(None, description="W&B: the folder its run directory goes in, on the learner "
+                                    "host (default: the learner's work folder).")
+    entity: TrackerText | None = Field(None, description="W&B: the team or user the run belongs to.")
+    tags: list[Annotated[str, StringConstraints(min_length=1, max_length=64), NoNul]] = Field(
+        default_factory=list, max_length=16)
 
 
 class PromptIn(Model):
@@ -189,6 +278,17 @@ class JobSpec(Model):
     lora: LoraConfig | None = Field(None, description="Train a LoRA adapter instead of the full model.")
     workers: WorkerNeeds = Field(default_factory=WorkerNeeds)
     checkpoint_every: int = Field(10, ge=1, le=100_000, description="Learner checkpoint period in steps.")
+    tracking: TrackingConfig | None = Field(None, description="Stream the job's metrics to Weights & Biases or "
+                                            "MLflow from the learner host.")
+    trace_logprobs: bool = Field(True, description="The learner records its own logprob of every token it trains "
+                                 "on, beside the worker's, for rollout traces (GET /v1/jobs/{id}/rollouts/{rollout}): "
+                                 "one forward pass without gradients per step, about a third of a step's compute "
+                                 "(single-process learners).")
+    reward_failures_to_pause: int = Field(
+        16, ge=1, le=100_000, description="Pause the job (paused_for `reward`, the reason in status_reason) once this "
+        "many claimed groups in a row could not be scored by its task (an http_reward endpoint down, an exception, a "
+        "timeout). Such a group is never trained; its worker is paid (the platform's fault) and its prompt returns to "
+        "the pool. A step with no unscored group starts the count again; POST /v1/jobs/{id}/resume resumes the job.")
     seed: int = Field(0, ge=0, le=2**31 - 1)
     priority: int = Field(0, ge=-100, le=100, description="Higher first when jobs compete for workers.")
 
@@ -201,8 +301,14 @@ class JobSpec(Model):
             )
         if self.dataset_id is not None and self.prompts is not None:
             raise ValueError("give either dataset_id or inline prompts, not both")
-        if self.lora is not None and self.learner.gpus > 1:
-            raise ValueError("a LoRA job runs its learner in one process: set learner.gpus to 0 or 1")
+        if self.weights.rounding is Rounding.dithered and self.learner.gpus > 1:
+            raise ValueError("weights.rounding `dithered` needs a single-process learner (with FSDP the masters are "
+                             "cast to the published dtype as they are gathered, to nearest): set learner.gpus to "
+                             "0 or 1, or rounding to `nearest`")
+        dtype = self.weights.dtype
+        if self.weights.rounding is Rounding.dithered and dtype not in (WeightDtype.auto, WeightDtype.bfloat16):
+            raise ValueError(f"weights.rounding `dithered` applies to bfloat16 versions, not {dtype.value}")
+        self.grpo.check_correction()
         return self
 
     def admissible(self, step: int, version: int) -> bool:
@@ -251,10 +357,16 @@ class JobRead(ReadModel):
                                       "for), paused, or how it ended.")
     queue_position: int | None = Field(None, description="A queued job's place among those waiting for a learner "
                                        "(1 = next).")
-    paused_for: str | None = Field(None, description="A paused job's cause: `budget` (raise it to resume) or "
-                                   "`quota` (the owner's daily spending; it resumes by itself).")
+    paused_for: str | None = Field(None, description="A paused job's cause: `budget` (raise it to resume), "
+                                   "`quota` (the owner's daily spending; it resumes by itself) or `reward` (its task "
+                                   "could not score its groups: fix the task's endpoint, then POST "
+                                   "/v1/jobs/{id}/resume).")
     memory_need_gb: float | None = Field(None, description="GiB a worker needs to be activated for the job: "
                                          "`workers.memory_gb`, or derived from its first version.")
+    learner_memory_gib: float | None = Field(None, description="GiB each of its learner's GPUs needs, estimated "
+                                             "at submission from the model's config (POST /v1/jobs:estimate "
+                                             "gives the parts); its learner starts only on GPUs that large. "
+                                             "Null when the model's config was not at hand.")
     spec: JobSpec
     step: int = Field(description="Learner steps completed (the current policy version counter t).")
     version: int | None = Field(description="Latest published weight version, if any.")
@@ -271,6 +383,7 @@ class PromptRead(ReadModel):
     id: int
     index: int
     text: str
+    context: list[dict[str, str]] | None = Field(None, description="A chat item's turns before `text`.")
     reference: str | None
     state: str
     epoch: int

@@ -7,8 +7,9 @@ from typing import Annotated
 
 from pydantic import Field, StringConstraints
 
-from .common import JobStatus, Model, Precision, ReadModel, ShortText, Step
+from .common import JobStatus, Logprob, Model, Precision, ReadModel, ShortText, Step
 from .jobs import JobRead
+from .metrics import MismatchStats
 from .rollouts import SampleSubmit
 
 RolloutId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
@@ -36,6 +37,8 @@ class ClaimedGroup(ReadModel):
     rollout_id: str
     prompt_id: int
     prompt_text: str
+    prompt_context: list[dict[str, str]] | None = Field(None, description="A chat item's turns before prompt_text "
+                                                        "(LeasedPrompt.context).")
     reference: str | None
     version: int
     worker_id: str
@@ -69,6 +72,9 @@ class LearnerBatch(ReadModel):
 class RolloutRewards(Model):
     rollout_id: RolloutId
     rewards: list[Reward | None] = Field(max_length=64)
+    learner_logprobs: list[Annotated[list[Logprob], Field(max_length=16_384)]] | None = Field(
+        None, max_length=64, description="The learner's own logprob of each completion token of each sample, under "
+        "the weights the step started from (rollout traces); absent when the job does not trace them.")
 
 
 class RolloutRejection(Model):
@@ -108,6 +114,11 @@ class StepReport(Model):
         default_factory=list, max_length=4096,
         description="Claimed rollouts not trained: failed audit, poisoned loss, tokens that do not fit the model. "
         "They are rejected as the sender's fault and their prompts return to the pool.")
+    unscored: list[RolloutRejection] = Field(
+        default_factory=list, max_length=4096,
+        description="Claimed rollouts the task could not score (its endpoint down, an exception, a timeout): not "
+        "trained, never the sender's fault (it is paid as for work the platform could not use), and their prompts "
+        "return to the pool. A job whose groups keep failing pauses (JobSpec.reward_failures_to_pause).")
     audits: list[AuditReport] = Field(default_factory=list, max_length=4096)
     audit_s: float = Field(0.0, ge=0, le=86_400, description="Learner seconds spent auditing in this step.")
     rewards: list[RolloutRewards] = Field(default_factory=list, max_length=4096)
@@ -117,8 +128,12 @@ class StepReport(Model):
     loss: float | None = Field(None, ge=-1e9, le=1e9)
     kl: float | None = Field(None, ge=-1e9, le=1e9)
     clip_frac: float | None = Field(None, ge=0, le=1)
-    groups_dropped: int = Field(0, ge=0, le=4096, description="Groups whose rewards were all equal.")
+    groups_dropped: int = Field(0, ge=0, le=4096, description="Groups trained on that taught nothing: their "
+                                "rewards were all equal (zero advantage), or their loss was not finite.")
     staleness_hist: list[int] = Field(default_factory=list, max_length=65, description="Index = t - x.")
+    mismatch: list[MismatchStats] = Field(default_factory=list, max_length=66, description="Behaviour policy "
+                                          "against the learner's, per staleness with tokens, then all of the "
+                                          "step's tokens (staleness -1).")
     tokens: int = Field(0, ge=0, le=10**10)
 
 
@@ -127,6 +142,7 @@ class StepAck(ReadModel):
     job_status: JobStatus
     stop: bool = Field(description="True when the learner should stop: the job was cancelled, paused (budget or "
                        "quota; a new learner resumes it) or reached max_steps.")
+    cost_usd: float | None = Field(None, description="What the job has cost so far (learner and workers).")
 
 
 class LearnerHeartbeat(Model):
@@ -150,6 +166,7 @@ class EvalPrompt(ReadModel):
 
     id: int
     text: str
+    context: list[dict[str, str]] | None = None
     reference: str | None
 
 
@@ -161,6 +178,9 @@ class EvalReport(Model):
     sampled_accuracy: float | None = Field(None, ge=0, le=1)
     sampled_reward_mean: float | None = Field(None, ge=-1e6, le=1e6)
     seconds: float = Field(ge=0, le=86_400)
+    greedy_answers: list[Annotated[str, StringConstraints(max_length=4096)]] | None = Field(
+        None, max_length=4096, description="Each held-out prompt's greedy answer, in the order of the prompts "
+        "(GET /v1/jobs/{id}/prompts?held_out=true).")
 
 
 class FinishOutcome(StrEnum):

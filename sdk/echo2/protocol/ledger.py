@@ -84,6 +84,34 @@ class EstimateWorker(ReadModel):
     fresh: bool = Field(description="Meets the freshness rule (T_bcast + T_gen within the slack).")
 
 
+class LearnerMemory(ReadModel):
+    """What each of a job's learner GPUs must hold, estimated from its model's config before it runs (weights
+    and optimiser state sharded over `gpus` under FSDP; the reference model whole on each). An estimate: a
+    few GiB either way (allocator, kernels' workspaces); compared with the learner hosts' GPUs at submission."""
+
+    per_gpu_gib: float = Field(description="GiB each GPU needs: the sum of the parts below.")
+    gpus: int = Field(description="GPUs it is spread over: max(1, learner.gpus).")
+    params: int = Field(description="Parameters of the model.")
+    trainable: int = Field(description="Parameters trained: all of them, or the LoRA adapter's.")
+    weights_gib: float = Field(description="float32 weights (the master copy; with LoRA, the frozen base and "
+                               "the adapter), this GPU's share.")
+    gradients_gib: float = Field(description="float32 gradients of the trained parameters, this GPU's share.")
+    optimizer_gib: float = Field(description="AdamW's two float32 moments of the trained parameters, this "
+                                 "GPU's share.")
+    reference_gib: float = Field(description="The float32 reference model of the KL penalty (grpo.kl_coef > 0), "
+                                 "whole on every GPU; 0 without.")
+    gathered_gib: float = Field(description="FSDP's gathered full layers during a pass (more than one GPU).")
+    activations_gib: float = Field(description="Activations kept for the backward pass and the completion "
+                                   "logits, at grpo.micro_batch_tokens shared over the GPUs (less with "
+                                   "learner.activation_checkpointing).")
+    runtime_gib: float = Field(description="CUDA context and kernels.")
+    source: str = Field(description="Where the model's sizes came from.")
+    largest_gpu_gib: float | None = Field(None, description="The largest GPU of the registered learner hosts with "
+                                          "at least `gpus` GPUs; null when none is registered.")
+    fits: bool | None = Field(None, description="A registered learner host can hold it; null when that is not "
+                              "known (no learner host with GPUs registered) or it does not compute on a GPU.")
+
+
 class JobEstimate(ReadModel):
     """A job's cost estimated before it runs: learner time from earlier similar jobs, the workers the
     capacity rule would activate now, and the assumptions in words."""
@@ -107,3 +135,5 @@ class JobEstimate(ReadModel):
     workers_usd: float
     cost_usd: float
     assumptions: list[str] = Field(description="What the figures assume, in words.")
+    learner_memory: LearnerMemory | None = Field(None, description="What each learner GPU must hold; null when "
+                                                 "the model's config is not at hand on the control plane.")

@@ -118,12 +118,28 @@ class Manifest(Model):
         return self
 
 
+PROBE_BYTES = 4096  # the longest probe: a range this long of a trained version almost surely changed since the last
+
+
+class Probe(Model):
+    """A range of a version's bytes (its model folder as one stream: Manifest.target_files() in order) and the
+    sha256 of those bytes: a secret of the control plane, which challenges workers with the range."""
+
+    offset: int = Field(ge=0, le=2**42)
+    length: int = Field(ge=1, le=PROBE_BYTES)
+    sha256: Sha256
+
+
 class VersionPublish(Model):
     """A version's forms, published together (announced once both are stored)."""
 
     full: Manifest | None = Field(None, description="The whole model folder (a keyframe); required for the first "
                                   "version.")
     delta: Manifest | None = Field(None, description="The delta against the version published before it.")
+    probes: list[Probe] = Field(default_factory=list, max_length=64, description="Secret ranges of the version's "
+                                "model folder (echo2.possession): a worker is leased this version only once it "
+                                "hashed one of them from its copy. Never shown back. Without probes a worker "
+                                "holds the version when its heartbeat says so.")
 
     @model_validator(mode="after")
     def _forms(self) -> VersionPublish:
@@ -159,10 +175,11 @@ class VersionRead(ReadModel):
                             "rollout can use any more is deleted unless it is the final (or newest) one or kept by "
                             "the server's ECHO2_KEEP_VERSIONS_EVERY; its row and timings stay.")
     workers_targeted: int = Field(0, description="Workers active on the job when the version was announced.")
-    workers_holding: int = Field(0, description="Workers that have reported holding this version.")
+    workers_holding: int = Field(0, description="Workers that hold this version: proved it, for a version "
+                                 "published with probes; reported it, for one without.")
     dissemination_s: float | None = Field(
-        None, description="Seconds from announcement until every targeted worker reported holding it, as seen "
-        "in the heartbeat each worker sends right after its download. Targeted workers that left the job, "
+        None, description="Seconds from announcement until every targeted worker held it (workers_holding), as "
+        "seen in the heartbeats each worker sends right after its download. Targeted workers that left the job, "
         "went offline or moved on to a newer version are not waited for. Null while some still fetch, or "
         "when no worker was targeted.")
     created_at: datetime

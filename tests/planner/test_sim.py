@@ -8,10 +8,9 @@ from pathlib import Path
 
 import pytest
 
+import planner.sim.reconcile as reconcile
 import planner.solver as solver
-import scheduler.sim.reconcile as reconcile
-from scheduler.cli import simulate_main
-from scheduler.sim import (
+from planner.sim import (
     ScenarioError,
     SimResult,
     Simulation,
@@ -19,10 +18,11 @@ from scheduler.sim import (
     scenario_from_dict,
     simulate,
 )
-from scheduler.sim.relay import Peer, broadcast
-from scheduler.sim.state import LEASED, POOL, READY
+from planner.sim.cli import simulate_main
+from planner.sim.relay import Peer, broadcast
+from planner.sim.state import LEASED, POOL, READY
 
-SCENARIOS = Path(__file__).resolve().parents[2] / "scheduler" / "scenarios"
+SCENARIOS = Path(__file__).resolve().parents[2] / "planner" / "sim" / "scenarios"
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +165,8 @@ def test_every_scenario_loads():
          "jobs[0]: unknown field(s) bogus"),
         ({"jobs": [{"id": "j", "rollouts_per_step": 8, "t_train_s": 1, "staleness": 1, "publish_period": 3,
                     "max_steps": 1}]}, "exceeds S + 1 = 2"),
+        ({"jobs": [{"id": "j", "rollouts_per_step": 8, "t_train_s": 1, "staleness": 65, "max_steps": 1}]},
+         "jobs[j]: staleness: Input should be less than or equal to 64"),  # the platform's own bound
         ({"relay": {"topology": "mesh"}}, "relay.topology must be tree, chain or star"),
         ({"solver": {"method": "magic"}}, "solver: method must be one of"),
         ({"jobs": []}, "at least one [[jobs]] table"),
@@ -181,15 +183,17 @@ def test_bad_scenarios_name_the_field(patch, message):
     assert message in str(exc.value)
 
 
-def test_cli_prints_a_summary_and_json(capsys: pytest.CaptureFixture[str]):
+def test_cli_prints_a_summary_and_json(capfd: pytest.CaptureFixture[str]):
     assert simulate_main([str(SCENARIOS / "churn.toml"), "--lines", "2"]) == 0
-    out = capsys.readouterr().out
+    out = capfd.readouterr().out
     assert "qwen3-1.7b-gsm8k" in out and "cost: learner $" in out and "churn:" in out
-    assert simulate_main([str(SCENARIOS / "churn.toml"), "--json"]) == 0
-    data = json.loads(capsys.readouterr().out)
+    assert simulate_main([str(SCENARIOS / "churn.toml"), "--json"]) == 0  # whatever HiGHS prints: not on stdout
+    data = json.loads(capfd.readouterr().out)
     assert data["prompts_lost"] == 0 and data["jobs"][0]["completed"]
+    assert simulate_main([str(SCENARIOS / "churn.toml"), "--scale", "3", "--lines", "0"]) == 0
+    assert ": 780 workers," in capfd.readouterr().out  # 3 × (120 + 120 + 20)
     assert simulate_main(["does-not-exist.toml"]) == 2
-    assert "scenario file not found" in capsys.readouterr().err
+    assert "scenario file not found" in capfd.readouterr().err
 
 
 def test_no_flapping_in_closed_loop_under_measurement_noise():
@@ -215,8 +219,8 @@ def test_spot_preemption_and_rejoin_lose_nothing():
 
 def test_deltas_let_workers_on_slow_links_stay_fresh():
     """Home uplinks: whole 2 GB versions never arrive within S steps, 20 MB deltas do (bench/freshness_bytes.py)."""
-    from scheduler.sim.engine import simulate
-    from scheduler.sim.scenario import scenario_from_dict
+    from planner.sim.engine import simulate
+    from planner.sim.scenario import scenario_from_dict
 
     def run(version_gb: float | None) -> float:
         scenario = scenario_from_dict({

@@ -6,7 +6,10 @@ from __future__ import annotations
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from scheduler.sim.scenario import JobSpec, WorkerSpec
+import numpy as np
+from echo2 import protocol
+
+from planner.sim.scenario import JobSpec, WorkerSpec
 
 POOL, LEASED, READY, CONSUMED = 0, 1, 2, 3  # a prompt's states
 
@@ -26,9 +29,11 @@ class Orphans:
 @dataclass(slots=True, eq=False)
 class JobState:
     spec: JobSpec
+    rules: protocol.JobSpec  # the platform's spec of the job: the staleness rule is its method
     pool: deque[int]
     state: bytearray
     t_meas: float
+    bcast_seen: np.ndarray  # the scheduler's last measured T_bcast per worker (by WorkerState.index); NaN: none
     submitted: bool = False
     done: bool = False
     step: int = 0
@@ -75,6 +80,7 @@ class WorkerState:
     spec: WorkerSpec
     price: float
     hb_phase: float
+    index: int  # its place in the fleet, and its row in the scheduler's per-worker figures
     alive: bool = True
     inc: int = 0  # bumps on every (de)activation or death; stale events carry an old value
     life: int = 0  # bumps on death and rejoin; for preemption events
@@ -83,10 +89,8 @@ class WorkerState:
     version: int = -1
     busy: int = 0
     leases: dict[int, float] = field(default_factory=dict)  # pid -> leased at
-    bcast: dict[str, float] = field(default_factory=dict)  # job -> last observed T_bcast
     last_hb: float = 0.0
     seconds_active: float = 0.0
-    errors: list[float] = field(default_factory=list)  # measurement errors (μ, T_bcast)
 
     def t_gen(self, job: JobState) -> float:
         """Seconds this worker takes to generate one group of `job`."""

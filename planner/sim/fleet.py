@@ -3,10 +3,10 @@ returns its leases to the pool, and every worker is billed from activation to de
 
 from __future__ import annotations
 
-from scheduler.sim.clock import Clock
-from scheduler.sim.dissemination import Dissemination
-from scheduler.sim.leases import Leases
-from scheduler.sim.state import LEASED, JobState, WorkerState
+from planner.sim.clock import Clock
+from planner.sim.dissemination import Dissemination
+from planner.sim.leases import Leases
+from planner.sim.state import LEASED, JobState, WorkerState
 
 
 class Fleet:

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import random
 
-from scheduler.sim.clock import Clock
-from scheduler.sim.fleet import Fleet
-from scheduler.sim.scenario import Scenario
-from scheduler.sim.state import Orphans, WorkerState
+from planner.sim.clock import Clock
+from planner.sim.fleet import Fleet
+from planner.sim.scenario import Scenario
+from planner.sim.state import Orphans, WorkerState
 
 
 class Churn:

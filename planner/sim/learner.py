@@ -8,12 +8,12 @@ import math
 import random
 from collections import Counter, deque
 
-from scheduler.sim.clock import Clock
-from scheduler.sim.dissemination import Dissemination
-from scheduler.sim.fleet import Fleet
-from scheduler.sim.leases import Leases
-from scheduler.sim.scenario import Scenario
-from scheduler.sim.state import CONSUMED, READY, JobState
+from planner.sim.clock import Clock
+from planner.sim.dissemination import Dissemination
+from planner.sim.fleet import Fleet
+from planner.sim.leases import Leases
+from planner.sim.scenario import Scenario
+from planner.sim.state import CONSUMED, READY, JobState
 
 
 class Learner:
@@ -69,13 +69,12 @@ class Learner:
 
     def _drop_stale(self, job: JobState) -> int:
         """Queued groups no longer admissible are rejected at the claim; their prompts return."""
-        floor = job.step - job.spec.staleness
-        if not job.ready or min(job.ready_versions) >= floor:
+        if not job.ready or min(job.ready_versions) >= job.rules.oldest_admissible(job.step):
             return 0
         kept: deque[tuple[int, int]] = deque()
         returned = 0
         for version, pid in job.ready:
-            if version >= floor:
+            if job.rules.admissible(job.step, version):
                 kept.append((version, pid))
                 continue
             job.return_to_pool(pid, READY)

@@ -22,9 +22,9 @@ What is modelled
     (every `tick_s`); a dead worker's leases expire and return at the next reconcile tick,
     i.e. at most TTL + one heartbeat after the death.
   * Scheduler (sim/reconcile.py): every tick it builds WorkerProfile/JobProfile from what a server
-    could measure (heartbeat liveness, nominal μ and T_gen, last observed T_bcast or an estimate for
-    workers that have not fetched yet) and applies `planner.solver.decide` — the same code the
-    reconcile loop runs.
+    could measure (sim/measure.py: heartbeat liveness, nominal μ and T_gen, last observed T_bcast or
+    an estimate for workers that have not fetched yet) and applies `planner.solver.decide` — the same
+    code the reconcile loop runs.
 
 Every prompt is tracked through pool → leased → ready → consumed (or back to the pool), and
 the transitions are checked, so "prompts lost" is measured, not assumed.
@@ -36,16 +36,18 @@ import random
 import time
 from collections import deque
 
-from scheduler.sim.churn import Churn
-from scheduler.sim.clock import Clock
-from scheduler.sim.dissemination import Dissemination
-from scheduler.sim.fleet import Fleet
-from scheduler.sim.learner import Learner
-from scheduler.sim.leases import Leases
-from scheduler.sim.reconcile import Reconciler
-from scheduler.sim.report import JobResult, SimResult
-from scheduler.sim.scenario import Scenario, expand_workers
-from scheduler.sim.state import JobState, WorkerState
+import numpy as np
+
+from planner.sim.churn import Churn
+from planner.sim.clock import Clock
+from planner.sim.dissemination import Dissemination
+from planner.sim.fleet import Fleet
+from planner.sim.learner import Learner
+from planner.sim.leases import Leases
+from planner.sim.reconcile import Reconciler
+from planner.sim.report import JobResult, SimResult
+from planner.sim.scenario import Scenario, expand_workers
+from planner.sim.state import JobState, WorkerState
 
 
 class Simulation:
@@ -53,12 +55,14 @@ class Simulation:
         self.sc = scenario
         self.rng = random.Random(scenario.seed + 1)  # one stream for the whole world, drawn in event order
         self.workers = [
-            WorkerState(s, s.price_per_h, self.rng.uniform(0, scenario.tick_s)) for s in expand_workers(scenario)
+            WorkerState(s, s.price_per_h, self.rng.uniform(0, scenario.tick_s), i)
+            for i, s in enumerate(expand_workers(scenario))
         ]
         self.jobs = []
         for spec in scenario.jobs:
             total = spec.rollouts_per_step * spec.max_steps
-            self.jobs.append(JobState(spec, deque(range(total)), bytearray(total), spec.t_train_s))
+            prompts, seen = deque(range(total)), np.full(len(self.workers), np.nan)
+            self.jobs.append(JobState(spec, spec.platform_spec(), prompts, bytearray(total), spec.t_train_s, seen))
         self.clock = Clock()
         self.leases = Leases(self.clock)
         self.dissemination = Dissemination(scenario, self.clock, self.workers, self.leases)

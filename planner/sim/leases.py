@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from scheduler.sim.clock import Clock
-from scheduler.sim.report import LeaseReturn
-from scheduler.sim.state import LEASED, POOL, READY, JobState, WorkerState
+from planner.sim.clock import Clock
+from planner.sim.report import LeaseReturn
+from planner.sim.state import LEASED, POOL, READY, JobState, WorkerState
 
 
 class Leases:
@@ -21,8 +21,8 @@ class Leases:
         still train before it goes stale, less the step in training and what is queued and in flight
         (in flight counted whatever its version: the server sees leases, not their fate)."""
         spec = job.spec
-        floor = job.step - spec.staleness
-        queued = sum(n for v, n in job.ready_versions.items() if v >= floor)
+        oldest = job.rules.oldest_admissible(job.step)
+        queued = sum(n for v, n in job.ready_versions.items() if v >= oldest)
         claimed = spec.rollouts_per_step if job.busy else 0
         steps_left = version + spec.staleness - job.step + 1
         return steps_left * spec.rollouts_per_step - claimed - queued - job.in_flight

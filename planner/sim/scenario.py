@@ -1,4 +1,4 @@
-"""Simulator scenarios: plain dataclasses, loaded from TOML (scheduler/scenarios/*.toml).
+"""Simulator scenarios: plain dataclasses, loaded from TOML (planner/sim/scenarios/*.toml).
 
 Units in TOML: seconds, $/h, GiB for VRAM, GB (10^9 bytes) for model size, MB (10^6 bytes) for
 chunks, Mbit/s for bandwidth. A worker type expands into `count` workers whose bandwidths are
@@ -10,9 +10,12 @@ from __future__ import annotations
 import math
 import random
 import tomllib
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
+
+from echo2 import protocol
+from pydantic import ValidationError
 
 from planner.capacity import JobProfile, validate_job
 from planner.decision import SolverConfig
@@ -59,6 +62,17 @@ class JobSpec:
             backends=frozenset(self.backends),
             priority=self.priority,
             submitted_at=self.submit_at_s,
+        )
+
+    def platform_spec(self) -> protocol.JobSpec:
+        """The platform's own spec of this job, whose methods state the staleness rule the simulator
+        obeys (`admissible`, `oldest_admissible`); what the simulator does not model keeps its default."""
+        return protocol.JobSpec(
+            name=self.job_id,
+            base_model="simulated",
+            task=protocol.TaskSpec(name="simulated"),
+            staleness=self.staleness,
+            publish_period=self.publish_period,
         )
 
 
@@ -118,6 +132,11 @@ class Scenario:
     relay: RelaySpec = field(default_factory=RelaySpec)
     solver: SolverConfig = field(default_factory=SolverConfig)
     events: tuple[EventSpec, ...] = ()
+
+    def with_fleet_scaled(self, factor: int) -> Scenario:
+        """The same scenario with `factor` times as many workers of every type."""
+        types = tuple(replace(t, count=t.count * factor) for t in self.worker_types)
+        return replace(self, worker_types=types)
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,13 +263,19 @@ def check(scenario: Scenario) -> None:
     if len(set(ids)) != len(ids):
         raise ScenarioError("jobs: job ids must be unique")
     for job in scenario.jobs:
-        problems = [p for p in validate_job(job.profile()) if not p.startswith("headroom")]
+        # a negative headroom under-provisions on purpose, down to (but not) nothing at all
+        problems = validate_job(replace(job.profile(), headroom=max(job.headroom, 0.0)))
         if job.headroom <= -1:
             problems.append("headroom must be > -1")
         if job.max_steps < 1:
             problems.append("max_steps must be ≥ 1")
         if problems:
             raise ScenarioError(f"jobs[{job.job_id}]: {'; '.join(problems)}")
+        try:
+            job.platform_spec()
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            raise ScenarioError(f"jobs[{job.job_id}]: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
     for wt in scenario.worker_types:
         if wt.count < 0 or wt.concurrency < 1 or wt.t_gen_s <= 0 or wt.price_per_h < 0:
             raise ScenarioError(f"worker_types[{wt.name}]: count ≥ 0, concurrency ≥ 1, t_gen_s > 0, price ≥ 0")

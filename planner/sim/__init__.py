@@ -1,13 +1,13 @@
 """Discrete-event simulator of an Echo2 deployment, driving the real capacity rule and solver.
 
-from scheduler.sim import load_scenario, simulate
-result = simulate(load_scenario("scheduler/scenarios/hetero_1000.toml"))
+from planner.sim import load_scenario, simulate
+result = simulate(load_scenario("planner/sim/scenarios/hetero_1000.toml"))
 print(result.table())
 """
 
-from scheduler.sim.engine import Simulation, simulate
-from scheduler.sim.report import DecisionSummary, JobResult, LeaseReturn, SimResult
-from scheduler.sim.scenario import (
+from planner.sim.engine import Simulation, simulate
+from planner.sim.report import DecisionSummary, JobResult, LeaseReturn, SimResult
+from planner.sim.scenario import (
     EventSpec,
     JobSpec,
     RelaySpec,
@@ -19,7 +19,7 @@ from scheduler.sim.scenario import (
     load_scenario,
     scenario_from_dict,
 )
-from scheduler.sim.state import InvariantError
+from planner.sim.state import InvariantError
 
 __all__ = [
     "DecisionSummary",

@@ -22,6 +22,8 @@ import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 from planner.capacity import estimate_bcast_s
 
 
@@ -52,8 +54,9 @@ def broadcast(
     n = len(peers)
     if topology == "star":
         share = origin_up_Bps / max(n, 1)
-        times = {p.key: estimate_bcast_s(model_bytes, p.down_Bps, share, 1, chunk_bytes, hop_latency_s) for p in peers}
-        return Broadcast(times, 1, origin_up_Bps / (n + 1))
+        down = np.array([p.down_Bps for p in peers])
+        took = estimate_bcast_s(model_bytes, down, share, 1, chunk_bytes, hop_latency_s)
+        return Broadcast(dict(zip((p.key for p in peers), took.tolist(), strict=True)), 1, origin_up_Bps / (n + 1))
     if topology == "chain":
         fanout = origin_fanout = 1
     origin_fanout = origin_fanout or fanout
@@ -69,7 +72,6 @@ def broadcast(
     under_origin = min(n, origin_fanout)
     rate = [0.0] * n
     depth = [0] * n
-    times = {}
     for i, p in enumerate(order):
         par = parent[i]
         if par < 0:
@@ -77,7 +79,9 @@ def broadcast(
         else:
             rate[i] = min(p.down_Bps, rate[par], order[par].up_Bps / children[par])
             depth[i] = depth[par] + 1
-        times[p.key] = estimate_bcast_s(model_bytes, p.down_Bps, rate[i], depth[i], chunk_bytes, hop_latency_s)
+    down = np.array([p.down_Bps for p in order])
+    took = estimate_bcast_s(model_bytes, down, np.array(rate), np.array(depth), chunk_bytes, hop_latency_s)
+    times = dict(zip((p.key for p in order), took.tolist(), strict=True))
     # what a leaf's parent offers, whatever the leaf's own downlink
     offers = [
         origin_up_Bps / under_origin

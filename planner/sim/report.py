@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from planner.decision import Decision
-from scheduler.sim.state import LEASED, JobState
+from planner.sim.state import LEASED, JobState
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,19 @@
 """Versions reaching workers: each publication relayed over the job's active workers
-(scheduler.sim.relay), the estimate the scheduler uses for workers it has not measured yet, and a
+(planner.sim.relay), the estimate the scheduler uses for workers it has not measured yet, and a
 worker taking up a version once it holds it."""
 
 from __future__ import annotations
 
+from typing import Any
+
+from numpy.typing import ArrayLike
+
 from planner.capacity import estimate_bcast_s
-from scheduler.sim.clock import Clock
-from scheduler.sim.leases import Leases
-from scheduler.sim.relay import Peer, broadcast
-from scheduler.sim.scenario import Scenario
-from scheduler.sim.state import JobState, WorkerState
+from planner.sim.clock import Clock
+from planner.sim.leases import Leases
+from planner.sim.relay import Peer, broadcast
+from planner.sim.scenario import Scenario
+from planner.sim.state import JobState, WorkerState
 
 
 class Dissemination:
@@ -37,12 +41,14 @@ class Dissemination:
             w = self.workers[key]
             self.clock.push(self.clock.now + self.sc.notice_s + t, self.arrive, w, w.inc, version, t)
 
-    def estimate_bcast(self, w: WorkerState, job: JobState) -> float:
+    def estimate_bcast(self, down_Bps: ArrayLike, job: JobState) -> Any:
+        """T_bcast of a whole model for a worker of this downlink that joins the job's tree now: a float,
+        or an array for an array of downlinks."""
         relay = self.sc.relay
         rate = job.hint_rate or relay.origin_up_mbps * 1e6 / 8 / relay.origin_fanout
         return estimate_bcast_s(
             job.spec.model_gb * 1e9,
-            w.spec.down_Bps,
+            down_Bps,
             rate,
             job.hint_depth,
             relay.chunk_mb * 1e6,
@@ -51,7 +57,7 @@ class Dissemination:
 
     def fetch_first(self, w: WorkerState, job: JobState) -> None:
         """A newly activated worker fetches the whole model at the estimated rate."""
-        took = self.estimate_bcast(w, job)
+        took = self.estimate_bcast(w.spec.down_Bps, job)
         self.clock.push(self.clock.now + took, self.arrive, w, w.inc, job.latest, took)
 
     def arrive(self, w: WorkerState, inc: int, version: int, took: float) -> None:
@@ -59,5 +65,5 @@ class Dissemination:
             return
         if version > w.version:
             w.version = version
-            w.bcast[w.job.spec.job_id] = took
+            w.job.bcast_seen[w.index] = took
             self.leases.fill(w)

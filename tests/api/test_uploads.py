@@ -1,0 +1,90 @@
+"""Datasets of any size in resumable parts, chat items, and every bad line named with its number."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+from tests.factories import job_spec, new_user, ok
+
+
+def _start(client, name: str, data: bytes):  # type: ignore[no-untyped-def]
+    body = {"name": name, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    return ok(client.post("/v1/datasets/uploads", json=body))
+
+
+def _put(client, upload, index: int, data: bytes):  # type: ignore[no-untyped-def]
+    return client.put(f"/v1/datasets/uploads/{upload['id']}/parts/{index}", content=data,
+                      headers={"Content-Type": "application/octet-stream",
+                               "X-Echo2-Sha256": hashlib.sha256(data).hexdigest()})
+
+
+def test_an_upload_in_parts_resumes_with_the_parts_missing_and_completes(api):
+    _, alice = new_user(api)
+    line = json.dumps({"question": "2+2? " + "x" * 3000, "answer": "4"}) + "\n"
+    data = (line * (2 * 8 * 2**20 // len(line) + 5)).encode()  # three parts of 8 MiB
+    upload = _start(alice, "big", data)
+    size = upload["part_size"]
+    assert upload["parts"] == 3 and upload["received"] == []
+    parts = [data[i * size:(i + 1) * size] for i in range(3)]
+    assert _put(alice, upload, 0, parts[0]).status_code == 204
+    assert _put(alice, upload, 2, parts[2]).status_code == 204
+    early = alice.post(f"/v1/datasets/uploads/{upload['id']}/complete")
+    assert early.status_code == 409 and "1 parts are missing (first: [1])" in early.json()["detail"]
+    resumed = _start(alice, "big", data)  # the same file again: the upload begun
+    assert resumed["id"] == upload["id"] and resumed["received"] == [0, 2]
+    wrong = alice.put(f"/v1/datasets/uploads/{upload['id']}/parts/1", content=parts[1],
+                      headers={"Content-Type": "application/octet-stream", "X-Echo2-Sha256": "0" * 64})
+    assert wrong.status_code == 422 and "does not match its sha256" in wrong.json()["detail"]
+    short = _put(alice, upload, 1, parts[1][:-1])
+    assert short.status_code == 422 and f"must have {size} bytes" in short.json()["detail"]
+    assert _put(alice, upload, 3, b"x").status_code == 422
+    _, mallory = new_user(api, "mallory")
+    assert _put(mallory, upload, 1, parts[1]).status_code == 404
+    assert _put(alice, upload, 1, parts[1]).status_code == 204
+    dataset = ok(alice.post(f"/v1/datasets/uploads/{upload['id']}/complete"), 201)
+    assert dataset["num_items"] == data.count(b"\n") and dataset["keys"] == ["answer", "question"]
+    assert alice.get(f"/v1/datasets/uploads/{upload['id']}").status_code == 404  # done: gone
+    assert not (api.server.settings.data_dir / "uploads" / upload["id"]).exists()
+
+
+def test_every_bad_line_is_named_with_its_number(api):
+    _, alice = new_user(api)
+    lines = [{"prompt": "ok", "reference": "1"}, "{oops", {"prompt": "ok"}, {"prompt": ["a"]},
+             {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+             {"messages": [{"role": "wizard", "content": "hi"}]}, {"prompt": "ok", "reference": "2"}]
+    data = "\n".join(x if isinstance(x, str) else json.dumps(x) for x in lines).encode() + b"\n"
+    upload = _start(alice, "bad", data)
+    assert _put(alice, upload, 0, data).status_code == 204
+    refused = alice.post(f"/v1/datasets/uploads/{upload['id']}/complete")
+    assert refused.status_code == 422
+    body = refused.json()
+    assert body["detail"].startswith("4 bad lines of 7: line 2: not valid JSON")
+    reasons = [e["reason"] for e in body["errors"]]
+    assert [r.split(":")[0] for r in reasons] == ["line 2", "line 4", "line 5", "line 6"]
+    assert "key 'prompt' holds a list; only 'messages' may" in reasons[1]
+    assert "'messages' must end with a user turn" in reasons[2]
+    assert reasons[3] == "line 6: key 'messages': Value error, 0.role: Input should be 'system', 'user' or 'assistant'"
+    one_shot = alice.post("/v1/datasets/upload", data={"name": "bad"}, files={"file": ("d.jsonl", data)})
+    assert one_shot.status_code == 422 and [e["reason"] for e in one_shot.json()["errors"]] == reasons
+    assert ok(alice.get("/v1/datasets"))["total"] == 0
+
+
+def test_chat_items_give_their_last_user_turn_to_the_task_and_keep_the_turns_before(api):
+    _, alice = new_user(api)
+    items = [{"messages": [{"role": "system", "content": "Answer with a number."},
+                           {"role": "user", "content": f"{i}+1?"}], "answer": str(i + 1)} for i in range(20)]
+    items.append({"question": "plain: 1+1?", "answer": "2"})
+    dataset = ok(alice.post("/v1/datasets", json={"name": "chat", "items": items}), 201)
+    assert dataset["keys"] == ["answer", "messages", "question"]
+    job = ok(alice.post("/v1/jobs", json=job_spec(task={"name": "gsm8k", "params": {"template": "{question}"}},
+                                                   num_prompts=None, dataset_id=dataset["id"],
+                                                   eval={"fraction": 0.1, "size": 2})), 201)
+    prompts = ok(alice.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": 50}))["items"]
+    chat = [p for p in prompts if p["context"] is not None]
+    assert chat and all(p["context"] == [{"role": "system", "content": "Answer with a number."}] for p in chat)
+    assert all(p["text"].endswith("+1?") for p in chat)
+    assert [p["text"] for p in prompts if p["context"] is None] in ([], ["plain: 1+1?"])
+    multi = alice.post("/v1/jobs", json=job_spec(task={"name": "guess_number"}, num_prompts=None,
+                                                  prompts=[{"item": items[0]}]))
+    assert multi.status_code == 422
