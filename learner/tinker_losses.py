@@ -10,8 +10,10 @@ stop-gradient (the value is used, no gradient flows through it):
 - cispo (MiniMax-M1, arXiv 2506.13585):
                         L = -sum_t sg(clip(r_t, lo, hi)) * A_t * p_t
   lo, hi for ppo and cispo: `clip_low_threshold` (0.8) and `clip_high_threshold` (1.2) of `loss_fn_config`.
-- dro (Richemond et al. 2024, arXiv 2405.19107, in Tinker's per-token form):
-                        L = -sum_t (p_t * A_t - beta/2 * (p_t - q_t)^2),  beta = `beta` (0.05)
+- dro (Richemond et al. 2024, arXiv 2405.19107, in a per-token form), over the trained tokens (m_t = 1 where
+  A_t != 0: an RL datum's prompt positions carry A_t = 0 and q_t = 0, and a penalty there would pull the
+  prompt's logprobs towards 0):
+                        L = -sum_t m_t * (p_t * A_t - beta/2 * (p_t - q_t)^2),  beta = `beta` (0.05)
 - gspo (Zheng et al. 2025, arXiv 2507.18071, its GSPO-token form, one sequence per datum): over the tokens
   m_t = 1 of `sequence_ratio_mask` (default: the tokens with A_t != 0), |y| = sum_t m_t,
                         s = exp(sum_t m_t (p_t - q_t) / |y|),  s_t = sg(s) * exp(p_t - sg(p_t))  (= s in value)
@@ -67,7 +69,9 @@ def datum_loss(loss_fn: LossFn, logprobs: torch.Tensor, inputs: dict[str, torch.
         return -(ratio * advantages).sum(), {}
     if loss_fn is LossFn.dro:
         beta = config.get("beta", DRO_BETA)
-        return -(logprobs * advantages - 0.5 * beta * (logprobs - inputs["logprobs"]).square()).sum(), {}
+        trained = (advantages != 0).to(logprobs.dtype)
+        penalty = 0.5 * beta * (logprobs - inputs["logprobs"]).square()
+        return -(trained * (logprobs * advantages - penalty)).sum(), {}
     low, high = (config.get("clip_low_threshold", CLIP[loss_fn][0]), config.get("clip_high_threshold",
                                                                                 CLIP[loss_fn][1]))
     if loss_fn is LossFn.gspo:

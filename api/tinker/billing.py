@@ -14,7 +14,7 @@ Samples drawn by rollout workers are not in this ledger: the fleet job's ledger 
 from __future__ import annotations
 
 from collections import defaultdict
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Query
@@ -41,7 +41,8 @@ def usage_events(user: TinkerUser, db: SessionDep, starting_on: Annotated[dateti
     if not start < end <= start + MAX_WINDOW:
         raise ApiError(400, "ending_before must be after starting_on, and at most 14 days after it",
                        field="ending_before")
-    rows = db.execute(select(UsageRow, TinkerModel.base_model).outerjoin(TinkerModel, TinkerModel.id == UsageRow.model_id)
+    rows = db.execute(select(UsageRow, TinkerModel.base_model)
+                      .outerjoin(TinkerModel, TinkerModel.id == UsageRow.model_id)
                       .where(UsageRow.owner_id == user.id, UsageRow.created_at >= start, UsageRow.created_at < end)
                       .order_by(UsageRow.created_at)).all()
     buckets: dict[tuple, dict[str, float]] = defaultdict(lambda: {"tokens": 0.0, "usd": 0.0, "count": 0.0})
@@ -104,4 +105,4 @@ def storage_now(user: TinkerUser, db: SessionDep) -> dict[str, Any]:
 
 
 def _utc(moment: datetime) -> datetime:
-    return moment.replace(tzinfo=timezone.utc) if moment.tzinfo is None else moment.astimezone(timezone.utc)
+    return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)

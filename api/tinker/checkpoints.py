@@ -42,8 +42,8 @@ SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
 def as_sdk(row: TinkerCheckpoint) -> dict[str, Any]:
     """tinker.types.Checkpoint."""
     segment = "sampler_weights" if row.kind == "sampler" else "weights"
-    return {"checkpoint_id": f"{segment}/{row.name}", "checkpoint_type": row.kind,
-            "time": row.created_at.isoformat(), "tinker_path": service.checkpoint_path(row.model_id, row.kind, row.name),
+    return {"checkpoint_id": f"{segment}/{row.name}", "checkpoint_type": row.kind, "time": row.created_at.isoformat(),
+            "tinker_path": service.checkpoint_path(row.model_id, row.kind, row.name),
             "size_bytes": row.size_bytes, "public": False, "user_metadata": None,
             "expires_at": row.expires_at.isoformat() if row.expires_at else None}
 

@@ -20,7 +20,6 @@ from echo2.protocol.tinker import (
 )
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
-
 from sqlalchemy.orm import Session
 
 from ..db import Database

@@ -41,6 +41,11 @@ def test_dro_is_the_score_less_a_quadratic_penalty_on_the_log_ratio():
                         logprobs=[math.log(0.25), math.log(0.5)], advantages=[1.0, 1.0])
     assert loss == pytest.approx(3 * LN2 + 0.5 * LN2**2)
     assert grad == pytest.approx([-(1 - 0.5 * LN2), -(1 + 0.5 * LN2)])
+    # A prompt position (A = 0, q = 0 as an RL datum has it) is not trained: no penalty, no gradient.
+    loss, grad, _ = run("dro", [math.log(0.5), math.log(0.25)], {"beta": 0.5}, logprobs=[0.0, math.log(0.5)],
+                        advantages=[0.0, 1.0])
+    assert loss == pytest.approx(2 * LN2 + 0.25 * LN2**2)  # -(log .25 - .25 * ln2^2)
+    assert grad == pytest.approx([0.0, -(1 + 0.5 * LN2)])
 
 
 def test_gspo_clips_the_length_normalised_sequence_ratio():

@@ -13,6 +13,7 @@ import json
 import os
 import sys
 import time
+from datetime import UTC
 
 import httpx
 import tinker
@@ -32,7 +33,8 @@ def echo2(path: str) -> dict:
 def rl_datum(prompt: list[int], seq, advantage: float, provenance: bool, gspo: bool = False) -> types.Datum:
     """As tinker_cookbook/recipes/rl_loop.py builds a datum from a sampled sequence."""
     ob_len = len(prompt) - 1
-    inputs = {"target_tokens": [0] * ob_len + seq.tokens, "logprobs": [0.0] * ob_len + seq.logprobs,
+    # The targets of the prompt's positions are the prompt's own tokens, shifted: what a prompt span claims.
+    inputs = {"target_tokens": prompt[1:] + seq.tokens, "logprobs": [0.0] * ob_len + seq.logprobs,
               "advantages": [0.0] * ob_len + [advantage] * len(seq.tokens)}
     if gspo:
         inputs["sequence_ratio_mask"] = [0.0] * ob_len + [1.0] * len(seq.tokens)
@@ -55,11 +57,11 @@ def losses(training, prompt: list[int]) -> dict:
     out["sequence_ids"] = [s.sequence_id for s in seqs]
     advantages = [1.0, -1.0, 0.5, -0.5]
     for loss in ("cispo", "dro", "gspo"):
-        data = [rl_datum(prompt, s, a, False, gspo=loss == "gspo") for s, a in zip(seqs, advantages)]
+        data = [rl_datum(prompt, s, a, False, gspo=loss == "gspo") for s, a in zip(seqs, advantages, strict=False)]
         result = training.forward_backward(data, loss).result()
         out[loss] = {"loss": result.metrics["loss:sum"],
                      "logprobs": [o["logprobs"].tolist()[len(prompt) - 1:] for o in result.loss_fn_outputs]}
-    data = [rl_datum(prompt, s, a, True) for s, a in zip(seqs, advantages)]
+    data = [rl_datum(prompt, s, a, True) for s, a in zip(seqs, advantages, strict=False)]
     result = training.forward_backward(data, "stable_reinforce").result()
     out["stable_reinforce"] = {"loss": result.metrics["loss:sum"], "metrics": result.metrics}
     out["sampled"] = [{"tokens": s.tokens, "logprobs": s.logprobs} for s in seqs]
@@ -69,7 +71,7 @@ def losses(training, prompt: list[int]) -> dict:
     # A forged span: the sequence's tokens are not the datum's.
     forged = rl_datum(prompt, seqs[0], 1.0, True)
     forged = types.Datum(model_input=forged.model_input, loss_fn_inputs={
-        **forged.loss_fn_inputs, "target_tokens": [0] * (len(prompt) - 1) + [(t + 1) % 100 for t in seqs[0].tokens]},
+        **forged.loss_fn_inputs, "target_tokens": prompt[1:] + [(t + 1) % 100 for t in seqs[0].tokens]},
         model_input_spans=forged.model_input_spans, loss_fn_input_spans=forged.loss_fn_input_spans)
     out["forged"] = error(lambda: training.forward_backward([forged], "stable_reinforce").result())
     out["no_spans"] = error(lambda: training.forward_backward([rl_datum(prompt, seqs[0], 1.0, False)],
@@ -87,9 +89,11 @@ def logprob_calls(training, prompt: list[int]) -> dict:
     alt = sampler.sample(types.ModelInput.from_ints(prompt), 1, params, prompt_alt_tokens_k=3).result()
     return {"prompt_logprobs": full.prompt_logprobs, "topk_prompt": full.topk_prompt_logprobs,
             "topk_sample": [s.topk_logprobs for s in full.sequences],
-            "sample_logprobs": [s.logprobs for s in full.sequences], "sample_tokens": [s.tokens for s in full.sequences],
+            "sample_logprobs": [s.logprobs for s in full.sequences],
+            "sample_tokens": [s.tokens for s in full.sequences],
             "last_prompt_logprobs": last.prompt_logprobs, "last_topk": last.topk_prompt_logprobs,
-            "alt_tokens": alt.prompt_alt_tokens.tokens.tolist(), "alt_logprobs": alt.prompt_alt_tokens.logprobs.tolist(),
+            "alt_tokens": alt.prompt_alt_tokens.tokens.tolist(),
+            "alt_logprobs": alt.prompt_alt_tokens.logprobs.tolist(),
             "alt_shape": alt.prompt_alt_tokens.tokens.shape,
             "too_many": error(lambda: sampler.sample(types.ModelInput.from_ints(prompt), 1, params,
                                                      topk_prompt_logprobs=500).result())}
@@ -125,13 +129,21 @@ def life_cycle(service, training) -> dict:
     listed = {c.tinker_path: {"type": c.checkpoint_type, "expires": c.expires_at is not None, "size": c.size_bytes}
               for c in mine.checkpoints}
     rest.set_checkpoint_ttl_from_tinker_path(other, 3600).result()
-    expiry = {c.tinker_path: c.expires_at is not None for c in rest.list_checkpoints(training.model_id).result().checkpoints}
+    again = rest.list_checkpoints(training.model_id).result().checkpoints
+    expiry = {c.tinker_path: c.expires_at is not None for c in again}
     copy = rest.copy_weights(state, "ignored-project", ttl_seconds=3600).result()
     rest.delete_checkpoint_from_tinker_path(other).result()
     after = [c.tinker_path for c in rest.list_checkpoints(training.model_id).result().checkpoints]
     user = rest.list_user_checkpoints(limit=50).result()
+    run = rest.get_training_run(training.model_id).result()
+    runs = rest.list_training_runs().result()
+    info = rest.get_weights_info_by_tinker_path(state).result()
     return {"state": state, "other": other, "listed": listed, "expiry": expiry, "copy": copy, "after_delete": after,
             "user_paths": [c.tinker_path for c in user.checkpoints], "user_total": user.cursor.total_count,
+            "run": {"id": run.training_run_id, "lora_rank": run.lora_rank, "is_lora": run.is_lora,
+                    "last_checkpoint": run.last_checkpoint.tinker_path if run.last_checkpoint else None},
+            "runs": [r.training_run_id for r in runs.training_runs],
+            "weights_info": {"lora_rank": info.lora_rank, "base_model": info.base_model},
             "bad_ttl": error(lambda: rest.set_checkpoint_ttl_from_tinker_path(state, 10).result()),
             "load_deleted": error(lambda: service.create_training_client_from_state(other).result()),
             "copy_sampler": error(lambda: rest.copy_weights(
@@ -142,10 +154,10 @@ def billing(service) -> dict:
     admin = tinker.AdminClient()
     now = time.time()
     hour = int(now // 3600) * 3600
-    from datetime import datetime, timezone
+    from datetime import datetime
 
-    usage = admin.get_billing_usage(datetime.fromtimestamp(hour - 3600, timezone.utc),
-                                    datetime.fromtimestamp(hour + 3600, timezone.utc)).result()
+    usage = admin.get_billing_usage(datetime.fromtimestamp(hour - 3600, UTC),
+                                    datetime.fromtimestamp(hour + 3600, UTC)).result()
     storage = admin.get_current_checkpoint_storage_usage().result()
     return {"events": [{"type": e.event_info.type, "tokens": getattr(e.event_info, "token_count", None),
                         "usd": e.estimated_cost_usd, "session": e.session_id} for e in usage.data],

@@ -6,7 +6,7 @@ answered from the Tinker ledger. tests/tinker/test_sdk_async.py runs the same ca
 from __future__ import annotations
 
 import struct
-from datetime import datetime, timedelta, timezone
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import select, update
 
@@ -103,7 +103,8 @@ def test_stable_reinforce_trains_on_the_recorded_behaviour_named_by_spans(api):
                            content=stable_body(b_model, tokens, targets, adv, spans))
     assert answer.status_code == 400 and "is not recorded" in answer.json()["detail"]  # Alice's record, not Bob's
     record = ok(client.get(f"/v1/tinker/sequences/{seq_id}"))
-    assert record["checkpoints"] is None and record["drawn_by"] == "learner host" and record["recorded_until"]
+    assert [(c["checkpoint"], c["tokens"]) for c in record["checkpoints"]] == [("sampler-0", 3)]
+    assert record["drawn_by"] == "learner host" and record["recorded_until"]
 
 
 def test_an_inflight_request_runs_a_segment_then_gives_way_to_the_training_sent_after_it(api):
@@ -130,7 +131,7 @@ def test_an_inflight_request_runs_a_segment_then_gives_way_to_the_training_sent_
     assert retrieve(client, future["request_id"]).headers["content-type"] == "application/x-protobuf"
     record = ok(client.get(f"/v1/tinker/sequences/{future['sample_sequence_ids'][0]}"))
     assert [(c["checkpoint"], c["tokens"]) for c in record["checkpoints"]] == [("sampler-0", 2), ("sampler-1", 1)]
-    bill = ok(client.get("/v1/tinker/usage"))
+    bill = ok(alice.get("/v1/tinker/usage"))
     [entry] = [e for e in bill["entries"] if e["request_id"] == future["request_id"]]
     assert entry["seconds"] == 0.75  # both segments
 
@@ -139,7 +140,7 @@ def test_checkpoints_are_listed_expire_copy_and_delete_from_the_api_and_the_disk
     _, alice = new_user(api)
     client = sdk(api, key_of(alice))
     _, model_id = ready_model(api, client)
-    states_dir = api.settings.data_dir / "tinker-states"
+    states_dir = api.server.settings.data_dir / "tinker-states"
 
     def save(name: str, data: bytes, ttl: int | None = None) -> dict:
         body = {"model_id": model_id, "path": name, **({"ttl_seconds": ttl} if ttl else {})}
@@ -178,7 +179,7 @@ def test_checkpoints_are_listed_expire_copy_and_delete_from_the_api_and_the_disk
 
     with api.db.session() as db:  # the scratch state's TTL passes: the next host claim removes it
         db.execute(update(TinkerCheckpoint).where(TinkerCheckpoint.name == "scratch")
-                   .values(expires_at=datetime.now(timezone.utc) - timedelta(seconds=1)))
+                   .values(expires_at=datetime.now(UTC) - timedelta(seconds=1)))
         db.commit()
     claim(api, holding=[model_id])
     assert ok(client.get(f"/api/v1/training_runs/{model_id}/checkpoints"))["checkpoints"] == []
@@ -198,7 +199,7 @@ def test_billing_usage_is_the_tinker_ledger_by_hour_and_kind(api):
     future = asample(client, sampler, [1, 2, 3, 4])
     report(api, claim(api, holding=[model_id], price=3.6)["work"], seconds=10.0,
            sample={"sequences": [{"tokens": [5, 6], "logprobs": [-1.0, -1.0], "stop_reason": "length"}]})
-    hour = datetime.now(timezone.utc).replace(minute=0, second=0, microsecond=0)
+    hour = datetime.now(UTC).replace(minute=0, second=0, microsecond=0)
     params = {"starting_on": (hour - timedelta(hours=1)).isoformat(),
               "ending_before": (hour + timedelta(hours=1)).isoformat()}
     events = ok(client.get("/api/v1/billing/usage/events", params=params))["data"]
@@ -211,5 +212,6 @@ def test_billing_usage_is_the_tinker_ledger_by_hour_and_kind(api):
     assert {"checkpoint", "training"} <= set(by_type)  # the sampler save, the model's creation
     with api.db.session() as db:
         assert db.scalar(select(TinkerRequest.status).where(TinkerRequest.id == future["request_id"])) == "done"
-    odd = client.get("/api/v1/billing/usage/events", params={**params, "starting_on": hour.replace(minute=5).isoformat()})
+    odd = client.get("/api/v1/billing/usage/events",
+                     params={**params, "starting_on": hour.replace(minute=5).isoformat()})
     assert odd.status_code == 400 and "hour boundaries" in odd.json()["detail"]

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from api.tinker.models import TinkerModel
+from api.tinker.models import TinkerCheckpoint, TinkerModel
 from tests.conftest import ADMIN_KEY
 
 FLOW = Path(__file__).with_name("async_flow.py")
@@ -33,13 +33,14 @@ def run_flow(tinker_python: Path, url: str, key: str, home: Path) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-@pytest.mark.slow
+@pytest.mark.postgres_only  # its SQLite twin runs with -m slow, like test_sdk.py
 def test_the_sdk_runs_the_async_rl_calls(api, tinker_python, tinker_host, user_key, tmp_path, host_work_dir):
+    before = _stored(api)
     seen = run_flow(tinker_python, api.url, user_key, tmp_path)
     _losses(seen["losses"], len(seen["prompt"]))
     _logprob_calls(seen["logprobs"], len(seen["prompt"]))
     _inflight(seen["inflight"])
-    _life_cycle(api, seen["life_cycle"])
+    _life_cycle(api, seen["life_cycle"], before)
     _billing(seen["billing"])
     _another_host_loads_the_state(api, tinker_python, tinker_host, user_key, tmp_path, host_work_dir,
                                   seen["life_cycle"]["state"])
@@ -87,18 +88,28 @@ def _inflight(seen: dict) -> None:
     assert [c["checkpoint"] for c in seen["after"]["checkpoints"]] == [runs[1][0]]
 
 
-def _life_cycle(api, seen: dict) -> None:
-    assert seen["listed"][seen["state"]] == {"type": "training", "expires": True, "size": seen["listed"][seen["state"]]["size"]}
-    assert seen["listed"][seen["state"]]["size"] > 0 and seen["listed"][seen["other"]]["expires"] is False
+def _stored(api) -> set[str]:
+    return {p.stem for p in (api.server.settings.data_dir / "tinker-states").glob("*.pt")}
+
+
+def _life_cycle(api, seen: dict, before: set[str]) -> None:
+    kept = seen["listed"][seen["state"]]
+    assert (kept["type"], kept["expires"]) == ("training", True) and kept["size"] > 0
+    assert seen["listed"][seen["other"]]["expires"] is False
     assert seen["expiry"][seen["other"]] is True
     assert seen["copy"].endswith("/weights/keep") and seen["copy"] != seen["state"]
     assert seen["other"] not in seen["after_delete"] and seen["state"] in seen["after_delete"]
     assert seen["copy"] in seen["user_paths"] and seen["other"] not in seen["user_paths"]
     assert seen["bad_ttl"]["raised"] == "BadRequestError" and "between 3600" in seen["bad_ttl"]["message"]
     assert seen["load_deleted"]["raised"] == "NotFoundError"
+    assert (seen["run"]["is_lora"], seen["run"]["lora_rank"]) == (True, 4) and seen["run"]["id"] in seen["runs"]
+    assert seen["run"]["last_checkpoint"] == seen["state"]  # the newest state left after the delete
+    assert seen["weights_info"] == {"lora_rank": 4, "base_model": "echo2:tiny"}
     assert seen["copy_sampler"]["raised"] == "BadRequestError"
-    stored = sorted(p.name for p in (api.settings.data_dir / "tinker-states").glob("*.pt"))
-    assert len(stored) == 1  # the deleted state's file is gone; the kept one (shared by its copy) stays
+    with api.db.session() as db:
+        kept_digests = set(db.scalars(select(TinkerCheckpoint.sha256).where(TinkerCheckpoint.name == "keep")))
+    # The deleted state's file is gone; the kept one (shared by its copy) stays.
+    assert len(kept_digests) == 1 and _stored(api) - before == kept_digests
 
 
 def _billing(seen: dict) -> None:
