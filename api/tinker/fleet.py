@@ -211,9 +211,14 @@ def _token_versions(sample: dict, default: int) -> list[int]:
 
 def _checkpoint_names(db: Session, job: Job, versions: set[int]) -> dict[int, str] | None:
     """The checkpoint each version was published from; None if one of them was saved again since."""
-    rows = dict(db.execute(select(TinkerCheckpoint.version, TinkerCheckpoint.name).where(
-        TinkerCheckpoint.model_id == job.tinker_model_id, TinkerCheckpoint.version.in_(versions))).tuples().all())
+    rows = _names(db, job, versions)
     return rows if set(rows) == versions else None
+
+
+def _names(db: Session, job: Job, versions: set[int]) -> dict[int, str]:
+    rows = db.execute(select(TinkerCheckpoint.version, TinkerCheckpoint.name).where(
+        TinkerCheckpoint.model_id == job.tinker_model_id, TinkerCheckpoint.version.in_(versions))).all()
+    return {version: name for version, name in rows}
 
 
 def _runs(sample: dict, default: int, names: dict[int, str]) -> list[tuple[str, int]]:
@@ -233,8 +238,7 @@ def _deliver(db: Session, rollout: Rollout, prompt: Prompt) -> list[str]:
     job = db.get(Job, rollout.job_id)
     assert job is not None
     versions = {v for s in rollout.samples for v in _token_versions(s, rollout.version)}
-    names = dict(db.execute(select(TinkerCheckpoint.version, TinkerCheckpoint.name).where(
-        TinkerCheckpoint.model_id == job.tinker_model_id, TinkerCheckpoint.version.in_(versions))).tuples().all())
+    names = _names(db, job, versions)
     sequences = [SampledSequence(tokens=s["token_ids"], logprobs=s["logprobs"], stop_reason=s["finish_reason"],
                                  checkpoints=_runs(s, rollout.version, names)) for s in rollout.samples]
     if request.payload:
