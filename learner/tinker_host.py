@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from echo2.errors import NotFoundError
 from echo2.protocol.tinker import (
     ErrorCategory,
     HostClaim,
@@ -38,7 +39,6 @@ from echo2.protocol.tinker import (
     SamplePayload,
     StateUpload,
 )
-from echo2.errors import NotFoundError
 from echo2.transport import Call, RetryPolicy, Transport
 
 log = logging.getLogger("echo2.tinker_host")
@@ -234,7 +234,7 @@ class Host:
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
             digest = hashlib.sha256()
-            with answer, path.open("wb") as out:
+            with path.open("wb") as out:
                 for block in answer.iter_bytes(1 << 20):
                     digest.update(block)
                     out.write(block)
@@ -242,6 +242,7 @@ class Host:
                 raise OSError(f"the downloaded state hashes to {digest.hexdigest()}, not {load.sha256}")
             session.load_state(path, load.optimizer)
         finally:
+            answer.close()  # a streamed answer holds its connection until closed
             path.unlink(missing_ok=True)
 
     def report(self, request_id: str, result: HostResult) -> None:

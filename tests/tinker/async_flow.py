@@ -103,13 +103,15 @@ def inflight(training, prompt: list[int], datum: types.Datum) -> dict:
     """An in-flight sampler draws a long sample; a training step and an in-flight save sent after it run between
     its segments, and its later tokens are drawn with the newer checkpoint."""
     sampler = training.save_weights_and_get_sampling_client(kind="inflight").result()
-    # A long forward first keeps the host busy while the rest is queued behind it, in this order: the sample,
-    # then the training step and the in-flight save (each sent a moment after the one before).
-    busy = training.forward([datum] * 24, "cross_entropy")
-    time.sleep(0.5)
+    # A long forward first keeps the host busy (the model's requests run in order) while the rest is queued behind
+    # it, in this order: the sample, then the training step and the in-flight save.
+    long = (prompt * 400)[:400]
+    busy = training.forward([types.Datum(model_input=types.ModelInput.from_ints(long[:-1]), loss_fn_inputs={
+        "target_tokens": long[1:], "weights": [1.0] * (len(long) - 1)})] * 64, "cross_entropy")
+    time.sleep(0.2)
     future = sampler.sample(types.ModelInput.from_ints(prompt), 1,
-                            types.SamplingParams(max_tokens=48, temperature=1.0, seed=11, stop=[]))
-    time.sleep(0.5)
+                            types.SamplingParams(max_tokens=96, temperature=1.0, seed=11, stop=[]))
+    time.sleep(0.2)
     training.forward_backward([datum], "cross_entropy")
     training.optim_step(types.AdamParams(learning_rate=0.05))
     second = training.save_weights_and_get_sampling_client(kind="inflight").result()

@@ -80,11 +80,11 @@ def _logprob_calls(seen: dict, prompt_len: int) -> None:
 
 
 def _inflight(seen: dict) -> None:
-    """The 48-token sample is drawn in segments of 16 tokens; the training step and the second in-flight save sent
+    """The 96-token sample is drawn in segments of 16 tokens; the training step and the second in-flight save sent
     after it run between two of its segments (which two depends on the machine's speed), and the segments after
     that are drawn with the newer checkpoint: its tokens span the two checkpoints, switching at a segment's end."""
     runs = [(c["checkpoint"], c["tokens"]) for c in seen["record"]["checkpoints"]]
-    assert len(runs) == 2 and runs[0][1] % 16 == 0 and sum(n for _, n in runs) == seen["tokens"] == 48, runs
+    assert len(runs) == 2 and runs[0][1] % 16 == 0 and sum(n for _, n in runs) == seen["tokens"] == 96, runs
     assert runs[0][0] != runs[1][0]
     assert [c["checkpoint"] for c in seen["after"]["checkpoints"]] == [runs[1][0]]
 
