@@ -10,8 +10,9 @@ partial rollouts: a worker that holds a newer version continues its samples on i
 learner host, for what it samples itself, runs the model's training between an in-flight sample's segments.
 Every sequence is looked up afterwards in `GET /v1/tinker/sequences/{id}` (the SDK's answer names no
 checkpoint): who drew it, and the checkpoints of its tokens.
-Reported: sequences drawn by workers and by the host, how many of each span two or more checkpoints, and
-the host's audits of fleet groups (in-flight groups are audited token by token under each token's version).
+Reported: sequences drawn by workers and by the host, how many of each span two or more checkpoints, the fleet
+groups by status (trained, or rejected and why), and the host's audits of fleet groups (in-flight groups are
+audited token by token under each token's version).
 """
 
 from __future__ import annotations
@@ -111,7 +112,7 @@ def _report(seen: dict, database_url: str) -> None:
     from sqlalchemy import func, select
 
     from api.db import Database
-    from api.models import Audit
+    from api.models import Audit, Rollout
 
     seqs = seen["sequences"]
     print(f"{seen['saves']} in-flight saves while sampling; {len(seqs)} sequences")
@@ -122,7 +123,10 @@ def _report(seen: dict, database_url: str) -> None:
               + (f" (e.g. {spanning[0]['runs']})" if spanning else ""))
     with Database(database_url).session() as db:
         audits = db.execute(select(Audit.passed, func.count()).group_by(Audit.passed)).all()
+        groups = db.execute(select(Rollout.status, Rollout.reject_kind, func.count())
+                            .group_by(Rollout.status, Rollout.reject_kind)).all()
     print(f"audits of fleet groups by the learner host: {dict((bool(k), n) for k, n in audits)}")
+    print("fleet groups: " + ", ".join(f"{n} {status}" + (f" ({kind})" if kind else "") for status, kind, n in groups))
 
 
 if __name__ == "__main__":

@@ -63,6 +63,9 @@ from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler
 
 FLEET_WAIT_S = 30.0  # a fleet request no worker has leased by then is sampled by the host
 FLEET_DEADLINE_S = 120.0  # nor one a worker still holds by then
+# An in-flight job's S: a client saving in flight every second outpaces a worker drawing a long sample, and
+# with S = 1 every group it submits would be stale; its tokens are audited under their own checkpoints anyway.
+INFLIGHT_STALENESS = 8
 MAX_SLOTS = 16_384  # num_samples x (prompt + max_tokens) of a fleet request: what a worker's memory was sized for
 TEMPERATURES = (0.05, 2.0)  # a job's range, where the audits' tolerances were measured (docs/RELIABILITY.md)
 TO_HOST = "host"  # a prompt state: its request went to the host, so no worker leases it
@@ -96,7 +99,8 @@ def _inflight(job: Job) -> bool:
 def _new_job(db: Session, model: TinkerModel, inflight: bool) -> Job:
     spec = JobSpec(name=f"Tinker sampler of {model.id}"[:128], base_model=model.base_model,
                    task=TaskSpec(name="tinker"), grpo=GRPOConfig(group_size=2, prompts_per_step=1),
-                   staleness=1, max_steps=100_000, lora=LoraConfig(rank=model.lora["rank"]),
+                   staleness=INFLIGHT_STALENESS if inflight else 1, max_steps=100_000,
+                   lora=LoraConfig(rank=model.lora["rank"]),
                    partial_rollouts=inflight)
     job = Job(owner_id=model.owner_id, name=spec.name, status=JobStatus.running, spec=spec.model_dump(mode="json"),
               tinker_model_id=model.id, started_at=utcnow())

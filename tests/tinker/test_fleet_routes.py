@@ -224,7 +224,8 @@ def _inflight_model(api, tmp_path):
     report(api, work, step=1, published=1)
     sampler = ok(retrieve(client, saved["request_id"]))["sampling_session_id"]
     with api.db.session() as s:
-        assert s.get(Job, order["job_id"]).spec["partial_rollouts"] is True
+        spec = s.get(Job, order["job_id"]).spec
+        assert (spec["partial_rollouts"], spec["staleness"]) == (True, fleet.INFLIGHT_STALENESS)
     _, worker = serving_worker(api, order["job_id"])
     return client, model_id, sampler, order["job_id"], worker
 
