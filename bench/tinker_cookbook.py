@@ -89,9 +89,10 @@ def _model() -> Path:
 
 
 def _recipe(url: str, key: str, model: Path, args: argparse.Namespace, log_path: Path) -> None:
-    loss = args.loss or ("importance_sampling" if args.off_policy is None else None)
+    # Synchronous runs name importance_sampling, as the README's command does; async runs keep the recipe's default.
+    loss = [f"loss_fn={args.loss}"] if args.loss else ["loss_fn=importance_sampling"] if args.off_policy is None else []
     cmd = [str(TINKER_PYTHON), "-m", "tinker_cookbook.recipes.math_rl.train", f"model_name={model}",
-           "renderer_name=qwen3_instruct", *([f"loss_fn={loss}"] if loss else []), f"base_url={url}",
+           "renderer_name=qwen3_instruct", *loss, f"base_url={url}",
            "env=arithmetic", f"groups_per_batch={args.groups}", f"group_size={args.group_size}",
            f"max_steps={args.steps}", f"max_tokens={args.max_tokens}", f"learning_rate={args.lr}",
            f"lora_rank={args.rank}", "eval_every=0", "save_every=0", f"log_path={log_path}",
