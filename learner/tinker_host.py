@@ -26,6 +26,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from echo2.errors import NotFoundError
 from echo2.protocol.tinker import (
     ErrorCategory,
     HostClaim,
@@ -36,11 +37,13 @@ from echo2.protocol.tinker import (
     LoadPayload,
     RequestKind,
     SamplePayload,
+    StateUpload,
 )
 from echo2.transport import Call, RetryPolicy, Transport
 
 log = logging.getLogger("echo2.tinker_host")
 WATCH_S = 5.0  # how often a running request's host asks whether it is still wanted
+STATE_CHUNK = 32 * 2**20  # a saved state is uploaded in chunks of this size (api/tinker/states.py)
 
 
 class Host:
@@ -98,7 +101,9 @@ class Host:
             if session is None:
                 raise LookupError(batch[0].model_id)
             payloads = [SamplePayload.model_validate(w.payload) for w in batch]
-            return [HostResult(sample=r) for r in session.sample(payloads)]
+            from .tinker_session import answer
+
+            return [HostResult(**answer(r)) for r in session.sample(payloads)]
         except Exception:  # noqa: BLE001 - retried one by one below, where each error gets its category
             log.info("a batch of %d sample requests failed; running them one by one", len(batch))
             return [self.handle(w) for w in batch]
@@ -114,14 +119,13 @@ class Host:
             if work.kind is RequestKind.create_model:
                 return HostResult(info=session.info())
             if work.kind is RequestKind.load_weights:
-                load = LoadPayload.model_validate(work.payload)
-                session.load_state(self.state_path(load.model_id, load.name), load.optimizer)
+                self.load_state(session, LoadPayload.model_validate(work.payload))
                 return HostResult(step=session.steps)
             with self._watch(work.request_id) as ended:
                 session.should_stop = ended.is_set
                 result = HostResult(**session.run(work.kind.value, work.payload))
-            if work.kind is RequestKind.save_weights:  # a state to load again (load_weights), on this host's disk
-                session.save_state(self.state_path(work.model_id, work.payload["name"]))
+            if work.kind is RequestKind.save_weights:  # a state to load again (load_weights), on any host
+                result.state = self.save_state(session, work.model_id, work.payload["name"])
             if work.publish is not None:
                 result.published = self.publish(session, work)
             return result
@@ -180,8 +184,7 @@ class Host:
         if work.kind is RequestKind.create_model:
             session = TinkerSession(work.model, cache, self.device, private)
             if work.payload.get("load"):
-                load = LoadPayload.model_validate(work.payload["load"])
-                session.load_state(self.state_path(load.model_id, load.name), load.optimizer)
+                self.load_state(session, LoadPayload.model_validate(work.payload["load"]))
             self.models[work.model_id] = session
             return session
         session = self.models.get(work.model_id)
@@ -195,6 +198,52 @@ class Host:
 
     def state_path(self, model_id: str, name: str) -> Path:
         return self.work_dir / "states" / f"{hashlib.sha256(f'{model_id}/{name}'.encode()).hexdigest()[:32]}.pt"
+
+    def save_state(self, session: Any, model_id: str, name: str) -> StateUpload:
+        """Write the state, upload it to the control plane (chunks, each and the whole sha256-checked), and keep
+        no copy here: the control plane's is the one every host loads, and the one a delete removes."""
+        path = self.state_path(model_id, name)
+        session.save_state(path)
+        try:
+            data = path.read_bytes()
+            digest = hashlib.sha256(data).hexdigest()
+            chunks = [data[i:i + STATE_CHUNK] for i in range(0, len(data), STATE_CHUNK)] or [b""]
+            for index, chunk in enumerate(chunks):
+                self.http.send(Call("PUT", f"/v1/tinker/host/states/{digest}/chunks/{index}", content=chunk,
+                                    headers={"X-Echo2-Sha256": hashlib.sha256(chunk).hexdigest(),
+                                             "Content-Type": "application/octet-stream"}, timeout=300, replay=True))
+            answer = self.http.send(Call("POST", f"/v1/tinker/host/states/{digest}", json={"chunks": len(chunks)},
+                                         timeout=300, replay=True))
+            return StateUpload.model_validate(answer.json())
+        finally:
+            path.unlink(missing_ok=True)
+
+    def load_state(self, session: Any, load: LoadPayload) -> None:
+        """A state from the control plane's store (by its digest, checked again here); one saved before states
+        were stored there is read from this host's disk, where it was saved."""
+        if load.sha256 is None:
+            session.load_state(self.state_path(load.model_id, load.name), load.optimizer)
+            return
+        from .tinker_session import UserError
+
+        try:
+            answer = self.http.send(Call("GET", f"/v1/tinker/host/states/{load.sha256}", timeout=300), stream=True)
+        except NotFoundError:
+            raise UserError("that state is no longer stored (deleted, or expired)") from None
+        path = self.work_dir / "states" / f"{load.sha256}.download"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            digest = hashlib.sha256()
+            with path.open("wb") as out:
+                for block in answer.iter_bytes(1 << 20):
+                    digest.update(block)
+                    out.write(block)
+            if digest.hexdigest() != load.sha256:
+                raise OSError(f"the downloaded state hashes to {digest.hexdigest()}, not {load.sha256}")
+            session.load_state(path, load.optimizer)
+        finally:
+            answer.close()  # a streamed answer holds its connection until closed
+            path.unlink(missing_ok=True)
 
     def report(self, request_id: str, result: HostResult) -> None:
         self.http.send(Call("POST", f"/v1/tinker/host/requests/{request_id}/result", params={"host": self.name},

@@ -30,13 +30,14 @@ from echo2.protocol.tinker import (
     ModelSpec,
     PublishOrder,
     SamplePayload,
+    SampleProgress,
     SampleResult,
     SavePayload,
     TinkerLora,
 )
 from echo2.snapshots import atomic_file
 
-from .audit import GroupClaim, audit_group
+from .audit import GroupClaim, audit_group, audit_versions
 from .models import resolve_model, with_adapter
 from .publisher import Publisher
 from .remote import ControlPlane
@@ -44,6 +45,7 @@ from .tinker_losses import datum_loss
 from .tinker_sampler import sample
 from .weights import LoraWeights
 
+INFLIGHT = "<inflight>"  # a batch of in-flight requests: drawn with the newest in-flight checkpoint
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass: bounds the logits held for the backward
 LORA_ALPHA = 32.0  # Tinker's own choice, so learning rates carry over from its docs and recipes
 TARGETS = {"attn": ("q_proj", "k_proj", "v_proj", "o_proj"), "mlp": ("gate_proj", "up_proj", "down_proj"),
@@ -90,6 +92,7 @@ class TinkerSession:
         self.optimizer: torch.optim.AdamW | None = None
         self.checkpoints: dict[str, list[torch.Tensor]] = {}
         self.published: dict[str, int] = {}  # checkpoint name -> the fleet version it was published as
+        self.inflight: str | None = None  # the newest in-flight checkpoint: what in-flight samplers draw with
         self.steps = 0
         self.should_stop: Callable[[], bool] = lambda: False  # the host's: is the running request still wanted
 
@@ -180,35 +183,51 @@ class TinkerSession:
     def save(self, payload: SavePayload) -> int:
         self.checkpoints[payload.name] = [p.detach().clone() for p in self.params]
         self.published.pop(payload.name, None)  # re-saved: no longer the weights of the version it was published as
+        if payload.inflight:
+            self.inflight = payload.name
         return self.steps
 
-    def sample(self, payloads: list[SamplePayload]) -> list[SampleResult]:
-        """Requests of one checkpoint, sampled together in one batch."""
-        checkpoints = {p.checkpoint for p in payloads}
-        if len(checkpoints) != 1:
-            raise UserError(f"one batch samples one checkpoint, not {sorted(map(str, checkpoints))}")
+    def drop(self, name: str) -> None:
+        """A deleted or expired sampler checkpoint: its weights are forgotten (in-flight samplers whose target it
+        was fail their next request until the next in-flight save)."""
+        self.checkpoints.pop(name, None)
+        self.published.pop(name, None)
+        if self.inflight == name:
+            self.inflight = None
+
+    def sample(self, payloads: list[SamplePayload]) -> list[SampleResult | SampleProgress]:
+        """Requests of one checkpoint (or all in flight: the newest in-flight checkpoint), sampled together in one
+        batch; an in-flight request one segment at a time (learner/tinker_sampler.py)."""
+        wanted = {INFLIGHT if p.inflight else p.checkpoint for p in payloads}
+        if len(wanted) != 1:
+            raise UserError(f"one batch samples one checkpoint, not {sorted(map(str, wanted))}")
         vocab, context = self.model.config.vocab_size, self.model.config.max_position_embeddings
         if any(max(p.prompt) >= vocab for p in payloads):
             raise UserError(f"prompt token ids must be below the vocabulary size {vocab}")
         if any(len(p.prompt) + p.params.max_tokens > context for p in payloads):
             raise UserError(f"prompt + max_tokens must fit the model's context of {context} tokens")
+        checkpoint = wanted.pop()
+        if checkpoint == INFLIGHT:
+            if self.inflight is None:
+                raise UserError("this model has no in-flight checkpoint (it was deleted): save_weights_for_sampler "
+                                "with kind='inflight' again")
+            checkpoint = self.inflight
         self.model.eval()
-        with self._weights(checkpoints.pop()):
-            return sample(self.model, self.tokenizer, payloads, self.tokenizer.eos_token_id)
+        with self._weights(checkpoint):
+            return sample(self.model, self.tokenizer, payloads, self.tokenizer.eos_token_id, checkpoint or "base")
 
     @contextlib.contextmanager
     def _weights(self, checkpoint: str | None) -> Iterator[None]:
-        """The adapter as saved under `checkpoint` for the duration (the current one when None)."""
-        if checkpoint is None:
-            yield
-            return
-        saved = self.checkpoints.get(checkpoint)
-        if saved is None:
+        """The adapter as saved under `checkpoint` for the duration (None: the current one, put back after
+        whatever the body swaps in)."""
+        saved = self.checkpoints.get(checkpoint) if checkpoint is not None else None
+        if checkpoint is not None and saved is None:
             raise UserError(f"no checkpoint {checkpoint!r} on this model")
         current = [p.detach().clone() for p in self.params]
-        with torch.no_grad():
-            for param, value in zip(self.params, saved, strict=True):
-                param.copy_(value)
+        if saved is not None:
+            with torch.no_grad():
+                for param, value in zip(self.params, saved, strict=True):
+                    param.copy_(value)
         try:
             yield
         finally:
@@ -219,7 +238,7 @@ class TinkerSession:
     def park(self, path: Path) -> None:
         """Everything a later request needs, in one file: adapter, pending gradients, optimizer, checkpoints."""
         grads = [None if p.grad is None else p.grad.detach().cpu() for p in self.params]
-        _write(path, {**self._state(), "grads": grads, "published": self.published,
+        _write(path, {**self._state(), "grads": grads, "published": self.published, "inflight": self.inflight,
                       "checkpoints": {k: [t.cpu() for t in v] for k, v in self.checkpoints.items()}})
 
     def save_state(self, path: Path) -> None:
@@ -241,6 +260,7 @@ class TinkerSession:
         for param, grad in zip(session.params, state["grads"], strict=True):
             param.grad = grad
         session.checkpoints, session.published = state["checkpoints"], state.get("published", {})
+        session.inflight = state.get("inflight")
         return session
 
     def load_state(self, path: Path, optimizer: bool) -> None:
@@ -279,17 +299,23 @@ class TinkerSession:
         if kind in ("save_weights", "save_weights_for_sampler"):
             return {"step": self.save(SavePayload.model_validate(payload))}
         if kind == "sample":
-            return {"sample": self.sample([SamplePayload.model_validate(payload)])[0]}
+            return answer(self.sample([SamplePayload.model_validate(payload)])[0])
         if kind == "audit":
             return {"audit": self.audit(AuditPayload.model_validate(payload))}
+        if kind == "drop_checkpoint":
+            self.drop(str(payload["name"]))
+            return {}
         raise UserError(f"unknown request kind {kind!r}")
 
     def audit(self, payload: AuditPayload) -> AuditVerdict:
         """Re-score a group a rollout worker drew for a fleet sample request under the checkpoint it claims
-        (learner/audit.py: the worker's logprobs, and how likely its tokens are under the model)."""
-        if self.published.get(payload.checkpoint) != payload.version:
-            raise UserError(f"checkpoint {payload.checkpoint!r} was saved again since version {payload.version}: "
-                            "its weights are gone, so the group cannot be audited")
+        (learner/audit.py: the worker's logprobs, and how likely its tokens are under the model); an in-flight
+        group's every token under the checkpoint of its own version (`audit_versions`)."""
+        named = payload.checkpoints or {payload.version: payload.checkpoint}
+        for version, name in named.items():
+            if self.published.get(name) != version:
+                raise UserError(f"checkpoint {name!r} was saved again since version {version}: its weights are "
+                                "gone, so the group cannot be audited")
         vocab = self.model.config.vocab_size
         if max(payload.prompt) >= vocab or any(t >= vocab for tokens, _ in payload.samples for t in tokens):
             return AuditVerdict(passed=False, reason=f"token ids outside the vocabulary (size {vocab})")
@@ -297,9 +323,19 @@ class TinkerSession:
         claim = GroupClaim(prompt=list(payload.prompt), samples=[(list(t), list(lp)) for t, lp in payload.samples],
                            temperature=payload.temperature, top_p=payload.top_p, top_k=payload.top_k,
                            seed=payload.seed, precision=payload.precision.value)
-        with self._weights(payload.checkpoint):
-            result = audit_group(self.model, claim)
+        if payload.versions is None:
+            with self._weights(payload.checkpoint):
+                result = audit_group(self.model, claim)
+        else:
+            with self._weights(None):  # every version's weights are put in by model_at, then these put back
+                result = audit_versions(lambda v: self._swap(named[v]), claim, payload.versions)
         return AuditVerdict(passed=result.passed, reason=result.reason or "", stats=result.stats())
+
+    def _swap(self, checkpoint: str) -> Any:
+        with torch.no_grad():
+            for param, value in zip(self.params, self.checkpoints[checkpoint], strict=True):
+                param.copy_(value)
+        return self.model
 
     def publish(self, order: PublishOrder, checkpoint: str, server: str, work_dir: Path) -> int:
         """Publish `checkpoint` (its adapter) as version `order.version` of the model's fleet job, after the
@@ -320,6 +356,11 @@ class TinkerSession:
             plane.close()
         self.published[checkpoint] = order.version
         return order.version
+
+
+def answer(result: SampleResult | SampleProgress) -> dict[str, Any]:
+    """A sample request's HostResult fields: its result, or (in flight, not finished) its progress."""
+    return {"progress": result} if isinstance(result, SampleProgress) else {"sample": result}
 
 
 def _write(path: Path, state: dict[str, Any]) -> None:

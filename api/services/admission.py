@@ -137,7 +137,7 @@ def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: 
     if problem:
         return problem
     own = PromptSampling.model_validate(prompt.sampling) if prompt is not None and prompt.sampling else None
-    if own is not None and (problem := _unlike_request(prompt, own, group, job.eos_token_ids)):
+    if own is not None and (problem := _unlike_request(prompt, own, group, job.eos_token_ids, spec.partial_rollouts)):
         return problem
     size, max_new = (own.n, own.max_tokens) if own else (spec.grpo.group_size, spec.grpo.max_new_tokens)
     if len(group.samples) != size:
@@ -153,16 +153,18 @@ def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: 
     return None
 
 
-def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit, eos: list[Any] | None) -> str | None:
-    """A prompt with its own sampling (a Tinker request) must be drawn from exactly its tokens, with its
-    version, one turn of it, and stop where the request says."""
-    if group.version != prompt.version:
+def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit, eos: list[Any] | None,
+                    inflight: bool) -> str | None:
+    """A prompt with its own sampling (a Tinker request) must be drawn from exactly its tokens, one turn of it,
+    stopping where the request says, with its version; an in-flight request (its fleet job has partial
+    rollouts), with its version or newer ones, per-token versions telling which."""
+    if group.version != prompt.version and not (inflight and group.version > prompt.version):
         return f"drawn with version {group.version}, but the request is for version {prompt.version}"
     if group.prompt_token_ids != prompt.token_ids:
         return "prompt_token_ids differ from the leased prompt's token_ids"
     stops = own.stop_token_ids if own.stop_token_ids is not None else (eos or [])
     for k, sample in enumerate(group.samples):
-        if sample.turns is not None or sample.versions is not None:
+        if sample.turns is not None or (sample.versions is not None and not inflight):
             return f"sample {k}: a Tinker sample is one turn of one version"
         early = [i for i, t in enumerate(sample.token_ids[:-1]) if t in stops]
         if early:

@@ -3,10 +3,11 @@ trains LoRA adapters on a Tinker learner host and samples from them (docs/TINKER
 
 from fastapi import APIRouter
 
-from . import futures, host, sampling, sessions, training, unsupported
+from . import billing, checkpoints, futures, host, sampling, sequences, sessions, states, training, unsupported
 
 router = APIRouter()
-for module in (sessions, training, sampling, futures, host, unsupported):
+for module in (sessions, training, sampling, futures, host, states, checkpoints, billing, sequences,
+               unsupported):  # unsupported answers every other /api/v1 path: last
     router.include_router(module.router)
 
 __all__ = ["router"]

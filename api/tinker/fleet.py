@@ -50,7 +50,7 @@ from echo2.protocol.tinker import (
     SamplePayload,
     SampleResult,
 )
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from ..models import Job, Lease, Prompt, Rollout, Worker, utcnow
@@ -58,10 +58,14 @@ from ..services import evidence, trust
 from ..services.learning import issue_learner_token
 from ..services.pool import return_prompts
 from ..settings import Settings
+from . import records
 from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler
 
 FLEET_WAIT_S = 30.0  # a fleet request no worker has leased by then is sampled by the host
 FLEET_DEADLINE_S = 120.0  # nor one a worker still holds by then
+# An in-flight job's S: a client saving in flight every second outpaces a worker drawing a long sample, and
+# with S = 1 every group it submits would be stale; its tokens are audited under their own checkpoints anyway.
+INFLIGHT_STALENESS = 8
 MAX_SLOTS = 16_384  # num_samples x (prompt + max_tokens) of a fleet request: what a worker's memory was sized for
 TEMPERATURES = (0.05, 2.0)  # a job's range, where the audits' tolerances were measured (docs/RELIABILITY.md)
 TO_HOST = "host"  # a prompt state: its request went to the host, so no worker leases it
@@ -69,13 +73,15 @@ DEMAND_WINDOW_S = 60.0
 MAX_GROUP, MAX_SAMPLE = 64, 16_384  # what a worker may submit in one group (echo2.protocol.GroupSubmit)
 
 
-def publish_order(db: Session, model: TinkerModel, settings: Settings) -> PublishOrder | None:
+def publish_order(db: Session, model: TinkerModel, settings: Settings, inflight: bool) -> PublishOrder | None:
     """What a save_weights_for_sampler of a LoRA training model publishes: the next version of its fleet job
-    (made now if it has none), with a fresh learner token."""
+    (made now if it has none), with a fresh learner token. The job serves the kind of the model's first save:
+    an in-flight job (partial rollouts: a group in progress moves to each newer version between its segments)
+    publishes in-flight saves only, a snapshot job snapshots only; the other kind is sampled by the host."""
     if not settings.tinker_fleet or model.kind != "train" or not model.lora or model.status == "failed":
         return None
-    job = job_of(db, model.id) or _new_job(db, model)
-    if job.status.is_terminal():
+    job = job_of(db, model.id) or _new_job(db, model, inflight)
+    if job.status.is_terminal() or _inflight(job) != inflight:
         return None
     return PublishOrder(job_id=job.id, token=issue_learner_token(db, job), version=(job.version or 0) + 1,
                         base_published=job.version is not None)
@@ -86,10 +92,16 @@ def job_of(db: Session, model_id: str) -> Job | None:
     return db.scalar(select(Job).where(Job.tinker_model_id == model_id))
 
 
-def _new_job(db: Session, model: TinkerModel) -> Job:
+def _inflight(job: Job) -> bool:
+    return bool(job.spec.get("partial_rollouts"))
+
+
+def _new_job(db: Session, model: TinkerModel, inflight: bool) -> Job:
     spec = JobSpec(name=f"Tinker sampler of {model.id}"[:128], base_model=model.base_model,
                    task=TaskSpec(name="tinker"), grpo=GRPOConfig(group_size=2, prompts_per_step=1),
-                   staleness=1, max_steps=100_000, lora=LoraConfig(rank=model.lora["rank"]))
+                   staleness=INFLIGHT_STALENESS if inflight else 1, max_steps=100_000,
+                   lora=LoraConfig(rank=model.lora["rank"]),
+                   partial_rollouts=inflight)
     job = Job(owner_id=model.owner_id, name=spec.name, status=JobStatus.running, spec=spec.model_dump(mode="json"),
               tinker_model_id=model.id, started_at=utcnow())
     db.add(job)
@@ -104,6 +116,9 @@ def published(db: Session, model: TinkerModel, version: int) -> None:
     job = job_of(db, model.id)
     if job is not None and version > job.step:
         job.step = version
+    if job is not None and _inflight(job):  # an in-flight request not leased yet is drawn with the newest weights
+        db.execute(update(Prompt).where(Prompt.job_id == job.id, Prompt.state == "available",
+                                        Prompt.request_id.is_not(None)).values(version=version))
 
 
 def fleet_job_for(db: Session, sampler: TinkerSampler, payload: SamplePayload,
@@ -113,17 +128,20 @@ def fleet_job_for(db: Session, sampler: TinkerSampler, payload: SamplePayload,
     worker's backend draws, may submit and the host can audit (a temperature in a job's range, no stop strings, no
     prompt logprobs, at most 64 samples of at most 16,384 tokens, MAX_SLOTS token slots in all)."""
     params = payload.params
-    if not settings.tinker_fleet or sampler.checkpoint is None or params.stop_strings or payload.prompt_logprobs:
+    if not settings.tinker_fleet or sampler.checkpoint is None or params.stop_strings or payload.scores_prompt() \
+            or payload.topk_sample:
         return None
     slots = payload.num_samples * (len(payload.prompt) + params.max_tokens)
     if not TEMPERATURES[0] <= params.temperature <= TEMPERATURES[1] or payload.num_samples > MAX_GROUP \
             or params.max_tokens > MAX_SAMPLE or slots > MAX_SLOTS:
         return None
-    checkpoint = db.get(TinkerCheckpoint, (sampler.model_id, sampler.checkpoint))
     job = job_of(db, sampler.model_id)
-    if checkpoint is None or checkpoint.version is None or job is None or job.status != JobStatus.running:
+    if job is None or job.status != JobStatus.running or _inflight(job) != payload.inflight or not _served(db, job):
         return None
-    if job.version != checkpoint.version or not _served(db, job):
+    if payload.inflight:  # drawn with the newest in-flight weights, which are never older than the sampler's
+        return (job, job.version) if job.version else None
+    checkpoint = db.get(TinkerCheckpoint, (sampler.model_id, sampler.checkpoint))
+    if checkpoint is None or checkpoint.version is None or job.version != checkpoint.version:
         return None
     return job, checkpoint.version
 
@@ -171,33 +189,65 @@ def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> Non
     from . import service
 
     request = db.get(TinkerRequest, prompt.request_id)
-    checkpoint = db.scalar(select(TinkerCheckpoint.name).where(TinkerCheckpoint.model_id == job.tinker_model_id,
-                                                               TinkerCheckpoint.version == rollout.version))
     model = db.get(TinkerModel, job.tinker_model_id)
-    if request is None or model is None or checkpoint is None:  # saved again under its name: nothing to audit by
+    versions = [_token_versions(s, rollout.version) for s in rollout.samples]
+    names = _checkpoint_names(db, job, {v for row in versions for v in row})
+    if request is None or model is None or names is None:  # saved again under its name: nothing to audit by
         _late(rollout, "its checkpoint was saved again before it could be audited")
         _to_host(prompt, request)
         return
     sampling = PromptSampling.model_validate(prompt.sampling)
-    payload = AuditPayload(checkpoint=checkpoint, version=rollout.version, rollout_id=rollout.id,
+    spans = any(len(set(row)) > 1 or row[:1] != [rollout.version] for row in versions)
+    payload = AuditPayload(checkpoint=names[rollout.version], version=rollout.version, rollout_id=rollout.id,
                            prompt=prompt.token_ids,
                            samples=[(s["token_ids"], s["logprobs"]) for s in rollout.samples],
                            temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k,
-                           seed=rollout.seed, precision=rollout.precision or Precision.float32)
+                           seed=rollout.seed, precision=rollout.precision or Precision.float32,
+                           versions=versions if spans else None, checkpoints=names if spans else {})
     rollout.audit = "pending"
     service.enqueue(db, model, RequestKind.audit, payload.model_dump(mode="json"), None, bounded=False)
 
 
+def _token_versions(sample: dict, default: int) -> list[int]:
+    runs = sample.get("versions")
+    return [default] * len(sample["token_ids"]) if not runs else [v for v, n in runs for _ in range(n)]
+
+
+def _checkpoint_names(db: Session, job: Job, versions: set[int]) -> dict[int, str] | None:
+    """The checkpoint each version was published from; None if one of them was saved again since."""
+    rows = _names(db, job, versions)
+    return rows if set(rows) == versions else None
+
+
+def _names(db: Session, job: Job, versions: set[int]) -> dict[int, str]:
+    rows = db.execute(select(TinkerCheckpoint.version, TinkerCheckpoint.name).where(
+        TinkerCheckpoint.model_id == job.tinker_model_id, TinkerCheckpoint.version.in_(versions))).all()
+    return {version: name for version, name in rows}
+
+
+def _runs(sample: dict, default: int, names: dict[int, str]) -> list[tuple[str, int]]:
+    runs = sample.get("versions") or [(default, len(sample["token_ids"]))]
+    return [(names.get(v, f"version-{v}"), n) for v, n in runs]
+
+
 def _deliver(db: Session, rollout: Rollout, prompt: Prompt) -> list[str]:
-    """The group answers its request, and counts as trained: its worker is paid for it."""
+    """The group answers its request, and counts as trained: its worker is paid for it. Each sequence says which
+    checkpoint drew which of its tokens, and is recorded if the request asked for stability info."""
     request = db.get(TinkerRequest, prompt.request_id, with_for_update=True)
     if request is None or request.status != RequestStatus.fleet.value:
         _late(rollout, "its request was answered otherwise (the host took it, or the session ended)")
         return []
     rollout.status, rollout.trained_step = RolloutStatus.trained, rollout.version
     prompt.state = "trained"
-    sequences = [SampledSequence(tokens=s["token_ids"], logprobs=s["logprobs"], stop_reason=s["finish_reason"])
-                 for s in rollout.samples]
+    job = db.get(Job, rollout.job_id)
+    assert job is not None
+    versions = {v for s in rollout.samples for v in _token_versions(s, rollout.version)}
+    names = _names(db, job, versions)
+    sequences = [SampledSequence(tokens=s["token_ids"], logprobs=s["logprobs"], stop_reason=s["finish_reason"],
+                                 checkpoints=_runs(s, rollout.version, names)) for s in rollout.samples]
+    if request.payload:
+        records.record(db, request.id, request.owner_id, request.model_id, SamplePayload.model_validate(
+            request.payload), SampleResult(sequences=sequences), worker_id=rollout.worker_id)
     request.status, request.payload = RequestStatus.done.value, {}
     request.result = {"sample": SampleResult(sequences=sequences).model_dump(mode="json", exclude_none=True),
                       "worker": rollout.worker_id}

@@ -60,8 +60,9 @@ def answer(row: TinkerRequest, model: TinkerModel) -> Response:
         return Response(wire.write_forward_backward_output(out["outputs"], out["metrics"]), media_type=PROTOBUF)
     if kind is RequestKind.sample:
         sample = result["sample"]
-        return Response(wire.write_sample_response(sample["sequences"], sample.get("prompt_logprobs")),
-                        media_type=PROTOBUF)
+        alt = (sample["alt_tokens"], sample["alt_logprobs"]) if sample.get("alt_tokens") is not None else None
+        return Response(wire.write_sample_response(sample["sequences"], sample.get("prompt_logprobs"),
+                                                   sample.get("topk_prompt"), alt), media_type=PROTOBUF)
     return JSONResponse(_json_result(kind, row, result))
 
 

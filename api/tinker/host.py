@@ -38,7 +38,7 @@ from ..db import Database
 from ..deps import SessionDep, SettingsDep
 from ..models import utcnow
 from ..settings import Settings
-from . import fleet, service
+from . import checkpoints, fleet, service
 from .deps import ApiKey, Bell, HostUser, require_host, user_of
 from .models import TinkerHost, TinkerModel, TinkerRequest, TinkerSession
 from .sampling import MAX_SAMPLE_TOKENS
@@ -77,6 +77,7 @@ def _claim_once(database: Database, settings: Settings, api_key: str, body: Host
         host.slots, host.price_per_hour, host.seen_at = body.slots, body.price_per_hour, utcnow()
         db.add(host)
         service.sweep(db)
+        checkpoints.expire(db, settings.data_dir / "tinker-states")
         held = _held(db, body)
         parked = _parked(db, body.host)
         # A model still in `holding` but parked: the reply that asked to park it was lost; ask again.
@@ -142,13 +143,18 @@ def _batchable(db: Session, first: TinkerRequest) -> list[TinkerRequest]:
                        .order_by(TinkerRequest.seq).limit(MAX_SAMPLE_BATCH - 1).with_for_update())
     batch, size = [], _sample_size(first)
     for row in after:
-        if row.kind != RequestKind.sample.value or row.payload.get("checkpoint") != first.payload.get("checkpoint"):
+        if row.kind != RequestKind.sample.value or _weights_of(row) != _weights_of(first):
             break
         size += _sample_size(row)
         if size > MAX_SAMPLE_TOKENS:  # the batch's KV cache is bounded as one request's is
             break
         batch.append(row)
     return batch
+
+
+def _weights_of(row: TinkerRequest) -> str | None:
+    """The weights a sample request draws with: its checkpoint's, or the model's newest in-flight ones."""
+    return "<inflight>" if row.payload.get("inflight") else row.payload.get("checkpoint")
 
 
 def _sample_size(row: TinkerRequest) -> int:
@@ -246,8 +252,8 @@ def _start(db: Session, row: TinkerRequest, settings: Settings) -> HostWork:
     if restore or row.kind == RequestKind.create_model.value:
         model.slot_at = row.started_at
     lora = TinkerLora(**model.lora) if model.lora else None
-    publish = fleet.publish_order(db, model, settings) if row.kind == RequestKind.save_weights_for_sampler.value \
-        else None
+    publish = fleet.publish_order(db, model, settings, bool(row.payload.get("inflight"))) \
+        if row.kind == RequestKind.save_weights_for_sampler.value else None
     return HostWork(request_id=row.id, model_id=model.id, kind=RequestKind(row.kind),
                     model=ModelSpec(base_model=model.base_model, lora=lora), payload=row.payload, restore=restore,
                     publish=publish)

@@ -60,8 +60,12 @@ class TinkerCheckpoint(Base):
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
     kind: Mapped[str] = mapped_column(String(16))  # "sampler" | "training"
     step: Mapped[int] = mapped_column(Integer)
-    host: Mapped[str | None] = mapped_column(String(128))  # a "training" state: the host whose disk holds it
+    host: Mapped[str | None] = mapped_column(String(128))  # a "training" state: the host that saved it
     version: Mapped[int | None] = mapped_column(Integer)  # a sampler's: its version in the model's fleet job
+    sha256: Mapped[str | None] = mapped_column(String(64), index=True)  # a state's file in the control plane's store
+    size_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    inflight: Mapped[bool] = mapped_column(default=False)  # a sampler's: saved with kind="inflight"
+    expires_at: Mapped[datetime | None] = mapped_column(index=True)  # ttl_seconds; None: kept until deleted
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 
@@ -77,7 +81,26 @@ class TinkerSampler(Base):
     checkpoint: Mapped[str | None] = mapped_column(String(128))
     base_model: Mapped[str] = mapped_column(String(512))
     model_path: Mapped[str | None] = mapped_column(String(512))
+    inflight: Mapped[bool] = mapped_column(default=False)  # samples with the model's newest in-flight checkpoint
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class TinkerSequence(Base):
+    """A sequence sampled with record_stability_info (`{request}:{k}`, the SDK's `SampledSequence.sequence_id`):
+    what stable_reinforce trains on, looked up through a datum's provenance spans. Kept RECORD_TTL_S after it
+    was drawn or last trained on."""
+
+    __tablename__ = "tinker_sequences"
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner_id: Mapped[str] = mapped_column(String(32), index=True)
+    model_id: Mapped[str] = mapped_column(String(96))
+    prompt: Mapped[list[Any]]
+    tokens: Mapped[list[Any]]
+    logprobs: Mapped[list[Any]]
+    checkpoints: Mapped[list[Any]]  # [name, count] runs: the checkpoint that drew each token
+    worker_id: Mapped[str | None] = mapped_column(String(40))  # a fleet worker's draw; None: the learner host's
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    expires_at: Mapped[datetime] = mapped_column(index=True)
 
 
 class TinkerRequest(Base):
@@ -128,6 +151,7 @@ class TinkerUsage(Base):
     kind: Mapped[str] = mapped_column(String(32))  # echo2.protocol.tinker.RequestKind
     host: Mapped[str] = mapped_column(String(128))
     tokens: Mapped[int] = mapped_column(Integer)
+    prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)  # of `tokens`, a sample's prompt (its prefill)
     seconds: Mapped[float] = mapped_column(Float)
     price_per_hour: Mapped[float] = mapped_column(Float)
     amount_usd: Mapped[float] = mapped_column(Float)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from echo2.protocol.tinker import RequestKind, RequestStatus, SampleParams, SamplePayload
+from echo2.protocol.tinker import MAX_TOPK, RequestKind, RequestStatus, SampleParams, SamplePayload
 from fastapi import APIRouter
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
@@ -32,7 +32,8 @@ def create_sampling_session(body: CreateSamplingSessionRequest, user: TinkerUser
         checkpoint = service.parse_checkpoint_path(db, user.id, body.model_path)
         model = service.owned_model(db, user.id, checkpoint.model_id)
         sampler = TinkerSampler(id=sampler_id, session_id=session.id, owner_id=user.id, model_id=model.id,
-                                checkpoint=checkpoint.name, base_model=model.base_model, model_path=body.model_path)
+                                checkpoint=checkpoint.name, base_model=model.base_model, model_path=body.model_path,
+                                inflight=checkpoint.inflight)
     elif body.base_model:
         model = service.new_model(db, session, sampler_id, "sample", body.base_model, None)
         service.enqueue(db, model, RequestKind.create_model, {}, None)
@@ -66,7 +67,7 @@ def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: Idempote
     _refuse_unsupported(body)
     sampler = service.owned_sampler(db, user.id, body.sampling_session_id)
     model = service.owned_model(db, user.id, sampler.model_id)
-    payload = _payload(body, sampler.checkpoint)
+    payload = _payload(body, sampler.checkpoint, sampler.inflight)
     _check_fits(payload, model.info.get("vocab_size"), model.info.get("max_context_length"))
     row = service.enqueue(db, model, RequestKind.sample, payload.model_dump(mode="json"), key)
     if row.status == RequestStatus.pending.value and (target := fleet.fleet_job_for(db, sampler, payload, settings)):
@@ -96,18 +97,29 @@ def _check_fits(payload: SamplePayload, vocab: int | None, context: int | None) 
 
 
 def _refuse_unsupported(body: SampleRequest) -> None:
-    names = ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k", "target_prompt_logprobs",
-             "prompt_logprobs_last_n")
-    for name in names:
-        value = getattr(body, name)
-        if value:
-            raise ApiError(400, f"{name} is not supported by Echo2 (prompt_logprobs is)", field=name)
+    if body.target_prompt_logprobs is not None:
+        raise ApiError(400, "target_prompt_logprobs is not supported by Echo2: ask for prompt_logprobs, "
+                            f"topk_prompt_logprobs (up to {MAX_TOPK}) or prompt_alt_tokens_k",
+                       field="target_prompt_logprobs")
+    for name in ("topk_prompt_logprobs", "topk_sample_logprobs", "prompt_alt_tokens_k"):
+        if getattr(body, name) > MAX_TOPK:
+            raise ApiError(400, f"{name} is at most {MAX_TOPK} on Echo2", field=name)
+    if body.prompt_logprobs_last_n is not None and not (body.prompt_logprobs or body.topk_prompt_logprobs):
+        raise ApiError(400, "prompt_logprobs_last_n needs prompt_logprobs (or topk_prompt_logprobs)",
+                       field="prompt_logprobs_last_n")
 
 
-def _payload(body: SampleRequest, checkpoint: str | None) -> SamplePayload:
+def _payload(body: SampleRequest, checkpoint: str | None, inflight: bool) -> SamplePayload:
     try:
-        return SamplePayload(checkpoint=checkpoint, prompt=body.prompt.tokens(), num_samples=body.num_samples,
-                             params=_params(body.sampling_params), prompt_logprobs=bool(body.prompt_logprobs))
+        prompt = body.prompt.tokens()
+        last_n = body.prompt_logprobs_last_n
+        if last_n is not None and not 1 <= last_n <= len(prompt) - 1:
+            raise ValueError(f"prompt_logprobs_last_n must be between 1 and len(prompt) - 1 = {len(prompt) - 1}")
+        return SamplePayload(checkpoint=checkpoint, prompt=prompt, num_samples=body.num_samples,
+                             params=_params(body.sampling_params), prompt_logprobs=bool(body.prompt_logprobs),
+                             inflight=inflight, record=bool(body.record_stability_info),
+                             topk_prompt=body.topk_prompt_logprobs, topk_sample=body.topk_sample_logprobs,
+                             prompt_last_n=last_n, alt_k=body.prompt_alt_tokens_k)
     except (ValueError, ValidationError) as exc:
         reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
         raise ApiError(400, f"asample: {reason}", field="prompt") from exc

@@ -76,6 +76,7 @@ class SaveWeightsRequest(SdkBody):
     seq_id: SeqId | None = None
     sampling_session_seq_id: SeqId | None = None
     kind: Literal["snapshot", "inflight"] = "snapshot"
+    ttl_seconds: int | None = None
 
 
 class LoadWeightsRequest(SdkBody):
@@ -139,7 +140,24 @@ class SampleRequest(SdkBody):
     topk_sample_logprobs: Annotated[int, Field(ge=0, le=1024)] = 0
     prompt_alt_tokens_k: Annotated[int, Field(ge=0, le=1024)] = 0
     target_prompt_logprobs: dict[str, Any] | None = None
-    prompt_logprobs_last_n: Annotated[int, Field(ge=1)] | None = None
+    prompt_logprobs_last_n: Annotated[int, Field(ge=1, le=2**31)] | None = None
+    record_stability_info: bool | None = None
+
+
+class CopyWeightsRequest(SdkBody):
+    source_path: Str
+    session_id: IdStr | None = None
+    model_seq_id: SeqId | None = None
+    destination_project_id: Str | None = None
+    ttl_seconds: int | None = None
+
+
+class WeightsInfoRequest(SdkBody):
+    tinker_path: Str
+
+
+class TtlRequest(SdkBody):
+    ttl_seconds: int | None = None
 
 
 class RetrieveFutureRequest(SdkBody):

@@ -17,6 +17,8 @@ from echo2.protocol.tinker import (
     ModelStatus,
     RequestKind,
     RequestStatus,
+    SamplePayload,
+    SavePayload,
     SessionStatus,
 )
 from sqlalchemy import func, select, update
@@ -26,7 +28,7 @@ from sqlalchemy.orm import Session
 from ..errors import ApiError
 from ..models import utcnow
 from ..settings import Settings
-from . import fleet, usage
+from . import fleet, records, states, usage
 from .models import TinkerCheckpoint, TinkerHost, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession
 
 BUILTINS = ("echo2:tiny", "echo2:smollm2")
@@ -155,7 +157,7 @@ def parse_checkpoint_path(db: Session, owner_id: str, path: str) -> TinkerCheckp
         raise ApiError(400, f"model_path {path!r} is not tinker://MODEL/sampler_weights/NAME", field="model_path")
     model = db.get(TinkerModel, parts[0])
     row = db.get(TinkerCheckpoint, (parts[0], parts[2]))
-    if model is None or model.owner_id != owner_id or row is None:
+    if model is None or model.owner_id != owner_id or row is None or row.kind != "sampler" or expired(row):
         raise ApiError(404, f"checkpoint {path} not found", field="model_path")
     if model.status == ModelStatus.failed.value:
         raise ApiError(400, f"checkpoint {path}: its model failed: {model.error}", field="model_path")
@@ -171,9 +173,14 @@ def saved_state(db: Session, owner_id: str, path: str) -> TinkerCheckpoint:
                        field="path")
     model = db.get(TinkerModel, parts[0])
     row = db.get(TinkerCheckpoint, (parts[0], parts[2]))
-    if model is None or model.owner_id != owner_id or row is None or row.kind != "training" or row.host is None:
-        raise ApiError(404, f"no state saved with save_state at {path}", field="path")
+    if (model is None or model.owner_id != owner_id or row is None or row.kind != "training"
+            or (row.sha256 is None and row.host is None) or expired(row)):
+        raise ApiError(404, f"no state saved with save_state at {path} (deleted, or expired)", field="path")
     return row
+
+
+def expired(row: TinkerCheckpoint) -> bool:
+    return row.expires_at is not None and row.expires_at <= utcnow()
 
 
 def finish_session(db: Session, session: TinkerSession, reason: str) -> None:
@@ -190,6 +197,11 @@ def _fail_requests(db: Session, where, error: str, category: ErrorCategory) -> N
     db.execute(update(TinkerRequest).where(where, TinkerRequest.status.in_(UNFINISHED))
                .values(status=RequestStatus.failed.value, error=error[:1024], category=category.value,
                        finished_at=utcnow()))
+
+
+def session_ended(db: Session, model: TinkerModel) -> bool:
+    session = db.get(TinkerSession, model.session_id)
+    return session is None or session.status != SessionStatus.active.value
 
 
 def fail_model(db: Session, model: TinkerModel, error: str, category: ErrorCategory) -> None:
@@ -212,6 +224,7 @@ def sweep(db: Session) -> None:
         fail_model(db, model, f"its learner host {model.host} stopped answering; create a new client",
                    ErrorCategory.server)
     fleet.sweep(db)
+    records.sweep(db)
 
 
 def record_result(db: Session, request: TinkerRequest, result: HostResult, host: str,
@@ -220,12 +233,18 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult, host:
     Returns the other requests it answered (an audit's fleet sample request)."""
     model = db.get(TinkerModel, request.model_id)
     assert model is not None
+    if result.error is None and result.progress is not None and request.kind == RequestKind.sample.value:
+        _resume_later(db, request, model, result)
+        return []
     request.finished_at = utcnow()
     answered = []
     if request.kind == RequestKind.audit.value:
         answered = fleet.audited(db, request, result.audit if result.error is None else None, settings)
     if result.error is None and request.kind != RequestKind.audit.value:  # an audit is the platform's cost
         usage.bill(db, request, model, host, result)
+    if result.error is None and request.kind == RequestKind.sample.value and result.sample is not None:
+        records.record(db, request.id, request.owner_id, model.id, SamplePayload.model_validate(request.payload),
+                       result.sample)
     if request.kind in BULKY:  # the tokens are not needed once run: only the result is kept
         request.payload = {}
     if result.error is not None:
@@ -238,12 +257,38 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult, host:
     if request.kind == RequestKind.create_model.value and result.info is not None:
         model.status, model.info = ModelStatus.ready.value, result.info.model_dump(mode="json")
     if request.kind in (RequestKind.save_weights.value, RequestKind.save_weights_for_sampler.value):
-        name, kind = request.payload["name"], request.payload["kind"]
-        checkpoint = db.get(TinkerCheckpoint, (model.id, name)) or TinkerCheckpoint(model_id=model.id, name=name)
-        checkpoint.kind, checkpoint.step = kind, result.step or 0
-        checkpoint.host = host if kind == "training" else None  # a state loads only where it was saved
-        checkpoint.version = result.published
-        db.add(checkpoint)
-        if result.published is not None:
-            fleet.published(db, model, result.published)
+        _saved(db, model, SavePayload.model_validate(request.payload), result, host, settings)
     return answered
+
+
+def _saved(db: Session, model: TinkerModel, save: SavePayload, result: HostResult, host: str,
+           settings: Settings) -> None:
+    checkpoint = db.get(TinkerCheckpoint, (model.id, save.name)) or TinkerCheckpoint(model_id=model.id,
+                                                                                      name=save.name)
+    replaced = checkpoint.sha256
+    checkpoint.kind, checkpoint.step, checkpoint.inflight = save.kind, result.step or 0, save.inflight
+    checkpoint.host = host if save.kind == "training" else None
+    checkpoint.version = result.published
+    checkpoint.sha256 = result.state.sha256 if result.state is not None else None
+    checkpoint.size_bytes = result.state.size_bytes if result.state is not None else None
+    checkpoint.created_at = utcnow()
+    checkpoint.expires_at = utcnow() + timedelta(seconds=save.ttl_seconds) if save.ttl_seconds else None
+    db.add(checkpoint)
+    db.flush()
+    if replaced and replaced != checkpoint.sha256:  # saved again under its name: the old file may go
+        states.collect(db, settings.data_dir / "tinker-states", {replaced})
+    if result.published is not None:
+        fleet.published(db, model, result.published)
+
+
+def _resume_later(db: Session, request: TinkerRequest, model: TinkerModel, result: HostResult) -> None:
+    """An in-flight sample between two segments: it goes back to the queue behind the model's other requests
+    (a training step and an in-flight save sent after it run first, and its next segment draws with the newer
+    weights), carrying what it drew so far and the compute time spent on it (billed when it finishes)."""
+    assert result.progress is not None
+    progress = result.progress.model_copy(update={"seconds": result.progress.seconds + (result.seconds or 0.0)})
+    db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update())
+    last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id)) or 0
+    payload = SamplePayload.model_validate(request.payload).model_copy(update={"progress": progress})
+    request.payload = payload.model_dump(mode="json")
+    request.seq, request.status = last + 1, RequestStatus.pending.value

@@ -7,6 +7,8 @@ from typing import Any
 import anyio
 from echo2.protocol.tinker import (
     MAX_REQUEST_TOKENS,
+    RECORDED_LOGPROBS,
+    TEN_YEARS_S,
     AdamStep,
     ForwardBackwardPayload,
     LoadPayload,
@@ -18,22 +20,30 @@ from echo2.protocol.tinker import (
 )
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
+from sqlalchemy.orm import Session
 
 from ..db import Database
 from ..deps import SessionDep
 from ..errors import ApiError
 from ..services.notices import Announcer
-from . import service, wire
+from . import records, service, wire
 from .deps import Bell, IdempotencyKey, TinkerUser
-from .models import TinkerModel, TinkerRequest, TinkerSampler
+from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler
 from .schemas import CreateModelRequest, LoadWeightsRequest, ModelRef, OptimStepRequest, SaveWeightsRequest
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 
 PROTOBUF = "application/x-protobuf"
-# The inputs each loss reads besides target_tokens (tinker-docs "Losses"); weights default to ones.
+# The inputs each loss needs besides target_tokens (tinker-docs "Losses"), and those it reads when given
+# (weights default to ones); learner/tinker_losses.py states each loss.
 LOSS_INPUTS = {LossFn.cross_entropy: (), LossFn.importance_sampling: ("logprobs", "advantages"),
-               LossFn.ppo: ("logprobs", "advantages")}
+               LossFn.ppo: ("logprobs", "advantages"), LossFn.cispo: ("logprobs", "advantages"),
+               LossFn.dro: ("logprobs", "advantages"), LossFn.gspo: ("logprobs", "advantages"),
+               LossFn.stable_reinforce: ("advantages",)}
+OPTIONAL_INPUTS = {LossFn.gspo: ("weights", "sequence_ratio_mask"), LossFn.stable_reinforce: ("weights", "logprobs")}
+LOSS_CONFIG = {LossFn.ppo: ("clip_low_threshold", "clip_high_threshold"),
+               LossFn.cispo: ("clip_low_threshold", "clip_high_threshold"), LossFn.dro: ("beta",),
+               LossFn.gspo: ("clip_low_threshold", "clip_high_threshold"), LossFn.stable_reinforce: ("truncation",)}
 
 
 def queued(row: TinkerRequest, bell: Announcer) -> dict[str, Any]:
@@ -79,28 +89,39 @@ async def forward_backward(request: Request, user: TinkerUser, key: IdempotencyK
         raise ApiError(415, f"forward_backward takes {PROTOBUF} (tinker_public.ForwardBackwardRequest)")
     if request.headers.get("content-encoding", "identity") != "identity":
         raise ApiError(415, "compressed forward_backward bodies are not accepted (client config says so)")
-    model_id, kind, payload = await anyio.to_thread.run_sync(_parse, await request.body())
-    row = await anyio.to_thread.run_sync(_queue_forward, request.app.state.db, user.id, model_id, kind, payload, key)
+    parsed, kind, payload = await anyio.to_thread.run_sync(_parse, await request.body())
+    row = await anyio.to_thread.run_sync(_queue_forward, request.app.state.db, user.id, parsed, kind, payload, key)
     return queued(row, bell)
 
 
-def _parse(body: bytes) -> tuple[str, RequestKind, ForwardBackwardPayload]:
+def _parse(body: bytes) -> tuple[wire.ForwardBackwardRequest, RequestKind, ForwardBackwardPayload]:
     try:
         parsed = wire.read_forward_backward(body)
     except ValueError as exc:  # WireError, or what numpy says of a tensor the reader let through
         raise ApiError(400, f"forward_backward body: {exc}") from exc
     kind = RequestKind.forward if parsed.forward_only else RequestKind.forward_backward
-    return parsed.model_id, kind, _payload(parsed)
+    return parsed, kind, _payload(parsed)
 
 
-def _queue_forward(database: Database, user_id: str, model_id: str, kind: RequestKind,
+def _queue_forward(database: Database, user_id: str, parsed: wire.ForwardBackwardRequest, kind: RequestKind,
                    payload: ForwardBackwardPayload, key: str | None) -> TinkerRequest:
     with database.session() as db:
-        model = service.owned_model(db, user_id, model_id)
+        model = service.owned_model(db, user_id, parsed.model_id)
         _check_fits(model, payload)
+        if payload.loss_fn is LossFn.stable_reinforce:
+            _recorded(db, user_id, parsed, payload)
         row = service.enqueue(db, model, kind, payload.model_dump(mode="json"), key)
         db.commit()
         return row
+
+
+def _recorded(db: Session, user_id: str, parsed: wire.ForwardBackwardRequest, payload: ForwardBackwardPayload) -> None:
+    """stable_reinforce's behaviour policy: the logprob the sampler recorded for each target token, found through
+    the datum's provenance spans (api/tinker/records.py)."""
+    seen: dict = {}
+    for i, (datum, raw) in enumerate(zip(payload.data, parsed.data, strict=True)):
+        datum.inputs[RECORDED_LOGPROBS] = records.behaviour(db, user_id, raw, datum.target_tokens,
+                                                            datum.inputs["advantages"], i, seen)
 
 
 def _payload(parsed: wire.ForwardBackwardRequest) -> ForwardBackwardPayload:
@@ -112,6 +133,11 @@ def _payload(parsed: wire.ForwardBackwardRequest) -> ForwardBackwardPayload:
     config = {k: v for k, v in parsed.loss_fn_config.items() if isinstance(v, float)}
     if len(config) != len(parsed.loss_fn_config):
         raise ApiError(400, "loss_fn_config: Echo2 takes numbers only", field="loss_fn_config")
+    unknown = sorted(set(config) - set(LOSS_CONFIG.get(loss, ())))
+    if unknown:
+        known = ", ".join(LOSS_CONFIG.get(loss, ())) or "none"
+        raise ApiError(400, f"loss_fn_config: {loss.value} reads {known}, not {', '.join(unknown)}",
+                       field="loss_fn_config")
     data = [_datum(d, i, loss) for i, d in enumerate(parsed.data)]
     try:
         return ForwardBackwardPayload(loss_fn=loss, loss_fn_config=config, forward_only=parsed.forward_only,
@@ -130,8 +156,10 @@ def _datum(datum: wire.Datum, index: int, loss: LossFn) -> TinkerDatum:
         if array.ndim != 1 or len(array) != len(datum.tokens):
             raise ApiError(400, f"{what}.{name}: Echo2 takes one value per input token ({len(datum.tokens)}), "
                                 f"not shape {list(array.shape)}", field=f"{what}.{name}")
-    inputs = {name: datum.inputs[name].astype(float).tolist() for name in ("weights", *LOSS_INPUTS[loss])
+    optional = OPTIONAL_INPUTS.get(loss, ("weights",))
+    inputs = {name: datum.inputs[name].astype(float).tolist() for name in (*optional, *LOSS_INPUTS[loss])
               if name in datum.inputs}
+    records.check_tiling(datum, len(datum.inputs["target_tokens"]), index)
     try:
         return TinkerDatum(tokens=datum.tokens, target_tokens=datum.inputs["target_tokens"].tolist(), inputs=inputs)
     except ValidationError as exc:
@@ -174,20 +202,26 @@ def optim_step(body: OptimStepRequest, user: TinkerUser, db: SessionDep, key: Id
 @router.post("/save_weights_for_sampler")
 def save_for_sampler(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
                      bell: Bell) -> dict[str, Any]:
+    """A sampler checkpoint. kind="inflight": the model's in-flight samplers (every one, old and new) move to it,
+    and the samples they are drawing continue on it from their next segment (learner/tinker_sampler.py; on the
+    fleet, workers/echo2_worker/partial.py)."""
     model = service.owned_model(db, user.id, body.model_id)
-    if body.kind != "snapshot":
-        raise ApiError(400, "inflight sampling clients are not supported: Echo2 samples snapshots", field="kind")
+    ttl = _ttl(body.ttl_seconds)
+    if body.kind == "inflight" and ttl is not None:
+        raise ApiError(400, "an inflight save takes no ttl_seconds (the SDK omits it): in-flight checkpoints live "
+                            "as long as their model", field="ttl_seconds")
     sampler_id = None
     if body.path is None:
         if body.sampling_session_seq_id is None:
             raise ApiError(422, "give path (a name) or sampling_session_seq_id", field="path")
         sampler_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     name = body.path or f"sampler-{body.sampling_session_seq_id}"
-    payload = SavePayload(name=name, kind="sampler", sampler_id=sampler_id)
+    payload = SavePayload(name=name, kind="sampler", sampler_id=sampler_id, inflight=body.kind == "inflight",
+                          ttl_seconds=ttl)
     row = service.enqueue(db, model, RequestKind.save_weights_for_sampler, payload.model_dump(), key)
     if sampler_id is not None and db.get(TinkerSampler, sampler_id) is None:
         db.add(TinkerSampler(id=sampler_id, session_id=model.session_id, owner_id=user.id, model_id=model.id,
-                             checkpoint=name, base_model=model.base_model,
+                             checkpoint=name, base_model=model.base_model, inflight=payload.inflight,
                              model_path=service.checkpoint_path(model.id, "sampler", name)))
     db.commit()
     return queued(row, bell)
@@ -196,34 +230,44 @@ def save_for_sampler(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep,
 @router.post("/save_weights")
 def save_weights(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
                  bell: Bell) -> dict[str, Any]:
+    """A state (adapter and AdamW state): the host uploads it to the control plane, where any host loads it."""
     model = service.owned_model(db, user.id, body.model_id)
-    payload = SavePayload(name=body.path or f"state-{body.seq_id or 0}", kind="training")
+    payload = SavePayload(name=body.path or f"state-{body.seq_id or 0}", kind="training",
+                          ttl_seconds=_ttl(body.ttl_seconds))
     row = service.enqueue(db, model, RequestKind.save_weights, payload.model_dump(), key)
     db.commit()
     return queued(row, bell)
+
+
+def _ttl(ttl_seconds: int | None) -> int | None:
+    if ttl_seconds is not None and not 3600 <= ttl_seconds <= TEN_YEARS_S:
+        raise ApiError(400, f"ttl_seconds must be between 3600 (an hour) and {TEN_YEARS_S} (ten years), or None "
+                            "(kept until deleted)", field="ttl_seconds")
+    return ttl_seconds
 
 
 @router.post("/load_weights")
 def load_weights(body: LoadWeightsRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
                  bell: Bell) -> dict[str, Any]:
     """A state saved with save_state, into a new model (session_id, model_seq_id: the SDK's
-    create_training_client_from_state) or into an existing one (model_id: load_state). The state is on the
-    disk of the learner host that saved it, so the model runs there."""
+    create_training_client_from_state) or into an existing one (model_id: load_state). The control plane stores
+    the state (api/tinker/states.py), so whichever host runs the model loads it."""
     state = service.saved_state(db, user.id, body.path)
     if (body.optimizer_config or {}).get("type", "adamw") != "adamw":
         raise ApiError(400, "Echo2 steps with AdamW only", field="optimizer_config")
     source = db.get(TinkerModel, state.model_id)
     assert source is not None
-    load = LoadPayload(model_id=source.id, name=state.name, optimizer=body.optimizer).model_dump()
+    load = LoadPayload(model_id=source.id, name=state.name, optimizer=body.optimizer,
+                       sha256=state.sha256).model_dump()
     if body.model_id is not None:
         model = service.owned_model(db, user.id, body.model_id)
-        _pin(model, state.host)
+        _pin(model, state)
         row = service.enqueue(db, model, RequestKind.load_weights, load, key)
     elif body.session_id is not None and body.model_seq_id is not None:
         session = service.owned_session(db, user.id, body.session_id)
         model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", "train",
                                   body.base_model or source.base_model, source.lora, key)
-        _pin(model, state.host)
+        _pin(model, state)
         row = service.enqueue(db, model, RequestKind.create_model, {"load": load}, key)
     else:
         raise ApiError(422, "give model_id, or session_id and model_seq_id", field="model_id")
@@ -231,11 +275,13 @@ def load_weights(body: LoadWeightsRequest, user: TinkerUser, db: SessionDep, key
     return queued(row, bell)
 
 
-def _pin(model: TinkerModel, host: str | None) -> None:
-    """A model that loads a state runs on the host whose disk holds it: one no host has loaded yet waits for a
-    slot there, as a parked model does."""
+def _pin(model: TinkerModel, state: TinkerCheckpoint) -> None:
+    """A state saved before states were stored by the control plane (no digest) is on the disk of the host that
+    saved it: the model loading it runs there (one no host has loaded yet waits for a slot there)."""
+    if state.sha256 is not None:
+        return
     if model.host is None and model.status == ModelStatus.pending.value:
-        model.host, model.status = host, ModelStatus.parked.value
-    elif model.host != host:
-        raise ApiError(400, f"that state is on learner host {host}, and model {model.id} runs on {model.host}: "
+        model.host, model.status = state.host, ModelStatus.parked.value
+    elif model.host != state.host:
+        raise ApiError(400, f"that state is on learner host {state.host}, and model {model.id} runs on {model.host}: "
                             "load it into a new training client (create_training_client_from_state)", field="path")

@@ -31,9 +31,14 @@ def bill(db: Session, request: TinkerRequest, model: TinkerModel, host: str, res
     row = db.get(TinkerHost, host)
     price = row.price_per_hour if row is not None else 0.0
     seconds = result.seconds if result.seconds is not None else _wall_seconds(request)
+    prompt = 0
+    if request.kind == RequestKind.sample.value:
+        payload = SamplePayload.model_validate(request.payload)
+        seconds += payload.progress.seconds if payload.progress is not None else 0.0  # earlier in-flight segments
+        prompt = len(payload.prompt) if result.sample is not None else 0
     db.add(UsageRow(owner_id=request.owner_id, session_id=model.session_id, model_id=model.id,
                     request_id=request.id, kind=request.kind, host=host, tokens=_tokens(request, result),
-                    seconds=seconds, price_per_hour=price, amount_usd=price * seconds / 3600))
+                    prompt_tokens=prompt, seconds=seconds, price_per_hour=price, amount_usd=price * seconds / 3600))
 
 
 def _wall_seconds(request: TinkerRequest) -> float:

@@ -156,10 +156,23 @@ def _densify(raw: bytes, dtype: int, shape: list[int], what: str) -> np.ndarray:
     return out
 
 
+@dataclass(frozen=True)
+class Span:
+    """A provenance span (tinker.types.PromptProvenanceSpan / SampledProvenanceSpan): `length` positions of the
+    field it annotates are positions [offset, offset + length) of the named sequence's prompt or sampled tokens."""
+
+    sampled: bool
+    sequence_id: str
+    offset: int
+    length: int
+
+
 @dataclass
 class Datum:
     tokens: list[int]
     inputs: dict[str, np.ndarray] = field(default_factory=dict)
+    input_spans: list[Span] | None = None  # model_input_spans
+    target_spans: list[Span] | None = None  # loss_fn_input_spans
 
 
 @dataclass
@@ -184,20 +197,46 @@ def _read_tokens(raw: bytes, what: str) -> list[int]:
     return tokens
 
 
+def read_span(raw: bytes, what: str) -> Span:
+    """`ProvenanceSpan`: 1 prompt_tokens | 2 sampled_tokens, each {1 sequence_id, 2 offset, 3 length}."""
+    parts = fields(raw)
+    if len(parts) != 1 or parts[0][0] not in (1, 2):
+        raise WireError(f"{what}: a provenance span is one prompt or one sampled span")
+    number, body = parts[0]
+    sequence_id, offset, length = "", 0, 0
+    for inner, value in fields(_bytes(body, what)):
+        if inner == 1:
+            sequence_id = _text(value, what)[:128]
+        elif inner == 2 and isinstance(value, int):
+            offset = _signed(value)
+        elif inner == 3 and isinstance(value, int):
+            length = _signed(value)
+    if not sequence_id or not 0 <= offset <= MAX_TOKENS or not 0 <= length <= MAX_TOKENS:
+        raise WireError(f"{what}: a span needs a sequence_id, and an offset and length within 0..{MAX_TOKENS}")
+    return Span(sampled=number == 2, sequence_id=sequence_id, offset=offset, length=length)
+
+
 def read_datum(raw: bytes, index: int) -> Datum:
-    """`Datum`: 1 model_input (repeated Chunk), 2 loss_fn_inputs (map<string, Tensor>); spans ignored."""
+    """`Datum`: 1 model_input (repeated Chunk), 2 loss_fn_inputs (map<string, Tensor>), 3 model_input_spans and
+    4 loss_fn_input_spans (repeated ProvenanceSpan, both or neither)."""
     what = f"data[{index}]"
     tokens: list[int] = []
     inputs: dict[str, np.ndarray] = {}
+    spans: dict[int, list[Span]] = {}
     for number, value in fields(raw):
         if number == 1:
             tokens.extend(_read_tokens(_bytes(value, what), f"{what}.model_input"))
         elif number == 2:
             key, tensor = _map_entry(value, f"{what}.loss_fn_inputs")
             inputs[key] = read_tensor(_bytes(tensor or b"", what), f"{what}.loss_fn_inputs.{key}")
+        elif number in (3, 4):
+            found = spans.setdefault(number, [])
+            if len(found) >= MAX_TOKENS:
+                raise WireError(f"{what}: more provenance spans than tokens")
+            found.append(read_span(_bytes(value, what), f"{what}.spans"))
     if not tokens or len(tokens) > MAX_TOKENS:
         raise WireError(f"{what}: model_input must hold 1 to {MAX_TOKENS} tokens, not {len(tokens)}")
-    return Datum(tokens=tokens, inputs=inputs)
+    return Datum(tokens=tokens, inputs=inputs, input_spans=spans.get(3), target_spans=spans.get(4))
 
 
 def _double(raw: int | bytes, what: str) -> float:
@@ -295,16 +334,50 @@ def write_forward_backward_output(outputs: list[dict[str, list[float]]], metrics
     return body
 
 
-def write_sample_response(sequences: list[dict], prompt_logprobs: list[float | None] | None) -> bytes:
-    """`SampleResponse`: 1 sequences (`SampledSequence`: 1 stop_reason, 2 tokens int32, 3 logprobs float32),
-    2 prompt_logprobs (float32, NaN where there is none: the first position)."""
+MASK_LOGPROB = -99999.0  # tinker.types.topk_logprobs: the filler of a position with fewer than k (or no) entries
+
+
+def _topk(rows: list[list[tuple[int, float]] | None]) -> bytes:
+    """`TopkLogprobs`: 1 token_ids int32 [n, k], 2 logprobs float32 [n, k], 3 k, 4 length; positions with
+    nothing (None) or fewer than k entries are filled with (0, MASK_LOGPROB)."""
+    k = max((len(r) for r in rows if r), default=0)
+    ids = np.zeros((len(rows), k), dtype="<i4")
+    lps = np.full((len(rows), k), MASK_LOGPROB, dtype="<f4")
+    for i, row in enumerate(rows):
+        for j, (token, logprob) in enumerate(row or []):
+            ids[i, j], lps[i, j] = token, logprob
+    return (_len_field(1, ids.tobytes()) + _len_field(2, lps.tobytes()) + _int_field(3, k)
+            + _int_field(4, len(rows)))
+
+
+def _tensor(values: np.ndarray, dtype: int) -> bytes:
+    """`Tensor`: 1 dense, 3 dtype, 4 shape (packed)."""
+    shape = b"".join(_encode_varint(n) for n in values.shape)
+    return _len_field(1, values.tobytes()) + _int_field(3, dtype) + _len_field(4, shape)
+
+
+def write_sample_response(sequences: list[dict], prompt_logprobs: list[float | None] | None,
+                          topk_prompt: list[list[tuple[int, float]] | None] | None = None,
+                          alt: tuple[list[list[int]], list[list[float]]] | None = None) -> bytes:
+    """`SampleResponse`: 1 sequences (`SampledSequence`: 1 stop_reason, 2 tokens int32, 3 logprobs float32,
+    4 topk_sampled_logprobs), 2 prompt_logprobs (float32, NaN where there is none: the first position),
+    3 topk_prompt_logprobs, 6 prompt_alt_tokens (`PromptAltTokens`: 1 tokens int64, 2 logprobs float32, both
+    [len(prompt) - 1, k])."""
     body = b""
     for seq in sequences:
         tokens = np.asarray(seq["tokens"], dtype="<i4").tobytes()
         logprobs = np.asarray(seq["logprobs"], dtype="<f4").tobytes()
+        topk = _len_field(4, _topk(seq["topk"])) if seq.get("topk") is not None else b""
         body += _len_field(1, _int_field(1, STOP_REASONS[seq["stop_reason"]]) + _len_field(2, tokens)
-                           + _len_field(3, logprobs))
+                           + _len_field(3, logprobs) + topk)
     if prompt_logprobs is not None:
         values = np.asarray([np.nan if v is None else v for v in prompt_logprobs], dtype="<f4")
         body += _len_field(2, values.tobytes())
+    if topk_prompt is not None:
+        body += _len_field(3, _topk(topk_prompt))
+    if alt is not None:
+        ids, lps = alt
+        k = len(ids[0]) if ids else 0
+        body += _len_field(6, _len_field(1, _tensor(np.asarray(ids, dtype="<i8").reshape(len(ids), k), INT64))
+                           + _len_field(2, _tensor(np.asarray(lps, dtype="<f4").reshape(len(lps), k), FLOAT32)))
     return body

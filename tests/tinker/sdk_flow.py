@@ -79,7 +79,7 @@ def errors(service: tinker.ServiceClient, training, datum) -> dict:
     cases = {  # in this order: a failed training call leaves the TrainingClient refusing further calls
         "unknown_model": lambda: service.create_lora_training_client(base_model="Qwen/Qwen3-8B", rank=4).result(),
         "unsupported_method": lambda: training.save_weights_external("x").result(),
-        "unknown_loss": lambda: training.forward_backward([datum], "cispo").result(),
+        "unknown_loss": lambda: training.forward_backward([datum], "custom").result(),
     }
     seen = {}
     for name, call in cases.items():

@@ -206,3 +206,71 @@ def test_with_the_fleet_turned_off_the_host_samples_and_publishes_nothing(api, f
     report(api, sample, sample={"sequences": []})
     save = claim(api, holding=[model_id])["work"]
     assert save["kind"] == "save_weights_for_sampler" and save["publish"] is None
+
+
+def _inflight_model(api, tmp_path):
+    """A user's model whose first save is in-flight: its fleet job has partial rollouts, version 1 is
+    "sampler-1", and a worker serves it."""
+    _, user = new_user(api, "inflight")
+    client = sdk(api, key_of(user))
+    _, model_id = ready_model(api, client)
+    saved = ok(client.post("/api/v1/save_weights_for_sampler", json={
+        "model_id": model_id, "sampling_session_seq_id": 1, "kind": "inflight"}))
+    work = claim(api, holding=[model_id])["work"]
+    order = work["publish"]
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {order['token']}"}) as learner:
+        publish(learner, order["job_id"], fake_model_folder(tmp_path / "v0"), version=0, step=0)
+        publish(learner, order["job_id"], fake_model_folder(tmp_path / "v1", seed=1), version=1, step=1)
+    report(api, work, step=1, published=1)
+    sampler = ok(retrieve(client, saved["request_id"]))["sampling_session_id"]
+    with api.db.session() as s:
+        spec = s.get(Job, order["job_id"]).spec
+        assert (spec["partial_rollouts"], spec["staleness"]) == (True, fleet.INFLIGHT_STALENESS)
+    _, worker = serving_worker(api, order["job_id"])
+    return client, model_id, sampler, order["job_id"], worker
+
+
+def test_an_inflight_fleet_group_moves_to_the_newer_checkpoint_and_is_audited_per_version(api, tmp_path):
+    client, model_id, sampler, job_id, worker = _inflight_model(api, tmp_path)
+    request_id = asample(client, sampler)
+    leased = lease(worker, job_id)
+    saved = ok(client.post("/api/v1/save_weights_for_sampler", json={
+        "model_id": model_id, "sampling_session_seq_id": 2, "kind": "inflight"}))
+    work = claim(api, holding=[model_id])["work"]
+    assert work["request_id"] == saved["request_id"] and work["publish"]["version"] == 2
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {work['publish']['token']}"}) as learner:
+        publish(learner, job_id, fake_model_folder(tmp_path / "v2", seed=2), version=2, step=2)
+    report(api, work, step=2, published=2)
+    # The worker's group continued on version 2 between its segments: its first two tokens are version 1's.
+    spanning = {**group(leased["prompts"][0], [([4, 5, 6, 7], "length")] * 2)}
+    for sample in spanning["samples"]:
+        sample["versions"] = [[1, 2], [2, 2]]
+    [result] = submit(worker, leased, [spanning])
+    assert result["status"] == "accepted", result
+    audit = claim(api, holding=[model_id])["work"]
+    assert audit["kind"] == "audit" and audit["payload"]["versions"] == [[1, 1, 2, 2]] * 2
+    assert audit["payload"]["checkpoints"] == {"1": "sampler-1", "2": "sampler-2"}  # each token under its own
+    report(api, audit, audit={"passed": True})
+    assert retrieve(client, request_id).headers["content-type"] == "application/x-protobuf"
+    seq = ok(client.get(f"/v1/tinker/sequences/{request_id}:0"))
+    assert [(c["checkpoint"], c["tokens"]) for c in seq["checkpoints"]] == [("sampler-1", 2), ("sampler-2", 2)]
+    assert seq["drawn_by"].startswith("worker ")
+
+
+def test_an_inflight_request_not_leased_yet_is_drawn_with_the_newest_weights(api, tmp_path):
+    client, model_id, sampler, job_id, worker = _inflight_model(api, tmp_path)
+    asample(client, sampler)
+    saved = ok(client.post("/api/v1/save_weights_for_sampler", json={
+        "model_id": model_id, "sampling_session_seq_id": 2, "kind": "inflight"}))
+    work = claim(api, holding=[model_id])["work"]
+    with httpx.Client(base_url=api.url, headers={"Authorization": f"Bearer {work['publish']['token']}"}) as learner:
+        publish(learner, job_id, fake_model_folder(tmp_path / "v2", seed=2), version=2, step=2)
+    report(api, work, step=2, published=2)
+    ok(retrieve(client, saved["request_id"]))
+    with api.db.session() as s:
+        assert s.scalar(select(Prompt.version).where(Prompt.job_id == job_id)) == 2
+    # A snapshot save of an in-flight model is not published: the fleet job serves one kind.
+    snap = ok(client.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id,
+                                                                    "sampling_session_seq_id": 3}))
+    work = claim(api, holding=[model_id])["work"]
+    assert work["request_id"] == snap["request_id"] and work["publish"] is None

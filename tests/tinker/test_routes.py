@@ -3,6 +3,7 @@ errors the SDK shows, the order a model's requests run in, and what happens when
 
 from __future__ import annotations
 
+import hashlib
 import struct
 import threading
 
@@ -180,7 +181,7 @@ def test_forward_backward_bodies_are_checked_before_they_queue(api):
     assert work["request_id"] == ok(good)["request_id"]
     assert work["payload"]["data"] == [{"tokens": [1, 2, 3], "target_tokens": [2, 3, 4], "inputs": {}}]
     cases = {
-        "not supported by Echo2": _fwdbwd(model_id, "cispo", {"target_tokens": targets}),
+        "not supported by Echo2": _fwdbwd(model_id, "custom", {"target_tokens": targets}),
         "needs logprobs, advantages": _fwdbwd(model_id, "ppo", {"target_tokens": targets}),
         "one value per input token": _fwdbwd(model_id, "cross_entropy", {"target_tokens": _tensor([2, 3], 2)}),
         "vocabulary size 96": _fwdbwd(model_id, "cross_entropy", {"target_tokens": _tensor([2, 3, 400], 2)}),
@@ -380,12 +381,26 @@ def test_two_busy_models_of_one_slot_take_turns(api, monkeypatch):
     assert retrieve(b_client, bob_step).json()["queue_state"] == "paused_capacity"
 
 
-def test_a_saved_state_loads_on_the_host_that_saved_it(api):
+def upload_state(api, data: bytes, chunk: int = 5) -> dict:
+    """What a host does after save_state: the file in chunks, then the commit (api/tinker/states.py)."""
+    digest = hashlib.sha256(data).hexdigest()
+    parts = [data[i:i + chunk] for i in range(0, len(data), chunk)]
+    for index, part in enumerate(parts):
+        answer = api.admin.put(f"/v1/tinker/host/states/{digest}/chunks/{index}", content=part,
+                               headers={"X-Echo2-Sha256": hashlib.sha256(part).hexdigest(),
+                                        "Content-Type": "application/octet-stream"})
+        assert answer.status_code == 204, answer.text
+    return ok(api.admin.post(f"/v1/tinker/host/states/{digest}", json={"chunks": len(parts)}), 201)
+
+
+def test_a_saved_state_is_stored_by_the_control_plane_and_loads_on_any_host(api):
     _, alice = new_user(api)
     client = sdk(api, key_of(alice))
     session, model_id = ready_model(api, client)
     saved = ok(client.post("/api/v1/save_weights", json={"model_id": model_id, "path": "ckpt"}))
-    report(api, claim(api, holding=[model_id])["work"], step=3)
+    work = claim(api, holding=[model_id])["work"]
+    state = upload_state(api, b"adapter and optimizer state")
+    report(api, work, step=3, state=state)
     path = ok(retrieve(client, saved["request_id"]))["path"]
     assert path == f"tinker://{model_id}/weights/ckpt"
     ok(client.post(f"/api/v1/sessions/{session}/finish", json={"reason": {"type": "success"}}))  # it outlives this
@@ -393,19 +408,15 @@ def test_a_saved_state_loads_on_the_host_that_saved_it(api):
     later = ok(client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
     body = {"session_id": later, "model_seq_id": 0, "path": path, "optimizer": True}
     created = ok(client.post("/api/v1/load_weights", json=body))
-    assert claim(api, host="h2")["work"] is None  # the state is on h1's disk: h2 does not get the model
-    work = claim(api, host="h1")["work"]
+    work = claim(api, host="h2")["work"]  # another host than the one that saved it
     assert work["kind"] == "create_model" and work["model"]["lora"]["rank"] == 4
-    assert work["payload"] == {"load": {"model_id": model_id, "name": "ckpt", "optimizer": True}}
-    report(api, work, info=INFO)
+    assert work["payload"] == {"load": {"model_id": model_id, "name": "ckpt", "optimizer": True,
+                                        "sha256": state["sha256"]}}
+    download = api.admin.get(f"/v1/tinker/host/states/{state['sha256']}")
+    assert download.content == b"adapter and optimizer state"
+    report(api, work, host="h2", info=INFO)
     assert ok(retrieve(client, created["request_id"])) == {"type": "load_weights", "model_id": created["model_id"],
                                                            "path": path}
-    again = ok(client.post("/api/v1/load_weights", json={"model_id": created["model_id"], "path": path,
-                                                          "optimizer": False}))  # load_state: on h1 as well
-    work = claim(api, host="h1", holding=[created["model_id"]])["work"]
-    assert work["kind"] == "load_weights" and work["payload"]["optimizer"] is False
-    report(api, work, step=0)
-    assert ok(retrieve(client, again["request_id"]))["path"] == path
 
     _, bob = new_user(api, "bob")
     b_client = sdk(api, key_of(bob))
@@ -414,18 +425,9 @@ def test_a_saved_state_loads_on_the_host_that_saved_it(api):
     assert stolen.status_code == 404 and "no state saved with save_state" in stolen.json()["detail"]
     sampler_path = client.post("/api/v1/load_weights", json={**body, "path": f"tinker://{model_id}/sampler_weights/x"})
     assert sampler_path.status_code == 400 and "tinker://MODEL/weights/NAME" in sampler_path.json()["detail"]
-    elsewhere = ok(b_client.post("/api/v1/create_model", json={"session_id": b_session, "model_seq_id": 1,
-                                                               "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
-    report(api, claim(api, host="h2")["work"], host="h2", info=INFO)  # Bob's own model, loaded on h2
-    own = ok(b_client.post("/api/v1/save_weights", json={"model_id": elsewhere["model_id"], "path": "b"}))
-    report(api, claim(api, host="h2", holding=[elsewhere["model_id"]])["work"], host="h2", step=0)
-    b_path = ok(retrieve(b_client, own["request_id"]))["path"]
-    into_h1 = ok(b_client.post("/api/v1/create_model", json={"session_id": b_session, "model_seq_id": 2,
-                                                             "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
-    report(api, claim(api, host="h1", holding=[created["model_id"]])["work"], info=INFO)
-    refused = b_client.post("/api/v1/load_weights", json={"model_id": into_h1["model_id"], "path": b_path,
-                                                          "optimizer": False})
-    assert refused.status_code == 400 and "that state is on learner host h2" in refused.json()["detail"]
+    assert sdk(api, key_of(bob)).get(f"/v1/tinker/host/states/{state['sha256']}").status_code in (401, 403)
+    bad = api.admin.post(f"/v1/tinker/host/states/{'0' * 64}", json={"chunks": 1})
+    assert bad.status_code == 409 and "not uploaded" in bad.json()["detail"]
 
 
 def test_malformed_forward_backward_bodies_are_refused_and_strangers_are_not_heard(api):

@@ -73,7 +73,7 @@ def _a_saved_state_resumes_in_a_new_session(seen: dict) -> None:
 def _errors_are_immediate_and_clear(errors: dict) -> None:
     expected = {"unknown_model": ("BadRequestError", "unknown base model 'Qwen/Qwen3-8B'"),
                 "unsupported_method": ("NotFoundError", "does not implement the Tinker call"),
-                "unknown_loss": ("BadRequestError", "loss_fn 'cispo' is not supported")}
+                "unknown_loss": ("BadRequestError", "loss_fn 'custom' is not supported")}
     for name, (kind, text) in expected.items():
         assert errors[name]["raised"] == kind and text in errors[name]["message"], errors[name]
         assert errors[name]["seconds"] < 15, errors[name]

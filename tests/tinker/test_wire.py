@@ -68,3 +68,37 @@ def test_outputs_read_back():
     sequence = dict(wire.fields(sample[0][1]))
     assert sequence[1] == 1 and np.frombuffer(sequence[2], "<i4").tolist() == [4, 5]
     assert np.isnan(np.frombuffer(sample[1][1], "<f4")[0])
+
+
+def span(kind: int, sequence_id: bytes, offset: int, length: int) -> bytes:
+    """A ProvenanceSpan: 1 prompt_tokens | 2 sampled_tokens {1 sequence_id, 2 offset, 3 length}."""
+    return field(kind, field(1, sequence_id) + bytes([2 << 3, offset, 3 << 3, length]))
+
+
+def test_provenance_spans_read_back():
+    targets = tensor(struct.pack("<3q", 2, 3, 4), 2, [3])
+    spans = (field(3, span(1, b"r:0", 0, 2)) + field(3, span(2, b"r:0", 0, 1)) + field(4, span(1, b"r:0", 1, 1))
+             + field(4, span(2, b"r:0", 0, 2)))
+    req = wire.read_forward_backward(field(3, datum(("target_tokens", targets)) + spans) + field(4, b"ppo"))
+    [d] = req.data
+    assert d.input_spans == [wire.Span(False, "r:0", 0, 2), wire.Span(True, "r:0", 0, 1)]
+    assert d.target_spans == [wire.Span(False, "r:0", 1, 1), wire.Span(True, "r:0", 0, 2)]
+    with pytest.raises(wire.WireError, match="needs a sequence_id"):
+        wire.read_forward_backward(field(3, datum(("target_tokens", targets)) + field(3, span(2, b"", 0, 1))))
+
+
+def test_topk_lists_and_alternative_prompt_tokens_read_back():
+    seq = {"tokens": [4], "logprobs": [-0.5], "stop_reason": "stop", "topk": [[(4, -0.5), (7, -1.5)]]}
+    raw = wire.write_sample_response([seq], [None, -2.0, -1.0], [None, [(1, -0.1)], [(2, -0.2), (3, -0.3)]],
+                                     ([[5, 6], [7, 8]], [[-1.0, -2.0], [-3.0, -4.0]]))
+    parts = dict(wire.fields(raw))
+    topk = dict(wire.fields(dict(wire.fields(parts[1]))[4]))
+    assert (topk[3], topk[4]) == (2, 1)
+    assert np.frombuffer(topk[1], "<i4").tolist() == [4, 7]
+    prompt = dict(wire.fields(parts[3]))
+    assert (prompt[3], prompt[4]) == (2, 3)
+    assert np.frombuffer(prompt[1], "<i4").tolist() == [0, 0, 1, 0, 2, 3]  # a missing entry is (0, -99999)
+    assert np.frombuffer(prompt[2], "<f4").tolist()[:2] == [wire.MASK_LOGPROB] * 2
+    alt = dict(wire.fields(parts[6]))
+    tokens = dict(wire.fields(alt[1]))
+    assert np.frombuffer(tokens[1], "<i8").reshape(2, 2).tolist() == [[5, 6], [7, 8]] and tokens[3] == wire.INT64

@@ -24,6 +24,7 @@ MAX_TOKENS = 32_768
 # Tokens of all datums of one forward or forward_backward: bounds what one request may cost and hold a host
 # for (about a minute per 4k tokens of a 135M model on a CPU); larger batches are split, gradients add up.
 MAX_REQUEST_TOKENS = 65_536
+TEN_YEARS_S = 10 * 365 * 86_400  # the longest ttl_seconds the SDK documents (the shortest is an hour)
 
 
 class SessionStatus(StrEnum):
@@ -61,6 +62,7 @@ class RequestKind(StrEnum):
     save_weights_for_sampler = "save_weights_for_sampler"
     load_weights = "load_weights"
     sample = "sample"
+    drop_checkpoint = "drop_checkpoint"  # a deleted (or expired) sampler checkpoint: the host forgets its weights
     audit = "audit"  # the platform's own: re-score a group a worker drew for a fleet sample request
 
 
@@ -72,11 +74,21 @@ class ErrorCategory(StrEnum):
 
 
 class LossFn(StrEnum):
-    """The loss functions Echo2 computes; the Tinker SDK names more (cispo, dro, gspo, stable_reinforce)."""
+    """The loss functions Echo2 computes (learner/tinker_losses.py states each); the SDK's `custom` (a loss graph
+    run server side) is not one of them."""
 
     cross_entropy = "cross_entropy"
     importance_sampling = "importance_sampling"
     ppo = "ppo"
+    cispo = "cispo"
+    dro = "dro"
+    gspo = "gspo"
+    stable_reinforce = "stable_reinforce"
+
+
+# The input of stable_reinforce the control plane fills in: the logprob the sampler recorded for each target token
+# (record_stability_info), found through the datum's provenance spans. A client cannot send it.
+RECORDED_LOGPROBS = "recorded_logprobs"
 
 
 class TinkerLora(Model):
@@ -122,6 +134,18 @@ class SavePayload(Model):
     kind: Annotated[str, StringConstraints(pattern=r"^(sampler|training)$")]
     sampler_id: Annotated[str, StringConstraints(max_length=128)] | None = Field(
         None, description="The sampling session this save opens (save_weights_and_get_sampling_client).")
+    inflight: bool = Field(False, description="An in-flight save: the model's in-flight samplers move to these "
+                           "weights, and samples they are drawing continue on them.")
+    ttl_seconds: int | None = Field(None, ge=3600, le=TEN_YEARS_S, description="The checkpoint expires then (None: "
+                                    "kept until deleted, or for a sampler checkpoint until its model ends).")
+
+
+class StateUpload(ReadModel):
+    """Where a host sends a saved state, and what the control plane stored."""
+
+    path: str
+    size_bytes: int = Field(ge=0)
+    sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")]
 
 
 class LoadPayload(Model):
@@ -131,6 +155,9 @@ class LoadPayload(Model):
     model_id: Annotated[str, StringConstraints(max_length=96)]
     name: CheckpointName
     optimizer: bool = Field(description="Load the optimizer's state too (else a fresh AdamW).")
+    sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = Field(
+        None, description="The state is stored by the control plane with this digest: a host without it on its "
+                          "disk downloads it from there (GET /v1/tinker/host/states/{sha256}).")
 
 
 class SampleParams(Model):
@@ -144,12 +171,42 @@ class SampleParams(Model):
         None, max_length=16)
 
 
+Run = tuple[Annotated[str, StringConstraints(max_length=128)], Annotated[int, Field(ge=0, le=MAX_TOKENS)]]
+MAX_TOPK = 64  # top-k logprobs and alternative prompt tokens per position
+
+
+class SampleProgress(Model):
+    """An in-flight request between two of its segments on the host: each row's tokens so far, their logprobs,
+    which checkpoint drew which (runs of [checkpoint, tokens], oldest first), whether it stopped at a stop token
+    and whether it is done; and what the request asked of its prompt, scored on the first segment."""
+
+    rows: list[tuple[list[TokenId], list[Logprob], list[Run], bool, bool]] = Field(max_length=128)
+    seed: int = Field(ge=0, lt=2**63)
+    prompt_logprobs: list[Logprob | None] | None = Field(None, max_length=MAX_TOKENS)
+    topk_prompt: list[list[tuple[TokenId, Logprob]] | None] | None = Field(None, max_length=MAX_TOKENS)
+    alt: tuple[list[list[TokenId]], list[list[Logprob]]] | None = None
+    topk: list[list[list[tuple[TokenId, Logprob]] | None]] | None = Field(None, max_length=128)
+    seconds: float = Field(0.0, ge=0, le=86_400 * 7, description="Compute time of the segments so far (billed at "
+                           "the end).")
+
+
 class SamplePayload(Model):
     checkpoint: CheckpointName | None = None
     prompt: list[TokenId] = Field(min_length=1, max_length=MAX_TOKENS)
     num_samples: int = Field(ge=1, le=128)
     params: SampleParams
     prompt_logprobs: bool = False
+    inflight: bool = Field(False, description="An in-flight sampler's request: it is drawn with the model's newest "
+                           "in-flight checkpoint, segment by segment (newer ones as they are saved).")
+    record: bool = Field(False, description="record_stability_info: keep every sequence for stable_reinforce.")
+    topk_prompt: int = Field(0, ge=0, le=MAX_TOPK, description="topk_prompt_logprobs")
+    topk_sample: int = Field(0, ge=0, le=MAX_TOPK, description="topk_sample_logprobs")
+    prompt_last_n: int | None = Field(None, ge=1, le=MAX_TOKENS, description="prompt_logprobs_last_n")
+    alt_k: int = Field(0, ge=0, le=MAX_TOPK, description="prompt_alt_tokens_k")
+    progress: SampleProgress | None = Field(None, description="In flight: what earlier segments drew.")
+
+    def scores_prompt(self) -> bool:
+        return self.prompt_logprobs or self.topk_prompt > 0 or self.alt_k > 0
 
 
 class HostClaim(Model):
@@ -199,6 +256,11 @@ class AuditPayload(Model):
     seed: int | None = Field(None, ge=0, le=2**63, description="The request's leased base seed (sample k drew with "
                              "sample_seed(seed, k)): the audit replays the sampler with it.")
     precision: Precision = Precision.float32
+    versions: list[list[Annotated[int, Field(ge=0)]]] | None = Field(
+        None, max_length=128, description="An in-flight group: each sample's per-token versions (every token is "
+                                          "audited under its own); None: every token is `version`'s.")
+    checkpoints: dict[int, CheckpointName] = Field(default_factory=dict, max_length=64, description="The checkpoint "
+                                                   "each version in `versions` was published from.")
 
 
 class AuditVerdict(Model):
@@ -230,11 +292,17 @@ class SampledSequence(Model):
     tokens: list[TokenId] = Field(max_length=MAX_TOKENS)
     logprobs: list[Logprob] = Field(max_length=MAX_TOKENS)
     stop_reason: Annotated[str, StringConstraints(pattern=r"^(stop|length)$")]
+    checkpoints: list[Run] | None = Field(None, max_length=MAX_TOKENS, description="Which checkpoint drew which "
+                                          "tokens: [name, count] runs, oldest first (None: the request's one).")
+    topk: list[list[tuple[TokenId, Logprob]] | None] | None = Field(None, max_length=MAX_TOKENS)
 
 
 class SampleResult(Model):
     sequences: list[SampledSequence] = Field(max_length=128)
     prompt_logprobs: list[Logprob | None] | None = Field(None, max_length=MAX_TOKENS)
+    topk_prompt: list[list[tuple[TokenId, Logprob]] | None] | None = Field(None, max_length=MAX_TOKENS)
+    alt_tokens: list[list[TokenId]] | None = Field(None, max_length=MAX_TOKENS)
+    alt_logprobs: list[list[Logprob]] | None = Field(None, max_length=MAX_TOKENS)
 
 
 class ForwardBackwardResult(Model):
@@ -257,6 +325,9 @@ class HostResult(Model):
     metrics: dict[Annotated[str, StringConstraints(max_length=64)], Value] | None = Field(None, max_length=64)
     step: int | None = Field(None, ge=0, le=10_000_000)
     sample: SampleResult | None = None
+    progress: SampleProgress | None = Field(None, description="An in-flight sample that is not finished: what it "
+                                            "drew so far; the request runs again after the model's next requests.")
+    state: StateUpload | None = Field(None, description="A save_weights whose state the host uploaded.")
     audit: AuditVerdict | None = None
     published: int | None = Field(None, ge=1, description="The fleet version a save_weights_for_sampler published.")
     error: ShortText | None = None
