@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 from ..deps import SessionDep
 from ..errors import ApiError
 from ..models import utcnow
-from . import service, states
+from . import queueing, service, states
 from .deps import Bell, IdempotencyKey, TinkerUser
 from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSession
 from .schemas import CopyWeightsRequest, TtlRequest, WeightsInfoRequest
@@ -152,7 +152,7 @@ def remove(db: Session, rows: list[TinkerCheckpoint], root: Path) -> None:
         model = db.get(TinkerModel, row.model_id)
         if row.kind == "sampler" and model is not None and model.status != ModelStatus.failed.value \
                 and not service.session_ended(db, model):
-            service.enqueue(db, model, RequestKind.drop_checkpoint, {"name": row.name}, None, bounded=False)
+            queueing.enqueue(db, model, RequestKind.drop_checkpoint, {"name": row.name}, None, bounded=False)
         db.delete(row)
     db.flush()
     states.collect(db, root, digests)

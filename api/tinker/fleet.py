@@ -58,7 +58,7 @@ from ..services import evidence, trust
 from ..services.learning import issue_learner_token
 from ..services.pool import return_prompts
 from ..settings import Settings
-from . import records
+from . import queueing, records
 from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler
 
 FLEET_WAIT_S = 30.0  # a fleet request no worker has leased by then is sampled by the host
@@ -186,8 +186,6 @@ def after_submit(db: Session, job: Job, lease: Lease, worker: Worker, settings: 
 
 
 def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> None:
-    from . import service
-
     request = db.get(TinkerRequest, prompt.request_id)
     model = db.get(TinkerModel, job.tinker_model_id)
     versions = [_token_versions(s, rollout.version) for s in rollout.samples]
@@ -205,7 +203,7 @@ def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> Non
                            seed=rollout.seed, precision=rollout.precision or Precision.float32,
                            versions=versions if spans else None, checkpoints=names if spans else {})
     rollout.audit = "pending"
-    service.enqueue(db, model, RequestKind.audit, payload.model_dump(mode="json"), None, bounded=False)
+    queueing.enqueue(db, model, RequestKind.audit, payload.model_dump(mode="json"), None, bounded=False)
 
 
 def _token_versions(sample: dict, default: int) -> list[int]:

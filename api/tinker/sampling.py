@@ -11,7 +11,7 @@ from sqlalchemy.exc import IntegrityError
 
 from ..deps import SessionDep, SettingsDep
 from ..errors import ApiError
-from . import fleet, service
+from . import fleet, queueing, service
 from .deps import Bell, IdempotencyKey, TinkerUser
 from .models import TinkerSampler
 from .schemas import CreateSamplingSessionRequest, SampleRequest, SamplingParams
@@ -36,7 +36,7 @@ def create_sampling_session(body: CreateSamplingSessionRequest, user: TinkerUser
                                 inflight=checkpoint.inflight)
     elif body.base_model:
         model = service.new_model(db, session, sampler_id, "sample", body.base_model, None)
-        service.enqueue(db, model, RequestKind.create_model, {}, None)
+        queueing.enqueue(db, model, RequestKind.create_model, {}, None)
         sampler = TinkerSampler(id=sampler_id, session_id=session.id, owner_id=user.id, model_id=model.id,
                                 base_model=model.base_model)
     else:
@@ -69,7 +69,7 @@ def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: Idempote
     model = service.owned_model(db, user.id, sampler.model_id)
     payload = _payload(body, sampler.checkpoint, sampler.inflight)
     _check_fits(payload, model.info.get("vocab_size"), model.info.get("max_context_length"))
-    row = service.enqueue(db, model, RequestKind.sample, payload.model_dump(mode="json"), key)
+    row = queueing.enqueue(db, model, RequestKind.sample, payload.model_dump(mode="json"), key)
     if row.status == RequestStatus.pending.value and (target := fleet.fleet_job_for(db, sampler, payload, settings)):
         fleet.add_prompt(db, *target, row, payload)
     db.commit()

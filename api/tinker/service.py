@@ -11,6 +11,7 @@ from __future__ import annotations
 from datetime import timedelta
 from pathlib import PurePosixPath
 
+from echo2.models import BUILTINS
 from echo2.protocol.tinker import (
     ErrorCategory,
     HostResult,
@@ -30,14 +31,12 @@ from ..models import utcnow
 from ..settings import Settings
 from . import fleet, records, states, usage
 from .models import TinkerCheckpoint, TinkerHost, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession
+from .queueing import UNFINISHED
 
-BUILTINS = ("echo2:tiny", "echo2:smollm2")
 HOST_DEAD_AFTER_S = 60.0
 SESSION_EXPIRES_AFTER_S = 300.0  # the SDK heartbeats every 10 s
-UNFINISHED = (RequestStatus.pending.value, RequestStatus.running.value, RequestStatus.fleet.value)
 BULKY = (RequestKind.forward.value, RequestKind.forward_backward.value, RequestKind.sample.value,
          RequestKind.audit.value)
-MAX_UNFINISHED = 512  # requests one user may have queued or running at once
 HOSTS_KEY = "tinker/hosts"  # announced when work is queued: hosts waiting in a claim look at once
 
 
@@ -100,50 +99,6 @@ def new_model(db: Session, session: TinkerSession, model_id: str, kind: str, bas
         return existing
     raise ApiError(400, f"model {model_id} exists already: model_seq_id must be new in its session",
                    field="model_seq_id")
-
-
-def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
-            idempotency_key: str | None, bounded: bool = True) -> TinkerRequest:
-    """The request's future; a retried POST (same Idempotency-Key) gets the future of its first attempt.
-    `bounded=False`: the platform's own request (an audit), which the user's backlog does not limit."""
-    # Lock the model row: two requests of one model never take the same seq, and a retry that arrives while
-    # its first attempt is still in flight waits for it here, then finds it.
-    db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update())
-    earlier = _earlier(db, model.owner_id, idempotency_key)
-    if earlier is not None:
-        return earlier
-    if bounded:
-        _check_backlog(db, model.owner_id)
-    last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id))
-    row = TinkerRequest(owner_id=model.owner_id, model_id=model.id, kind=kind.value, seq=(last or 0) + 1,
-                        payload=payload, idempotency_key=idempotency_key or None)
-    try:
-        with db.begin_nested():  # the same key sent for another model at once: its first use wins
-            db.add(row)
-    except IntegrityError:
-        earlier = _earlier(db, model.owner_id, idempotency_key)
-        if earlier is None:
-            raise
-        return earlier
-    return row
-
-
-def _earlier(db: Session, owner_id: str, idempotency_key: str | None) -> TinkerRequest | None:
-    if not idempotency_key:
-        return None
-    return db.scalar(select(TinkerRequest).where(TinkerRequest.owner_id == owner_id,
-                                                 TinkerRequest.idempotency_key == idempotency_key)
-                     .execution_options(populate_existing=True))
-
-
-def _check_backlog(db: Session, owner_id: str) -> None:
-    """One user's queue is bounded: past MAX_UNFINISHED requests not yet run, a 429 the SDK retries after a
-    pause (so a runaway loop slows down instead of filling the database and the hosts' queues)."""
-    waiting = db.scalar(select(func.count()).select_from(TinkerRequest).where(
-        TinkerRequest.owner_id == owner_id, TinkerRequest.status.in_(UNFINISHED))) or 0
-    if waiting >= MAX_UNFINISHED:
-        raise ApiError(429, f"{waiting} of your Tinker requests are not finished yet (at most {MAX_UNFINISHED}): "
-                            "wait for their futures before sending more", headers={"Retry-After": "5"})
 
 
 def checkpoint_path(model_id: str, kind: str, name: str) -> str:

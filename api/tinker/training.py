@@ -26,7 +26,7 @@ from ..db import Database
 from ..deps import SessionDep
 from ..errors import ApiError
 from ..services.notices import Announcer
-from . import records, service, wire
+from . import queueing, records, service, wire
 from .deps import Bell, IdempotencyKey, TinkerUser
 from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler
 from .schemas import CreateModelRequest, LoadWeightsRequest, ModelRef, OptimStepRequest, SaveWeightsRequest
@@ -63,7 +63,7 @@ def create_model(body: CreateModelRequest, user: TinkerUser, db: SessionDep, key
     session = service.owned_session(db, user.id, body.session_id)
     model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", "train", body.base_model,
                               body.lora_config.model_dump(), key)
-    row = service.enqueue(db, model, RequestKind.create_model, {}, key)
+    row = queueing.enqueue(db, model, RequestKind.create_model, {}, key)
     db.commit()
     return queued(row, bell)
 
@@ -110,7 +110,7 @@ def _queue_forward(database: Database, user_id: str, parsed: wire.ForwardBackwar
         _check_fits(model, payload)
         if payload.loss_fn is LossFn.stable_reinforce:
             _recorded(db, user_id, parsed, payload)
-        row = service.enqueue(db, model, kind, payload.model_dump(mode="json"), key)
+        row = queueing.enqueue(db, model, kind, payload.model_dump(mode="json"), key)
         db.commit()
         return row
 
@@ -194,7 +194,7 @@ def optim_step(body: OptimStepRequest, user: TinkerUser, db: SessionDep, key: Id
     except ValidationError as exc:
         raise ApiError(400, f"adam_params: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from exc
     model = service.owned_model(db, user.id, body.model_id)
-    row = service.enqueue(db, model, RequestKind.optim_step, step.model_dump(mode="json"), key)
+    row = queueing.enqueue(db, model, RequestKind.optim_step, step.model_dump(mode="json"), key)
     db.commit()
     return queued(row, bell)
 
@@ -218,7 +218,7 @@ def save_for_sampler(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep,
     name = body.path or f"sampler-{body.sampling_session_seq_id}"
     payload = SavePayload(name=name, kind="sampler", sampler_id=sampler_id, inflight=body.kind == "inflight",
                           ttl_seconds=ttl)
-    row = service.enqueue(db, model, RequestKind.save_weights_for_sampler, payload.model_dump(), key)
+    row = queueing.enqueue(db, model, RequestKind.save_weights_for_sampler, payload.model_dump(), key)
     if sampler_id is not None and db.get(TinkerSampler, sampler_id) is None:
         db.add(TinkerSampler(id=sampler_id, session_id=model.session_id, owner_id=user.id, model_id=model.id,
                              checkpoint=name, base_model=model.base_model, inflight=payload.inflight,
@@ -234,7 +234,7 @@ def save_weights(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep, key
     model = service.owned_model(db, user.id, body.model_id)
     payload = SavePayload(name=body.path or f"state-{body.seq_id or 0}", kind="training",
                           ttl_seconds=_ttl(body.ttl_seconds))
-    row = service.enqueue(db, model, RequestKind.save_weights, payload.model_dump(), key)
+    row = queueing.enqueue(db, model, RequestKind.save_weights, payload.model_dump(), key)
     db.commit()
     return queued(row, bell)
 
@@ -262,13 +262,13 @@ def load_weights(body: LoadWeightsRequest, user: TinkerUser, db: SessionDep, key
     if body.model_id is not None:
         model = service.owned_model(db, user.id, body.model_id)
         _pin(model, state)
-        row = service.enqueue(db, model, RequestKind.load_weights, load, key)
+        row = queueing.enqueue(db, model, RequestKind.load_weights, load, key)
     elif body.session_id is not None and body.model_seq_id is not None:
         session = service.owned_session(db, user.id, body.session_id)
         model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", "train",
                                   body.base_model or source.base_model, source.lora, key)
         _pin(model, state)
-        row = service.enqueue(db, model, RequestKind.create_model, {"load": load}, key)
+        row = queueing.enqueue(db, model, RequestKind.create_model, {"load": load}, key)
     else:
         raise ApiError(422, "give model_id, or session_id and model_seq_id", field="model_id")
     db.commit()

@@ -11,7 +11,7 @@ import httpx
 import pytest
 from echo2 import Client
 
-from api.tinker import futures, host, sampling, service
+from api.tinker import futures, host, queueing, sampling
 from tests.factories import new_provider, new_user, new_worker, ok
 
 INFO = {"tokenizer_id": "/models/tiny", "arch": "qwen2", "vocab_size": 96, "max_context_length": 512}
@@ -281,7 +281,7 @@ def test_models_on_a_host_take_turns_and_a_users_backlog_is_bounded(api, monkeyp
         report(api, work, step=1)
     assert order == [alice_steps[0], bob_step, alice_steps[1], alice_steps[2]]  # not all of Alice's first
 
-    monkeypatch.setattr(service, "MAX_UNFINISHED", 2)
+    monkeypatch.setattr(queueing, "MAX_UNFINISHED", 2)
     optim(a_client, model_a, 0.1)
     optim(a_client, model_a, 0.1)
     refused = a_client.post("/api/v1/optim_step", json={"model_id": model_a, "adam_params": {"learning_rate": 0.1}})

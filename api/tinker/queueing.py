@@ -1,0 +1,60 @@
+"""A Tinker model's request queue: a request gets the model's next `seq` (the order its host runs them in), a
+retried POST gets its first attempt's future, and one user's unfinished requests are bounded. Apart from
+service.py so that the fleet, which queues the host's audits, and the service need not import each other."""
+
+from __future__ import annotations
+
+from echo2.protocol.tinker import RequestKind, RequestStatus
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from ..errors import ApiError
+from .models import TinkerModel, TinkerRequest
+
+UNFINISHED = (RequestStatus.pending.value, RequestStatus.running.value, RequestStatus.fleet.value)
+MAX_UNFINISHED = 512  # requests one user may have queued or running at once
+
+
+def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
+            idempotency_key: str | None, bounded: bool = True) -> TinkerRequest:
+    """The request's future; a retried POST (same Idempotency-Key) gets the future of its first attempt.
+    `bounded=False`: the platform's own request (an audit), which the user's backlog does not limit."""
+    # Lock the model row: two requests of one model never take the same seq, and a retry that arrives while
+    # its first attempt is still in flight waits for it here, then finds it.
+    db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update())
+    earlier = _earlier(db, model.owner_id, idempotency_key)
+    if earlier is not None:
+        return earlier
+    if bounded:
+        _check_backlog(db, model.owner_id)
+    last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id))
+    row = TinkerRequest(owner_id=model.owner_id, model_id=model.id, kind=kind.value, seq=(last or 0) + 1,
+                        payload=payload, idempotency_key=idempotency_key or None)
+    try:
+        with db.begin_nested():  # the same key sent for another model at once: its first use wins
+            db.add(row)
+    except IntegrityError:
+        earlier = _earlier(db, model.owner_id, idempotency_key)
+        if earlier is None:
+            raise
+        return earlier
+    return row
+
+
+def _earlier(db: Session, owner_id: str, idempotency_key: str | None) -> TinkerRequest | None:
+    if not idempotency_key:
+        return None
+    return db.scalar(select(TinkerRequest).where(TinkerRequest.owner_id == owner_id,
+                                                 TinkerRequest.idempotency_key == idempotency_key)
+                     .execution_options(populate_existing=True))
+
+
+def _check_backlog(db: Session, owner_id: str) -> None:
+    """One user's queue is bounded: past MAX_UNFINISHED requests not yet run, a 429 the SDK retries after a
+    pause (so a runaway loop slows down instead of filling the database and the hosts' queues)."""
+    waiting = db.scalar(select(func.count()).select_from(TinkerRequest).where(
+        TinkerRequest.owner_id == owner_id, TinkerRequest.status.in_(UNFINISHED))) or 0
+    if waiting >= MAX_UNFINISHED:
+        raise ApiError(429, f"{waiting} of your Tinker requests are not finished yet (at most {MAX_UNFINISHED}): "
+                            "wait for their futures before sending more", headers={"Retry-After": "5"})
