@@ -80,9 +80,9 @@ class Stack:
         return self
 
     def _tinker_host_args(self) -> list[str]:
-        """The Tinker learner host (learner/tinker_host.py), billing at the default learner price."""
+        """The Tinker learner host (learner/tinker/host.py), billing at the default learner price."""
         s = self.settings
-        return [sys.executable, "-m", "learner.tinker_host", "--server", self.url, "--name", "local-tinker",
+        return [sys.executable, "-m", "learner.tinker.host", "--server", self.url, "--name", "local-tinker",
                 "--slots", str(self.tinker_slots), "--threads", str(s.learner_threads or 1), "--device", "cpu",
                 "--work-dir", str(s.data_dir / "tinker"), "--price-per-hour", str(s.learner_price_per_hour)]
 

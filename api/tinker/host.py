@@ -1,4 +1,4 @@
-"""Routes of the Tinker learner host (learner/tinker_host.py), authenticated with an admin API key.
+"""Routes of the Tinker learner host (learner/tinker/host.py), authenticated with an admin API key.
 
 `claim` long-polls for the host's next request: the next one of a model it holds, or, while it has a
 free slot, the next of a model it parked or a new model to load. The host says which models it holds: one

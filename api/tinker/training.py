@@ -35,7 +35,7 @@ router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 
 PROTOBUF = "application/x-protobuf"
 # The inputs each loss needs besides target_tokens (tinker-docs "Losses"), and those it reads when given
-# (weights default to ones); learner/tinker_losses.py states each loss.
+# (weights default to ones); learner/tinker/losses.py states each loss.
 LOSS_INPUTS = {LossFn.cross_entropy: (), LossFn.importance_sampling: ("logprobs", "advantages"),
                LossFn.ppo: ("logprobs", "advantages"), LossFn.cispo: ("logprobs", "advantages"),
                LossFn.dro: ("logprobs", "advantages"), LossFn.gspo: ("logprobs", "advantages"),
@@ -203,7 +203,7 @@ def optim_step(body: OptimStepRequest, user: TinkerUser, db: SessionDep, key: Id
 def save_for_sampler(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
                      bell: Bell) -> dict[str, Any]:
     """A sampler checkpoint. kind="inflight": the model's in-flight samplers (every one, old and new) move to it,
-    and the samples they are drawing continue on it from their next segment (learner/tinker_sampler.py; on the
+    and the samples they are drawing continue on it from their next segment (learner/tinker/sampler.py; on the
     fleet, workers/echo2_worker/partial.py)."""
     model = service.owned_model(db, user.id, body.model_id)
     ttl = _ttl(body.ttl_seconds)

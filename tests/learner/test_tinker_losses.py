@@ -1,4 +1,4 @@
-"""The Tinker losses of learner/tinker_losses.py against values and gradients worked out by hand (in the comments),
+"""The Tinker losses of learner/tinker/losses.py against values and gradients worked out by hand (in the comments),
 from each paper's formula as the module docstring states it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 import torch
 from echo2.protocol.tinker import LossFn
 
-from learner.tinker_losses import BEHAVIOUR, datum_loss
+from learner.tinker.losses import BEHAVIOUR, datum_loss
 
 LN2 = math.log(2)
 

@@ -48,7 +48,7 @@ def host_slots() -> int:
 @pytest.fixture
 def tinker_host(api: Api, host_work_dir: Path, tmp_path: Path, host_slots: int) -> Iterator[subprocess.Popen]:
     log = (tmp_path / "host.log").open("w")
-    cmd = [sys.executable, "-m", "learner.tinker_host", "--server", api.url, "--name", "test-host",
+    cmd = [sys.executable, "-m", "learner.tinker.host", "--server", api.url, "--name", "test-host",
            "--slots", str(host_slots), "--threads", "1", "--device", "cpu", "--work-dir", str(host_work_dir),
            "--price-per-hour", str(HOST_PRICE)]
     process = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "ECHO2_API_KEY": ADMIN_KEY}, stdout=log,

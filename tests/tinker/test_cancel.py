@@ -10,7 +10,7 @@ import pytest
 from echo2.protocol.tinker import MAX_REQUEST_TOKENS
 
 from api.tinker.models import TinkerRequest
-from learner import tinker_host
+from learner.tinker import host as tinker_host
 from tests.conftest import ADMIN_KEY
 from tests.factories import new_user, ok
 from tests.tinker.test_routes import _field, _tensor, key_of, sdk

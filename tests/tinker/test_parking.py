@@ -9,7 +9,7 @@ import httpx
 import pytest
 
 from api.tinker import futures, host
-from learner.tinker_host import Host
+from learner.tinker.host import Host
 from tests.factories import new_user, ok
 
 

@@ -127,7 +127,7 @@ def _another_host_loads_the_state(api, tinker_python, first_host, user_key, tmp_
     first_host.terminate()
     first_host.wait(timeout=60)
     log = (tmp_path / "host2.log").open("w")
-    cmd = [sys.executable, "-m", "learner.tinker_host", "--server", api.url, "--name", "second-host", "--slots", "1",
+    cmd = [sys.executable, "-m", "learner.tinker.host", "--server", api.url, "--name", "second-host", "--slots", "1",
            "--threads", "1", "--device", "cpu", "--work-dir", str(tmp_path / "second")]
     # The built-in models are built once per run: the second host reads them from the first's cache folder.
     (tmp_path / "second").mkdir()

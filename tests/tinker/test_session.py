@@ -1,5 +1,5 @@
 """A Tinker model on a learner host, in process, on the tiny model: the losses are the ones stated in
-learner/tinker_losses.py, gradients accumulate until optim_step, checkpoints sample as saved, stops stop.
+learner/tinker/losses.py, gradients accumulate until optim_step, checkpoints sample as saved, stops stop.
 On the CPU, and on a CUDA GPU where there is one (a host's `--device`)."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from echo2.protocol.tinker import (
     TinkerLora,
 )
 
-from learner.tinker_session import TinkerSession, UserError
+from learner.tinker.session import TinkerSession, UserError
 
 PROMPT = [5, 6, 7, 8]
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
@@ -129,7 +129,7 @@ def test_datums_of_any_length_train_together_as_alone(session, monkeypatch):
             for tokens in ([5, 6, 7, 8, 9, 10, 11], [12, 13], [14, 15, 16, 17])]
     together = session.forward_backward(ForwardBackwardPayload(loss_fn="cross_entropy", data=data,
                                                                forward_only=True))
-    monkeypatch.setattr("learner.tinker_session.MICRO_BATCH_TOKENS", 8)
+    monkeypatch.setattr("learner.tinker.session.MICRO_BATCH_TOKENS", 8)
     split = session.forward_backward(ForwardBackwardPayload(loss_fn="cross_entropy", data=data, forward_only=True))
     for datum, a, b in zip(data, together.outputs, split.outputs, strict=True):
         alone = session.forward_backward(ForwardBackwardPayload(loss_fn="cross_entropy", data=[datum],

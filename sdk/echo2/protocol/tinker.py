@@ -1,5 +1,5 @@
 """The Tinker-compatible surface's own protocol: between the control plane, which answers the Tinker SDK,
-and the learner host that runs its models (learner/tinker_host.py).
+and the learner host that runs its models (learner/tinker/host.py).
 
 A Tinker call becomes a request row (a durable future) with one of these payloads; the host claims the
 next request of a model it holds, runs it and reports a `HostResult`. Statuses and the rule of which
@@ -74,7 +74,7 @@ class ErrorCategory(StrEnum):
 
 
 class LossFn(StrEnum):
-    """The loss functions Echo2 computes (learner/tinker_losses.py states each); the SDK's `custom` (a loss graph
+    """The loss functions Echo2 computes (learner/tinker/losses.py states each); the SDK's `custom` (a loss graph
     run server side) is not one of them."""
 
     cross_entropy = "cross_entropy"

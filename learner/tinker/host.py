@@ -1,6 +1,6 @@
 """The Tinker learner host: runs the models of Tinker SDK clients for the control plane.
 
-    ECHO2_API_KEY=<admin key> python -m learner.tinker_host --server http://127.0.0.1:8000 --price-per-hour 2
+    ECHO2_API_KEY=<admin key> python -m learner.tinker.host --server http://127.0.0.1:8000 --price-per-hour 2
 
 It long-polls the control plane for the next request of a model it holds (or a new model to load while
 a slot is free), runs it and reports the result; one request at a time, so each model trains in exactly
@@ -41,7 +41,7 @@ from echo2.protocol.tinker import (
 )
 from echo2.transport import Call, RetryPolicy, Transport
 
-log = logging.getLogger("echo2.tinker_host")
+log = logging.getLogger("echo2.tinker.host")
 WATCH_S = 5.0  # how often a running request's host asks whether it is still wanted
 STATE_CHUNK = 32 * 2**20  # a saved state is uploaded in chunks of this size (api/tinker/states.py)
 
@@ -101,7 +101,7 @@ class Host:
             if session is None:
                 raise LookupError(batch[0].model_id)
             payloads = [SamplePayload.model_validate(w.payload) for w in batch]
-            from .tinker_session import answer
+            from .session import answer
 
             return [HostResult(**answer(r)) for r in session.sample(payloads)]
         except Exception:  # noqa: BLE001 - retried one by one below, where each error gets its category
@@ -109,7 +109,7 @@ class Host:
             return [self.handle(w) for w in batch]
 
     def handle(self, work: HostWork) -> HostResult:
-        from .tinker_session import UserError  # torch: not before the arguments are parsed
+        from .session import UserError  # torch: not before the arguments are parsed
 
         try:
             session = self._session(work)
@@ -178,7 +178,7 @@ class Host:
     def _session(self, work: HostWork) -> Any:
         """The model `work` runs on: built (from a saved state, when its create_model names one), restored from
         its parked state, or the one held; None if none of these."""
-        from .tinker_session import TinkerSession
+        from .session import TinkerSession
 
         cache, private = self.work_dir / "models", (self.work_dir,)
         if work.kind is RequestKind.create_model:
@@ -224,7 +224,7 @@ class Host:
         if load.sha256 is None:
             session.load_state(self.state_path(load.model_id, load.name), load.optimizer)
             return
-        from .tinker_session import UserError
+        from .session import UserError
 
         try:
             answer = self.http.send(Call("GET", f"/v1/tinker/host/states/{load.sha256}", timeout=300), stream=True)
@@ -251,7 +251,7 @@ class Host:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m learner.tinker_host", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m learner.tinker.host", description=__doc__.split("\n\n")[0])
     parser.add_argument("--server", required=True, help="the control plane's URL")
     parser.add_argument("--name", default=f"{socket.gethostname()}-{os.getpid()}", help="this host's name")
     parser.add_argument("--slots", type=int, default=2, help="models held at once")

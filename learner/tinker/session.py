@@ -1,7 +1,7 @@
 """One Tinker model held by a learner host: a base model with a LoRA adapter (peft), its AdamW state, the
 gradients accumulated since the last `optim_step`, and its saved checkpoints.
 
-`forward_backward` adds to the gradients (losses in learner/tinker_losses.py); `optim_step` applies
+`forward_backward` adds to the gradients (losses in learner/tinker/losses.py); `optim_step` applies
 them with the step's Adam hyperparameters and clears them, as the Tinker SDK's training clients expect.
 A checkpoint is a copy of the adapter's weights, kept in memory for as long as the host holds the model;
 sampling from it swaps it in for the duration of the sample. A model the control plane parks is saved to
@@ -37,13 +37,13 @@ from echo2.protocol.tinker import (
 )
 from echo2.snapshots import atomic_file
 
-from .audit import GroupClaim, audit_group, audit_versions
-from .models import resolve_model, with_adapter
-from .publisher import Publisher
-from .remote import ControlPlane
-from .tinker_losses import datum_loss
-from .tinker_sampler import sample
-from .weights import LoraWeights
+from ..audit import GroupClaim, audit_group, audit_versions
+from ..models import resolve_model, with_adapter
+from ..publisher import Publisher
+from ..remote import ControlPlane
+from ..weights import LoraWeights
+from .losses import datum_loss
+from .sampler import sample
 
 INFLIGHT = "<inflight>"  # a batch of in-flight requests: drawn with the newest in-flight checkpoint
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass: bounds the logits held for the backward
@@ -197,7 +197,7 @@ class TinkerSession:
 
     def sample(self, payloads: list[SamplePayload]) -> list[SampleResult | SampleProgress]:
         """Requests of one checkpoint (or all in flight: the newest in-flight checkpoint), sampled together in one
-        batch; an in-flight request one segment at a time (learner/tinker_sampler.py)."""
+        batch; an in-flight request one segment at a time (learner/tinker/sampler.py)."""
         wanted = {INFLIGHT if p.inflight else p.checkpoint for p in payloads}
         if len(wanted) != 1:
             raise UserError(f"one batch samples one checkpoint, not {sorted(map(str, wanted))}")
