@@ -8,10 +8,11 @@ import secrets
 from datetime import datetime
 from typing import Any
 
+from echo2.protocol.tinker import ErrorCategory, ModelStatus, RequestKind, RequestStatus, SessionStatus
 from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
-from ..models import Base, utcnow
+from ..models import Base, stored_as_value, utcnow
 
 
 def new_tinker_id(prefix: str) -> str:
@@ -24,7 +25,7 @@ class TinkerSession(Base):
     owner_id: Mapped[str] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
     sdk_version: Mapped[str] = mapped_column(String(32))
     tags: Mapped[list[Any]] = mapped_column(default=list)
-    status: Mapped[str] = mapped_column(String(16), default="active")  # echo2.protocol.tinker.SessionStatus
+    status: Mapped[SessionStatus] = mapped_column(stored_as_value(SessionStatus), default=SessionStatus.active)
     finish_reason: Mapped[str | None] = mapped_column(String(16))
     heartbeat_at: Mapped[datetime] = mapped_column(default=utcnow)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -43,7 +44,7 @@ class TinkerModel(Base):
     base_model: Mapped[str] = mapped_column(String(512))
     lora: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     host: Mapped[str | None] = mapped_column(String(128), index=True)
-    status: Mapped[str] = mapped_column(String(16), default="pending")  # echo2.protocol.tinker.ModelStatus
+    status: Mapped[ModelStatus] = mapped_column(stored_as_value(ModelStatus), default=ModelStatus.pending)
     error: Mapped[str | None] = mapped_column(String(1024))
     info: Mapped[dict[str, Any]] = mapped_column(default=dict)  # what the host reports: tokenizer, vocab
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
@@ -110,13 +111,13 @@ class TinkerRequest(Base):
     id: Mapped[str] = mapped_column(String(40), primary_key=True, default=lambda: new_tinker_id("tkr"))
     owner_id: Mapped[str] = mapped_column(String(32), index=True)
     model_id: Mapped[str] = mapped_column(ForeignKey("tinker_models.id", ondelete="CASCADE"))
-    kind: Mapped[str] = mapped_column(String(32))  # echo2.protocol.tinker.RequestKind
+    kind: Mapped[RequestKind] = mapped_column(stored_as_value(RequestKind, 32))
     seq: Mapped[int] = mapped_column(Integer)
-    status: Mapped[str] = mapped_column(String(16), default="pending")  # echo2.protocol.tinker.RequestStatus
+    status: Mapped[RequestStatus] = mapped_column(stored_as_value(RequestStatus), default=RequestStatus.pending)
     payload: Mapped[dict[str, Any]]
     result: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     error: Mapped[str | None] = mapped_column(String(1024))
-    category: Mapped[str | None] = mapped_column(String(16))  # "user" | "server"
+    category: Mapped[ErrorCategory | None] = mapped_column(stored_as_value(ErrorCategory))
     idempotency_key: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]
@@ -148,7 +149,7 @@ class TinkerUsage(Base):
     session_id: Mapped[str] = mapped_column(String(40), index=True)
     model_id: Mapped[str] = mapped_column(String(96))
     request_id: Mapped[str] = mapped_column(String(40), unique=True)
-    kind: Mapped[str] = mapped_column(String(32))  # echo2.protocol.tinker.RequestKind
+    kind: Mapped[RequestKind] = mapped_column(stored_as_value(RequestKind, 32))
     host: Mapped[str] = mapped_column(String(128))
     tokens: Mapped[int] = mapped_column(Integer)
     prompt_tokens: Mapped[int] = mapped_column(Integer, default=0)  # of `tokens`, a sample's prompt (its prefill)
