@@ -35,6 +35,7 @@ from echo2.protocol import (
     LoraConfig,
     Precision,
     PromptSampling,
+    PromptState,
     RejectKind,
     RolloutStatus,
     TaskSpec,
@@ -68,7 +69,6 @@ FLEET_DEADLINE_S = 120.0  # nor one a worker still holds by then
 INFLIGHT_STALENESS = 8
 MAX_SLOTS = 16_384  # num_samples x (prompt + max_tokens) of a fleet request: what a worker's memory was sized for
 TEMPERATURES = (0.05, 2.0)  # a job's range, where the audits' tolerances were measured (docs/RELIABILITY.md)
-TO_HOST = "host"  # a prompt state: its request went to the host, so no worker leases it
 DEMAND_WINDOW_S = 60.0
 MAX_GROUP, MAX_SAMPLE = 64, 16_384  # what a worker may submit in one group (echo2.protocol.GroupSubmit)
 
@@ -117,7 +117,7 @@ def published(db: Session, model: TinkerModel, version: int) -> None:
     if job is not None and version > job.step:
         job.step = version
     if job is not None and _inflight(job):  # an in-flight request not leased yet is drawn with the newest weights
-        db.execute(update(Prompt).where(Prompt.job_id == job.id, Prompt.state == "available",
+        db.execute(update(Prompt).where(Prompt.job_id == job.id, Prompt.state == PromptState.available,
                                         Prompt.request_id.is_not(None)).values(version=version))
 
 
@@ -157,7 +157,7 @@ def add_prompt(db: Session, job: Job, version: int, request: TinkerRequest, payl
     index = (db.scalar(select(func.max(Prompt.index)).where(Prompt.job_id == job.id)) or 0) + 1
     sampling = PromptSampling(n=payload.num_samples, max_tokens=params.max_tokens, temperature=params.temperature,
                               top_p=params.top_p, top_k=max(params.top_k, 0), stop_token_ids=params.stop_tokens)
-    db.add(Prompt(job_id=job.id, index=index, text="", state="available", epoch=0, order_key=index,
+    db.add(Prompt(job_id=job.id, index=index, text="", state=PromptState.available, epoch=0, order_key=index,
                   token_ids=list(payload.prompt), sampling=sampling.model_dump(mode="json"), version=version,
                   request_id=request.id))
     request.status = RequestStatus.fleet.value
@@ -236,7 +236,7 @@ def _deliver(db: Session, rollout: Rollout, prompt: Prompt) -> list[str]:
         _late(rollout, "its request was answered otherwise (the host took it, or the session ended)")
         return []
     rollout.status, rollout.trained_step = RolloutStatus.trained, rollout.version
-    prompt.state = "trained"
+    prompt.state = PromptState.trained
     job = db.get(Job, rollout.job_id)
     assert job is not None
     versions = {v for s in rollout.samples for v in _token_versions(s, rollout.version)}
@@ -291,7 +291,7 @@ def _late(rollout: Rollout, reason: str) -> None:
 
 
 def _to_host(prompt: Prompt, request: TinkerRequest | None) -> None:
-    prompt.state = TO_HOST
+    prompt.state = PromptState.host
     if request is not None and request.status == RequestStatus.fleet.value:
         request.status = RequestStatus.pending.value
 
@@ -301,13 +301,13 @@ def sweep(db: Session) -> None:
     worker FLEET_DEADLINE_S after, for a checkpoint that is no longer the newest, or of a job no longer running."""
     now = utcnow()
     waited, held = now - timedelta(seconds=FLEET_WAIT_S), now - timedelta(seconds=FLEET_DEADLINE_S)
-    available = Prompt.state == "available"
+    available = Prompt.state == PromptState.available
     due = ((available & (TinkerRequest.created_at < waited)) | (TinkerRequest.created_at < held)
            | (available & (Job.version != Prompt.version)) | (Job.status != JobStatus.running))
     rows = db.execute(select(Prompt, TinkerRequest).join(TinkerRequest, TinkerRequest.id == Prompt.request_id)
                       .join(Job, Job.id == Prompt.job_id)
                       .where(TinkerRequest.status == RequestStatus.fleet.value,
-                             Prompt.state.in_(("available", "leased")), due)
+                             Prompt.state.in_((PromptState.available, PromptState.leased)), due)
                       .with_for_update(of=Prompt, skip_locked=True)).all()
     for prompt, request in rows:
         _to_host(prompt, request)

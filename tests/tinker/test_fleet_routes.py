@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from echo2.protocol import PromptState
 from sqlalchemy import select
 
 from api.models import Job, Prompt, Rollout, Worker
@@ -135,7 +136,7 @@ def test_what_the_fleet_cannot_or_does_not_draw_the_host_samples(api, fleet_mode
     ran = [w["request_id"] for w in [reply["work"], *reply["more"]]]
     assert ran == [greedy, strings, waiting]  # in the order they were asked
     with api.db.session() as s:
-        assert s.scalar(select(Prompt.state).where(Prompt.request_id == waiting)) == fleet.TO_HOST
+        assert s.scalar(select(Prompt.state).where(Prompt.request_id == waiting)) == PromptState.host
 
 
 def test_ending_the_session_fails_fleet_requests_and_ends_the_fleet_job(api, fleet_model):

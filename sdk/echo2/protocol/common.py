@@ -114,6 +114,7 @@ class PromptState(StrEnum):
     trained = "trained"  # the learner trained its group this epoch
     eval = "eval"  # held out for evaluation: never leased (api/services/evals.py)
     set_aside = "set_aside"  # never leased again, and no epoch waits for it
+    host = "host"  # a Tinker fleet prompt whose request went to the learner host: no worker leases it
 
 
 class PauseCause(StrEnum):
