@@ -48,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     name = args.name or args.path.stem
+    if not args.path.exists():
+        print(f"error: {args.path}: no such file", file=sys.stderr)
+        return 2
     try:
         with Client() as client:  # ECHO2_BASE_URL / ECHO2_API_KEY
             dataset = client.datasets.upload(name, args.path)
@@ -60,9 +63,6 @@ def main(argv: list[str] | None = None) -> int:
                 grpo={"group_size": args.group_size, "prompts_per_step": args.prompts_per_step},
                 staleness=args.staleness, max_steps=args.steps,
             )
-    except FileNotFoundError as exc:
-        print(f"error: {exc.filename}: no such file", file=sys.stderr)
-        return 2
     except errors.Echo2Error as exc:  # the server's message names the field (and line) to fix
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -20,6 +20,7 @@ from tests.factories import (
     new_worker,
     ok,
     running_job,
+    submit_group,
 )
 
 
@@ -39,6 +40,9 @@ def world(api, tmp_path):
     activate(api, wid, job["id"])
     lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
     key = ok(alice.post(f"/v1/users/{alice_id}/keys"), 201)["token"]["id"]
+    upload = ok(alice.post("/v1/datasets/uploads", json={"name": "u", "size": 3,
+                                                         "sha256": hashlib.sha256(b"abc").hexdigest()}))
+    rollout = ok(submit_group(worker, lease, lease["prompts"][0], 0))["results"][0]["rollout_id"]
 
     _, bob = new_user(api, "bob")
     bob_job, bob_learner = running_job(api, bob, folder)
@@ -46,7 +50,8 @@ def world(api, tmp_path):
     bob_wid, bob_worker = new_worker(api, bob_provider)
     activate(api, bob_wid, bob_job["id"])
     ids = {"job_id": job["id"], "worker_id": wid, "lease_id": lease["id"], "dataset_id": dataset["id"],
-           "user_id": alice_id, "token_id": key, "version": 0, "index": 0, "step": 0, "provider_id": provider_id}
+           "user_id": alice_id, "token_id": key, "version": 0, "index": 0, "step": 0, "provider_id": provider_id,
+           "upload_id": upload["id"], "rollout_id": rollout}
     attackers = {"user": bob, "provider": bob_provider, "worker": bob_worker, "learner": bob_learner}
     manifest = build_manifest(folder, 1, 1, 64 * 1024).model_dump(mode="json")
     bodies = {

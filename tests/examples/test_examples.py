@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from tasks import get_task
+from tasks.base import ScoringError
 from tests.conftest import Api
 from tests.factories import drive_job, fake_model_folder, new_user, ok
 
@@ -104,8 +105,9 @@ def test_http_reward_server_scores_through_the_adapter(reward_server):
         wrong = http.post(url, json={"prompt": "p", "completion": 3})
         assert wrong.status_code == 400 and "completion" in wrong.json()["error"]
         assert http.post(f"{base}/other", json={}).status_code == 404
-    # A 400 is not retried by the adapter: the sample is left unscored, once.
-    assert task.reward(prompt, "x", task.parse_params({"url": f"{base}/other", "max_retries": 3})) is None
+    # A 4xx is not retried by the adapter: the sample cannot be scored, said at once (the learner leaves it unscored).
+    with pytest.raises(ScoringError, match="answered HTTP 404"):
+        task.reward(prompt, "x", task.parse_params({"url": f"{base}/other", "max_retries": 3}))
 
     script.proc.send_signal(signal.SIGTERM)
     assert script.proc.wait(timeout=10) == 0

@@ -24,6 +24,15 @@ from echo2_worker.store import VersionStore
 from tests.conftest import Api
 from tests.factories import activate, new_user, ok, running_job
 
+
+@pytest.fixture(autouse=True)
+def _trusted_workers(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No learner judges these tests' groups: a worker on probation would stop at pool.UNJUDGED groups waiting
+    for their audit, before the versions the tests publish later. Trust is tested in tests/api."""
+    if "api" in request.fixturenames:
+        monkeypatch.setattr(request.getfixturevalue("api").server.settings, "probation_audits", 0)
+
+
 # No learner trains these jobs, so the staleness contract's room ((S + 1) R groups ahead) must outlast each
 # test's rollouts: R = 256.
 JOB = {"grpo": {"group_size": 2, "prompts_per_step": 256, "max_new_tokens": 12}, "num_prompts": 400,

@@ -19,13 +19,11 @@ from .conftest import rollouts, start_job, wait_for, worker_row
 # The control plane's side runs on both databases in tests/api/test_possession.py.
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 INTERVAL_S = 30.0  # a proof sent at the next heartbeat instead of at once would come this late
-# No learner judges these groups: a worker on probation would stop at pool.UNJUDGED groups waiting for audit.
 
 
 def test_an_honest_worker_proves_each_version_before_leasing_it(api: Api, tiny_model_dir: Path, next_model_dir: Path,
                                                                worker_factory, tmp_path: Path) -> None:
     api.server.settings.heartbeat_interval_s = INTERVAL_S
-    api.server.settings.probation_audits = 0
     try:
         setup = start_job(api, tiny_model_dir, probes=True)
         w = worker_factory(setup)
@@ -40,7 +38,6 @@ def test_an_honest_worker_proves_each_version_before_leasing_it(api: Api, tiny_m
                  "rollouts at version 1")
     finally:
         api.server.settings.heartbeat_interval_s = 1
-        api.server.settings.probation_audits = 5
     with api.db.session() as s:
         holds = {h.version: h for h in s.scalars(select(VersionHold).where(VersionHold.worker_id == w.worker_id))}
         announced = s.get(WeightVersion, (setup.id, 1)).created_at
