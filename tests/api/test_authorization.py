@@ -64,6 +64,7 @@ def world(api, tmp_path):
         "learner_claim": {"json": {"step": 0}},
         "learner_report_step": {"json": {"step": 0, "rollout_ids": [], "t_train_s": 0}},
         "learner_heartbeat": {"json": {"step": 0}},
+        "learner_report_audits": {"json": {"step": 0, "audits": [{"rollout_id": rollout, "passed": True}]}},
         "learner_finish": {"json": {"outcome": "failed"}},
         "upload_chunk": {"content": b"abc", "headers": {SHA: hashlib.sha256(b"abc").hexdigest(),
                                                         "Content-Type": "application/octet-stream"}},
@@ -72,9 +73,11 @@ def world(api, tmp_path):
         "wait_for_version": {"params": {"after": 0, "timeout_s": 0}},
         "learner_report_eval": {"json": {"step": 0, "version": 0, "prompts": 1, "seconds": 0}},
         "update_job": {"json": {"budget_usd": 1000}},
+        "list_step_traces": {"params": {"step": 0}},
         "set_user_quotas": {"json": {"max_concurrent_jobs": 1}},
     }
     bodies["upload_learner_checkpoint_chunk"] = bodies["upload_delta_chunk"] = bodies["upload_chunk"]
+    bodies["put_dataset_upload_part"] = bodies["upload_chunk"]
     return ids, attackers, bodies
 
 
