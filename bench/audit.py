@@ -41,6 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from echo2.loading import load_causal_lm
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -164,12 +166,11 @@ def audit_all(model: Any, groups: list[Group]) -> list[Any]:
 
 def train_seconds_per_group(model_dir: Path, groups: list[Group], pad_id: int, micro_batch_tokens: int) -> float:
     import torch
-    from transformers import AutoModelForCausalLM
 
     from learner.objective import ObjectiveConfig
     from learner.policy import Rollouts, grpo_update
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load_causal_lm(model_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
     rows = Rollouts()
     for gi, g in enumerate(groups):
@@ -183,9 +184,9 @@ def train_seconds_per_group(model_dir: Path, groups: list[Group], pad_id: int, m
 
 def perturbed(model_dir: Path, out: Path, scale: float = 0.05) -> Path:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load_causal_lm(model_dir, dtype=torch.float32)
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for p in model.parameters():
@@ -199,7 +200,7 @@ def perturbed(model_dir: Path, out: Path, scale: float = 0.05) -> Path:
 def main() -> None:
     args = _parse()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.tiny import import_smollm2
 
@@ -207,7 +208,7 @@ def main() -> None:
     model_dir = CACHE if (CACHE / "config.json").exists() else import_smollm2(CACHE)
     work = Path(tempfile.mkdtemp(prefix="echo2-audit-"))
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = load_causal_lm(model_dir, dtype=torch.float32).eval()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
     if args.cost_only:
         groups = generate_transformers(model_dir, requests(tok, args.cost_groups, seed=4))

@@ -40,6 +40,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echo2.loading import load_causal_lm
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -135,13 +137,13 @@ def build(shape: str, out: Path) -> Path:
 def learner(shape: str, folder: Path, device: Any, name: str, work: Path) -> dict[str, Any]:
     """One GRPO update timed after one warm-up, then one full version published."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.objective import ObjectiveConfig
     from learner.policy import grpo_update
 
     prompts, g, plen, clen = LEARNER.get(shape, DEFAULT_LEARNER)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    model = load_causal_lm(folder, dtype=torch.float32).to(device)
     lora = SHAPES[shape].get("lora")
     if lora:
         from echo2.protocol import LoraConfig
@@ -267,13 +269,12 @@ def _generate(model: Any, batch: list[Any], new: int, device: Any) -> float:
 
 def audit(shape: str, folder: Path, device: Any, groups: list[Any], learner_s_per_group: float) -> dict[str, Any]:
     """Audits of the worker's groups on the device, in the learner's compute dtype (the replay included)."""
-    from transformers import AutoModelForCausalLM
 
     from learner.audit import AuditConfig, GroupClaim, audit_group
     from learner.auditor import compute_dtype
 
     dtype = compute_dtype(device)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(device).eval()
+    model = load_causal_lm(folder, dtype=dtype).to(device).eval()
     config = AuditConfig(auditor=str(dtype).removeprefix("torch."))
     claims = [GroupClaim(prompt=r.prompt_token_ids, samples=s, temperature=1.0, seed=i,
                          precision="bfloat16" if device.type == "cuda" else "float32") for i, r, s in groups]

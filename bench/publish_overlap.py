@@ -45,6 +45,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from echo2.loading import load_causal_lm
 from learner_staleness import ADMIN_KEY, control_plane, ok  # noqa: E402 - the same control plane helper
 
 BIG_CONFIG = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 6, "num_attention_heads": 8,
@@ -106,7 +107,7 @@ def measure(base_url: str, work: Path, args: argparse.Namespace, prompts: int) -
     import httpx
     import torch
     from echo2.protocol import JobSpec, WeightsConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.parallel import Solo
     from learner.publisher import Publisher
@@ -126,7 +127,7 @@ def measure(base_url: str, work: Path, args: argparse.Namespace, prompts: int) -
     plane.start()
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load_causal_lm(model_dir, dtype=torch.float32)
     trainer = GRPOTrainer(model, tokenizer, JobSpec.model_validate(spec))
     publisher = Publisher(plane, Weights(model, tokenizer, torch.float32), work / "publish", args.chunk_mib * 2**20,
                           WeightsConfig(delta=False))  # the whole model every version: what this bench measures

@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echo2.loading import load_causal_lm
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
@@ -54,7 +56,7 @@ def train_versions(folder: Path, out: Path) -> list[Path]:
     """VERSIONS folders: the tiny model and the weights after each of its first demo GRPO steps."""
     import torch
     from echo2.seeds import prompt_seed
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.objective import ObjectiveConfig
     from learner.policy import Rollouts, grpo_update, sample
@@ -62,7 +64,7 @@ def train_versions(folder: Path, out: Path) -> list[Path]:
     from tasks.arithmetic import DEMO_DEFAULTS as D
 
     tok = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = load_causal_lm(folder, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=D["lr"], betas=tuple(D["adam_betas"]))
     task = get_task("arithmetic")
     params = task.parse_params(D["task_params"])
@@ -171,9 +173,9 @@ def audit(model: Any, req: dict[str, Any], samples: list[tuple[list[int], list[f
 
 def nearby(src: Path, out: Path, scale: float) -> Path:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    model = load_causal_lm(src, dtype=torch.float32)
     gen = torch.Generator().manual_seed(int(scale * 1000))
     with torch.no_grad():
         for p in model.parameters():
@@ -334,7 +336,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="write the figures as JSON here too")
     args = parser.parse_args()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.tiny import build_tiny_model
 
@@ -344,7 +346,7 @@ def main() -> None:
         work = Path(tmp)
         versions = train_versions(build_tiny_model(work / "tiny", seed=0), work / "versions")
         tok = AutoTokenizer.from_pretrained(versions[0])
-        models = [AutoModelForCausalLM.from_pretrained(v, dtype=torch.float32).eval() for v in versions]
+        models = [load_causal_lm(v, dtype=torch.float32).eval() for v in versions]
         report: dict[str, Any] = {"honest": {}, "cheats": {}}
         for backend in backends:
             gens = Generations(backend, work / backend)

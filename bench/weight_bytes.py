@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from echo2.loading import load_causal_lm
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 CACHE = REPO / ".echo2-cache" / "smollm2-135m-instruct"
@@ -69,13 +71,13 @@ def grpo_steps(model: Any, tok: Any, steps: int, lr: float, seed: int, computing
 
 def full_run(model_dir: Path, work: Path, steps: int) -> list[dict[str, Any]]:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.rounding import Rounder
     from learner.weights import Role, Weights
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = load_causal_lm(model_dir, dtype=torch.float32)
     rounder = Rounder(model, torch.bfloat16)
     fp32, bf16 = Weights(model, tok, torch.float32), Weights(model, tok, torch.bfloat16, rounder=rounder)
     rows, prev = [], None
@@ -127,14 +129,14 @@ def _changed_share(prev: dict[str, Any], state: dict[str, Any]) -> float:
 def lora_run(model_dir: Path, work: Path, steps: int) -> list[dict[str, Any]]:
     import torch
     from echo2.protocol import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.models import with_adapter
     from learner.rounding import Rounder
     from learner.weights import LoraWeights, Role
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = with_adapter(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), LoraConfig(rank=16))
+    model = with_adapter(load_causal_lm(model_dir, dtype=torch.float32), LoraConfig(rank=16))
     rounder = Rounder(model, torch.bfloat16)
     weights = LoraWeights(model, tok, torch.bfloat16, rounder=rounder)
     rows = []

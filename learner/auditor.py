@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from echo2.loading import LOAD_LOCK
+from echo2.loading import load_causal_lm
 from echo2.protocol import ClaimedGroup, JobSpec
 
 from .audit import AuditConfig, AuditResult, GroupClaim, audit_group, audit_versions
@@ -87,10 +87,7 @@ class Auditor:
         return self._model
 
     def _build(self) -> Any:
-        from transformers import AutoModelForCausalLM
-
-        with LOAD_LOCK:
-            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, use_safetensors=True)
+        model = load_causal_lm(self.model_path, dtype=self.dtype, use_safetensors=True)
         model = model.to(self.device)
         if self.spec.lora is not None:
             model = with_adapter(model, self.spec.lora)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from echo2.errors import AuthenticationError
-from echo2.loading import LOAD_LOCK
+from echo2.loading import load_causal_lm
 from echo2.protocol import (
     AuditVerdicts,
     ClaimedGroup,
@@ -296,7 +296,7 @@ def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: So
                   checkpoints: Path) -> tuple[GRPOTrainer, checkpoint.Restored | None]:
     """The model on this process's device (sharded by `world`), its trainer, and the latest checkpoint
     loaded into both. Every rank builds the same one (launch.follow)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     if opt.threads:
         torch.set_num_threads(opt.threads)
@@ -304,8 +304,7 @@ def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: So
     if wanted == "auto":
         wanted = "cuda" if torch.cuda.is_available() else "cpu"
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    with LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32, use_safetensors=True)
+    model = load_causal_lm(model_path, dtype=torch.float32, use_safetensors=True)
     torch.manual_seed(spec.seed)
     model = model.to(world.device(wanted))
     if spec.learner.activation_checkpointing:

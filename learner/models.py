@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from echo2.loading import LOAD_LOCK
 from echo2.models import BUILTINS, private_dir_of, private_model_error
 from echo2.protocol import LoraConfig
 
@@ -50,6 +51,7 @@ def with_adapter(model: Any, lora: LoraConfig) -> Any:
     config = PeftLoraConfig(r=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
                             target_modules=list(lora.target_modules), bias="none", task_type="CAUSAL_LM")
     try:
-        return get_peft_model(model, config)
+        with LOAD_LOCK:  # peft builds the adapter's modules: not while another thread builds a model
+            return get_peft_model(model, config)
     except ValueError as exc:  # e.g. a target module the architecture does not have
         raise ValueError(f"lora.target_modules {lora.target_modules} do not fit this model: {exc}") from exc

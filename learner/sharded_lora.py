@@ -16,7 +16,7 @@ import threading
 from typing import Any
 
 import torch
-from echo2.loading import LOAD_LOCK
+from echo2.loading import load_causal_lm
 from echo2.protocol import LoraConfig
 
 from .models import with_adapter
@@ -46,10 +46,6 @@ class ShardedLoraWeights(LoraWeights):
     def _unsharded(self) -> Any:
         with self._loading:
             if self._twin is None:
-                from transformers import AutoModelForCausalLM
-
-                with LOAD_LOCK:
-                    base = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=torch.float32,
-                                                                use_safetensors=True)
+                base = load_causal_lm(self.model_path, dtype=torch.float32, use_safetensors=True)
                 self._twin = with_adapter(base, self.lora_config).eval()
             return self._twin

@@ -25,7 +25,7 @@ import random
 import string
 from pathlib import Path
 
-from echo2.loading import LOAD_LOCK
+from echo2.loading import causal_lm_from_config, load_causal_lm
 from echo2.models import TINY_CONFIG, TINY_VOCAB_SIZE
 
 EOS_TOKEN = "<|endoftext|>"
@@ -134,11 +134,10 @@ def build_long_tail_model(tiny_dir: Path, out_dir: Path, *, p_stop_short: float,
     import shutil
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    with LOAD_LOCK:
-        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = load_causal_lm(tiny_dir, dtype=torch.float32)
     long_id, eos = tok.convert_tokens_to_ids("#"), tok.eos_token_id
     with torch.no_grad():
         for layer in model.model.layers:  # no layer writes to the residual stream: h = embedding(current token)
@@ -183,20 +182,19 @@ def smollm2_gguf_path() -> Path:
 def import_smollm2(out_dir: Path, *, dtype: str = "bfloat16") -> Path:
     """Convert SmolLM2-135M-Instruct (GGUF Q4_1, dequantised by transformers) to an HF safetensors folder."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     gguf = smollm2_gguf_path()
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    with LOAD_LOCK:
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    loaded = load_causal_lm(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
     # Transformers keeps the dequantised model flagged as GGUF-quantised and refuses to save it; copy
     # its (plain, dequantised) weights into an ordinary model built from the same config.
     config = loaded.config
     if hasattr(config, "quantization_config"):
         delattr(config, "quantization_config")
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model = causal_lm_from_config(config, dtype=torch.float32)
     model.load_state_dict(loaded.state_dict(), strict=True)
     model.generation_config = loaded.generation_config
     model = model.to(getattr(torch, dtype))

@@ -17,12 +17,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from echo2.loading import load_causal_lm
 from echo2.prompting import encode_prompt
 from echo2.protocol import LeaseRead, Manifest
 from echo2.seeds import sample_seed
 from echo2.snapshots import assemble
 from echo2_worker.backends.base import GenRequest
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from learner.policy import completion_logprobs, pad_batch
 from tests.rollout_driver import RolloutDriver
@@ -46,7 +47,7 @@ class Cheater(RolloutDriver):
         folder = assemble(manifest, lambda i: self.http.get(
             f"/v1/jobs/{job_id}/versions/{version}/chunks/{i}").raise_for_status().content,
             self.work_dir / f"v{version}")
-        self.claimed = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.claimed = load_causal_lm(folder, dtype=torch.float32).eval()
         self.tokenizer = self.tokenizer or AutoTokenizer.from_pretrained(folder)
         if self._refresh(version):
             self._load_sampler(folder)
@@ -63,7 +64,7 @@ class Cheater(RolloutDriver):
             (self.backend.reload if self.backend.model is not None else self.backend.load)(folder)
             return
         noisy = folder.with_name(folder.name + "-nearby")
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        model = load_causal_lm(folder, dtype=torch.float32)
         gen = torch.Generator().manual_seed(0)
         with torch.no_grad():
             for p in model.parameters():

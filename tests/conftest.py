@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -133,6 +134,40 @@ def api(live_server: LiveServer) -> Iterator[Api]:
     with httpx.Client(base_url=live_server.url, headers={"Authorization": f"Bearer {ADMIN_KEY}"},
                       timeout=30) as admin:
         yield Api(server=live_server, admin=admin)
+
+
+def _swapped_while_loading() -> dict[tuple[object, str], object]:
+    """What transformers swaps while it builds a model and puts back after: torch.nn.init's functions (and
+    their imports in torch.nn's modules), torch.linspace and PreTrainedModel.tie_weights, as they are now."""
+    import torch
+    from transformers.initialization import TORCH_INIT_FUNCTIONS
+    from transformers.modeling_utils import PreTrainedModel
+
+    modules = [m for name, m in list(sys.modules.items()) if name.startswith("torch.nn")]
+    watched = [(m, n) for m in modules for n in TORCH_INIT_FUNCTIONS if hasattr(m, n)]
+    watched += [(torch, "linspace"), (PreTrainedModel, "tie_weights")]
+    return {(owner, name): getattr(owner, name) for owner, name in watched}
+
+
+@pytest.fixture(scope="session")
+def _torch_as_imported() -> dict[tuple[object, str], object]:
+    return _swapped_while_loading()
+
+
+@pytest.fixture(autouse=True)
+def _model_loading_left_torch_alone(_torch_as_imported) -> Iterator[None]:
+    """A model built outside echo2.loading's lock, racing another thread's load, can leave transformers'
+    stand-ins in place; every later load in this test process would then get parameters with no data, far
+    from the cause. Fail the test that did it, and put torch's own functions back for the tests after it."""
+    yield
+    from echo2.loading import LOAD_LOCK
+
+    with LOAD_LOCK:  # a load in flight has them swapped legitimately
+        swapped = [(o, n, f) for (o, n), f in _torch_as_imported.items() if getattr(o, n) is not f]
+        for owner, name, original in swapped:
+            setattr(owner, name, original)
+    assert not swapped, (f"{[n for _, n, _ in swapped]} left swapped: a model was built outside "
+                         "echo2.loading's lock while another thread built one")
 
 
 @pytest.fixture(scope="session")

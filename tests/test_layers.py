@@ -65,3 +65,17 @@ def test_tasks_need_no_torch():
     scores with it, so it imports no model library."""
     wrong = [(f, m) for f, m in imported("tasks") if m.split(".")[0] in {"torch", "transformers", "vllm"}]
     assert wrong == [], "tasks/ is imported by the control plane, which runs without torch"
+
+
+def test_models_are_built_through_the_load_lock():
+    """A `from_pretrained`/`from_config` of a causal LM outside echo2.loading races other threads' loads over
+    torch's process-wide default device and can leave it at "meta" for every later load in the process."""
+    wrong = []
+    for folder in ("api", "scheduler", "learner", "workers/echo2_worker", "sdk/echo2", "tasks", "tests", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if (isinstance(node, ast.Attribute) and node.attr in {"from_pretrained", "from_config"}
+                        and isinstance(node.value, ast.Name) and node.value.id == "AutoModelForCausalLM"
+                        and path != ROOT / "sdk/echo2/loading.py"):
+                    wrong.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert wrong == [], "use echo2.loading.load_causal_lm / causal_lm_from_config"

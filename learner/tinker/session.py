@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from echo2.loading import load_causal_lm
 from echo2.protocol import LoraConfig, WeightsConfig
 from echo2.protocol.tinker import (
     AdamStep,
@@ -72,7 +73,7 @@ def lora_targets(lora: TinkerLora, module_names: set[str]) -> list[str]:
 class TinkerSession:
     def __init__(self, spec: ModelSpec, cache_dir: Path, device: str = "cpu", private: tuple[Path, ...] = ()) -> None:
         """`private`: the host's work dir, which no base model may be inside (other users' states)."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         try:
             self.path = resolve_model(spec.base_model, cache_dir, private=private)
@@ -81,7 +82,7 @@ class TinkerSession:
         if not Path(self.path).is_dir():
             raise UserError(f"{spec.base_model} is not a model folder on this learner host")
         self.tokenizer = AutoTokenizer.from_pretrained(self.path)
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32).to(device)
+        model = load_causal_lm(self.path, dtype=torch.float32).to(device)
         if spec.lora is not None:
             names = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}
             config = LoraConfig(rank=spec.lora.rank, alpha=LORA_ALPHA, target_modules=lora_targets(spec.lora, names))

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from echo2.loading import load_causal_lm
+
 from scheduler import hosts
 from tests.factories import job_spec, new_job, new_user, ok
 
@@ -95,11 +97,10 @@ def test_a_cpu_learner_is_not_held_to_the_gpus(api, tmp_path):
 
 
 def test_parameters_are_counted_in_the_safetensors_files_when_at_hand(api, tiny_model_dir):
-    from transformers import AutoModelForCausalLM
 
     _, alice = new_user(api)
     memory = ok(alice.post("/v1/jobs:estimate", json=job_spec(base_model=str(tiny_model_dir))))["learner_memory"]
-    assert memory["params"] == AutoModelForCausalLM.from_pretrained(tiny_model_dir).num_parameters()
+    assert memory["params"] == load_causal_lm(tiny_model_dir).num_parameters()
     assert "parameters counted in its safetensors files" in memory["source"]
     builtin = ok(alice.post("/v1/jobs:estimate", json=job_spec()))["learner_memory"]
     assert builtin["params"] == memory["params"] and "the built-in echo2:tiny" in builtin["source"]

@@ -15,9 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 from echo2 import Client, errors
+from echo2.loading import load_causal_lm
 from echo2.prompting import encode_prompt
 from echo2.protocol import EvalRead, JobRead, PromptRead
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from api.settings import Settings
 from learner.tiny import build_tiny_model
@@ -108,7 +109,7 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> Exports:
 def greedy(model_dir: Path, prompts: list[str], max_new_tokens: int) -> list[str]:
     """Greedy answers of a folder loaded by transformers alone, one prompt at a time."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir).eval()
+    model = load_causal_lm(model_dir).eval()
     out = []
     for text in prompts:
         ids = torch.tensor([encode_prompt(tokenizer, text)])
@@ -146,13 +147,13 @@ def test_a_lora_jobs_merged_export_answers_as_its_base_with_the_exported_adapter
     config = json.loads((exports.adapter / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == "echo2:tiny" and config["r"] == 4
     base = build_tiny_model(tmp_path / "base", seed=0)  # what echo2:tiny is for a job of seed 0
-    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), exports.adapter).eval()
-    plain = AutoModelForCausalLM.from_pretrained(exports.merged).eval()
+    with_adapter = PeftModel.from_pretrained(load_causal_lm(base), exports.adapter).eval()
+    plain = load_causal_lm(exports.merged).eval()
     tokenizer = AutoTokenizer.from_pretrained(exports.merged)
     ids = torch.tensor([encode_prompt(tokenizer, "say 3")])
     with torch.no_grad():
         a, b = with_adapter(ids).logits, plain(ids).logits
-        unchanged = AutoModelForCausalLM.from_pretrained(base)(ids).logits
+        unchanged = load_causal_lm(base)(ids).logits
     assert (a - unchanged).abs().max() > 1e-4  # the adapter learnt something
     assert torch.allclose(a, b, atol=1e-4), (a - b).abs().max()
     mask = torch.ones_like(ids)

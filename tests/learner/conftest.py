@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from echo2.loading import load_causal_lm
 
 
 @pytest.fixture(scope="session")
@@ -18,9 +19,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny(tiny_dir: Path):
     """(model, tokenizer) loaded from the tiny folder, in eval mode, float32."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = load_causal_lm(tiny_dir, dtype=torch.float32)
     model.eval()
     return model, AutoTokenizer.from_pretrained(tiny_dir)

@@ -12,6 +12,7 @@ from dataclasses import replace
 
 import pytest
 import torch
+from echo2.loading import load_causal_lm
 from echo2.seeds import sample_seed
 from echo2_worker.backends import GenRequest, create_backend
 
@@ -48,9 +49,8 @@ def tok(tiny_dir):
 
 @pytest.fixture(scope="module")
 def model(tiny_dir):
-    from transformers import AutoModelForCausalLM
 
-    return AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    return load_causal_lm(tiny_dir, dtype=torch.float32).eval()
 
 
 @pytest.fixture(scope="module")
@@ -112,9 +112,8 @@ def test_forged_logprobs_fail_with_their_reason(model, honest, forge, every_samp
 
 
 def _nudged(tiny_dir, scale: float, seed: int):
-    from transformers import AutoModelForCausalLM
 
-    other = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    other = load_causal_lm(tiny_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for p in other.parameters():

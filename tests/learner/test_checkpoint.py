@@ -5,14 +5,14 @@ replaces the leftover and prunes to the newest `keep`."""
 from __future__ import annotations
 
 import torch
-from transformers import AutoModelForCausalLM
+from echo2.loading import load_causal_lm
 
 from learner import checkpoint
 from learner.parallel import Solo
 
 
 def _trainer(tiny_dir):
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = load_causal_lm(tiny_dir, dtype=torch.float32)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     return model, optimizer, scheduler

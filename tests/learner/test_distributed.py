@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from echo2.loading import load_causal_lm
 
 from learner.objective import ObjectiveConfig
 from learner.policy import Rollouts, grpo_update, sample
@@ -51,14 +52,13 @@ def update(model, batch: Rollouts, pad_id: int, world=None, dtype=torch.float32)
 
 def _rank(rank: int, port: int, tiny_dir: str, batch: Rollouts, pad_id: int, out: str,
           dtype: torch.dtype = torch.float32) -> None:
-    from transformers import AutoModelForCausalLM
 
     from learner.parallel import Sharded
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2")
     world = Sharded(local_rank=rank)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = load_causal_lm(tiny_dir, dtype=torch.float32)
     stats = update(model, batch, pad_id, world, dtype)
     if rank:  # as launch.follow does: rank 0 announces the gather
         assert world.receive()[0] == "model_state"
@@ -69,14 +69,13 @@ def _rank(rank: int, port: int, tiny_dir: str, batch: Rollouts, pad_id: int, out
 
 
 def test_sharded_update_equals_single_process(tiny, tiny_dir, tmp_path):
-    from transformers import AutoModelForCausalLM
 
     _, tok = tiny
     batch = rollouts(tiny)
     torch.multiprocessing.spawn(_rank, args=(free_port(), str(tiny_dir), batch, tok.pad_token_id,
                                              str(tmp_path / "sharded.pt")), nprocs=2, join=True)
     sharded = torch.load(tmp_path / "sharded.pt")
-    single = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    single = load_causal_lm(tiny_dir, dtype=torch.float32)
     initial = {k: v.clone() for k, v in single.state_dict().items()}
     stats = update(single, batch, tok.pad_token_id)
 
@@ -96,7 +95,6 @@ def test_sharded_bf16_versions_compute_in_bf16_on_float32_masters(tiny, tiny_dir
     """With bf16 versions, FSDP gathers the float32 master shards cast to bf16 (the published weights) and
     computes on them; the gathered state stays float32 masters, moved by the step. The update is close to
     the single process's on the same rounded weights (bf16 arithmetic: not equal)."""
-    from transformers import AutoModelForCausalLM
 
     from learner.rounding import Rounder
 
@@ -105,7 +103,7 @@ def test_sharded_bf16_versions_compute_in_bf16_on_float32_masters(tiny, tiny_dir
     torch.multiprocessing.spawn(_rank, args=(free_port(), str(tiny_dir), batch, tok.pad_token_id,
                                              str(tmp_path / "sharded.pt"), torch.bfloat16), nprocs=2, join=True)
     sharded = torch.load(tmp_path / "sharded.pt")
-    single = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    single = load_causal_lm(tiny_dir, dtype=torch.float32)
     initial = {k: v.clone() for k, v in single.state_dict().items()}
     rounder = Rounder(single, torch.bfloat16)
     ref = copy.deepcopy(single).eval()
@@ -141,7 +139,6 @@ def test_two_process_learner_over_http(api, tmp_path, capsys):
     from echo2.protocol import Manifest
     from echo2.snapshots import assemble
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     from learner.launch import run_job
     from learner.loop import LearnerOptions
@@ -187,8 +184,8 @@ def test_two_process_learner_over_http(api, tmp_path, capsys):
 
     manifest = Manifest.model_validate(ok(alice.get(f"/v1/jobs/{jid}/versions/8/manifest")))
     folder = assemble(manifest, lambda i: alice.get(f"/v1/jobs/{jid}/versions/8/chunks/{i}").content, tmp_path / "v8")
-    published = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).state_dict()
-    initial = AutoModelForCausalLM.from_pretrained(work / "models" / "tiny-seed0", dtype=torch.float32).state_dict()
+    published = load_causal_lm(folder, dtype=torch.float32).state_dict()
+    initial = load_causal_lm(work / "models" / "tiny-seed0", dtype=torch.float32).state_dict()
     checkpointed = load_file(work / jid / "checkpoints" / "ckpt-8" / "model.safetensors")
     assert published.keys() == initial.keys()
     assert any(not torch.equal(published[k], initial[k]) for k in published), "8 steps changed no weight"
@@ -286,11 +283,10 @@ def test_sharded_evaluation_equals_single_process(tiny_dir, tmp_path):
 
 def lora_model(tiny_dir: str):
     from echo2.protocol import LoraConfig
-    from transformers import AutoModelForCausalLM
 
     from learner.models import with_adapter
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = load_causal_lm(tiny_dir, dtype=torch.float32)
     torch.manual_seed(0)  # the adapter's initial A: the same on every rank and in the single process
     return with_adapter(model, LoraConfig(**LORA))
 
@@ -396,13 +392,12 @@ def test_two_process_lora_learner_with_evaluation_over_http(api, tmp_path, capsy
 
 
 def _cuda_rank(rank: int, size: int, port: int, tiny_dir: str, batch: Rollouts, pad_id: int, out: str) -> None:
-    from transformers import AutoModelForCausalLM
 
     from learner.parallel import Sharded
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(size))
     world = Sharded(local_rank=rank)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).to(world.device("cuda"))
+    model = load_causal_lm(tiny_dir, dtype=torch.float32).to(world.device("cuda"))
     stats = update(model, batch, pad_id, world)
     if rank:
         assert world.receive()[0] == "model_state"
@@ -418,7 +413,6 @@ def _cuda_rank(rank: int, size: int, port: int, tiny_dir: str, batch: Rollouts, 
 def test_fsdp_on_cuda_updates_as_one_gpu_does(tiny, tiny_dir, tmp_path, size):
     """FSDP2 over NCCL (world size 1, and 2 where two GPUs are visible) against one unsharded GPU, both in
     bf16 autocast: the same stats and weights, to bf16 tolerance."""
-    from transformers import AutoModelForCausalLM
 
     if torch.cuda.device_count() < size:
         pytest.skip(f"{size} GPUs needed")
@@ -427,7 +421,7 @@ def test_fsdp_on_cuda_updates_as_one_gpu_does(tiny, tiny_dir, tmp_path, size):
     torch.multiprocessing.spawn(_cuda_rank, args=(size, free_port(), str(tiny_dir), batch, tok.pad_token_id,
                                                   str(tmp_path / "sharded.pt")), nprocs=size, join=True)
     sharded = torch.load(tmp_path / "sharded.pt")
-    single = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).to("cuda")
+    single = load_causal_lm(tiny_dir, dtype=torch.float32).to("cuda")
     stats = update(single, batch, tok.pad_token_id)
     for key in ("loss", "tokens", "kl", "grad_norm", "kept_samples"):
         assert sharded["stats"][key] == pytest.approx(stats[key], rel=2e-2, abs=1e-4), key

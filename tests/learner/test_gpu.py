@@ -5,6 +5,7 @@ import time
 
 import pytest
 import torch
+from echo2.loading import load_causal_lm
 
 from learner.objective import ObjectiveConfig
 from learner.policy import Rollouts, grpo_update
@@ -13,9 +14,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def test_grpo_steps_on_cuda_in_bf16(tiny_model_dir):
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, use_safetensors=True).to("cuda")
+    model = load_causal_lm(tiny_model_dir, use_safetensors=True).to("cuda")
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torch.Generator().manual_seed(0)
     rows = 64

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from echo2.loading import load_causal_lm
 
 from learner.objective import ObjectiveConfig
 from learner.policy import Rollouts, grpo_update, sample
@@ -70,11 +71,11 @@ def run_grpo(workdir: Path, *, seed: int, staleness: int, max_steps: int) -> dic
 
 
 def _run_grpo(workdir: Path, *, seed: int, staleness: int, max_steps: int) -> dict:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
     folder = build_tiny_model(workdir / f"tiny-{seed}", seed=seed)
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    model = load_causal_lm(folder, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(folder)
     task = get_task(D["task"])
     params = task.parse_params(D["task_params"])

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from echo2.loading import load_causal_lm
 from echo2.protocol import JobSpec
 from echo2_worker.backends.base import GenRequest
 from echo2_worker.backends.transformers_backend import TransformersBackend
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM
 
 from learner.loop import LearnerOptions, build_trainer
 from learner.parallel import Solo
@@ -63,7 +63,7 @@ def test_versions_are_the_base_then_the_adapter_then_the_merged_model(trainer, t
     weights.write(state, tmp_path / "final", Role.final)
     assert (tmp_path / "final" / ADAPTER_DIR / "adapter_model.safetensors").exists()
     batch = pad_batch([tok("12+7=")["input_ids"]], [tok("19")["input_ids"]], tok.pad_token_id)
-    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "final", dtype=torch.float32)
+    merged = load_causal_lm(tmp_path / "final", dtype=torch.float32)
     assert torch.allclose(logprobs(merged, batch), logprobs(trainer.model, batch), atol=1e-5)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from echo2.loading import load_causal_lm
 from echo2.prompting import encode_prompt
 from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit
 
@@ -33,10 +34,9 @@ def test_the_staleness_cap_applies_per_token():
 
 @pytest.fixture
 def two_versions(tiny_dir):
-    from transformers import AutoModelForCausalLM
 
-    v0 = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    v1 = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
+    v0 = load_causal_lm(tiny_dir, dtype=torch.float32).eval()
+    v1 = load_causal_lm(tiny_dir, dtype=torch.float32).eval()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in v1.parameters():

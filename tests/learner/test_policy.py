@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from echo2.loading import load_causal_lm
 from echo2.sampler import RowSettings
 
 from learner.objective import ObjectiveConfig
@@ -109,7 +110,7 @@ def test_select_trims_and_keeps_logprobs(tiny):
 
 def test_gradient_accumulation_matches_full_batch(tiny_dir):
     """Micro-batched backward with the global divisor == one full-batch backward."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.objective import ObjectiveConfig, grpo_loss, loss_denominator
 
@@ -124,7 +125,7 @@ def test_gradient_accumulation_matches_full_batch(tiny_dir):
     assert len(split) > 1
     grads = []
     for groups in ([[0, 1, 2, 3]], split):
-        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+        model = load_causal_lm(tiny_dir, dtype=torch.float32)
         denom = loss_denominator(batch.completion_mask, keep, cfg)
         for rows in groups:
             mb = batch.select(rows)
@@ -138,14 +139,14 @@ def test_gradient_accumulation_matches_full_batch(tiny_dir):
 
 def test_activation_checkpointing_gives_the_same_gradients(tiny_dir):
     """The job option learner.activation_checkpointing recomputes activations in backward: same maths."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     batch = pad_batch([tok("1+2=")["input_ids"], tok("4-1=")["input_ids"]], [tok("3")["input_ids"],
                       tok("3 3")["input_ids"]], tok.pad_token_id)
     grads = []
     for checkpointed in (False, True):
-        model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).train()
+        model = load_causal_lm(tiny_dir, dtype=torch.float32).train()
         if checkpointed:
             model.gradient_checkpointing_enable()
         (completion_logprobs(model, batch) * batch.completion_mask).sum().backward()
@@ -154,13 +155,13 @@ def test_activation_checkpointing_gives_the_same_gradients(tiny_dir):
 
 
 def test_grpo_update_steps_only_on_signal(tiny_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.objective import ObjectiveConfig
     from learner.policy import Rollouts, grpo_update
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = load_causal_lm(tiny_dir, dtype=torch.float32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     prompts = [tok("1+1=")["input_ids"]] * 2 + [tok("2+2=")["input_ids"]] * 2
     model.eval()
@@ -187,13 +188,13 @@ def test_grpo_update_steps_only_on_signal(tiny_dir):
 
 def _update_with(tiny_dir, poison):
     """One grpo_update of three groups of two samples; `poison(behaviour)` forges group 1's logprobs."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.objective import ObjectiveConfig
     from learner.policy import Rollouts, grpo_update
 
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = load_causal_lm(tiny_dir, dtype=torch.float32)
     prompts = [tok(f"{i}+{i}=")["input_ids"] for i in range(3) for _ in range(2)]
     model.eval()
     out = sample(model, prompts, max_new_tokens=4, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,

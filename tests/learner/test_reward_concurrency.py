@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 import torch
+from echo2.loading import load_causal_lm
 from echo2.prompting import encode_prompt
 from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit
 
@@ -48,14 +49,14 @@ def verifier():
 
 @pytest.mark.parametrize("concurrency", [1, 4])
 def test_http_rewards_are_computed_concurrency_at_a_time(tiny_dir, verifier, concurrency):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     spec = JobSpec.model_validate({
         "name": "t", "base_model": str(tiny_dir), "prompts": [{"item": {"prompt": "hi"}}],
         "task": {"name": "http_reward", "params": {"url": verifier, "concurrency": concurrency}},
         "grpo": {"group_size": 2, "prompts_per_step": 4, "max_new_tokens": 4}})
     tok = AutoTokenizer.from_pretrained(tiny_dir)
-    trainer = GRPOTrainer(AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32), tok, spec)
+    trainer = GRPOTrainer(load_causal_lm(tiny_dir, dtype=torch.float32), tok, spec)
     ids = encode_prompt(tok, "hi")
     groups = [ClaimedGroup(rollout_id=f"rol_{i}", prompt_id=i, prompt_text="hi", reference=None, version=0,
                            worker_id="wrk_1", prompt_token_ids=ids,

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 
 import pytest
+from echo2.loading import load_causal_lm
 
 from learner.tiny import TINY_ALPHABET, build_tiny_model
 
@@ -71,7 +72,7 @@ def test_import_smollm2(tmp_path):
     """GGUF (Q4_1) -> HF safetensors folder that loads with the Auto classes and answers sensibly."""
     pytest.importorskip("gguf")
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     from learner.tiny import import_smollm2, smollm2_gguf_path
 
@@ -82,7 +83,7 @@ def test_import_smollm2(tmp_path):
     out = import_smollm2(tmp_path / "smollm2")
     assert (out / "model.safetensors").exists() and (out / "tokenizer.json").exists()
     tok = AutoTokenizer.from_pretrained(out)
-    model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    model = load_causal_lm(out, dtype=torch.float32)
     assert model.config.model_type == "llama"
     assert tok.eos_token == "<|im_end|>" and tok.pad_token is not None
     original = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from echo2.loading import load_causal_lm
 from echo2.prompting import encode_prompt
 from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit, TaskSpec
 
@@ -20,11 +21,11 @@ from tasks import TaskAdapter, register
 
 @pytest.fixture
 def trainer(tiny_dir):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     spec = JobSpec.model_validate({"name": "t", "base_model": str(tiny_dir), "task": {"name": "arithmetic"},
                                    "grpo": {"group_size": 4, "prompts_per_step": 4, "max_new_tokens": 6}})
-    model = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32)
+    model = load_causal_lm(tiny_dir, dtype=torch.float32)
     tok = AutoTokenizer.from_pretrained(tiny_dir)
     t = GRPOTrainer(model, tok, spec)
     t.auditor = Auditor(str(tiny_dir), spec, fetch=lambda v: pytest.fail("no fetch expected"))

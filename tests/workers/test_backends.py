@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from echo2.loading import load_causal_lm
 from echo2_worker.backends import BackendError, GenRequest, GenSample, create_backend, model_eos_token_ids
 from echo2_worker.backends.transformers_backend import TransformersBackend
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM
 
 from learner.tiny import build_tiny_model
 
@@ -59,7 +59,7 @@ def backend(models):
 
 @pytest.fixture(scope="module")
 def hf_models(models):
-    return [AutoModelForCausalLM.from_pretrained(m, dtype=torch.float32, use_safetensors=True).eval() for m in models]
+    return [load_causal_lm(m, dtype=torch.float32, use_safetensors=True).eval() for m in models]
 
 
 def requests_mixed() -> list[GenRequest]:
@@ -231,8 +231,8 @@ def test_cuda_sampling_matches_teacher_forcing(models, dtype, tol):
 
 
 def test_backends_loading_in_several_threads_leave_the_process_able_to_load(models):
-    """torch keeps transformers' `with torch.device("meta")` in a process-wide global: loads racing in
-    threads once left it at "meta", after which every load in the process had parameters with no data."""
+    """transformers swaps process-wide torch globals while it loads: loads racing in threads once left them
+    swapped, after which every load in the process had parameters with no data (echo2.loading)."""
     from concurrent.futures import ThreadPoolExecutor
 
     backends = [TransformersBackend(device="cpu") for _ in range(6)]
@@ -243,5 +243,5 @@ def test_backends_loading_in_several_threads_leave_the_process_able_to_load(mode
     for b in backends:
         assert all(p.device.type == "cpu" for p in b.model.parameters())
         b.close()
-    fresh = AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32, use_safetensors=True)
+    fresh = load_causal_lm(models[0], dtype=torch.float32, use_safetensors=True)
     assert not any(p.is_meta for p in fresh.parameters())

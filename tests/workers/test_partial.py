@@ -8,9 +8,9 @@ import threading
 from pathlib import Path
 
 import torch
+from echo2.loading import load_causal_lm
 from echo2_worker.backends.transformers_backend import TransformersBackend
 from sqlalchemy import select
-from transformers import AutoModelForCausalLM
 
 from api.models import Rollout
 from learner.audit import GroupClaim, audit_group, audit_versions
@@ -70,7 +70,7 @@ def test_a_generation_continues_on_the_version_published_while_it_ran(api: Api, 
     # leased seed: re-scored and replayed per version they all match; under version 0 alone the version-1
     # tokens do not. (Whether they are off by more than the audit's tolerance depends on how many tokens came
     # after the swap, which timing decides, so the test compares the differences themselves.)
-    models = {v: AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).eval()
+    models = {v: load_causal_lm(d, dtype=torch.float32).eval()
               for v, d in ((0, tiny_model_dir), (1, next_model_dir))}
     claim = GroupClaim(prompt=row.prompt_token_ids, samples=[(x["token_ids"], x["logprobs"]) for x in row.samples],
                        temperature=1.0, seed=row.seed)

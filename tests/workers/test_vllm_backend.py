@@ -21,9 +21,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from echo2.loading import LOAD_LOCK, load_causal_lm
 from echo2_worker.backends import model_eos_token_ids
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from learner.tiny import build_tiny_model
 
@@ -106,7 +107,7 @@ def adapters(models, tmp_path_factory) -> tuple[Path, Path]:
     from peft import LoraConfig, get_peft_model
 
     root = tmp_path_factory.mktemp("adapters")
-    model = get_peft_model(AutoModelForCausalLM.from_pretrained(models[0], dtype=torch.float32),
+    model = get_peft_model(load_causal_lm(models[0], dtype=torch.float32),
                            LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM"))
     gen = torch.Generator().manual_seed(3)
     out = []
@@ -129,11 +130,12 @@ def lora_probe(models, adapters, tmp_path_factory) -> dict:
 def recompute(model_dir: Path, samples: list[list[dict]], adapter: Path | None = None) -> list[tuple[float, float]]:
     """(reported, recomputed) logprob pairs for every token, recomputed in one fp32 forward each (with
     transformers + peft when an adapter is given)."""
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, use_safetensors=True).eval()
+    model = load_causal_lm(model_dir, dtype=torch.float32, use_safetensors=True).eval()
     if adapter is not None:
         from peft import PeftModel
 
-        model = PeftModel.from_pretrained(model, adapter).eval()
+        with LOAD_LOCK:
+            model = PeftModel.from_pretrained(model, adapter).eval()
     pairs = []
     for req, group in zip(REQUESTS, samples, strict=True):
         prompt, temperature = req["prompt_token_ids"], req.get("temperature", 1.0)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from echo2.loading import load_causal_lm
 
 TINY = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2, "num_attention_heads": 2,
         "num_key_value_heads": 1, "max_position_embeddings": 512, "tie_word_embeddings": True}
@@ -93,10 +94,9 @@ def generate_tokens_per_s(folder: Path, requests: list[Any], device: str, precis
     """transformers' `model.generate` sampling the same rows on the same device in the same dtype, every row to
     max_new_tokens, logits returned as a sampler for RL needs them: the baseline `vs_generate` compares with."""
     import torch
-    from transformers import AutoModelForCausalLM
 
     device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, precision)).to(device).eval()
+    model = load_causal_lm(folder, dtype=getattr(torch, precision)).to(device).eval()
     model.generation_config.eos_token_id = None
     ids = torch.tensor([r.prompt_token_ids for r in requests for _ in range(r.n)], device=device)
     new = requests[0].max_new_tokens

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from echo2.loading import LOAD_LOCK
+from echo2.loading import LOAD_LOCK, load_causal_lm
 
 from echo2_worker.backends.base import (
     BackendError,
@@ -58,18 +58,17 @@ class TransformersBackend(GenerationBackend):
     # -- loading ---------------------------------------------------------------------------------
 
     def load(self, model_dir: Path, adapter_dir: Path | None = None, *, lora_rank: int | None = None) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         model_dir = Path(model_dir)
         safetensors_files(model_dir)  # refuse pickle-only folders before transformers sees them
         device = self._resolve_device()
         dtype = self._resolve_dtype(device)
         t0 = time.monotonic()
-        with LOAD_LOCK:
-            self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype, use_safetensors=True).to(device)
-            self.adapter_dir = None
-            if adapter_dir is not None:
-                self._wrap(Path(adapter_dir))
+        self.model = load_causal_lm(model_dir, dtype=dtype, use_safetensors=True).to(device)
+        self.adapter_dir = None
+        if adapter_dir is not None:
+            self._wrap(Path(adapter_dir))
         self.model.eval()
         self.precision = str(dtype).removeprefix("torch.")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
