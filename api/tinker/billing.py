@@ -17,6 +17,7 @@ from collections import defaultdict
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
+from echo2.protocol.tinker import RequestKind
 from fastapi import APIRouter, Query
 from sqlalchemy import func, select
 
@@ -28,8 +29,9 @@ from .models import TinkerUsage as UsageRow
 
 router = APIRouter(prefix="/api/v1/billing/usage", tags=["tinker"], include_in_schema=False)
 MAX_WINDOW = timedelta(days=14)
-TRAINING_KINDS = ("forward", "forward_backward", "optim_step", "create_model", "load_weights")
-SAVES = ("save_weights", "save_weights_for_sampler")
+TRAINING_KINDS = (RequestKind.forward, RequestKind.forward_backward, RequestKind.optim_step, RequestKind.create_model,
+                  RequestKind.load_weights)
+SAVES = (RequestKind.save_weights, RequestKind.save_weights_for_sampler)
 
 
 @router.get("/events")
@@ -59,7 +61,7 @@ def usage_events(user: TinkerUser, db: SessionDep, starting_on: Annotated[dateti
 
 
 def _events(row: UsageRow) -> list[tuple[str, int, float]]:
-    if row.kind == "sample":
+    if row.kind is RequestKind.sample:
         sampled = max(row.tokens - row.prompt_tokens, 0)
         share = row.amount_usd / row.tokens if row.tokens else 0.0
         return [("sampling_prefill", row.prompt_tokens, share * row.prompt_tokens),

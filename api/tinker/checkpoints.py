@@ -22,7 +22,13 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Annotated, Any
 
-from echo2.protocol.tinker import TEN_YEARS_S, ModelStatus, RequestKind
+from echo2.protocol.tinker import (
+    TEN_YEARS_S,
+    CheckpointKind,
+    ModelKind,
+    ModelStatus,
+    RequestKind,
+)
 from fastapi import APIRouter, Query, Request
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -36,15 +42,14 @@ from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSession
 from .schemas import CopyWeightsRequest, TtlRequest, WeightsInfoRequest
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
-SEGMENTS = {"weights": "training", "sampler_weights": "sampler"}
+SEGMENTS = {kind.segment: kind for kind in CheckpointKind}
 
 
 def as_sdk(row: TinkerCheckpoint) -> dict[str, Any]:
     """tinker.types.Checkpoint."""
-    segment = "sampler_weights" if row.kind == "sampler" else "weights"
-    return {"checkpoint_id": f"{segment}/{row.name}", "checkpoint_type": row.kind, "time": row.created_at.isoformat(),
+    return {"checkpoint_id": f"{row.kind.segment}/{row.name}", "checkpoint_type": row.kind.value,
             "tinker_path": service.checkpoint_path(row.model_id, row.kind, row.name),
-            "size_bytes": row.size_bytes, "public": False, "user_metadata": None,
+            "time": row.created_at.isoformat(), "size_bytes": row.size_bytes, "public": False, "user_metadata": None,
             "expires_at": row.expires_at.isoformat() if row.expires_at else None}
 
 
@@ -104,12 +109,12 @@ def copy_weights(body: CopyWeightsRequest, user: TinkerUser, db: SessionDep, key
     run = _copy_run(db, user.id, body, source, key)
     existing = db.get(TinkerCheckpoint, (run.id, source.name))
     if existing is None:
-        db.add(TinkerCheckpoint(model_id=run.id, name=source.name, kind="training", step=source.step,
+        db.add(TinkerCheckpoint(model_id=run.id, name=source.name, kind=CheckpointKind.training, step=source.step,
                                 host=source.host, sha256=source.sha256, size_bytes=source.size_bytes,
                                 expires_at=utcnow() + timedelta(seconds=body.ttl_seconds) if body.ttl_seconds
                                 else None))
     db.commit()
-    return {"tinker_path": service.checkpoint_path(run.id, "training", source.name)}
+    return {"tinker_path": service.checkpoint_path(run.id, CheckpointKind.training, source.name)}
 
 
 def _copy_run(db: Session, owner_id: str, body: CopyWeightsRequest, source: TinkerCheckpoint,
@@ -125,12 +130,12 @@ def _copy_run(db: Session, owner_id: str, body: CopyWeightsRequest, source: Tink
         run_id = f"copy_{_idempotent_suffix(key)}"
     run = db.get(TinkerModel, run_id)
     if run is None:
-        run = TinkerModel(id=run_id, session_id=session.id, owner_id=owner_id, kind="copy",
-                          base_model=origin.base_model, lora=origin.lora, status=ModelStatus.ready.value,
+        run = TinkerModel(id=run_id, session_id=session.id, owner_id=owner_id, kind=ModelKind.copy,
+                          base_model=origin.base_model, lora=origin.lora, status=ModelStatus.ready,
                           info=origin.info)
         db.add(run)
         db.flush()
-    elif run.owner_id != owner_id or run.kind != "copy":
+    elif run.owner_id != owner_id or run.kind is not ModelKind.copy:
         raise ApiError(400, f"training run {run_id} exists already: model_seq_id must be new", field="model_seq_id")
     return run
 
@@ -150,7 +155,7 @@ def remove(db: Session, rows: list[TinkerCheckpoint], root: Path) -> None:
     digests = {r.sha256 for r in rows}
     for row in rows:
         model = db.get(TinkerModel, row.model_id)
-        if row.kind == "sampler" and model is not None and model.status != ModelStatus.failed.value \
+        if row.kind is CheckpointKind.sampler and model is not None and model.status is not ModelStatus.failed \
                 and not service.session_ended(db, model):
             queueing.enqueue(db, model, RequestKind.drop_checkpoint, {"name": row.name}, None, bounded=False)
         db.delete(row)
@@ -196,12 +201,12 @@ def _run(db: Session, run: TinkerModel) -> dict[str, Any]:
                            .order_by(TinkerCheckpoint.created_at.desc())))
     last = db.scalar(select(func.max(TinkerRequest.created_at)).where(TinkerRequest.model_id == run.id))
     lora = run.lora or {}
-    newest = {kind: next((as_sdk(r) for r in rows if r.kind == kind), None) for kind in ("training", "sampler")}
+    newest = {kind: next((as_sdk(r) for r in rows if r.kind is kind), None) for kind in CheckpointKind}
     return {"training_run_id": run.id, "base_model": run.base_model, "model_owner": run.owner_id,
-            "is_lora": run.lora is not None, "corrupted": run.status == ModelStatus.failed.value,
+            "is_lora": run.lora is not None, "corrupted": run.status is ModelStatus.failed,
             "lora_rank": lora.get("rank"), "last_request_time": (last or run.created_at).isoformat(),
-            "last_checkpoint": newest["training"], "last_sampler_checkpoint": newest["sampler"],
-            "user_metadata": None}
+            "last_checkpoint": newest[CheckpointKind.training],
+            "last_sampler_checkpoint": newest[CheckpointKind.sampler], "user_metadata": None}
 
 
 @router.get("/training_runs/{model_id}")
@@ -212,7 +217,7 @@ def get_training_run(model_id: str, user: TinkerUser, db: SessionDep) -> dict[st
 @router.get("/training_runs")
 def list_training_runs(user: TinkerUser, db: SessionDep, limit: Annotated[int, Query(ge=1, le=1000)] = 20,
                        offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
-    where = (TinkerModel.owner_id == user.id, TinkerModel.kind.in_(("train", "copy")))
+    where = (TinkerModel.owner_id == user.id, TinkerModel.kind.in_((ModelKind.train, ModelKind.copy)))
     total = db.scalar(select(func.count()).select_from(TinkerModel).where(*where)) or 0
     runs = db.scalars(select(TinkerModel).where(*where).order_by(TinkerModel.created_at.desc()).limit(limit)
                       .offset(offset))

@@ -44,6 +44,8 @@ from echo2.protocol import (
 from echo2.protocol.tinker import (
     AuditPayload,
     AuditVerdict,
+    ModelKind,
+    ModelStatus,
     PublishOrder,
     RequestKind,
     RequestStatus,
@@ -78,7 +80,8 @@ def publish_order(db: Session, model: TinkerModel, settings: Settings, inflight:
     (made now if it has none), with a fresh learner token. The job serves the kind of the model's first save:
     an in-flight job (partial rollouts: a group in progress moves to each newer version between its segments)
     publishes in-flight saves only, a snapshot job snapshots only; the other kind is sampled by the host."""
-    if not settings.tinker_fleet or model.kind != "train" or not model.lora or model.status == "failed":
+    if (not settings.tinker_fleet or model.kind is not ModelKind.train or not model.lora
+            or model.status is ModelStatus.failed):
         return None
     job = job_of(db, model.id) or _new_job(db, model, inflight)
     if job.status.is_terminal() or _inflight(job) != inflight:
@@ -160,7 +163,7 @@ def add_prompt(db: Session, job: Job, version: int, request: TinkerRequest, payl
     db.add(Prompt(job_id=job.id, index=index, text="", state=PromptState.available, epoch=0, order_key=index,
                   token_ids=list(payload.prompt), sampling=sampling.model_dump(mode="json"), version=version,
                   request_id=request.id))
-    request.status = RequestStatus.fleet.value
+    request.status = RequestStatus.fleet
     job.num_prompts += 1
 
 
@@ -232,7 +235,7 @@ def _deliver(db: Session, rollout: Rollout, prompt: Prompt) -> list[str]:
     """The group answers its request, and counts as trained: its worker is paid for it. Each sequence says which
     checkpoint drew which of its tokens, and is recorded if the request asked for stability info."""
     request = db.get(TinkerRequest, prompt.request_id, with_for_update=True)
-    if request is None or request.status != RequestStatus.fleet.value:
+    if request is None or request.status != RequestStatus.fleet:
         _late(rollout, "its request was answered otherwise (the host took it, or the session ended)")
         return []
     rollout.status, rollout.trained_step = RolloutStatus.trained, rollout.version
@@ -246,7 +249,7 @@ def _deliver(db: Session, rollout: Rollout, prompt: Prompt) -> list[str]:
     if request.payload:
         records.record(db, request.id, request.owner_id, request.model_id, SamplePayload.model_validate(
             request.payload), SampleResult(sequences=sequences), worker_id=rollout.worker_id)
-    request.status, request.payload = RequestStatus.done.value, {}
+    request.status, request.payload = RequestStatus.done, {}
     request.result = {"sample": SampleResult(sequences=sequences).model_dump(mode="json", exclude_none=True),
                       "worker": rollout.worker_id}
     request.started_at = request.started_at or rollout.created_at
@@ -292,8 +295,8 @@ def _late(rollout: Rollout, reason: str) -> None:
 
 def _to_host(prompt: Prompt, request: TinkerRequest | None) -> None:
     prompt.state = PromptState.host
-    if request is not None and request.status == RequestStatus.fleet.value:
-        request.status = RequestStatus.pending.value
+    if request is not None and request.status == RequestStatus.fleet:
+        request.status = RequestStatus.pending
 
 
 def sweep(db: Session) -> None:
@@ -306,7 +309,7 @@ def sweep(db: Session) -> None:
            | (available & (Job.version != Prompt.version)) | (Job.status != JobStatus.running))
     rows = db.execute(select(Prompt, TinkerRequest).join(TinkerRequest, TinkerRequest.id == Prompt.request_id)
                       .join(Job, Job.id == Prompt.job_id)
-                      .where(TinkerRequest.status == RequestStatus.fleet.value,
+                      .where(TinkerRequest.status == RequestStatus.fleet,
                              Prompt.state.in_((PromptState.available, PromptState.leased)), due)
                       .with_for_update(of=Prompt, skip_locked=True)).all()
     for prompt, request in rows:
@@ -327,5 +330,5 @@ def demand(db: Session, job: Job) -> int:
     worker, and one whose requests the host has been sampling (no worker served yet) gets one."""
     since = utcnow() - timedelta(seconds=DEMAND_WINDOW_S)
     return db.scalar(select(func.count()).where(TinkerRequest.model_id == job.tinker_model_id,
-                                                TinkerRequest.kind == RequestKind.sample.value,
+                                                TinkerRequest.kind == RequestKind.sample,
                                                 TinkerRequest.created_at >= since)) or 0

@@ -8,7 +8,7 @@ import time
 from typing import Any
 
 import anyio
-from echo2.protocol.tinker import ModelStatus, RequestKind, RequestStatus
+from echo2.protocol.tinker import CheckpointKind, ModelStatus, RequestKind, RequestStatus
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
 
@@ -49,9 +49,9 @@ def _load(database: Database, api_key: str, request_id: str) -> tuple[TinkerRequ
 
 
 def answer(row: TinkerRequest, model: TinkerModel) -> Response:
-    if row.status == RequestStatus.failed.value:
+    if row.status == RequestStatus.failed:
         return JSONResponse({"error": row.error or "failed", "category": row.category or "server"})
-    if row.status != RequestStatus.done.value:
+    if row.status != RequestStatus.done:
         return JSONResponse(_try_again(row, model))
     result = row.result or {}
     kind = RequestKind(row.kind)
@@ -77,22 +77,22 @@ def _json_result(kind: RequestKind, row: TinkerRequest, result: dict[str, Any]) 
         return {"metrics": result.get("metrics") or {}}
     if kind is RequestKind.save_weights_for_sampler and row.payload.get("sampler_id"):
         return {"type": "save_weights_for_sampler", "sampling_session_id": row.payload["sampler_id"]}
-    what = "sampler" if kind is RequestKind.save_weights_for_sampler else "training"
+    what = CheckpointKind.sampler if kind is RequestKind.save_weights_for_sampler else CheckpointKind.training
     return {"type": kind.value, "path": service.checkpoint_path(row.model_id, what, row.payload["name"])}
 
 
 def _state_path(load: dict[str, Any]) -> str:
-    return service.checkpoint_path(load["model_id"], "training", load["name"])
+    return service.checkpoint_path(load["model_id"], CheckpointKind.training, load["name"])
 
 
 def _try_again(row: TinkerRequest, model: TinkerModel) -> dict[str, Any]:
-    if row.status == RequestStatus.fleet.value:
+    if row.status == RequestStatus.fleet:
         return {"type": "try_again", "request_id": row.id, "queue_state": "active",
                 "queue_state_reason": "a rollout worker is drawing these samples"}
-    if model.host is None and model.status == ModelStatus.pending.value:
+    if model.host is None and model.status == ModelStatus.pending:
         return {"type": "try_again", "request_id": row.id, "queue_state": "paused_capacity",
                 "queue_state_reason": "waiting for a Tinker learner host to load this model"}
-    if model.status == ModelStatus.parked.value:
+    if model.status == ModelStatus.parked:
         return {"type": "try_again", "request_id": row.id, "queue_state": "paused_capacity",
                 "queue_state_reason": f"waiting for a slot on learner host {model.host} (this model was parked "
                                       "there, or loads a state saved there)"}

@@ -53,7 +53,7 @@ SLICE_S = 120.0  # and a busy one, once it has held the slot this long: two busy
 def request_state(request_id: str, user: HostUser, db: SessionDep) -> HostRequestState:
     """Asked by a host while it runs the request: once its session ended the host stops and frees its slot."""
     row = db.get(TinkerRequest, request_id)
-    return HostRequestState(running=row is not None and row.status == RequestStatus.running.value)
+    return HostRequestState(running=row is not None and row.status == RequestStatus.running)
 
 
 @router.post("/claim")
@@ -100,18 +100,18 @@ def _held(db: Session, body: HostClaim) -> set[str]:
     nothing, so the reply carrying it was lost)."""
     rows = db.scalars(select(TinkerModel).join(TinkerSession, TinkerSession.id == TinkerModel.session_id).where(
         TinkerModel.host == body.host,
-        TinkerModel.status.not_in((ModelStatus.failed.value, ModelStatus.parked.value)),
-        TinkerSession.status == SessionStatus.active.value))
+        TinkerModel.status.not_in((ModelStatus.failed, ModelStatus.parked)),
+        TinkerSession.status == SessionStatus.active))
     held = set()
     for model in rows:
-        if model.status == ModelStatus.ready.value and model.id not in body.holding:
+        if model.status == ModelStatus.ready and model.id not in body.holding:
             service.fail_model(db, model, f"learner host {body.host} restarted and lost this model; create a new "
                                           "client", ErrorCategory.server)
             continue
         held.add(model.id)
     db.execute(update(TinkerRequest).where(TinkerRequest.model_id.in_(held),
-                                           TinkerRequest.status == RequestStatus.running.value)
-               .values(status=RequestStatus.pending.value, started_at=None))
+                                           TinkerRequest.status == RequestStatus.running)
+               .values(status=RequestStatus.pending, started_at=None))
     return held
 
 
@@ -119,7 +119,7 @@ def _next_request(db: Session, models: list[str]) -> TinkerRequest | None:
     """The first pending request (they run in seq order) of the host's model served longest ago: the models
     take turns, so a client that queues hundreds of requests delays another's by one request, not hundreds."""
     waiting = select(TinkerRequest.model_id).where(TinkerRequest.model_id.in_(models),
-                                                   TinkerRequest.status == RequestStatus.pending.value)
+                                                   TinkerRequest.status == RequestStatus.pending)
     served = func.max(TinkerRequest.started_at)
     turn = db.execute(select(TinkerRequest.model_id, served).where(TinkerRequest.model_id.in_(waiting))
                       .group_by(TinkerRequest.model_id)
@@ -128,22 +128,22 @@ def _next_request(db: Session, models: list[str]) -> TinkerRequest | None:
     if turn is None:
         return None
     return db.scalar(select(TinkerRequest).where(TinkerRequest.model_id == turn[0],
-                                                 TinkerRequest.status == RequestStatus.pending.value)
+                                                 TinkerRequest.status == RequestStatus.pending)
                      .order_by(TinkerRequest.seq).limit(1).with_for_update())
 
 
 def _batchable(db: Session, first: TinkerRequest) -> list[TinkerRequest]:
     """The sample requests right behind a sample request in its model's queue, of the same checkpoint:
     nothing that changes the weights comes between, so they may run in one batch."""
-    if first.kind != RequestKind.sample.value:
+    if first.kind != RequestKind.sample:
         return []
     after = db.scalars(select(TinkerRequest).where(TinkerRequest.model_id == first.model_id,
-                                                   TinkerRequest.status == RequestStatus.pending.value,
+                                                   TinkerRequest.status == RequestStatus.pending,
                                                    TinkerRequest.seq > first.seq)
                        .order_by(TinkerRequest.seq).limit(MAX_SAMPLE_BATCH - 1).with_for_update())
     batch, size = [], _sample_size(first)
     for row in after:
-        if row.kind != RequestKind.sample.value or _weights_of(row) != _weights_of(first):
+        if row.kind != RequestKind.sample or _weights_of(row) != _weights_of(first):
             break
         size += _sample_size(row)
         if size > MAX_SAMPLE_TOKENS:  # the batch's KV cache is bounded as one request's is
@@ -165,18 +165,18 @@ def _sample_size(row: TinkerRequest) -> int:
 def _parked(db: Session, host: str) -> set[str]:
     """The host's parked models of live sessions."""
     return set(db.scalars(select(TinkerModel.id).join(TinkerSession, TinkerSession.id == TinkerModel.session_id)
-                          .where(TinkerModel.host == host, TinkerModel.status == ModelStatus.parked.value,
-                                 TinkerSession.status == SessionStatus.active.value)))
+                          .where(TinkerModel.host == host, TinkerModel.status == ModelStatus.parked,
+                                 TinkerSession.status == SessionStatus.active)))
 
 
 def _ended(db: Session, host: str) -> list[str]:
     """Parked models whose session is over: the host deletes their state; they are failed so that it is
     told once."""
     rows = list(db.scalars(select(TinkerModel).join(TinkerSession, TinkerSession.id == TinkerModel.session_id)
-                           .where(TinkerModel.host == host, TinkerModel.status == ModelStatus.parked.value,
-                                  TinkerSession.status != SessionStatus.active.value)))
+                           .where(TinkerModel.host == host, TinkerModel.status == ModelStatus.parked,
+                                  TinkerSession.status != SessionStatus.active)))
     for model in rows:
-        model.status, model.error = ModelStatus.failed.value, "the session ended"
+        model.status, model.error = ModelStatus.failed, "the session ended"
     return [m.id for m in rows]
 
 
@@ -185,12 +185,12 @@ def _waiters(db: Session, host: str) -> list[tuple[datetime, TinkerModel]]:
     with a request (since parked, or since the first request after that), and the models no host has loaded
     yet (since created)."""
     first = (select(TinkerRequest.model_id, func.min(TinkerRequest.created_at).label("since"))
-             .where(TinkerRequest.status == RequestStatus.pending.value).group_by(TinkerRequest.model_id).subquery())
+             .where(TinkerRequest.status == RequestStatus.pending).group_by(TinkerRequest.model_id).subquery())
     parked = db.execute(select(TinkerModel, first.c.since).join(first, first.c.model_id == TinkerModel.id)
                         .where(TinkerModel.id.in_(_parked(db, host)))).all()
     new = db.scalars(select(TinkerModel).join(TinkerSession, TinkerSession.id == TinkerModel.session_id).where(
-        TinkerModel.host.is_(None), TinkerModel.status == ModelStatus.pending.value,
-        TinkerSession.status == SessionStatus.active.value).order_by(TinkerModel.created_at).limit(1))
+        TinkerModel.host.is_(None), TinkerModel.status == ModelStatus.pending,
+        TinkerSession.status == SessionStatus.active).order_by(TinkerModel.created_at).limit(1))
     return ([(max(since, model.slot_at or since), model) for model, since in parked]
             + [(model.created_at, model) for model in new])
 
@@ -219,7 +219,7 @@ def _make_room(db: Session, host: str, held: set[str]) -> list[str]:
         return []
     now = utcnow()
     ready = list(db.scalars(select(TinkerModel).where(TinkerModel.id.in_(held),
-                                                      TinkerModel.status == ModelStatus.ready.value)))
+                                                      TinkerModel.status == ModelStatus.ready)))
     idle = [(last, model) for model in ready
             if (last := _idle_since(db, model)) is not None and last <= now - timedelta(seconds=PARK_AFTER_S)]
     long = [(loaded, model) for model in ready
@@ -227,15 +227,15 @@ def _make_room(db: Session, host: str, held: set[str]) -> list[str]:
     if not idle and not long:
         return []
     _, model = min(idle or long, key=lambda pair: pair[0])
-    model.status, model.slot_at = ModelStatus.parked.value, now
+    model.status, model.slot_at = ModelStatus.parked, now
     return [model.id]
 
 
 def _idle_since(db: Session, model: TinkerModel) -> datetime | None:
     """When the model's last request finished (its creation if none), or None while one is pending or running."""
     busy = db.scalar(select(TinkerRequest.id).where(TinkerRequest.model_id == model.id,
-                                                    TinkerRequest.status.in_((RequestStatus.pending.value,
-                                                                              RequestStatus.running.value))).limit(1))
+                                                    TinkerRequest.status.in_((RequestStatus.pending,
+                                                                              RequestStatus.running))).limit(1))
     if busy is not None:
         return None
     last = db.scalar(select(func.max(TinkerRequest.finished_at)).where(TinkerRequest.model_id == model.id))
@@ -245,15 +245,15 @@ def _idle_since(db: Session, model: TinkerModel) -> datetime | None:
 def _start(db: Session, row: TinkerRequest, settings: Settings) -> HostWork:
     model = db.get(TinkerModel, row.model_id)
     assert model is not None
-    row.status, row.started_at = RequestStatus.running.value, utcnow()
-    restore = model.status == ModelStatus.parked.value
+    row.status, row.started_at = RequestStatus.running, utcnow()
+    restore = model.status == ModelStatus.parked
     if restore:
-        model.status = ModelStatus.ready.value
-    if restore or row.kind == RequestKind.create_model.value:
+        model.status = ModelStatus.ready
+    if restore or row.kind == RequestKind.create_model:
         model.slot_at = row.started_at
     lora = TinkerLora(**model.lora) if model.lora else None
     publish = fleet.publish_order(db, model, settings, bool(row.payload.get("inflight"))) \
-        if row.kind == RequestKind.save_weights_for_sampler.value else None
+        if row.kind == RequestKind.save_weights_for_sampler else None
     return HostWork(request_id=row.id, model_id=model.id, kind=RequestKind(row.kind),
                     model=ModelSpec(base_model=model.base_model, lora=lora), payload=row.payload, restore=restore,
                     publish=publish)
@@ -265,7 +265,7 @@ def report(request_id: str, body: HostResult, user: HostUser, db: SessionDep, be
     """Store a request's outcome; one the control plane already failed (its session ended) is ignored."""
     row = db.get(TinkerRequest, request_id, with_for_update=True)
     model = db.get(TinkerModel, row.model_id) if row is not None else None
-    if row is None or model is None or model.host != host or row.status != RequestStatus.running.value:
+    if row is None or model is None or model.host != host or row.status != RequestStatus.running:
         return {"accepted": False}
     answered = service.record_result(db, row, body, host, settings)
     db.commit()

@@ -8,7 +8,15 @@ import secrets
 from datetime import datetime
 from typing import Any
 
-from echo2.protocol.tinker import ErrorCategory, ModelStatus, RequestKind, RequestStatus, SessionStatus
+from echo2.protocol.tinker import (
+    CheckpointKind,
+    ErrorCategory,
+    ModelKind,
+    ModelStatus,
+    RequestKind,
+    RequestStatus,
+    SessionStatus,
+)
 from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
@@ -40,7 +48,7 @@ class TinkerModel(Base):
     id: Mapped[str] = mapped_column(String(96), primary_key=True)
     session_id: Mapped[str] = mapped_column(ForeignKey("tinker_sessions.id", ondelete="CASCADE"), index=True)
     owner_id: Mapped[str] = mapped_column(String(32), index=True)
-    kind: Mapped[str] = mapped_column(String(16))  # "train" | "sample"
+    kind: Mapped[ModelKind] = mapped_column(stored_as_value(ModelKind))
     base_model: Mapped[str] = mapped_column(String(512))
     lora: Mapped[dict[str, Any] | None] = mapped_column(JSON(none_as_null=True))
     host: Mapped[str | None] = mapped_column(String(128), index=True)
@@ -59,7 +67,7 @@ class TinkerCheckpoint(Base):
     __tablename__ = "tinker_checkpoints"
     model_id: Mapped[str] = mapped_column(ForeignKey("tinker_models.id", ondelete="CASCADE"), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
-    kind: Mapped[str] = mapped_column(String(16))  # "sampler" | "training"
+    kind: Mapped[CheckpointKind] = mapped_column(stored_as_value(CheckpointKind))
     step: Mapped[int] = mapped_column(Integer)
     host: Mapped[str | None] = mapped_column(String(128))  # a "training" state: the host that saved it
     version: Mapped[int | None] = mapped_column(Integer)  # a sampler's: its version in the model's fleet job

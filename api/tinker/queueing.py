@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from ..errors import ApiError
 from .models import TinkerModel, TinkerRequest
 
-UNFINISHED = (RequestStatus.pending.value, RequestStatus.running.value, RequestStatus.fleet.value)
+UNFINISHED = (RequestStatus.pending, RequestStatus.running, RequestStatus.fleet)
 MAX_UNFINISHED = 512  # requests one user may have queued or running at once
 
 
@@ -29,7 +29,7 @@ def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
     if bounded:
         _check_backlog(db, model.owner_id)
     last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id))
-    row = TinkerRequest(owner_id=model.owner_id, model_id=model.id, kind=kind.value, seq=(last or 0) + 1,
+    row = TinkerRequest(owner_id=model.owner_id, model_id=model.id, kind=kind, seq=(last or 0) + 1,
                         payload=payload, idempotency_key=idempotency_key or None)
     try:
         with db.begin_nested():  # the same key sent for another model at once: its first use wins

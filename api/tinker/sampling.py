@@ -4,7 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from echo2.protocol.tinker import MAX_TOPK, RequestKind, RequestStatus, SampleParams, SamplePayload
+from echo2.protocol.tinker import (
+    MAX_TOPK,
+    ModelKind,
+    RequestKind,
+    RequestStatus,
+    SampleParams,
+    SamplePayload,
+)
 from fastapi import APIRouter
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
@@ -35,7 +42,7 @@ def create_sampling_session(body: CreateSamplingSessionRequest, user: TinkerUser
                                 checkpoint=checkpoint.name, base_model=model.base_model, model_path=body.model_path,
                                 inflight=checkpoint.inflight)
     elif body.base_model:
-        model = service.new_model(db, session, sampler_id, "sample", body.base_model, None)
+        model = service.new_model(db, session, sampler_id, ModelKind.sample, body.base_model, None)
         queueing.enqueue(db, model, RequestKind.create_model, {}, None)
         sampler = TinkerSampler(id=sampler_id, session_id=session.id, owner_id=user.id, model_id=model.id,
                                 base_model=model.base_model)
@@ -70,7 +77,7 @@ def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: Idempote
     payload = _payload(body, sampler.checkpoint, sampler.inflight)
     _check_fits(payload, model.info.get("vocab_size"), model.info.get("max_context_length"))
     row = queueing.enqueue(db, model, RequestKind.sample, payload.model_dump(mode="json"), key)
-    if row.status == RequestStatus.pending.value and (target := fleet.fleet_job_for(db, sampler, payload, settings)):
+    if row.status == RequestStatus.pending and (target := fleet.fleet_job_for(db, sampler, payload, settings)):
         fleet.add_prompt(db, *target, row, payload)
     db.commit()
     bell.announce(service.HOSTS_KEY)

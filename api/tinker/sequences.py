@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from echo2.protocol.tinker import CheckpointKind, RequestKind
 from fastapi import APIRouter
 
 from ..deps import SessionDep
@@ -28,7 +29,7 @@ router = APIRouter(prefix="/v1/tinker/sequences", tags=["tinker"], include_in_sc
 def sequence(sequence_id: str, user: TinkerUser, db: SessionDep) -> dict[str, Any]:
     request_id, _, k = sequence_id.rpartition(":")
     request = db.get(TinkerRequest, request_id)
-    if request is None or request.owner_id != user.id or not k.isdigit() or request.kind != "sample":
+    if request is None or request.owner_id != user.id or not k.isdigit() or request.kind is not RequestKind.sample:
         raise ApiError(404, f"sequence {sequence_id} not found", field="sequence_id")
     record = db.get(TinkerSequence, sequence_id)
     sequences = ((request.result or {}).get("sample") or {}).get("sequences") or []
@@ -40,7 +41,7 @@ def sequence(sequence_id: str, user: TinkerUser, db: SessionDep) -> dict[str, An
     return {"sequence_id": sequence_id, "model_id": request.model_id, "tokens": seq["tokens"],
             "logprobs": seq["logprobs"], "stop_reason": seq["stop_reason"],
             "checkpoints": [{"checkpoint": name, "tokens": n,
-                             "tinker_path": service.checkpoint_path(request.model_id, "sampler", name)}
+                             "tinker_path": service.checkpoint_path(request.model_id, CheckpointKind.sampler, name)}
                             for name, n in runs] if runs else None,
             "drawn_by": f"worker {request.result['worker']}" if request.result and request.result.get("worker")
             else "learner host",

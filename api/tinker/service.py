@@ -13,8 +13,10 @@ from pathlib import PurePosixPath
 
 from echo2.models import BUILTINS
 from echo2.protocol.tinker import (
+    CheckpointKind,
     ErrorCategory,
     HostResult,
+    ModelKind,
     ModelStatus,
     RequestKind,
     RequestStatus,
@@ -35,8 +37,8 @@ from .queueing import UNFINISHED
 
 HOST_DEAD_AFTER_S = 60.0
 SESSION_EXPIRES_AFTER_S = 300.0  # the SDK heartbeats every 10 s
-BULKY = (RequestKind.forward.value, RequestKind.forward_backward.value, RequestKind.sample.value,
-         RequestKind.audit.value)
+BULKY = (RequestKind.forward, RequestKind.forward_backward, RequestKind.sample,
+         RequestKind.audit)
 HOSTS_KEY = "tinker/hosts"  # announced when work is queued: hosts waiting in a claim look at once
 
 
@@ -58,7 +60,7 @@ def owned_session(db: Session, owner_id: str, session_id: str) -> TinkerSession:
     row = db.get(TinkerSession, session_id)
     if row is None or row.owner_id != owner_id:
         raise ApiError(404, f"session {session_id} not found", field="session_id")
-    if row.status != SessionStatus.active.value:
+    if row.status != SessionStatus.active:
         raise ApiError(400, f"session {session_id} is finished ({row.finish_reason}); create a new ServiceClient",
                        field="session_id")
     return row
@@ -68,7 +70,7 @@ def owned_model(db: Session, owner_id: str, model_id: str) -> TinkerModel:
     row = db.get(TinkerModel, model_id)
     if row is None or row.owner_id != owner_id:
         raise ApiError(404, f"model {model_id} not found", field="model_id")
-    if row.status == ModelStatus.failed.value:
+    if row.status == ModelStatus.failed:
         raise ApiError(400, f"model {model_id} failed: {row.error}", field="model_id")
     owned_session(db, owner_id, row.session_id)
     return row
@@ -81,7 +83,7 @@ def owned_sampler(db: Session, owner_id: str, sampler_id: str) -> TinkerSampler:
     return row
 
 
-def new_model(db: Session, session: TinkerSession, model_id: str, kind: str, base_model: str,
+def new_model(db: Session, session: TinkerSession, model_id: str, kind: ModelKind, base_model: str,
               lora: dict | None, idempotency_key: str | None = None) -> TinkerModel:
     """A model for a create call; for a retried POST (the same Idempotency-Key), the one its first attempt
     made, even when that attempt committed while this one ran."""
@@ -101,9 +103,8 @@ def new_model(db: Session, session: TinkerSession, model_id: str, kind: str, bas
                    field="model_seq_id")
 
 
-def checkpoint_path(model_id: str, kind: str, name: str) -> str:
-    segment = "sampler_weights" if kind == "sampler" else "weights"
-    return f"tinker://{model_id}/{segment}/{name}"
+def checkpoint_path(model_id: str, kind: CheckpointKind, name: str) -> str:
+    return f"tinker://{model_id}/{kind.segment}/{name}"
 
 
 def parse_checkpoint_path(db: Session, owner_id: str, path: str) -> TinkerCheckpoint:
@@ -112,9 +113,10 @@ def parse_checkpoint_path(db: Session, owner_id: str, path: str) -> TinkerCheckp
         raise ApiError(400, f"model_path {path!r} is not tinker://MODEL/sampler_weights/NAME", field="model_path")
     model = db.get(TinkerModel, parts[0])
     row = db.get(TinkerCheckpoint, (parts[0], parts[2]))
-    if model is None or model.owner_id != owner_id or row is None or row.kind != "sampler" or expired(row):
+    if (model is None or model.owner_id != owner_id or row is None or row.kind is not CheckpointKind.sampler
+            or expired(row)):
         raise ApiError(404, f"checkpoint {path} not found", field="model_path")
-    if model.status == ModelStatus.failed.value:
+    if model.status == ModelStatus.failed:
         raise ApiError(400, f"checkpoint {path}: its model failed: {model.error}", field="model_path")
     owned_session(db, owner_id, model.session_id)
     return row
@@ -128,7 +130,7 @@ def saved_state(db: Session, owner_id: str, path: str) -> TinkerCheckpoint:
                        field="path")
     model = db.get(TinkerModel, parts[0])
     row = db.get(TinkerCheckpoint, (parts[0], parts[2]))
-    if (model is None or model.owner_id != owner_id or row is None or row.kind != "training"
+    if (model is None or model.owner_id != owner_id or row is None or row.kind is not CheckpointKind.training
             or (row.sha256 is None and row.host is None) or expired(row)):
         raise ApiError(404, f"no state saved with save_state at {path} (deleted, or expired)", field="path")
     return row
@@ -140,9 +142,9 @@ def expired(row: TinkerCheckpoint) -> bool:
 
 def finish_session(db: Session, session: TinkerSession, reason: str) -> None:
     """End a session: its unfinished requests fail, and hosts drop its models at their next claim."""
-    if session.status == SessionStatus.finished.value:
+    if session.status == SessionStatus.finished:
         return
-    session.status, session.finish_reason, session.finished_at = SessionStatus.finished.value, reason, utcnow()
+    session.status, session.finish_reason, session.finished_at = SessionStatus.finished, reason, utcnow()
     models = select(TinkerModel.id).where(TinkerModel.session_id == session.id)
     _fail_requests(db, TinkerRequest.model_id.in_(models), f"the session ended ({reason})", ErrorCategory.user)
     fleet.end_jobs(db, models, f"its Tinker session ended ({reason})")
@@ -150,17 +152,17 @@ def finish_session(db: Session, session: TinkerSession, reason: str) -> None:
 
 def _fail_requests(db: Session, where, error: str, category: ErrorCategory) -> None:  # type: ignore[no-untyped-def]
     db.execute(update(TinkerRequest).where(where, TinkerRequest.status.in_(UNFINISHED))
-               .values(status=RequestStatus.failed.value, error=error[:1024], category=category.value,
+               .values(status=RequestStatus.failed, error=error[:1024], category=category,
                        finished_at=utcnow()))
 
 
 def session_ended(db: Session, model: TinkerModel) -> bool:
     session = db.get(TinkerSession, model.session_id)
-    return session is None or session.status != SessionStatus.active.value
+    return session is None or session.status != SessionStatus.active
 
 
 def fail_model(db: Session, model: TinkerModel, error: str, category: ErrorCategory) -> None:
-    model.status, model.error = ModelStatus.failed.value, error[:1024]
+    model.status, model.error = ModelStatus.failed, error[:1024]
     _fail_requests(db, TinkerRequest.model_id == model.id, error, category)
     fleet.end_jobs(db, [model.id], f"its Tinker model failed: {error}"[:512])
 
@@ -169,13 +171,13 @@ def sweep(db: Session) -> None:
     """Expire silent sessions and fail the models of silent hosts (run by every host claim)."""
     now = utcnow()
     stale = db.scalars(select(TinkerSession).where(
-        TinkerSession.status == SessionStatus.active.value,
+        TinkerSession.status == SessionStatus.active,
         TinkerSession.heartbeat_at < now - timedelta(seconds=SESSION_EXPIRES_AFTER_S)))
     for session in stale:
         finish_session(db, session, "expired: no heartbeat")
     dead = select(TinkerHost.name).where(TinkerHost.seen_at < now - timedelta(seconds=HOST_DEAD_AFTER_S))
     for model in db.scalars(select(TinkerModel).where(TinkerModel.host.in_(dead),
-                                                      TinkerModel.status != ModelStatus.failed.value)):
+                                                      TinkerModel.status != ModelStatus.failed)):
         fail_model(db, model, f"its learner host {model.host} stopped answering; create a new client",
                    ErrorCategory.server)
     fleet.sweep(db)
@@ -188,30 +190,30 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult, host:
     Returns the other requests it answered (an audit's fleet sample request)."""
     model = db.get(TinkerModel, request.model_id)
     assert model is not None
-    if result.error is None and result.progress is not None and request.kind == RequestKind.sample.value:
+    if result.error is None and result.progress is not None and request.kind == RequestKind.sample:
         _resume_later(db, request, model, result)
         return []
     request.finished_at = utcnow()
     answered = []
-    if request.kind == RequestKind.audit.value:
+    if request.kind == RequestKind.audit:
         answered = fleet.audited(db, request, result.audit if result.error is None else None, settings)
-    if result.error is None and request.kind != RequestKind.audit.value:  # an audit is the platform's cost
+    if result.error is None and request.kind != RequestKind.audit:  # an audit is the platform's cost
         usage.bill(db, request, model, host, result)
-    if result.error is None and request.kind == RequestKind.sample.value and result.sample is not None:
+    if result.error is None and request.kind == RequestKind.sample and result.sample is not None:
         records.record(db, request.id, request.owner_id, model.id, SamplePayload.model_validate(request.payload),
                        result.sample)
     if request.kind in BULKY:  # the tokens are not needed once run: only the result is kept
         request.payload = {}
     if result.error is not None:
-        request.status, request.error, request.category = RequestStatus.failed.value, result.error, result.category
-        if request.kind == RequestKind.create_model.value:
+        request.status, request.error, request.category = RequestStatus.failed, result.error, result.category
+        if request.kind == RequestKind.create_model:
             fail_model(db, model, result.error, result.category)
         return answered
-    request.status = RequestStatus.done.value
+    request.status = RequestStatus.done
     request.result = result.model_dump(mode="json", exclude_none=True, exclude={"category", "seconds"})
-    if request.kind == RequestKind.create_model.value and result.info is not None:
-        model.status, model.info = ModelStatus.ready.value, result.info.model_dump(mode="json")
-    if request.kind in (RequestKind.save_weights.value, RequestKind.save_weights_for_sampler.value):
+    if request.kind == RequestKind.create_model and result.info is not None:
+        model.status, model.info = ModelStatus.ready, result.info.model_dump(mode="json")
+    if request.kind in (RequestKind.save_weights, RequestKind.save_weights_for_sampler):
         _saved(db, model, SavePayload.model_validate(request.payload), result, host, settings)
     return answered
 
@@ -222,7 +224,7 @@ def _saved(db: Session, model: TinkerModel, save: SavePayload, result: HostResul
                                                                                       name=save.name)
     replaced = checkpoint.sha256
     checkpoint.kind, checkpoint.step, checkpoint.inflight = save.kind, result.step or 0, save.inflight
-    checkpoint.host = host if save.kind == "training" else None
+    checkpoint.host = host if save.kind is CheckpointKind.training else None
     checkpoint.version = result.published
     checkpoint.sha256 = result.state.sha256 if result.state is not None else None
     checkpoint.size_bytes = result.state.size_bytes if result.state is not None else None
@@ -246,4 +248,4 @@ def _resume_later(db: Session, request: TinkerRequest, model: TinkerModel, resul
     last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id)) or 0
     payload = SamplePayload.model_validate(request.payload).model_copy(update={"progress": progress})
     request.payload = payload.model_dump(mode="json")
-    request.seq, request.status = last + 1, RequestStatus.pending.value
+    request.seq, request.status = last + 1, RequestStatus.pending

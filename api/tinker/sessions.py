@@ -65,7 +65,7 @@ def heartbeat(body: SessionRef, user: TinkerUser, db: SessionDep) -> dict[str, s
     session = db.get(TinkerSession, body.session_id)
     if session is None or session.owner_id != user.id:
         raise ApiError(404, f"session {body.session_id} not found", field="session_id")
-    if session.status == SessionStatus.finished.value:  # the SDK stops heartbeating on a 410
+    if session.status == SessionStatus.finished:  # the SDK stops heartbeating on a 410
         raise ApiError(410, f"session {session.id} is finished ({session.finish_reason})")
     session.heartbeat_at = utcnow()
     db.commit()

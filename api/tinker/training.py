@@ -10,9 +10,11 @@ from echo2.protocol.tinker import (
     RECORDED_LOGPROBS,
     TEN_YEARS_S,
     AdamStep,
+    CheckpointKind,
     ForwardBackwardPayload,
     LoadPayload,
     LossFn,
+    ModelKind,
     ModelStatus,
     RequestKind,
     SavePayload,
@@ -61,7 +63,7 @@ def create_model(body: CreateModelRequest, user: TinkerUser, db: SessionDep, key
         raise ApiError(400, f"optimizer {body.optimizer_config.get('type')!r} is not supported: Echo2 steps with AdamW",
                        field="optimizer_config")
     session = service.owned_session(db, user.id, body.session_id)
-    model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", "train", body.base_model,
+    model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", ModelKind.train, body.base_model,
                               body.lora_config.model_dump(), key)
     row = queueing.enqueue(db, model, RequestKind.create_model, {}, key)
     db.commit()
@@ -71,7 +73,7 @@ def create_model(body: CreateModelRequest, user: TinkerUser, db: SessionDep, key
 @router.post("/get_info")
 def get_info(body: ModelRef, user: TinkerUser, db: SessionDep) -> dict[str, Any]:
     model = service.owned_model(db, user.id, body.model_id)
-    if model.status not in (ModelStatus.ready.value, ModelStatus.parked.value):
+    if model.status not in (ModelStatus.ready, ModelStatus.parked):
         raise ApiError(400, f"model {model.id} is not loaded yet: wait for create_model's future", field="model_id")
     lora = model.lora or {}
     return {"type": "get_info", "model_id": model.id, "is_lora": model.lora is not None,
@@ -216,13 +218,13 @@ def save_for_sampler(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep,
             raise ApiError(422, "give path (a name) or sampling_session_seq_id", field="path")
         sampler_id = f"{model.session_id}:sample:{body.sampling_session_seq_id}"
     name = body.path or f"sampler-{body.sampling_session_seq_id}"
-    payload = SavePayload(name=name, kind="sampler", sampler_id=sampler_id, inflight=body.kind == "inflight",
-                          ttl_seconds=ttl)
+    payload = SavePayload(name=name, kind=CheckpointKind.sampler, sampler_id=sampler_id,
+                          inflight=body.kind == "inflight", ttl_seconds=ttl)
     row = queueing.enqueue(db, model, RequestKind.save_weights_for_sampler, payload.model_dump(), key)
     if sampler_id is not None and db.get(TinkerSampler, sampler_id) is None:
         db.add(TinkerSampler(id=sampler_id, session_id=model.session_id, owner_id=user.id, model_id=model.id,
                              checkpoint=name, base_model=model.base_model, inflight=payload.inflight,
-                             model_path=service.checkpoint_path(model.id, "sampler", name)))
+                             model_path=service.checkpoint_path(model.id, CheckpointKind.sampler, name)))
     db.commit()
     return queued(row, bell)
 
@@ -232,7 +234,7 @@ def save_weights(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep, key
                  bell: Bell) -> dict[str, Any]:
     """A state (adapter and AdamW state): the host uploads it to the control plane, where any host loads it."""
     model = service.owned_model(db, user.id, body.model_id)
-    payload = SavePayload(name=body.path or f"state-{body.seq_id or 0}", kind="training",
+    payload = SavePayload(name=body.path or f"state-{body.seq_id or 0}", kind=CheckpointKind.training,
                           ttl_seconds=_ttl(body.ttl_seconds))
     row = queueing.enqueue(db, model, RequestKind.save_weights, payload.model_dump(), key)
     db.commit()
@@ -265,7 +267,7 @@ def load_weights(body: LoadWeightsRequest, user: TinkerUser, db: SessionDep, key
         row = queueing.enqueue(db, model, RequestKind.load_weights, load, key)
     elif body.session_id is not None and body.model_seq_id is not None:
         session = service.owned_session(db, user.id, body.session_id)
-        model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", "train",
+        model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", ModelKind.train,
                                   body.base_model or source.base_model, source.lora, key)
         _pin(model, state)
         row = queueing.enqueue(db, model, RequestKind.create_model, {"load": load}, key)
@@ -280,8 +282,8 @@ def _pin(model: TinkerModel, state: TinkerCheckpoint) -> None:
     saved it: the model loading it runs there (one no host has loaded yet waits for a slot there)."""
     if state.sha256 is not None:
         return
-    if model.host is None and model.status == ModelStatus.pending.value:
-        model.host, model.status = state.host, ModelStatus.parked.value
+    if model.host is None and model.status == ModelStatus.pending:
+        model.host, model.status = state.host, ModelStatus.parked
     elif model.host != state.host:
         raise ApiError(400, f"that state is on learner host {state.host}, and model {model.id} runs on {model.host}: "
                             "load it into a new training client (create_training_client_from_state)", field="path")

@@ -32,7 +32,7 @@ def bill(db: Session, request: TinkerRequest, model: TinkerModel, host: str, res
     price = row.price_per_hour if row is not None else 0.0
     seconds = result.seconds if result.seconds is not None else _wall_seconds(request)
     prompt = 0
-    if request.kind == RequestKind.sample.value:
+    if request.kind == RequestKind.sample:
         payload = SamplePayload.model_validate(request.payload)
         seconds += payload.progress.seconds if payload.progress is not None else 0.0  # earlier in-flight segments
         prompt = len(payload.prompt) if result.sample is not None else 0
@@ -48,9 +48,9 @@ def _wall_seconds(request: TinkerRequest) -> float:
 
 
 def _tokens(request: TinkerRequest, result: HostResult) -> int:
-    if request.kind in (RequestKind.forward.value, RequestKind.forward_backward.value):
+    if request.kind in (RequestKind.forward, RequestKind.forward_backward):
         return sum(len(d.tokens) for d in ForwardBackwardPayload.model_validate(request.payload).data)
-    if request.kind == RequestKind.sample.value and result.sample is not None:
+    if request.kind == RequestKind.sample and result.sample is not None:
         prompt = len(SamplePayload.model_validate(request.payload).prompt)
         return prompt + sum(len(s.tokens) for s in result.sample.sequences)
     return 0

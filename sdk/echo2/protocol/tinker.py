@@ -42,6 +42,22 @@ class ModelStatus(StrEnum):
         return self is ModelStatus.failed
 
 
+class ModelKind(StrEnum):
+    train = "train"  # a training client's model
+    sample = "sample"  # a base-model sampler's
+    copy = "copy"  # a training run made by copy_weights: holds copied states, cannot be trained on
+
+
+class CheckpointKind(StrEnum):
+    sampler = "sampler"  # save_weights_for_sampler: weights to sample with (`sampler_weights/{name}`)
+    training = "training"  # save_state: weights and optimiser state to load again (`weights/{name}`)
+
+    @property
+    def segment(self) -> str:
+        """Its folder in a `tinker://` path."""
+        return "sampler_weights" if self is CheckpointKind.sampler else "weights"
+
+
 class RequestStatus(StrEnum):
     pending = "pending"
     running = "running"
@@ -131,7 +147,7 @@ class AdamStep(Model):
 
 class SavePayload(Model):
     name: CheckpointName
-    kind: Annotated[str, StringConstraints(pattern=r"^(sampler|training)$")]
+    kind: CheckpointKind
     sampler_id: Annotated[str, StringConstraints(max_length=128)] | None = Field(
         None, description="The sampling session this save opens (save_weights_and_get_sampling_client).")
     inflight: bool = Field(False, description="An in-flight save: the model's in-flight samplers move to these "
