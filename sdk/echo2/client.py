@@ -674,17 +674,9 @@ class Checkpoints(_Checkpoints, SyncResource):
         try:
             chosen = version if version is not None else _version_of(response)
             manifest = self.manifest(job_id, chosen) if chosen is not None else None
-            with Staging(dest, overwrite) as staging, TarSink(staging.path, manifest) as sink:
-                try:
-                    for block in response.iter_bytes():
-                        sink.feed(block)
-                except httpx.TransportError as exc:
-                    raise connection_error(exc, response.request) from exc
-                sink.finish()
-                staging.commit()
+            return _extract(response, dest, overwrite, manifest)
         finally:
             response.close()
-        return dest
 
 
     def export(self, job_id: str, out_dir: str | os.PathLike[str], *, adapter: bool = False,
@@ -696,17 +688,35 @@ class Checkpoints(_Checkpoints, SyncResource):
         dest = check_dest(Path(out_dir), overwrite)
         response = self._client._send(self._export(job_id, version, adapter), stream=True)
         try:
-            with Staging(dest, overwrite) as staging, TarSink(staging.path, None) as sink:
-                try:
-                    for block in response.iter_bytes():
-                        sink.feed(block)
-                except httpx.TransportError as exc:
-                    raise connection_error(exc, response.request) from exc
-                sink.finish()
-                staging.commit()
+            return _extract(response, dest, overwrite, None)
         finally:
             response.close()
-        return dest
+
+
+def _extract(response: httpx.Response, dest: Path, overwrite: bool, manifest: Any) -> Path:
+    """The streamed tar into `dest`, all or nothing (Staging), every file checked against `manifest` if any."""
+    with Staging(dest, overwrite) as staging, TarSink(staging.path, manifest) as sink:
+        try:
+            for block in response.iter_bytes():
+                sink.feed(block)
+        except httpx.TransportError as exc:
+            raise connection_error(exc, response.request) from exc
+        sink.finish()
+        staging.commit()
+    return dest
+
+
+async def _aextract(response: httpx.Response, dest: Path, overwrite: bool, manifest: Any) -> Path:
+    """`_extract` of an async stream."""
+    with Staging(dest, overwrite) as staging, TarSink(staging.path, manifest) as sink:
+        try:
+            async for block in response.aiter_bytes():
+                sink.feed(block)
+        except httpx.TransportError as exc:
+            raise connection_error(exc, response.request) from exc
+        sink.finish()
+        staging.commit()
+    return dest
 
 
 def push_to_hub(folder: str | os.PathLike[str], repo_id: str, *, private: bool = False,
@@ -735,31 +745,15 @@ class AsyncCheckpoints(_Checkpoints, AsyncResource):
         try:
             chosen = version if version is not None else _version_of(response)
             manifest = await self.manifest(job_id, chosen) if chosen is not None else None
-            with Staging(dest, overwrite) as staging, TarSink(staging.path, manifest) as sink:
-                try:
-                    async for block in response.aiter_bytes():
-                        sink.feed(block)
-                except httpx.TransportError as exc:
-                    raise connection_error(exc, response.request) from exc
-                sink.finish()
-                staging.commit()
+            return await _aextract(response, dest, overwrite, manifest)
         finally:
             await response.aclose()
-        return dest
 
     async def export(self, job_id: str, out_dir: str | os.PathLike[str], *, adapter: bool = False,
                      version: int | None = None, overwrite: bool = False) -> Path:
         dest = check_dest(Path(out_dir), overwrite)
         response = await self._client._send(self._export(job_id, version, adapter), stream=True)
         try:
-            with Staging(dest, overwrite) as staging, TarSink(staging.path, None) as sink:
-                try:
-                    async for block in response.aiter_bytes():
-                        sink.feed(block)
-                except httpx.TransportError as exc:
-                    raise connection_error(exc, response.request) from exc
-                sink.finish()
-                staging.commit()
+            return await _aextract(response, dest, overwrite, None)
         finally:
             await response.aclose()
-        return dest
