@@ -88,11 +88,11 @@ class Evaluator:
     def _score(self, prompt: TaskPrompt, text: str) -> float | None:
         """The reward, or None (counted as wrong) when the task cannot score it: an evaluation never stops the
         learner; the training groups it could not score pause the job."""
-        try:
-            return self.task.reward(prompt, text, self.params)
-        except Exception as exc:  # noqa: BLE001 - the task may call out (http_reward)
-            log.warning("held-out answer left unscored: %s", exc)
+        reward = self.task.reward_or_why(prompt, text, self.params)
+        if isinstance(reward, str):
+            log.warning("held-out answer left unscored: %s", reward)
             return None
+        return reward
 
     def _everyone(self, mine: list[tuple[int, float | None, str]]) -> tuple[list[float | None], list[str]]:
         """Every rank's rewards and answers, in prompt order."""

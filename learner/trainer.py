@@ -22,7 +22,7 @@ import torch
 from echo2.prompting import encode_prompt
 from echo2.protocol import AuditReport, ClaimedGroup, JobSpec, LrSchedule, SampleSubmit
 
-from tasks import ScoringError, TaskPrompt, get_task
+from tasks import TaskPrompt, get_task
 
 from .auditor import Auditor
 from .objective import ObjectiveConfig
@@ -204,16 +204,15 @@ class GRPOTrainer:
         if group.rewards is not None:  # a multi-turn group: its environment's rewards, from the control plane
             return list(group.rewards)
         prompt = TaskPrompt(text=group.prompt_text, reference=group.reference)
-        try:
-            return [self.task.reward(prompt, self.tokenizer.decode(s.token_ids, skip_special_tokens=True),
-                                     self.task_params) for s in group.samples]
-        except ScoringError as exc:
-            log.warning("the %s task could not score rollout %s: %s", self.spec.task.name, group.rollout_id, exc)
-            return str(exc)
-        except Exception as exc:  # noqa: BLE001 - the text is a worker's: no completion may stop the learner
-            log.exception("the %s task failed to score rollout %s; the group is not trained", self.spec.task.name,
-                          group.rollout_id)
-            return f"the {self.spec.task.name} task raised {type(exc).__name__}: {exc}"
+        rewards: list[float | None] = []
+        for s in group.samples:  # the first sample it cannot score ends the group: no more calls out
+            reward = self.task.reward_or_why(prompt, self.tokenizer.decode(s.token_ids, skip_special_tokens=True),
+                                             self.task_params)
+            if isinstance(reward, str):
+                log.warning("rollout %s is not trained: %s", group.rollout_id, reward)
+                return reward
+            rewards.append(reward)
+        return rewards
 
     def optimise(self, rows: Rollouts, result: StepResult) -> list[int]:
         """One optimiser step; returns the groups (indices) dropped for a non-finite loss or gradient."""

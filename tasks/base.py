@@ -21,6 +21,7 @@ deterministic function of its prompt and the actions it was given.
 from __future__ import annotations
 
 import hashlib
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ from typing import Any, ClassVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+log = logging.getLogger(__name__)
 MAX_PROMPT_CHARS = 100_000
 MAX_PROMPTS_PER_CALL = 1_000_000
 
@@ -168,6 +170,18 @@ class TaskAdapter(ABC):
     @abstractmethod
     def reward(self, prompt: TaskPrompt, completion: str, params: TaskParams) -> float | None:
         """Score one completion; ScoringError (or None) when it cannot be scored."""
+
+    def reward_or_why(self, prompt: TaskPrompt, completion: str, params: TaskParams) -> float | None | str:
+        """`reward`, or why there is none (a str): what the learner calls, since a completion is a worker's
+        text and a task may call out (http_reward), and neither may stop the learner. A task that raises
+        anything but ScoringError is logged with its traceback: that is the task's bug."""
+        try:
+            return self.reward(prompt, completion, params)
+        except ScoringError as exc:
+            return str(exc)
+        except Exception as exc:  # noqa: BLE001 - see above
+            log.exception("the %s task raised while scoring", self.name)
+            return f"the {self.name} task raised {type(exc).__name__}: {exc}"
 
     def new_episode(self, prompt: TaskPrompt, params: TaskParams) -> Episode | None:
         """Multi-turn tasks return a fresh Episode; single-turn tasks return None."""
