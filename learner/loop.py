@@ -175,7 +175,7 @@ class Learner:
         t = self.step
         try:
             while t < spec.max_steps:
-                groups = self._collect(spec, trainer, t, ahead.take(t))
+                groups = self._collect(spec, trainer, t, ahead)
                 if groups is None:
                     return  # stopped from outside (cancelled, or paused: a new learner resumes it)
                 result = self._trained(trainer, groups, t)
@@ -249,12 +249,11 @@ class Learner:
                                  consumed)
         self.uploader.submit(folder, self.step)
 
-    def _collect(self, spec: JobSpec, trainer: GRPOTrainer, t: int,
-                 groups: list[ClaimedGroup]) -> list[ClaimedGroup] | None:
+    def _collect(self, spec: JobSpec, trainer: GRPOTrainer, t: int, ahead: Ahead) -> list[ClaimedGroup] | None:
         """Claim until the step has prompts_per_step groups, starting from those claimed ahead (waiting
-        is what utilisation measures); the groups picked for an audit are audited as they come, and the
-        verdicts sent at once (trainer.audit_claimed)."""
-        want = spec.grpo.prompts_per_step
+        is what utilisation measures); the groups picked for an audit are audited as they come, those
+        claimed ahead for later steps too, and the verdicts sent at once (trainer.audit_claimed)."""
+        want, groups = spec.grpo.prompts_per_step, ahead.take(t)
         self._send_audits(trainer, t, groups)
         while len(groups) < want:
             if self._stopped():
@@ -262,7 +261,17 @@ class Learner:
             claimed = self.plane.claim(t, want - len(groups), wait_s=CLAIM_WAIT_S).groups
             self._send_audits(trainer, t, claimed)
             groups += claimed
+            self._audit_ahead(trainer, ahead)
         return groups
+
+    def _audit_ahead(self, trainer: GRPOTrainer, ahead: Ahead) -> None:
+        """Verdicts on the groups claimed ahead so far. One that does not get through is still in the trainer's
+        verdicts, and goes out with its step's report."""
+        for step, held in ahead.held().items():
+            try:
+                self._send_audits(trainer, step, held)
+            except Exception as exc:  # noqa: BLE001 - the step's own claims and report say what is wrong
+                log.warning("verdicts on groups claimed ahead for step %d not sent: %s", step, exc)
 
     def _send_audits(self, trainer: GRPOTrainer, t: int, groups: list[ClaimedGroup]) -> None:
         audits = trainer.audit_claimed(groups)

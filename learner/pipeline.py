@@ -97,6 +97,14 @@ class Ahead:
             if step not in self._by_step:
                 self._by_step[step] = ClaimAhead(self.plane, step, self.want)
 
+    def held(self) -> dict[int, list[ClaimedGroup]]:
+        """What the claims in flight hold so far, by step: groups that may be audited before their step starts.
+        A worker on probation gets no more work while its groups wait for their verdicts, so groups claimed
+        ahead must not wait for their step to be judged (while the step before waits for that worker)."""
+        with self._lock:
+            claims = list(self._by_step.values())
+        return {claim.step: list(claim.groups) for claim in claims}
+
     def take(self, step: int) -> list[ClaimedGroup]:
         """What was claimed ahead for `step` (nothing if no claim ran for it)."""
         with self._lock:
