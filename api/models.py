@@ -10,6 +10,7 @@ from typing import Any
 from echo2.protocol import (
     AuditVerdict,
     DesiredState,
+    JobKind,
     JobStatus,
     LeaseStatus,
     LedgerKind,
@@ -266,8 +267,8 @@ class Job(Base):
     learner_memory_gib: Mapped[float | None] = mapped_column(Float)
     # Where its learner was last launched: {"host", "slots", "devices"} (scheduler/queue.py).
     learner_placement: Mapped[dict[str, Any] | None]
-    # A Tinker model's fleet sampler (api/tinker/fleet.py): its versions are the model's sampler checkpoints,
-    # its prompts the sample requests on them; it has no learner of its own and no task.
+    kind: Mapped[JobKind] = mapped_column(stored_as_value(JobKind), default=JobKind.grpo)
+    # A tinker_fleet job's model (api/tinker/fleet.py): its versions are the model's sampler checkpoints.
     tinker_model_id: Mapped[str | None] = mapped_column(String(96), index=True)
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     started_at: Mapped[datetime | None]

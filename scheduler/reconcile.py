@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from echo2.protocol import Fault, JobStatus, PauseCause, RejectKind, TrustState, WorkerStatus
+from echo2.protocol import Fault, JobKind, JobStatus, PauseCause, RejectKind, TrustState, WorkerStatus
 from sqlalchemy import and_, func, select
 from sqlalchemy.orm import Session
 
@@ -97,8 +97,7 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
         trouble.isolate(job, "check its budget and finish", lambda job=job: _check_job(db, job, settings, now))
     queue.apply_daily_quotas(db, jobs, now)
     # A Tinker fleet job has no learner of its own: the Tinker learner host publishes its versions.
-    report.launched = _launch(db, settings, [j for j in jobs if j.status in UNPAUSED and j.tinker_model_id is None],
-                              now)
+    report.launched = _launch(db, settings, [j for j in jobs if j.status in UNPAUSED and j.kind.has_learner], now)
     db.flush()
     report.activated, report.deactivated = _activate(db, settings, now, trouble)
     trouble.settle()
@@ -310,7 +309,7 @@ def _job_profile(db: Session, job: Job) -> JobProfile:
                              .order_by(StepMetric.step.desc()).limit(5)))
     t_train = sum(recent) / len(recent) if recent else DEFAULT_T_TRAIN_S
     rollouts = spec.grpo.prompts_per_step
-    if job.tinker_model_id is not None:  # a sampler's need: the groups asked for over the last minute
+    if job.kind is JobKind.tinker_fleet:  # a sampler's need: the groups asked for over the last minute
         rollouts, t_train = tinker_fleet.demand(db, job), tinker_fleet.DEMAND_WINDOW_S
     return JobProfile(job_id=job.id, rollouts_per_step=rollouts, t_train_s=max(t_train, 1e-3),
                       staleness=spec.staleness, publish_period=spec.publish_period, priority=spec.priority,

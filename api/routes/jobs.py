@@ -8,6 +8,7 @@ from typing import Annotated
 from echo2.protocol import (
     AuditRead,
     DecisionRead,
+    JobKind,
     JobRead,
     JobReport,
     JobSpec,
@@ -67,7 +68,7 @@ def list_jobs(user: CurrentUser, db: SessionDep, limit: Limit = 20, offset: Offs
     if status is not None:
         query = query.where(Job.status == status)
     if tinker is not None:
-        query = query.where(Job.tinker_model_id.is_not(None) if tinker else Job.tinker_model_id.is_(None))
+        query = query.where((Job.kind == JobKind.tinker_fleet) if tinker else (Job.kind != JobKind.tinker_fleet))
     if name:
         query = query.where(Job.name.contains(name, autoescape=True))
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0

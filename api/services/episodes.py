@@ -49,7 +49,7 @@ MAX_STEPS = 4_096  # echo2.protocol.EpisodeTurns
 
 def limits(job: Job) -> EpisodeLimits | None:
     """The episode bounds of a multi-turn job; None for a single-turn one (and a Tinker fleet job, taskless)."""
-    if job.tinker_model_id is not None:
+    if not job.kind.has_task:
         return None
     spec = spec_of(job)
     task = get_task(spec.task.name)

@@ -210,7 +210,7 @@ def job_read(job: Job) -> JobRead:
     cost = JobCost(learner_usd=job.learner_usd, workers_usd=job.workers_usd,
                    total_usd=job.learner_usd + job.workers_usd)
     return JobRead.model_validate(
-        {**{c: getattr(job, c) for c in ("id", "name", "owner_id", "status", "status_reason", "queue_position",
+        {**{c: getattr(job, c) for c in ("id", "name", "owner_id", "kind", "status", "status_reason", "queue_position",
                                          "paused_for", "memory_need_gb", "learner_memory_gib", "step", "version",
                                          "final_version", "num_prompts",
                                          "reward_mean", "created_at", "started_at", "finished_at")},
@@ -242,8 +242,8 @@ def pause_job(db: Session, job: Job, cause: PauseCause, reason: str) -> None:
 def resume_job(job: Job) -> None:
     """Back to the queue; the scheduler launches its learner when a slot (and the owner's quota) allows. A
     Tinker fleet job has no learner to wait for (its host publishes): it runs again at once."""
-    running = job.tinker_model_id is not None
-    job.status, job.paused_for, job.status_reason = JobStatus.running if running else JobStatus.queued, None, None
+    job.status = JobStatus.queued if job.kind.has_learner else JobStatus.running
+    job.paused_for, job.status_reason = None, None
     job.learner_launched_at = job.learner_crashed_at = None
     job.learner_failures, job.learner_failure_step = 0, None
 

@@ -100,7 +100,7 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
                        headers=_retry_after(wait))
     room = min(room, _unjudged_room(db, worker))
     chosen = _take_available(db, job, min(max_prompts, room), version)
-    if not chosen and job.tinker_model_id is None and _start_next_epoch(db, job, spec.seed):
+    if not chosen and job.kind.has_task and _start_next_epoch(db, job, spec.seed):
         chosen = _take_available(db, job, min(max_prompts, room), version)
     if not chosen:
         raise ApiError(409, "no prompts available right now: all are leased or awaiting training; retry later",
@@ -142,7 +142,7 @@ def lease_room(db: Session, job: Job, spec: JobSpec, version: int) -> int:
     first: it claims oldest first). Leasing beyond this only makes groups that arrive too late — the
     staleness contract. A Tinker fleet job's prompts each ask for one version (api/tinker/fleet.py): no
     staleness to run out, so the pool alone bounds a lease."""
-    if job.tinker_model_id is not None:
+    if not job.kind.has_task:
         return 256
     steps_left = version + spec.staleness - job.step + 1
     oldest = spec.oldest_admissible(job.step)  # what is already too stale will be rejected, not trained

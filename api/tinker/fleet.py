@@ -1,10 +1,10 @@
 """Sampling on the worker fleet: a Tinker training model's sampler checkpoints served by rollout workers.
 
-A LoRA training model gets a **fleet job** at its first `save_weights_for_sampler`: an Echo2 job with no
-learner and no task (`Job.tinker_model_id`), whose version 0 is the base model and whose later versions are
-the model's sampler checkpoints, published by the learner host like a LoRA learner's adapters. The
-scheduler staffs it by the capacity rule like any job (its demand: the groups asked for in the last minute),
-and workers fetch its versions through the relay.
+A LoRA training model gets a **fleet job** at its first `save_weights_for_sampler`: an Echo2 job of kind
+`tinker_fleet`, with no learner and no task (`Job.tinker_model_id` its model), whose version 0 is the base
+model and whose later versions are the model's sampler checkpoints, published by the learner host like a
+LoRA learner's adapters. The scheduler staffs it by the capacity rule like any job (its demand: the groups
+asked for in the last minute), and workers fetch its versions through the relay.
 
 An `asample` on the newest checkpoint, while a worker serves the job, becomes a prompt of that job: the
 request's token ids, its own sampling, the version it must be drawn with, the request it answers (its future
@@ -30,6 +30,7 @@ from datetime import timedelta
 
 from echo2.protocol import (
     GRPOConfig,
+    JobKind,
     JobSpec,
     JobStatus,
     LoraConfig,
@@ -106,7 +107,7 @@ def _new_job(db: Session, model: TinkerModel, inflight: bool) -> Job:
                    lora=LoraConfig(rank=model.lora["rank"]),
                    partial_rollouts=inflight)
     job = Job(owner_id=model.owner_id, name=spec.name, status=JobStatus.running, spec=spec.model_dump(mode="json"),
-              tinker_model_id=model.id, started_at=utcnow())
+              kind=JobKind.tinker_fleet, tinker_model_id=model.id, started_at=utcnow())
     db.add(job)
     db.flush()
     return job
@@ -171,7 +172,7 @@ def after_submit(db: Session, job: Job, lease: Lease, worker: Worker, settings: 
     """The lease's accepted groups not handled yet (all sent by its worker): each answers its request, or waits
     for the host's audit. Returns the requests answered, and whether an audit was queued (hosts to wake). Nothing
     for a job that is not a fleet job."""
-    if job.tinker_model_id is None:
+    if job.kind is not JobKind.tinker_fleet:
         return [], False
     rows = list(db.scalars(select(Rollout).where(Rollout.lease_id == lease.id,
                                                  Rollout.status == RolloutStatus.accepted, Rollout.audit.is_(None))

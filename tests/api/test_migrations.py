@@ -59,3 +59,23 @@ def test_existing_jobs_get_their_own_relay_secret(empty_database):
         secrets = [row[0] for row in conn.execute(sa.text("SELECT relay_secret FROM jobs"))]
     engine.dispose()
     assert len(set(secrets)) == 3 and all(len(bytes.fromhex(s)) == 32 for s in secrets)
+
+
+def test_existing_tinker_fleet_jobs_become_that_kind(empty_database):
+    upgrade(empty_database, "0023")
+    engine = sa.create_engine(empty_database)
+    meta = sa.MetaData()
+    users, jobs = (sa.Table(name, meta, autoload_with=engine) for name in ("users", "jobs"))
+    now = datetime.now(UTC)
+    row = {"owner_id": "usr_1", "name": "old", "status": "running", "spec": {}, "step": 0, "num_prompts": 0,
+           "learner_usd": 0.0, "workers_usd": 0.0, "learner_busy_s": 0.0, "learner_wall_s": 0.0,
+           "learner_launches": 0, "relay_secret": "00" * 32, "created_at": now}
+    with engine.begin() as conn:
+        conn.execute(users.insert().values(id="usr_1", name="alice", role="user", created_at=now))
+        conn.execute(jobs.insert(), [{**row, "id": "job_grpo", "tinker_model_id": None},
+                                     {**row, "id": "job_fleet", "tinker_model_id": "tks_1:train:0"}])
+    upgrade(empty_database)
+    with engine.connect() as conn:
+        kinds = dict(conn.execute(sa.text("SELECT id, kind FROM jobs")).all())
+    engine.dispose()
+    assert kinds == {"job_grpo": "grpo", "job_fleet": "tinker_fleet"}

@@ -275,3 +275,11 @@ def test_an_inflight_request_not_leased_yet_is_drawn_with_the_newest_weights(api
                                                                     "sampling_session_seq_id": 3}))
     work = claim(api, holding=[model_id])["work"]
     assert work["request_id"] == snap["request_id"] and work["publish"] is None
+
+
+def test_the_fleet_job_is_a_job_of_its_own_kind(api, fleet_model):
+    _, _, job_id, _, _ = fleet_model
+    fleet_jobs = api.admin.get("/v1/jobs", params={"tinker": "true"}).raise_for_status().json()["items"]
+    assert [(j["id"], j["kind"]) for j in fleet_jobs] == [(job_id, "tinker_fleet")]
+    others = api.admin.get("/v1/jobs", params={"tinker": "false"}).raise_for_status().json()["items"]
+    assert job_id not in {j["id"] for j in others} and all(j["kind"] == "grpo" for j in others)

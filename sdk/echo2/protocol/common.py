@@ -105,6 +105,26 @@ class JobStatus(StrEnum):
         return self is JobStatus.paused or self.is_terminal()
 
 
+class JobKind(StrEnum):
+    """What trains a job and where its prompts come from."""
+
+    grpo = "grpo"  # its own learner trains it with GRPO on its task's prompts, epoch after epoch
+    # A Tinker model's fleet sampler (api/tinker/fleet.py): no learner of its own (the Tinker host publishes its
+    # versions, the model's sampler checkpoints) and no task: its prompts are the sample requests on them.
+    tinker_fleet = "tinker_fleet"
+
+    @property
+    def has_learner(self) -> bool:
+        """The scheduler queues it for a learner slot and launches one."""
+        return self is JobKind.grpo
+
+    @property
+    def has_task(self) -> bool:
+        """Its prompts come from a task: epochs refill the pool, multi-turn tasks play episodes, and a lease is
+        bounded by what the learner can train before the version goes stale."""
+        return self is JobKind.grpo
+
+
 class PromptState(StrEnum):
     """Where one of a job's prompts is in the pool (api/services/pool.py)."""
 

@@ -8,7 +8,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, StringConstraints, model_validator
 
-from .common import Backend, Id, JobStatus, Key, Model, Name, NoNul, ParamValue, Price, PromptState, ReadModel
+from .common import (
+    Backend,
+    Id,
+    JobKind,
+    JobStatus,
+    Key,
+    Model,
+    Name,
+    NoNul,
+    ParamValue,
+    Price,
+    PromptState,
+    ReadModel,
+)
 from .datasets import Item
 
 ModelRef = Annotated[str, StringConstraints(min_length=1, max_length=512, strip_whitespace=True), NoNul]
@@ -355,6 +368,9 @@ class JobRead(ReadModel):
     id: str
     name: str
     owner_id: str
+    kind: JobKind = Field(JobKind.grpo, description="`grpo`: trained by its own learner on its task. "
+                          "`tinker_fleet`: the worker fleet sampling for a Tinker model (no learner, no task; "
+                          "GET /v1/jobs?tinker=true lists them).")
     status: JobStatus
     status_reason: str | None = Field(None, description="Why it is queued (its place in line and what it waits "
                                       "for), paused, or how it ended.")
