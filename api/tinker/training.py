@@ -43,9 +43,6 @@ LOSS_INPUTS = {LossFn.cross_entropy: (), LossFn.importance_sampling: ("logprobs"
                LossFn.dro: ("logprobs", "advantages"), LossFn.gspo: ("logprobs", "advantages"),
                LossFn.stable_reinforce: ("advantages",)}
 OPTIONAL_INPUTS = {LossFn.gspo: ("weights", "sequence_ratio_mask"), LossFn.stable_reinforce: ("weights", "logprobs")}
-LOSS_CONFIG = {LossFn.ppo: ("clip_low_threshold", "clip_high_threshold"),
-               LossFn.cispo: ("clip_low_threshold", "clip_high_threshold"), LossFn.dro: ("beta",),
-               LossFn.gspo: ("clip_low_threshold", "clip_high_threshold"), LossFn.stable_reinforce: ("truncation",)}
 
 
 def queued(row: TinkerRequest, bell: Announcer) -> dict[str, Any]:
@@ -135,9 +132,9 @@ def _payload(parsed: wire.ForwardBackwardRequest) -> ForwardBackwardPayload:
     config = {k: v for k, v in parsed.loss_fn_config.items() if isinstance(v, float)}
     if len(config) != len(parsed.loss_fn_config):
         raise ApiError(400, "loss_fn_config: Echo2 takes numbers only", field="loss_fn_config")
-    unknown = sorted(set(config) - set(LOSS_CONFIG.get(loss, ())))
+    unknown = sorted(set(config) - set(loss.config_keys))
     if unknown:
-        known = ", ".join(LOSS_CONFIG.get(loss, ())) or "none"
+        known = ", ".join(loss.config_keys) or "none"
         raise ApiError(400, f"loss_fn_config: {loss.value} reads {known}, not {', '.join(unknown)}",
                        field="loss_fn_config")
     data = [_datum(d, i, loss) for i, d in enumerate(parsed.data)]

@@ -47,11 +47,6 @@ CLIP = {LossFn.ppo: (0.8, 1.2), LossFn.cispo: (0.8, 1.2), LossFn.gspo: (1 - 3e-4
 DRO_BETA = 0.05
 TRUNCATION = 2.0
 BEHAVIOUR = RECORDED_LOGPROBS  # stable_reinforce's b_t, filled in by the control plane from its records
-# The loss_fn_config keys each loss reads: anything else is refused at the door.
-CONFIG_KEYS = {LossFn.cross_entropy: (), LossFn.importance_sampling: (),
-               LossFn.ppo: ("clip_low_threshold", "clip_high_threshold"),
-               LossFn.cispo: ("clip_low_threshold", "clip_high_threshold"), LossFn.dro: ("beta",),
-               LossFn.gspo: ("clip_low_threshold", "clip_high_threshold"), LossFn.stable_reinforce: ("truncation",)}
 
 
 def datum_loss(loss_fn: LossFn, logprobs: torch.Tensor, inputs: dict[str, torch.Tensor],

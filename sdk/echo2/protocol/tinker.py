@@ -101,6 +101,13 @@ class LossFn(StrEnum):
     gspo = "gspo"
     stable_reinforce = "stable_reinforce"
 
+    @property
+    def config_keys(self) -> tuple[str, ...]:
+        """The loss_fn_config keys it reads (learner/tinker/losses.py): anything else is refused at the door."""
+        clip = ("clip_low_threshold", "clip_high_threshold")
+        return {LossFn.ppo: clip, LossFn.cispo: clip, LossFn.gspo: clip, LossFn.dro: ("beta",),
+                LossFn.stable_reinforce: ("truncation",)}.get(self, ())
+
 
 # The input of stable_reinforce the control plane fills in: the logprob the sampler recorded for each target token
 # (record_stability_info), found through the datum's provenance spans. A client cannot send it.
