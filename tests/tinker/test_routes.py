@@ -169,6 +169,11 @@ def _fwdbwd(model_id: str, loss: str, inputs: dict[str, bytes], tokens: tuple[in
     return _field(1, model_id.encode()) + bytes([2 << 3, 1]) + _field(3, datum) + _field(4, loss.encode())
 
 
+def _config(key: str, value: float) -> bytes:
+    """One loss_fn_config entry (a map entry of field 7, its value a double)."""
+    return _field(7, _field(1, key.encode()) + _field(2, b"\x09" + struct.pack("<d", value)))
+
+
 def test_forward_backward_bodies_are_checked_before_they_queue(api):
     _, alice = new_user(api)
     client = sdk(api, key_of(alice))
@@ -188,6 +193,9 @@ def test_forward_backward_bodies_are_checked_before_they_queue(api):
         "513 tokens, beyond the model's context of 512": _fwdbwd(
             model_id, "cross_entropy", {"target_tokens": _tensor([2] * 513, 2)}, tokens=(1,) * 513),
         "forward_backward body": b"\x0a\xff",
+        "ppo reads clip_low_threshold, clip_high_threshold, not beta": _fwdbwd(
+            model_id, "ppo", {"target_tokens": targets, "logprobs": _tensor([0, 0, 0], 1),
+                              "advantages": _tensor([0, 0, 0], 1)}) + _config("beta", 0.1),
     }
     for reason, body in cases.items():
         answer = client.post("/api/v1/forward_backward", headers=proto, content=body)
