@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Literal
 
-from echo2.protocol.tinker import SessionStatus
-from fastapi import APIRouter
+from echo2.protocol.tinker import ModelKind, SessionStatus
+from fastapi import APIRouter, Query
+from sqlalchemy import select
 
 from ..deps import SessionDep
 from ..errors import ApiError
 from ..models import utcnow
 from . import service
 from .deps import TinkerUser
-from .models import TinkerSession
+from .models import TinkerModel, TinkerSampler, TinkerSession
 from .schemas import ClientConfigRequest, CreateSessionRequest, FinishSession, SessionRef
 
 router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
@@ -70,6 +71,33 @@ def heartbeat(body: SessionRef, user: TinkerUser, db: SessionDep) -> dict[str, s
     session.heartbeat_at = utcnow()
     db.commit()
     return {"type": "session_heartbeat"}
+
+
+# The SDK's access_scope: "accessible" adds what others shared with the caller; no session is shared here.
+Scope = Annotated[Literal["owned", "accessible"], Query()]
+
+
+@router.get("/sessions")
+def list_sessions(user: TinkerUser, db: SessionDep, limit: Annotated[int, Query(ge=1, le=1000)] = 20,
+                  offset: Annotated[int, Query(ge=0)] = 0, access_scope: Scope = "owned") -> dict[str, Any]:
+    """tinker.types.ListSessionsResponse: the caller's sessions, newest first, finished ones included."""
+    ids = db.scalars(select(TinkerSession.id).where(TinkerSession.owner_id == user.id)
+                     .order_by(TinkerSession.created_at.desc(), TinkerSession.id).limit(limit).offset(offset))
+    return {"sessions": list(ids)}
+
+
+@router.get("/sessions/{session_id}")
+def get_session(session_id: str, user: TinkerUser, db: SessionDep, access_scope: Scope = "owned") -> dict[str, Any]:
+    """tinker.types.GetSessionResponse: the training runs (models trained or copied in it) and samplers it made."""
+    session = db.get(TinkerSession, session_id)
+    if session is None or session.owner_id != user.id:
+        raise ApiError(404, f"session {session_id} not found")
+    runs = db.scalars(select(TinkerModel.id).where(TinkerModel.session_id == session_id,
+                                                   TinkerModel.kind.in_((ModelKind.train, ModelKind.copy)))
+                      .order_by(TinkerModel.created_at, TinkerModel.id))
+    samplers = db.scalars(select(TinkerSampler.id).where(TinkerSampler.session_id == session_id)
+                          .order_by(TinkerSampler.created_at, TinkerSampler.id))
+    return {"training_run_ids": list(runs), "sampler_ids": list(samplers), "user_metadata": None}
 
 
 @router.post("/sessions/{session_id}/finish")

@@ -56,6 +56,11 @@ def main(base_model: str) -> dict:
     out["state_path"] = state.path
     out["state_logprobs"] = training.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"].tolist()
     out["errors"] = errors(service, training, datum)
+    rest = service.create_rest_client()
+    session_id = training.model_id.split(":")[0]
+    found = rest.get_session(session_id).result()
+    out["session"] = {"id": session_id, "listed": rest.list_sessions(limit=5).result().sessions,
+                      "training_run_ids": found.training_run_ids, "sampler_ids": found.sampler_ids}
     service.close("success").result()
     out["resumed"] = resumed(state.path, datum)
     return out

@@ -491,3 +491,17 @@ def test_retries_racing_their_first_attempt_get_its_future(api):
         assert [r.status_code for r in retried] == [200] * 4 and len({r.json()["request_id"] for r in retried}) == 1
         twins = race("/api/v1/create_model", {**create, "model_seq_id": 20 + i}, None)  # not retries: one wins
         assert sorted(r.status_code for r in twins) == [200, 400, 400, 400]
+
+
+def test_sessions_are_listed_and_shown_to_their_owner_only(api):
+    _, alice = new_user(api)
+    _, bob = new_user(api, "bob")
+    mine, theirs = sdk(api, key_of(alice)), sdk(api, key_of(bob))
+    session, model_id = ready_model(api, mine)
+    other = ok(theirs.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    assert ok(mine.get("/api/v1/sessions"))["sessions"] == [session]
+    assert ok(theirs.get("/api/v1/sessions", params={"access_scope": "accessible"}))["sessions"] == [other]
+    shown = ok(mine.get(f"/api/v1/sessions/{session}"))
+    assert shown == {"training_run_ids": [model_id], "sampler_ids": [], "user_metadata": None}
+    assert theirs.get(f"/api/v1/sessions/{session}").status_code == 404
+    assert mine.get("/api/v1/sessions", params={"limit": 0}).status_code == 422

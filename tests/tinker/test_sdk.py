@@ -44,6 +44,9 @@ def test_the_tinker_sdk_trains_saves_and_samples(api, tinker_python, tinker_host
     _trainer_agrees_with_sampler(seen)
     assert seen["prompt_logprobs"][0] is None and all(lp <= 0 for lp in seen["prompt_logprobs"][1:])
     _errors_are_immediate_and_clear(seen["errors"])
+    session = seen["session"]  # RestClient.list_sessions / get_session
+    assert session["listed"][0] == session["id"] and session["training_run_ids"] == [seen["model_id"]]
+    assert len(session["sampler_ids"]) == 2  # create_sampling_client and save_weights_and_get_sampling_client
     _a_saved_state_resumes_in_a_new_session(seen)
     _futures_outlive_the_client(api, user_key, seen["model_id"])
     _usage_is_billed(api, user_key, seen["model_id"])
