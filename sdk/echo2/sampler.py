@@ -85,19 +85,31 @@ class RowSettings:
     temperature: torch.Tensor  # float32; 0 = greedy
     top_k: torch.Tensor  # int64; 0 = no top-k
     top_p: torch.Tensor  # float32 in (0, 1]
+    # Whether any row truncates / is greedy, when known without reading the tensors back: on a GPU each
+    # read is a device sync, and a decode loop would pay two per token.
+    any_truncation: bool | None = None
+    any_greedy: bool | None = None
 
     @classmethod
     def of(cls, rows: list[tuple[float, int, float]], device: torch.device | str) -> RowSettings:
         """From (temperature, top_k, top_p) per row."""
         return cls(torch.tensor([r[0] for r in rows], dtype=torch.float32, device=device),
                    torch.tensor([r[1] for r in rows], dtype=torch.int64, device=device),
-                   torch.tensor([r[2] for r in rows], dtype=torch.float32, device=device))
+                   torch.tensor([r[2] for r in rows], dtype=torch.float32, device=device),
+                   any_truncation=any(r[1] > 0 or r[2] < 1 for r in rows), any_greedy=any(r[0] <= 0 for r in rows))
 
     def select(self, rows: torch.Tensor) -> RowSettings:
         return RowSettings(self.temperature[rows], self.top_k[rows], self.top_p[rows])
 
     def truncates(self) -> bool:
+        if self.any_truncation is not None:
+            return self.any_truncation
         return bool(((self.top_k > 0) | (self.top_p < 1)).any())
+
+    def has_greedy(self) -> bool:
+        if self.any_greedy is not None:
+            return self.any_greedy
+        return bool((self.temperature <= 0).any())
 
 
 def logprobs(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
@@ -167,9 +179,8 @@ def draw(logits: torch.Tensor, settings: RowSettings, seeds: torch.Tensor,
     block = _block_scores(masked, seeds, positions).argmax(-1)
     scores, ids = _token_scores(masked, block, seeds, positions)
     token = ids.gather(-1, scores.argmax(-1, keepdim=True)).squeeze(-1)
-    greedy = settings.temperature <= 0
-    if bool(greedy.any()):
-        token = torch.where(greedy, logits.argmax(-1), token)
+    if settings.has_greedy():
+        token = torch.where(settings.temperature <= 0, logits.argmax(-1), token)
     return token, lp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 

@@ -90,6 +90,22 @@ def test_greedy_rows_take_the_argmax():
     assert torch.allclose(lp, torch.log_softmax(logits, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1))
 
 
+@pytest.mark.parametrize("rows", [[(0.7, 0, 0.9), (1.0, 0, 1.0)], [(0.0, 0, 1.0), (1.0, 5, 1.0)]])
+def test_settings_known_up_front_draw_as_settings_read_from_the_tensors(rows):
+    """RowSettings.of notes whether any row truncates or is greedy (a decode loop on a GPU would otherwise sync
+    twice per token to read it); the draw is the same as with settings that leave it to the tensors."""
+    torch.manual_seed(4)
+    logits = torch.randn(2, V)
+    known = RowSettings.of(rows, "cpu")
+    assert (known.any_truncation, known.any_greedy) == (any(k > 0 or p < 1 for _, k, p in rows),
+                                                      any(t <= 0 for t, _, _ in rows))
+    read = RowSettings(known.temperature, known.top_k, known.top_p)
+    assert (read.truncates(), read.has_greedy()) == (known.truncates(), known.has_greedy())
+    for a, b in zip(draw(logits, known, _ids([1, 2]), _ids([3, 3])), draw(logits, read, _ids([1, 2]), _ids([3, 3])),
+                    strict=True):
+        assert torch.equal(a, b)
+
+
 def test_an_honest_token_replays_with_no_gap_and_within_twice_the_logit_error():
     torch.manual_seed(3)
     n = 2_000

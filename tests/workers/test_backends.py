@@ -99,6 +99,27 @@ def test_same_seed_same_sample_different_seed_different(backend):
     assert alone[0][0].token_ids == group[1].token_ids
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["static", "static-compiled"])
+def test_static_cache_decodes_as_the_growing_cache_does(backend, models, compiled):
+    """The pre-allocated KV cache a GPU worker decodes into (and its compiled step) gives the growing cache's
+    tokens and logprobs, stops and lengths included, for a batch of prompts of different lengths."""
+    other = TransformersBackend(device="cpu", kv_cache="static", compile_decode=compiled)
+    other.load(models[0])
+    reqs = requests_mixed()
+    want, got = backend.generate(reqs), other.generate(reqs)
+    assert tokens(got) == tokens(want)
+    for g, w in zip(got, want, strict=True):
+        for a, b in zip(g, w, strict=True):
+            assert a.finish_reason == b.finish_reason
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < LOGPROB_TOL
+    other.close()
+
+
+def test_unknown_kv_cache_is_refused():
+    with pytest.raises(BackendError, match="kv_cache must be auto, static or dynamic"):
+        TransformersBackend(kv_cache="paged")
+
+
 @pytest.mark.parametrize(("temperature", "top_p"), [(1.0, 1.0), (0.7, 0.9), (1.3, 0.5)])
 def test_logprobs_match_teacher_forcing(backend, hf_models, temperature, top_p):
     """Behaviour logprob = log_softmax(logits / T) before top-p, as the learner recomputes it."""

@@ -142,18 +142,18 @@ def test_bench_reports_throughput(tmp_path: Path, tiny_model_dir: Path) -> None:
 
 
 def test_join_takes_the_gpu_settings_a_provider_needs() -> None:
-    """--dtype, --gpu-memory and --max-batch reach the backend (vLLM's engine or the transformers batch), and
-    a share of memory or a batch out of range is refused before anything starts."""
+    """--dtype, --gpu-memory, --max-batch and --compile-decode reach the backend (vLLM's engine or the
+    transformers batch), and a share of memory or a batch out of range is refused before anything starts."""
     from echo2_worker.cli import _backend_factory, build_parser
 
     parser = build_parser()
     args = parser.parse_args(["join", "--server", "http://x", "--dtype", "bfloat16", "--gpu-memory", "0.6",
-                              "--max-batch", "256"])
+                              "--max-batch", "256", "--compile-decode"])
     vllm = _backend_factory("vllm", args)()
     assert vllm.engine_kwargs | {"dtype": "bfloat16", "gpu_memory_utilization": 0.6, "max_num_seqs": 256} == \
         vllm.engine_kwargs
     hf = _backend_factory("transformers", args)()
-    assert (hf._dtype_arg, hf.memory_share, hf.max_batch_rows) == ("bfloat16", 0.6, 256)
+    assert (hf._dtype_arg, hf.memory_share, hf.max_batch_rows, hf.compile_decode) == ("bfloat16", 0.6, 256, True)
     for bad in (["--gpu-memory", "1.5"], ["--max-batch", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["join", "--server", "http://x", *bad])

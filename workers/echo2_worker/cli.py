@@ -61,6 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--max-batch", type=_rows, default=None, metavar="ROWS",
                       help="samples decoded at once (vLLM: max_num_seqs; transformers: rows, default sized from "
                            "free GPU memory, 64 on a CPU)")
+    join.add_argument("--compile-decode", action="store_true",
+                      help="transformers on a GPU: compile the decode step with CUDA graphs; about 3x the tokens/s of "
+                           "a 135M model on an H100, after about a minute of compiling for each new batch shape "
+                           "(docs/BENCHMARKS.md)")
     join.add_argument("--max-prompts", type=int, default=8, help="prompts per lease")
     join.add_argument("--data-dir", type=Path, default=None, help="where weight versions are kept")
     join.add_argument("--no-bench", action="store_true", help="register without measuring throughput first")
@@ -291,7 +295,7 @@ def _rows(text: str) -> int:
 def _backend_factory(name: str, args: argparse.Namespace) -> Any:
     options: dict[str, Any] = {"dtype": args.dtype}
     if name == "transformers":
-        options |= {"device": args.device, "max_batch_rows": args.max_batch}
+        options |= {"device": args.device, "max_batch_rows": args.max_batch, "compile_decode": args.compile_decode}
         if args.gpu_memory is not None:
             options["memory_share"] = args.gpu_memory
     else:

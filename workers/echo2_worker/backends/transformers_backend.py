@@ -7,7 +7,10 @@ base.py), which `generate` does not report.
 
 Each prompt is prefilled once (requests batched with left padding); its KV cache rows are then
 repeated for the group's n samples, which decode together until every row hits a stop token or its
-length. Tokens, logprobs and stop checks stay on the device until the batch is done.
+length. Tokens, logprobs and stop checks stay on the device until the batch is done. On a GPU the decode
+steps write into a pre-allocated (static) KV cache instead of growing one by concatenation, which copies
+the whole cache every token; `compile_decode` also compiles the step with CUDA graphs (torch.compile's
+"reduce-overhead"), which pays off where per-step launch overhead dominates (small models).
 """
 
 from __future__ import annotations
@@ -44,9 +47,14 @@ class TransformersBackend(GenerationBackend):
     name = "transformers"
 
     def __init__(self, device: str = "auto", dtype: str = "auto", max_batch_rows: int | None = None,
-                 memory_share: float = 0.75) -> None:
+                 memory_share: float = 0.75, kv_cache: str = "auto", compile_decode: bool = False) -> None:
+        if kv_cache not in ("auto", "static", "dynamic"):
+            raise BackendError(f"kv_cache must be auto, static or dynamic, not {kv_cache!r}")
         self._device_arg = device
         self._dtype_arg = dtype
+        self.kv_cache = kv_cache  # auto: static on a GPU, dynamic on a CPU (where the copies cost little)
+        self.compile_decode = compile_decode
+        self._step: Any = None
         self.max_batch_rows = max_batch_rows
         self.memory_share = memory_share  # of the free GPU memory the KV cache of a batch may take
         self.model: Any = None
@@ -70,6 +78,7 @@ class TransformersBackend(GenerationBackend):
         if adapter_dir is not None:
             self._wrap(Path(adapter_dir))
         self.model.eval()
+        self._step = None
         self.precision = str(dtype).removeprefix("torch.")
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_dir = model_dir
@@ -137,6 +146,7 @@ class TransformersBackend(GenerationBackend):
     def close(self) -> None:
         self.model = None
         self.tokenizer = None
+        self._step = None
 
     def _resolve_device(self) -> str:
         import torch
@@ -169,13 +179,16 @@ class TransformersBackend(GenerationBackend):
 
     def _row_budget(self, requests: list[GenRequest]) -> int:
         """Rows decoded together: `max_batch_rows`, or on a GPU with it unset, as many as the KV cache of
-        the longest request fits in `memory_share` of the free memory (at least one group)."""
+        the longest prompt and completion fits in `memory_share` of the free memory (at least one group)."""
         if self.max_batch_rows is not None or self.model.device.type != "cuda":
             return self.max_batch_rows or CPU_ROWS
         import torch
 
         free, _ = torch.cuda.mem_get_info(self.model.device)
-        longest = max(len(r.prompt_token_ids) + r.max_new_tokens for r in requests)
+        prompt = max(len(r.prompt_token_ids) for r in requests)
+        longest = prompt + max(r.max_new_tokens for r in requests)
+        if self._static():
+            longest += prompt  # the prefilled cache is copied into the static one: both are held for a moment
         per_row = kv_bytes_per_token(self.model.config, self.model.dtype) * longest
         return max(max(r.n for r in requests), min(MAX_ROWS, int(self.memory_share * free / max(per_row, 1))))
 
@@ -183,7 +196,11 @@ class TransformersBackend(GenerationBackend):
         device = self.model.device
         rows = _Rows(requests, self._eos_ids, device)
         logits, cache, mask, next_pos = self._prefill(requests, rows.fanout)
-        tokens, logprobs, lengths, stopped = _decode(self.model, rows, logits, cache, mask, next_pos)
+        longest = int(max(r.max_new_tokens for r in requests))
+        if self._static():
+            cache = _static_cache(self.model, cache, mask.shape[1] + longest)
+        tokens, logprobs, lengths, stopped = _decode(self._decode_step(), rows, logits, cache, mask, next_pos,
+                                                     static=self._static())
         flat = zip(tokens.tolist(), logprobs.tolist(), lengths.tolist(), stopped.tolist(), strict=True)
         samples = [GenSample(token_ids=t[:n], logprobs=lp[:n], finish_reason="stop" if stop else "length",
                              text=self.tokenizer.decode(t[:n], skip_special_tokens=True))
@@ -193,6 +210,20 @@ class TransformersBackend(GenerationBackend):
             grouped.append(samples[start : start + r.n])
             start += r.n
         return grouped
+
+    def _static(self) -> bool:
+        return self.kv_cache == "static" or (self.kv_cache == "auto" and self.model.device.type == "cuda")
+
+    def _decode_step(self) -> Any:
+        """The model's forward for one decode step; compiled once per backend where asked (static cache only:
+        CUDA graphs need the cache's addresses fixed)."""
+        if not (self.compile_decode and self._static()):
+            return self.model
+        if self._step is None:
+            import torch
+
+            self._step = torch.compile(self.model.forward, mode="reduce-overhead", dynamic=False)
+        return self._step
 
     def _prefill(self, requests: list[GenRequest], fanout: Any) -> tuple[Any, Any, Any, Any]:
         """Every distinct prompt once (left padded); its KV cache rows are then repeated for its n samples.
@@ -235,10 +266,13 @@ class _Rows:
         self.stops = torch.tensor([s + [-1] * (width - len(s)) for s in stops], dtype=torch.int64, device=device)
 
 
-def _decode(model: Any, rows: _Rows, logits: Any, cache: Any, mask: Any, next_pos: Any) -> tuple[Any, Any, Any, Any]:
+def _decode(forward: Any, rows: _Rows, logits: Any, cache: Any, mask: Any, next_pos: Any,
+            static: bool = False) -> tuple[Any, Any, Any, Any]:
     """Decode every row to its stop token or its limit with the replayable sampler. Everything stays on the
     device: a GPU is synchronised only every SYNC_EVERY steps, to see whether all rows are done (finished
-    rows keep decoding meanwhile, their tokens ignored, so the batch stays rectangular)."""
+    rows keep decoding meanwhile, their tokens ignored, so the batch stays rectangular). The attention mask
+    is allocated at its final width; a static cache is given all of it (its keys span that width), a
+    dynamic one the columns filled so far."""
     import torch
     from echo2.sampler import draw
 
@@ -248,6 +282,8 @@ def _decode(model: Any, rows: _Rows, logits: Any, cache: Any, mask: Any, next_po
     lengths, stopped = rows.limits.clone(), torch.zeros(n, dtype=torch.bool, device=logits.device)
     done = torch.zeros(n, dtype=torch.bool, device=logits.device)
     sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
+    width = mask.shape[1]
+    mask = torch.cat([mask, mask.new_zeros((n, longest))], dim=1)
     for step in range(longest):
         picked, picked_lp = draw(logits, rows.settings, rows.seeds, rows.start + step)
         tokens[:, step], logprobs[:, step] = picked, picked_lp
@@ -257,11 +293,23 @@ def _decode(model: Any, rows: _Rows, logits: Any, cache: Any, mask: Any, next_po
         stopped, done = stopped | hit, done | ending
         if step == longest - 1 or (step % sync_every == sync_every - 1 and bool(done.all())):
             break
-        mask = torch.cat([mask, mask.new_ones((n, 1))], dim=1)
-        res = model(input_ids=picked.unsqueeze(1), attention_mask=mask, position_ids=next_pos, past_key_values=cache,
-                    use_cache=True)
-        cache, logits, next_pos = res.past_key_values, res.logits[:, -1, :], next_pos + 1
+        mask[:, width + step] = 1
+        res = forward(input_ids=picked.unsqueeze(1), attention_mask=mask if static else mask[:, : width + step + 1],
+                         position_ids=next_pos, past_key_values=cache, use_cache=True)
+        logits, next_pos = res.logits[:, -1, :], next_pos + 1
     return tokens, logprobs, lengths, stopped
+
+
+def _static_cache(model: Any, prefilled: Any, width: int) -> Any:
+    """A StaticCache of `width` positions holding the prefilled (already fanned-out) keys and values,
+    written through the cache's public update()."""
+    from transformers import StaticCache
+
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cache = StaticCache(config=config, max_cache_len=width)
+    for i, layer in enumerate(prefilled.layers):
+        cache.update(layer.keys, layer.values, i)
+    return cache
 
 
 def kv_bytes_per_token(config: Any, dtype: Any) -> int:
