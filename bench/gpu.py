@@ -1,7 +1,7 @@
 """Echo2's own code at real model sizes on one device: the learner's GRPO update, the worker's transformers
 backend beside `model.generate` and the memory-bandwidth bound of decoding, an audit, and a publication.
 
-    python bench/gpu.py                      # the three shapes of issue 28 on a CUDA GPU (about 6 minutes on an H100)
+    python bench/gpu.py                      # the three shapes of issue 28 on a CUDA GPU, one process each
     python bench/gpu.py --shapes smollm2-135m smollm2-1.7b
     python bench/gpu.py --smoke              # a tiny shape on the CPU, under 2 minutes: the same code paths
 
@@ -14,8 +14,10 @@ Models are random-init (weights do not change throughput; nothing is downloaded)
   = 6 N per trained token for a full fine-tune and 4 N for LoRA (frozen weights get no gradient), N the
   model's parameters, recomputation not counted;
 - worker: `TransformersBackend` (bf16 on a GPU) generating 256 new tokens after 128-token prompts at T = 1,
-  never stopping early, at the batch it chooses itself, against `model.generate` (sampling, with logits) at the
-  same batch; and the decode bound, rows x bandwidth / bytes one decode step must read (bf16 weights + the
+  never stopping early, at the batch it chooses itself, in its default settings (a static KV cache on a GPU),
+  then with the other cache and (small shapes) the compiled decode step, each with the share of samples whose
+  tokens equal the default's; against `model.generate` (sampling, with logits) at the same batch, where its
+  logits fit in memory; and the decode bound, rows x bandwidth / bytes one decode step must read (bf16 weights + the
   KV cache at the mean context), with the device's nominal memory bandwidth;
 - audit: `learner.audit.audit_group` on the device in the learner's compute dtype, on groups the worker drew
   (replay included); its share of learner time at the default audit rate = rate x audit seconds per group /
@@ -23,6 +25,8 @@ Models are random-init (weights do not change throughput; nothing is downloaded)
 - publish: `learner.publisher.Publisher` of one full bf16 version of the learner's weights (snapshot, write,
   chunk and hash), the upload replaced by a local copy (`learner.sources.LocalWeights`); in learner steps.
 
+A part that fails (out of memory, say) is named under the shape's "errors" and the others still run.
+scripts/gpu_check.sh runs this and the gpu-marked tests on a lent GPU within a deadline.
 It writes one JSON table (`--out`, default $OUT/gpu.json when $OUT is set) and ends with the summary line
 `gpu: worker/bound F %, worker/generate R, audit share A %, publish P steps, MFU M % (DEVICE)` for the
 headline shape (SmolLM2-1.7B, or the smoke shape).
@@ -87,7 +91,9 @@ def main() -> None:
     table: dict[str, Any] = {"device": name, "torch": torch.__version__, "shapes": {}}
     start = time.perf_counter()
     for shape in shapes:
-        table["shapes"][shape] = measure(shape, device, name)
+        # Several shapes run one process each: a shape's leftovers (compiled graphs, the allocator's cache)
+        # would otherwise crowd the next one out of the GPU's memory.
+        table["shapes"][shape] = measure(shape, device, name) if len(shapes) == 1 else _in_child(shape)
         print(json.dumps({shape: table["shapes"][shape]}), flush=True)
     table["seconds"] = time.perf_counter() - start
     if args.out:
@@ -96,18 +102,42 @@ def main() -> None:
     print(summary(table))
 
 
+def _in_child(shape: str) -> dict[str, Any]:
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="echo2-gpu-") as tmp:
+        out = Path(tmp) / "one.json"
+        done = subprocess.run([sys.executable, __file__, "--shapes", shape, "--out", str(out)], check=False)
+        if not out.exists():
+            return {"error": f"the measuring process ended with status {done.returncode} before writing figures"}
+        return json.loads(out.read_text())["shapes"][shape]
+
+
 def measure(shape: str, device: Any, name: str) -> dict[str, Any]:
+    """Every part's figures; a part that fails (out of memory, say) is named under "errors" and the next
+    one still runs. Figures so far are printed after each part."""
+    row: dict[str, Any] = {"errors": {}}
+
+    def part(label: str, fn: Any, *args: Any) -> Any:
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 (any failure of one part is reported; the others still run)
+            row["errors"][label] = f"{type(e).__name__}: {str(e)[:300]}"
+            return None
+        finally:
+            _free()
+            print(json.dumps({shape: row}), flush=True)
+
     with tempfile.TemporaryDirectory(prefix="echo2-gpu-") as tmp:
         work = Path(tmp)
         folder = build(shape, work / "model")
-        row: dict[str, Any] = {"params": _params(folder)}
-        row |= learner(shape, folder, device, name, work)
-        _free()
-        groups, gen = worker(shape, folder, device, name)
+        row["params"] = _params(folder)
+        row |= part("learner", learner, shape, folder, device, name, work) or {}
+        groups, gen = part("worker", worker, shape, folder, device, name) or ([], {})
         row |= gen
-        _free()
-        row |= audit(shape, folder, device, groups, row["step_s"] / LEARNER.get(shape, DEFAULT_LEARNER)[0])
-        _free()
+        if groups and "step_s" in row:
+            per_group = row["step_s"] / LEARNER.get(shape, DEFAULT_LEARNER)[0]
+            row |= part("audit", audit, shape, folder, device, groups, per_group) or {}
     return row
 
 
@@ -207,8 +237,14 @@ def publish(model: Any, tokenizer: Any, work: Path, step_s: float) -> dict[str, 
     return {"publish_s": seconds, "publish_bytes": publisher.sizes[-1][1], "publish_steps": seconds / step_s}
 
 
+VARIANTS = {"dynamic": ("dynamic", False), "static": ("static", False), "compiled": ("static", True)}
+COMPILED = {"smollm2-135m", "smoke"}  # compiling a 1.7B or 7B step would take much of the bench's 8 minutes
+
+
 def worker(shape: str, folder: Path, device: Any, name: str) -> tuple[list[Any], dict[str, Any]]:
-    """The worker's backend at its own batch, `model.generate` at that batch, and the decode bound."""
+    """The worker's backend at its own batch in its default settings (a static KV cache on a GPU, a growing
+    one on a CPU), then with the other cache and with the decode step compiled (small shapes);
+    `model.generate` at that batch; the decode bound."""
     import torch
     from echo2.seeds import sample_seed
     from echo2_worker.backends import GenRequest
@@ -227,14 +263,13 @@ def worker(shape: str, folder: Path, device: Any, name: str) -> tuple[list[Any],
         backend.generate(requests[:1])  # warm-up
         budget = backend._row_budget(requests)
         batch = requests[: max(1, budget // g)]
-        _sync(device)
-        t0 = time.perf_counter()
-        out = backend.generate(batch)
-        _sync(device)
-        worker_s = time.perf_counter() - t0
+        worker_s, out = _timed(backend, batch, device)
+        default = "static" if backend._static() else "dynamic"
+        variants = {k: _variant(backend, batch, device, *v, out) for k, v in VARIANTS.items()
+                    if k != default and (k != "compiled" or shape in COMPILED)}
         model = backend.model
         batch_rows = sum(r.n for r in batch)
-        generate_s = _generate(model, batch, new, device)
+        generate_s = _generate(model, batch, new, device)  # None where its logits do not fit
         kv = kv_bytes_per_token(model.config, model.dtype) * batch_rows * (plen + new / 2)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bandwidth = _peak(name)[1] if _peak(name) else None
@@ -245,25 +280,57 @@ def worker(shape: str, folder: Path, device: Any, name: str) -> tuple[list[Any],
     groups = [(i, r, [(s.token_ids, s.logprobs) for s in o])
               for i, (r, o) in enumerate(zip(batch[:4], out[:4], strict=True))]
     return groups, {"worker_rows": batch_rows, "worker_tokens_per_s": tokens / worker_s,
-                    "generate_tokens_per_s": tokens / generate_s, "worker_vs_generate": generate_s / worker_s,
+                    "generate_tokens_per_s": tokens / generate_s if generate_s else None,
+                    "worker_vs_generate": generate_s / worker_s if generate_s else None,
                     "decode_bound_tokens_per_s": bound,
-                    "worker_vs_bound": tokens / worker_s / bound if bound else None}
+                    "worker_vs_bound": tokens / worker_s / bound if bound else None,
+                    "variants": {k: {"tokens_per_s": tokens / v[0], "same_tokens": v[1], **v[2]}
+                                 for k, v in variants.items()}}
 
 
-def _generate(model: Any, batch: list[Any], new: int, device: Any) -> float:
-    """Seconds of `model.generate` sampling the same rows, logits returned, never stopping early."""
+def _timed(backend: Any, batch: list[Any], device: Any) -> tuple[float, list[Any]]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = backend.generate(batch)
+    _sync(device)
+    return time.perf_counter() - t0, out
+
+
+def _variant(backend: Any, batch: list[Any], device: Any, kv_cache: str, compiled: bool,
+             reference: list[Any]) -> tuple[float, float, dict[str, float]]:
+    """Seconds of one batch with the cache kind and compilation given (a first batch warms a compiled step up),
+    the share of samples whose tokens equal the default settings' and the warm-up's seconds."""
+    backend.kv_cache, backend.compile_decode, backend._step = kv_cache, compiled, None
+    extra = {}
+    try:
+        if compiled:
+            extra["compile_s"] = _timed(backend, batch, device)[0]
+        seconds, out = _timed(backend, batch, device)
+    finally:
+        backend.kv_cache, backend.compile_decode, backend._step = "auto", False, None
+    pairs = [(a.token_ids, b.token_ids) for ga, gb in zip(out, reference, strict=True)
+             for a, b in zip(ga, gb, strict=True)]
+    return seconds, sum(a == b for a, b in pairs) / len(pairs), extra
+
+
+def _generate(model: Any, batch: list[Any], new: int, device: Any) -> float | None:
+    """Seconds of `model.generate` sampling the same rows, logits returned, never stopping early; None where
+    it runs out of memory (it keeps every step's float32 logits: rows x vocabulary x 4 bytes a token)."""
     import torch
 
     ids = torch.tensor([r.prompt_token_ids for r in batch for _ in range(r.n)], device=device)
     model.generation_config.eos_token_id = None  # random weights: every row runs to max_new_tokens, as the worker's
     kwargs = {"do_sample": True, "temperature": 1.0, "top_k": 0, "top_p": 1.0, "max_new_tokens": new,
               "output_logits": True, "return_dict_in_generate": True, "pad_token_id": 1}
-    with torch.inference_mode():
-        model.generate(ids[:1], **{**kwargs, "max_new_tokens": 4})  # warm-up
-        _sync(device)
-        t0 = time.perf_counter()
-        model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
-        _sync(device)
+    try:
+        with torch.inference_mode():
+            model.generate(ids[:1], **{**kwargs, "max_new_tokens": 4})  # warm-up
+            _sync(device)
+            t0 = time.perf_counter()
+            model.generate(ids, attention_mask=torch.ones_like(ids), **kwargs)
+            _sync(device)
+    except torch.OutOfMemoryError:
+        return None
     return time.perf_counter() - t0
 
 
@@ -295,12 +362,14 @@ def summary(table: dict[str, Any]) -> str:
     shape = next((s for s in HEADLINE if s in table["shapes"]), next(iter(table["shapes"])))
     r = table["shapes"][shape]
 
-    def pct(x: float | None) -> str:
-        return "n/a" if x is None else f"{100 * x:.1f}"
+    def pct(key: str) -> str:
+        return "n/a" if r.get(key) is None else f"{100 * r[key]:.1f}"
 
-    publish = f"{r['publish_steps']:.2f}" if "publish_steps" in r else "n/a"
-    return (f"gpu: worker/bound {pct(r['worker_vs_bound'])} %, worker/generate {r['worker_vs_generate']:.2f}, "
-            f"audit share {pct(r['audit_share'])} %, publish {publish} steps, MFU {pct(r['mfu'])} % "
+    def num(key: str) -> str:
+        return "n/a" if r.get(key) is None else f"{r[key]:.2f}"
+
+    return (f"gpu: worker/bound {pct('worker_vs_bound')} %, worker/generate {num('worker_vs_generate')}, "
+            f"audit share {pct('audit_share')} %, publish {num('publish_steps')} steps, MFU {pct('mfu')} % "
             f"({table['device']}, {shape})")
 
 

@@ -21,3 +21,6 @@ def test_the_gpu_benchmark_runs_every_stage_on_the_cpu(tmp_path: Path) -> None:
     row = json.loads(out.read_text())["shapes"]["smoke"]
     assert row["stepped"] and row["audits_passed"] == row["audits"] > 0  # the worker's groups replay
     assert row["publish_bytes"] > 0 and row["worker_tokens_per_s"] > 0 and row["generate_tokens_per_s"] > 0
+    assert row["errors"] == {}
+    # the other KV cache and the compiled step draw the default's very tokens in float32
+    assert {k: v["same_tokens"] for k, v in row["variants"].items()} == {"static": 1.0, "compiled": 1.0}
