@@ -348,6 +348,9 @@ class Rollout(Base):
     paid_entry_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
     claim_step: Mapped[int | None] = mapped_column(Integer)
     trained_step: Mapped[int | None] = mapped_column(Integer)
+    # The archive file holding prompt_token_ids, samples and learner_logprobs once its job ended and they left
+    # this table (api/services/archive.py); None: they are here.
+    archive: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     __table_args__ = (
         UniqueConstraint("lease_id", "prompt_id"),

@@ -40,6 +40,9 @@ class Settings(BaseSettings):
                                      "download (0: only the final or newest one and those rollouts may still use).")
     retention_sweep_s: float = Field(300.0, ge=0, description="Each API process looks for weights left "
                                      "to collect at start and then this often (0: at start only).")
+    archive_after_h: float = Field(24.0, ge=0, description="The retention sweep moves the token payloads of a job "
+                                   "that ended this many hours ago out of the database into zstd Parquet files "
+                                   "under data_dir/archive (its rollouts and traces still read the same).")
     audit_rate: float = Field(0.1, ge=0, le=1, description="Share of a trusted worker's groups the learner "
                               "re-scores: one in every round(1/rate) of its groups, at a position the worker "
                               "cannot predict (new and suspect workers: every group).")

@@ -29,8 +29,8 @@ from tasks import get_task, list_tasks
 
 from ..deps import BlobsDep, CheckpointsDep, CurrentUser, PassedFilter, SessionDep, SettingsDep, owned_job
 from ..models import Audit, Decision, Job, Prompt, Rollout, StepMetric
+from ..services import archive, modelinfo, reports, retention, trust
 from ..services import jobs as svc
-from ..services import modelinfo, reports, retention, trust
 from ..services.ledger import next_offset
 
 router = APIRouter(prefix="/v1", tags=["jobs"])
@@ -128,16 +128,17 @@ def list_prompts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 
 
 
 @router.get("/jobs/{job_id}/rollouts", operation_id="list_job_rollouts", summary="A job's rollouts, newest first")
-def list_rollouts(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, limit: Limit = 20,
-                  offset: Offset = 0, status: RolloutStatus | None = None) -> Page[RolloutRead]:
+def list_rollouts(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, settings: SettingsDep,
+                  limit: Limit = 20, offset: Offset = 0, status: RolloutStatus | None = None) -> Page[RolloutRead]:
     owned_job(db, user, job_id)
     query = select(Rollout, Prompt.text).join(Prompt, Prompt.id == Rollout.prompt_id).where(Rollout.job_id == job_id)
     if status is not None:
         query = query.where(Rollout.status == status)
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
-    rows = db.execute(query.order_by(Rollout.created_at.desc(), Rollout.id).limit(limit).offset(offset))
+    rows = db.execute(query.order_by(Rollout.created_at.desc(), Rollout.id).limit(limit).offset(offset)).all()
     decode = modelinfo.decoder(blobs, job_id)
-    items = [_rollout_read(r, text, decode) for r, text in rows]
+    tokens = archive.payloads(settings.data_dir, [r for r, _ in rows])
+    items = [_rollout_read(r, text, tokens[r.id], decode) for r, text in rows]
     return Page[RolloutRead](items=items, total=total, next_offset=next_offset(offset, len(items), total))
 
 
@@ -185,11 +186,12 @@ def tasks(_: CurrentUser) -> list[TaskInfo]:
     return out
 
 
-def _rollout_read(r: Rollout, prompt_text: str, decode: Callable[[list[int]], str]) -> RolloutRead:
+def _rollout_read(r: Rollout, prompt_text: str, tokens: archive.Payload,
+                  decode: Callable[[list[int]], str]) -> RolloutRead:
     return RolloutRead(
         id=r.id, job_id=r.job_id, prompt_id=r.prompt_id, prompt_text=prompt_text, worker_id=r.worker_id,
         lease_id=r.lease_id, version=r.version, status=r.status, reason=r.reason,
         reject_kind=r.reject_kind, fault=r.reject_kind.fault() if r.reject_kind else None,
-        audit=r.audit, trained_step=r.trained_step, completions=[decode(s["token_ids"]) for s in r.samples],
+        audit=r.audit, trained_step=r.trained_step, completions=[decode(s["token_ids"]) for s in tokens.samples],
         rewards=r.rewards, created_at=r.created_at,
     )

@@ -8,7 +8,7 @@ from echo2.protocol import Page, RolloutTrace
 from fastapi import APIRouter, Path, Query
 from sqlalchemy import func, select
 
-from ..deps import BlobsDep, CurrentUser, SessionDep, owned_job
+from ..deps import BlobsDep, CurrentUser, SessionDep, SettingsDep, owned_job
 from ..errors import ApiError
 from ..models import Rollout
 from ..services import traces
@@ -22,17 +22,17 @@ RolloutPath = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
             summary="One rollout group token by token: each token decoded, its version, the worker's behaviour "
                     "logprob beside the learner's, the worker and its trust state, the audit, rewards and cost")
 def get_trace(job_id: str, rollout_id: RolloutPath, user: CurrentUser, db: SessionDep,
-              blobs: BlobsDep) -> RolloutTrace:
+              blobs: BlobsDep, settings: SettingsDep) -> RolloutTrace:
     owned_job(db, user, job_id)
     row = db.get(Rollout, rollout_id)
     if row is None or row.job_id != job_id:
         raise ApiError(404, f"rollout {rollout_id} of job {job_id} not found")
-    return traces.traces(db, blobs, job_id, [row])[0]
+    return traces.traces(db, blobs, settings.data_dir, job_id, [row])[0]
 
 
 @router.get("/traces", operation_id="list_step_traces",
             summary="The traces of the groups a step trained on, in the order the learner took them")
-def list_traces(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep,
+def list_traces(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, settings: SettingsDep,
                 step: Annotated[int, Query(ge=0, le=10_000_000, description="The learner step.")],
                 limit: Annotated[int, Query(ge=1, le=64, description="Page size (traces are large).")] = 16,
                 offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0) -> Page[RolloutTrace]:
@@ -41,5 +41,5 @@ def list_traces(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep,
     total = db.scalar(select(func.count()).where(*where)) or 0
     rows = list(db.scalars(select(Rollout).where(*where).order_by(Rollout.created_at, Rollout.id).limit(limit)
                            .offset(offset)))
-    items = traces.traces(db, blobs, job_id, rows)
+    items = traces.traces(db, blobs, settings.data_dir, job_id, rows)
     return Page[RolloutTrace](items=items, total=total, next_offset=next_offset(offset, len(items), total))

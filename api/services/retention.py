@@ -10,7 +10,8 @@ stays (timeline, timings) with `collected_at` set; its manifests, chunks and che
 410.
 
 Versions are collected where the API changes a job (publish, finish, cancel). `sweep`, run by each API
-process at start and then every ECHO2_RETENTION_SWEEP_S, catches the rest: jobs the scheduler closed
+process at start and then every ECHO2_RETENTION_SWEEP_S (which also archives the tokens of jobs that ended
+ECHO2_ARCHIVE_AFTER_H ago: api/services/archive.py), catches the rest: jobs the scheduler closed
 (budget, dead learner after its last step), files left by a crash between the commit and the delete,
 and staging uploads of jobs that ended before publishing them.
 """
@@ -28,7 +29,7 @@ from ..db import Database
 from ..models import Job, WeightVersion, utcnow
 from ..settings import Settings
 from ..storage import BlobStore
-from . import versions
+from . import archive, versions
 from .jobs import spec_of
 from .plans import Forms
 
@@ -65,6 +66,7 @@ async def sweep_periodically(database: Database, blobs: BlobStore, checkpoints: 
             deleted = await asyncio.to_thread(_sweep_once, database, blobs, checkpoints, settings.keep_versions_every)
             if deleted:
                 log.info("retention sweep deleted %d version folders", deleted)
+            await asyncio.to_thread(_archive_once, database, settings)
         except Exception:  # a database hiccup must not end the loop: the next period retries
             log.exception("retention sweep failed")
         if not settings.retention_sweep_s:
@@ -75,6 +77,11 @@ async def sweep_periodically(database: Database, blobs: BlobStore, checkpoints: 
 def _sweep_once(database: Database, blobs: BlobStore, checkpoints: BlobStore, every: int) -> int:
     with database.session() as db:
         return sweep(db, blobs, every, checkpoints)
+
+
+def _archive_once(database: Database, settings: Settings) -> None:
+    with database.session() as db:
+        archive.sweep(db, settings.data_dir, settings.archive_after_h)
 
 
 def sweep(db: Session, blobs: BlobStore, every: int, checkpoints: BlobStore | None = None) -> int:

@@ -6,6 +6,7 @@ paid its worker)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 from echo2.protocol import (
@@ -21,14 +22,15 @@ from sqlalchemy.orm import Session
 
 from ..models import Audit, LedgerEntry, Prompt, Rollout, Worker
 from ..storage import BlobStore
-from . import modelinfo
+from . import archive, modelinfo
 
 Decode = Callable[[list[int]], str]
 Pieces = Callable[[list[int]], list[str]]
 
 
-def traces(db: Session, blobs: BlobStore, job_id: str, rows: Sequence[Rollout]) -> list[RolloutTrace]:
-    """The traces of these rollouts of one job, with what they refer to loaded in one query each."""
+def traces(db: Session, blobs: BlobStore, data_dir: Path, job_id: str, rows: Sequence[Rollout]) -> list[RolloutTrace]:
+    """The traces of these rollouts of one job, with what they refer to loaded in one query each (their tokens
+    from the table or the job's archive)."""
     if not rows:
         return []
     ids = [r.id for r in rows]
@@ -40,21 +42,22 @@ def traces(db: Session, blobs: BlobStore, job_id: str, rows: Sequence[Rollout]) 
     entries = {e.id: e for e in db.scalars(select(LedgerEntry).where(
         LedgerEntry.id.in_({r.paid_entry_id for r in rows if r.paid_entry_id is not None})))}
     decode, pieces = modelinfo.decoder(blobs, job_id), modelinfo.token_pieces(blobs, job_id)
-    return [_trace(r, prompts.get(r.prompt_id, ""), workers.get(r.worker_id), audits.get(r.id),
+    tokens = archive.payloads(data_dir, rows)
+    return [_trace(r, tokens[r.id], prompts.get(r.prompt_id, ""), workers.get(r.worker_id), audits.get(r.id),
                    entries.get(r.paid_entry_id) if r.paid_entry_id is not None else None, decode, pieces)
             for r in rows]
 
 
-def _trace(r: Rollout, prompt_text: str, worker: Worker | None, audit: Audit | None, entry: LedgerEntry | None,
-           decode: Decode, pieces: Pieces) -> RolloutTrace:
-    learner = r.learner_logprobs or [None] * len(r.samples)
-    rewards = r.rewards or [None] * len(r.samples)
+def _trace(r: Rollout, tokens: archive.Payload, prompt_text: str, worker: Worker | None, audit: Audit | None,
+           entry: LedgerEntry | None, decode: Decode, pieces: Pieces) -> RolloutTrace:
+    learner = tokens.learner_logprobs or [None] * len(tokens.samples)
+    rewards = r.rewards or [None] * len(tokens.samples)
     samples = [_sample(i, SampleSubmit.model_validate(s), r.version, lp, reward, decode, pieces)
-               for i, (s, lp, reward) in enumerate(zip(r.samples, learner, rewards, strict=True))]
+               for i, (s, lp, reward) in enumerate(zip(tokens.samples, learner, rewards, strict=True))]
     scored = [x for x in rewards if x is not None]
     return RolloutTrace(
         id=r.id, job_id=r.job_id, prompt_id=r.prompt_id, prompt_text=prompt_text,
-        prompt_tokens=len(r.prompt_token_ids), version=r.version, status=r.status, reason=r.reason,
+        prompt_tokens=len(tokens.prompt_token_ids), version=r.version, status=r.status, reason=r.reason,
         reject_kind=r.reject_kind, fault=r.reject_kind.fault() if r.reject_kind else None, claim_step=r.claim_step,
         trained_step=r.trained_step, worker=_worker(r.worker_id, worker), audit=_audit(audit), samples=samples,
         reward_mean=sum(scored) / len(scored) if scored else None, gen_seconds=r.gen_seconds,
