@@ -504,6 +504,11 @@ class Decision(Base):
     trigger: Mapped[str] = mapped_column(String(256))
     inputs: Mapped[dict[str, Any]]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    # Decisions are stored as changes: re-solves that decide the same action again add to this row's run
+    # (scheduler/reconcile.py); line, trigger and inputs are then the newest one's.
+    repeats: Mapped[int] = mapped_column(Integer, default=1)
+    decided_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (Index("ix_decisions_runs", "job_id", "worker_id"),)
 
 
 class LearnerHost(Base):

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
 from echo2.protocol import Fault, JobKind, JobStatus, PauseCause, RejectKind, TrustState, WorkerStatus
-from sqlalchemy import and_, func, select
+from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
 from api.models import (
@@ -242,6 +242,7 @@ def _activate(db: Session, settings: Settings, now: datetime, trouble: Trouble) 
         return 0, 0
     _put_state(db, "solver", decision.state.to_dict())
     by_id, jobs_by_id = {w.id: w for w in workers}, {j.id: j for j in jobs}
+    runs = _runs(db, list(jobs_by_id))
     activated = deactivated = 0
     for line in decision.workers:
         worker = by_id.get(line.worker_id)
@@ -257,7 +258,7 @@ def _activate(db: Session, settings: Settings, now: datetime, trouble: Trouble) 
             deactivated += 1
         if line.action in (Action.ACTIVATE, Action.DEACTIVATE) or decision.resolved:
             inputs = {"method": decision.method, "jobs": [_alloc(a) for a in decision.jobs]}
-            _record(db, worker.id, job_id, line, decision.trigger, inputs, decision.resolved)
+            _record(db, runs, worker.id, job_id, line, (decision.trigger, inputs), decision.resolved)
     return activated, deactivated
 
 
@@ -285,17 +286,33 @@ def _decide(jobs: list[Job], job_profiles: dict[str, JobProfile], workers: list[
         return None
 
 
-def _record(db: Session, worker_id: str, job_id: str | None, line: WorkerDecision, trigger: str, inputs: dict,
-            resolved: bool) -> None:
+def _record(db: Session, runs: dict[tuple[str | None, str], Decision], worker_id: str, job_id: str | None,
+            line: WorkerDecision, why: tuple[str, dict], resolved: bool) -> None:
     """The line on the job it concerns; on a re-solve, also a line on every other running job saying why
-    the worker is not on it (a worker serving no job has no line of its own unless no job runs)."""
-    rows = [(job_id, str(line.action), line.line())] if job_id is not None or not line.others else []
+    the worker is not on it (a worker serving no job has no line of its own unless no job runs). Stored as
+    changes: the same action as the worker's newest row on that job adds to that row's run (its count, time
+    and newest wording) instead of a row per re-solve."""
+    trigger, inputs = why
+    rows = [(job_id, line.action, line.line())] if job_id is not None or not line.others else []
     if resolved:
-        rows += [(other, str(action), f"{action} {worker_id}: {why}") for other, action, why in line.others
+        rows += [(other, action, f"{action} {worker_id}: {reason}") for other, action, reason in line.others
                  if other != job_id]
     for job, action, text in rows:
-        db.add(Decision(job_id=job, worker_id=worker_id, action=action, line=text[:512], trigger=trigger[:256],
-                        inputs=inputs))
+        run = runs.get((job, worker_id))
+        if run is not None and run.action == action:
+            run.repeats += 1
+            run.line, run.trigger, run.inputs, run.decided_at = text[:512], trigger[:256], inputs, utcnow()
+            continue
+        runs[(job, worker_id)] = row = Decision(job_id=job, worker_id=worker_id, action=action, line=text[:512],
+                                                trigger=trigger[:256], inputs=inputs)
+        db.add(row)
+
+
+def _runs(db: Session, job_ids: list[str]) -> dict[tuple[str | None, str], Decision]:
+    """Each worker's newest decision row on each of these jobs (and on none)."""
+    newest = (select(func.max(Decision.id)).where(or_(Decision.job_id.in_(job_ids), Decision.job_id.is_(None)))
+              .group_by(Decision.job_id, Decision.worker_id))
+    return {(d.job_id, d.worker_id): d for d in db.scalars(select(Decision).where(Decision.id.in_(newest)))}
 
 
 def _alloc(a) -> dict:  # type: ignore[no-untyped-def]

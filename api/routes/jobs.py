@@ -159,11 +159,12 @@ def get_report(job_id: str, user: CurrentUser, db: SessionDep) -> JobReport:
 
 
 @router.get("/jobs/{job_id}/decisions", operation_id="list_job_decisions",
-            summary="The scheduler's activation decisions for this job, newest first, each explained in one line")
+            summary="The scheduler's activation decisions for this job, newest first, each explained in one line "
+                    "(a run of the same action for a worker is one line with its count)")
 def list_decisions(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 50) -> list[DecisionRead]:
     owned_job(db, user, job_id)
     rows = db.scalars(select(Decision).where(Decision.job_id == job_id)
-                      .order_by(Decision.created_at.desc(), Decision.id.desc()).limit(limit))
+                      .order_by(Decision.decided_at.desc(), Decision.id.desc()).limit(limit))
     return [DecisionRead.model_validate(d) for d in rows]
 
 

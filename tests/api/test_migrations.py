@@ -79,3 +79,19 @@ def test_existing_tinker_fleet_jobs_become_that_kind(empty_database):
         kinds = dict(conn.execute(sa.text("SELECT id, kind FROM jobs")).all())
     engine.dispose()
     assert kinds == {"job_grpo": "grpo", "job_fleet": "tinker_fleet"}
+
+
+def test_existing_decisions_become_runs_of_one(empty_database):
+    upgrade(empty_database, "0025")
+    engine = sa.create_engine(empty_database)
+    decisions = sa.Table("decisions", sa.MetaData(), autoload_with=engine)
+    then = datetime(2026, 11, 1, 12, 0, tzinfo=UTC)
+    with engine.begin() as conn:
+        conn.execute(decisions.insert(), [{"job_id": "job_1", "worker_id": f"wrk_{i}", "action": "kept",
+                                           "line": "kept", "trigger": "tick", "inputs": {}, "created_at": then}
+                                          for i in range(2)])
+    upgrade(empty_database)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT repeats, decided_at = created_at FROM decisions")).all()
+    engine.dispose()
+    assert [tuple(r) for r in rows] == [(1, True), (1, True)]

@@ -87,6 +87,26 @@ def test_activation_prefers_the_cheapest_sufficient_workers_and_explains(api, tm
     assert all(d["line"] for d in lines)
 
 
+def test_decisions_are_stored_as_changes(api, tmp_path):
+    """Re-solves that decide the same for a worker add to its newest line's run instead of a row each; a
+    changed decision is a new row."""
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), grpo={"group_size": 2, "prompts_per_step": 2})
+    _, provider = new_provider(api)
+    for i in range(5):
+        wid, w = new_worker(api, provider, f"w{i}", price_per_hour=0.1 + i, rollouts_per_s=100.0)
+        ok(w.post(f"/v1/workers/{wid}/heartbeat", json={}))
+        run_tick(api)  # each joins: a re-solve, which keeps the workers already chosen
+    with api.db.session() as db:
+        rows = db.scalars(select(Decision).where(Decision.job_id == job["id"])).all()
+    pairs = [(d.worker_id, d.action) for d in rows]
+    assert len(pairs) == len(set(pairs)) < 5 * 4  # a row per worker per change, not per worker per re-solve
+    first = next(d for d in rows if d.worker_id == rows[0].worker_id and d.action == "kept")
+    assert first.repeats >= 2 and first.decided_at > first.created_at
+    lines = ok(alice.get(f"/v1/jobs/{job['id']}/decisions"))
+    assert {d["repeats"] for d in lines} >= {1, first.repeats}
+
+
 def test_a_job_whose_budget_runs_out_pauses_and_resumes_when_it_is_raised(api, tmp_path):
     _, alice = new_user(api)
     job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), budget_usd=0.5,

@@ -159,6 +159,8 @@ def test_explain_puts_the_activation_reasons_first_and_folds_repeated_kept_lines
     for worker in explained.cheap:  # its activation is among the first lines, not below its "kept" ones
         assert any(line.startswith(f"activated {worker}: ") for _, _, line in now), now
     kept = [d for d in decisions if d.action == "kept" and d.worker_id in explained.cheap]
-    assert len(kept) >= 4 * 6
+    # stored as changes: one row per worker's run of "kept", counting the re-solves it stands for
+    assert len(kept) == len(explained.cheap) and sum(d.repeats for d in kept) >= 4 * 6
+    assert all(d.decided_at > d.created_at for d in kept)
     folded = [line for line in lines[history_at + 1:] if " kept " in line]
     assert len(folded) == len(explained.cheap) and all("(x" in line for line in folded)

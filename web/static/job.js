@@ -302,12 +302,13 @@ E2.page("job", () => {
 
   function decisionRow(d) {
     const name = workerNames.get(d.worker_id);
-    return h("tr", { dataset: { key: `${d.created_at}|${d.worker_id}|${d.action}` } },
-      h("td", {}, timeEl(d.created_at, true)),
+    return h("tr", { dataset: { key: `${d.created_at}|${d.worker_id}|${d.action}|${d.repeats}` } },
+      h("td", {}, timeEl(d.decided_at || d.created_at, true)),
       h("td", {}, badge(d.action)),
       h("td", {}, h("a", { href: "/workers/" + encodeURIComponent(d.worker_id), title: d.worker_id },
         name || h("code", {}, d.worker_id.slice(0, 12)))),
-      h("td", { class: "wrap" }, d.line),
+      h("td", { class: "wrap" }, d.repeats > 1 ? `${d.line} (x${d.repeats} since ${d.created_at.slice(11, 19)})`
+        : d.line),
       h("td", { class: "wrap muted" }, d.trigger));
   }
 

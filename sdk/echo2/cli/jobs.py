@@ -243,8 +243,9 @@ def _explain(args: argparse.Namespace) -> int:
 
 def explain_lines(decisions: list[Any]) -> list[str]:
     """Why each worker is where it is (its newest line that is not a "kept") first; then the history, newest
-    first, where each worker's run of "kept" lines between two changes is one line with its count: a job
-    re-solved every tick would otherwise bury its activation reasons under pages of "still chosen"."""
+    first, where each worker's run of "kept" decisions between two changes is one line with its count (the
+    server stores a run as one line with `repeats`; older rows of one each are folded here): a job re-solved
+    every tick would otherwise bury its activation reasons under pages of "still chosen"."""
     if not decisions:
         return []
     latest: dict[str, Any] = {}
@@ -256,17 +257,17 @@ def explain_lines(decisions: list[Any]) -> list[str]:
     for d in decisions:
         at = folding.get(d.worker_id)
         if d.action == "kept" and at is not None:
-            history[at] = (history[at][0], history[at][1] + 1, d.created_at)
+            history[at] = (history[at][0], history[at][1] + d.repeats, d.created_at)
             continue
         if d.action == "kept":
             folding[d.worker_id] = len(history)
         else:
             folding.pop(d.worker_id, None)
-        history.append((d, 1, d.created_at))
+        history.append((d, d.repeats, d.created_at))
     folded = [_row(d) + (f"  (x{n} since {since:%H:%M:%S})" if n > 1 else "") for d, n, since in history]
     return (["why each worker is where it is (its newest reason):"] + [f"  {_row(d)}" for d in latest.values()]
             + ['history, newest first (a worker\'s repeated "kept" lines folded):'] + [f"  {r}" for r in folded])
 
 
 def _row(d: Any) -> str:
-    return f"{d.created_at:%Y-%m-%d %H:%M:%S}  {d.action:<11}  {' '.join(d.line.split())}"
+    return f"{d.decided_at or d.created_at:%Y-%m-%d %H:%M:%S}  {d.action:<11}  {' '.join(d.line.split())}"

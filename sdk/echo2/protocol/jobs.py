@@ -419,10 +419,14 @@ class TaskInfo(ReadModel):
 class DecisionRead(ReadModel):
     """One line of an activation decision about one worker and this job, e.g. "activated w17: cheapest per
     rollout that still meets freshness", "idle w3: qualifies but not needed", "skipped w9: VRAM 8 GiB <
-    need 11.5 GiB" or "skipped w4: serves job J (one job at a time)"."""
+    need 11.5 GiB" or "skipped w4: serves job J (one job at a time)". Stored as changes: re-solves that decide
+    the same action for the worker again count on this line (`repeats`, `decided_at`) and give it their
+    wording, trigger and inputs."""
 
     worker_id: str
     action: str
     line: str
     trigger: str
-    created_at: datetime
+    created_at: datetime = Field(description="When the scheduler first decided this action for the worker.")
+    repeats: int = Field(1, description="How many decisions in a row this line stands for.")
+    decided_at: datetime | None = Field(None, description="The newest of them (its wording is this line's).")
