@@ -258,7 +258,7 @@ def _activate(db: Session, settings: Settings, now: datetime, trouble: Trouble) 
             deactivated += 1
         if line.action in (Action.ACTIVATE, Action.DEACTIVATE) or decision.resolved:
             inputs = {"method": decision.method, "jobs": [_alloc(a) for a in decision.jobs]}
-            _record(db, runs, worker.id, job_id, line, (decision.trigger, inputs), decision.resolved)
+            _record(db, runs, worker.id, job_id, line, (decision.trigger, inputs, now), decision.resolved)
     return activated, deactivated
 
 
@@ -287,12 +287,12 @@ def _decide(jobs: list[Job], job_profiles: dict[str, JobProfile], workers: list[
 
 
 def _record(db: Session, runs: dict[tuple[str | None, str], Decision], worker_id: str, job_id: str | None,
-            line: WorkerDecision, why: tuple[str, dict], resolved: bool) -> None:
+            line: WorkerDecision, why: tuple[str, dict, datetime], resolved: bool) -> None:
     """The line on the job it concerns; on a re-solve, also a line on every other running job saying why
     the worker is not on it (a worker serving no job has no line of its own unless no job runs). Stored as
     changes: the same action as the worker's newest row on that job adds to that row's run (its count, time
     and newest wording) instead of a row per re-solve."""
-    trigger, inputs = why
+    trigger, inputs, now = why
     rows = [(job_id, line.action, line.line())] if job_id is not None or not line.others else []
     if resolved:
         rows += [(other, action, f"{action} {worker_id}: {reason}") for other, action, reason in line.others
@@ -301,10 +301,10 @@ def _record(db: Session, runs: dict[tuple[str | None, str], Decision], worker_id
         run = runs.get((job, worker_id))
         if run is not None and run.action == action:
             run.repeats += 1
-            run.line, run.trigger, run.inputs, run.decided_at = text[:512], trigger[:256], inputs, utcnow()
+            run.line, run.trigger, run.inputs, run.decided_at = text[:512], trigger[:256], inputs, now
             continue
         runs[(job, worker_id)] = row = Decision(job_id=job, worker_id=worker_id, action=action, line=text[:512],
-                                                trigger=trigger[:256], inputs=inputs)
+                                                trigger=trigger[:256], inputs=inputs, created_at=now, decided_at=now)
         db.add(row)
 
 
