@@ -1,5 +1,5 @@
-"""Policy-side tensors: padded batches, per-token logprobs, micro-batches, a reference sampler and
-the GRPO update (`grpo_update`: rollouts in, one optimiser step out).
+"""Policy-side tensors: padded batches, per-token logprobs, micro-batches, one sample per prompt (through the
+learner's sampler, learner/sampling.py) and the GRPO update (`grpo_update`: rollouts in, one optimiser step out).
 
 Layout of a batch. Prompts are LEFT-padded to a common length P and completions RIGHT-padded to a
 common length C, so every completion starts at column P:
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from echo2.sampler import RowSettings, draw, support
+from echo2.sampler import RowSettings, support
 from echo2.seeds import sample_seed
 
 from learner.objective import (
@@ -199,7 +199,6 @@ class Sample:
     finished: bool  # True when eos was sampled before max_new_tokens
 
 
-@torch.no_grad()
 def sample(
     model: torch.nn.Module,
     prompts: Sequence[Sequence[int]],
@@ -210,52 +209,19 @@ def sample(
     temperature: float = 1.0,
     seed: int = 0,
 ) -> list[Sample]:
-    """Reference sampler (KV cache, batched): the worker's contract in ~40 lines. Row i draws with the
-    replayable sampler (echo2.sampler) from seed sample_seed(seed, i), token j at position j.
+    """One sample per prompt, drawn by the learner's sampler (learner/sampling.py, the Tinker host's too): row i
+    with the replayable sampler from seed sample_seed(seed, i), token j at position j, stopping after eos_id
+    (none where it is negative). temperature = 0 means greedy; logprobs are then reported at temperature 1."""
+    from echo2.protocol.tinker import SampleParams, SamplePayload
 
-    temperature = 0 means greedy; logprobs are then reported at temperature 1.
-    """
-    batch = pad_batch(prompts, [[] for _ in prompts], pad_id)
-    device = next(model.parameters()).device
-    ids = batch.input_ids[:, : batch.prompt_len].to(device)
-    attention = batch.attention_mask[:, : batch.prompt_len].to(device)
-    settings = RowSettings.of([(temperature, 0, 1.0)] * len(prompts), device)
-    seeds = torch.tensor([sample_seed(seed, i) for i in range(len(prompts))], device=device)
-    out = model(input_ids=ids, attention_mask=attention, position_ids=position_ids(attention), use_cache=True)
-    next_pos = attention.sum(-1, keepdim=True)
-    tokens: list[torch.Tensor] = []
-    logps: list[torch.Tensor] = []
-    done = torch.zeros(len(prompts), dtype=torch.bool, device=device)
-    for step in range(max_new_tokens):
-        tok, logp = draw(out.logits[:, -1, :], settings, seeds, torch.full_like(seeds, step))
-        tok = torch.where(done, torch.full_like(tok, pad_id), tok)
-        tokens.append(tok)
-        logps.append(logp)
-        done = done | (tok == eos_id)
-        if bool(done.all()):
-            break
-        attention = torch.cat([attention, torch.ones_like(attention[:, :1])], dim=-1)
-        out = model(
-            input_ids=tok.unsqueeze(-1),
-            attention_mask=attention,
-            position_ids=next_pos,
-            past_key_values=out.past_key_values,
-            use_cache=True,
-        )
-        next_pos = next_pos + 1
-    return _collect(tokens, logps, eos_id, len(prompts))
+    from learner.sampling import sample as draw_samples
 
-
-def _collect(tokens: list[torch.Tensor], logps: list[torch.Tensor], eos_id: int, n: int) -> list[Sample]:
-    if not tokens:
-        return [Sample([], [], False) for _ in range(n)]
-    tok = torch.stack(tokens, dim=1).tolist()
-    lp = torch.stack(logps, dim=1).tolist()
-    samples = []
-    for row_tok, row_lp in zip(tok, lp, strict=True):
-        end = row_tok.index(eos_id) + 1 if eos_id in row_tok else len(row_tok)
-        samples.append(Sample(row_tok[:end], row_lp[:end], eos_id in row_tok))
-    return samples
+    params = SampleParams(max_tokens=max_new_tokens, temperature=temperature, stop_tokens=[eos_id] if eos_id >= 0
+                          else [])
+    payloads = [SamplePayload(prompt=list(p), num_samples=1, params=params) for p in prompts]
+    seeds = [[sample_seed(seed, i)] for i in range(len(prompts))]
+    out = draw_samples(model, None, payloads, eos_id, row_seeds=seeds, pad_id=pad_id)
+    return [Sample(s.tokens, s.logprobs, s.stop_reason == "stop") for r in out for s in r.sequences]
 
 
 @dataclass

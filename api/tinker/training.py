@@ -202,7 +202,7 @@ def optim_step(body: OptimStepRequest, user: TinkerUser, db: SessionDep, key: Id
 def save_for_sampler(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
                      bell: Bell) -> dict[str, Any]:
     """A sampler checkpoint. kind="inflight": the model's in-flight samplers (every one, old and new) move to it,
-    and the samples they are drawing continue on it from their next segment (learner/tinker/sampler.py; on the
+    and the samples they are drawing continue on it from their next segment (learner/sampling.py; on the
     fleet, workers/echo2_worker/partial.py)."""
     model = service.owned_model(db, user.id, body.model_id)
     ttl = _ttl(body.ttl_seconds)

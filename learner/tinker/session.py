@@ -38,13 +38,14 @@ from echo2.protocol.tinker import (
 )
 from echo2.snapshots import atomic_file
 
+from learner.sampling import sample
+
 from ..audit import GroupClaim, audit_group, audit_versions
 from ..models import resolve_model, with_adapter
 from ..publisher import Publisher
 from ..remote import ControlPlane
 from ..weights import LoraWeights
 from .losses import datum_loss
-from .sampler import sample
 
 INFLIGHT = "<inflight>"  # a batch of in-flight requests: drawn with the newest in-flight checkpoint
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass: bounds the logits held for the backward
@@ -198,7 +199,7 @@ class TinkerSession:
 
     def sample(self, payloads: list[SamplePayload]) -> list[SampleResult | SampleProgress]:
         """Requests of one checkpoint (or all in flight: the newest in-flight checkpoint), sampled together in one
-        batch; an in-flight request one segment at a time (learner/tinker/sampler.py)."""
+        batch; an in-flight request one segment at a time (learner/sampling.py)."""
         wanted = {INFLIGHT if p.inflight else p.checkpoint for p in payloads}
         if len(wanted) != 1:
             raise UserError(f"one batch samples one checkpoint, not {sorted(map(str, wanted))}")

@@ -1,4 +1,5 @@
-"""Per-token logprobs, padding, micro-batches and the reference sampler, on the real tiny model."""
+"""Per-token logprobs, padding, micro-batches and the learner's sampler (learner.policy.sample over
+learner/sampling.py), on the real tiny model."""
 
 from __future__ import annotations
 
@@ -71,6 +72,25 @@ def test_sampler_logprobs_are_the_behaviour_logprobs(tiny):
         assert s.finished == (tok.eos_token_id in s.completion_ids)
         if s.finished:
             assert s.completion_ids[-1] == tok.eos_token_id
+
+
+def test_the_learners_draws_and_a_tinker_request_with_the_same_seed_are_one_sampler(tiny):
+    """learner.policy.sample seeds row i with sample_seed(seed, i); a Tinker request of n samples seeds its k-th
+    with sample_seed(seed, k): the same prompt n times and one request of n samples draw the same tokens."""
+    from echo2.protocol.tinker import SampleParams, SamplePayload
+
+    from learner.sampling import sample as tinker_sample
+
+    model, tok = tiny
+    prompt = tok("3 + 4 =")["input_ids"]
+    rows = sample(model, [prompt] * 4, max_new_tokens=12, eos_id=tok.eos_token_id, pad_id=tok.pad_token_id,
+                  temperature=0.9, seed=7)
+    params = SampleParams(max_tokens=12, temperature=0.9, seed=7, stop_tokens=[tok.eos_token_id])
+    [result] = tinker_sample(model, tok, [SamplePayload(prompt=prompt, num_samples=4, params=params)],
+                             tok.eos_token_id)
+    assert [s.tokens for s in result.sequences] == [r.completion_ids for r in rows]
+    assert [s.logprobs for s in result.sequences] == [r.logprobs for r in rows]
+    assert [s.stop_reason == "stop" for s in result.sequences] == [r.finished for r in rows]
 
 
 def test_sampler_is_seeded_and_greedy_is_deterministic(tiny):

@@ -1,5 +1,7 @@
-"""Sampling for Tinker `asample` requests: `num_samples` continuations of each request's prompt, several
-requests batched together with one KV cache, drawn by the replayable sampler (echo2.sampler).
+"""The learner's one sampler: `num_samples` continuations of each request's prompt, several requests batched
+together with one KV cache, drawn by the replayable sampler (echo2.sampler). The Tinker host's `asample`
+requests (learner/tinker/session.py) and the learner's own draws (`learner.policy.sample`: held-out
+evaluation, benches, tests) both run it.
 
 Each token's logprob is reported under the distribution it was drawn from before top-k/top-p cut it
 (log-softmax of logits / temperature; at temperature 0, greedy, under temperature 1), as the
@@ -75,24 +77,30 @@ class _Slice:
 
 
 def sample(model: Any, tokenizer: Any, payloads: list[SamplePayload], eos_id: int | None,
-           checkpoint: str = "") -> list[SampleResult | SampleProgress]:
+           checkpoint: str = "", *, row_seeds: list[list[int]] | None = None,
+           pad_id: int | None = None) -> list[SampleResult | SampleProgress]:
     """Several requests in one batch (left-padded prompts, one KV cache), every row drawn by the replayable
-    sampler with its request's parameters, seed sample_seed(seed, k) for its k-th sample and position = the
+    sampler with its request's parameters, seed sample_seed(seed, k) for its k-th sample (or `row_seeds[r][k]`
+    where given: the learner's evaluation seeds row i of its batch with sample_seed(seed, i)) and position = the
     token's index in its sample. `checkpoint` names the weights in place (the tag of every token drawn now).
-    An in-flight request not finished after its segment comes back as its progress."""
-    slices = [_layout(p, eos_id) for p in payloads]
+    An in-flight request not finished after its segment comes back as its progress. `tokenizer` pads (unless
+    `pad_id` is given) and reads stop strings; None where neither is needed."""
+    slices = [_layout(p, eos_id, row_seeds[r] if row_seeds else None) for r, p in enumerate(payloads)]
     order = [(s, i) for s in slices for i in s.live]
+    if pad_id is None:
+        eos = tokenizer.eos_token_id
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     if order:
-        _draw(model, tokenizer, slices, order, checkpoint)
+        _draw(model, tokenizer, slices, order, checkpoint, pad_id)
     return [_answer(s) for s in slices]
 
 
-def _layout(payload: SamplePayload, eos_id: int | None) -> _Slice:
+def _layout(payload: SamplePayload, eos_id: int | None, seeds: list[int] | None) -> _Slice:
     params, progress = payload.params, payload.progress
     stop_ids = set(params.stop_tokens) if params.stop_tokens is not None else ({eos_id} - {None})
     if progress is None:
         seed = params.seed if params.seed is not None else secrets.randbelow(2**31)
-        rows = [_Row(seed=sample_seed(seed, k)) for k in range(payload.num_samples)]
+        rows = [_Row(seed=seeds[k] if seeds else sample_seed(seed, k)) for k in range(payload.num_samples)]
     else:
         seed = progress.seed
         rows = [_resumed(sample_seed(seed, k), state) for k, state in enumerate(progress.rows)]
@@ -110,10 +118,8 @@ def _resumed(seed: int, state: tuple) -> _Row:
 
 
 def _draw(model: Any, tokenizer: Any, slices: list[_Slice], order: list[tuple[_Slice, int]],
-          checkpoint: str) -> None:
+          checkpoint: str, pad: int) -> None:
     device = next(model.parameters()).device
-    eos = tokenizer.eos_token_id
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (eos or 0)
     prefixes = [s.payload.prompt + s.rows[i].tokens for s, i in order]
     width = max(len(p) for p in prefixes)
     ids = torch.tensor([[pad] * (width - len(p)) + p for p in prefixes], device=device)
