@@ -42,6 +42,13 @@ def test_head_matches_the_models(empty_database):
     engine.dispose()
 
 
+def _job_row(job_id: str, now: datetime, **columns: object) -> dict[str, object]:
+    """A jobs row as an old revision's table takes it (the columns every revision since 0004 requires)."""
+    return {"id": job_id, "owner_id": "usr_1", "name": "old", "status": "running", "spec": {}, "step": 0,
+            "num_prompts": 0, "learner_usd": 0.0, "workers_usd": 0.0, "learner_busy_s": 0.0, "learner_wall_s": 0.0,
+            "learner_launches": 0, "created_at": now, **columns}
+
+
 def test_existing_jobs_get_their_own_relay_secret(empty_database):
     upgrade(empty_database, "0004")
     engine = sa.create_engine(empty_database)
@@ -50,10 +57,7 @@ def test_existing_jobs_get_their_own_relay_secret(empty_database):
     now = datetime.now(UTC)
     with engine.begin() as conn:
         conn.execute(users.insert().values(id="usr_1", name="alice", role="user", created_at=now))
-        conn.execute(jobs.insert(), [
-            {"id": f"job_{i}", "owner_id": "usr_1", "name": "old", "status": "running", "spec": {}, "step": 0,
-             "num_prompts": 0, "learner_usd": 0.0, "workers_usd": 0.0, "learner_busy_s": 0.0,
-             "learner_wall_s": 0.0, "learner_launches": 0, "created_at": now} for i in range(3)])
+        conn.execute(jobs.insert(), [_job_row(f"job_{i}", now) for i in range(3)])
     upgrade(empty_database)
     with engine.connect() as conn:
         secrets = [row[0] for row in conn.execute(sa.text("SELECT relay_secret FROM jobs"))]
@@ -67,13 +71,11 @@ def test_existing_tinker_fleet_jobs_become_that_kind(empty_database):
     meta = sa.MetaData()
     users, jobs = (sa.Table(name, meta, autoload_with=engine) for name in ("users", "jobs"))
     now = datetime.now(UTC)
-    row = {"owner_id": "usr_1", "name": "old", "status": "running", "spec": {}, "step": 0, "num_prompts": 0,
-           "learner_usd": 0.0, "workers_usd": 0.0, "learner_busy_s": 0.0, "learner_wall_s": 0.0,
-           "learner_launches": 0, "relay_secret": "00" * 32, "created_at": now}
+    row = {"relay_secret": "00" * 32}
     with engine.begin() as conn:
         conn.execute(users.insert().values(id="usr_1", name="alice", role="user", created_at=now))
-        conn.execute(jobs.insert(), [{**row, "id": "job_grpo", "tinker_model_id": None},
-                                     {**row, "id": "job_fleet", "tinker_model_id": "tks_1:train:0"}])
+        conn.execute(jobs.insert(), [_job_row("job_grpo", now, **row, tinker_model_id=None),
+                                     _job_row("job_fleet", now, **row, tinker_model_id="tks_1:train:0")])
     upgrade(empty_database)
     with engine.connect() as conn:
         kinds = dict(conn.execute(sa.text("SELECT id, kind FROM jobs")).all())
