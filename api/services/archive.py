@@ -33,7 +33,7 @@ from ..models import Job, Rollout, utcnow
 
 log = logging.getLogger(__name__)
 GROUPS_PER_FILE = 5_000  # a file is read whole for a page of its groups: a few MB of tokens at most
-ENDED = (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
+ENDED = [s for s in JobStatus if s.is_terminal()]
 
 
 @dataclass(frozen=True)
@@ -53,8 +53,8 @@ def sweep(db: Session, data_dir: Path, after_h: float) -> dict[str, int]:
     """Archive every job that ended at least `after_h` hours ago and still has groups in the table.
     Returns the groups archived per job."""
     cutoff = utcnow() - timedelta(hours=after_h)
-    jobs = db.scalars(select(Job).where(Job.status.in_(ENDED), Job.finished_at <= cutoff,
-                                        Job.id.in_(select(Rollout.job_id).where(Rollout.archive.is_(None)))))
+    left = select(Rollout.id).where(Rollout.job_id == Job.id, Rollout.archive.is_(None)).exists()
+    jobs = db.scalars(select(Job).where(Job.status.in_(ENDED), Job.finished_at <= cutoff, left))
     done = {}
     for job in list(jobs):
         done[job.id] = archive_job(db, data_dir, job)

@@ -294,8 +294,9 @@ def _decode(forward: Any, rows: _Rows, logits: Any, cache: Any, mask: Any, next_
         if step == longest - 1 or (step % sync_every == sync_every - 1 and bool(done.all())):
             break
         mask[:, width + step] = 1
-        res = forward(input_ids=picked.unsqueeze(1), attention_mask=mask if static else mask[:, : width + step + 1],
-                         position_ids=next_pos, past_key_values=cache, use_cache=True)
+        seen = mask if static else mask[:, : width + step + 1]
+        res = forward(input_ids=picked.unsqueeze(1), attention_mask=seen, position_ids=next_pos, past_key_values=cache,
+                      use_cache=True)
         logits, next_pos = res.logits[:, -1, :], next_pos + 1
     return tokens, logprobs, lengths, stopped
 
