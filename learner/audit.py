@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from echo2.sampler import RowSettings, logprobs, replay, support
+from echo2.sampler import Ranks, RowSettings, logprobs, ranked, replay, support
 from echo2.seeds import sample_seed
 
 from .policy import pad_batch, position_ids
@@ -194,23 +194,28 @@ def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None]
     rows, tokens = logits[mask], targets[mask]  # [N, V], [N]: the real completion tokens only
     settings = _settings(claim, len(rows), logits.device)
     logq = logprobs(rows, settings)
+    ranks = ranked(logq) if settings.truncates() else None  # one sort of the vocabulary for every support
     picked = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    sampling = support(logq, settings).softmax(-1)  # the nucleus the sampler draws from
-    possible = support(logq, settings, NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature))
+    sampling = support(logq, settings, ranks=ranks).softmax(-1)  # the nucleus the sampler draws from
+    possible = support(logq, settings, NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature), ranks)
     expected = torch.nan_to_num(sampling * logq).sum(-1)
     variance = torch.nan_to_num(sampling * logq.square()).sum(-1) - expected.square()
     outside = int(torch.isinf(possible.gather(-1, tokens.unsqueeze(-1))).sum())
     reported = torch.zeros_like(mask, dtype=torch.float32)
     for i, (_, lp) in enumerate(samples):
         reported[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
-    gaps, first = _replay(logits, targets, mask, claim, config)
+    gaps, first = _replay(logits, targets, mask, claim, config, (logq, ranks))
     return _Scores(picked.cpu(), reported[mask].cpu(), expected.cpu(), variance.clamp(min=0).cpu(), outside, gaps,
                    first)
 
 
+Scored = tuple[torch.Tensor, Ranks | None]  # the masked rows' logprobs and their ranking (None: no truncation)
+
+
 def _replay(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, claim: GroupClaim,
-            config: AuditConfig) -> tuple[torch.Tensor, tuple[int, int] | None]:
-    """Replay gaps of the masked tokens (sample-major, position order) and the first mismatch, if any."""
+            config: AuditConfig, scored: Scored) -> tuple[torch.Tensor, tuple[int, int] | None]:
+    """Replay gaps of the masked tokens (sample-major, position order) and the first mismatch, if any.
+    `scored`: the masked rows' logprobs and their ranking, which `_score` computed (same rows, same order)."""
     seeds = claim.seeds()
     if seeds is None:
         return torch.zeros(0), None
@@ -223,8 +228,10 @@ def _replay(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, cla
         part = slice(start, start + REPLAY_ROWS)
         rows = sample_idx[part], position[part]
         n = len(rows[0])
+        lp, ranks = scored[0][part], None if scored[1] is None else (scored[1][0][part], scored[1][1][part])
         chunk = replay(logits[rows], targets[rows], settings.select(torch.arange(start, start + n, device=device)),
-                       row_seeds[part], rows[1], NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature))
+                       row_seeds[part], rows[1], NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature),
+                       lp=lp, ranks=ranks)
         gaps.append(chunk.gap)
     gap = torch.cat(gaps).cpu() if gaps else torch.zeros(0)
     bad = (gap > config.margin(claim.precision, claim.temperature)).nonzero()

@@ -118,8 +118,19 @@ def logprobs(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
     return torch.log_softmax(logits.float() / scale.unsqueeze(-1), dim=-1)
 
 
-def support(lp: torch.Tensor, settings: RowSettings, slack_p: float = 0.0, slack_lp: float = 0.0) -> torch.Tensor:
-    """lp with the tokens outside each row's top-k/top-p support set to -inf (step 2 of the draw).
+Ranks = tuple[torch.Tensor, torch.Tensor]
+
+
+def ranked(lp: torch.Tensor) -> Ranks:
+    """Each row's probabilities sorted, most likely first, and their token ids: what `support` truncates by.
+    Sorting the vocabulary is most of an audit's cost; one ranking serves every support of the same lp."""
+    return lp.exp().sort(dim=-1, descending=True)
+
+
+def support(lp: torch.Tensor, settings: RowSettings, slack_p: float = 0.0, slack_lp: float = 0.0,
+            ranks: Ranks | None = None) -> torch.Tensor:
+    """lp with the tokens outside each row's top-k/top-p support set to -inf (step 2 of the draw); `ranks`,
+    where given, is `ranked(lp)`.
 
     The auditor moves the edges for a worker that computed them in lower precision. Positive slacks widen the
     support: every token within `slack_lp` nats of the k-th is kept, and `slack_p` is added to top-p.
@@ -127,8 +138,7 @@ def support(lp: torch.Tensor, settings: RowSettings, slack_p: float = 0.0, slack
     the (k+1)-th, within top-p - |slack_p|."""
     if not settings.truncates():
         return lp
-    probs = lp.exp()
-    sorted_p, order = probs.sort(dim=-1, descending=True)
+    sorted_p, order = ranks if ranks is not None else ranked(lp)
     k = settings.top_k.unsqueeze(-1)
     in_k = (k <= 0) | (torch.arange(sorted_p.shape[-1], device=lp.device) < k)
     edge = sorted_p.gather(-1, (k - (1 if slack_lp >= 0 else 0)).clamp(0, sorted_p.shape[-1] - 1))
@@ -139,7 +149,7 @@ def support(lp: torch.Tensor, settings: RowSettings, slack_p: float = 0.0, slack
     sorted_p = sorted_p.masked_fill(~in_k, 0.0)
     top_p = (settings.top_p + slack_p).clamp(min=1e-6, max=1.0).unsqueeze(-1)
     drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p * sorted_p.sum(-1, keepdim=True)
-    kept = torch.zeros_like(probs, dtype=torch.bool).scatter(-1, order, (sorted_p > 0) & ~drop)
+    kept = torch.zeros_like(lp, dtype=torch.bool).scatter(-1, order, (sorted_p > 0) & ~drop)
     return lp.masked_fill(~kept, _NEG_INF)
 
 
@@ -194,27 +204,35 @@ class Replay:
 
 
 def replay(logits: torch.Tensor, tokens: torch.Tensor, settings: RowSettings, seeds: torch.Tensor,
-           positions: torch.Tensor, slack_p: float = 0.0, slack_lp: float = 0.0) -> Replay:
+           positions: torch.Tensor, slack_p: float = 0.0, slack_lp: float = 0.0, *, lp: torch.Tensor | None = None,
+           ranks: Ranks | None = None) -> Replay:
     """Replay the draw at N positions (logits [N, V] under the claimed weights) against the claimed tokens.
 
     The gap of a token is the larger of its block's and its own shortfall: max_b(L_b + G_b) - (L_y + G_y),
     and likewise among its block's tokens. Where the worker computed the support's edges in lower precision,
     the best scores are taken over the support narrowed by the slacks (tokens in it for any such worker) and
     the claimed token is scored in the support widened by them (`support`); only a token outside the widened
-    support is `outside`. With no slack both are the support itself."""
-    lp = logprobs(logits, settings)
-    sure, wide = support(lp, settings, -slack_p, -slack_lp), support(lp, settings, slack_p, slack_lp)
+    support is `outside`. With no slack both are the support itself. `lp` (= logprobs(logits, settings)) and
+    `ranks` (= ranked(lp)), where the caller has them, are not computed again."""
+    lp = logprobs(logits, settings) if lp is None else lp
+    if ranks is None and settings.truncates():
+        ranks = ranked(lp)
+    sure, wide = support(lp, settings, -slack_p, -slack_lp, ranks), support(lp, settings, slack_p, slack_lp, ranks)
+    exact = support(lp, settings, ranks=ranks)
+    # Without truncation the three supports are lp itself: score its blocks once, not three times.
+    block_scores: dict[int, torch.Tensor] = {}
+    for masked in (sure, wide, exact):
+        block_scores.setdefault(id(masked), _block_scores(masked, seeds, positions))
     own_block = tokens // BLOCK
-    block_best = _block_scores(sure, seeds, positions).max(-1).values
-    block_mine = _block_scores(wide, seeds, positions).gather(-1, own_block.unsqueeze(-1)).squeeze(-1)
+    block_best = block_scores[id(sure)].max(-1).values
+    block_mine = block_scores[id(wide)].gather(-1, own_block.unsqueeze(-1)).squeeze(-1)
     best_tok, _ = _token_scores(sure, own_block, seeds, positions)
-    wide_tok, _ = _token_scores(wide, own_block, seeds, positions)
+    wide_tok = best_tok if wide is sure else _token_scores(wide, own_block, seeds, positions)[0]
     mine = wide_tok.gather(-1, (tokens % BLOCK).unsqueeze(-1)).squeeze(-1)
     gap = torch.maximum(block_best - block_mine, best_tok.max(-1).values - mine).clamp(min=0)
     outside = ~torch.isfinite(mine)
     gap = torch.where(outside | torch.isnan(gap), torch.full_like(gap, float("inf")), gap)
-    exact = support(lp, settings)
-    chosen_block = _block_scores(exact, seeds, positions).argmax(-1)
+    chosen_block = block_scores[id(exact)].argmax(-1)
     best, best_ids = _token_scores(exact, chosen_block, seeds, positions)
     chosen = best_ids.gather(-1, best.argmax(-1, keepdim=True)).squeeze(-1)
     return Replay(gap=gap, outside=outside, chosen=chosen)
