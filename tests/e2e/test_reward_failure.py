@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -96,7 +97,9 @@ def test_a_reward_endpoint_taken_down_pauses_the_job_and_resume_finishes_it(tmp_
 
     assert paused.paused_for == "reward"
     reason = paused.status_reason
-    assert f"{PAUSE_AFTER} groups in a row could not be scored by task http_reward" in reason, reason
+    # A step reports all its unscored groups at once, so the run that pauses the job may pass the threshold.
+    in_a_row = re.search(r"(\d+) groups in a row could not be scored by task http_reward", reason)
+    assert in_a_row and int(in_a_row[1]) >= PAUSE_AFTER, reason
     assert "ConnectError" in reason and f"echo2 jobs resume {job.id}" in reason, reason
     assert f"job {job.id} paused: {reason}" in watched.stdout, watched.stdout + watched.stderr
     assert resumed.returncode == 0 and "queued" in resumed.stdout, resumed.stdout + resumed.stderr
@@ -111,4 +114,4 @@ def test_a_reward_endpoint_taken_down_pauses_the_job_and_resume_finishes_it(tmp_
     assert steps == list(range(STEPS))  # every step once: the resumed learner went on where it stopped
     assert trained and all(r.rewards is not None and None not in r.rewards for r in trained)
     lost = [r for r in rows if r.reject_kind == "reward_failed"]
-    assert len(lost) == unscored >= PAUSE_AFTER and all(r.trained_step is None for r in lost)
+    assert len(lost) == unscored >= int(in_a_row[1]) and all(r.trained_step is None for r in lost)
