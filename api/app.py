@@ -39,6 +39,7 @@ from .services.packages import VERSION, WheelIndex
 from .settings import Settings, get_settings
 from .storage import BlobStore
 from .telemetry import MetricsMiddleware, Telemetry
+from .tinker import futures as tinker_futures
 
 DESCRIPTION = """Echo2 control plane: RL post-training jobs run by a central GRPO learner with rollouts
 from distributed workers under a staleness bound S. Authenticate with `Authorization: Bearer <token>`:
@@ -79,6 +80,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.checkpoints = BlobStore(settings.blob_dir, prefix="c")
     app.state.heartbeats = Heartbeats(db, settings)
     app.state.announcer = Announcer()
+    app.state.tinker_watcher = tinker_futures.Watcher(db, app.state.announcer)
     app.state.registry = telemetry.registry
     app.state.wheels = WheelIndex(settings.wheel_dir, settings.data_dir)
     errors.install(app)

@@ -1,19 +1,27 @@
 """`retrieve_future`: the SDK polls each future until it is done. The answer waits (a long poll) until the
 request finishes or LONG_POLL_S pass, since the SDK asks again at once after a `try_again`. A result
-stays retrievable until its session ends, so a client that reconnects gets it (durable futures)."""
+stays retrievable until its session ends, so a client that reconnects gets it (durable futures).
+
+A request that ends in this API process wakes its waiters at once (the announcer). One that ends through
+another process is seen by the `Watcher`: one query every RECHECK_S for all the futures this process is
+holding, not one per future (an async RL loop keeps hundreds open, and on SQLite their polls alone
+saturated the API's database connection)."""
 
 from __future__ import annotations
 
-import time
+import asyncio
+from collections import Counter
 from typing import Any
 
 import anyio
 from echo2.protocol.tinker import CheckpointKind, ModelStatus, RequestKind, RequestStatus
 from fastapi import APIRouter, Request, Response
 from fastapi.responses import JSONResponse
+from sqlalchemy import select
 
 from ..db import Database
 from ..errors import ApiError
+from ..services.notices import RECHECK_S, Announcer
 from . import service, wire
 from .deps import ApiKey, user_of
 from .models import TinkerModel, TinkerRequest
@@ -23,18 +31,53 @@ router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 
 LONG_POLL_S = 25.0  # the SDK's retrieve_future timeout is 45 s
 PROTOBUF = "application/x-protobuf"
+WATCH_BATCH = 500  # ids per status query
+
+
+class Watcher:
+    """One per API process (app.state.tinker_watcher): wakes the long polls of futures that ended elsewhere."""
+
+    def __init__(self, database: Database, announcer: Announcer) -> None:
+        self._database, self._announcer = database, announcer
+        self._waiting: Counter[str] = Counter()
+        self._task: asyncio.Task[None] | None = None
+
+    async def wait(self, request_id: str, timeout: float) -> None:
+        """Until `request_id` ends (here or in another process) or `timeout` seconds pass."""
+        self._waiting[request_id] += 1
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self._watch())
+        try:
+            await self._announcer.wait(service.request_key(request_id), timeout)
+        finally:
+            self._waiting[request_id] -= 1
+            if self._waiting[request_id] <= 0:
+                del self._waiting[request_id]
+
+    async def _watch(self) -> None:
+        while self._waiting:
+            await asyncio.sleep(RECHECK_S)
+            if ids := list(self._waiting):
+                for request_id in await anyio.to_thread.run_sync(_ended, self._database, ids):
+                    self._announcer.announce(service.request_key(request_id))
+
+
+def _ended(database: Database, ids: list[str]) -> list[str]:
+    terminal = [s for s in RequestStatus if s.is_terminal()]
+    with database.session() as db:
+        return [i for start in range(0, len(ids), WATCH_BATCH)
+                for i in db.scalars(select(TinkerRequest.id).where(TinkerRequest.id.in_(ids[start:start + WATCH_BATCH]),
+                                                                   TinkerRequest.status.in_(terminal)))]
 
 
 @router.post("/retrieve_future")
 async def retrieve_future(body: RetrieveFutureRequest, api_key: ApiKey, request: Request) -> Response:
     state = request.app.state
-    deadline = time.monotonic() + LONG_POLL_S
-    while True:
+    row, model = await anyio.to_thread.run_sync(_load, state.db, api_key, body.request_id)
+    if not RequestStatus(row.status).is_terminal():
+        await state.tinker_watcher.wait(row.id, LONG_POLL_S)
         row, model = await anyio.to_thread.run_sync(_load, state.db, api_key, body.request_id)
-        left = deadline - time.monotonic()
-        if RequestStatus(row.status).is_terminal() or left <= 0:
-            return answer(row, model)
-        await state.announcer.wait(service.request_key(row.id), min(left, 2.0))
+    return answer(row, model)
 
 
 def _load(database: Database, api_key: str, request_id: str) -> tuple[TinkerRequest, TinkerModel]:

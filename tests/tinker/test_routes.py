@@ -6,12 +6,18 @@ from __future__ import annotations
 import hashlib
 import struct
 import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 from echo2 import Client
+from echo2.protocol.tinker import RequestStatus
+from sqlalchemy import event, update
 
+from api.services import notices
 from api.tinker import futures, host, queueing, sampling
+from api.tinker.models import TinkerRequest
 from tests.factories import new_provider, new_user, new_worker, ok
 
 INFO = {"tokenizer_id": "/models/tiny", "arch": "qwen2", "vocab_size": 96, "max_context_length": 512}
@@ -505,3 +511,43 @@ def test_sessions_are_listed_and_shown_to_their_owner_only(api):
     assert shown == {"training_run_ids": [model_id], "sampler_ids": [], "user_metadata": None}
     assert theirs.get(f"/api/v1/sessions/{session}").status_code == 404
     assert mine.get("/api/v1/sessions", params={"limit": 0}).status_code == 422
+
+
+def test_open_futures_cost_one_query_per_recheck_and_wake_when_they_end_in_another_process(api, monkeypatch):
+    """An async RL loop keeps hundreds of futures open: their long polls share one status query per RECHECK_S
+    (not a load each), and a request that ends without this process announcing it (through another API
+    process: here, a write straight to the database) is answered at the next recheck, not at the poll's end."""
+    monkeypatch.setattr(futures, "LONG_POLL_S", 8.0)
+    _, user = new_user(api)
+    client = sdk(api, key_of(user))
+    session = ok(client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    ids = [ok(client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": i,
+                                                        "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+           ["request_id"] for i in range(20)]  # no host: all pending
+    statements: list[str] = []
+    listener = lambda conn, cursor, statement, *rest: statements.append(statement)  # noqa: E731
+
+    def poll(request_id: str) -> tuple[float, dict]:
+        start = time.monotonic()
+        with sdk(api, key_of(user)) as own:
+            answer = ok(retrieve(own, request_id))
+        return time.monotonic() - start, answer
+
+    with ThreadPoolExecutor(len(ids)) as pool:
+        polls = [pool.submit(poll, i) for i in ids]
+        time.sleep(1.0)  # every poll is waiting
+        event.listen(api.db.engine, "before_cursor_execute", listener)
+        try:
+            with api.db.session() as db:
+                db.execute(update(TinkerRequest).where(TinkerRequest.id == ids[0])
+                           .values(status=RequestStatus.done, result={}))
+                db.commit()
+            answers = [p.result() for p in polls]
+        finally:
+            event.remove(api.db.engine, "before_cursor_execute", listener)
+    took, first = answers[0]
+    assert first["type"] == "create_model" and took < 1.0 + 2 * notices.RECHECK_S + 1.0, (took, first)
+    assert all(a["type"] == "try_again" and t >= futures.LONG_POLL_S - 0.5 for t, a in answers[1:]), answers[1:]
+    # While they waited: a few status queries for all 20, not a load of each every RECHECK_S (over 60).
+    waiting = [s for s in statements if "tinker_requests" in s]
+    assert len(waiting) <= 8 + 2 * len(ids), waiting  # the rechecks, and each future's final load
