@@ -13,8 +13,10 @@ holds them) by teacher forcing, and runs three tests on every completion token y
    cut short with an end-of-sequence token, or drawn at another temperature, nearly everywhere. The margin
    covers honest numerical differences: a draw is an argmax, so an honest token's score is below the best
    by at most twice the largest logit difference between the worker's forward and this one (over T), which
-   depends on the precision the worker computed in (`GroupClaim.precision`; calibrated by bench/audit.py,
-   docs/RELIABILITY.md "Replay margins").
+   is bounded by the precision the worker computed in (`GroupClaim.precision`; calibrated by bench/audit.py,
+   docs/RELIABILITY.md "Rollout audits") and narrowed to what the group's reported logprobs show of its
+   worker's numerics (`AuditConfig.replay_margin`): a worker whose numbers match the audit's to 1e-6 nat gets
+   no room for a stale or nearby model's near ties.
 2. Logprob check. The behaviour logprob a worker reports is log q_t(y_t), q_t = softmax(logits_t / T)
    over the full vocabulary before top-p (workers/echo2_worker/backends/base.py). The audit recomputes
    it; a token whose reported value is off by more than `token_tol` nats is a bad token, and more than
@@ -54,6 +56,13 @@ REPLAY_ROWS = 512  # positions replayed at once: bounds the [rows, V] tensors of
 # Largest logit difference (nats, at T = 1) between an honest worker's forward and the auditor's, by the
 # precision the worker computed in; the replay margin is twice this over T. Measured by bench/audit.py.
 LOGIT_ERROR = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}
+# The group's own evidence narrows that: a worker's reported logprobs came from the forward it drew with, so their
+# largest difference from the audit's shows how far its numbers are from the auditor's on this group. A replay gap
+# from numerics is a difference of two such errors; EVIDENCE_FACTOR times the largest seen (at least MARGIN_FLOOR
+# nats) bounds it with room to spare. A worker that reports noisier logprobs than it computed widens its margin
+# only up to the precision's bound above: never further than without this.
+EVIDENCE_FACTOR = 8.0
+MARGIN_FLOOR = 1e-4
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,8 @@ class AuditConfig:
     z_crit: float = 6.0
     logit_error: tuple[tuple[str, float], ...] = tuple(LOGIT_ERROR.items())
     auditor: str = "float32"  # the precision the audit itself computes in
+    evidence_factor: float = EVIDENCE_FACTOR
+    margin_floor: float = MARGIN_FLOOR
 
     def margin(self, precision: str, temperature: float) -> float:
         """Replay margin in nats of log q: twice the largest honest logit difference between a worker computing
@@ -71,6 +82,13 @@ class AuditConfig:
         errors = dict(self.logit_error)
         worst = max(errors.values())
         return 2 * (errors.get(precision, worst) + errors.get(self.auditor, worst)) / temperature
+
+    def replay_margin(self, precision: str, temperature: float, max_abs_diff: float) -> float:
+        """The margin a replay gap is judged by: the precision's bound (`margin`), narrowed to what this group's
+        reported logprobs show of its worker's numerics (`max_abs_diff`: their largest difference from the
+        audit's, nats)."""
+        evidence = max(self.margin_floor, self.evidence_factor * max_abs_diff)
+        return min(self.margin(precision, temperature), evidence)
 
 
 @dataclass(frozen=True)
@@ -120,7 +138,7 @@ class _Scores:
     variance: torch.Tensor  # [N] v_t
     outside: int  # tokens outside their top-k/top-p nucleus
     gaps: torch.Tensor  # [M] replay gaps of the replayed tokens (M = N with seeds, else 0)
-    first: tuple[int, int] | None  # (sample, position) of the first replay mismatch
+    where: torch.Tensor  # [M, 2] (sample, position) of each replayed token
 
 
 @torch.no_grad()
@@ -140,10 +158,10 @@ def audit_versions(model_at: Callable[[int], Any], claim: GroupClaim, versions: 
     config = config or AuditConfig()
     parts = [_score(model_at(v), claim, [[x == v for x in row] for row in versions], config)
              for v in sorted({v for row in versions for v in row})]
-    firsts = [p.first for p in parts if p.first is not None]
     joined = _Scores(torch.cat([p.picked for p in parts]), torch.cat([p.reported for p in parts]),
                      torch.cat([p.expected for p in parts]), torch.cat([p.variance for p in parts]),
-                     sum(p.outside for p in parts), torch.cat([p.gaps for p in parts]), min(firsts, default=None))
+                     sum(p.outside for p in parts), torch.cat([p.gaps for p in parts]),
+                     torch.cat([p.where for p in parts]))
     return _judge(joined, config, claim)
 
 
@@ -152,7 +170,7 @@ def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResu
     bad = int((diff > config.token_tol).sum())
     spread = float(scores.variance.sum())
     z = float((scores.picked - scores.expected).sum()) / math.sqrt(max(spread, MIN_VARIANCE))
-    margin = config.margin(claim.precision, claim.temperature)
+    margin = config.replay_margin(claim.precision, claim.temperature, float(diff.max()))
     gaps = scores.gaps
     mismatches, near = int((gaps > margin).sum()), int(((gaps > 0) & (gaps <= margin)).sum())
     result = dict(tokens=int(diff.numel()), max_abs_diff=float(diff.max()), mean_abs_diff=float(diff.mean()),
@@ -162,7 +180,7 @@ def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResu
         reason: str | None = (f"logprob mismatch: {bad} of {diff.numel()} tokens off by more than "
                               f"{config.token_tol:g} nat (largest {float(diff.max()):.3g})")
     elif mismatches:
-        sample, position = scores.first or (0, 0)
+        sample, position = min(map(tuple, scores.where[gaps > margin].tolist()))
         reason = (f"replay: {mismatches} of {gaps.numel()} tokens are not what the sampler draws with the leased "
                   f"seeds under the claimed version (first: sample {sample}, position {position}; largest gap "
                   f"{result['max_gap']:.3g} nats, margin {margin:.3g})")
@@ -204,22 +222,22 @@ def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None]
     reported = torch.zeros_like(mask, dtype=torch.float32)
     for i, (_, lp) in enumerate(samples):
         reported[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
-    gaps, first = _replay(logits, targets, mask, claim, config, (logq, ranks))
+    gaps, where = _replay(targets, mask, claim, config, (logq, ranks))
     return _Scores(picked.cpu(), reported[mask].cpu(), expected.cpu(), variance.clamp(min=0).cpu(), outside, gaps,
-                   first)
+                   where)
 
 
 Scored = tuple[torch.Tensor, Ranks | None]  # the masked rows' logprobs and their ranking (None: no truncation)
 
 
-def _replay(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, claim: GroupClaim,
-            config: AuditConfig, scored: Scored) -> tuple[torch.Tensor, tuple[int, int] | None]:
-    """Replay gaps of the masked tokens (sample-major, position order) and the first mismatch, if any.
+def _replay(targets: torch.Tensor, mask: torch.Tensor, claim: GroupClaim, config: AuditConfig,
+            scored: Scored) -> tuple[torch.Tensor, torch.Tensor]:
+    """Replay gaps of the masked tokens (sample-major, position order) and their (sample, position).
     `scored`: the masked rows' logprobs and their ranking, which `_score` computed (same rows, same order)."""
     seeds = claim.seeds()
     if seeds is None:
-        return torch.zeros(0), None
-    device = logits.device
+        return torch.zeros(0), torch.zeros(0, 2, dtype=torch.int64)
+    device = targets.device
     sample_idx, position = mask.nonzero(as_tuple=True)
     row_seeds = torch.tensor(seeds, dtype=torch.int64, device=device)[sample_idx]
     settings = _settings(claim, len(sample_idx), device)
@@ -229,14 +247,13 @@ def _replay(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor, cla
         rows = sample_idx[part], position[part]
         n = len(rows[0])
         lp, ranks = scored[0][part], None if scored[1] is None else (scored[1][0][part], scored[1][1][part])
-        chunk = replay(logits[rows], targets[rows], settings.select(torch.arange(start, start + n, device=device)),
+        # The replay reads the logits only to take their logprobs, which it is given: no copy of logits[rows].
+        chunk = replay(lp, targets[rows], settings.select(torch.arange(start, start + n, device=device)),
                        row_seeds[part], rows[1], NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature),
                        lp=lp, ranks=ranks)
         gaps.append(chunk.gap)
     gap = torch.cat(gaps).cpu() if gaps else torch.zeros(0)
-    bad = (gap > config.margin(claim.precision, claim.temperature)).nonzero()
-    first = (int(sample_idx[bad[0, 0]]), int(position[bad[0, 0]])) if len(bad) else None
-    return gap, first
+    return gap, torch.stack([sample_idx, position], -1).cpu()
 
 
 def _settings(claim: GroupClaim, n: int, device: torch.device) -> RowSettings:

@@ -7,6 +7,7 @@ measured by bench/audit.py (docs/RELIABILITY.md)."""
 from __future__ import annotations
 
 import copy
+import math
 import random
 from dataclasses import replace
 
@@ -164,6 +165,34 @@ def test_a_nearby_model_fails_the_replay(tiny_dir, tok, model, tmp_path):
     honest = _generate(tiny_dir, requests)
     assert all(run(model, r, [(s.token_ids, s.logprobs) for s in g]).passed
                for r, g in zip(requests, honest, strict=True))
+
+
+def test_a_near_tie_is_judged_by_the_groups_own_numerics(tiny_dir, tok, model, tmp_path):
+    """The weights plus 0.1 % noise draw what the claimed model draws but for a few near ties, well inside the
+    fp32 precision's margin (4e-3 nats), which alone passed them. The worker's logprobs match the audit's to
+    1e-6, so its margin is the floor (1e-4), and those groups fail; honest groups still pass."""
+    other = tmp_path / "nearby"
+    _nudged(tiny_dir, 1e-3, 5).save_pretrained(other)
+    tok.save_pretrained(other)
+    requests = _long(_requests(tok))
+    forged = [(r, rescored(model, r, [s.token_ids for s in g]))
+              for r, g in zip(requests, _generate(other, requests), strict=True)]
+    precision_only = AuditConfig(evidence_factor=math.inf)
+    near = [(r, f) for r, f in forged if (a := run(model, r, f, precision_only)).passed and a.near_ties]
+    assert near
+    results = [run(model, r, f) for r, f in near]
+    assert all(not r.passed and r.reason.startswith("replay:") for r in results), [r.reason for r in results]
+    assert all(run(model, r, [(s.token_ids, s.logprobs) for s in g]).passed
+               for r, g in zip(requests, _generate(tiny_dir, requests), strict=True))
+
+
+def test_reported_noise_widens_the_margin_only_up_to_the_precisions_bound():
+    config = AuditConfig()
+    bound = config.margin("float32", 1.0)
+    assert config.replay_margin("float32", 1.0, 0.0) == config.margin_floor
+    assert config.replay_margin("float32", 1.0, 1e-4) == pytest.approx(config.evidence_factor * 1e-4)
+    assert config.replay_margin("float32", 1.0, 0.4) == bound  # logprobs made noisy on purpose gain nothing more
+    assert config.replay_margin("bfloat16", 0.5, 0.4) == config.margin("bfloat16", 0.5)
 
 
 def test_a_stale_version_fails_the_replay(tiny_dir, tok, model, tmp_path):
