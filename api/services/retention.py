@@ -11,7 +11,8 @@ stays (timeline, timings) with `collected_at` set; its manifests, chunks and che
 
 Versions are collected where the API changes a job (publish, finish, cancel). `sweep`, run by each API
 process at start and then every ECHO2_RETENTION_SWEEP_S (which also archives the tokens of jobs that ended
-ECHO2_ARCHIVE_AFTER_H ago: api/services/archive.py), catches the rest: jobs the scheduler closed
+ECHO2_ARCHIVE_AFTER_H ago, and of a running job's groups trained ECHO2_ARCHIVE_AFTER_STEPS steps ago:
+api/services/archive.py), catches the rest: jobs the scheduler closed
 (budget, dead learner after its last step), files left by a crash between the commit and the delete,
 and staging uploads of jobs that ended before publishing them.
 """
@@ -81,7 +82,7 @@ def _sweep_once(database: Database, blobs: BlobStore, checkpoints: BlobStore, ev
 
 def _archive_once(database: Database, settings: Settings) -> None:
     with database.session() as db:
-        archive.sweep(db, settings.data_dir, settings.archive_after_h)
+        archive.sweep(db, settings.data_dir, settings.archive_after_h, settings.archive_after_steps)
 
 
 def sweep(db: Session, blobs: BlobStore, every: int, checkpoints: BlobStore | None = None) -> int:
