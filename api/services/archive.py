@@ -22,6 +22,10 @@ The file is written (to a temporary name, then renamed) before the rows change, 
 update names only rows still in the table: a sweep that fails leaves the rows as they were and at most a file
 nothing names, and of two API processes sweeping the same groups at once the second updates no row and
 deletes its file (rows it shares with the first name whichever file committed first; both hold them).
+
+Retention (`drop_expired`, ECHO2_ARCHIVE_KEEP_DAYS = d > 0): d days after a job ended, and once all its groups
+are archived, its archive folder is deleted and its rows say when (`archive` = "deleted by retention on
+YYYY-MM-DD"); reading their tokens then answers 410.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import json
 import logging
 import os
 import secrets
+import shutil
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -48,6 +53,7 @@ from . import evidence
 log = logging.getLogger(__name__)
 GROUPS_PER_FILE = 5_000  # a file is read whole for a page of its groups: a few MB of tokens at most
 ENDED = [s for s in JobStatus if s.is_terminal()]
+DELETED = "deleted by retention on "  # then the date: the value of `Rollout.archive` once its file went
 
 
 @dataclass(frozen=True)
@@ -119,6 +125,27 @@ def _move(db: Session, data_dir: Path, job_id: str, rows: Sequence[Rollout]) -> 
     return named
 
 
+def drop_expired(db: Session, data_dir: Path, keep_days: float) -> list[str]:
+    """Delete the archives of jobs that ended `keep_days` ago (0: never) and have no group left in the table;
+    their rows say so first, so none names a deleted file. Returns the jobs whose archives went."""
+    root = archive_dir(data_dir)
+    if not keep_days or not root.is_dir():
+        return []
+    hot = select(Rollout.id).where(Rollout.job_id == Job.id, Rollout.archive.is_(None)).exists()
+    expired = list(db.scalars(select(Job.id).where(
+        Job.id.in_([p.name for p in root.iterdir()]), Job.status.in_(ENDED),
+        Job.finished_at <= utcnow() - timedelta(days=keep_days), ~hot)))
+    if expired:
+        db.execute(update(Rollout).where(Rollout.job_id.in_(expired), Rollout.archive.is_not(None),
+                                         Rollout.archive.not_like(f"{DELETED}%"))
+                   .values(archive=f"{DELETED}{utcnow().date().isoformat()}"))
+        db.commit()
+    for job_id in expired:
+        shutil.rmtree(root / job_id)
+        log.info("deleted the rollout archive of job %s (ECHO2_ARCHIVE_KEEP_DAYS=%g)", job_id, keep_days)
+    return expired
+
+
 def _write(data_dir: Path, job_id: str, rows: Sequence[Rollout]) -> str:
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -146,6 +173,11 @@ def payloads(data_dir: Path, rows: Sequence[Rollout]) -> dict[str, Payload]:
     """Each row's tokens by rollout id: from the row, or from its archive file (one read per file)."""
     out = {r.id: Payload(list(r.prompt_token_ids), list(r.samples), r.learner_logprobs)
            for r in rows if r.archive is None}
+    gone = [r for r in rows if r.archive is not None and r.archive.startswith(DELETED)]
+    if gone:
+        raise ApiError(410, f"the tokens of {len(gone)} of these groups (e.g. rollout {gone[0].id}) were "
+                            f"{gone[0].archive} (ECHO2_ARCHIVE_KEEP_DAYS); the job's report and metrics remain "
+                            f"(GET /v1/jobs/{gone[0].job_id}/report)")
     by_file: dict[str, list[str]] = defaultdict(list)
     for r in rows:
         if r.archive is not None:

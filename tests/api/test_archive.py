@@ -5,12 +5,13 @@ files, and their rollouts, traces and the learner's replay read the same before 
 
 from __future__ import annotations
 
+import asyncio
 from datetime import timedelta
 
 from sqlalchemy import select
 
-from api.models import Job, Rollout
-from api.services import archive
+from api.models import Job, Rollout, utcnow
+from api.services import archive, retention
 from tests.factories import (
     activate,
     fake_model_folder,
@@ -124,3 +125,44 @@ def test_a_running_jobs_old_groups_read_the_same_from_the_archive(api, tmp_path)
     assert [where[i] is not None for i in ids] == [True] * 4 + [False] * 2 + [True, False]  # the queued one stays
     assert len({where[i] for i in trained[:3]}) == 1 and where[trained[3]] != where[trained[0]]
     assert (_reads(alice, jid, ids, steps=6), _replays(learner, jid, 6)) == before
+
+
+def test_retention_deletes_an_ended_jobs_archive_and_says_so(api, tiny_model_dir):
+    jid, ids, alice, _ = traced_step(api, tiny_model_dir)
+    ok(alice.post(f"/v1/jobs/{jid}/cancel"))
+    report = ok(alice.get(f"/v1/jobs/{jid}/report"))
+    folder = archive.archive_dir(api.server.settings.data_dir) / jid
+    settings = api.server.settings.model_copy(update={"archive_after_h": 0.0, "archive_keep_days": 1.0})
+
+    def sweep() -> None:
+        asyncio.run(retention.sweep_periodically(api.db, api.server.app.state.blobs, api.server.app.state.checkpoints,
+                                                 settings))
+
+    sweep()  # archived now, deleted only a day after the job ended
+    assert len(list(folder.iterdir())) == 1 and None not in _archived(api, jid).values()
+    with api.db.session() as db:
+        db.get(Job, jid).finished_at -= timedelta(days=2)
+        db.commit()
+    sweep()
+    assert not folder.exists()
+    assert set(_archived(api, jid).values()) == {f"{archive.DELETED}{utcnow().date().isoformat()}"}
+    for path in (f"/v1/jobs/{jid}/rollouts", f"/v1/jobs/{jid}/rollouts/{ids[0]}", f"/v1/jobs/{jid}/traces?step=0"):
+        r = alice.get(path)
+        assert r.status_code == 410 and "were deleted by retention on" in r.json()["detail"], (path, r.text)
+    assert ok(alice.get(f"/v1/jobs/{jid}/report")) == report
+    sweep()  # nothing left to delete
+
+
+def test_retention_keeps_archives_by_default_and_waits_for_the_last_group(api, tmp_path):
+    jid, trained, _, _, alice, _ = _trained_steps(api, tmp_path, steps=3)
+    data_dir = api.server.settings.data_dir
+    with api.db.session() as db:
+        assert archive.sweep(db, data_dir, 1.0, 1, keep_trained=1, per_file=1) == {jid: 2}  # while it ran
+    ok(alice.post(f"/v1/jobs/{jid}/cancel"))
+    with api.db.session() as db:
+        db.get(Job, jid).finished_at -= timedelta(days=2)
+        db.commit()
+        assert archive.drop_expired(db, data_dir, 0.0) == []  # 0: forever
+        assert archive.drop_expired(db, data_dir, 1.0) == []  # groups still to archive (ECHO2_ARCHIVE_AFTER_H)
+        assert archive.sweep(db, data_dir, 24.0, STEPS) == {jid: 3}
+        assert archive.drop_expired(db, data_dir, 1.0) == [jid]
