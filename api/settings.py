@@ -37,12 +37,21 @@ class Settings(BaseSettings):
     relay_fanout: int = Field(1, ge=1, le=16, description="Children per relay peer (1: a pipelined chain).")
     relay_max_bad_chunks: int = Field(3, ge=1, description="Peers reported bad this often stop being parents.")
     keep_versions_every: int = Field(0, ge=0, description="Also keep the weights of every n-th version for "
-                                     "download (0: only the final or newest one and those rollouts may still use).")
+                                     "download (0: only the final or newest one, kept forever, and those rollouts "
+                                     "may still use).")
     retention_sweep_s: float = Field(300.0, ge=0, description="Each API process looks for weights left "
                                      "to collect at start and then this often (0: at start only).")
     archive_after_h: float = Field(24.0, ge=0, description="The retention sweep moves the token payloads of a job "
-                                   "that ended this many hours ago out of the database into zstd Parquet files "
-                                   "under data_dir/archive (its rollouts and traces still read the same).")
+                                   "that ended this many hours ago, and of a running job's groups rejected this "
+                                   "long ago, out of the database into zstd Parquet files under data_dir/archive "
+                                   "(its rollouts, traces and the learner's replay still read the same).")
+    archive_after_steps: int = Field(20, ge=0, le=1_000_000, description="A running job's groups trained this many "
+                                     "steps ago (and older than its newest 2,000, which the fleet comparison reads) "
+                                     "are archived too.")
+    archive_keep_days: float = Field(0.0, ge=0, description="Days after a job ended that its token archive is "
+                                     "deleted (its rollouts and traces then answer 410; statuses, rewards, "
+                                     "metrics and the ledger stay); 0: kept forever. Weights: see "
+                                     "keep_versions_every; learner checkpoints go when the job ends.")
     audit_rate: float = Field(0.1, ge=0, le=1, description="Share of a trusted worker's groups the learner "
                               "re-scores: one in every round(1/rate) of its groups, at a position the worker "
                               "cannot predict (new and suspect workers: every group).")

@@ -127,7 +127,8 @@ def list_prompts(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit = 
     return Page[PromptRead](items=items, total=total, next_offset=next_offset(offset, len(items), total))
 
 
-@router.get("/jobs/{job_id}/rollouts", operation_id="list_job_rollouts", summary="A job's rollouts, newest first")
+@router.get("/jobs/{job_id}/rollouts", operation_id="list_job_rollouts", summary="A job's rollouts, newest first",
+            responses={410: {"description": "Its tokens were deleted by retention."}})
 def list_rollouts(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, settings: SettingsDep,
                   limit: Limit = 20, offset: Offset = 0, status: RolloutStatus | None = None) -> Page[RolloutRead]:
     owned_job(db, user, job_id)

@@ -94,7 +94,7 @@ def _claim_once(database: Database, settings: Settings, token: str, job_id: str,
         rows, rejected = admission.claim(db, job, body.step, body.max_groups)
         senders = {w.id: w for w in db.scalars(select(Worker).where(Worker.id.in_({r.worker_id for r in rows})))}
         groups = admission.claimed_groups(
-            db, rows, lambda r: trust.should_audit(senders.get(r.worker_id), r, settings))
+            db, rows, lambda r: trust.should_audit(senders.get(r.worker_id), r, settings), settings.data_dir)
         db.commit()
         return LearnerBatch(step=body.step, groups=groups, rejected_stale=rejected)
 

@@ -10,7 +10,7 @@ from echo2.protocol import Manifest, ReplayStep
 from fastapi import APIRouter, Body, Header, Path
 from sqlalchemy import select
 
-from ..deps import CheckpointsDep, LearnerJobId, SessionDep, learner_job
+from ..deps import CheckpointsDep, LearnerJobId, SessionDep, SettingsDep, learner_job
 from ..errors import ApiError
 from ..files import RangedFileResponse
 from ..models import Rollout, StepMetric
@@ -86,12 +86,13 @@ def get_chunk(job_id: str, step: StepPath, index: IndexPath, token_job: LearnerJ
 
 @router.get("/steps/{step}", operation_id="get_committed_step",
             summary="A committed step as it was trained: its groups in order and their rewards (for replay)")
-def committed_step(job_id: str, step: StepPath, token_job: LearnerJobId, db: SessionDep) -> ReplayStep:
+def committed_step(job_id: str, step: StepPath, token_job: LearnerJobId, db: SessionDep,
+                   settings: SettingsDep) -> ReplayStep:
     learner_job(db, token_job, job_id)
     metric = db.get(StepMetric, (job_id, step))
     if metric is None:
         raise ApiError(404, f"step {step} of job {job_id} is not committed")
     rows = {r.id: r for r in db.scalars(select(Rollout).where(Rollout.id.in_(metric.rollout_ids)))}
     ordered = [rows[i] for i in metric.rollout_ids]
-    return ReplayStep(step=step, groups=admission.claimed_groups(db, ordered, lambda _: False),
+    return ReplayStep(step=step, groups=admission.claimed_groups(db, ordered, lambda _: False, settings.data_dir),
                       rewards={r.id: r.rewards or [] for r in ordered})

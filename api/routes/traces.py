@@ -20,7 +20,8 @@ RolloutPath = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 
 @router.get("/rollouts/{rollout_id}", operation_id="get_rollout_trace",
             summary="One rollout group token by token: each token decoded, its version, the worker's behaviour "
-                    "logprob beside the learner's, the worker and its trust state, the audit, rewards and cost")
+                    "logprob beside the learner's, the worker and its trust state, the audit, rewards and cost",
+            responses={410: {"description": "Its tokens were deleted by retention."}})
 def get_trace(job_id: str, rollout_id: RolloutPath, user: CurrentUser, db: SessionDep,
               blobs: BlobsDep, settings: SettingsDep) -> RolloutTrace:
     owned_job(db, user, job_id)
@@ -31,7 +32,8 @@ def get_trace(job_id: str, rollout_id: RolloutPath, user: CurrentUser, db: Sessi
 
 
 @router.get("/traces", operation_id="list_step_traces",
-            summary="The traces of the groups a step trained on, in the order the learner took them")
+            summary="The traces of the groups a step trained on, in the order the learner took them",
+            responses={410: {"description": "Its tokens were deleted by retention."}})
 def list_traces(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, settings: SettingsDep,
                 step: Annotated[int, Query(ge=0, le=10_000_000, description="The learner step.")],
                 limit: Annotated[int, Query(ge=1, le=64, description="Page size (traces are large).")] = 16,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from echo2.protocol import (
@@ -39,7 +40,7 @@ from sqlalchemy.orm import Session
 
 from ..models import Job, Lease, Prompt, Rollout, Worker, new_id, utcnow
 from ..settings import Settings
-from . import episodes, trust
+from . import archive, episodes, trust
 from .jobs import spec_of
 from .pool import return_prompts, set_aside_failing
 
@@ -314,12 +315,16 @@ def release_claims(db: Session, job_id: str, step: int | None = None) -> int:
     return db.execute(query.values(status=RolloutStatus.accepted, claim_step=None)).rowcount or 0
 
 
-def claimed_groups(db: Session, rows: list[Rollout], audit: Callable[[Rollout], bool]) -> list[ClaimedGroup]:
-    """Rollouts as the learner gets them: with their prompt and reference (trusted side only)."""
+def claimed_groups(db: Session, rows: list[Rollout], audit: Callable[[Rollout], bool],
+                   data_dir: Path) -> list[ClaimedGroup]:
+    """Rollouts as the learner gets them: with their prompt and reference (trusted side only), and their tokens
+    from the table or, for a committed step replayed long after, the job's archive."""
     prompts = {p.id: p for p in db.scalars(select(Prompt).where(Prompt.id.in_([r.prompt_id for r in rows])))}
+    tokens = archive.payloads(data_dir, rows)
     return [ClaimedGroup(rollout_id=r.id, prompt_id=r.prompt_id, prompt_text=prompts[r.prompt_id].text,
                          prompt_context=prompts[r.prompt_id].context,
                          reference=prompts[r.prompt_id].reference, version=r.version, worker_id=r.worker_id,
-                         prompt_token_ids=r.prompt_token_ids, samples=r.samples, rewards=r.rewards,
+                         prompt_token_ids=tokens[r.id].prompt_token_ids, samples=tokens[r.id].samples,
+                         rewards=r.rewards,
                          audit=audit(r), seed=r.seed, precision=r.precision or Precision.float32)
             for r in rows]

@@ -1,14 +1,31 @@
-"""Rollout archives: a finished job's token payloads (the prompt's token ids, the samples with their tokens and
+"""Rollout archives: a group's token payloads (the prompt's token ids, the samples with their tokens and
 logprobs, the learner's own logprobs) move out of the hot `rollouts` table into zstd-compressed Parquet files,
-one per job and step range, under `{data_dir}/archive/{job id}/`. The rows keep everything else (status,
-version, rewards, worker, audit, pay), so reports, ledgers and counts read as before; the two routes that show
-tokens (`GET /v1/jobs/{id}/rollouts`, the traces) read them through `payloads`, from whichever place holds them.
+one per job and step range, under `{data_dir}/archive/{job id}/`, once nothing reads them from the table
+again. The rows keep everything else (status, version, rewards, worker, audit, pay), so reports, ledgers,
+billing and clawbacks read as before; what shows or replays tokens (`GET /v1/jobs/{id}/rollouts`, the traces,
+the learner's replay of committed steps) reads them through `payloads`, from whichever place holds them.
 
-Only jobs that ended are archived, `archive_after_h` hours after they did (the API's retention sweep): a
-running job's groups are still read by admission, audits, fleet evidence and the Tinker fleet, and a finished job
-can no longer change. The file is written (to a temporary name, then renamed) before the rows change, in one
-transaction: a sweep that fails leaves the rows as they were and at most a file nothing names (as does a second
-API process sweeping the same job at the same moment: the rows name the first file committed).
+What the API's retention sweep archives (`sweep`):
+- a job that ended `after_h` hours ago: all its groups (it can no longer change);
+- a running or paused job: its groups that are final and that no reader of the table will meet again:
+  - trained at least `after_steps` steps before the job's step, and older than the job's newest
+    `evidence.FLEET_WINDOW` trained groups (the fleet comparison reads their lengths every FLEET_EVERY steps;
+    new groups are trained at the job's step, so that window only moves forward);
+  - rejected at least `after_h` hours ago (a rejection is final; nothing but the two display routes reads it).
+  Accepted and claimed groups stay: the learner's claim and the Tinker fleet's audits and answers read
+  their tokens (the learner's audits are of claimed groups, their verdicts in before the group is trained).
+  Pay is not waited for: billing and clawbacks read ids and counts only. A running job's groups go out
+  `per_file` at a time (whole files, so that a slow job does not leave a small file every sweep); the rest
+  waits for the next sweep or the job's end.
+
+The file is written (to a temporary name, then renamed) before the rows change, in one transaction whose
+update names only rows still in the table: a sweep that fails leaves the rows as they were and at most a file
+nothing names, and of two API processes sweeping the same groups at once the second updates no row and
+deletes its file (rows it shares with the first name whichever file committed first; both hold them).
+
+Retention (`drop_expired`, ECHO2_ARCHIVE_KEEP_DAYS = d > 0): d days after a job ended, and once all its groups
+are archived, its archive folder is deleted and its rows say when (`archive` = "deleted by retention on
+YYYY-MM-DD"); reading their tokens then answers 410.
 """
 
 from __future__ import annotations
@@ -17,23 +34,26 @@ import json
 import logging
 import os
 import secrets
+import shutil
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from echo2.protocol import JobStatus
-from sqlalchemy import select, update
+from echo2.protocol import JobStatus, RolloutStatus
+from sqlalchemy import ColumnElement, and_, or_, select, true, update
 from sqlalchemy.orm import Session
 
 from ..errors import ApiError
 from ..models import Job, Rollout, utcnow
+from . import evidence
 
 log = logging.getLogger(__name__)
 GROUPS_PER_FILE = 5_000  # a file is read whole for a page of its groups: a few MB of tokens at most
 ENDED = [s for s in JobStatus if s.is_terminal()]
+DELETED = "deleted by retention on "  # then the date: the value of `Rollout.archive` once its file went
 
 
 @dataclass(frozen=True)
@@ -49,37 +69,81 @@ def archive_dir(data_dir: Path) -> Path:
     return data_dir / "archive"
 
 
-def sweep(db: Session, data_dir: Path, after_h: float) -> dict[str, int]:
-    """Archive every job that ended at least `after_h` hours ago and still has groups in the table.
+def sweep(db: Session, data_dir: Path, after_h: float, after_steps: int, *,
+          keep_trained: int = evidence.FLEET_WINDOW, per_file: int = GROUPS_PER_FILE) -> dict[str, int]:
+    """Archive what the rule allows (module docstring) of every job with groups in the table.
     Returns the groups archived per job."""
-    cutoff = utcnow() - timedelta(hours=after_h)
-    left = select(Rollout.id).where(Rollout.job_id == Job.id, Rollout.archive.is_(None)).exists()
-    jobs = db.scalars(select(Job).where(Job.status.in_(ENDED), Job.finished_at <= cutoff, left))
+    before = utcnow() - timedelta(hours=after_h)
+    hot = select(Rollout.id).where(Rollout.job_id == Job.id, Rollout.archive.is_(None)).exists()
     done = {}
-    for job in list(jobs):
-        done[job.id] = archive_job(db, data_dir, job)
+    for job in list(db.scalars(select(Job).where(hot))):
+        rule = _archivable(db, job, before, after_steps, keep_trained)
+        if rule is not None and (moved := _archive(db, data_dir, job.id, rule, per_file,
+                                                   whole=not job.status.is_terminal())):
+            done[job.id] = moved
     return done
 
 
-def archive_job(db: Session, data_dir: Path, job: Job) -> int:
-    """Move this ended job's remaining token payloads into archive files; returns the groups moved."""
-    if not job.status.is_terminal():
-        raise ApiError(409, f"job {job.id} is {job.status}: only a job that ended is archived")
+def _archivable(db: Session, job: Job, before: datetime, after_steps: int,
+                keep_trained: int) -> ColumnElement[bool] | None:
+    """Which of the job's groups may leave the table now; None: none of them."""
+    if job.status.is_terminal():
+        return true() if job.finished_at is not None and job.finished_at <= before else None
+    rejected = and_(Rollout.status == RolloutStatus.rejected, Rollout.created_at <= before)
+    window = db.scalar(select(Rollout.trained_step)  # the oldest step in the fleet comparison's window
+                       .where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.trained)
+                       .order_by(Rollout.trained_step.desc(), Rollout.id).offset(keep_trained - 1).limit(1))
+    if window is None:
+        return rejected
+    last = min(window - 1, job.step - after_steps)
+    return or_(rejected, and_(Rollout.status == RolloutStatus.trained, Rollout.trained_step <= last))
+
+
+def _archive(db: Session, data_dir: Path, job_id: str, rule: ColumnElement[bool], per_file: int,
+             whole: bool) -> int:
+    """Move the job's groups the rule allows into files of at most `per_file` (exactly, when `whole`);
+    returns the groups moved."""
     moved = 0
     while True:
-        rows = list(db.scalars(select(Rollout).where(Rollout.job_id == job.id, Rollout.archive.is_(None))
-                               .order_by(Rollout.trained_step, Rollout.created_at, Rollout.id)
-                               .limit(GROUPS_PER_FILE)))
-        if not rows:
+        rows = list(db.scalars(select(Rollout).where(Rollout.job_id == job_id, Rollout.archive.is_(None), rule)
+                               .order_by(Rollout.trained_step, Rollout.created_at, Rollout.id).limit(per_file)))
+        if not rows or (whole and len(rows) < per_file):
             return moved
-        name = _write(data_dir, job.id, rows)
-        db.execute(update(Rollout).where(Rollout.id.in_([r.id for r in rows]), Rollout.archive.is_(None))
-                   .values(archive=name, prompt_token_ids=[], samples=[], learner_logprobs=None)
-                   .execution_options(synchronize_session=False))
+        moved += _move(db, data_dir, job_id, rows)
+
+
+def _move(db: Session, data_dir: Path, job_id: str, rows: Sequence[Rollout]) -> int:
+    name = _write(data_dir, job_id, rows)
+    named = db.execute(update(Rollout).where(Rollout.id.in_([r.id for r in rows]), Rollout.archive.is_(None))
+                       .values(archive=name, prompt_token_ids=[], samples=[], learner_logprobs=None)
+                       .execution_options(synchronize_session=False)).rowcount
+    db.commit()
+    db.expire_all()
+    if not named:  # another process archived them first: no row names this file
+        (archive_dir(data_dir) / name).unlink()
+    log.info("archived %d groups of job %s into %s", named, job_id, name)
+    return named
+
+
+def drop_expired(db: Session, data_dir: Path, keep_days: float) -> list[str]:
+    """Delete the archives of jobs that ended `keep_days` ago (0: never) and have no group left in the table;
+    their rows say so first, so none names a deleted file. Returns the jobs whose archives went."""
+    root = archive_dir(data_dir)
+    if not keep_days or not root.is_dir():
+        return []
+    hot = select(Rollout.id).where(Rollout.job_id == Job.id, Rollout.archive.is_(None)).exists()
+    expired = list(db.scalars(select(Job.id).where(
+        Job.id.in_([p.name for p in root.iterdir()]), Job.status.in_(ENDED),
+        Job.finished_at <= utcnow() - timedelta(days=keep_days), ~hot)))
+    if expired:
+        db.execute(update(Rollout).where(Rollout.job_id.in_(expired), Rollout.archive.is_not(None),
+                                         Rollout.archive.not_like(f"{DELETED}%"))
+                   .values(archive=f"{DELETED}{utcnow().date().isoformat()}"))
         db.commit()
-        db.expire_all()
-        moved += len(rows)
-        log.info("archived %d groups of job %s into %s", len(rows), job.id, name)
+    for job_id in expired:
+        shutil.rmtree(root / job_id)
+        log.info("deleted the rollout archive of job %s (ECHO2_ARCHIVE_KEEP_DAYS=%g)", job_id, keep_days)
+    return expired
 
 
 def _write(data_dir: Path, job_id: str, rows: Sequence[Rollout]) -> str:
@@ -109,6 +173,11 @@ def payloads(data_dir: Path, rows: Sequence[Rollout]) -> dict[str, Payload]:
     """Each row's tokens by rollout id: from the row, or from its archive file (one read per file)."""
     out = {r.id: Payload(list(r.prompt_token_ids), list(r.samples), r.learner_logprobs)
            for r in rows if r.archive is None}
+    gone = [r for r in rows if r.archive is not None and r.archive.startswith(DELETED)]
+    if gone:
+        raise ApiError(410, f"the tokens of {len(gone)} of these groups (e.g. rollout {gone[0].id}) were "
+                            f"{gone[0].archive} (ECHO2_ARCHIVE_KEEP_DAYS); the job's report and metrics remain "
+                            f"(GET /v1/jobs/{gone[0].job_id}/report)")
     by_file: dict[str, list[str]] = defaultdict(list)
     for r in rows:
         if r.archive is not None:

@@ -1,19 +1,25 @@
-"""Weight retention: a version's chunks are deleted once nothing can need them.
+"""Retention: what the control plane keeps on disk, and for how long (README "Operating" says the same).
 
-Kept: the newest version and every version a rollout may still be admitted with (x >= t - S) while
-the job runs, and what a worker needs to reach them: the newest keyframe (a version stored in full) at
-or below the oldest of them and every version after it, since each delta applies to the version before
-it; the final checkpoint (or, for a job that ended without one, the newest version) forever; and every
-n-th version stored in full when ECHO2_KEEP_VERSIONS_EVERY = n > 0, for users who want intermediate
-checkpoints; and the base model of any kept LoRA adapter version. The row of a collected version
-stays (timeline, timings) with `collected_at` set; its manifests, chunks and checkpoint download answer
-410.
+- Weights: a version's chunks are deleted once nothing can need them. Kept: the newest version and every
+  version a rollout may still be admitted with (x >= t - S) while the job runs, and what a worker needs to
+  reach them: the newest keyframe (a version stored in full) at or below the oldest of them and every version
+  after it, since each delta applies to the version before it; the final checkpoint (or, for a job that ended
+  without one, the newest version) forever; and every n-th version stored in full when
+  ECHO2_KEEP_VERSIONS_EVERY = n > 0, for users who want intermediate checkpoints; and the base model of any
+  kept LoRA adapter version. The row of a collected version stays (timeline, timings) with `collected_at`
+  set; its manifests, chunks and checkpoint download answer 410.
+- Learner checkpoints (stored for resuming on another host): the newest two while the job runs
+  (api/routes/learner_state.py), none once it ended (its final version is the model).
+- Rollout tokens (api/services/archive.py): they leave the database for the job's Parquet archive once
+  nothing reads them there (a job that ended ECHO2_ARCHIVE_AFTER_H ago; a running job's groups trained
+  ECHO2_ARCHIVE_AFTER_STEPS steps ago, outside the fleet comparison's window, or rejected
+  ECHO2_ARCHIVE_AFTER_H ago); the archive is kept forever, or deleted ECHO2_ARCHIVE_KEEP_DAYS after the job
+  ended (then their rollouts and traces answer 410). Rows, metrics, audits and the ledger are never deleted.
 
 Versions are collected where the API changes a job (publish, finish, cancel). `sweep`, run by each API
-process at start and then every ECHO2_RETENTION_SWEEP_S (which also archives the tokens of jobs that ended
-ECHO2_ARCHIVE_AFTER_H ago: api/services/archive.py), catches the rest: jobs the scheduler closed
-(budget, dead learner after its last step), files left by a crash between the commit and the delete,
-and staging uploads of jobs that ended before publishing them.
+process at start and then every ECHO2_RETENTION_SWEEP_S (with the archive's sweep and deletion), catches the
+rest: jobs the scheduler closed (budget, dead learner after its last step), files left by a crash between
+the commit and the delete, and staging uploads of jobs that ended before publishing them.
 """
 
 from __future__ import annotations
@@ -81,7 +87,8 @@ def _sweep_once(database: Database, blobs: BlobStore, checkpoints: BlobStore, ev
 
 def _archive_once(database: Database, settings: Settings) -> None:
     with database.session() as db:
-        archive.sweep(db, settings.data_dir, settings.archive_after_h)
+        archive.sweep(db, settings.data_dir, settings.archive_after_h, settings.archive_after_steps)
+        archive.drop_expired(db, settings.data_dir, settings.archive_keep_days)
 
 
 def sweep(db: Session, blobs: BlobStore, every: int, checkpoints: BlobStore | None = None) -> int:
