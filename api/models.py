@@ -348,13 +348,15 @@ class Rollout(Base):
     paid_entry_id: Mapped[int | None] = mapped_column(BigInteger, index=True)
     claim_step: Mapped[int | None] = mapped_column(Integer)
     trained_step: Mapped[int | None] = mapped_column(Integer)
-    # The archive file holding prompt_token_ids, samples and learner_logprobs once its job ended and they left
-    # this table (api/services/archive.py); None: they are here.
+    # The archive file holding prompt_token_ids, samples and learner_logprobs once nothing reads them from
+    # this table and they left it (api/services/archive.py); None: they are here.
     archive: Mapped[str | None] = mapped_column(String(128))
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     __table_args__ = (
         UniqueConstraint("lease_id", "prompt_id"),
         Index("ix_rollouts_queue", "job_id", "status", "version", "created_at"),
+        # The newest trained groups of a job: the fleet comparison's window and the archive sweep's edge.
+        Index("ix_rollouts_trained", "job_id", "status", "trained_step"),
     )
 
 
