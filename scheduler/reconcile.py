@@ -55,7 +55,7 @@ BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
 WORKER_FAULTS = [k for k in RejectKind if k.fault() is Fault.worker]
 TRIAL_RETRY = 10  # grace periods before a worker whose trial delivered nothing is tried again
 WORKING = [s for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
-LIVE = [s for s in JobStatus if not s.is_terminal()]
+LIVE = JobStatus.live()
 UNPAUSED = (JobStatus.queued, JobStatus.running)
 
 

@@ -52,7 +52,6 @@ from . import evidence
 
 log = logging.getLogger(__name__)
 GROUPS_PER_FILE = 5_000  # a file is read whole for a page of its groups: a few MB of tokens at most
-ENDED = [s for s in JobStatus if s.is_terminal()]
 DELETED = "deleted by retention on "  # then the date: the value of `Rollout.archive` once its file went
 
 
@@ -133,7 +132,7 @@ def drop_expired(db: Session, data_dir: Path, keep_days: float) -> list[str]:
         return []
     hot = select(Rollout.id).where(Rollout.job_id == Job.id, Rollout.archive.is_(None)).exists()
     expired = list(db.scalars(select(Job.id).where(
-        Job.id.in_([p.name for p in root.iterdir()]), Job.status.in_(ENDED),
+        Job.id.in_([p.name for p in root.iterdir()]), Job.status.in_(JobStatus.ended()),
         Job.finished_at <= utcnow() - timedelta(days=keep_days), ~hot)))
     if expired:
         db.execute(update(Rollout).where(Rollout.job_id.in_(expired), Rollout.archive.is_not(None),

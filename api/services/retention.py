@@ -121,7 +121,7 @@ def _sweep_learner_state(db: Session, checkpoints: BlobStore) -> None:
 def _ended_with_extra_versions(every: int) -> Select[tuple[str]]:
     final = func.coalesce(Job.final_version, Job.version)
     extra = select(WeightVersion.job_id).join(Job, Job.id == WeightVersion.job_id).where(
-        Job.status.in_([s for s in JobStatus if s.is_terminal()]),
+        Job.status.in_(JobStatus.ended()),
         WeightVersion.collected_at.is_(None), WeightVersion.version != final)
     if every:
         extra = extra.where(or_(WeightVersion.version % every != 0, WeightVersion.manifest.is_(None)))

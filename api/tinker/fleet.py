@@ -321,7 +321,7 @@ def end_jobs(db: Session, model_ids, reason: str) -> None:  # type: ignore[no-un
     """The fleet jobs of models that are gone: their workers go back to the fleet."""
     from ..services.jobs import finish_job
 
-    live = [s for s in JobStatus if not s.is_terminal()]
+    live = JobStatus.live()
     for job in db.scalars(select(Job).where(Job.tinker_model_id.in_(model_ids), Job.status.in_(live))):
         finish_job(db, job, JobStatus.succeeded, reason)
 

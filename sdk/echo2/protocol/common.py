@@ -100,6 +100,15 @@ class JobStatus(StrEnum):
     def is_terminal(self) -> bool:
         return self in (JobStatus.succeeded, JobStatus.failed, JobStatus.cancelled)
 
+    @classmethod
+    def ended(cls) -> list[JobStatus]:
+        """The terminal statuses (for a query's IN)."""
+        return [s for s in cls if s.is_terminal()]
+
+    @classmethod
+    def live(cls) -> list[JobStatus]:
+        return [s for s in cls if not s.is_terminal()]
+
     def stops_learner(self) -> bool:
         """A learner that sees this status stops: finished, or paused (a new one resumes the job later)."""
         return self is JobStatus.paused or self.is_terminal()
