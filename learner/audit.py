@@ -214,26 +214,28 @@ def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None]
     logq = logprobs(rows, settings)
     ranks = ranked(logq) if settings.truncates() else None  # one sort of the vocabulary for every support
     picked = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    sampling = support(logq, settings, ranks=ranks).softmax(-1)  # the nucleus the sampler draws from
+    exact = support(logq, settings, ranks=ranks)  # the nucleus the sampler draws from
     possible = support(logq, settings, NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature), ranks)
+    sampling = exact.softmax(-1)
     expected = torch.nan_to_num(sampling * logq).sum(-1)
     variance = torch.nan_to_num(sampling * logq.square()).sum(-1) - expected.square()
     outside = int(torch.isinf(possible.gather(-1, tokens.unsqueeze(-1))).sum())
     reported = torch.zeros_like(mask, dtype=torch.float32)
     for i, (_, lp) in enumerate(samples):
         reported[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
-    gaps, where = _replay(targets, mask, claim, config, (logq, ranks))
+    gaps, where = _replay(targets, mask, claim, config, (logq, ranks, exact, possible))
     return _Scores(picked.cpu(), reported[mask].cpu(), expected.cpu(), variance.clamp(min=0).cpu(), outside, gaps,
                    where)
 
 
-Scored = tuple[torch.Tensor, Ranks | None]  # the masked rows' logprobs and their ranking (None: no truncation)
+# The masked rows' logprobs, their ranking (None: no truncation), and their exact and widened supports.
+Scored = tuple[torch.Tensor, Ranks | None, torch.Tensor, torch.Tensor]
 
 
 def _replay(targets: torch.Tensor, mask: torch.Tensor, claim: GroupClaim, config: AuditConfig,
             scored: Scored) -> tuple[torch.Tensor, torch.Tensor]:
     """Replay gaps of the masked tokens (sample-major, position order) and their (sample, position).
-    `scored`: the masked rows' logprobs and their ranking, which `_score` computed (same rows, same order)."""
+    `scored`: what `_score` computed of the masked rows (same rows, same order)."""
     seeds = claim.seeds()
     if seeds is None:
         return torch.zeros(0), torch.zeros(0, 2, dtype=torch.int64)
@@ -246,11 +248,13 @@ def _replay(targets: torch.Tensor, mask: torch.Tensor, claim: GroupClaim, config
         part = slice(start, start + REPLAY_ROWS)
         rows = sample_idx[part], position[part]
         n = len(rows[0])
-        lp, ranks = scored[0][part], None if scored[1] is None else (scored[1][0][part], scored[1][1][part])
+        lp, ranks, exact, wide = scored[0][part], None, None, None
+        if scored[1] is not None:  # truncated: its supports differ from lp (without, replay scores lp once)
+            ranks, exact, wide = (scored[1][0][part], scored[1][1][part]), scored[2][part], scored[3][part]
         # The replay reads the logits only to take their logprobs, which it is given: no copy of logits[rows].
         chunk = replay(lp, targets[rows], settings.select(torch.arange(start, start + n, device=device)),
                        row_seeds[part], rows[1], NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature),
-                       lp=lp, ranks=ranks)
+                       lp=lp, ranks=ranks, exact=exact, wide=wide)
         gaps.append(chunk.gap)
     gap = torch.cat(gaps).cpu() if gaps else torch.zeros(0)
     return gap, torch.stack([sample_idx, position], -1).cpu()

@@ -205,20 +205,22 @@ class Replay:
 
 def replay(logits: torch.Tensor, tokens: torch.Tensor, settings: RowSettings, seeds: torch.Tensor,
            positions: torch.Tensor, slack_p: float = 0.0, slack_lp: float = 0.0, *, lp: torch.Tensor | None = None,
-           ranks: Ranks | None = None) -> Replay:
+           ranks: Ranks | None = None, exact: torch.Tensor | None = None, wide: torch.Tensor | None = None) -> Replay:
     """Replay the draw at N positions (logits [N, V] under the claimed weights) against the claimed tokens.
 
     The gap of a token is the larger of its block's and its own shortfall: max_b(L_b + G_b) - (L_y + G_y),
     and likewise among its block's tokens. Where the worker computed the support's edges in lower precision,
     the best scores are taken over the support narrowed by the slacks (tokens in it for any such worker) and
     the claimed token is scored in the support widened by them (`support`); only a token outside the widened
-    support is `outside`. With no slack both are the support itself. `lp` (= logprobs(logits, settings)) and
-    `ranks` (= ranked(lp)), where the caller has them, are not computed again."""
+    support is `outside`. With no slack both are the support itself. `lp` (= logprobs(logits, settings)),
+    `ranks` (= ranked(lp)), `exact` (= support(lp, settings)) and `wide` (= support(lp, settings, slack_p,
+    slack_lp)), where the caller has them, are not computed again."""
     lp = logprobs(logits, settings) if lp is None else lp
     if ranks is None and settings.truncates():
         ranks = ranked(lp)
-    sure, wide = support(lp, settings, -slack_p, -slack_lp, ranks), support(lp, settings, slack_p, slack_lp, ranks)
-    exact = support(lp, settings, ranks=ranks)
+    sure = support(lp, settings, -slack_p, -slack_lp, ranks)
+    wide = support(lp, settings, slack_p, slack_lp, ranks) if wide is None else wide
+    exact = support(lp, settings, ranks=ranks) if exact is None else exact
     # Without truncation the three supports are lp itself: score its blocks once, not three times.
     block_scores: dict[int, torch.Tensor] = {}
     for masked in (sure, wide, exact):

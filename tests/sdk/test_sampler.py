@@ -134,6 +134,24 @@ def test_a_token_drawn_with_another_seed_or_model_does_not_replay():
         assert bool((result.gap[differs] > 0).all())
 
 
+def test_a_replay_given_the_callers_supports_is_the_same_replay():
+    """The audit hands the replay the ranking and supports it computed for its own tests."""
+    torch.manual_seed(5)
+    n = 64
+    logits = torch.randn(n, V) * 3
+    settings = _settings(n, temperature=0.7, top_k=40, top_p=0.9)
+    seeds, positions = _ids(range(n)), _ids([i % 7 for i in range(n)])
+    tokens, _ = draw(logits + torch.randn(n, V) * 0.1, settings, seeds, positions)
+    lp = sampler.logprobs(logits, settings)
+    ranks = sampler.ranked(lp)
+    given = replay(logits, tokens, settings, seeds, positions, 0.02, 0.1, lp=lp, ranks=ranks,
+                   exact=sampler.support(lp, settings, ranks=ranks),
+                   wide=sampler.support(lp, settings, 0.02, 0.1, ranks))
+    alone = replay(logits, tokens, settings, seeds, positions, 0.02, 0.1)
+    assert torch.equal(given.gap, alone.gap) and torch.equal(given.chosen, alone.chosen)
+    assert torch.equal(given.outside, alone.outside) and bool((given.gap > 0).any())
+
+
 def test_a_token_outside_the_support_is_outside():
     logits = torch.zeros(1, V)
     logits[0, 3] = 10.0
