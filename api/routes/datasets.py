@@ -8,15 +8,16 @@ from typing import Annotated
 
 from echo2.protocol import DatasetCreate, DatasetItems, DatasetRead, Page, UploadCreate, UploadRead
 from echo2.protocol.datasets import item_problem
-from fastapi import APIRouter, Body, File, Form, Header, Path, Query, UploadFile
+from fastapi import Body, File, Form, Header, Path, Query, UploadFile
 from sqlalchemy import delete, func, select
 
 from ..deps import CurrentUser, SessionDep, SettingsDep
 from ..errors import ApiError
 from ..models import Dataset, DatasetItem, DatasetUpload, User
+from ..routing import make_router
 from ..services import uploads
 
-router = APIRouter(prefix="/v1", tags=["datasets"])
+router = make_router(prefix="/v1", tags=["datasets"])
 UploadPath = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 
 

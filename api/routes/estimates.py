@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from echo2.protocol import JobEstimate, JobSpec
-from fastapi import APIRouter
 
 from ..deps import CurrentUser, SessionDep, SettingsDep
+from ..routing import make_router
 from ..services import jobs, memory
 from ..services.estimate import estimate
 
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = make_router(prefix="/v1", tags=["jobs"])
 
 
 @router.post("/jobs:estimate", operation_id="estimate_job", summary="Estimate a job's cost before submitting it",

@@ -4,12 +4,12 @@ them; the job's owner reads the curve (services/evals.py)."""
 from __future__ import annotations
 
 from echo2.protocol import EvalPrompt, EvalRead, EvalReport
-from fastapi import APIRouter
 
 from ..deps import CurrentUser, LearnerJobId, SessionDep, learner_job, owned_job
+from ..routing import make_router
 from ..services import evals
 
-router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["evaluation"])
+router = make_router(prefix="/v1/jobs/{job_id}", tags=["evaluation"])
 
 
 @router.get("/learner/eval-prompts", operation_id="learner_eval_prompts",

@@ -5,16 +5,17 @@ from __future__ import annotations
 from typing import Annotated
 
 from echo2.protocol import Manifest
-from fastapi import APIRouter, Query
+from fastapi import Query
 from fastapi.responses import StreamingResponse
 
 from ..deps import BlobsDep, CurrentUser, SessionDep, owned_job
 from ..errors import ApiError
 from ..models import WeightVersion
+from ..routing import make_router
 from ..services import export
 from ..services.jobs import spec_of
 
-router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["weights"])
+router = make_router(prefix="/v1/jobs/{job_id}", tags=["weights"])
 
 
 @router.get("/export", operation_id="export_model",

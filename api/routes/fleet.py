@@ -19,7 +19,7 @@ from echo2.protocol import (
     WorkerRegistered,
     WorkerStatus,
 )
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import Query, Request, Response
 from sqlalchemy import func, select
 
 from .. import auth
@@ -36,9 +36,10 @@ from ..deps import (
 )
 from ..errors import ApiError
 from ..models import Audit, Job, Provider, User, Worker
+from ..routing import make_router
 from ..services import fleet, relay, trust
 
-router = APIRouter(prefix="/v1", tags=["fleet"])
+router = make_router(prefix="/v1", tags=["fleet"])
 
 
 @router.post("/providers", status_code=201, operation_id="create_provider",

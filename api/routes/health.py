@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
 from ..errors import ApiError
+from ..routing import make_router
 
-router = APIRouter(tags=["health"])
+router = make_router(tags=["health"])
 
 
 @router.get("/healthz", operation_id="healthz", summary="The process is up")

@@ -22,18 +22,19 @@ from echo2.protocol import (
     StepMetrics,
     TaskInfo,
 )
-from fastapi import APIRouter, Header, Query, Response
+from fastapi import Header, Query, Response
 from sqlalchemy import func, select
 
 from tasks import get_task, list_tasks
 
 from ..deps import BlobsDep, CheckpointsDep, CurrentUser, PassedFilter, SessionDep, SettingsDep, owned_job
 from ..models import Audit, Decision, Job, Prompt, Rollout, StepMetric
+from ..routing import make_router
 from ..services import archive, modelinfo, reports, retention, trust
 from ..services import jobs as svc
 from ..services.ledger import next_offset
 
-router = APIRouter(prefix="/v1", tags=["jobs"])
+router = make_router(prefix="/v1", tags=["jobs"])
 Limit = Annotated[int, Query(ge=1, le=200, description="Page size.")]
 Offset = Annotated[int, Query(ge=0, le=10_000_000, description="Items to skip.")]
 NameFilter = Annotated[str | None, Query(max_length=128, pattern=r"^[^\x00]*$", description="Substring of the name.")]

@@ -20,7 +20,7 @@ from echo2.protocol import (
     StepAck,
     StepReport,
 )
-from fastapi import APIRouter, Request
+from fastapi import Request
 from sqlalchemy import select
 
 from ..db import Database
@@ -39,11 +39,12 @@ from ..deps import (
 )
 from ..errors import ApiError
 from ..models import Worker
+from ..routing import make_router
 from ..services import admission, learning, notices, retention, trust
 from ..services.jobs import finish_job, job_read
 from ..settings import Settings
 
-router = APIRouter(prefix="/v1/jobs/{job_id}/learner", tags=["learner"])
+router = make_router(prefix="/v1/jobs/{job_id}/learner", tags=["learner"])
 
 
 @router.post("/token", status_code=201, operation_id="issue_learner_token",

@@ -7,18 +7,19 @@ from __future__ import annotations
 from typing import Annotated
 
 from echo2.protocol import Manifest, ReplayStep
-from fastapi import APIRouter, Body, Header, Path
+from fastapi import Body, Header, Path
 from sqlalchemy import select
 
 from ..deps import CheckpointsDep, LearnerJobId, SessionDep, SettingsDep, learner_job
 from ..errors import ApiError
 from ..files import RangedFileResponse
 from ..models import Rollout, StepMetric
+from ..routing import make_router
 from ..services import admission
 from ..storage import ChunkError
 from .weights import SHA_HEADER, IndexPath
 
-router = APIRouter(prefix="/v1/jobs/{job_id}/learner", tags=["learner"])
+router = make_router(prefix="/v1/jobs/{job_id}/learner", tags=["learner"])
 StepPath = Annotated[int, Path(ge=0, le=10_000_000)]
 KEEP = 2  # checkpoints kept per job: the newest and the one before, in case the newest is being read
 

@@ -16,17 +16,18 @@ from echo2.protocol import (
     RolloutSubmit,
     RolloutSubmitResult,
 )
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from ..deps import BlobsDep, CurrentWorker, SessionDep, SettingsDep
 from ..errors import ApiError
 from ..models import Job, Lease, Worker, utcnow
+from ..routing import make_router
 from ..services import admission, episodes, notices, pool, trust
 from ..services.jobs import sampling_of, spec_of
 from ..tinker import fleet as tinker_fleet
 from ..tinker import service as tinker_service
 
-router = APIRouter(prefix="/v1", tags=["leases"])
+router = make_router(prefix="/v1", tags=["leases"])
 
 
 @router.post("/leases", status_code=201, operation_id="create_lease",

@@ -8,16 +8,17 @@ from typing import Annotated, Any, Literal
 
 from echo2.protocol import JobLedger, ProviderStatement
 from echo2.protocol.tinker import TinkerUsage
-from fastapi import APIRouter, Query, Request, Response
+from fastapi import Query, Request, Response
 from sqlalchemy.orm import Session
 
 from ..deps import AnyPrincipal, CurrentProvider, CurrentUser, Principal, SessionDep, owned_job
 from ..errors import ApiError
 from ..models import Provider
+from ..routing import make_router
 from ..services import ledger
 from ..tinker import usage
 
-router = APIRouter(prefix="/v1", tags=["ledger"])
+router = make_router(prefix="/v1", tags=["ledger"])
 Since = Annotated[datetime | None, Query(description="Entries made at or after this time (ISO 8601; UTC when "
                                          "it has no offset).")]
 Until = Annotated[datetime | None, Query(description="Entries made before this time (ISO 8601; UTC when it has "

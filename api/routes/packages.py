@@ -6,14 +6,15 @@ from __future__ import annotations
 from typing import Annotated
 
 from echo2.protocol import PlatformVersion
-from fastapi import APIRouter, Path, Request
+from fastapi import Path, Request
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 
 from ..errors import ApiError
+from ..routing import make_router
 from ..services import packages
 from ..services.packages import WheelIndex
 
-router = APIRouter(tags=["packages"])
+router = make_router(tags=["packages"])
 ProjectPath = Annotated[str, Path(max_length=128, pattern=r"^[A-Za-z0-9._-]+$")]
 FilePath = Annotated[str, Path(max_length=200, pattern=r"^[A-Za-z0-9._-]+\.whl$")]
 FILES = "/simple/files"

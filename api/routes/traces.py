@@ -5,16 +5,17 @@ from __future__ import annotations
 from typing import Annotated
 
 from echo2.protocol import Page, RolloutTrace
-from fastapi import APIRouter, Path, Query
+from fastapi import Path, Query
 from sqlalchemy import func, select
 
 from ..deps import BlobsDep, CurrentUser, SessionDep, SettingsDep, owned_job
 from ..errors import ApiError
 from ..models import Rollout
+from ..routing import make_router
 from ..services import traces
 from ..services.ledger import next_offset
 
-router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["jobs"])
+router = make_router(prefix="/v1/jobs/{job_id}", tags=["jobs"])
 RolloutPath = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 
 

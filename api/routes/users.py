@@ -5,15 +5,16 @@ from __future__ import annotations
 from typing import Annotated
 
 from echo2.protocol import ApiKeyCreated, Quotas, TokenKind, TokenRead, UserCreate, UserCreated, UserRead
-from fastapi import APIRouter, Query
+from fastapi import Query
 from sqlalchemy import select
 
 from .. import auth
 from ..deps import AdminUser, CurrentUser, SessionDep
 from ..errors import ApiError
 from ..models import Token, User
+from ..routing import make_router
 
-router = APIRouter(prefix="/v1", tags=["users"])
+router = make_router(prefix="/v1", tags=["users"])
 
 
 @router.post("/users", status_code=201, operation_id="create_user", summary="Create a user with an API key (admin)")

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 
 import anyio
 from echo2.protocol import Form, Manifest, VersionNotice, VersionPublish, VersionRead
-from fastapi import APIRouter, Body, Header, Path, Query, Request
+from fastapi import Body, Header, Path, Query, Request
 from fastapi.responses import StreamingResponse
 from sqlalchemy import select
 
@@ -27,10 +27,11 @@ from ..deps import (
 from ..errors import ApiError
 from ..files import RangedFileResponse
 from ..models import Job, WeightVersion
+from ..routing import make_router
 from ..services import dissemination, modelinfo, notices, retention, versions
 from ..storage import ChunkError
 
-router = APIRouter(prefix="/v1/jobs/{job_id}", tags=["weights"])
+router = make_router(prefix="/v1/jobs/{job_id}", tags=["weights"])
 SHA_HEADER = "X-Echo2-Sha256"
 VersionPath = Annotated[int, Path(ge=0, le=10_000_000)]
 IndexPath = Annotated[int, Path(ge=0, le=1_000_000)]

@@ -18,16 +18,17 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any
 
 from echo2.protocol.tinker import RequestKind
-from fastapi import APIRouter, Query
+from fastapi import Query
 from sqlalchemy import func, select
 
 from ..deps import SessionDep
 from ..errors import ApiError
+from ..routing import make_router
 from .deps import TinkerUser
 from .models import TinkerCheckpoint, TinkerModel, TinkerSession
 from .models import TinkerUsage as UsageRow
 
-router = APIRouter(prefix="/api/v1/billing/usage", tags=["tinker"], include_in_schema=False)
+router = make_router(prefix="/api/v1/billing/usage", tags=["tinker"], include_in_schema=False)
 MAX_WINDOW = timedelta(days=14)
 TRAINING_KINDS = (RequestKind.forward, RequestKind.forward_backward, RequestKind.optim_step, RequestKind.create_model,
                   RequestKind.load_weights)

@@ -29,19 +29,20 @@ from echo2.protocol.tinker import (
     ModelStatus,
     RequestKind,
 )
-from fastapi import APIRouter, Query, Request
+from fastapi import Query, Request
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ..deps import SessionDep
 from ..errors import ApiError
 from ..models import utcnow
+from ..routing import make_router
 from . import queueing, service, states
 from .deps import Bell, IdempotencyKey, TinkerUser
 from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSession
 from .schemas import CopyWeightsRequest, TtlRequest, WeightsInfoRequest
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+router = make_router(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 SEGMENTS = {kind.segment: kind for kind in CheckpointKind}
 
 

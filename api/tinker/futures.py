@@ -15,19 +15,20 @@ from typing import Any
 
 import anyio
 from echo2.protocol.tinker import CheckpointKind, ModelStatus, RequestKind, RequestStatus
-from fastapi import APIRouter, Request, Response
+from fastapi import Request, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy import select
 
 from ..db import Database
 from ..errors import ApiError
+from ..routing import make_router
 from ..services.notices import RECHECK_S, Announcer
 from . import service, wire
 from .deps import ApiKey, user_of
 from .models import TinkerModel, TinkerRequest
 from .schemas import RetrieveFutureRequest
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+router = make_router(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 
 LONG_POLL_S = 25.0  # the SDK's retrieve_future timeout is 45 s
 PROTOBUF = "application/x-protobuf"

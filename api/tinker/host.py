@@ -30,20 +30,21 @@ from echo2.protocol.tinker import (
     SessionStatus,
     TinkerLora,
 )
-from fastapi import APIRouter, Query, Request
+from fastapi import Query, Request
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from ..db import Database
 from ..deps import SessionDep, SettingsDep
 from ..models import utcnow
+from ..routing import make_router
 from ..settings import Settings
 from . import checkpoints, fleet, service
 from .deps import ApiKey, Bell, HostUser, require_host, user_of
 from .models import TinkerHost, TinkerModel, TinkerRequest, TinkerSession
 from .sampling import MAX_SAMPLE_TOKENS
 
-router = APIRouter(prefix="/v1/tinker/host", tags=["tinker"], include_in_schema=False)
+router = make_router(prefix="/v1/tinker/host", tags=["tinker"], include_in_schema=False)
 MAX_SAMPLE_BATCH = 32
 PARK_AFTER_S = 60.0  # a model idle this long gives its slot up to one that waits
 SLICE_S = 120.0  # and a busy one, once it has held the slot this long: two busy clients of one slot take turns

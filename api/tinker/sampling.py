@@ -12,18 +12,18 @@ from echo2.protocol.tinker import (
     SampleParams,
     SamplePayload,
 )
-from fastapi import APIRouter
 from pydantic import ValidationError
 from sqlalchemy.exc import IntegrityError
 
 from ..deps import SessionDep, SettingsDep
 from ..errors import ApiError
+from ..routing import make_router
 from . import fleet, queueing, service
 from .deps import Bell, IdempotencyKey, TinkerUser
 from .models import TinkerSampler
 from .schemas import CreateSamplingSessionRequest, SampleRequest, SamplingParams
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+router = make_router(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 MAX_SAMPLE_TOKENS = 2**17  # rows x (prompt + max_tokens) of one request, and of a batch the host samples at once
 
 

@@ -14,15 +14,15 @@ from __future__ import annotations
 from typing import Any
 
 from echo2.protocol.tinker import CheckpointKind, RequestKind
-from fastapi import APIRouter
 
 from ..deps import SessionDep
 from ..errors import ApiError
+from ..routing import make_router
 from . import service
 from .deps import TinkerUser
 from .models import TinkerRequest, TinkerSequence
 
-router = APIRouter(prefix="/v1/tinker/sequences", tags=["tinker"], include_in_schema=False)
+router = make_router(prefix="/v1/tinker/sequences", tags=["tinker"], include_in_schema=False)
 
 
 @router.get("/{sequence_id}")

@@ -5,18 +5,19 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from echo2.protocol.tinker import ModelKind, SessionStatus
-from fastapi import APIRouter, Query
+from fastapi import Query
 from sqlalchemy import select
 
 from ..deps import SessionDep
 from ..errors import ApiError
 from ..models import utcnow
+from ..routing import make_router
 from . import service
 from .deps import TinkerUser
 from .models import TinkerModel, TinkerSampler, TinkerSession
 from .schemas import ClientConfigRequest, CreateSessionRequest, FinishSession, SessionRef
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+router = make_router(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 
 # The SDK's feature flags (tinker.types.ClientConfigResponse), set to the paths this server implements:
 # API keys without a JWT exchange, one retrieve_future per request, losses computed on the server.

@@ -17,17 +17,18 @@ from pathlib import Path
 from typing import Annotated
 
 from echo2.protocol.tinker import StateUpload
-from fastapi import APIRouter, Body, Header, Request
+from fastapi import Body, Header, Request
 from fastapi import Path as PathParam
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..errors import ApiError
 from ..files import RangedFileResponse
+from ..routing import make_router
 from .deps import HostUser
 from .models import TinkerCheckpoint
 
-router = APIRouter(prefix="/v1/tinker/host/states", tags=["tinker"], include_in_schema=False)
+router = make_router(prefix="/v1/tinker/host/states", tags=["tinker"], include_in_schema=False)
 SHA_HEADER = "X-Echo2-Sha256"
 Digest = Annotated[str, PathParam(pattern=r"^[0-9a-f]{64}$")]
 CHUNK_BYTES = 32 * 2**20  # what a host sends at once (the body limit of /chunks/ routes is larger)

@@ -20,20 +20,21 @@ from echo2.protocol.tinker import (
     SavePayload,
     TinkerDatum,
 )
-from fastapi import APIRouter, Request
+from fastapi import Request
 from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from ..db import Database
 from ..deps import SessionDep
 from ..errors import ApiError
+from ..routing import make_router
 from ..services.notices import Announcer
 from . import queueing, records, service, wire
 from .deps import Bell, IdempotencyKey, TinkerUser
 from .models import TinkerCheckpoint, TinkerModel, TinkerRequest, TinkerSampler
 from .schemas import CreateModelRequest, LoadWeightsRequest, ModelRef, OptimStepRequest, SaveWeightsRequest
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+router = make_router(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 
 PROTOBUF = "application/x-protobuf"
 # The inputs each loss needs besides target_tokens (tinker-docs "Losses"), and those it reads when given

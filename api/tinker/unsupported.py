@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import Request
 
 from ..errors import ApiError
+from ..routing import make_router
 
-router = APIRouter(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+router = make_router(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
 
 
 @router.api_route("/{rest:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"])

@@ -65,6 +65,25 @@ def test_more_callers_than_request_threads_never_deadlock_the_database(api):
     assert codes == [200] * 360
 
 
+def test_a_route_hands_its_connection_back_before_its_answer_is_validated(api):
+    """A sync route's answer is validated in another pool thread after the route returns. A read-only route
+    (no commit) kept SQLite's one connection across that hop: once every pool thread waited for the
+    connection, nobody could validate the answer that would free it (seen with a Tinker learner host
+    polling its requests' state beside an async RL loop's futures: the API stalled for the pool's 120 s)."""
+    _, alice = new_user(api)
+    key = alice.headers["Authorization"].split()[1]
+    routes = [("GET", "/v1/jobs", {"Authorization": f"Bearer {key}"}, None),
+              ("GET", "/v1/tinker/usage", {"Authorization": f"Bearer {key}"}, None)]
+
+    def call(i: int) -> int:
+        method, path, headers, body = routes[i % 2]
+        return httpx.request(method, f"{api.url}{path}", headers=headers, json=body, timeout=60).status_code
+
+    with ThreadPoolExecutor(max_workers=120) as pool:
+        codes = list(pool.map(call, range(360)))
+    assert codes == [200] * 360
+
+
 def test_groups_one_worker_submits_at_once_get_numbers_of_their_own(api, tmp_path):
     """The audit windows count a worker's groups (api/services/trust.py): submissions racing each other must
     not share numbers, or a worker could send many at once to have them all fall outside its audit."""
