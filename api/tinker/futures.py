@@ -10,6 +10,7 @@ saturated the API's database connection)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from typing import Any
 
@@ -29,6 +30,7 @@ from .models import TinkerModel, TinkerRequest
 from .schemas import RetrieveFutureRequest
 
 router = make_router(prefix="/api/v1", tags=["tinker"], include_in_schema=False)
+log = logging.getLogger(__name__)
 
 LONG_POLL_S = 25.0  # the SDK's retrieve_future timeout is 45 s
 PROTOBUF = "application/x-protobuf"
@@ -58,17 +60,24 @@ class Watcher:
     async def _watch(self) -> None:
         while self._waiting:
             await asyncio.sleep(RECHECK_S)
-            if ids := list(self._waiting):
-                for request_id in await anyio.to_thread.run_sync(_ended, self._database, ids):
-                    self._announcer.announce(service.request_key(request_id))
+            try:
+                ended = await anyio.to_thread.run_sync(_ended, self._database, list(self._waiting))
+            except Exception:  # the database is away: the polls still end at their deadline; look again later
+                log.exception("could not look up the futures being polled")
+                continue
+            for request_id in ended:
+                self._announcer.announce(service.request_key(request_id))
 
 
 def _ended(database: Database, ids: list[str]) -> list[str]:
     terminal = [s for s in RequestStatus if s.is_terminal()]
+    ended: list[str] = []
     with database.session() as db:
-        return [i for start in range(0, len(ids), WATCH_BATCH)
-                for i in db.scalars(select(TinkerRequest.id).where(TinkerRequest.id.in_(ids[start:start + WATCH_BATCH]),
-                                                                   TinkerRequest.status.in_(terminal)))]
+        for start in range(0, len(ids), WATCH_BATCH):
+            batch = ids[start:start + WATCH_BATCH]
+            ended += db.scalars(select(TinkerRequest.id).where(TinkerRequest.id.in_(batch),
+                                                               TinkerRequest.status.in_(terminal)))
+    return ended
 
 
 @router.post("/retrieve_future")
