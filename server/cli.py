@@ -12,7 +12,8 @@ def _parser() -> argparse.ArgumentParser:
     api = sub.add_parser("api", help="run the HTTP API (runs database migrations first)")
     api.add_argument("--host", help="bind address (default ECHO2_HOST)")
     api.add_argument("--port", type=int, help="port (default ECHO2_PORT)")
-    api.add_argument("--workers", type=int, default=1, help="uvicorn worker processes")
+    api.add_argument("--workers", type=int, default=1,
+                     help="API processes behind this port (more than 1 needs PostgreSQL: docs/ARCHITECTURE.md)")
     db = sub.add_parser("db", help="database operations")
     db.add_argument("action", choices=["upgrade"], help="upgrade: apply Alembic migrations")
     admin = sub.add_parser("admin", help="administration")
@@ -41,6 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         cmd = sub.add_parser(name, help=text)
         cmd.add_argument("--workers", type=int, default=2, help="local CPU workers (default 2)")
         cmd.add_argument("--port", type=int, help="API port (default ECHO2_PORT)")
+        cmd.add_argument("--api-processes", type=int, default=1,
+                         help="API processes behind the port (default 1; more needs ECHO2_DATABASE_URL on PostgreSQL)")
         cmd.add_argument("--learner-slots", type=int, default=2,
                          help="learners the local learner host runs at once (default 2)")
         tinker = 1 if name == "up" else 0
@@ -163,10 +166,12 @@ def _learner_host(settings, app, slots: int | None, argv: list[str]) -> int:  # 
 def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     from .stack import Stack, serve_forever
 
+    _check_api_processes(settings, args.api_processes, "--api-processes")
     if args.port:
         settings = settings.model_copy(update={"port": args.port, "public_url": f"http://{settings.host}:{args.port}"})
     stack = Stack(settings.model_copy(update={"data_dir": settings.data_dir.resolve()}), workers=args.workers,
-                  learner_slots=args.learner_slots, tinker_slots=args.tinker_slots)
+                  learner_slots=args.learner_slots, tinker_slots=args.tinker_slots,
+                  api_processes=args.api_processes)
     print(f"starting Echo2 in {stack.settings.data_dir} ...", flush=True)
     stack.start()
     ends = "stop with Ctrl-C" if args.command == "up" else "it stops when the job ends (Ctrl-C stops it sooner)"
@@ -227,6 +232,16 @@ def _create_user(settings, name: str, role: str) -> int:  # type: ignore[no-unty
     return 0
 
 
+def _check_api_processes(settings, n: int, flag: str) -> None:  # type: ignore[no-untyped-def]
+    """Several API processes share one database and hold nothing the others need; SQLite takes one
+    writer at a time and has no row locks to share leases by, so they need PostgreSQL."""
+    if n < 1:
+        raise ValueError(f"{flag} must be at least 1 (got {n})")
+    if n > 1 and settings.database_url.startswith("sqlite"):
+        raise ValueError(f"{flag} {n} needs PostgreSQL: set ECHO2_DATABASE_URL=postgresql+psycopg://... "
+                         "(SQLite serves one API process; docs/ARCHITECTURE.md, 'Several API processes')")
+
+
 def _serve(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     import uvicorn
     from echo2 import logs
@@ -235,6 +250,7 @@ def _serve(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untype
     from api.db import Database
     from api.migrate import upgrade
 
+    _check_api_processes(settings, args.workers, "--workers")
     upgrade(settings.database_url)
     host, port = args.host or settings.host, args.port or settings.port
     if settings.env == "dev":

@@ -1,8 +1,9 @@
 """`echo2-server up`: the whole platform as one process tree on the embedded defaults.
 
-A private Redis, the API, the scheduler (Celery worker + beat), one learner host (two learner slots
-by default), a Tinker learner host when asked (`up` asks for one: the Tinker API, docs/TINKER.md) and N
-local CPU workers, each in its own process group with a pid file under DATA_DIR/run.
+A private Redis, the API (one process, or N behind its port on PostgreSQL), the scheduler (Celery worker
++ beat), one learner host (two learner slots by default), a Tinker learner host when asked (`up` asks for
+one: the Tinker API, docs/TINKER.md) and N local CPU workers, each in its own process group with a pid
+file under DATA_DIR/run.
 Ctrl-C (or SIGTERM) stops them all: TERM to every group, then KILL to whatever is left, so no process
 outlives `up`. Pid files left by an `up` that was itself killed are used to clean up its orphans at the
 next start.
@@ -46,6 +47,7 @@ class Stack:
     workers: int = 2
     learner_slots: int = 2
     tinker_slots: int = 0  # models the Tinker learner host holds at once (0: no Tinker host)
+    api_processes: int = 1  # uvicorn processes behind the one port (more than 1: PostgreSQL)
     children: list[Child] = field(default_factory=list)
     redis: RedisServer | None = None
     admin_key: str = ""
@@ -68,7 +70,8 @@ class Stack:
         self.redis = RedisServer(data_dir=self.settings.data_dir / "redis").start()
         _write_pid(self.run_dir / "redis.pid", self.redis.proc.pid if self.redis.proc else 0)
         env = self._env()
-        self._spawn(Child("api", [sys.executable, "-m", "server.cli", "api"], env))
+        self._spawn(Child("api", [sys.executable, "-m", "server.cli", "api", "--workers", str(self.api_processes)],
+                          env))
         wait_port(self.settings.port, timeout=120, proc=self.children[0].proc)
         self._spawn(Child("scheduler", [sys.executable, "-m", "server.cli", "scheduler"], env))
         self._spawn(Child("learner-host", [sys.executable, "-m", "server.cli", "learner-host",

@@ -80,3 +80,12 @@ def test_api_logs_json_lines_when_asked(tmp_path):
     lines = [json.loads(line) for line in err.splitlines()]  # every line, uvicorn's included
     assert {"ts", "level", "logger", "msg"} <= set(lines[0])
     assert any(x["logger"] == "uvicorn.error" and x["msg"].startswith("Uvicorn running on") for x in lines)
+
+
+def test_several_api_processes_need_postgresql(tmp_path):
+    env = {**os.environ, "ECHO2_DATA_DIR": str(tmp_path)}
+    for args in (["api", "--workers", "2"], ["up", "--api-processes", "2"], ["up", "--api-processes", "0"]):
+        done = run(args, env)
+        assert done.returncode == 1 and done.stderr.startswith("echo2-server: error:"), (args, done.stderr)
+    assert "ECHO2_DATABASE_URL" in run(["up", "--api-processes", "2"], env).stderr
+    assert not (tmp_path / "echo2.db").exists()  # refused before anything was made

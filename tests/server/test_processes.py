@@ -8,6 +8,7 @@ every race is between the two processes and not inside one)."""
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import uuid
@@ -220,3 +221,35 @@ def _groups(lease: dict[str, Any]) -> list[dict[str, Any]]:
     samples = [{"token_ids": [5 + k, 6, 7], "logprobs": [-0.5, -1.0, -0.1], "finish_reason": "stop"} for k in range(2)]
     return [{"prompt_id": p["prompt_id"], "version": 0, "prompt_token_ids": [1, 2, 3], "samples": samples}
             for p in lease["prompts"]]
+
+
+def test_up_runs_several_api_processes_behind_its_port(database, tmp_path):
+    """`echo2-server up --api-processes 2` on PostgreSQL: one port, two API processes answering it."""
+    port = free_port()
+    env = {**os.environ, "ECHO2_DATABASE_URL": database, "ECHO2_DATA_DIR": str(tmp_path / ".echo2"),
+           "ECHO2_LOG_LEVEL": "WARNING"}
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "up", "--workers", "0", "--tinker-slots", "0",
+                             "--learner-slots", "1", "--api-processes", "2", "--port", str(port)], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        assert any(line.startswith("Echo2 is up") for line in proc.stdout), "up ended before it was up"
+        api = int((tmp_path / ".echo2" / "run" / "api.pid").read_text())
+        assert len(_served_by(api)) == 2, Path(tmp_path / ".echo2" / "run" / "api.log").read_text()[-2000:]
+        key = (tmp_path / ".echo2" / "admin.key").read_text().strip()
+
+        def me(_: int) -> int:  # a connection each, so the kernel hands them to either process
+            return httpx.get(f"http://127.0.0.1:{port}/v1/me", headers={"Authorization": f"Bearer {key}"},
+                             timeout=30).status_code
+
+        with ThreadPoolExecutor(16) as pool:
+            assert Counter(pool.map(me, range(64))) == {200: 64}
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(timeout=60)
+
+
+def _served_by(pid: int) -> list[int]:
+    """The uvicorn worker processes of a supervisor (its other child is multiprocessing's resource tracker)."""
+    kids = [int(c) for t in Path(f"/proc/{pid}/task").iterdir() for c in (t / "children").read_text().split()]
+    return [k for k in kids if b"spawn_main" in Path(f"/proc/{k}/cmdline").read_bytes()]
