@@ -170,15 +170,16 @@ def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResu
     bad = int((diff > config.token_tol).sum())
     spread = float(scores.variance.sum())
     z = float((scores.picked - scores.expected).sum()) / math.sqrt(max(spread, MIN_VARIANCE))
-    margin = config.replay_margin(claim.precision, claim.temperature, float(diff.max()))
+    largest = float(diff.max())
+    margin = config.replay_margin(claim.precision, claim.temperature, largest)
     gaps = scores.gaps
     mismatches, near = int((gaps > margin).sum()), int(((gaps > 0) & (gaps <= margin)).sum())
-    result = dict(tokens=int(diff.numel()), max_abs_diff=float(diff.max()), mean_abs_diff=float(diff.mean()),
+    result = dict(tokens=int(diff.numel()), max_abs_diff=largest, mean_abs_diff=float(diff.mean()),
                   bad_tokens=bad, z=z, replayed=int(gaps.numel()), mismatches=mismatches, near_ties=near,
                   max_gap=min(float(gaps.max()), 1e6) if gaps.numel() else 0.0)
     if bad > config.max_bad_tokens:
         reason: str | None = (f"logprob mismatch: {bad} of {diff.numel()} tokens off by more than "
-                              f"{config.token_tol:g} nat (largest {float(diff.max()):.3g})")
+                              f"{config.token_tol:g} nat (largest {largest:.3g})")
     elif mismatches:
         sample, position = min(map(tuple, scores.where[gaps > margin].tolist()))
         reason = (f"replay: {mismatches} of {gaps.numel()} tokens are not what the sampler draws with the leased "
