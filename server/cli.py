@@ -164,7 +164,7 @@ def _learner_host(settings, app, slots: int | None, argv: list[str]) -> int:  # 
 
 
 def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
-    from .stack import Stack, serve_forever
+    from .stack import Stack, exit_on_sigterm, serve_forever
 
     _check_api_processes(settings, args.api_processes, "--api-processes")
     if args.port:
@@ -173,21 +173,25 @@ def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-d
                   learner_slots=args.learner_slots, tinker_slots=args.tinker_slots,
                   api_processes=args.api_processes)
     print(f"starting Echo2 in {stack.settings.data_dir} ...", flush=True)
-    stack.start()
-    ends = "stop with Ctrl-C" if args.command == "up" else "it stops when the job ends (Ctrl-C stops it sooner)"
-    print(f"Echo2 is up: dashboard {stack.url}/  (admin API key in {stack.settings.data_dir / 'admin.key'}: "
-          f"{stack.admin_key})\nlogs: {stack.run_dir}/*.log   {ends}", flush=True)
-    if args.command == "up":
-        serve_forever(stack)
-        return 0
-    from .demo import run_demo
-
+    # From here a Ctrl-C or SIGTERM at any moment (starting, just up, or serving) unwinds to the `finally`:
+    # the children run in sessions of their own, so nothing else would stop them.
+    exit_on_sigterm()
     try:
+        stack.start()
+        ends = "stop with Ctrl-C" if args.command == "up" else "it stops when the job ends (Ctrl-C stops it sooner)"
+        print(f"Echo2 is up: dashboard {stack.url}/  (admin API key in {stack.settings.data_dir / 'admin.key'}: "
+              f"{stack.admin_key})\nlogs: {stack.run_dir}/*.log   {ends}", flush=True)
+        if args.command == "up":
+            serve_forever(stack)
+            return 0
+        from .demo import run_demo
+
         return run_demo(stack, args.model, args.steps, args.staleness)
     finally:
         stack.stop()
-        print(f"the stack is stopped; `echo2-server up` (data in {stack.settings.data_dir}) serves the dashboard "
-              "and this job again", flush=True)
+        if args.command == "demo":
+            print(f"the stack is stopped; `echo2-server up` (data in {stack.settings.data_dir}) serves the "
+                  "dashboard and this job again", flush=True)
 
 
 def _learner(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]

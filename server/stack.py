@@ -183,7 +183,7 @@ def kill_orphans(run_dir: Path) -> None:
 
 
 def serve_forever(stack: Stack) -> None:
-    """Block until Ctrl-C or SIGTERM, supervising the children; then stop everything."""
+    """Block until Ctrl-C or SIGTERM, supervising the children; the caller stops the stack."""
     stopping = {"now": False}
 
     def _stop(*_: object) -> None:
@@ -191,12 +191,9 @@ def serve_forever(stack: Stack) -> None:
 
     signal.signal(signal.SIGTERM, _stop)
     signal.signal(signal.SIGINT, _stop)
-    try:
-        while not stopping["now"]:
-            stack.supervise()
-            time.sleep(0.5)
-    finally:
-        stack.stop()
+    while not stopping["now"]:
+        stack.supervise()
+        time.sleep(0.5)
 
 
 def exit_on_sigterm() -> None:

@@ -75,6 +75,42 @@ def test_ctrl_c_of_up_leaves_no_process_behind(tmp_path):
     assert not list(run.glob("*.pid"))
 
 
+@pytest.mark.parametrize("when", ["starting", "just up"])
+def test_a_signal_at_any_moment_of_up_leaves_no_process_behind(tmp_path, when):
+    """Ctrl-C (or SIGTERM) while `up` is still starting its children, or the instant it says it is up (before
+    it settles to serving), stops what it started: its children live in sessions of their own."""
+    env = stack_env(tmp_path)
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "up", "--workers", "1", "--port", str(free_port())],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run = tmp_path / ".echo2" / "run"
+    if when == "starting":
+        deadline = time.monotonic() + 120
+        while not (run / "scheduler.pid").exists():  # the API is up, the rest is starting
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+    else:
+        assert any(line.startswith("Echo2 is up") for line in proc.stdout), "up ended before it was up"
+        proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+    assert _ours(env["ECHO2_DATA_DIR"]) == [], "left behind"
+    assert not list(run.glob("*.pid"))
+
+
+def _ours(data_dir: str) -> list[int]:
+    """Live processes started for this data directory (they inherit its ECHO2_DATA_DIR)."""
+    mark = f"ECHO2_DATA_DIR={data_dir}".encode()
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and mark in (entry / "environ").read_bytes().split(b"\0") and not zombie(
+                    int(entry.name)):
+                pids.append(int(entry.name))
+        except OSError:
+            pass
+    return pids
+
+
 def _tinker_host_serves(url: str, key: str) -> None:
     """`up` runs a Tinker learner host: a LoRA model created over the Tinker routes gets loaded and billed."""
     tinker = httpx.Client(base_url=url, headers={"X-API-Key": f"tml-{key}"}, timeout=30)
