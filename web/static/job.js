@@ -4,7 +4,7 @@
 "use strict";
 
 E2.page("job", () => {
-  const { api, query, poll, h, $, fmt, timeEl, badge, fillRows, setText, TERMINAL } = E2;
+  const { api, query, poll, h, $, fmt, timeEl, badge, fillRows, setText, TERMINAL, ApiError } = E2;
   const id = $("#job").dataset.jobId;
   const base = "/v1/jobs/" + encodeURIComponent(id);
   const metrics = [];
@@ -316,7 +316,16 @@ E2.page("job", () => {
   $("#rollout-status").addEventListener("change", () => { rolloutsSig = ""; poller.now(); });
 
   async function loadRollouts() {
-    const page = await api(base + "/rollouts" + query({ limit: 10, status: $("#rollout-status").value }));
+    let page;
+    try {
+      page = await api(base + "/rollouts" + query({ limit: 10, status: $("#rollout-status").value }));
+    } catch (err) {
+      if (!(err instanceof ApiError) || err.status !== 410) throw err;
+      // Retention deleted the tokens of an ended job: say so here; the rest of the page still loads.
+      rolloutsSig = "";
+      $("#rollouts").replaceChildren(h("li", { class: "empty muted" }, err.message));
+      return;
+    }
     const sig = JSON.stringify(page.items.map((r) => [r.id, r.status, r.rewards]));
     if (sig === rolloutsSig) return; // unchanged: keep the reader's place and open completions
     rolloutsSig = sig;

@@ -4,7 +4,7 @@
 "use strict";
 
 (function () {
-  const { api, query, poll, h, $, fmt, badge, setText } = E2;
+  const { api, query, poll, h, $, fmt, badge, setText, ApiError } = E2;
   const STALE = ["#dafbe1", "#ddf4ff", "#fff8c5", "#ffd8b5", "#ffcecb"];  // staleness 0, 1, 2, 3, 4+
   const PAGE = 16;
 
@@ -75,7 +75,16 @@
       setText("#trace-job", job.name);
       document.title = `Step ${step} · ${job.name} · Echo2`;
       $("#trace-next").hidden = step + 1 >= job.step;
-      const page = await api(`/v1/jobs/${encodeURIComponent(jobId)}/traces` + query({ step, limit: PAGE }));
+      let page;
+      try {
+        page = await api(`/v1/jobs/${encodeURIComponent(jobId)}/traces` + query({ step, limit: PAGE }));
+      } catch (err) {
+        if (!(err instanceof ApiError) || err.status !== 410) throw err;
+        traces = []; // retention deleted this ended job's tokens: there is nothing to draw, and the page says why
+        setText("#trace-count", err.message);
+        render();
+        return;
+      }
       traces = page.items;
       setText("#trace-count", page.total
         ? `${page.total} group${page.total === 1 ? "" : "s"} trained at step ${step}` +
