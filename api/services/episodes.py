@@ -26,9 +26,10 @@ import logging
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
+from datetime import datetime
 
 from echo2.protocol import EpisodeLimits, EpisodeReply, EpisodeStep, GroupSubmit, JobSpec, LeaseStatus
-from sqlalchemy import select
+from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from tasks import TaskAdapter, TaskError, TaskParams, TaskPrompt, get_task
@@ -291,3 +292,13 @@ def _mismatch(episode: Episode | None, token_ids: list[int], turns: list[int] | 
         return "its tokens differ from the turns played in its episode"
     return None
 
+
+def drop_ended(db: Session, before: datetime) -> int:
+    """Delete the episodes of leases that ended, last played before `before`; returns how many. Nothing reads
+    them again: a group of an ended lease is refused before its episodes are looked at, and a submitted
+    group's turns are in its rollout (retries are answered from the rollout)."""
+    ended = select(Lease.id).where(Lease.status != LeaseStatus.active)
+    gone = db.execute(delete(Episode).where(Episode.updated_at <= before, Episode.lease_id.in_(ended))
+                      .execution_options(synchronize_session=False)).rowcount
+    db.commit()
+    return gone

@@ -15,6 +15,8 @@
   ECHO2_ARCHIVE_AFTER_STEPS steps ago, outside the fleet comparison's window, or rejected
   ECHO2_ARCHIVE_AFTER_H ago); the archive is kept forever, or deleted ECHO2_ARCHIVE_KEEP_DAYS after the job
   ended (then their rollouts and traces answer 410). Rows, metrics, audits and the ledger are never deleted.
+- Multi-turn episodes (api/services/episodes.py): played turn by turn while their lease is active, deleted
+  ECHO2_ARCHIVE_AFTER_H after their last turn once the lease ended (a submitted group's turns are its rollout's).
 
 Versions are collected where the API changes a job (publish, finish, cancel). `sweep`, run by each API
 process at start and then every ECHO2_RETENTION_SWEEP_S (with the archive's sweep and deletion), catches the
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from datetime import timedelta
 
 from echo2.protocol import JobStatus
 from sqlalchemy import Select, func, or_, select, update
@@ -35,7 +38,7 @@ from ..db import Database
 from ..models import Job, WeightVersion, utcnow
 from ..settings import Settings
 from ..storage import BlobStore
-from . import archive, versions
+from . import archive, episodes, versions
 from .jobs import spec_of
 from .plans import Forms
 
@@ -89,6 +92,8 @@ def _archive_once(database: Database, settings: Settings) -> None:
     with database.session() as db:
         archive.sweep(db, settings.data_dir, settings.archive_after_h, settings.archive_after_steps)
         archive.drop_expired(db, settings.data_dir, settings.archive_keep_days)
+        if gone := episodes.drop_ended(db, utcnow() - timedelta(hours=settings.archive_after_h)):
+            log.info("retention sweep deleted %d played episodes of ended leases", gone)
 
 
 def sweep(db: Session, blobs: BlobStore, every: int, checkpoints: BlobStore | None = None) -> int:

@@ -1,6 +1,7 @@
 """Multi-turn episodes over the wire (api/services/episodes.py): the worker plays model turns, the
 control plane runs the environment, keeps its secret and its reward, and checks the submitted group."""
 
+import asyncio
 import contextlib
 import json
 import shutil
@@ -9,9 +10,11 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from sqlalchemy import func, select
 from tokenizers import Tokenizer
 
-from api.models import Job, Prompt
+from api.models import Episode, Job, Prompt, Rollout
+from api.services import archive, retention
 from tests.factories import activate, new_provider, new_user, new_worker, ok, publish, start_learner
 
 GUESS = {"name": "guess_number", "params": {"low": 100_000, "high": 999_999, "max_turns": 3}}
@@ -400,3 +403,34 @@ def test_one_worker_alone_cannot_set_a_jobs_prompts_aside(api, hosted):
     with api.db.session() as s:
         assert {s.get(Prompt, pid).state for pid in mine[0]} == {"set_aside"}
         assert s.get(Job, job["id"]).status == "failed"  # one prompt left, a step takes two
+
+
+def test_the_retention_sweep_deletes_the_episodes_of_ended_leases(api, game):
+    """Played episodes are read while their lease is active; once it ended (here: the job was cancelled) the
+    sweep deletes them, the submitted and the abandoned alike, and the submitted group still reads the same."""
+    job, _, worker, lease, tok = game
+    first, second = (p["prompt_id"] for p in lease["prompts"])
+    won, _ = play(worker, lease, first, 0, [secret_of(api, first)], tok)
+    lost, _ = play(worker, lease, first, 1, [111_111, 222_222, 333_333], tok)
+    play(worker, lease, second, 0, [111_111], tok)  # never finished nor submitted
+    group = {"prompt_id": first, "version": 0, "prompt_token_ids": [1, 2], "samples": [won, lost]}
+    rid = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]["rollout_id"]
+    settings = api.server.settings.model_copy(update={"archive_after_h": 0.0})
+
+    def sweep() -> int:
+        state = api.server.app.state
+        asyncio.run(retention.sweep_periodically(api.db, state.blobs, state.checkpoints, settings))
+        with api.db.session() as s:
+            return s.scalar(select(func.count()).select_from(Episode).where(Episode.job_id == job["id"]))
+
+    before = ok(api.admin.get(f"/v1/jobs/{job['id']}/rollouts/{rid}"))
+    assert sweep() == 3  # the lease is active: its episodes may still be played and submitted
+    ok(api.admin.post(f"/v1/jobs/{job['id']}/cancel"))
+    assert sweep() == 0
+    assert ok(api.admin.get(f"/v1/jobs/{job['id']}/rollouts/{rid}")) == before
+    with api.db.session() as s:
+        row = s.get(Rollout, rid)
+        assert row is not None and row.archive is not None  # the job ended: its tokens are in its archive file
+        kept = archive.payloads(settings.data_dir, [row])[rid].samples
+    assert [(k["token_ids"], k["turns"]) for k in kept] == [(won["token_ids"], won["turns"]),
+                                                            (lost["token_ids"], lost["turns"])]
