@@ -15,6 +15,7 @@ import web
 
 from . import errors, openapi, tinker
 from .db import Database
+from .fastpath import HeartbeatPath
 from .routes import (
     datasets,
     estimates,
@@ -85,12 +86,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.wheels = WheelIndex(settings.wheel_dir, settings.data_dir)
     errors.install(app)
     openapi.install(app)
-    app.add_middleware(errors.BodyLimit, default_limit=settings.max_body_bytes,
-                       large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
-    app.add_middleware(MetricsMiddleware, telemetry=telemetry)
     for module in (health, users, estimates, jobs, datasets, fleet, ledger, leases, learner, learner_state, evals,
                    weights, export, traces, packages, tinker):
         app.include_router(module.router)
+    # Innermost first: the body limit and the metrics wrap the heartbeat's own path too.
+    app.add_middleware(HeartbeatPath, route=next(r for r in fleet.router.routes if getattr(r, "operation_id", None)
+                                                 == "worker_heartbeat"))
+    app.add_middleware(errors.BodyLimit, default_limit=settings.max_body_bytes,
+                       large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
+    app.add_middleware(MetricsMiddleware, telemetry=telemetry)
     web.install(app)
     logs.configure(settings.log_format, settings.log_level)  # no-op when the CLI configured it first
     return app

@@ -36,7 +36,7 @@ def conflict(detail: str, field: str | None = None) -> ApiError:
     return ApiError(409, detail, field=field)
 
 
-def _problem(status: int, detail: str | None, errors: list[dict[str, str]], headers=None) -> JSONResponse:  # type: ignore[no-untyped-def]
+def problem(status: int, detail: str | None, errors: list[dict[str, str]], headers=None) -> JSONResponse:  # type: ignore[no-untyped-def]
     from http import HTTPStatus
 
     title = HTTPStatus(status).phrase if status in HTTPStatus._value2member_map_ else "Error"
@@ -66,19 +66,19 @@ def install(app: FastAPI) -> None:
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         errors = [{"field": _field(e["loc"]), "reason": e["msg"]} for e in exc.errors()]
         first = errors[0] if errors else {"field": "", "reason": "invalid request"}
-        return _problem(422, f"{first['field']}: {first['reason']}", errors)
+        return problem(422, f"{first['field']}: {first['reason']}", errors)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and not isinstance(exc, ApiError):
             reason = _unparsable_body(exc)
-            return _problem(422, f"body: {reason}", [{"field": "body", "reason": reason}])
-        return _problem(exc.status_code, str(exc.detail), getattr(exc, "errors", []), exc.headers)
+            return problem(422, f"body: {reason}", [{"field": "body", "reason": reason}])
+        return problem(exc.status_code, str(exc.detail), getattr(exc, "errors", []), exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return _problem(500, "internal server error", [])
+        return problem(500, "internal server error", [])
 
 
 class BodyLimit:
@@ -119,7 +119,7 @@ class BodyLimit:
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, limit: int) -> None:
         detail = too_large(scope.get("path", ""), limit)
-        response = _problem(413, detail, [{"field": "body", "reason": detail}])
+        response = problem(413, detail, [{"field": "body", "reason": detail}])
         await response(scope, receive, send)
 
 
