@@ -92,7 +92,7 @@ _BEAT = update(Worker.__table__).where(Worker.__table__.c.id == bindparam("b_id"
 
 def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
     """Per heartbeat, the caller's worker row, or the error to answer it with (401/403, as other routes)."""
-    identities = [auth.lookup(db, p.token) for p in batch]
+    identities = auth.lookup_many(db, [p.token for p in batch])
     ids = {i.principal_id for i in identities if i is not None and i.kind == "worker"}
     rows = {r.id: r for r in db.execute(
         select(Worker.id, Worker.provider_id, Worker.status, Worker.job_id, Worker.desired, Worker.version_held,
@@ -190,10 +190,12 @@ def _record_holds(db: Session, ok: list[tuple[_Pending, _Row]], placed: dict[str
     new = [(placed[row.id][0], p.hb.version_held, row.id) for p, row in ok
            if p.hb.version_held is not None and p.hb.version_held != row.version_held
            and placed[row.id][0] is not None and p.hb.job_id in (None, placed[row.id][0])]
+    if not new:
+        return
+    unprobed = {(j, v) for j, v in db.execute(select(WeightVersion.job_id, WeightVersion.version).where(
+        WeightVersion.job_id.in_({j for j, _, _ in new}), WeightVersion.version.in_({v for _, v, _ in new}),
+        WeightVersion.probes.is_(None)))}  # one query a batch
     rows = [{"job_id": job_id, "version": version, "worker_id": worker_id, "held_at": now}
-            for job_id, version, worker_id in new
-            if db.scalar(select(WeightVersion.version).where(WeightVersion.job_id == job_id,
-                                                             WeightVersion.version == version,
-                                                             WeightVersion.probes.is_(None))) is not None]
+            for job_id, version, worker_id in new if (job_id, version) in unprobed]
     if rows:
         db.execute(insert_skipping_conflicts(db, VersionHold), rows)
