@@ -55,3 +55,30 @@ def test_what_is_not_a_well_formed_beat_gets_the_routes_own_answer(api):
     _problem(worker.post(f"/v1/workers/{other}/heartbeat", json={}), 403)  # another worker's heartbeat
     _problem(worker.post(f"/v1/workers/{wid}/heartbeat", json={"stats": {"pad": "x" * (17 * 2**20)}}), 413)
     _problem(httpx.post(url, json={}, headers={"Authorization": "Bearer e2w_not-a-token"}), 401)
+
+
+def test_a_batch_of_beats_reads_its_tokens_in_one_query(api):
+    """Workers of a large fleet beat less often than the identity cache keeps them: the beats that arrive
+    together are authenticated by one token query, not one each."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from sqlalchemy import event
+
+    from api import auth
+
+    _, provider = new_provider(api)
+    workers = [new_worker(api, provider, f"w{i}") for i in range(24)]
+    auth.forget_all()
+    statements: list[str] = []
+    listener = lambda conn, cursor, statement, *rest: statements.append(statement)  # noqa: E731
+    event.listen(api.db.engine, "before_cursor_execute", listener)
+    try:
+        with ThreadPoolExecutor(len(workers)) as pool:
+            beats = list(pool.map(lambda w: w[1].post(f"/v1/workers/{w[0]}/heartbeat", json={}), workers))
+    finally:
+        event.remove(api.db.engine, "before_cursor_execute", listener)
+    assert all(b.status_code == 200 for b in beats)
+    batches = sum(1 for s in statements if s.lstrip().upper().startswith("SELECT") and "FROM workers" in s
+                  and "workers.audit_salt" in s)  # one worker read per batch (heartbeats._authenticate)
+    token_reads = sum(1 for s in statements if "FROM tokens" in s)
+    assert 1 <= token_reads == batches < len(workers), (token_reads, batches)
