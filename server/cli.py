@@ -164,7 +164,7 @@ def _learner_host(settings, app, slots: int | None, argv: list[str]) -> int:  # 
 
 
 def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
-    from .stack import Stack, exit_on_sigterm, serve_forever
+    from .stack import Stack, exit_on_sigterm, hold_signals, serve_forever
 
     _check_api_processes(settings, args.api_processes, "--api-processes")
     if args.port:
@@ -177,7 +177,8 @@ def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-d
     # the children run in sessions of their own, so nothing else would stop them.
     exit_on_sigterm()
     try:
-        stack.start()
+        with hold_signals(stack):
+            stack.start()
         ends = "stop with Ctrl-C" if args.command == "up" else "it stops when the job ends (Ctrl-C stops it sooner)"
         print(f"Echo2 is up: dashboard {stack.url}/  (admin API key in {stack.settings.data_dir / 'admin.key'}: "
               f"{stack.admin_key})\nlogs: {stack.run_dir}/*.log   {ends}", flush=True)

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -49,6 +50,7 @@ class Stack:
     tinker_slots: int = 0  # models the Tinker learner host holds at once (0: no Tinker host)
     api_processes: int = 1  # uvicorn processes behind the one port (more than 1: PostgreSQL)
     children: list[Child] = field(default_factory=list)
+    stop_signal: int = 0  # set by `hold_signals`' handler: start() ends at its next child
     redis: RedisServer | None = None
     admin_key: str = ""
 
@@ -126,6 +128,8 @@ class Stack:
                 "--relay-host", "127.0.0.1", "--relay-port", str(free_port()), "--no-bench", "--json"]
 
     def _spawn(self, child: Child) -> None:
+        if self.stop_signal:  # asked to stop while starting: start nothing more (the caller stops the rest)
+            raise SystemExit(128 + self.stop_signal)
         log = open(self.run_dir / f"{child.name}.log", "ab")  # noqa: SIM115 (kept open for the child)
         child.proc = subprocess.Popen(child.args, env=child.env, stdout=log, stderr=subprocess.STDOUT,
                                       stdin=subprocess.DEVNULL, start_new_session=True)
@@ -194,6 +198,24 @@ def serve_forever(stack: Stack) -> None:
     while not stopping["now"]:
         stack.supervise()
         time.sleep(0.5)
+
+
+@contextlib.contextmanager
+def hold_signals(stack: Stack) -> Iterator[None]:
+    """While starting: Ctrl-C and SIGTERM only mark the stack as stopping, so no exception lands between a
+    child's fork and its being recorded (that child would outlive `stop`); start() ends at its next child,
+    and leaving this block raises what the signal would have."""
+    def mark(signum: int, _: object) -> None:
+        stack.stop_signal = signum
+
+    before = {sig: signal.signal(sig, mark) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
+    if stack.stop_signal:
+        raise SystemExit(128 + stack.stop_signal)
 
 
 def exit_on_sigterm() -> None:
