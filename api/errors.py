@@ -61,6 +61,14 @@ def _unparsable_body(exc: StarletteHTTPException) -> str:
     return str(cause or exc.detail)
 
 
+def http_problem(exc: StarletteHTTPException) -> JSONResponse:
+    """The answer to an HTTPException, wherever it is raised (a route, or api/fastpath.py before any route)."""
+    if exc.status_code == 400 and not isinstance(exc, ApiError):
+        reason = _unparsable_body(exc)
+        return problem(422, f"body: {reason}", [{"field": "body", "reason": reason}])
+    return problem(exc.status_code, str(exc.detail), getattr(exc, "errors", []), exc.headers)
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
@@ -70,10 +78,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400 and not isinstance(exc, ApiError):
-            reason = _unparsable_body(exc)
-            return problem(422, f"body: {reason}", [{"field": "body", "reason": reason}])
-        return problem(exc.status_code, str(exc.detail), getattr(exc, "errors", []), exc.headers)
+        return http_problem(exc)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -18,11 +18,12 @@ import re
 from typing import Any
 
 from echo2.protocol import Heartbeat
+from fastapi.security.utils import get_authorization_scheme_param
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from .errors import problem
+from .errors import http_problem, problem
 
 log = logging.getLogger(__name__)
 PATH = re.compile(r"/v1/workers/([^/]+)/heartbeat")
@@ -47,9 +48,8 @@ class HeartbeatPath:
         scope["route"] = self.route
         try:
             reply = await scope["app"].state.heartbeats.submit(token, match.group(1), hb)
-        except HTTPException as exc:  # as the app's handler answers it (api/errors.py)
-            await problem(exc.status_code, str(exc.detail), getattr(exc, "errors", []), exc.headers)(
-                scope, receive, send)
+        except HTTPException as exc:
+            await http_problem(exc)(scope, receive, send)
             return
         except Exception:
             log.exception("heartbeat failed")
@@ -91,11 +91,9 @@ def _header(scope: Scope, name: bytes) -> bytes | None:
 
 
 def _token(scope: Scope) -> str | None:
-    """The bearer token, where the route's dependency would find one (HTTPBearer: scheme in any case)."""
+    """The bearer token, parsed as the route's HTTPBearer dependency parses it."""
     value = _header(scope, b"authorization")
-    if value is None:
-        return None
-    scheme, _, credentials = value.decode("latin-1").partition(" ")
+    scheme, credentials = get_authorization_scheme_param(None if value is None else value.decode("latin-1"))
     return credentials if scheme.lower() == "bearer" and credentials else None
 
 

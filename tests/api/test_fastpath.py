@@ -35,6 +35,7 @@ def test_a_well_formed_beat_is_answered_and_counted_under_its_route(api):
 def _count(samples: dict, labels: dict[str, str]) -> float:
     return samples.get("echo2_http_requests_total", {}).get(tuple(sorted(labels.items())), 0.0)
 
+
 def test_what_is_not_a_well_formed_beat_gets_the_routes_own_answer(api):
     _, provider = new_provider(api)
     wid, worker = new_worker(api, provider)
@@ -46,6 +47,7 @@ def test_what_is_not_a_well_formed_beat_gets_the_routes_own_answer(api):
     assert httpx.post(url, json={}).headers["www-authenticate"] == "Bearer"
     _problem(httpx.post(url, json={}, headers={"Authorization": f"Basic {token}"}), 401)
     assert ok(httpx.post(url, json={}, headers={"Authorization": f"bearer {token}"}))  # the scheme in any case
+    assert ok(httpx.post(url, json={}, headers={"Authorization": f"Bearer  {token}"}))  # as HTTPBearer strips
     bad = _problem(worker.post(f"/v1/workers/{wid}/heartbeat", json={"status": "flying"}), 422)
     assert bad["errors"][0]["field"] == "body.status"
     _problem(worker.post(f"/v1/workers/{wid}/heartbeat", content=b'{"status": "idle"',
