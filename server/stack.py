@@ -187,17 +187,12 @@ def kill_orphans(run_dir: Path) -> None:
 
 
 def serve_forever(stack: Stack) -> None:
-    """Block until Ctrl-C or SIGTERM, supervising the children; the caller stops the stack."""
-    stopping = {"now": False}
-
-    def _stop(*_: object) -> None:
-        stopping["now"] = True
-
-    signal.signal(signal.SIGTERM, _stop)
-    signal.signal(signal.SIGINT, _stop)
-    while not stopping["now"]:
-        stack.supervise()
-        time.sleep(0.5)
+    """Block until Ctrl-C or SIGTERM, supervising the children; the caller stops the stack. A signal only marks
+    the stack (`hold_signals`), so none lands while supervise() restarts a child."""
+    with contextlib.suppress(SystemExit), hold_signals(stack):
+        while not stack.stop_signal:
+            stack.supervise()
+            time.sleep(0.5)
 
 
 @contextlib.contextmanager
