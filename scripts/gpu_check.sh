@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# The checks for a lent CUDA GPU, in one run that ends within DEADLINE seconds (default 540): bench/gpu.py on
-# the 135M and 1.7B shapes, the gpu-marked tests, then the 7B shape with whatever time is left. Figures and
-# logs go under $OUT. Wheels of what that machine lacks, carried in .whl/ (scripts/gpu_wheels.sh fetches them),
-# are installed first.
+# The checks for a lent CUDA GPU, in one run that ends within DEADLINE seconds (default 540):
+#  1. honest and cheating groups of bench/replay.py drawn by the worker's transformers backend on the GPU, bf16
+#     (and float32, fewer), written under $OUT to be judged by the CPU auditor at home
+#     (`python bench/replay.py --stage audit --versions .gpuwork/versions --generated FILE...`), and judged here
+#     by a bf16 auditor on the GPU; the versions are .gpuwork/versions, carried (`python bench/replay.py --stage
+#     generate --versions .gpuwork/versions --generated /tmp/x.json.gz --honest 8 --cheat 8` trains them);
+#  2. the gpu-marked tests;
+#  3. bench/gpu.py on SHAPES (default smollm2-1.7b) with whatever time is left.
+# Wheels of what that machine lacks, carried in .whl/ (scripts/gpu_wheels.sh fetches them), are installed first.
+# Everything printed goes to $OUT/log as well.
 set -u
 OUT=${OUT:-/tmp/echo2-gpu}
 DEADLINE=${DEADLINE:-540}
+SHAPES=${SHAPES:-smollm2-1.7b}
 mkdir -p "$OUT"
+exec > >(tee -a "$OUT/log") 2>&1
 if compgen -G ".whl/*.whl" >/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || exit 1
@@ -15,16 +23,18 @@ fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/sdk:$PWD/workers" PYTHONUNBUFFERED=1
 left() { echo $((DEADLINE - SECONDS)); }
 quiet() { grep --line-buffered -v "Loading weights\|Writing model shards"; }
+replay() { local limit=$1; shift; timeout "$limit" python3 bench/replay.py --versions .gpuwork/versions --no-vllm "$@" 2>&1 | quiet; }
 
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/device.txt"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
-timeout "$(( $(left) - 150 ))" python3 bench/gpu.py --shapes smollm2-135m smollm2-1.7b --out "$OUT/gpu.json" 2>&1 \
-  | quiet | tee "$OUT/bench.log"
-timeout "$(( $(left) < 150 ? $(left) : 150 ))" python3 -m pytest -m gpu -p no:cacheprovider -q \
-  tests/learner/test_gpu.py tests/learner/test_distributed.py tests/tinker/test_session.py \
-  tests/workers/test_backends.py 2>&1 | tee "$OUT/tests.log"
-if [ "$(left)" -gt 120 ]; then
-  timeout "$(left)" python3 bench/gpu.py --shapes qwen2.5-7b --out "$OUT/gpu-7b.json" 2>&1 | quiet \
-    | tee "$OUT/bench-7b.log"
+replay 200 --stage generate --device cuda --dtype bfloat16 --generated "$OUT/replay-cuda-bfloat16.json.gz"
+replay 90 --stage generate --device cuda --dtype float32 --honest 3000 --cheat 300 \
+  --generated "$OUT/replay-cuda-float32.json.gz"
+replay 90 --stage audit --auditor-device cuda --auditor-dtype bfloat16 --honest 2000 --cheat 200 \
+  --generated "$OUT"/replay-cuda-*.json.gz --out "$OUT/replay-gpu-auditor.json"
+timeout 120 python3 -m pytest -m gpu -p no:cacheprovider -q \
+  tests/learner/test_gpu.py tests/learner/test_distributed.py tests/tinker/test_session.py tests/workers/test_backends.py
+if [ "$(left)" -gt 100 ]; then
+  timeout "$(left)" python3 bench/gpu.py --shapes $SHAPES --out "$OUT/gpu.json" 2>&1 | quiet
 fi
 echo "gpu_check: done at ${SECONDS}s"
