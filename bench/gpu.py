@@ -4,6 +4,7 @@ backend beside `model.generate` and the memory-bandwidth bound of decoding, an a
     python bench/gpu.py                      # the three shapes of issue 28 on a CUDA GPU, one process each
     python bench/gpu.py --shapes smollm2-135m smollm2-1.7b
     python bench/gpu.py --smoke              # a tiny shape on the CPU, under 2 minutes: the same code paths
+    python bench/gpu.py --quick --cpu-audit-s 45   # the worker's draw and its audits only, the CPU auditor's too
 
 Models are random-init (weights do not change throughput; nothing is downloaded): SmolLM2-135M and -1.7B
 (Llama), and the Qwen2.5-7B shape trained as a LoRA adapter (r = 16, activation checkpointing).
@@ -21,7 +22,9 @@ Models are random-init (weights do not change throughput; nothing is downloaded)
   KV cache at the mean context), with the device's nominal memory bandwidth;
 - audit: `learner.audit.audit_group` on the device in the learner's compute dtype, on groups the worker drew
   (replay included); its share of learner time at the default audit rate = rate x audit seconds per group /
-  learner seconds per group;
+  learner seconds per group; then every group the worker drew judged (passed, the replay's near ties and
+  largest gap, the largest logprob difference) and, with --cpu-audit-s on a GPU, as many as fit in those seconds
+  by the default fp32 CPU auditor: the false alarms of honest bf16 GPU workers at real shapes;
 - publish: `learner.publisher.Publisher` of one full bf16 version of the learner's weights (snapshot, write,
   chunk and hash), the upload replaced by a local copy (`learner.sources.LocalWeights`); in learner steps.
 
@@ -73,6 +76,7 @@ HEADLINE = ("smollm2-1.7b", "smoke")
 PEAKS = (("H200", 989e12, 4.8e12), ("H100 PCIe", 756e12, 2.0e12), ("H100", 989e12, 3.35e12),
          ("A100", 312e12, 2.0e12), ("L40S", 362e12, 0.864e12))
 AUDIT_RATE = 0.1  # api/settings.py's default: one group in ten of a trusted worker
+AUDIT_TIMED = 4  # groups an audit is timed over
 
 
 def main() -> None:
@@ -80,6 +84,10 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", choices=[s for s in SHAPES if s != "smoke"],
                         default=["smollm2-135m", "smollm2-1.7b", "qwen2.5-7b"])
     parser.add_argument("--smoke", action="store_true", help="the tiny shape on the CPU (the code paths, no figures)")
+    parser.add_argument("--quick", action="store_true",
+                        help="no learner step, cache variants or model.generate: the worker's draw and its audits")
+    parser.add_argument("--cpu-audit-s", type=float, default=0.0,
+                        help="on a GPU, seconds of the fp32 CPU auditor judging the worker's groups too")
     parser.add_argument("--out", type=Path, default=Path(os.environ["OUT"]) / "gpu.json" if "OUT" in os.environ
                         else None)
     args = parser.parse_args()
@@ -93,7 +101,8 @@ def main() -> None:
     for shape in shapes:
         # Several shapes run one process each: a shape's leftovers (compiled graphs, the allocator's cache)
         # would otherwise crowd the next one out of the GPU's memory.
-        table["shapes"][shape] = measure(shape, device, name) if len(shapes) == 1 else _in_child(shape)
+        table["shapes"][shape] = (measure(shape, device, name, args.quick, args.cpu_audit_s) if len(shapes) == 1
+                                  else _in_child(shape, args.quick, args.cpu_audit_s))
         print(json.dumps({shape: table["shapes"][shape]}), flush=True)
     table["seconds"] = time.perf_counter() - start
     if args.out:
@@ -102,18 +111,19 @@ def main() -> None:
     print(summary(table))
 
 
-def _in_child(shape: str) -> dict[str, Any]:
+def _in_child(shape: str, quick: bool, cpu_audit_s: float) -> dict[str, Any]:
     import subprocess
 
     with tempfile.TemporaryDirectory(prefix="echo2-gpu-") as tmp:
         out = Path(tmp) / "one.json"
-        done = subprocess.run([sys.executable, __file__, "--shapes", shape, "--out", str(out)], check=False)
+        done = subprocess.run([sys.executable, __file__, "--shapes", shape, "--out", str(out), "--cpu-audit-s",
+                               str(cpu_audit_s)] + (["--quick"] if quick else []), check=False)
         if not out.exists():
             return {"error": f"the measuring process ended with status {done.returncode} before writing figures"}
         return json.loads(out.read_text())["shapes"][shape]
 
 
-def measure(shape: str, device: Any, name: str) -> dict[str, Any]:
+def measure(shape: str, device: Any, name: str, quick: bool = False, cpu_audit_s: float = 0.0) -> dict[str, Any]:
     """Every part's figures; a part that fails (out of memory, say) is named under "errors" and the next
     one still runs. Figures so far are printed after each part."""
     row: dict[str, Any] = {"errors": {}}
@@ -132,12 +142,13 @@ def measure(shape: str, device: Any, name: str) -> dict[str, Any]:
         work = Path(tmp)
         folder = build(shape, work / "model")
         row["params"] = _params(folder)
-        row |= part("learner", learner, shape, folder, device, name, work) or {}
-        groups, gen = part("worker", worker, shape, folder, device, name) or ([], {})
+        if not quick:
+            row |= part("learner", learner, shape, folder, device, name, work) or {}
+        groups, gen = part("worker", worker, shape, folder, device, name, quick) or ([], {})
         row |= gen
-        if groups and "step_s" in row:
-            per_group = row["step_s"] / LEARNER.get(shape, DEFAULT_LEARNER)[0]
-            row |= part("audit", audit, shape, folder, device, groups, per_group) or {}
+        if groups and (quick or "step_s" in row):
+            per_group = row["step_s"] / LEARNER.get(shape, DEFAULT_LEARNER)[0] if "step_s" in row else None
+            row |= part("audit", audit, shape, folder, device, groups, per_group, cpu_audit_s) or {}
     return row
 
 
@@ -241,9 +252,9 @@ VARIANTS = {"dynamic": ("dynamic", False), "static": ("static", False), "compile
 COMPILED = {"smollm2-135m", "smoke"}  # compiling a 1.7B or 7B step would take much of the bench's 8 minutes
 
 
-def worker(shape: str, folder: Path, device: Any, name: str) -> tuple[list[Any], dict[str, Any]]:
+def worker(shape: str, folder: Path, device: Any, name: str, quick: bool) -> tuple[list[Any], dict[str, Any]]:
     """The worker's backend at its own batch in its default settings (a static KV cache on a GPU, a growing
-    one on a CPU), then with the other cache and with the decode step compiled (small shapes);
+    one on a CPU), then (unless quick) with the other cache and with the decode step compiled (small shapes) and
     `model.generate` at that batch; the decode bound."""
     import torch
     from echo2.seeds import sample_seed
@@ -266,10 +277,10 @@ def worker(shape: str, folder: Path, device: Any, name: str) -> tuple[list[Any],
         worker_s, out = _timed(backend, batch, device)
         default = "static" if backend._static() else "dynamic"
         variants = {k: _variant(backend, batch, device, *v, out) for k, v in VARIANTS.items()
-                    if k != default and (k != "compiled" or shape in COMPILED)}
+                    if not quick and k != default and (k != "compiled" or shape in COMPILED)}
         model = backend.model
         batch_rows = sum(r.n for r in batch)
-        generate_s = _generate(model, batch, new, device)  # None where its logits do not fit
+        generate_s = None if quick else _generate(model, batch, new, device)  # None where its logits do not fit
         kv = kv_bytes_per_token(model.config, model.dtype) * batch_rows * (plen + new / 2)
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         bandwidth = _peak(name)[1] if _peak(name) else None
@@ -278,7 +289,7 @@ def worker(shape: str, folder: Path, device: Any, name: str) -> tuple[list[Any],
     tokens = batch_rows * new
     bound = batch_rows * bandwidth / (weight_bytes + kv) if bandwidth else None
     groups = [(i, r, [(s.token_ids, s.logprobs) for s in o])
-              for i, (r, o) in enumerate(zip(batch[:4], out[:4], strict=True))]
+              for i, (r, o) in enumerate(zip(batch, out, strict=True))]
     return groups, {"worker_rows": batch_rows, "worker_tokens_per_s": tokens / worker_s,
                     "generate_tokens_per_s": tokens / generate_s if generate_s else None,
                     "worker_vs_generate": generate_s / worker_s if generate_s else None,
@@ -334,8 +345,12 @@ def _generate(model: Any, batch: list[Any], new: int, device: Any) -> float | No
     return time.perf_counter() - t0
 
 
-def audit(shape: str, folder: Path, device: Any, groups: list[Any], learner_s_per_group: float) -> dict[str, Any]:
-    """Audits of the worker's groups on the device, in the learner's compute dtype (the replay included)."""
+def audit(shape: str, folder: Path, device: Any, groups: list[Any], learner_s_per_group: float | None,
+          cpu_seconds: float) -> dict[str, Any]:
+    """Audits of the worker's groups on the device, in the learner's compute dtype (the replay included): timed
+    over the first AUDIT_TIMED, then every group judged; on a GPU, then as many as `cpu_seconds` allow by the
+    default fp32 CPU auditor (the false alarms of bf16 workers against a CPU learner's audits, at this shape)."""
+    import torch
 
     from learner.audit import AuditConfig, GroupClaim, audit_group
     from learner.auditor import compute_dtype
@@ -348,14 +363,34 @@ def audit(shape: str, folder: Path, device: Any, groups: list[Any], learner_s_pe
     audit_group(model, claims[0], config)  # warm-up
     _sync(device)
     t0 = time.perf_counter()
-    results = [audit_group(model, c, config) for c in claims]
+    results = [audit_group(model, c, config) for c in claims[:AUDIT_TIMED]]
     _sync(device)
-    seconds = (time.perf_counter() - t0) / len(claims)
+    seconds = (time.perf_counter() - t0) / len(results)
     tokens = sum(r.tokens for r in results) / len(results)
+    out = {"audit_s_per_group": seconds, "audit_tokens_per_s": tokens / seconds,
+           "audit_share": AUDIT_RATE * seconds / learner_s_per_group if learner_s_per_group else None,
+           **_judged(results + [audit_group(model, c, config) for c in claims[AUDIT_TIMED:]], "")}
     del model
-    return {"audit_s_per_group": seconds, "audit_tokens_per_s": tokens / seconds,
-            "audit_share": AUDIT_RATE * seconds / learner_s_per_group,
-            "audits_passed": sum(r.passed for r in results), "audits": len(results)}
+    _free()
+    if device.type == "cuda" and cpu_seconds > 0:
+        cpu = load_causal_lm(folder, dtype=torch.float32).eval()
+        deadline, judged = time.monotonic() + cpu_seconds, []
+        for c in claims:
+            if time.monotonic() > deadline:
+                break
+            judged.append(audit_group(cpu, c, AuditConfig()))
+        out |= _judged(judged, "cpu_")
+    return out
+
+
+def _judged(results: list[Any], prefix: str) -> dict[str, Any]:
+    """What the audits of honest groups found: how many passed, their replay's near ties and largest gap, and
+    the largest difference between the worker's logprobs and the auditor's."""
+    return {f"{prefix}audits_passed": sum(r.passed for r in results), f"{prefix}audits": len(results),
+            f"{prefix}replayed": sum(r.replayed for r in results),
+            f"{prefix}near_ties": sum(r.near_ties for r in results),
+            f"{prefix}max_gap": max((r.max_gap for r in results), default=None),
+            f"{prefix}max_abs_diff": max((r.max_abs_diff for r in results), default=None)}
 
 
 def summary(table: dict[str, Any]) -> str:

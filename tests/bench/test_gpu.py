@@ -24,3 +24,15 @@ def test_the_gpu_benchmark_runs_every_stage_on_the_cpu(tmp_path: Path) -> None:
     assert row["errors"] == {}
     # the other KV cache and the compiled step draw the default's very tokens in float32
     assert {k: v["same_tokens"] for k, v in row["variants"].items()} == {"static": 1.0, "compiled": 1.0}
+
+
+def test_quick_measures_only_the_workers_draw_and_judges_every_group_it_drew(tmp_path: Path) -> None:
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, "bench/gpu.py", "--smoke", "--quick", "--out", str(out)], cwd=ROOT,
+                          timeout=600, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads(out.read_text())["shapes"]["smoke"]
+    assert "step_s" not in row and row["variants"] == {} and row["generate_tokens_per_s"] is None
+    groups = row["worker_rows"] // 8  # groups of G = 8, each sample 16 new tokens (the smoke shape)
+    assert row["audits"] == row["audits_passed"] == groups and row["replayed"] == row["worker_rows"] * 16
+    assert row["audit_share"] is None and row["errors"] == {}
