@@ -35,6 +35,6 @@ replay 90 --stage audit --auditor-device cuda --auditor-dtype bfloat16 --honest 
 timeout 120 python3 -m pytest -m gpu -p no:cacheprovider -q \
   tests/learner/test_gpu.py tests/learner/test_distributed.py tests/tinker/test_session.py tests/workers/test_backends.py
 if [ "$(left)" -gt 100 ]; then
-  timeout "$(left)" python3 bench/gpu.py --shapes $SHAPES --out "$OUT/gpu.json" 2>&1 | quiet
+  timeout "$(left)" python3 bench/gpu.py --shapes $SHAPES --cpu-audit-s 45 --out "$OUT/gpu.json" 2>&1 | quiet
 fi
 echo "gpu_check: done at ${SECONDS}s"
