@@ -17,6 +17,8 @@
   ended (then their rollouts and traces answer 410). Rows, metrics, audits and the ledger are never deleted.
 - Multi-turn episodes (api/services/episodes.py): played turn by turn while their lease is active, deleted
   ECHO2_ARCHIVE_AFTER_H after their last turn once the lease ended (a submitted group's turns are its rollout's).
+- Tinker futures (api/tinker/service.py): a request's result is kept ECHO2_ARCHIVE_AFTER_H after its session
+  ended, then deleted (the row stays for usage and billing; asking for the result answers 410).
 
 Versions are collected where the API changes a job (publish, finish, cancel). `sweep`, run by each API
 process at start and then every ECHO2_RETENTION_SWEEP_S (with the archive's sweep and deletion), catches the
@@ -38,6 +40,7 @@ from ..db import Database
 from ..models import Job, WeightVersion, utcnow
 from ..settings import Settings
 from ..storage import BlobStore
+from ..tinker import service as tinker
 from . import archive, episodes, versions
 from .jobs import spec_of
 from .plans import Forms
@@ -92,8 +95,11 @@ def _archive_once(database: Database, settings: Settings) -> None:
     with database.session() as db:
         archive.sweep(db, settings.data_dir, settings.archive_after_h, settings.archive_after_steps)
         archive.drop_expired(db, settings.data_dir, settings.archive_keep_days)
-        if gone := episodes.drop_ended(db, utcnow() - timedelta(hours=settings.archive_after_h)):
+        before = utcnow() - timedelta(hours=settings.archive_after_h)
+        if gone := episodes.drop_ended(db, before):
             log.info("retention sweep deleted %d played episodes of ended leases", gone)
+        if gone := tinker.drop_results(db, before):
+            log.info("retention sweep deleted the results of %d futures of ended Tinker sessions", gone)
 
 
 def sweep(db: Session, blobs: BlobStore, every: int, checkpoints: BlobStore | None = None) -> int:

@@ -1,6 +1,7 @@
 """`retrieve_future`: the SDK polls each future until it is done. The answer waits (a long poll) until the
 request finishes or LONG_POLL_S pass, since the SDK asks again at once after a `try_again`. A result
-stays retrievable until its session ends, so a client that reconnects gets it (durable futures).
+stays retrievable until ECHO2_ARCHIVE_AFTER_H after its session ends, so a client that reconnects gets it
+(durable futures); after that the retention sweep deletes it, and asking answers 410.
 
 A request that ends in this API process wakes its waiters at once (the announcer). One that ends through
 another process is seen by the `Watcher`: one query every RECHECK_S for all the futures this process is
@@ -106,7 +107,10 @@ def answer(row: TinkerRequest, model: TinkerModel) -> Response:
         return JSONResponse({"error": row.error or "failed", "category": row.category or "server"})
     if row.status != RequestStatus.done:
         return JSONResponse(_try_again(row, model))
-    result = row.result or {}
+    if row.result is None:  # api/tinker/service.py drop_results
+        raise ApiError(410, f"the result of future {row.id} is no longer kept: results stay retrievable for "
+                       "ECHO2_ARCHIVE_AFTER_H hours after their session ends", field="request_id")
+    result = row.result
     kind = RequestKind(row.kind)
     if kind in (RequestKind.forward, RequestKind.forward_backward):
         out = result["forward_backward"]

@@ -8,7 +8,7 @@ does a session that stops heartbeating: nothing waits forever.
 
 from __future__ import annotations
 
-from datetime import timedelta
+from datetime import datetime, timedelta
 from pathlib import PurePosixPath
 
 from echo2.models import BUILTINS
@@ -24,7 +24,7 @@ from echo2.protocol.tinker import (
     SavePayload,
     SessionStatus,
 )
-from sqlalchemy import func, select, update
+from sqlalchemy import func, null, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -148,6 +148,17 @@ def finish_session(db: Session, session: TinkerSession, reason: str) -> None:
     models = select(TinkerModel.id).where(TinkerModel.session_id == session.id)
     _fail_requests(db, TinkerRequest.model_id.in_(models), f"the session ended ({reason})", ErrorCategory.user)
     fleet.end_jobs(db, models, f"its Tinker session ended ({reason})")
+
+
+def drop_results(db: Session, before: datetime) -> int:
+    """Delete the results of the futures of sessions that ended before `before`; returns how many. Nothing
+    asks for them but a client that kept a future's id, and it is told why (410, api/tinker/futures.py)."""
+    ended = (select(TinkerModel.id).join(TinkerSession, TinkerSession.id == TinkerModel.session_id)
+             .where(TinkerSession.finished_at <= before))
+    gone = db.execute(update(TinkerRequest).where(TinkerRequest.model_id.in_(ended), TinkerRequest.result.is_not(None))
+                      .values(result=null()).execution_options(synchronize_session=False)).rowcount
+    db.commit()
+    return gone
 
 
 def _fail_requests(db: Session, where, error: str, category: ErrorCategory) -> None:  # type: ignore[no-untyped-def]

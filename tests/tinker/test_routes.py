@@ -3,6 +3,7 @@ errors the SDK shows, the order a model's requests run in, and what happens when
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import struct
 import threading
@@ -15,7 +16,7 @@ from echo2 import Client
 from echo2.protocol.tinker import RequestStatus
 from sqlalchemy import event, update
 
-from api.services import notices
+from api.services import notices, retention
 from api.tinker import futures, host, queueing, sampling
 from api.tinker.models import TinkerRequest
 from tests.factories import new_provider, new_user, new_worker, ok
@@ -151,6 +152,34 @@ def test_ending_a_session_fails_its_requests_and_frees_its_models(api):
     assert ok(retrieve(client, pending["request_id"]))["error"] == "the session ended (success)"
     assert claim(api, holding=[model_id])["drop"] == [model_id]
     assert client.post("/api/v1/session_heartbeat", json={"session_id": session}).status_code == 410
+
+
+def test_an_ended_sessions_results_are_deleted_after_retention_and_asking_says_so(api):
+    """Results outlive their session by ECHO2_ARCHIVE_AFTER_H (a client that reconnects still gets them), then
+    the retention sweep deletes them: asking answers 410 with the reason, and a live session keeps its own."""
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    session, model_id = ready_model(api, client)
+    done = optim(client, model_id, 0.1)
+    report(api, claim(api, holding=[model_id])["work"], metrics={"grad_norm": 1.5})
+    _, other_model = ready_model(api, client)  # another session of Alice's, still running
+    kept = optim(client, other_model, 0.2)
+    report(api, claim(api, holding=[model_id, other_model])["work"], metrics={"grad_norm": 2.5})
+    state = api.server.app.state
+
+    def sweep(hours: float) -> None:
+        settings = api.server.settings.model_copy(update={"archive_after_h": hours})
+        asyncio.run(retention.sweep_periodically(api.db, state.blobs, state.checkpoints, settings))
+
+    ok(client.post(f"/api/v1/sessions/{session}/finish", json={"reason": {"type": "success"}}))
+    sweep(1.0)  # ended a moment ago: kept
+    assert ok(retrieve(client, done["request_id"])) == {"metrics": {"grad_norm": 1.5}}
+    sweep(0.0)
+    gone = retrieve(client, done["request_id"])
+    assert gone.status_code == 410 and "ECHO2_ARCHIVE_AFTER_H" in gone.json()["detail"], gone.text
+    assert ok(retrieve(client, kept["request_id"])) == {"metrics": {"grad_norm": 2.5}}
+    with api.db.session() as s:
+        assert s.get(TinkerRequest, done["request_id"]).status == RequestStatus.done  # the row stays (usage)
 
 
 def _varint(n: int) -> bytes:
