@@ -23,14 +23,17 @@ fi
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/sdk:$PWD/workers" PYTHONUNBUFFERED=1
 left() { echo $((DEADLINE - SECONDS)); }
 quiet() { grep --line-buffered -v "Loading weights\|Writing model shards"; }
-replay() { local limit=$1; shift; timeout "$limit" python3 bench/replay.py --versions .gpuwork/versions --no-vllm "$@" 2>&1 | quiet; }
+replay() {  # the first argument: seconds it may take
+  local limit=$1; shift
+  timeout "$limit" python3 bench/replay.py --versions .gpuwork/versions --no-vllm "$@" 2>&1 | quiet
+}
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 replay 200 --stage generate --device cuda --dtype bfloat16 --generated "$OUT/replay-cuda-bfloat16.json.gz"
 replay 90 --stage generate --device cuda --dtype float32 --honest 3000 --cheat 300 \
   --generated "$OUT/replay-cuda-float32.json.gz"
-replay 90 --stage audit --auditor-device cuda --auditor-dtype bfloat16 --honest 2000 --cheat 200 \
+replay 90 --stage audit --auditor-device cuda --auditor-dtype bfloat16 --honest 1000 --cheat 100 \
   --generated "$OUT"/replay-cuda-*.json.gz --out "$OUT/replay-gpu-auditor.json"
 timeout 120 python3 -m pytest -m gpu -p no:cacheprovider -q \
   tests/learner/test_gpu.py tests/learner/test_distributed.py tests/tinker/test_session.py tests/workers/test_backends.py

@@ -1,7 +1,6 @@
 """Tables of the Tinker-compatible surface: sessions, the models trained or sampled in them, their
 checkpoints, the requests (the SDK's futures, durable: a result is kept ECHO2_ARCHIVE_AFTER_H after its
-session ends) and
-the learner hosts that run them."""
+session ends) and the learner hosts that run them."""
 
 from __future__ import annotations
 
