@@ -364,6 +364,10 @@ def main() -> None:
     parser.add_argument("--auditor-device", default="cpu")
     parser.add_argument("--auditor-dtype", default="float32")
     args = parser.parse_args()
+    if args.stage != "all" and not args.generated:
+        parser.error(f"--stage {args.stage} needs --generated FILE (the groups drawn)")
+    if args.stage == "audit" and not (args.versions and _stored(args.versions)):
+        parser.error("--stage audit needs --versions DIR holding the versions the groups were drawn from")
     from transformers import AutoTokenizer
 
     start = time.perf_counter()
@@ -394,10 +398,13 @@ def load_versions(folder: Path, work: Path) -> list[Path]:
     """The VERSIONS model folders under `folder`, trained there first when it holds none."""
     from learner.tiny import build_tiny_model
 
-    paths = [folder / f"v{v}" for v in range(VERSIONS)]
-    if all((p / "config.json").exists() for p in paths):
-        return paths
+    if _stored(folder):
+        return [folder / f"v{v}" for v in range(VERSIONS)]
     return train_versions(build_tiny_model(work / "tiny", seed=0), folder)
+
+
+def _stored(folder: Path) -> bool:
+    return all((folder / f"v{v}" / "config.json").exists() for v in range(VERSIONS))
 
 
 def generate(backends: list[str], versions: list[Path], tok: Any, work: Path, args: Any) -> dict[str, Any]:

@@ -1,0 +1,36 @@
+"""bench/replay.py in its two stages, as scripts/gpu_check.sh runs them on a GPU and the CPU auditor at home:
+groups drawn and written by one process, judged by another from the same versions."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _replay(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "bench/replay.py", "--no-vllm", *args], cwd=ROOT, timeout=600,
+                          capture_output=True, text=True)
+
+
+def test_groups_drawn_in_one_stage_are_judged_in_the_next(tmp_path: Path) -> None:
+    versions, drawn, out = tmp_path / "versions", tmp_path / "drawn.json.gz", tmp_path / "figures.json"
+    made = _replay("--stage", "generate", "--versions", str(versions), "--generated", str(drawn), "--honest", "24",
+                   "--cheat", "8", "--dtype", "bfloat16")
+    assert made.returncode == 0, made.stderr[-3000:]
+    judged = _replay("--stage", "audit", "--versions", str(versions), "--generated", str(drawn), "--out", str(out))
+    assert judged.returncode == 0, judged.stderr[-3000:]
+    report = json.loads(out.read_text())
+    honest = report["honest"]["transformers cpu bfloat16"]
+    assert honest["groups"] == 24 and honest["rejected"] == 0  # bf16 workers, an fp32 auditor: no false alarm
+    copy = report["cheats"]["copy (transformers cpu bfloat16)"]
+    assert copy["groups"] == copy["caught"] == 8
+    assert report["auditor"] == "cpu float32"
+
+
+def test_a_stage_without_what_it_needs_says_what_to_give(tmp_path: Path) -> None:
+    missing = _replay("--stage", "generate")
+    assert missing.returncode == 2 and "--generated FILE" in missing.stderr
+    empty = _replay("--stage", "audit", "--generated", str(tmp_path / "x"), "--versions", str(tmp_path))
+    assert empty.returncode == 2 and "--versions DIR holding the versions" in empty.stderr
