@@ -4,8 +4,9 @@ Every worker heartbeats every couple of seconds and each heartbeat writes, so th
 route. Handled one request per transaction, its cost is the per-request machinery (a thread hop
 per dependency, a session, an ORM load and flush, a commit), not the row. Here the route (async:
 no thread) queues the heartbeat and awaits its reply; one flusher at a time takes everything
-queued, and in one thread and one transaction authenticates each caller, writes all rows with one
-executemany, reads each job and its relay tree once, commits, and only then answers every caller.
+queued (waiting GATHER_S first when few are), and in one thread and one transaction authenticates
+each caller, writes all rows with one executemany, reads each job and its relay tree once, commits,
+and only then answers every caller.
 A reply still means "committed", and each caller still gets its own error.
 """
 
