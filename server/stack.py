@@ -50,7 +50,7 @@ class Stack:
     tinker_slots: int = 0  # models the Tinker learner host holds at once (0: no Tinker host)
     api_processes: int = 1  # uvicorn processes behind the one port (more than 1: PostgreSQL)
     children: list[Child] = field(default_factory=list)
-    stop_signal: int = 0  # set by `hold_signals`' handler: start() ends at its next child
+    stop_signal: int = 0  # set by `hold_signals`' handler: start() and serve_forever end at their next step
     redis: RedisServer | None = None
     admin_key: str = ""
 
@@ -197,9 +197,9 @@ def serve_forever(stack: Stack) -> None:
 
 @contextlib.contextmanager
 def hold_signals(stack: Stack) -> Iterator[None]:
-    """While starting: Ctrl-C and SIGTERM only mark the stack as stopping, so no exception lands between a
-    child's fork and its being recorded (that child would outlive `stop`); start() ends at its next child,
-    and leaving this block raises what the signal would have."""
+    """While starting or serving: Ctrl-C and SIGTERM only mark the stack as stopping, so no exception lands
+    between a child's fork and its being recorded (that child would outlive `stop`); start() ends at its next
+    child, serve_forever at its next look, and leaving this block raises what the signal would have."""
     def mark(signum: int, _: object) -> None:
         stack.stop_signal = signum
 
