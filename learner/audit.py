@@ -213,7 +213,7 @@ def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None]
     rows, tokens = logits[mask], targets[mask]  # [N, V], [N]: the real completion tokens only
     settings = _settings(claim, len(rows), logits.device)
     logq = logprobs(rows, settings)
-    ranks = ranked(logq) if settings.truncates() else None  # one sort of the vocabulary for every support
+    ranks = ranked(logq) if settings.truncates() else None  # one ranking of the vocabulary for every support
     picked = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     exact = support(logq, settings, ranks=ranks)  # the nucleus the sampler draws from
     possible = support(logq, settings, NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature), ranks)
@@ -251,7 +251,7 @@ def _replay(targets: torch.Tensor, mask: torch.Tensor, claim: GroupClaim, config
         n = len(rows[0])
         lp, ranks, exact, wide = scored[0][part], None, None, None
         if scored[1] is not None:  # truncated: its supports differ from lp (without, replay scores lp once)
-            ranks, exact, wide = (scored[1][0][part], scored[1][1][part]), scored[2][part], scored[3][part]
+            ranks, exact, wide = scored[1][part], scored[2][part], scored[3][part]
         # The replay reads the logits only to take their logprobs, which it is given: no copy of logits[rows].
         chunk = replay(lp, targets[rows], settings.select(torch.arange(start, start + n, device=device)),
                        row_seeds[part], rows[1], NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature),

@@ -9,7 +9,9 @@ The draw, for one row (one sample at one position p, seed s, temperature T, top-
 1. lp = log_softmax(logits / T) over the whole vocabulary: the behaviour logprob reported for the drawn
    token (base.py of the worker's backends), unchanged by truncation.
 2. The support: the k most likely tokens (k = 0: all), then the smallest prefix of them, most likely first,
-   whose mass reaches q of theirs (the rule vLLM applies). Tokens outside it get lp = -inf.
+   whose mass reaches q of theirs (the rule vLLM applies; their mass is the cumulative sum's last value, or
+   without top-k the sum of every probability). Tokens outside it get lp = -inf; a row with k = 0 and q = 1
+   keeps every token.
 3. Two-stage Gumbel-max over blocks of BLOCK consecutive token ids. Each block's log-mass
    L_b = logsumexp(lp over the block's supported tokens); the block drawn is argmax_b (L_b + G(s, p, BLOCK_SALT, b)),
    then the token drawn is argmax over that block's tokens i of (lp_i + G(s, p, TOKEN_SALT, i)).
@@ -118,13 +120,41 @@ def logprobs(logits: torch.Tensor, settings: RowSettings) -> torch.Tensor:
     return torch.log_softmax(logits.float() / scale.unsqueeze(-1), dim=-1)
 
 
-Ranks = tuple[torch.Tensor, torch.Tensor]
+PREFIX = 1024  # tokens a CPU ranks first (a partial sort); a support reaching past them ranks the whole vocabulary
+
+
+class Ranks:
+    """Each row's most likely tokens, most likely first (`top`: their probabilities, `order`: their ids), every
+    token's probability `p` and its sum `total`: what `support` truncates by. Sorting the vocabulary is most of an
+    audit's cost on a CPU, so there only the first PREFIX are ranked, and `full()` ranks the rest once, for a
+    support that reaches past them; on another device (a sort is cheap there, and a check of whether the prefix
+    suffices would be a device sync per decoded token) every token is ranked."""
+
+    __slots__ = ("_full", "order", "p", "top", "total")
+
+    def __init__(self, p: torch.Tensor, total: torch.Tensor, top: torch.Tensor, order: torch.Tensor) -> None:
+        self.p, self.total, self.top, self.order = p, total, top, order
+        self._full: Ranks | None = self if top.shape[-1] == p.shape[-1] else None
+
+    def __getitem__(self, rows: slice | torch.Tensor) -> Ranks:
+        return Ranks(self.p[rows], self.total[rows], self.top[rows], self.order[rows])
+
+    def complete(self) -> bool:
+        return self._full is self
+
+    def full(self) -> Ranks:
+        if self._full is None:
+            self._full = Ranks(self.p, self.total, *self.p.sort(dim=-1, descending=True))
+        return self._full
 
 
 def ranked(lp: torch.Tensor) -> Ranks:
-    """Each row's probabilities sorted, most likely first, and their token ids: what `support` truncates by.
-    Sorting the vocabulary is most of an audit's cost; one ranking serves every support of the same lp."""
-    return lp.exp().sort(dim=-1, descending=True)
+    """The ranking of each row of lp; one ranking serves every support of the same lp."""
+    p = lp.exp()
+    v = p.shape[-1]
+    m = min(PREFIX, v) if lp.device.type == "cpu" else v
+    top, order = p.topk(m, dim=-1) if m < v else p.sort(dim=-1, descending=True)
+    return Ranks(p, p.sum(-1, keepdim=True), top, order)
 
 
 def support(lp: torch.Tensor, settings: RowSettings, slack_p: float = 0.0, slack_lp: float = 0.0,
@@ -135,22 +165,41 @@ def support(lp: torch.Tensor, settings: RowSettings, slack_p: float = 0.0, slack
     The auditor moves the edges for a worker that computed them in lower precision. Positive slacks widen the
     support: every token within `slack_lp` nats of the k-th is kept, and `slack_p` is added to top-p.
     Negative ones narrow it to the tokens inside it for any such worker: those at least |slack_lp| nats above
-    the (k+1)-th, within top-p - |slack_p|."""
+    the (k+1)-th, within top-p - |slack_p|. A row without top-k whose top-p (or top-p + slack) is 1 keeps
+    every token, whatever the other rows do."""
     if not settings.truncates():
         return lp
-    sorted_p, order = ranks if ranks is not None else ranked(lp)
+    ranks = ranked(lp) if ranks is None else ranks
+    whole = ((settings.top_k <= 0) & ((settings.top_p >= 1) | (settings.top_p + slack_p >= 1))).unsqueeze(-1)
+    kept = _kept(ranks, settings, slack_p, slack_lp)
+    if not ranks.complete():
+        # A row's support reaches the prefix's last token (supports are prefixes of the ranking), or its k-th
+        # token lies past it: rank the whole vocabulary.
+        past = kept[:, -1:] | (settings.top_k.unsqueeze(-1) >= ranks.top.shape[-1])
+        if bool((past & ~whole).any()):
+            ranks = ranks.full()
+            kept = _kept(ranks, settings, slack_p, slack_lp)
+    inside = torch.zeros_like(lp, dtype=torch.bool).scatter(-1, ranks.order, kept) | whole
+    return lp.masked_fill(~inside, _NEG_INF)
+
+
+def _kept(ranks: Ranks, settings: RowSettings, slack_p: float, slack_lp: float) -> torch.Tensor:
+    """[R, m]: whether each ranked token is in its row's support. The top-k mass is the last cumulative sum
+    (sequential on a CPU, so a prefix and the full ranking agree on it bit for bit); without top-k it is
+    `total`."""
+    top, m = ranks.top, ranks.top.shape[-1]
     k = settings.top_k.unsqueeze(-1)
-    in_k = (k <= 0) | (torch.arange(sorted_p.shape[-1], device=lp.device) < k)
-    edge = sorted_p.gather(-1, (k - (1 if slack_lp >= 0 else 0)).clamp(0, sorted_p.shape[-1] - 1))
+    in_k = (k <= 0) | (torch.arange(m, device=top.device) < k)
+    edge = top.gather(-1, (k - (1 if slack_lp >= 0 else 0)).clamp(0, m - 1))
     if slack_lp > 0:
-        in_k = in_k | (sorted_p >= edge * math.exp(-slack_lp))
+        in_k = in_k | (top >= edge * math.exp(-slack_lp))
     elif slack_lp < 0:
-        in_k = in_k & ((k <= 0) | (k >= sorted_p.shape[-1]) | (sorted_p >= edge * math.exp(-slack_lp)))
-    sorted_p = sorted_p.masked_fill(~in_k, 0.0)
+        in_k = in_k & ((k <= 0) | (k >= m) | (top >= edge * math.exp(-slack_lp)))
+    masked = top.masked_fill(~in_k, 0.0)
+    mass = masked.cumsum(-1)
+    total = torch.where(k <= 0, ranks.total, mass[:, -1:])
     top_p = (settings.top_p + slack_p).clamp(min=1e-6, max=1.0).unsqueeze(-1)
-    drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p * sorted_p.sum(-1, keepdim=True)
-    kept = torch.zeros_like(lp, dtype=torch.bool).scatter(-1, order, (sorted_p > 0) & ~drop)
-    return lp.masked_fill(~kept, _NEG_INF)
+    return (masked > 0) & ((mass - masked) < top_p * total)
 
 
 def _blocks(scores: torch.Tensor) -> torch.Tensor:

@@ -157,3 +157,35 @@ def test_a_token_outside_the_support_is_outside():
     logits[0, 3] = 10.0
     result = replay(logits, _ids([500]), _settings(1, top_k=1), _ids([1]), _ids([0]))
     assert bool(result.outside.item()) and result.gap.item() == float("inf")
+
+
+@pytest.mark.parametrize("slacks", [(0.0, 0.0), (0.02, 0.3), (-0.02, -0.3)])
+def test_a_support_from_the_ranked_prefix_is_the_support_from_the_whole_ranking(slacks):
+    """On a CPU only the first PREFIX tokens are ranked; rows whose support reaches past them (a flat row at
+    top-p 0.95, a top-k beyond the prefix) make the support rank the rest, and every row's support is the one the
+    whole ranking gives, bit for bit."""
+    torch.manual_seed(6)
+    v = 3 * sampler.PREFIX + 77
+    peaked, flat = torch.randn(8, v) * 6, torch.randn(2, v) * 0.1
+    rows = [(0.7, 0, 0.9), (1.0, 40, 0.95), (1.0, 0, 1.0), (0.5, 5, 1.0)] * 2
+    for logits, settings in ((peaked, rows), (torch.cat([peaked, flat]), [*rows, (1.0, 0, 0.95), (1.0, 0, 0.9)]),
+                             (peaked[:2], [(1.0, 2 * sampler.PREFIX, 1.0), (0.7, 0, 0.9)])):
+        one = RowSettings.of(settings, "cpu")
+        lp = sampler.logprobs(logits, one)
+        ranks = sampler.ranked(lp)
+        assert not ranks.complete() and ranks.top.shape[-1] == sampler.PREFIX
+        prefix = sampler.support(lp, one, *slacks, ranks=ranks)
+        assert torch.equal(prefix, sampler.support(lp, one, *slacks, ranks=ranks.full()))
+        for r in range(len(settings)):  # and each row's support is its own, whatever its batch-mates need
+            alone = RowSettings.of([settings[r]], "cpu")
+            assert torch.equal(prefix[r], sampler.support(lp[r : r + 1], alone, *slacks)[0])
+
+
+def test_a_row_that_does_not_truncate_keeps_every_token_beside_rows_that_do():
+    torch.manual_seed(7)
+    logits = torch.randn(2, V) * 8  # a long tail of tokens whose mass is below float32's resolution of 1
+    settings = RowSettings.of([(1.0, 0, 1.0), (0.7, 0, 0.9)], "cpu")
+    lp = sampler.logprobs(logits, settings)
+    for slacks in ((0.0, 0.0), (-0.02, -0.3)):
+        kept = sampler.support(lp, settings, *slacks)
+        assert torch.equal(kept[0], lp[0]) and bool(torch.isinf(kept[1]).any())
