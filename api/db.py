@@ -54,6 +54,15 @@ def _sqlite_engine(url: str) -> Engine:
     return engine
 
 
+# The lock a transaction takes on a job's or a Tinker model's row to serialise its writers: PostgreSQL's FOR NO KEY
+# UPDATE. FOR UPDATE would also conflict with every transaction inserting a row that names it (a prompt, lease or
+# rollout naming its job, a request naming its model: each takes a key-share lock on the row), so lock orders that
+# never cross on the rows themselves deadlocked through those keys (a Tinker sample holding its model and adding a
+# prompt to the fleet job, a lease waiting for the job, a fleet submission holding a key share of the job and
+# waiting for the model). SQLite serialises writers and takes neither.
+WRITER_LOCK: dict[str, Any] = {"key_share": True}
+
+
 def insert_skipping_conflicts(db: Session, entity: Any) -> Any:
     """INSERT ... ON CONFLICT DO NOTHING on the session's database (PostgreSQL or SQLite): rows another
     transaction inserted first are left as they are."""

@@ -12,6 +12,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from . import auth
+from .db import WRITER_LOCK
 from .errors import ApiError, unauthorized
 from .models import Job, Provider, User, Worker
 from .settings import Settings
@@ -157,7 +158,7 @@ LearnerJobId = Annotated[str, Depends(_learner)]
 
 def owned_job(db: Session, user: User, job_id: str, *, for_update: bool = False) -> Job:
     """The job if this user may see it (owner or admin); 404 otherwise, so IDs leak nothing."""
-    job = db.get(Job, job_id, with_for_update=for_update)
+    job = db.get(Job, job_id, with_for_update=WRITER_LOCK if for_update else None)
     if job is None or (job.owner_id != user.id and user.role != "admin"):
         raise ApiError(404, f"job {job_id} not found")
     return job
@@ -166,7 +167,7 @@ def owned_job(db: Session, user: User, job_id: str, *, for_update: bool = False)
 def learner_job(db: Session, token_job_id: str, job_id: str, *, for_update: bool = False) -> Job:
     if token_job_id != job_id:
         raise ApiError(403, "this learner token belongs to another job")
-    job = db.get(Job, job_id, with_for_update=for_update)
+    job = db.get(Job, job_id, with_for_update=WRITER_LOCK if for_update else None)
     if job is None:
         raise ApiError(404, f"job {job_id} not found")
     return job

@@ -22,6 +22,7 @@ from echo2.protocol import Fault, JobKind, JobStatus, PauseCause, RejectKind, Tr
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
+from api.db import WRITER_LOCK
 from api.models import (
     Decision,
     Job,
@@ -91,7 +92,7 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
     relay_probe.probe_reported(db, settings, now)
     billing.bill(db, settings, now, _state(db, "last_tick").get("at"))
     _put_state(db, "last_tick", {"at": now.timestamp()})
-    jobs = list(db.scalars(select(Job).where(Job.status.in_(LIVE)).with_for_update()))
+    jobs = list(db.scalars(select(Job).where(Job.status.in_(LIVE)).with_for_update(**WRITER_LOCK)))
     trouble = Trouble(db)
     for job in jobs:
         trouble.isolate(job, "check its budget and finish", lambda job=job: _check_job(db, job, settings, now))

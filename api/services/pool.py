@@ -11,6 +11,7 @@ from echo2.seeds import order_key, prompt_seed
 from sqlalchemy import and_, case, func, select, update
 from sqlalchemy.orm import Session
 
+from ..db import WRITER_LOCK
 from ..errors import ApiError
 from ..models import Job, Lease, Prompt, Rollout, StepMetric, Worker, utcnow
 from . import possession
@@ -91,7 +92,7 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
     spec = spec_of(job)
     _check_version(db, job, worker, version, spec)
     expire_leases(db, job_id=job.id)
-    db.execute(select(Job.id).where(Job.id == job.id).with_for_update())  # room is counted per job, exactly
+    db.execute(select(Job.id).where(Job.id == job.id).with_for_update(**WRITER_LOCK))  # room counted per job, exactly
     room = lease_room(db, job, spec, version)
     if room <= 0:
         wait = _step_period_s(db, job)

@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from ..db import WRITER_LOCK
 from ..errors import ApiError
 from .models import TinkerModel, TinkerRequest
 
@@ -22,7 +23,7 @@ def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
     `bounded=False`: the platform's own request (an audit), which the user's backlog does not limit."""
     # Lock the model row: two requests of one model never take the same seq, and a retry that arrives while
     # its first attempt is still in flight waits for it here, then finds it.
-    db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update())
+    db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update(**WRITER_LOCK))
     earlier = _earlier(db, model.owner_id, idempotency_key)
     if earlier is not None:
         return earlier

@@ -28,6 +28,7 @@ from sqlalchemy import func, null, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
+from ..db import WRITER_LOCK
 from ..errors import ApiError
 from ..models import utcnow
 from ..settings import Settings
@@ -255,7 +256,7 @@ def _resume_later(db: Session, request: TinkerRequest, model: TinkerModel, resul
     weights), carrying what it drew so far and the compute time spent on it (billed when it finishes)."""
     assert result.progress is not None
     progress = result.progress.model_copy(update={"seconds": result.progress.seconds + (result.seconds or 0.0)})
-    db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update())
+    db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update(**WRITER_LOCK))
     last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id)) or 0
     payload = SamplePayload.model_validate(request.payload).model_copy(update={"progress": progress})
     request.payload = payload.model_dump(mode="json")

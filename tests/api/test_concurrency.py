@@ -103,3 +103,28 @@ def test_groups_one_worker_submits_at_once_get_numbers_of_their_own(api, tmp_pat
     with api.db.session() as s:
         numbers = list(s.scalars(select(Rollout.seq).where(Rollout.worker_id == wid)))
     assert sorted(numbers) == list(range(16))
+
+
+def test_a_lease_does_not_wait_for_a_transaction_that_added_a_prompt_to_its_job(api, tmp_path):
+    """Adding a prompt to a job (a Tinker sample on the fleet job does, holding its model's row) takes a key-share
+    lock on the job's row. A lease waiting for that row behind it, and a fleet submission holding its own key share
+    of the job while waiting for the model's row, deadlocked on PostgreSQL (bench/load_api.py's tinker phase: 500s).
+    Job rows are locked FOR NO KEY UPDATE (api/db.py's WRITER_LOCK), which key shares do not block: the lease is
+    granted while the other transaction is still open."""
+    from api.models import Prompt, PromptState
+
+    if not api.db.is_postgres:
+        pytest.skip("SQLite serialises writers: no row locks")
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), num_prompts=8,
+                         grpo={"group_size": 2, "prompts_per_step": 8})
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    with api.db.session() as open_tx:
+        open_tx.add(Prompt(job_id=job["id"], index=10**6, text="added, not committed", state=PromptState.available,
+                           epoch=0, order_key=10**6))
+        open_tx.flush()  # the insert holds its key share of the job's row until this transaction ends
+        lease = worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 2, "version": 0}, timeout=10)
+        open_tx.rollback()
+    assert ok(lease, 201)["prompts"]
