@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from echo2.protocol import EpisodeLimits, EpisodeReply, EpisodeStep, GroupSubmit, JobSpec, LeaseStatus
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, tuple_
 from sqlalchemy.orm import Session
 
 from tasks import TaskAdapter, TaskError, TaskParams, TaskPrompt, get_task
@@ -97,7 +97,8 @@ def play(db: Session, blobs: BlobStore, lease: Lease, job: Job, steps: list[Epis
     game = _Game(db, job, spec, task, task.parse_params(spec.task.params), bounds,
                  modelinfo.decoder(blobs, job.id))
     _refuse_repeats(steps)
-    moves = [_move(game, lease, step, i) for i, step in enumerate(steps)]
+    known = _episodes(db, lease, steps)
+    moves = [_move(game, lease, step, i, known) for i, step in enumerate(steps)]
     fresh = [(i, episode, step) for i, (episode, step, new) in enumerate(moves) if new]
     texts = [game.decode(step.action_token_ids) for _, _, step in fresh]
     prompts = _prompts(db, {step.prompt_id for _, _, step in fresh})
@@ -106,36 +107,54 @@ def play(db: Session, blobs: BlobStore, lease: Lease, job: Job, steps: list[Epis
     encode = modelinfo.observation_encoder(blobs, job.id) if fresh else None
     outcomes = _run_environments(game, [(prompts[e.prompt_id], [*e.actions, text])
                                         for (_, e, _), text in zip(fresh, texts, strict=True)])
-    # Rows are locked in one order, so that two requests storing the same episodes cannot deadlock.
-    stored = sorted(zip(fresh, texts, outcomes, strict=True), key=lambda m: (m[0][2].prompt_id, m[0][2].sample))
-    played = {i: _store(game, lease, step, f"steps.{i}", text, outcome, encode)
-              for (i, _, step), text, outcome in stored}
+    played = _store(game, lease, list(zip(fresh, texts, outcomes, strict=True)), encode)
     return [_reply(game, played.get(i, episode), step.turn) for i, (episode, step, _) in enumerate(moves)]
 
 
-def _store(game: _Game, lease: Lease, step: EpisodeStep, where: str, text: str, outcome: _Outcome,
-           encode: Callable[[str, bool], list[int]] | None) -> Episode:
-    """The played turn, stored on the episode's row, locked now; if another request played this turn in the
-    meantime (a retry racing its first attempt), its answer stands when the tokens are the same."""
-    key = {"lease_id": lease.id, "prompt_id": step.prompt_id, "sample": step.sample}
-    # The first turn of a new episode, unless a twin inserted it.
-    game.db.execute(insert_skipping_conflicts(game.db, Episode).values(**key, job_id=game.job.id, actions=[],
-                                                                       turns=[], done=False))
-    episode = game.db.get(Episode, tuple(key.values()), with_for_update=True, populate_existing=True)
-    assert episode is not None
-    if step.turn < len(episode.actions):
-        _check_retry(episode, step, where)
-    else:
-        assert encode is not None
-        _advance(game, episode, step.action_token_ids, text, outcome, encode)
-    return episode
+def _store(game: _Game, lease: Lease, played: list[tuple[tuple[int, Episode, EpisodeStep], str, _Outcome]],
+           encode: Callable[[str, bool], list[int]] | None) -> dict[int, Episode]:
+    """The played turns, stored on their episodes' rows, all locked now by one query in one order (two requests
+    storing the same episodes cannot deadlock); if another request played a turn in the meantime (a retry racing
+    its first attempt), its answer stands when the tokens are the same. By step index."""
+    if not played:
+        return {}
+    steps = [step for (_, _, step), _, _ in played]
+    firsts = [{"lease_id": lease.id, "prompt_id": step.prompt_id, "sample": step.sample, "job_id": game.job.id,
+               "actions": [], "turns": [], "done": False} for step in steps if step.turn == 0]
+    if firsts:  # new episodes' rows, unless a twin inserted them
+        game.db.execute(insert_skipping_conflicts(game.db, Episode), firsts)
+    rows = _episodes(game.db, lease, steps, lock=True)
+    out = {}
+    for (i, _, step), text, outcome in played:
+        episode = rows.get((step.prompt_id, step.sample))
+        if episode is None:  # its lease ended and its episodes were dropped meanwhile
+            raise ApiError(409, f"lease {lease.id} is no longer active; its episodes are over")
+        if step.turn < len(episode.actions):
+            _check_retry(episode, step, f"steps.{i}")
+        else:
+            assert encode is not None
+            _advance(game, episode, step.action_token_ids, text, outcome, encode)
+        out[i] = episode
+    return out
 
 
-def _move(game: _Game, lease: Lease, step: EpisodeStep, i: int) -> tuple[Episode, EpisodeStep, bool]:
-    """The step's episode as stored (a new one, not stored, for a first turn), and whether the step is a new
-    turn (False: a retry of an answered one)."""
+def _episodes(db: Session, lease: Lease, steps: list[EpisodeStep],
+              lock: bool = False) -> dict[tuple[int, int], Episode]:
+    """The stored episodes the steps name, by (prompt id, sample), in one query (locked: in that order, read anew)."""
+    query = select(Episode).where(Episode.lease_id == lease.id, tuple_(Episode.prompt_id, Episode.sample).in_(
+        [(step.prompt_id, step.sample) for step in steps]))
+    if lock:
+        query = (query.order_by(Episode.prompt_id, Episode.sample).with_for_update()
+                 .execution_options(populate_existing=True))
+    return {(e.prompt_id, e.sample): e for e in db.scalars(query)}
+
+
+def _move(game: _Game, lease: Lease, step: EpisodeStep, i: int,
+          known: dict[tuple[int, int], Episode]) -> tuple[Episode, EpisodeStep, bool]:
+    """The step's episode as stored (`known`; a new one, not stored, for a first turn), and whether the step is
+    a new turn (False: a retry of an answered one)."""
     where = f"steps.{i}"
-    episode = _episode(game, lease, step, where)
+    episode = _episode(game, lease, step, where, known)
     if step.turn < len(episode.actions):
         _check_retry(episode, step, where)
         return episode, step, False
@@ -158,14 +177,15 @@ def _refuse_repeats(steps: list[EpisodeStep]) -> None:
         seen.add((step.prompt_id, step.sample))
 
 
-def _episode(game: _Game, lease: Lease, step: EpisodeStep, where: str) -> Episode:
+def _episode(game: _Game, lease: Lease, step: EpisodeStep, where: str,
+             known: dict[tuple[int, int], Episode]) -> Episode:
     if step.prompt_id not in set(lease.prompt_ids):
         raise ApiError(404, f"{where}: prompt {step.prompt_id} is not part of lease {lease.id}",
                        field=f"{where}.prompt_id")
     if step.sample >= game.spec.grpo.group_size:
         raise ApiError(422, f"{where}: sample {step.sample} is outside the group (group size "
                             f"{game.spec.grpo.group_size})", field=f"{where}.sample")
-    episode = game.db.get(Episode, (lease.id, step.prompt_id, step.sample))
+    episode = known.get((step.prompt_id, step.sample))
     if episode is None:  # its first turn: _store inserts it
         return Episode(lease_id=lease.id, prompt_id=step.prompt_id, sample=step.sample, job_id=game.job.id,
                        actions=[], turns=[], done=False)
