@@ -1,5 +1,6 @@
 """Control-plane load: the worker-facing hot endpoints against ONE real uvicorn process (or N with
-`--api-processes N`, one PostgreSQL behind them; their CPU is summed).
+`--api-processes N`, one PostgreSQL behind them; their CPU is summed), and the learner's and Tinker's
+routes that ride on them.
 
     python bench/load_api.py --db both --duration 10
 
@@ -18,7 +19,19 @@ then runs bounded phases, each a closed loop of `--concurrency` in-flight reques
               in the database (not timed) so phase 3 starts from a full pool;
 3. rollouts   the worker loop: lease, then `POST /v1/leases/{id}/rollouts` with batches of groups
               of G samples of `--tokens` tokens. A *group* is one prompt's G samples; a *sample* is
-              one completion. Both rates are reported, counting accepted groups only.
+              one completion. Both rates are reported, counting accepted groups only;
+4. audits     the learner: `POST /v1/jobs/{id}/learner/claim` of `--claim-groups` groups for step 0,
+              then `POST .../learner/audits` with a passed verdict on each group the claim picked for an
+              audit (api/services/trust.py::should_audit: one in round(1 / audit_rate) of a trusted
+              worker's groups). Before it the job's queue is topped up to `--audit-queue` groups
+              through the workers' lease and rollouts routes (not timed). The learner's claims and
+              verdicts lock the job's row, so on PostgreSQL its requests in flight take turns;
+5. episodes   the multi-turn worker loop on a job of its own (`guess_number`, the tiny model's
+              tokenizer): lease, `POST /v1/leases/{id}/episodes` once a turn with one step per episode
+              (G per leased prompt) until every episode is over, then submit the groups;
+6. tinker     Tinker fleet sampling on a job of its own: a Tinker user's `POST /api/v1/asample` (G
+              samples) on a LoRA model's sampler checkpoint, which becomes a prompt of the model's fleet
+              job; a worker on that job leases it and answers it with its group.
 
 The load generator is `--clients` separate processes, each a uvloop event loop with one aiohttp
 session (keep-alive pool; about a third of httpx's client CPU per request, which matters when the
@@ -33,6 +46,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import math
 import os
 import random
 import shutil
@@ -43,7 +57,7 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from concurrent.futures import ProcessPoolExecutor
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import date
 from multiprocessing import get_context
@@ -51,7 +65,9 @@ from pathlib import Path
 from typing import Any
 
 ADMIN_KEY = "e2u_bench-admin-key-0123456789abcdef0123456789"
-PHASES = ("heartbeat", "paced", "lease", "rollouts")
+PROMPT_IDS = json.dumps(list(range(100, 132)))  # the main job's groups' prompt tokens
+VOCAB = 151_000  # the main job's sample token ids are drawn below this (a Qwen-sized vocabulary)
+PHASES = ("heartbeat", "paced", "lease", "rollouts", "audits", "episodes", "tinker")
 
 
 # ---------------------------------------------------------------- setup: server, fleet, job
@@ -87,8 +103,13 @@ def api_server(db_url: str, data_dir: Path, lease_ttl_s: float, processes: int =
 
 @dataclass
 class Fleet:
+    """What a phase drives: a job, the workers on it, and what its other side needs."""
+
     job_id: str
     workers: list[tuple[str, str]]  # (worker id, token)
+    token: str = ""  # the job's learner token (audits), or the Tinker user's API key (tinker)
+    sampler: str = ""  # tinker: the sampling session the user's requests name
+    actions: list[list[int]] = field(default_factory=list)  # episodes: model turns to play, as token ids
 
 
 def _ok(response: Any, status: int = 200) -> Any:
@@ -98,77 +119,208 @@ def _ok(response: Any, status: int = 200) -> Any:
     return response.json() if response.content else None
 
 
-def _fake_model(root: Path) -> Path:
+def _fake_model(root: Path, seed: int = 0) -> Path:
     """A small folder shaped like an HF model (one safetensors file + config), as in the API tests."""
     import numpy as np
     from safetensors.numpy import save_file
 
     root.mkdir(parents=True, exist_ok=True)
-    weights = np.random.default_rng(0).standard_normal((64, 512)).astype("float32")
+    weights = np.random.default_rng(seed).standard_normal((64, 512)).astype("float32")
     save_file({"w": weights}, str(root / "model.safetensors"))
     (root / "config.json").write_text('{"model_type": "test"}')
     return root
 
 
-def _publish_v0(base_url: str, token: str, job_id: str, folder: Path) -> None:
-    """Start the job's learner and publish version 0 as the learner does (learner.remote: its weight sink)."""
+def _publish(base_url: str, token: str, job_id: str, folders: list[Path], *, start: bool = True) -> None:
+    """Publish versions 0, 1, ... from `folders` as the learner does (learner.remote: its weight sink), after
+    starting the job's learner (a Tinker fleet job has none: its learner host only publishes)."""
     from echo2.snapshots import build_manifest
 
     from learner.remote import ControlPlane
 
     plane = ControlPlane(base_url, token, job_id)
     try:
-        plane.start()
-        plane.publish([(folder, build_manifest(folder, 0, 0, 64 * 1024))])
+        if start:
+            plane.start()
+        for version, folder in enumerate(folders):
+            plane.publish([(folder, build_manifest(folder, version, version, 64 * 1024))])
     finally:
         plane.close()
 
 
-def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace) -> Fleet:
-    """Everything through the API except activation, which the scheduler does in the database."""
+def _client(base_url: str, token: str) -> Any:
     import httpx
 
+    return httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=300)
+
+
+@contextmanager
+def _accounts(base_url: str, name: str):  # type: ignore[no-untyped-def]
+    """Clients of the admin and of a new user and provider, each job's own."""
+    with ExitStack() as stack:
+        admin = stack.enter_context(_client(base_url, ADMIN_KEY))
+        user = _ok(admin.post("/v1/users", json={"name": name, "role": "user"}), 201)["api_key"]
+        provider = _ok(admin.post("/v1/providers", json={"name": f"{name}-gpus"}), 201)["token"]
+        yield admin, stack.enter_context(_client(base_url, user)), stack.enter_context(_client(base_url, provider))
+
+
+def _register(provider: Any, args: argparse.Namespace) -> list[tuple[str, str]]:
+    workers = []
+    for i in range(args.workers):
+        relays = args.relay_every and i % args.relay_every == 0
+        relay = {"relay_url": f"http://127.0.0.1:9/w{i}"} if relays else {}
+        fields = {"name": f"w{i}", "gpu_model": "H100", "gpu_count": 1, "vram_gb": 80, "upload_mbps": 100 + i}
+        body = _ok(provider.post("/v1/workers", json={**fields, **relay}), 201)
+        workers.append((body["worker"]["id"], body["token"]))
+    return workers
+
+
+def _staff(db_url: str, job_id: str, workers: list[tuple[str, str]], versions: list[int]) -> None:
+    """Activate the workers on the job, which the scheduler does in the database."""
     from api.db import Database
     from api.models import Job, Worker
     from api.services.fleet import assign
 
-    def client(token: str) -> httpx.Client:
-        return httpx.Client(base_url=base_url, headers={"Authorization": f"Bearer {token}"}, timeout=300)
-
-    with ExitStack() as stack:
-        admin = stack.enter_context(client(ADMIN_KEY))
-        user = stack.enter_context(client(_ok(admin.post("/v1/users", json={"name": "bench", "role": "user"}),
-                                              201)["api_key"]))
-        provider = stack.enter_context(client(_ok(admin.post("/v1/providers", json={"name": "bench-gpus"}),
-                                                  201)["token"]))
-        workers = []
-        for i in range(args.workers):
-            relays = args.relay_every and i % args.relay_every == 0
-            relay = {"relay_url": f"http://127.0.0.1:9/w{i}"} if relays else {}
-            fields = {"name": f"w{i}", "gpu_model": "H100", "gpu_count": 1, "vram_gb": 80,
-                      "upload_mbps": 100 + i}
-            body = _ok(provider.post("/v1/workers", json={**fields, **relay}), 201)
-            workers.append((body["worker"]["id"], body["token"]))
-        # No learner trains here, so paced leasing must not be what limits the lease phases: R and S at their
-        # maxima give the job room for (S + 1) R = 66,560 groups in flight.
-        spec = {"name": "bench", "base_model": "echo2:tiny", "task": {"name": "arithmetic"},
-                "grpo": {"group_size": args.group_size, "prompts_per_step": 1024}, "num_prompts": args.prompts,
-                "staleness": 64, "max_steps": 1000, "partial_rollouts": args.partial}
-        job_id = _ok(user.post("/v1/jobs", json=spec), 201)["id"]
-        learner_token = _ok(admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"]
-        _publish_v0(base_url, learner_token, job_id, _fake_model(work / "model"))
     db = Database(db_url)
     with db.session() as s:
         job = s.get(Job, job_id)
         for worker_id, _ in workers:
             worker = s.get(Worker, worker_id)
             assign(worker, job)  # type: ignore[arg-type]
-            # and it fetched version 0 (a lease is granted only at a version the worker reported holding,
-            # which the heartbeat phase would report; the lease phases may run without it)
-            worker.versions_held = [0]  # type: ignore[union-attr]
+            # and it fetched the versions (a lease is granted only at a version the worker reported holding,
+            # which the heartbeat phase would report; the other phases may run without it)
+            worker.versions_held = versions  # type: ignore[union-attr]
         s.commit()
     db.dispose()
-    return Fleet(job_id=job_id, workers=workers)
+
+
+def _job_fleet(base_url: str, db_url: str, name: str, spec: dict[str, Any], folder: Path,
+               args: argparse.Namespace) -> Fleet:
+    """A running job of a new user with version 0 published from `folder`, and new workers activated on it."""
+    with _accounts(base_url, name) as (admin, user, provider):
+        workers = _register(provider, args)
+        job_id = _ok(user.post("/v1/jobs", json=spec), 201)["id"]
+        learner_token = _ok(admin.post(f"/v1/jobs/{job_id}/learner/token"), 201)["token"]
+        _publish(base_url, learner_token, job_id, [folder])
+    _staff(db_url, job_id, workers, [0])
+    return Fleet(job_id=job_id, workers=workers, token=learner_token)
+
+
+def _grpo(args: argparse.Namespace, **fields: Any) -> dict[str, Any]:
+    # No learner trains here, so paced leasing must not be what limits the lease phases: R and S at their
+    # maxima give a job room for (S + 1) R = 66,560 groups in flight.
+    return {"grpo": {"group_size": args.group_size, "prompts_per_step": 1024, **fields}, "staleness": 64,
+            "num_prompts": args.prompts, "max_steps": 1000}
+
+
+def build_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace) -> Fleet:
+    """The main job (`arithmetic`) and its workers, everything through the API except activation."""
+    spec = {"name": "bench", "base_model": "echo2:tiny", "task": {"name": "arithmetic"}, **_grpo(args),
+            "partial_rollouts": args.partial}
+    return _job_fleet(base_url, db_url, "bench", spec, _fake_model(work / "model"), args)
+
+
+GUESS = {"name": "guess_number", "params": {"low": 100_000, "high": 999_999, "max_turns": 3}}  # as tests/api
+TINKER_HOST = "bench-host"
+TINKER_PROMPT = list(range(32, 64))  # token ids of the tiny model's vocabulary
+
+
+def episode_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace) -> Fleet:
+    """A multi-turn job on the tiny model (its tokenizer decodes the turns and encodes the replies), its
+    workers, and guesses to play as the tiny model's tokens, each ended by its eos (id 0)."""
+    from tokenizers import Tokenizer
+
+    from learner.tiny import build_tiny_model
+
+    folder = build_tiny_model(work / "tiny", seed=0)
+    spec = {"name": "bench-episodes", "base_model": "echo2:tiny", "task": GUESS, **_grpo(args, max_new_tokens=16)}
+    fleet = _job_fleet(base_url, db_url, "bench-episodes", spec, folder, args)
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    fleet.actions = [[*tokenizer.encode(f"{guess}.").ids, 0] for guess in range(100_003, 999_999, 28_657)]
+    return fleet
+
+
+def _host_work(admin: Any, holding: list[str]) -> dict[str, Any]:
+    """The bench as the Tinker learner host (admin routes, as tests/tinker do): its next request."""
+    body = {"host": TINKER_HOST, "slots": 1, "wait_s": 0, "holding": holding, "price_per_hour": 0.0}
+    return _ok(admin.post("/v1/tinker/host/claim", json=body))["work"]
+
+
+def _host_result(admin: Any, work: dict[str, Any], **result: Any) -> None:
+    _ok(admin.post(f"/v1/tinker/host/requests/{work['request_id']}/result", params={"host": TINKER_HOST},
+                   json=result))
+
+
+def _tinker_model(admin: Any, user: Any) -> str:
+    """A Tinker session's LoRA training model on the tiny model, loaded by the host."""
+    from echo2.models import TINY_VOCAB_SIZE
+
+    session = _ok(user.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    created = _ok(user.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                           "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    info = {"tokenizer_id": "echo2:tiny", "arch": "qwen2", "vocab_size": TINY_VOCAB_SIZE, "max_context_length": 512}
+    _host_result(admin, _host_work(admin, []), info=info)  # what the host learnt loading it
+    return created["model_id"]
+
+
+def _sampler_checkpoint(base_url: str, work: Path, admin: Any, user: Any) -> tuple[str, str]:
+    """The model's first sampler checkpoint, version 1 of its fleet job (version 0: the base), published by the
+    host: (the fleet job, the user's sampling session on the checkpoint)."""
+    model_id = _tinker_model(admin, user)
+    saved = _ok(user.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id,
+                                                                    "sampling_session_seq_id": 1}))
+    save = _host_work(admin, [model_id])
+    order = save["publish"]
+    _publish(base_url, order["token"], order["job_id"], [_fake_model(work / f"tinker-v{v}", seed=v) for v in (0, 1)],
+             start=False)
+    _host_result(admin, save, step=1, published=1)
+    future = _ok(user.post("/api/v1/retrieve_future", json={"request_id": saved["request_id"]}))
+    return order["job_id"], future["sampling_session_id"]
+
+
+def tinker_fleet(base_url: str, db_url: str, work: Path, args: argparse.Namespace) -> Fleet:
+    """A Tinker user's sampler checkpoint on its fleet job, served by new workers at work on it (their
+    heartbeats say so: the user's requests go to the fleet only while a worker serves the job)."""
+    with _accounts(base_url, "bench-tinker") as (admin, user, provider):
+        job_id, sampler = _sampler_checkpoint(base_url, work, admin, user)
+        workers = _register(provider, args)
+        _staff(db_url, job_id, workers, [0, 1])
+        beat = {"status": "active", "job_id": job_id, "versions_held": [0, 1]}
+        for worker_id, token in workers:
+            with _client(base_url, token) as worker:
+                _ok(worker.post(f"/v1/workers/{worker_id}/heartbeat", json=beat))
+        key = user.headers["Authorization"].removeprefix("Bearer ")
+    return Fleet(job_id=job_id, workers=workers, token=key, sampler=sampler)
+
+
+def fill_queue(base_url: str, fleet: Fleet, args: argparse.Namespace) -> int:
+    """Before the audits phase: the main job's queue topped up to --audit-queue groups by the workers' own
+    lease and rollouts requests (not timed), so that the learner's claims do not run dry in the phase."""
+    with _client(base_url, ADMIN_KEY) as admin:
+        queued = _ok(admin.get(f"/v1/jobs/{fleet.job_id}/rollouts", params={"status": "accepted", "limit": 1}))
+    # 2,000 a second: over three times what the claims took on 2 cores (about 600 groups a second, shared).
+    want = (args.audit_queue or int(2000 * (args.warmup + args.duration))) - queued["total"]
+    if want <= 0:
+        return 0
+    spec = _client_spec("rollouts", base_url, fleet, fleet.workers, args.concurrency["rollouts"], time.monotonic(),
+                        0, args)
+    spec.warmup_s, spec.duration_s = 0.0, math.inf
+    return asyncio.run(_fill(spec, want))
+
+
+def phase_fleet(phase: str, fleet: Fleet, base_url: str, db_url: str, work: Path, args: argparse.Namespace) -> Fleet:
+    """What the phase drives: the main job's fleet, or a job of its own, set up just before it (not timed)."""
+    t0 = time.monotonic()
+    if phase == "audits":
+        _say(f"[{args.db_now}] queued {fill_queue(base_url, fleet, args)} more groups for the learner to claim "
+             f"in {time.monotonic() - t0:.1f}s")
+    setup = {"episodes": episode_fleet, "tinker": tinker_fleet}.get(phase)
+    if setup is None:
+        return fleet
+    own = setup(base_url, db_url, work, args)
+    _say(f"[{args.db_now}] {phase}: job {own.job_id} and {len(own.workers)} workers of its own ready in "
+         f"{time.monotonic() - t0:.1f}s")
+    return own
 
 
 def rollout_storage(db_url: str, group_size: int) -> dict[str, Any]:
@@ -227,6 +379,10 @@ class ClientSpec:
     seed: int
     rate: float = 0.0  # paced phase: heartbeats per second this client offers
     partial: bool = False  # samples carry per-token versions, as partial rollouts send them
+    claim_groups: int = 16  # audits: groups per learner claim
+    token: str = ""  # Fleet.token: the learner's (audits) or the Tinker user's (tinker)
+    sampler: str = ""  # Fleet.sampler
+    actions: list[list[int]] = field(default_factory=list)  # Fleet.actions
 
 
 @dataclass
@@ -236,8 +392,10 @@ class Record:
     latencies: dict[str, list[float]] = field(default_factory=lambda: defaultdict(list))
     statuses: dict[str, Counter[int]] = field(default_factory=lambda: defaultdict(Counter))
     errors: Counter[str] = field(default_factory=Counter)
-    groups: int = 0
+    groups: int = 0  # accepted (audits: claimed)
     rejected_groups: int = 0
+    audits: int = 0  # verdicts recorded
+    steps: int = 0  # episode steps answered
     cpu_s: float = 0.0
 
 
@@ -276,23 +434,45 @@ class Poster:
             return Reply(r.status, await r.read())
 
 
-async def _drive(spec: ClientSpec) -> Record:
+@asynccontextmanager
+async def _poster(spec: ClientSpec):  # type: ignore[no-untyped-def]
     import aiohttp
 
-    rec, window = Record(), Window(spec)
     connector = aiohttp.TCPConnector(limit=spec.concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=60)) as session:
-        client = Poster(session, spec.base_url)
+        yield Poster(session, spec.base_url)
+
+
+async def _drive(spec: ClientSpec) -> Record:
+    rec, window = Record(), Window(spec)
+    async with _poster(spec) as client:
         await asyncio.sleep(max(0.0, spec.start_at - time.monotonic()))
         if spec.phase == "paced":
             await asyncio.gather(_cpu_in_window(rec, window), _heartbeat_paced(client, spec, rec, window))
             return rec
-        loop = {"heartbeat": _heartbeat_loop, "lease": _lease_loop, "rollouts": _rollout_loop}[spec.phase]
+        loop = {"heartbeat": _heartbeat_loop, "lease": _lease_loop, "rollouts": _rollout_loop,
+                "audits": _audit_loop, "episodes": _episode_loop, "tinker": _tinker_loop}[spec.phase]
         # Each coroutine owns a disjoint slice of the workers, as each real worker runs one loop.
         await asyncio.gather(_cpu_in_window(rec, window),
                              *(loop(client, spec, spec.workers[k::spec.concurrency], rec, window)
                                for k in range(spec.concurrency)))
     return rec
+
+
+async def _fill(spec: ClientSpec, groups: int) -> int:
+    """Rounds of the rollouts loop, in this process, until `groups` more groups are accepted or no more
+    can be leased."""
+    rec, window = Record(), Window(spec)
+    samples, lease_body = _sample_pool(spec, VOCAB, spec.partial), _lease_body(spec)
+
+    async def worker(client: Poster, token: str) -> None:
+        while rec.groups < groups:
+            if not await _lease_and_submit(client, spec, rec, window, token, samples, lease_body):
+                return  # no prompt left, or no room in the job's staleness bound: the queue is as full as it gets
+
+    async with _poster(spec) as client:
+        await asyncio.gather(*(worker(client, token) for _, token in spec.workers[:spec.concurrency]))
+    return rec.groups
 
 
 async def _cpu_in_window(rec: Record, window: Window) -> None:
@@ -351,8 +531,9 @@ async def _heartbeat_loop(client: Any, spec: ClientSpec, mine: list[tuple[str, s
         await _timed(client, rec, window, "heartbeat", f"/v1/workers/{worker_id}/heartbeat", token, body)
 
 
-def _lease_body(spec: ClientSpec) -> bytes:
-    return json.dumps({"job_id": spec.job_id, "max_prompts": spec.lease_prompts, "version": 0}).encode()
+def _lease_body(spec: ClientSpec, version: int = 0, prompts: int | None = None) -> bytes:
+    return json.dumps({"job_id": spec.job_id, "max_prompts": prompts or spec.lease_prompts,
+                       "version": version}).encode()
 
 
 async def _lease_loop(client: Any, spec: ClientSpec, mine: list[tuple[str, str]], rec: Record,
@@ -366,25 +547,103 @@ async def _lease_loop(client: Any, spec: ClientSpec, mine: list[tuple[str, str]]
             await asyncio.sleep(0.05)  # the pool is empty: back off as a worker would (Retry-After)
 
 
-def _sample_pool(spec: ClientSpec, n: int = 32) -> list[str]:
+def _sample_pool(spec: ClientSpec, vocab: int, partial: bool, n: int = 32) -> list[str]:
     """Pre-serialised samples (token ids, behaviour logprobs, text), so building a body is cheap."""
     rng = random.Random(spec.seed)
     out = []
     for _ in range(n):
-        ids = [rng.randrange(151_000) for _ in range(spec.tokens)]
+        ids = [rng.randrange(vocab) for _ in range(spec.tokens)]
         logprobs = [round(-rng.expovariate(2.0), 5) for _ in range(spec.tokens)]
         text = "".join(rng.choice("abcdefghijklmnopqrstuvwxyz0123456789 ") for _ in range(4 * spec.tokens))
         sample = {"token_ids": ids, "logprobs": logprobs, "text": text, "finish_reason": "stop"}
-        if spec.partial:  # one run of version 0: the only version the bench publishes
+        if partial:  # one run of version 0: the only version the main job publishes
             sample["versions"] = [[0, spec.tokens]]
         out.append(json.dumps(sample))
     return out
 
 
+def _group(prompt_id: int, version: int, prompt_ids: str, samples: list[str]) -> str:
+    """One group's JSON from pre-serialised parts."""
+    return (f'{{"prompt_id":{prompt_id},"version":{version},"prompt_token_ids":{prompt_ids},"gen_seconds":1.5,'
+            f'"samples":[{",".join(samples)}]}}')
+
+
+def _drawn(samples: list[str], prompt_id: int, spec: ClientSpec) -> list[str]:
+    """A group's G samples from the pool, differing from each other (the door audits a group of twins)."""
+    return [samples[(prompt_id + k) % len(samples)] for k in range(spec.group_size)]
+
+
+async def _submit(client: Any, spec: ClientSpec, rec: Record, window: Window, token: str, lease_id: str,
+                  groups: list[str]) -> None:
+    """POST the groups, `--groups-per-request` at a time; count those accepted (and refused) in the window."""
+    for b in range(0, len(groups), spec.groups_per_request):
+        batch = groups[b:b + spec.groups_per_request]
+        body = ('{"groups":[' + ",".join(batch) + "]}").encode()
+        r, counted = await _timed(client, rec, window, "rollouts", f"/v1/leases/{lease_id}/rollouts", token, body)
+        if r is None or r.status_code != 200 or not counted:
+            continue
+        accepted = sum(1 for g in r.json()["results"] if g["status"] == "accepted")
+        rec.groups += accepted
+        rec.rejected_groups += len(batch) - accepted
+
+
+async def _lease_and_submit(client: Any, spec: ClientSpec, rec: Record, window: Window, token: str,
+                            samples: list[str], lease_body: bytes) -> bool:
+    """One round of the worker loop: lease, then submit a group for every leased prompt; False: no lease."""
+    r, _ = await _timed(client, rec, window, "lease", "/v1/leases", token, lease_body)
+    if r is None or r.status_code != 201:
+        return False
+    lease = r.json()
+    groups = [_group(p["prompt_id"], 0, PROMPT_IDS, _drawn(samples, p["prompt_id"], spec)) for p in lease["prompts"]]
+    await _submit(client, spec, rec, window, token, lease["id"], groups)
+    return True
+
+
 async def _rollout_loop(client: Any, spec: ClientSpec, mine: list[tuple[str, str]], rec: Record,
                         window: Window) -> None:
-    samples, lease_body, i = _sample_pool(spec), _lease_body(spec), 0
-    prompt_ids = json.dumps(list(range(100, 132)))
+    samples, lease_body, i = _sample_pool(spec, VOCAB, spec.partial), _lease_body(spec), 0
+    while time.monotonic() < window.end:
+        _, token = mine[i % len(mine)]
+        i += 1
+        if not await _lease_and_submit(client, spec, rec, window, token, samples, lease_body):
+            await asyncio.sleep(0.05)
+
+
+def _verdicts(rollout_ids: list[str], spec: ClientSpec, rng: random.Random) -> bytes:
+    """Passed audits with the statistics an honest group's replay gives (learner/audit.py: z about N(0, 1))."""
+    tokens = float(spec.group_size * spec.tokens)
+    return json.dumps({"step": 0, "audits": [
+        {"rollout_id": i, "passed": True, "stats": {"tokens": tokens, "replayed": tokens, "near_ties": 0.0,
+                                                     "max_abs_diff": 0.02, "mean_abs_diff": 0.003,
+                                                     "z": round(rng.gauss(0.0, 1.0), 3)}}
+        for i in rollout_ids]}).encode()
+
+
+async def _audit_loop(client: Any, spec: ClientSpec, _: list[tuple[str, str]], rec: Record,
+                      window: Window) -> None:
+    """The learner: claim groups for step 0, then send its verdicts on those the claim picked for an audit."""
+    learner, rng = f"/v1/jobs/{spec.job_id}/learner", random.Random(spec.seed)
+    claim = json.dumps({"step": 0, "max_groups": spec.claim_groups}).encode()
+    while time.monotonic() < window.end:
+        r, counted = await _timed(client, rec, window, "claim", f"{learner}/claim", spec.token, claim)
+        groups = r.json()["groups"] if r is not None and r.status_code == 200 else []
+        if not groups:
+            if r is not None and r.status_code == 200 and counted:
+                rec.errors["claim: the queue ran dry (raise --audit-queue)"] += 1
+            await asyncio.sleep(0.05)
+            continue
+        rec.groups += len(groups) if counted else 0
+        if picked := [g["rollout_id"] for g in groups if g["audit"]]:
+            r, counted = await _timed(client, rec, window, "audits", f"{learner}/audits", spec.token,
+                                      _verdicts(picked, spec, rng))
+            if r is not None and r.status_code == 200 and counted:
+                rec.audits += r.json()["recorded"]
+
+
+async def _episode_loop(client: Any, spec: ClientSpec, mine: list[tuple[str, str]], rec: Record,
+                        window: Window) -> None:
+    """The multi-turn worker loop: lease, play the leased episodes to their end, submit their groups."""
+    lease_body, i = _lease_body(spec), 0
     while time.monotonic() < window.end:
         _, token = mine[i % len(mine)]
         i += 1
@@ -393,21 +652,71 @@ async def _rollout_loop(client: Any, spec: ClientSpec, mine: list[tuple[str, str
             await asyncio.sleep(0.05)
             continue
         lease = r.json()
-        prompts = [p["prompt_id"] for p in lease["prompts"]]
-        for b in range(0, len(prompts), spec.groups_per_request):
-            groups = [
-                f'{{"prompt_id":{pid},"version":0,"prompt_token_ids":{prompt_ids},"gen_seconds":1.5,"samples":['
-                + ",".join(samples[(pid + k) % len(samples)] for k in range(spec.group_size)) + "]}"
-                for pid in prompts[b:b + spec.groups_per_request]
-            ]
-            body = ('{"groups":[' + ",".join(groups) + "]}").encode()
-            r, counted = await _timed(client, rec, window, "rollouts", f"/v1/leases/{lease['id']}/rollouts",
-                                      token, body)
-            if r is None or r.status_code != 200 or not counted:
-                continue
-            accepted = sum(1 for g in r.json()["results"] if g["status"] == "accepted")
-            rec.groups += accepted
-            rec.rejected_groups += len(groups) - accepted
+        played = await _play(client, spec, rec, window, token, lease)
+        if played is None:
+            continue
+        # The prompt's own tokens are not checked against the episodes (the door only bounds them by the vocabulary).
+        groups = [_group(p["prompt_id"], 0, "[1,2,3]",
+                         [json.dumps(played[p["prompt_id"], k]) for k in range(spec.group_size)])
+                  for p in lease["prompts"]]
+        await _submit(client, spec, rec, window, token, lease["id"], groups)
+
+
+async def _play(client: Any, spec: ClientSpec, rec: Record, window: Window, token: str,
+                lease: dict[str, Any]) -> dict[tuple[int, int], dict[str, Any]] | None:
+    """Every episode of the lease (G per prompt) to its end, one request a turn for all those still going
+    (as echo2_worker.episodes plays them); returns each as its sample, or None if a turn failed."""
+    played = {(p["prompt_id"], k): {"token_ids": [], "logprobs": [], "finish_reason": "stop", "turns": []}
+              for p in lease["prompts"] for k in range(spec.group_size)}
+    going, turn = list(played), 0
+    while going:
+        moves = {key: spec.actions[(key[0] * 7 + key[1] + turn) % len(spec.actions)] for key in going}
+        steps = [{"prompt_id": pid, "sample": k, "turn": turn, "action_token_ids": moves[pid, k]} for pid, k in going]
+        r, counted = await _timed(client, rec, window, "episodes", f"/v1/leases/{lease['id']}/episodes", token,
+                                  json.dumps({"steps": steps}).encode())
+        if r is None or r.status_code != 200:
+            return None
+        rec.steps += len(steps) if counted else 0
+        replies = r.json()["replies"]
+        for key, reply in zip(going, replies, strict=True):
+            _append(played[key], moves[key], -1.0)
+            if not reply["done"]:  # the environment's tokens are no draw of the model's: logprob 0
+                _append(played[key], reply["observation_token_ids"], 0.0)
+        going, turn = [key for key, reply in zip(going, replies, strict=True) if not reply["done"]], turn + 1
+    return played
+
+
+def _append(sample: dict[str, Any], tokens: list[int], logprob: float) -> None:
+    sample["token_ids"] += tokens
+    sample["logprobs"] += [logprob] * len(tokens)
+    sample["turns"].append(len(tokens))
+
+
+async def _tinker_loop(client: Any, spec: ClientSpec, mine: list[tuple[str, str]], rec: Record,
+                       window: Window) -> None:
+    """A Tinker user asks for G samples on the sampler checkpoint; a worker of the fleet leases a request (one
+    at a time: each loop leases after its own request, so one is always there) and answers it with its group."""
+    from echo2.models import TINY_VOCAB_SIZE
+
+    # Its job serves a snapshot checkpoint (no partial rollouts): each sample is one version's.
+    samples, prompt_ids, i = _sample_pool(spec, TINY_VOCAB_SIZE, False), json.dumps(TINKER_PROMPT), 0
+    ask = json.dumps({"sampling_session_id": spec.sampler, "num_samples": spec.group_size,
+                      "prompt": {"chunks": [{"type": "encoded_text", "tokens": TINKER_PROMPT}]},
+                      "sampling_params": {"max_tokens": spec.tokens, "temperature": 1.0}}).encode()
+    lease_body = _lease_body(spec, version=1, prompts=1)
+    while time.monotonic() < window.end:
+        _, token = mine[i % len(mine)]
+        i += 1
+        r, _ = await _timed(client, rec, window, "asample", "/api/v1/asample", spec.token, ask)
+        if r is not None and r.status_code == 200:
+            r, _ = await _timed(client, rec, window, "lease", "/v1/leases", token, lease_body)
+        if r is None or r.status_code != 201:
+            await asyncio.sleep(0.05)
+            continue
+        lease = r.json()
+        groups = [_group(p["prompt_id"], 1, prompt_ids, _drawn(samples, p["prompt_id"], spec))
+                  for p in lease["prompts"]]
+        await _submit(client, spec, rec, window, token, lease["id"], groups)
 
 
 # ---------------------------------------------------------------- CPU accounting (/proc via psutil)
@@ -472,20 +781,24 @@ def _pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _client_spec(phase: str, base_url: str, fleet: Fleet, workers: list[tuple[str, str]], concurrency: int,
+                 start_at: float, seed: int, args: argparse.Namespace, rate: float = 0.0) -> ClientSpec:
+    return ClientSpec(phase=phase, base_url=base_url, job_id=fleet.job_id, workers=workers, concurrency=concurrency,
+                      start_at=start_at, warmup_s=args.warmup, duration_s=args.duration,
+                      lease_prompts=args.lease_prompts, groups_per_request=args.groups_per_request,
+                      group_size=args.group_size, tokens=args.tokens, seed=seed, rate=rate, partial=args.partial,
+                      claim_groups=args.claim_groups, token=fleet.token, sampler=fleet.sampler, actions=fleet.actions)
+
+
 def run_phase(phase: str, base_url: str, fleet: Fleet, meter: CpuMeter,
               args: argparse.Namespace) -> dict[str, Any]:
     conc = args.concurrency[phase]
     clients = min(args.clients, conc)
-    specs = []
     start_at = time.monotonic() + 1.0 + 0.5 * clients  # time for every client process to start
-    for c in range(clients):
-        share = conc // clients + (1 if c < conc % clients else 0)
-        specs.append(ClientSpec(phase=phase, base_url=base_url, job_id=fleet.job_id,
-                                workers=fleet.workers[c::clients], concurrency=share, start_at=start_at,
-                                warmup_s=args.warmup, duration_s=args.duration,
-                                lease_prompts=args.lease_prompts, groups_per_request=args.groups_per_request,
-                                group_size=args.group_size, tokens=args.tokens, seed=c,
-                                rate=args.heartbeat_rate / clients, partial=args.partial))
+    specs = [_client_spec(phase, base_url, fleet, fleet.workers[c::clients],
+                          conc // clients + (1 if c < conc % clients else 0), start_at, c, args,
+                          rate=args.heartbeat_rate / clients)
+             for c in range(clients)]
     with ProcessPoolExecutor(max_workers=clients, mp_context=get_context("spawn")) as pool:
         futures = [pool.submit(client_main, s) for s in specs]
         # The CPU window matches the measurement window (after warmup).
@@ -542,7 +855,10 @@ def hot_spots(collapsed: Path, top: int = 15) -> list[str]:
     return lines
 
 
-UNIT = {"heartbeat": "heartbeat", "paced": "heartbeat", "lease": "lease", "rollouts": "group"}
+UNIT = {"heartbeat": "heartbeat", "paced": "heartbeat", "lease": "lease", "rollouts": "group", "audits": "audit",
+        "episodes": "step", "tinker": "request"}
+GROUPED = ("rollouts", "audits", "episodes", "tinker")  # phases that move groups (audits: claims them)
+FIRST_ROW = {"tinker": "asample"}  # the endpoint listed first where it is not the phase's name
 
 
 def _summarise(phase: str, records: list[Record], cores: dict[str, float], conc: int, clients: int,
@@ -560,19 +876,21 @@ def _summarise(phase: str, records: list[Record], cores: dict[str, float], conc:
              "p50_ms": 1000 * _pct(v, 0.50), "p99_ms": 1000 * _pct(v, 0.99),
              "mean_ms": 1000 * statistics.fmean(v),
              "statuses": {str(k): n for k, n in sorted(statuses[kind].items())}}
-            for kind, v in sorted(latencies.items(), key=lambda kv: kv[0] != phase)]
+            for kind, v in sorted(latencies.items(), key=lambda kv: (kv[0] != FIRST_ROW.get(phase, phase), kv[0]))]
     offered = args.heartbeat_rate if phase == "paced" else None
     groups = sum(r.groups for r in records)
+    # A Tinker fleet request is answered by its accepted group.
     ok = {"heartbeat": statuses["heartbeat"][200], "paced": statuses["heartbeat"][200],
-          "lease": statuses["lease"][201], "rollouts": groups}[phase]
+          "lease": statuses["lease"][201], "rollouts": groups, "audits": sum(r.audits for r in records),
+          "episodes": sum(r.steps for r in records), "tinker": groups}[phase]
     ops = ok / args.duration
     load_gen = sum(r.cpu_s for r in records) / args.duration
     return {
         "phase": phase, "concurrency": conc, "offered_per_s": offered, "clients": clients, "rows": rows,
         "errors": dict(errors),
         "unit": UNIT[phase], "ops_per_s": ops,
-        "groups_per_s": groups / args.duration if phase == "rollouts" else None,
-        "samples_per_s": groups * args.group_size / args.duration if phase == "rollouts" else None,
+        "groups_per_s": groups / args.duration if phase in GROUPED else None,
+        "samples_per_s": groups * args.group_size / args.duration if phase in GROUPED else None,
         "rejected_groups": sum(r.rejected_groups for r in records),
         "server_cpu_ms_per_op": 1000 * cores["server"] / ops if ops else None,
         "db_cpu_ms_per_op": 1000 * cores["db"] / ops if ops else None,
@@ -603,7 +921,7 @@ def run_database(kind: str, args: argparse.Namespace) -> list[dict[str, Any]]:
         results = []
         args.db_now = kind
         for phase in args.phases:
-            result = run_phase(phase, base_url, fleet, meter, args)
+            result = run_phase(phase, base_url, phase_fleet(phase, fleet, base_url, db_url, work, args), meter, args)
             result["db"] = kind
             results.append(result)
             _say(_format([result]))
@@ -626,20 +944,21 @@ def _say(text: str) -> None:
 
 def _format(results: list[dict[str, Any]]) -> str:
     head = (f"{'db':<8} {'phase':<9} {'endpoint':<9} {'conc':>6} {'req/s':>7} {'p50 ms':>7} {'p99 ms':>7} "
-            f"{'groups/s':>8} {'samples/s':>9} {'CPU ms/op srv+db':>17}  {'cores srv/db/gen/other':<22}"
+            f"{'ops/s':>7} {'groups/s':>8} {'samples/s':>9} {'CPU ms/op srv+db':>17}  {'cores srv/db/gen/other':<22}"
             "  statuses")
     lines = [head, "-" * len(head)]
     for res in results:
         c = res["cores"]
         cores = f"{c['server']:.2f}/{c['db']:.2f}/{c['load_gen']:.2f}/{c['other']:.2f}"
         for i, row in enumerate(res["rows"]):
-            ingest = row["endpoint"] == "rollouts"
-            groups = f"{res['groups_per_s']:8.0f}" if ingest else f"{'':>8}"
-            samples = f"{res['samples_per_s']:9.0f}" if ingest else f"{'':>9}"
+            ops = f"{res['ops_per_s']:7.0f}" if i == 0 else f"{'':>7}"
+            grouped = i == 0 and res["groups_per_s"] is not None
+            groups = f"{res['groups_per_s']:8.0f}" if grouped else f"{'':>8}"
+            samples = f"{res['samples_per_s']:9.0f}" if grouped else f"{'':>9}"
             cpu = (f"{res['server_cpu_ms_per_op']:.2f}+{res['db_cpu_ms_per_op']:.2f}/{res['unit']}"
                    if i == 0 and res["ops_per_s"] else "")
             lines.append(f"{res['db']:<8} {res['phase']:<9} {row['endpoint']:<9} {_conc(res):>6} "
-                         f"{row['rps']:7.0f} {row['p50_ms']:7.1f} {row['p99_ms']:7.1f} {groups} {samples} "
+                         f"{row['rps']:7.0f} {row['p50_ms']:7.1f} {row['p99_ms']:7.1f} {ops} {groups} {samples} "
                          f"{cpu:>17}  {cores if i == 0 else '':<22}  {row['statuses']}")
         if res["errors"]:
             lines.append(f"{'':<8} errors: {res['errors']}")
@@ -694,14 +1013,17 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
-    p.add_argument("--phases", default=",".join(PHASES), help="comma-separated subset of " + ",".join(PHASES))
+    p.add_argument("--phases", default=",".join(PHASES),
+                   help="comma-separated subset of " + ",".join(PHASES) + " (audits: the learner's claims and "
+                   "verdicts; episodes: multi-turn episode steps; tinker: Tinker sampling requests served by the "
+                   "worker fleet)")
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per phase")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each phase's window")
     p.add_argument("--workers", type=int, default=200, help="registered workers, each with its own token")
     p.add_argument("--relay-every", type=int, default=4,
                    help="every n-th worker advertises a relay URL (0: none)")
     p.add_argument("--concurrency", type=_concurrency,
-                   default=_concurrency("heartbeat=32,paced=64,lease=16,rollouts=16"),
+                   default=_concurrency("heartbeat=32,paced=64,lease=16,rollouts=16,audits=4,episodes=4,tinker=16"),
                    help="requests in flight: one number, or per phase like heartbeat=32,lease=16,rollouts=16")
     p.add_argument("--heartbeat-rate", type=float, default=1000.0,
                    help="paced phase: heartbeats per second offered (open loop)")
@@ -713,6 +1035,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--group-size", type=int, default=8, help="G: samples per group")
     p.add_argument("--tokens", type=int, default=64, help="completion tokens per sample")
     p.add_argument("--groups-per-request", type=int, default=16, help="groups per rollout POST")
+    p.add_argument("--claim-groups", type=int, default=16, help="audits: groups per learner claim")
+    p.add_argument("--audit-queue", type=int,
+                   help="audits: groups queued for the learner before the phase, default 2,000 per second of "
+                   "warmup + duration (a claim that finds none is counted as an error)")
     p.add_argument("--partial", action="store_true",
                    help="a job with partial_rollouts on: every sample carries its per-token versions")
     p.add_argument("--lease-ttl", type=float, default=60.0, help="ECHO2_LEASE_TTL_S of the server")
@@ -752,8 +1078,10 @@ def main(argv: list[str] | None = None) -> int:
          f"load average {os.getloadavg()[0]:.2f}")
     results = [r for kind in kinds for r in run_database(kind, args)]
     _say("\n" + _format(results))
-    _say("CPU ms/op: server (+ PostgreSQL) CPU per heartbeat, lease or accepted group. cores: CPU cores "
-         "busy in the window: server / database / load generator / everything else on the machine")
+    _say("ops/s and CPU ms/op: heartbeats, leases, accepted groups, audit verdicts recorded, episode steps "
+         "answered, Tinker requests answered by an accepted group; server (+ PostgreSQL) CPU per op, the phase's "
+         "other requests included. groups/s: accepted (audits: claimed). cores: CPU cores busy in the window: "
+         "server / database / load generator / everything else on the machine")
     for line in _targets(results):
         _say(line)
     if args.json:
