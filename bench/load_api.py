@@ -1014,9 +1014,9 @@ def _parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--db", choices=["sqlite", "postgres", "both"], default="both")
     p.add_argument("--phases", default=",".join(PHASES),
-                   help="comma-separated subset of " + ",".join(PHASES) + " (audits: the learner's claims and "
-                   "verdicts; episodes: multi-turn episode steps; tinker: Tinker sampling requests served by the "
-                   "worker fleet)")
+                   help="comma-separated subset of " + ",".join(PHASES) + ", run in that order (audits: the "
+                   "learner's claims and verdicts; episodes: multi-turn episode steps; tinker: Tinker sampling "
+                   "requests served by the worker fleet)")
     p.add_argument("--duration", type=float, default=10.0, help="measured seconds per phase")
     p.add_argument("--warmup", type=float, default=2.0, help="unmeasured seconds before each phase's window")
     p.add_argument("--workers", type=int, default=200, help="registered workers, each with its own token")
@@ -1067,9 +1067,12 @@ def _revision() -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    args.phases = [p for p in args.phases.split(",") if p]
-    if unknown := set(args.phases) - set(PHASES):
+    asked = {p for p in args.phases.split(",") if p}
+    if unknown := asked - set(PHASES):
         _parser().error(f"unknown phases: {', '.join(sorted(unknown))}")
+    # Always in PHASES' order: the lease phase's leases are released before rollouts, and the rollouts table is
+    # sized right after the rollouts phase, before the episodes and Tinker jobs add groups of other shapes.
+    args.phases = [p for p in PHASES if p in asked]
     if max(args.concurrency[p] for p in args.phases) > args.workers:
         _parser().error("concurrency cannot exceed --workers: each request in flight is its own worker's")
     kinds = ["sqlite", "postgres"] if args.db == "both" else [args.db]
