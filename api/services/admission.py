@@ -37,6 +37,7 @@ from echo2.protocol import (
 from echo2.seeds import prompt_seed
 from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
+from sqlalchemy.orm.attributes import set_committed_value
 
 from ..models import Job, Lease, Prompt, Rollout, Worker, new_id, utcnow
 from ..settings import Settings
@@ -50,10 +51,10 @@ HONEST_MISS = 1e-9  # chance an honest sampler draws a token below the logprob f
 def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: list[GroupSubmit],
                   settings: Settings) -> list[GroupResult]:
     spec = spec_of(job)
-    existing = {
-        r.prompt_id: r
-        for r in db.scalars(select(Rollout).where(Rollout.lease_id == lease.id,
-                                                  Rollout.prompt_id.in_([g.prompt_id for g in groups])))
+    existing = {  # idempotent per (lease, prompt): a group sent again gets the first answer
+        r.prompt_id: GroupResult(prompt_id=r.prompt_id, rollout_id=r.id, status=r.status, reason=r.reason)
+        for r in db.execute(select(Rollout.prompt_id, Rollout.id, Rollout.status, Rollout.reason)
+                            .where(Rollout.lease_id == lease.id, Rollout.prompt_id.in_([g.prompt_id for g in groups])))
     }
     in_lease = set(lease.prompt_ids)
     prompts = {p.id: p for p in db.scalars(select(Prompt).where(Prompt.id.in_(in_lease & {g.prompt_id
@@ -62,9 +63,8 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
     rows: list[dict[str, Any]] = []
     bounds = episodes.limits(job)
     for group in groups:
-        if group.prompt_id in existing:  # idempotent per (lease, prompt): replay the first answer
-            r = existing[group.prompt_id]
-            results.append(GroupResult(prompt_id=r.prompt_id, rollout_id=r.id, status=r.status, reason=r.reason))
+        if group.prompt_id in existing:
+            results.append(existing[group.prompt_id])  # the same answer: refused with it below, if it is
             continue
         if group.prompt_id not in in_lease:
             trust.strike(db, worker, f"submitted prompt {group.prompt_id}, which is not part of lease {lease.id}",
@@ -83,9 +83,9 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
         if kind is not None and kind.fault() is Fault.worker:
             trust.strike(db, worker, f"rollout {row['id']} refused at the door: {reason}", settings)
         rows.append(row)
-        existing[group.prompt_id] = Rollout(**row)
         results.append(GroupResult(prompt_id=group.prompt_id, rollout_id=row["id"], status=row["status"],
                                    reason=reason))
+        existing[group.prompt_id] = results[-1]
     if not worker.trust.can_work():  # shut out by a strike above: nothing of it is taken
         _refuse_all(rows, results, f"sender {worker.trust}")
     _store(db, lease, worker, rows)
@@ -238,7 +238,7 @@ def duplicated(group: GroupSubmit) -> str | None:
 
 
 def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]) -> None:
-    _number(db, worker, [r for r in rows if r["status"] == RolloutStatus.accepted])
+    _count(db, worker, rows)
     if rows:
         db.execute(insert(Rollout), rows)
     accepted = [r["prompt_id"] for r in rows if r["status"] == RolloutStatus.accepted]
@@ -249,23 +249,29 @@ def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]
     return_prompts(db, back, lease_id=lease.id)
     set_aside_failing(db, lease.job_id, [r["prompt_id"] for r in rows
                                          if r["reject_kind"] == RejectKind.environment_failed])
-    worker.accepted_rollouts += len(accepted)
-    worker.rejected_rollouts += len(rows) - len(accepted)
     if lease.status == LeaseStatus.active and _all_answered(db, lease):
         lease.status, lease.finished_at = LeaseStatus.completed, utcnow()
 
 
-def _number(db: Session, worker: Worker, rows: list[dict[str, Any]]) -> None:
-    """Accepted groups numbered for the audit windows (trust.should_audit), in one atomic step: two submissions
-    at once never share numbers, so a worker cannot send many at once to have them all fall outside its audit."""
+def _count(db: Session, worker: Worker, rows: list[dict[str, Any]]) -> None:
+    """The worker's counts of groups, and its accepted groups numbered for the audit windows (trust.should_audit),
+    in one atomic statement: two submissions at once never share numbers (a worker cannot send many at once to
+    have them all fall outside its audit), and neither overwrites the other's counts (the worker's row is not
+    locked: its object was read when its token was)."""
     if not rows:
         return
-    end = db.execute(update(Worker).where(Worker.id == worker.id)
-                     .values(groups_numbered=Worker.groups_numbered + len(rows)).returning(Worker.groups_numbered)
-                     .execution_options(synchronize_session=False)).scalar_one()
-    for k, row in enumerate(rows):
-        row["seq"] = end - len(rows) + k
-    worker.groups_numbered = end
+    accepted = [r for r in rows if r["status"] == RolloutStatus.accepted]
+    counts = db.execute(
+        update(Worker).where(Worker.id == worker.id)
+        .values(groups_numbered=Worker.groups_numbered + len(accepted),
+                accepted_rollouts=Worker.accepted_rollouts + len(accepted),
+                rejected_rollouts=Worker.rejected_rollouts + len(rows) - len(accepted))
+        .returning(Worker.groups_numbered, Worker.accepted_rollouts, Worker.rejected_rollouts)
+        .execution_options(synchronize_session=False)).one()
+    for k, row in enumerate(accepted):
+        row["seq"] = counts.groups_numbered - len(accepted) + k
+    for key, value in counts._mapping.items():  # what the row now holds, without writing it again
+        set_committed_value(worker, key, value)
 
 
 def _all_answered(db: Session, lease: Lease) -> bool:

@@ -81,12 +81,14 @@ def _all_answer(api, routes: list[tuple[str, str, dict[str, str], dict | None]])
     assert codes == [200] * 360
 
 
-def test_groups_one_worker_submits_at_once_get_numbers_of_their_own(api, tmp_path):
+def test_groups_one_worker_submits_at_once_get_numbers_of_their_own_and_are_all_counted(api, tmp_path):
     """The audit windows count a worker's groups (api/services/trust.py): submissions racing each other must
-    not share numbers, or a worker could send many at once to have them all fall outside its audit."""
+    not share numbers, or a worker could send many at once to have them all fall outside its audit. Nor may
+    one overwrite another's count of the worker's accepted groups (each once wrote the count it read with the
+    worker's token, plus its own)."""
     from sqlalchemy import select
 
-    from api.models import Rollout
+    from api.models import Rollout, Worker
     from tests.factories import submit_group
 
     _, alice = new_user(api)
@@ -102,7 +104,9 @@ def test_groups_one_worker_submits_at_once_get_numbers_of_their_own(api, tmp_pat
     assert all(r.status_code == 200 for r in results)
     with api.db.session() as s:
         numbers = list(s.scalars(select(Rollout.seq).where(Rollout.worker_id == wid)))
+        counted = s.get(Worker, wid)
     assert sorted(numbers) == list(range(16))
+    assert (counted.accepted_rollouts, counted.rejected_rollouts, counted.groups_numbered) == (16, 0, 16)
 
 
 def test_a_lease_does_not_wait_for_a_transaction_that_added_a_prompt_to_its_job(api, tmp_path):
