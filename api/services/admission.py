@@ -88,7 +88,7 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
         existing[group.prompt_id] = results[-1]
     if not worker.trust.can_work():  # shut out by a strike above: nothing of it is taken
         _refuse_all(rows, results, f"sender {worker.trust}")
-    _store(db, lease, worker, rows)
+    _store(db, lease, worker, rows, answered=in_lease <= existing.keys())
     return results
 
 
@@ -237,7 +237,8 @@ def duplicated(group: GroupSubmit) -> str | None:
     return f"{len(group.samples) - len(seen)} duplicated samples" if len(seen) < len(group.samples) else None
 
 
-def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]) -> None:
+def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]], answered: bool) -> None:
+    """`answered`: every prompt of the lease has its group now (the request held them all), so none is counted."""
     _count(db, worker, rows)
     if rows:
         db.execute(insert(Rollout), rows)
@@ -249,7 +250,7 @@ def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]
     return_prompts(db, back, lease_id=lease.id)
     set_aside_failing(db, lease.job_id, [r["prompt_id"] for r in rows
                                          if r["reject_kind"] == RejectKind.environment_failed])
-    if lease.status == LeaseStatus.active and _all_answered(db, lease):
+    if lease.status == LeaseStatus.active and (answered or _all_answered(db, lease)):
         lease.status, lease.finished_at = LeaseStatus.completed, utcnow()
 
 

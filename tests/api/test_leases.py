@@ -38,6 +38,30 @@ def test_lease_gives_server_chosen_prompts_without_answers(api, setup):
     assert not {p["prompt_id"] for p in got["prompts"]} & {p["prompt_id"] for p in second["prompts"]}
 
 
+def _group(prompt, version=0):
+    samples = [{"token_ids": [5 + k, 6, 7], "logprobs": [-0.5, -1.0, -0.1], "text": "42", "finish_reason": "stop"}
+               for k in range(2)]
+    return {"prompt_id": prompt["prompt_id"], "version": version, "prompt_token_ids": [1, 2, 3], "samples": samples}
+
+
+@pytest.mark.parametrize("requests", [1, 2, 3])
+def test_a_lease_completes_with_its_last_group_whether_sent_at_once_or_in_parts(api, setup, requests):
+    """A submission holding every prompt of its lease completes it without counting what the lease has; parts
+    leave it active until the last, and a part sent again changes nothing."""
+    job, _, worker, _ = setup
+    got = ok(lease(worker, job, 3), 201)
+    parts = [got["prompts"][k::requests] for k in range(requests)]
+    for k, part in enumerate(parts):
+        ok(worker.post(f"/v1/leases/{got['id']}/rollouts", json={"groups": [_group(p) for p in part]}))
+        if k:
+            ok(worker.post(f"/v1/leases/{got['id']}/rollouts", json={"groups": [_group(parts[0][0])]}))
+        renewed = worker.post(f"/v1/leases/{got['id']}/renew")
+        if k < requests - 1:
+            assert ok(renewed)["status"] == "active"
+        else:
+            assert renewed.status_code == 409 and "is completed" in renewed.json()["detail"]
+
+
 def test_unassigned_worker_cannot_lease(api, setup):
     job, *_ = setup
     _, provider = new_provider(api, "other")
