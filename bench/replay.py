@@ -2,6 +2,7 @@
 
     python bench/replay.py                                   # 10,000 honest groups per backend, 1,000 per cheat
     python bench/replay.py --honest 2000 --cheat 300 --no-vllm
+    python bench/replay.py --model smollm2 --honest 120 --cheat 90 --no-vllm   # a real model's longer samples
     # workers on a GPU (scripts/gpu_check.sh), judged at home by the CPU auditor:
     python bench/replay.py --stage generate --versions DIR --device cuda --dtype bfloat16 --generated G.json.gz
     python bench/replay.py --stage audit --versions DIR --generated G.json.gz
@@ -21,6 +22,12 @@ only the replay can see it:
   copy         one sample submitted G times
   eos          every sample stopped after its first token with an end-of-sequence token
   pick         3G samples drawn (the leased seeds and 2G more), the G with the lowest reward submitted
+
+With `--model smollm2` the model is SmolLM2-135M-Instruct (the packaged GGUF, converted once) on its demo job's
+two-digit addition ("what is 37+45?" with its chat template, scored by the arithmetic task), 16 new tokens,
+temperature 1, its versions its first GRPO steps as that job takes them (8 prompts of G samples, lr 2e-6; a batch
+that scored alike throughout takes no step and is drawn again): samples as long as a real job's answers,
+versions as close as a real job's.
 
 A cheating group whose tokens are exactly what the claimed version draws with the same seeds (a stale worker
 whose old weights happen to rank every position's top candidates alike, a picker whose lowest-reward samples
@@ -46,6 +53,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -56,8 +64,36 @@ sys.path.insert(0, str(REPO))
 VLLM_PYTHON = REPO / ".venv-vllm" / "bin" / "python"
 # This tree's SDK and worker first: the vLLM venv's editable installs may point at another checkout.
 VLLM_ENV = {**os.environ, "PYTHONPATH": f"{REPO / 'sdk'}:{REPO / 'workers'}"}
-G, NEW_TOKENS, VERSIONS, PROMPTS_PER_STEP = 8, 3, 6, 64
+G, VERSIONS = 8, 6
+SMOLLM2 = REPO / ".echo2-cache" / "smollm2-135m-instruct"
 CHEATS = ("stale", "stale3", "nearby-1", "nearby-5", "copy", "eos", "pick")
+
+
+@dataclass(frozen=True)
+class Setting:
+    """The model the groups are drawn from, its prompts, and how many tokens a sample may run."""
+
+    model: str
+    new_tokens: int
+
+    def question(self, rng: random.Random) -> str:
+        if self.model == "tiny":  # the demo's arithmetic prompts
+            return f"{rng.randint(0, 4)}+{rng.randint(0, 4)}="
+        return f"what is {rng.randint(10, 99)}+{rng.randint(10, 99)}?\n"  # the SmolLM2 demo job's (server/demo.py)
+
+    def reward(self, question: str, answer: str) -> float:
+        """The tiny demo's answer is its first number; SmolLM2's is scored by the arithmetic task as its job is."""
+        if self.model == "tiny":
+            return _reward(question, answer)
+        from server.demo import SMOLLM2_TWO_DIGIT
+        from tasks import TaskPrompt, get_task
+
+        task = get_task("arithmetic")
+        prompt = TaskPrompt(text=question, reference=str(_sum(question)))
+        return task.reward(prompt, answer, task.parse_params(SMOLLM2_TWO_DIGIT["task"]["params"])) or 0.0
+
+
+SETTINGS = {"tiny": Setting("tiny", 3), "smollm2": Setting("smollm2", 16)}
 
 
 def train_versions(folder: Path, out: Path) -> list[Path]:
@@ -82,12 +118,12 @@ def train_versions(folder: Path, out: Path) -> list[Path]:
         model.save_pretrained(path)
         tok.save_pretrained(path)
         paths.append(path)
-        prompts = task.generate_prompts(params, v, PROMPTS_PER_STEP)
+        prompts = task.generate_prompts(params, v, 64)
         rows = Rollouts()
         for g, p in enumerate(prompts):
             ids = tok(p.text)["input_ids"]
             model.eval()
-            for s in sample(model, [ids] * G, max_new_tokens=NEW_TOKENS, eos_id=tok.eos_token_id,
+            for s in sample(model, [ids] * G, max_new_tokens=SETTINGS["tiny"].new_tokens, eos_id=tok.eos_token_id,
                             pad_id=tok.pad_token_id, seed=prompt_seed(0, "bench", g, v)):
                 text = tok.decode(s.completion_ids, skip_special_tokens=True)
                 rows.add(ids, s.completion_ids, s.logprobs, float(task.reward(p, text, params) or 0.0), g, 0)
@@ -96,8 +132,49 @@ def train_versions(folder: Path, out: Path) -> list[Path]:
     return paths
 
 
-def requests(tok: Any, n: int, seed: int, extra: int = 1) -> list[dict[str, Any]]:
-    """n arithmetic prompts, each with its leased base seed; `extra` x G samples each (the picker's draws)."""
+def train_smollm2_versions(out: Path, lr: float = 2e-6, prompts: int = 8) -> list[Path]:
+    """VERSIONS folders: SmolLM2-135M-Instruct (its bf16 weights, as a version is published) and the weights after
+    each of its first GRPO steps on two-digit addition, as its demo job takes them (8 prompts of G samples, lr 2e-6).
+    The model rarely answers right at first, so a batch whose every group scored alike (no step) is drawn again."""
+    import torch
+    from echo2.prompting import encode_prompt
+    from echo2.seeds import prompt_seed
+    from transformers import AutoTokenizer
+
+    from learner.objective import ObjectiveConfig
+    from learner.policy import Rollouts, grpo_update, sample
+    from learner.tiny import import_smollm2
+
+    src = SMOLLM2 if (SMOLLM2 / "config.json").exists() else import_smollm2(SMOLLM2)
+    tok = AutoTokenizer.from_pretrained(src)
+    model = load_causal_lm(src, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.99))
+    setting, rng, paths = SETTINGS["smollm2"], random.Random(11), []
+    draws = 0
+    for v in range(VERSIONS):
+        path = out / f"v{v}"
+        model.save_pretrained(path)
+        tok.save_pretrained(path)
+        paths.append(path)
+        stepped = False
+        while not stepped and v < VERSIONS - 1:
+            draws += 1
+            rows = Rollouts()
+            model.eval()
+            for g in range(prompts):
+                question = setting.question(rng)
+                ids = encode_prompt(tok, question)
+                for s in sample(model, [ids] * G, max_new_tokens=setting.new_tokens, eos_id=tok.eos_token_id,
+                                pad_id=tok.pad_token_id, seed=prompt_seed(0, "bench", g, draws)):
+                    text = tok.decode(s.completion_ids, skip_special_tokens=True)
+                    rows.add(ids, s.completion_ids, s.logprobs, setting.reward(question, text), g, 0)
+            model.train()
+            stepped = bool(grpo_update(model, opt, rows, ObjectiveConfig(), pad_id=tok.pad_token_id)["stepped"])
+    return paths
+
+
+def requests(setting: Setting, tok: Any, n: int, seed: int, extra: int = 1) -> list[dict[str, Any]]:
+    """n addition prompts, each with its leased base seed; `extra` x G samples each (the picker's draws)."""
     from echo2.prompting import encode_prompt
     from echo2.seeds import prompt_seed, sample_seed
 
@@ -105,9 +182,9 @@ def requests(tok: Any, n: int, seed: int, extra: int = 1) -> list[dict[str, Any]
     out = []
     for i in range(n):
         base = prompt_seed(seed, "bench", i, 0)
-        out.append({"prompt_token_ids": encode_prompt(tok, f"{rng.randint(0, 4)}+{rng.randint(0, 4)}="),
+        out.append({"prompt_token_ids": encode_prompt(tok, setting.question(rng)),
                     "n": G * extra, "seeds": [sample_seed(base, k) for k in range(G * extra)],
-                    "max_new_tokens": NEW_TOKENS, "temperature": 1.0, "base": base})
+                    "max_new_tokens": setting.new_tokens, "temperature": 1.0, "base": base})
     return out
 
 
@@ -199,13 +276,14 @@ def nearby(src: Path, out: Path, scale: float) -> Path:
     return out
 
 
-def plan_cheat(cheat: str, gens: Generations, versions: list[Path], tok: Any, n: int, work: Path) -> list[tuple]:
+def plan_cheat(setting: Setting, cheat: str, gens: Generations, versions: list[Path], tok: Any, n: int,
+               work: Path) -> list[tuple]:
     """n cheating groups spread over the claimed versions 3..5, to generate: (claimed version, requests, handle of
     the cheater's draws, handle of what the claimed version draws with the same seeds)."""
     out = []
     per = n // 3 + 1
     for claimed in range(3, VERSIONS):
-        reqs = requests(tok, per, 100 * claimed + CHEATS.index(cheat), extra=3 if cheat == "pick" else 1)
+        reqs = requests(setting, tok, per, 100 * claimed + CHEATS.index(cheat), extra=3 if cheat == "pick" else 1)
         honest = gens.add(versions[claimed], reqs)
         if cheat == "stale":
             drawn = gens.add(versions[claimed - 1], reqs)
@@ -220,21 +298,22 @@ def plan_cheat(cheat: str, gens: Generations, versions: list[Path], tok: Any, n:
     return out
 
 
-def cheat_groups(planned: list[tuple], gens: Generations, scorers: list[Any], tok: Any, n: int,
+def cheat_groups(setting: Setting, planned: list[tuple], gens: Generations, scorers: list[Any], tok: Any, n: int,
                  cheat: str) -> list[tuple]:
     """(claimed version, request, forged samples, the honest draw's token lists) of the generated groups; the
     forged samples' logprobs recomputed under the claimed version by `scorers` (the cheater's own device)."""
     out = []
     for claimed, reqs, drawn, honest in planned:
         for r, tokens, fair in zip(reqs, gens.tokens(drawn), gens.tokens(honest), strict=True):
-            forged = rescored(scorers[claimed], r["prompt_token_ids"], _forge(cheat, r, tokens, tok), tok.pad_token_id)
+            forged = rescored(scorers[claimed], r["prompt_token_ids"], _forge(setting, cheat, r, tokens, tok),
+                              tok.pad_token_id)
             out.append((claimed, r, forged, fair[:G]))
             if len(out) == n:
                 return out
     return out
 
 
-def _forge(cheat: str, req: dict[str, Any], tokens: list[list[int]], tok: Any) -> list[list[int]]:
+def _forge(setting: Setting, cheat: str, req: dict[str, Any], tokens: list[list[int]], tok: Any) -> list[list[int]]:
     eos = tok.eos_token_id
     if cheat == "copy":
         return [tokens[0]] * G
@@ -242,7 +321,7 @@ def _forge(cheat: str, req: dict[str, Any], tokens: list[list[int]], tok: Any) -
         return [[t[0], eos] if t[0] != eos else t[:1] for t in tokens]
     if cheat == "pick":
         question = tok.decode(req["prompt_token_ids"], skip_special_tokens=True)
-        return sorted(tokens, key=lambda t: _reward(question, tok.decode(t, skip_special_tokens=True)))[:G]
+        return sorted(tokens, key=lambda t: setting.reward(question, tok.decode(t, skip_special_tokens=True)))[:G]
     return tokens
 
 
@@ -254,11 +333,12 @@ def _reward(question: str, answer: str) -> float:
     return float(len(nums) == 2 and bool(got) and int(got[0]) == sum(nums))
 
 
-def plan_honest(gens: Generations, versions: list[Path], tok: Any, n: int, salt: int) -> list[tuple]:
+def plan_honest(setting: Setting, gens: Generations, versions: list[Path], tok: Any, n: int,
+                salt: int) -> list[tuple]:
     per = n // 3 + 1
     planned = []
     for claimed in range(3, VERSIONS):
-        reqs = requests(tok, per, 7 * claimed + salt)
+        reqs = requests(setting, tok, per, 7 * claimed + salt)
         planned.append((claimed, reqs, gens.add(versions[claimed], reqs)))
     return planned
 
@@ -317,7 +397,8 @@ def evidence_false_alarms(honest: list[Any], workers: int = 10) -> dict:
     return {"audits": len(honest), "workers": workers, "sequential_alarms": alarms}
 
 
-def fleet_false_alarms(tok: Any, versions: list[Path], n: int, work: Path, workers: int = 10) -> dict:
+def fleet_false_alarms(setting: Setting, tok: Any, versions: list[Path], n: int, work: Path,
+                       workers: int = 10) -> dict:
     """Honest groups of the last version split among `workers` workers, rewards scored: outliers found."""
     from api.services import evidence
     from tasks import TaskPrompt, get_task
@@ -325,7 +406,7 @@ def fleet_false_alarms(tok: Any, versions: list[Path], n: int, work: Path, worke
 
     task = get_task("arithmetic")
     params = task.parse_params(D["task_params"])
-    reqs = requests(tok, n, 4242)
+    reqs = requests(setting, tok, n, 4242)
     gens = Generations("transformers", work)
     handle = gens.add(versions[-1], reqs)
     gens.run()
@@ -351,8 +432,12 @@ def _sum(question: str) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=sorted(SETTINGS), default="tiny",
+                        help="smollm2: SmolLM2-135M-Instruct on two-digit addition, 16 new tokens (its versions: GRPO "
+                             "steps at lr 2e-6, trained into --versions)")
     parser.add_argument("--honest", type=int, default=10_000, help="honest groups per backend")
     parser.add_argument("--cheat", type=int, default=1_000, help="groups per cheat and backend")
+    parser.add_argument("--cheats", nargs="+", choices=CHEATS, default=list(CHEATS), help="the cheats to mount")
     parser.add_argument("--no-vllm", action="store_true")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here too")
     parser.add_argument("--stage", choices=("all", "generate", "audit"), default="all",
@@ -370,36 +455,38 @@ def main() -> None:
         parser.error("--stage audit needs --versions DIR holding the versions the groups were drawn from")
     from transformers import AutoTokenizer
 
-    start = time.perf_counter()
+    start, setting = time.perf_counter(), SETTINGS[args.model]
     with tempfile.TemporaryDirectory(prefix="echo2-replay-") as tmp:
         work = Path(tmp)
-        versions = load_versions(args.versions or work / "versions", work)
+        versions = load_versions(setting, args.versions or work / "versions", work)
         tok = AutoTokenizer.from_pretrained(versions[0])
         if args.stage == "audit":
             generated = {k: v for f in args.generated for k, v in json.loads(gzip.decompress(f.read_bytes())).items()}
         else:
             backends = ["transformers"] + ([] if args.no_vllm or not VLLM_PYTHON.exists() else ["vllm"])
-            generated = generate(backends, versions, tok, work, args)
+            generated = generate(setting, backends, versions, tok, work, args)
         if args.stage == "generate":
             args.generated[0].write_bytes(gzip.compress(json.dumps(generated).encode()))
             print(f"replay: {sum(len(g['honest']) for g in generated.values()):,} honest groups and their cheats "
                   f"written to {args.generated[0]} in {time.perf_counter() - start:.0f} s")
             return
-        report = audit_all(generated, versions, args)
+        report = audit_all(generated, versions, args) | {"model": setting.model, "new_tokens": setting.new_tokens}
         if args.stage == "all":
-            report["fleet"] = fleet_false_alarms(tok, versions, min(args.honest, 4000), work)
+            report["fleet"] = fleet_false_alarms(setting, tok, versions, min(args.honest, 4000), work)
         report["seconds"] = time.perf_counter() - start
     _print(report)
     if args.out:
         args.out.write_text(json.dumps(report, indent=1))
 
 
-def load_versions(folder: Path, work: Path) -> list[Path]:
+def load_versions(setting: Setting, folder: Path, work: Path) -> list[Path]:
     """The VERSIONS model folders under `folder`, trained there first when it holds none."""
     from learner.tiny import build_tiny_model
 
     if _stored(folder):
         return [folder / f"v{v}" for v in range(VERSIONS)]
+    if setting.model == "smollm2":
+        return train_smollm2_versions(folder)
     return train_versions(build_tiny_model(work / "tiny", seed=0), folder)
 
 
@@ -407,7 +494,8 @@ def _stored(folder: Path) -> bool:
     return all((folder / f"v{v}" / "config.json").exists() for v in range(VERSIONS))
 
 
-def generate(backends: list[str], versions: list[Path], tok: Any, work: Path, args: Any) -> dict[str, Any]:
+def generate(setting: Setting, backends: list[str], versions: list[Path], tok: Any, work: Path,
+             args: Any) -> dict[str, Any]:
     """Every backend's groups, keyed by backend, device and precision: honest ones with the logprobs their worker
     reported, cheating ones with logprobs recomputed under the claimed version on the workers' device."""
     import torch
@@ -416,8 +504,8 @@ def generate(backends: list[str], versions: list[Path], tok: Any, work: Path, ar
     for backend in backends:
         gens = Generations(backend, work / backend, args.device, args.dtype)
         gens.work.mkdir()
-        honest_plan = plan_honest(gens, versions, tok, args.honest, backend == "vllm")
-        cheat_plans = {c: plan_cheat(c, gens, versions, tok, args.cheat, work) for c in CHEATS}
+        honest_plan = plan_honest(setting, gens, versions, tok, args.honest, backend == "vllm")
+        cheat_plans = {c: plan_cheat(setting, c, gens, versions, tok, args.cheat, work) for c in args.cheats}
         start = time.perf_counter()
         gens.run()
         print(f"{backend}: generated {sum(len(r) for _, r in gens.jobs):,} groups in "
@@ -425,7 +513,7 @@ def generate(backends: list[str], versions: list[Path], tok: Any, work: Path, ar
         scorers = [load_causal_lm(v, dtype=getattr(torch, args.dtype)).to(args.device).eval() for v in versions]
         out[f"{backend} {args.device} {args.dtype}"] = {
             "precision": args.dtype, "honest": honest_groups(honest_plan, gens, args.honest),
-            "cheats": {c: cheat_groups(p, gens, scorers, tok, args.cheat, c) for c, p in cheat_plans.items()}}
+            "cheats": {c: cheat_groups(setting, p, gens, scorers, tok, args.cheat, c) for c, p in cheat_plans.items()}}
     return out
 
 
@@ -469,7 +557,7 @@ def _print(report: dict[str, Any]) -> None:
               f"{e['sequential_alarms']} alarms")
     if f := report.get("fleet"):
         print(f"fleet comparison over {f['groups']:,} honest groups ({f['workers']} workers): {f['flagged']} flagged")
-    print(f"auditor: {report['auditor']}")
+    print(f"model: {report['model']}, {report['new_tokens']} new tokens; auditor: {report['auditor']}")
     print(f"replay: {report['seconds']:.0f} s")
 
 

@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _replay(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "bench/replay.py", "--no-vllm", *args], cwd=ROOT, timeout=600,
+def _replay(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "bench/replay.py", "--no-vllm", *args], cwd=ROOT, timeout=timeout,
                           capture_output=True, text=True)
 
 
@@ -34,3 +36,20 @@ def test_a_stage_without_what_it_needs_says_what_to_give(tmp_path: Path) -> None
     assert missing.returncode == 2 and "--generated FILE" in missing.stderr
     empty = _replay("--stage", "audit", "--generated", str(tmp_path / "x"), "--versions", str(tmp_path))
     assert empty.returncode == 2 and "--versions DIR holding the versions" in empty.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_groups_are_replayed_and_its_cheats_judged(tmp_path: Path) -> None:
+    """`--model smollm2`: SmolLM2's versions trained by real GRPO steps, its groups drawn by the worker's backend
+    and judged by the replay (minutes: the GGUF is converted once, six versions trained)."""
+    out = tmp_path / "figures.json"
+    run = _replay("--model", "smollm2", "--honest", "6", "--cheat", "3", "--versions", str(tmp_path / "v"),
+                  "--out", str(out), timeout=1800)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert (report["model"], report["new_tokens"]) == ("smollm2", 16)
+    honest = report["honest"]["transformers cpu float32"]
+    assert honest["groups"] == 6 and honest["rejected"] == 0 and honest["tokens"] > 6 * 8
+    for cheat in ("copy", "eos"):  # never an honest draw: always caught
+        figures = report["cheats"][f"{cheat} (transformers cpu float32)"]
+        assert figures["groups"] == figures["caught"] == 3
