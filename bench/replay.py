@@ -133,9 +133,10 @@ def train_versions(folder: Path, out: Path) -> list[Path]:
 
 
 def train_smollm2_versions(out: Path, lr: float = 2e-6, prompts: int = 8) -> list[Path]:
-    """VERSIONS folders: SmolLM2-135M-Instruct (its bf16 weights, as a version is published) and the weights after
-    each of its first GRPO steps on two-digit addition, as its demo job takes them (8 prompts of G samples, lr 2e-6).
-    The model rarely answers right at first, so a batch whose every group scored alike (no step) is drawn again."""
+    """VERSIONS folders: SmolLM2-135M-Instruct and its float32 weights after each of its first GRPO steps on two-digit
+    addition, as its demo job takes them (8 prompts of G samples, lr 2e-6): versions as close as two can be (the
+    job's default bf16 versions also differ by their rounding). The model rarely answers right at first, so a batch
+    whose every group scored alike (no step) is drawn again."""
     import torch
     from echo2.prompting import encode_prompt
     from echo2.seeds import prompt_seed
@@ -158,6 +159,8 @@ def train_smollm2_versions(out: Path, lr: float = 2e-6, prompts: int = 8) -> lis
         paths.append(path)
         stepped = False
         while not stepped and v < VERSIONS - 1:
+            if draws == 50:
+                raise RuntimeError("50 batches took no step: no group had samples scored unlike each other")
             draws += 1
             rows = Rollouts()
             model.eval()
