@@ -441,7 +441,9 @@ def main() -> None:
     parser.add_argument("--honest", type=int, default=10_000, help="honest groups per backend")
     parser.add_argument("--cheat", type=int, default=1_000, help="groups per cheat and backend")
     parser.add_argument("--cheats", nargs="+", choices=CHEATS, default=list(CHEATS), help="the cheats to mount")
-    parser.add_argument("--no-vllm", action="store_true")
+    parser.add_argument("--backends", nargs="+", choices=("transformers", "vllm"), default=["transformers", "vllm"],
+                        help="the worker backends that draw the groups (vllm: when .venv-vllm exists)")
+    parser.add_argument("--no-vllm", action="store_true", help="the same as --backends transformers")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here too")
     parser.add_argument("--stage", choices=("all", "generate", "audit"), default="all",
                         help="generate: draw the groups and write them to --generated; audit: judge those")
@@ -456,6 +458,10 @@ def main() -> None:
         parser.error(f"--stage {args.stage} needs --generated FILE (the groups drawn)")
     if args.stage == "audit" and not (args.versions and _stored(args.versions)):
         parser.error("--stage audit needs --versions DIR holding the versions the groups were drawn from")
+    backends = [b for b in args.backends if b != "vllm" or not args.no_vllm and VLLM_PYTHON.exists()]
+    if not backends:
+        parser.error(f"no backend left to draw with: vllm needs {VLLM_PYTHON} (scripts/setup_vllm_venv.sh) and no "
+                     "--no-vllm")
     from transformers import AutoTokenizer
 
     start, setting = time.perf_counter(), SETTINGS[args.model]
@@ -466,7 +472,6 @@ def main() -> None:
         if args.stage == "audit":
             generated = {k: v for f in args.generated for k, v in json.loads(gzip.decompress(f.read_bytes())).items()}
         else:
-            backends = ["transformers"] + ([] if args.no_vllm or not VLLM_PYTHON.exists() else ["vllm"])
             generated = generate(setting, backends, versions, tok, work, args)
         if args.stage == "generate":
             args.generated[0].write_bytes(gzip.compress(json.dumps(generated).encode()))

@@ -36,6 +36,8 @@ def test_a_stage_without_what_it_needs_says_what_to_give(tmp_path: Path) -> None
     assert missing.returncode == 2 and "--generated FILE" in missing.stderr
     empty = _replay("--stage", "audit", "--generated", str(tmp_path / "x"), "--versions", str(tmp_path))
     assert empty.returncode == 2 and "--versions DIR holding the versions" in empty.stderr
+    none = _replay("--backends", "vllm")  # _replay passes --no-vllm
+    assert none.returncode == 2 and "no backend left to draw with" in none.stderr
 
 
 @pytest.mark.slow
