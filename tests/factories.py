@@ -169,14 +169,18 @@ def hold(worker: httpx.Client, *versions: int) -> None:
     ok(worker.post(f"/v1/workers/{worker_id}/heartbeat", json={"versions_held": list(versions)}))
 
 
-def submit_group(worker: httpx.Client, lease: dict[str, Any], prompt: dict[str, Any], version: int,
-                 group_size: int = 2) -> httpx.Response:
-    # Samples differ (the door audits a group of identical ones whatever its sender's trust).
+def group_body(prompt: dict[str, Any], version: int, group_size: int = 2) -> dict[str, Any]:
+    """A well-formed group for a leased prompt. Samples differ (the door audits a group of identical ones whatever
+    its sender's trust)."""
     samples = [{"token_ids": [5 + k, 6, 7], "logprobs": [-0.5, -1.0, -0.1], "text": "42", "finish_reason": "stop"}
                for k in range(group_size)]
-    group = {"prompt_id": prompt["prompt_id"], "version": version, "prompt_token_ids": [1, 2, 3],
-             "samples": samples}
-    return worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]})
+    return {"prompt_id": prompt["prompt_id"], "version": version, "prompt_token_ids": [1, 2, 3], "samples": samples}
+
+
+def submit_group(worker: httpx.Client, lease: dict[str, Any], prompt: dict[str, Any], version: int,
+                 group_size: int = 2) -> httpx.Response:
+    return worker.post(f"/v1/leases/{lease['id']}/rollouts",
+                       json={"groups": [group_body(prompt, version, group_size)]})
 
 
 @dataclass

@@ -5,6 +5,7 @@ import pytest
 from tests.factories import (
     activate,
     fake_model_folder,
+    group_body,
     new_provider,
     new_user,
     new_worker,
@@ -38,12 +39,6 @@ def test_lease_gives_server_chosen_prompts_without_answers(api, setup):
     assert not {p["prompt_id"] for p in got["prompts"]} & {p["prompt_id"] for p in second["prompts"]}
 
 
-def _group(prompt, version=0):
-    samples = [{"token_ids": [5 + k, 6, 7], "logprobs": [-0.5, -1.0, -0.1], "text": "42", "finish_reason": "stop"}
-               for k in range(2)]
-    return {"prompt_id": prompt["prompt_id"], "version": version, "prompt_token_ids": [1, 2, 3], "samples": samples}
-
-
 @pytest.mark.parametrize("requests", [1, 2, 3])
 def test_a_lease_completes_with_its_last_group_whether_sent_at_once_or_in_parts(api, setup, requests):
     """A submission holding every prompt of its lease completes it without counting what the lease has; parts
@@ -52,9 +47,9 @@ def test_a_lease_completes_with_its_last_group_whether_sent_at_once_or_in_parts(
     got = ok(lease(worker, job, 3), 201)
     parts = [got["prompts"][k::requests] for k in range(requests)]
     for k, part in enumerate(parts):
-        ok(worker.post(f"/v1/leases/{got['id']}/rollouts", json={"groups": [_group(p) for p in part]}))
+        ok(worker.post(f"/v1/leases/{got['id']}/rollouts", json={"groups": [group_body(p, 0) for p in part]}))
         if k:
-            ok(worker.post(f"/v1/leases/{got['id']}/rollouts", json={"groups": [_group(parts[0][0])]}))
+            ok(worker.post(f"/v1/leases/{got['id']}/rollouts", json={"groups": [group_body(parts[0][0], 0)]}))
         renewed = worker.post(f"/v1/leases/{got['id']}/renew")
         if k < requests - 1:
             assert ok(renewed)["status"] == "active"
