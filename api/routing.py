@@ -1,22 +1,32 @@
-"""The route class of every API router: a sync route hands its database connection back when it returns.
+"""The route class of every API router: a sync route hands its database connection back when it returns, and a
+JSON body is validated straight from its bytes.
 
 FastAPI validates a sync route's answer in another pool thread after the route returns, and closes the
 route's session only after that. A route that read without committing kept its transaction (and, on SQLite,
 the process's one connection) across that hop: once every pool thread was waiting for the connection, nobody
 could validate the answer that would free it, and the API stalled for the pool's timeout. Dependencies hand
-theirs back themselves (`deps.hand_back`)."""
+theirs back themselves (`deps.hand_back`).
+
+FastAPI parses a JSON body into Python objects (`json.loads`) and then validates those against the body's model:
+for a worker's rollout submission (16 groups, ~200 KB) that was a quarter of the server's CPU, four times what
+pydantic takes to validate the same bytes in one pass. `ModelBody` hands FastAPI the model validated from the
+bytes, which it takes as it is (a model instance passes validation unchanged). A body the one-pass validation
+refuses goes the old way, so every error answer is the one FastAPI always gave."""
 
 from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable
+import json
+from collections.abc import Callable, Coroutine
 from typing import Any
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Request, Response
 from fastapi.routing import APIRoute
+from pydantic import BaseModel, ValidationError
 from sqlalchemy import event
 from sqlalchemy.orm import Session
+from starlette.types import Receive, Scope
 
 UNSAVED = "echo2.unsaved"  # Session.info: a flush since the last commit or rollback
 
@@ -26,6 +36,44 @@ class Route(APIRoute):
         if not inspect.iscoroutinefunction(endpoint):
             endpoint = _handing_back(endpoint)
         super().__init__(path, endpoint, **kwargs)
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+        model = _body_model(self)
+        if model is None:
+            return handler
+
+        async def validated_from_bytes(request: Request) -> Response:
+            return await handler(ModelBody(request.scope, request.receive, model))
+
+        return validated_from_bytes
+
+
+class ModelBody(Request):
+    """A request whose JSON body reads as its route's model, validated from the bytes; a body that model refuses
+    reads as parsed JSON, for FastAPI to validate and answer as ever (status, error locations and messages)."""
+
+    def __init__(self, scope: Scope, receive: Receive, model: type[BaseModel]) -> None:
+        super().__init__(scope, receive)
+        self.model = model
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            try:
+                self._json = self.model.model_validate_json(body)
+            except ValidationError:
+                self._json = json.loads(body)
+        return self._json
+
+
+def _body_model(route: APIRoute) -> type[BaseModel] | None:
+    """The model a route's whole JSON body is (one body parameter, not embedded), or None."""
+    field = route.body_field
+    if field is None or route._embed_body_fields:
+        return None
+    model = field.field_info.annotation
+    return model if isinstance(model, type) and issubclass(model, BaseModel) else None
 
 
 def make_router(**kwargs: Any) -> APIRouter:
