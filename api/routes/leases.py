@@ -20,7 +20,7 @@ from fastapi import Request
 
 from ..deps import BlobsDep, CurrentWorker, SessionDep, SettingsDep
 from ..errors import ApiError
-from ..models import Job, Lease, Worker, utcnow
+from ..models import Job, Lease, Prompt, Worker, utcnow
 from ..routing import make_router
 from ..services import admission, episodes, notices, pool, trust
 from ..services.jobs import sampling_of, spec_of
@@ -43,8 +43,8 @@ def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, sett
     job = db.get(Job, body.job_id)  # no job lock: prompts are claimed row by row (SKIP LOCKED)
     if job is None or job.status != JobStatus.running:
         raise ApiError(409, f"job {body.job_id} is not running", field="job_id")
-    lease = pool.create_lease(db, job, worker, body.max_prompts, body.version, settings.lease_ttl_s)
-    read = _read(db, lease, job)
+    lease, prompts = pool.create_lease(db, job, worker, body.max_prompts, body.version, settings.lease_ttl_s)
+    read = _read(db, lease, job, prompts)
     db.commit()
     return read
 
@@ -137,10 +137,10 @@ def _own(db: SessionDep, worker: Worker, lease_id: str, lock: bool = True) -> tu
     return lease, job
 
 
-def _read(db: SessionDep, lease: Lease, job: Job) -> LeaseRead:
+def _read(db: SessionDep, lease: Lease, job: Job, prompts: list[Prompt] | None = None) -> LeaseRead:
     return LeaseRead(
         id=lease.id, job_id=lease.job_id, worker_id=lease.worker_id, status=lease.status,
-        version=lease.version, prompts=pool.leased_prompts(db, lease, job),
+        version=lease.version, prompts=pool.leased_prompts(db, lease, job, prompts),
         sampling=sampling_of(spec_of(job)),
         expires_at=lease.expires_at, created_at=lease.created_at, episode=episodes.limits(job),
     )

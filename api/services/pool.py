@@ -88,7 +88,9 @@ def expire_leases(db: Session, now: datetime | None = None, job_id: str | None =
     return sum(end_lease(db, lease, LeaseStatus.expired) for lease in leases)
 
 
-def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, version: int, ttl_s: float) -> Lease:
+def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, version: int, ttl_s: float
+                 ) -> tuple[Lease, list[Prompt]]:
+    """A new lease and its prompts, in the order they were chosen (the lease's order)."""
     spec = spec_of(job)
     _check_version(db, job, worker, version, spec)
     expire_leases(db, job_id=job.id)
@@ -112,7 +114,7 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
     db.flush()
     db.execute(update(Prompt).where(Prompt.id.in_(lease.prompt_ids))
                .values(state=PromptState.leased, lease_id=lease.id))
-    return lease
+    return lease, chosen
 
 
 def _unjudged_room(db: Session, worker: Worker) -> int:
@@ -219,9 +221,14 @@ def _start_next_epoch(db: Session, job: Job, seed: int) -> bool:
     return bool(prompts)
 
 
-def leased_prompts(db: Session, lease: Lease, job: Job) -> list[dict[str, object]]:
+def leased_prompts(db: Session, lease: Lease, job: Job, prompts: list[Prompt] | None = None
+                   ) -> list[dict[str, object]]:
+    """The lease's prompts as a worker gets them, lowest (epoch, order key) first; `prompts`: those rows, when the
+    caller has them in that order already (a lease just created)."""
     spec = spec_of(job)
-    prompts = db.scalars(select(Prompt).where(Prompt.id.in_(lease.prompt_ids)).order_by(Prompt.epoch, Prompt.order_key))
+    if prompts is None:
+        prompts = list(db.scalars(select(Prompt).where(Prompt.id.in_(lease.prompt_ids))
+                                  .order_by(Prompt.epoch, Prompt.order_key)))
     return [
         {"prompt_id": p.id, "text": p.text, "context": p.context,
          "seed": prompt_seed(spec.seed, job.id, p.index, p.epoch),
