@@ -149,13 +149,20 @@ def lease_room(db: Session, job: Job, spec: JobSpec, version: int) -> int:
         return 256
     steps_left = version + spec.staleness - job.step + 1
     oldest = spec.oldest_admissible(job.step)  # what is already too stale will be rejected, not trained
+    # A prompt is still leased while its lease is active and it has no group in that lease (an accepted group's
+    # prompt is submitted, a rejected one's went back to the pool): counted per lease, not per prompt, as the
+    # leases' prompts less their groups, so the count that holds the job's lock grows with the leases in
+    # flight, not with the prompts they hold (16 a lease in the benches).
+    admissible = (Lease.job_id == job.id, Lease.status == LeaseStatus.active, Lease.version >= oldest)
     taken = db.execute(select(
         select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.accepted,
                                    Rollout.version >= oldest).scalar_subquery(),
         select(func.count()).where(Rollout.job_id == job.id, Rollout.status == RolloutStatus.claimed,
                                    Rollout.claim_step >= job.step).scalar_subquery(),
-        select(func.count()).select_from(Prompt).join(Lease, Lease.id == Prompt.lease_id)
-        .where(Prompt.job_id == job.id, Prompt.state == PromptState.leased, Lease.version >= oldest).scalar_subquery(),
+        select(func.coalesce(func.sum(func.json_array_length(Lease.prompt_ids)), 0)).where(*admissible)
+        .scalar_subquery(),
+        select(-func.count()).select_from(Rollout).join(Lease, Lease.id == Rollout.lease_id).where(*admissible)
+        .scalar_subquery(),
     )).one()
     return steps_left * spec.grpo.prompts_per_step - sum(taken)
 
