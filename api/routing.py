@@ -7,11 +7,11 @@ the process's one connection) across that hop: once every pool thread was waitin
 could validate the answer that would free it, and the API stalled for the pool's timeout. Dependencies hand
 theirs back themselves (`deps.hand_back`).
 
-FastAPI parses a JSON body into Python objects (`json.loads`) and then validates those against the body's model:
-for a worker's rollout submission (16 groups, ~200 KB) that was a quarter of the server's CPU, four times what
-pydantic takes to validate the same bytes in one pass. `ModelBody` hands FastAPI the model validated from the
-bytes, which it takes as it is (a model instance passes validation unchanged). A body the one-pass validation
-refuses goes the old way, so every error answer is the one FastAPI always gave."""
+FastAPI parses a JSON body into Python objects (`json.loads`) and then validates those against the body's model;
+pydantic validates the same bytes in one pass several times faster, which counts for a worker's rollout submission
+(16 groups, ~230 KB: docs/BENCHMARKS.md "Bodies validated from their bytes"). `ModelBody` hands FastAPI the model
+validated from the bytes, which it takes as it is (a model instance passes validation unchanged). A body the
+one-pass validation refuses goes the old way, so every error answer is the one FastAPI always gave."""
 
 from __future__ import annotations
 
