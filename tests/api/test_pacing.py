@@ -59,6 +59,19 @@ def test_leases_stop_at_what_can_be_trained_before_the_version_goes_stale(api, t
     assert len(ok(lease(worker, job, 8, version=1), 201)["prompts"]) == 4
 
 
+def test_a_prompt_whose_group_was_refused_leaves_its_lease_and_counts_once_where_it_is_leased_again(api, tmp_path):
+    job, _, worker, _, _ = setup(api, tmp_path)  # S = 1, R = 4: room for 8 at step 0
+    first = ok(lease(worker, job, 8), 201)
+    refused = ok(submit_group(worker, first, first["prompts"][0], 0, group_size=3))["results"][0]
+    assert refused["status"] == "rejected" and "3 samples" in refused["reason"]  # its prompt is back in the pool
+    _, provider = new_provider(api)
+    other_id, other = new_worker(api, provider, "other")
+    activate(api, other_id, job["id"])
+    again = ok(lease(other, job, 4), 201)  # the first lease holds 7 now: room for the one refused
+    assert [p["prompt_id"] for p in again["prompts"]] == [first["prompts"][0]["prompt_id"]]
+    assert lease(other, job, 1).status_code == 409
+
+
 def test_synchronous_jobs_lease_one_step_at_a_time(api, tmp_path):
     job, learner, worker, _, _ = setup(api, tmp_path, staleness=0)
     assert len(ok(lease(worker, job, 10), 201)["prompts"]) == R
