@@ -110,6 +110,20 @@ def test_claiming_ahead_leaves_what_only_this_step_may_train(api, setup):
     assert [g["rollout_id"] for g in now["groups"]] == old
 
 
+def test_a_claim_takes_the_oldest_version_first_and_each_version_in_arrival_order(api, setup):
+    job, learner, worker, _, folder = setup  # S = 1
+    jid = job["id"]
+    first = produce(worker, job, 1, 0)
+    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 1}))
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(0, first)))
+    publish(learner, jid, folder, version=1, step=1)
+    new = produce(worker, job, 1, 1) + produce(worker, job, 1, 1)  # queued first
+    old = produce(worker, job, 1, 0) + produce(worker, job, 1, 0)
+    claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 1, "max_groups": 3}))
+    assert [g["rollout_id"] for g in claimed["groups"]] == old + new[:1]
+    assert [g["version"] for g in claimed["groups"]] == [0, 0, 1]
+
+
 def test_ahead_claims_count_against_lease_room_and_go_stale_at_their_own_step(api, tmp_path):
     _, alice = new_user(api)
     job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=1, max_steps=5,
