@@ -95,13 +95,18 @@ def test_the_next_step_is_claimed_while_this_one_trains_and_its_claims_survive_t
     ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(1, nxt)))  # still claimed for step 1
 
 
+def _past_step_0(learner, worker, job, folder):
+    """Step 0 trained on one group of version 0, version 1 published: the learner is at step 1."""
+    first = produce(worker, job, 1, 0)
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": 0, "max_groups": 1}))
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(0, first)))
+    publish(learner, job["id"], folder, version=1, step=1)
+
+
 def test_claiming_ahead_leaves_what_only_this_step_may_train(api, setup):
     job, learner, worker, _, folder = setup  # S = 1
     jid = job["id"]
-    first = produce(worker, job, 1, 0)
-    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 1}))
-    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(0, first)))
-    publish(learner, jid, folder, version=1, step=1)
+    _past_step_0(learner, worker, job, folder)
     old = produce(worker, job, 1, 0)  # admissible at step 1, not at step 2
     new = produce(worker, job, 1, 1)
     ahead = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 2, "max_groups": 10}))
@@ -113,10 +118,7 @@ def test_claiming_ahead_leaves_what_only_this_step_may_train(api, setup):
 def test_a_claim_takes_the_oldest_version_first_and_each_version_in_arrival_order(api, setup):
     job, learner, worker, _, folder = setup  # S = 1
     jid = job["id"]
-    first = produce(worker, job, 1, 0)
-    ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 1}))
-    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(0, first)))
-    publish(learner, jid, folder, version=1, step=1)
+    _past_step_0(learner, worker, job, folder)
     new = produce(worker, job, 1, 1) + produce(worker, job, 1, 1)  # queued first
     old = produce(worker, job, 1, 0) + produce(worker, job, 1, 0)
     claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 1, "max_groups": 3}))
