@@ -1,5 +1,5 @@
-"""Migrations on both databases: head matches the ORM models exactly, and 0005 gives every job that
-already exists its own relay secret."""
+"""Migrations on both databases: head matches the ORM models exactly, 0005 gives every job that already
+exists its own relay secret, and on PostgreSQL 0028 compresses the rollouts' tokens with lz4."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ from datetime import UTC, datetime
 
 import pytest
 import sqlalchemy as sa
+from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
-from api.migrate import upgrade
+from api.migrate import alembic_config, upgrade
 from api.models import Base
 
 
@@ -19,6 +20,15 @@ from api.models import Base
 def empty_database(request: pytest.FixtureRequest, tmp_path) -> str:
     if request.param == "sqlite":
         return f"sqlite:///{tmp_path / 'fresh.db'}"
+    return _fresh_postgres(request)
+
+
+@pytest.fixture
+def empty_postgres(request: pytest.FixtureRequest) -> str:
+    return _fresh_postgres(request)
+
+
+def _fresh_postgres(request: pytest.FixtureRequest) -> str:
     server = sa.make_url(request.getfixturevalue("postgres_url"))
     name = f"migrations_{uuid.uuid4().hex[:8]}"
     admin = sa.create_engine(server, isolation_level="AUTOCOMMIT")
@@ -40,6 +50,28 @@ def test_head_matches_the_models(empty_database):
     with engine.connect() as conn:
         assert compare_metadata(MigrationContext.configure(conn), Base.metadata) == []
     engine.dispose()
+
+
+def _compression(url: str) -> dict[str, str]:
+    """Each rollouts column's TOAST compression as PostgreSQL stores it ('' for its default, pglz)."""
+    engine = sa.create_engine(url)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text("SELECT attname, attcompression FROM pg_attribute WHERE attrelid = "
+                                    "'rollouts'::regclass AND attnum > 0 AND NOT attisdropped"))
+        found = {name: str(method or "") for name, method in rows}
+    engine.dispose()
+    return found
+
+
+def test_the_rollouts_tokens_are_compressed_with_lz4_on_postgres(empty_postgres):
+    upgrade(empty_postgres)
+    tokens = {"prompt_token_ids", "samples", "rewards", "learner_logprobs"}
+    compression = _compression(empty_postgres)
+    assert {c: compression[c] for c in tokens} == dict.fromkeys(tokens, "l")
+    assert {c for c, method in compression.items() if method} == tokens  # nothing else changed
+
+    command.downgrade(alembic_config(empty_postgres), "0027")
+    assert {c: _compression(empty_postgres)[c] for c in tokens} == dict.fromkeys(tokens, "p")
 
 
 def _job_row(job_id: str, now: datetime, **columns: object) -> dict[str, object]:
