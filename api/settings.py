@@ -56,7 +56,8 @@ class Settings(BaseSettings):
                                      "keep_versions_every; learner checkpoints go when the job ends.")
     audit_rate: float = Field(0.1, ge=0, le=1, description="Share of a trusted worker's groups the learner "
                               "re-scores: one in every round(1/rate) of its groups, at a position the worker "
-                              "cannot predict (new and suspect workers: every group).")
+                              "cannot predict (new and suspect workers: every group). A learner waiting for "
+                              "rollouts audits more of them meanwhile.")
     probation_audits: int = Field(5, ge=0, le=1000, description="Audits a new worker must pass to be trusted "
                                   "(0: it starts trusted).")
     quarantine_s: float = Field(3600.0, ge=0, description="How long a worker that failed twice gets no leases.")

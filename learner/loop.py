@@ -22,6 +22,7 @@ import torch
 from echo2.errors import AuthenticationError
 from echo2.loading import load_causal_lm
 from echo2.protocol import (
+    AuditReport,
     AuditVerdicts,
     ClaimedGroup,
     EvalReport,
@@ -53,6 +54,9 @@ from .weights import LoraWeights, Weights, published_dtype
 
 log = logging.getLogger(__name__)
 CLAIM_WAIT_S = 2.0  # a claim with nothing to take waits this long for rollouts to arrive
+# Audit time spent on groups the control plane did not pick before the learner looks for rollouts again, while
+# it waits for them (Learner._audit_spare): a step starts at most this much later than it could have.
+SPARE_AUDIT_S = 0.25
 
 
 @dataclass
@@ -255,13 +259,15 @@ class Learner:
         claimed ahead for later steps too, and the verdicts sent at once (trainer.audit_claimed)."""
         want, groups = spec.grpo.prompts_per_step, ahead.take(t)
         self._send_audits(trainer, t, groups)
+        spare = False  # the last claim took all there was, and groups held were audited meanwhile
         while len(groups) < want:
             if self._stopped():
                 return None
-            claimed = self.plane.claim(t, want - len(groups), wait_s=CLAIM_WAIT_S).groups
+            claimed = self.plane.claim(t, want - len(groups), wait_s=0.0 if spare else CLAIM_WAIT_S).groups
             self._send_audits(trainer, t, claimed)
             groups += claimed
             self._audit_ahead(trainer, ahead)
+            spare = len(groups) < want and self._audit_spare(trainer, {t: groups, **ahead.held()})
         return groups
 
     def _audit_ahead(self, trainer: GRPOTrainer, ahead: Ahead) -> None:
@@ -274,9 +280,31 @@ class Learner:
                 log.warning("verdicts on groups claimed ahead for step %d not sent: %s", step, exc)
 
     def _send_audits(self, trainer: GRPOTrainer, t: int, groups: list[ClaimedGroup]) -> None:
-        audits = trainer.audit_claimed(groups)
+        self._report_audits(t, trainer.audit_claimed(groups))
+
+    def _report_audits(self, t: int, audits: list[AuditReport]) -> None:
         if audits:
             self.plane.report_audits(AuditVerdicts(step=t, audits=audits))
+
+    def _audit_spare(self, trainer: GRPOTrainer, held: dict[int, list[ClaimedGroup]]) -> bool:
+        """The last claim took all there was and the step waits for more: audit groups held for it (or claimed
+        ahead) that the control plane did not pick, for up to SPARE_AUDIT_S, instead of only waiting. A trusted
+        worker has one group in each window of ten audited; with the learner's spare time more of them are, so one
+        that cheats is struck sooner, at little cost to training: the next claim (not waiting, then) takes what
+        arrived meanwhile. Whether any group was audited."""
+        budget, judged = SPARE_AUDIT_S, False
+        for step, groups in sorted(held.items()):
+            start = trainer.auditor.seconds if trainer.auditor else 0.0
+            audits = trainer.audit_spare(groups, budget)
+            budget -= (trainer.auditor.seconds - start) if trainer.auditor else 0.0
+            try:
+                self._report_audits(step, audits)
+            except Exception as exc:  # noqa: BLE001 - kept in the trainer's verdicts: they go with the step's report
+                log.warning("verdicts of spare audits for step %d not sent: %s", step, exc)
+            judged = judged or bool(audits)
+            if budget <= 0:
+                break
+        return judged
 
     def _finish(self, publisher: Publisher, trainer: GRPOTrainer) -> None:
         if publisher.submitted != self.step:

@@ -104,17 +104,36 @@ class GRPOTrainer:
         """Audit the groups picked for it as soon as they are claimed, before the step: the verdicts go to the
         control plane at once (a worker on probation gets more work once its groups are judged) and the step
         uses them."""
+        return [self._judge_early(group) for group in groups if group.audit and self._unjudged(group)]
+
+    def audit_spare(self, groups: list[ClaimedGroup], budget_s: float) -> list[AuditReport]:
+        """Audit claimed groups the control plane did not pick, for about `budget_s` of audit time: the learner
+        calls this only while it would otherwise wait for rollouts (learner/loop.py), so a trusted worker's
+        groups outside its audit windows are judged in time nobody was using. One group of each sender in
+        turn, so a worker with many groups queued does not use up the time of the others. The verdicts count
+        as any audit's (a failed one strikes the sender and the group is refused)."""
         start = self.auditor.seconds if self.auditor else 0.0
-        made = []
-        for group in groups:
-            if group.audit and self.auditor is not None and group.rollout_id not in self.verdicts \
-                    and self._misfit(group) is None:
-                verdict = self.auditor.audit(group)
-                made.append(AuditReport(rollout_id=group.rollout_id, passed=verdict.passed, reason=verdict.reason,
-                                        stats=verdict.stats()))
-                self.verdicts[group.rollout_id] = made[-1]
-        self.early_audit_s += (self.auditor.seconds - start) if self.auditor else 0.0
+        made: list[AuditReport] = []
+        for group in _round_robin([g for g in groups if not g.audit and self._unjudged(g)]):
+            if self.auditor is None or self.auditor.seconds - start >= budget_s:
+                break
+            made.append(self._judge_early(group))
         return made
+
+    def _unjudged(self, group: ClaimedGroup) -> bool:
+        return self.auditor is not None and group.rollout_id not in self.verdicts and self._misfit(group) is None
+
+    def _judge_early(self, group: ClaimedGroup) -> AuditReport:
+        """Audit a claimed group before its step; the step uses the verdict (_audit), its time counts in the step's
+        audit_s."""
+        assert self.auditor is not None
+        start = self.auditor.seconds
+        verdict = self.auditor.audit(group)
+        self.early_audit_s += self.auditor.seconds - start
+        report = AuditReport(rollout_id=group.rollout_id, passed=verdict.passed, reason=verdict.reason,
+                             stats=verdict.stats())
+        self.verdicts[group.rollout_id] = report
+        return report
 
     def _admit(self, groups: list[ClaimedGroup], result: StepResult) -> list[ClaimedGroup]:
         """Groups that fit the model and, when picked for an audit, pass it."""
@@ -139,9 +158,11 @@ class GRPOTrainer:
         return None
 
     def _audit(self, group: ClaimedGroup, result: StepResult) -> str | None:
-        if not group.audit or self.auditor is None:
-            return None
+        """The group's verdict: the one made when it was claimed (picked, or audited in spare time), else, when
+        picked, one made now."""
         report = self.verdicts.pop(group.rollout_id, None)
+        if report is None and (not group.audit or self.auditor is None):
+            return None
         if report is None:
             verdict = self.auditor.audit(group)
             report = AuditReport(rollout_id=group.rollout_id, passed=verdict.passed, reason=verdict.reason,
@@ -229,6 +250,16 @@ class GRPOTrainer:
         result.clip_frac, result.tokens = stats.get("clip_frac", 0.0), int(stats.get("tokens", 0))
         result.mismatch = stats["mismatch"]
         return list(stats["poisoned_groups"])
+
+
+def _round_robin(groups: list[ClaimedGroup]) -> list[ClaimedGroup]:
+    """Each sender's first group, then each one's second, and so on (in claim order within a sender)."""
+    rank: dict[str, int] = {}
+    order = []
+    for i, group in enumerate(groups):
+        rank[group.worker_id] = rank.get(group.worker_id, -1) + 1
+        order.append((rank[group.worker_id], i))
+    return [groups[i] for _, i in sorted(order)]
 
 
 def sample_staleness(sample: SampleSubmit, version: int, t: int) -> int | list[int]:

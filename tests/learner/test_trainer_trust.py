@@ -65,6 +65,26 @@ def test_misfits_and_failed_audits_are_refused_and_honest_audits_pass(trainer):
     assert set(result.rewards) == {"rol_1"}
 
 
+def test_spare_audits_judge_unpicked_groups_one_sender_at_a_time_and_the_step_refuses_what_failed(trainer):
+    one_nat_low = lambda s: {**s, "logprobs": [lp - 1.0 for lp in s["logprobs"]]}  # noqa: E731
+    groups = [group(trainer, 1).model_copy(update={"worker_id": "wrk_a"}),
+              group(trainer, 2, forge=one_nat_low).model_copy(update={"worker_id": "wrk_a"}),
+              group(trainer, 3, forge=one_nat_low).model_copy(update={"worker_id": "wrk_b"}),
+              group(trainer, 4, audit=True)]
+    assert trainer.audit_spare(groups, budget_s=0.0) == []  # no time: nothing judged
+    judged = trainer.audit_spare(groups, budget_s=60.0)  # each sender's first, then wrk_a's second; not the picked
+    assert [(a.rollout_id, a.passed) for a in judged] == [("rol_1", True), ("rol_3", False), ("rol_2", False)]
+    assert trainer.audit_spare(groups, budget_s=60.0) == []  # judged once
+    assert trainer.early_audit_s > 0
+
+    result = trainer.step(groups, 0)  # the picked group is audited now; the others use their spare verdicts
+    assert set(result.rejected) == {"rol_2", "rol_3"}
+    assert result.rejected["rol_3"].startswith("failed its audit: logprob mismatch")
+    assert {a.rollout_id: a.passed for a in result.audits} == {"rol_1": True, "rol_2": False, "rol_3": False,
+                                                                "rol_4": True}
+    assert set(result.rewards) == {"rol_1", "rol_4"}
+
+
 def test_unaudited_forged_logprobs_leave_the_step_finite(trainer):
     """Finding 1: every logprob -1e4 and one sample spelling the answer (so the group carries a signal)."""
     tok = trainer.tokenizer

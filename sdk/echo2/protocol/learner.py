@@ -47,7 +47,9 @@ class ClaimedGroup(ReadModel):
     rewards: list[float | None] | None = Field(
         None, description="Multi-turn: each sample's reward, computed by the control plane's environment.")
     audit: bool = Field(False, description="Re-score this group under `version` before training on it (the "
-                        "control plane picks by the sender's trust); report the outcome in the step's `audits`.")
+                        "control plane picks by the sender's trust); report the outcome in the step's `audits`. A "
+                        "learner may audit groups not picked too, in time it would otherwise spend waiting for "
+                        "rollouts, and report them the same way.")
     seed: int | None = Field(None, description="The prompt's leased base seed: sample k was drawn with "
                              "echo2.seeds.sample_seed(seed, k), which the audit replays. None: stored before "
                              "seeds were bound to rollouts.")
