@@ -55,7 +55,7 @@ from .weights import LoraWeights, Weights, published_dtype
 log = logging.getLogger(__name__)
 CLAIM_WAIT_S = 2.0  # a claim with nothing to take waits this long for rollouts to arrive
 # Audit time spent on groups the control plane did not pick before the learner looks for rollouts again, while
-# it waits for them (Learner._audit_spare): a step starts at most this much later than it could have.
+# it waits for them (Learner._audit_spare): a step starts at most this much, and one audit, later than it could.
 SPARE_AUDIT_S = 0.25
 
 
