@@ -6,8 +6,8 @@ workers, one honest and one whose groups fail every audit but pass the door (eac
 not a group the door flags as duplicated, which is audited whatever its sender's trust), each with an audit salt
 whose first window picks its last group. The learner waits for rollouts at the start of the job, while the first
 groups trickle in: groups of the cheater that no window picked fail their audits, it is quarantined, and the
-honest worker is never struck. (Once the queue holds more than a step, as it does here after the first steps,
-the learner no longer waits and audits only what was picked.)"""
+honest worker is never struck. (While the queue holds a step's groups, a claim returns full: the learner does not
+wait, and audits only what was picked.)"""
 
 from __future__ import annotations
 
