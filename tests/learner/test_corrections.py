@@ -8,16 +8,13 @@ within what an audit tolerates), so the learner's weights are up to e^0.45 = 1.5
 from __future__ import annotations
 
 import random
-import threading
-import time
 from typing import Any
 
 import pytest
 
-from learner.loop import Learner, LearnerOptions
-from learner.remote import ControlPlane
 from server.demo import demo_spec
-from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
+from tests.factories import activate, new_provider, new_user, new_worker, ok
+from tests.learner.live import finish, start_learner
 from tests.rollout_driver import RolloutDriver
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
@@ -36,22 +33,13 @@ def _run(api, tmp_path, forge) -> tuple[Any, str]:
     spec = demo_spec("tiny", STEPS, staleness=0)
     spec["grpo"].update(correction="mis", correction_high=1.2)
     job = ok(alice.post("/v1/jobs", json=spec), 201)
-    token = learner_for(api, job["id"]).headers["Authorization"].split()[1]
-    plane = ControlPlane(api.url, token, job["id"])
-    learner = Learner(plane, LearnerOptions(work_dir=tmp_path / "learner", heartbeat_s=0.5, threads=1))
-    thread = threading.Thread(target=learner.run, daemon=True)
-    thread.start()
+    live = start_learner(api, job["id"], tmp_path / "learner")
     _, provider = new_provider(api)
     wid, client = new_worker(api, provider, "w")
     activate(api, wid, job["id"])
     driver = RolloutDriver(api.url, wid, client.headers["Authorization"].split()[1], tmp_path / "w",
                            forge=forge).start()
-    deadline = time.monotonic() + 300
-    while thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    driver.stop()
-    plane.close()
-    assert not thread.is_alive(), "the learner did not finish in time"
+    finish(live, [driver], timeout_s=300, poll_s=0.5)
     assert ok(alice.get(f"/v1/jobs/{job['id']}"))["status"] == "succeeded"
     return alice, job["id"]
 

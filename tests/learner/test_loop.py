@@ -1,15 +1,11 @@
 """The learner process against a live control plane, with real rollouts from the tiny model: it learns
 the arithmetic task, with on-policy (S = 0) and deliberately delayed (S = 2) rollouts."""
 
-import threading
-import time
-
 import pytest
 
-from learner.loop import Learner, LearnerOptions
-from learner.remote import ControlPlane
 from server.demo import demo_spec
-from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
+from tests.factories import activate, new_provider, new_user, new_worker, ok
+from tests.learner.live import finish, start_learner
 from tests.rollout_driver import RolloutDriver
 
 pytestmark = [pytest.mark.slow, pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)]
@@ -22,11 +18,7 @@ TARGET = 0.8
 def run_job(api, tmp_path, staleness: int, lag: int, max_steps: int = MAX_STEPS):
     _, alice = new_user(api)
     job = ok(alice.post("/v1/jobs", json=demo_spec("tiny", max_steps, staleness)), 201)
-    token = learner_for(api, job["id"]).headers["Authorization"].split()[1]
-    plane = ControlPlane(api.url, token, job["id"])
-    learner = Learner(plane, LearnerOptions(work_dir=tmp_path / "learner", heartbeat_s=0.5, threads=1))
-    thread = threading.Thread(target=learner.run, daemon=True)
-    thread.start()
+    live = start_learner(api, job["id"], tmp_path / "learner")
     _, provider = new_provider(api)
     drivers = []
     for i in range(2):
@@ -34,13 +26,7 @@ def run_job(api, tmp_path, staleness: int, lag: int, max_steps: int = MAX_STEPS)
         activate(api, wid, job["id"])
         token = client.headers["Authorization"].split()[1]
         drivers.append(RolloutDriver(api.url, wid, token, tmp_path / f"w{i}", lag=lag).start())
-    deadline = time.monotonic() + 600
-    while thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(1)
-    for d in drivers:
-        d.stop()
-    plane.close()
-    assert not thread.is_alive(), "the learner did not finish in time"
+    finish(live, drivers, timeout_s=600, poll_s=1)
     return alice, job["id"], drivers
 
 

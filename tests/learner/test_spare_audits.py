@@ -12,18 +12,15 @@ wait, and audits only what was picked.)"""
 from __future__ import annotations
 
 import hashlib
-import threading
-import time
 
 import pytest
 from echo2.protocol import TrustState
 from sqlalchemy import select
 
 from api.models import Audit, Rollout, Worker
-from learner.loop import Learner, LearnerOptions
-from learner.remote import ControlPlane
 from server.demo import demo_spec
-from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
+from tests.factories import activate, new_provider, new_user, new_worker, ok
+from tests.learner.live import finish, start_learner
 from tests.rollout_driver import RolloutDriver
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -61,22 +58,13 @@ def _one_nat_low(groups: list[dict]) -> None:
 def test_a_trusted_cheater_is_struck_by_an_audit_no_window_picked(api, tmp_path):
     _, alice = new_user(api)
     job = ok(alice.post("/v1/jobs", json=demo_spec("tiny", STEPS, 2)), 201)
-    plane = ControlPlane(api.url, learner_for(api, job["id"]).headers["Authorization"].split()[1], job["id"])
-    learner = Learner(plane, LearnerOptions(work_dir=tmp_path / "learner", heartbeat_s=0.5, threads=1))
-    thread = threading.Thread(target=learner.run, daemon=True)
-    thread.start()
+    live = start_learner(api, job["id"], tmp_path / "learner")
     salt = _salt_picking_last()
     honest_id, honest_token = _worker(api, job["id"], "honest", salt)
     cheater_id, cheater_token = _worker(api, job["id"], "cheater", salt)
     drivers = [RolloutDriver(api.url, honest_id, honest_token, tmp_path / "honest").start(),
                RolloutDriver(api.url, cheater_id, cheater_token, tmp_path / "cheater", forge=_one_nat_low).start()]
-    deadline = time.monotonic() + 600
-    while thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(1)
-    for driver in drivers:
-        driver.stop()
-    plane.close()
-    assert not thread.is_alive(), "the learner did not finish in time"
+    finish(live, drivers, timeout_s=600, poll_s=1)
     assert ok(alice.get(f"/v1/jobs/{job['id']}"))["status"] == "succeeded"
 
     with api.db.session() as s:

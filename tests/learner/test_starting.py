@@ -3,16 +3,14 @@ publication and evaluation take minutes for a real model, and a learner silent f
 used to be relaunched by the scheduler while the first was still converting (and then died on a 401). What it
 is doing is the job's status_reason meanwhile; a cancelled job's learner stops quietly."""
 
-import threading
 import time
 
 import pytest
 
 from api.models import Job
-from learner.loop import Learner, LearnerOptions
-from learner.remote import ControlPlane
 from server.demo import demo_spec
-from tests.factories import learner_for, new_user, ok
+from tests.factories import new_user, ok
+from tests.learner.live import start_learner
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
 
@@ -30,26 +28,22 @@ def _in_order(seen: list[str], phases: list[str]) -> bool:
 def test_a_starting_learner_heartbeats_and_says_what_it_does(api, tmp_path):
     _, alice = new_user(api)
     job = ok(alice.post("/v1/jobs", json=demo_spec("tiny", 2, 1)), 201)
-    token = learner_for(api, job["id"]).headers["Authorization"].split()[1]
-    plane = ControlPlane(api.url, token, job["id"])
-    learner = Learner(plane, LearnerOptions(work_dir=tmp_path / "learner", heartbeat_s=0.05, threads=1))
-    thread = threading.Thread(target=learner.run, daemon=True)
-    thread.start()
+    live = start_learner(api, job["id"], tmp_path / "learner", heartbeat_s=0.05)
     seen: list[str] = []
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         got = ok(alice.get(f"/v1/jobs/{job['id']}"))
         if got["status_reason"] and got["status_reason"] not in seen:
             seen.append(got["status_reason"])
-        if got["version"] is not None or not thread.is_alive():
+        if got["version"] is not None or not live.thread.is_alive():
             break
         time.sleep(0.02)
     # Heartbeats every 50 ms: which phases outlast one beat depends on the machine's load, but what
     # is seen is said in the learner's order, and the job is never silent while it starts.
     assert seen and _in_order(seen, PHASES), seen
     ok(alice.post(f"/v1/jobs/{job['id']}/cancel"))  # its token is revoked: it stops at its next call
-    thread.join(60)
-    plane.close()
-    assert not thread.is_alive()
+    live.thread.join(60)
+    live.plane.close()
+    assert not live.thread.is_alive()
     with api.db.session() as s:
         assert s.get_one(Job, job["id"]).learner_error is None  # stopped, not crashed

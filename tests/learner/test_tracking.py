@@ -6,16 +6,13 @@ curves, step by step."""
 from __future__ import annotations
 
 import struct
-import threading
-import time
 from pathlib import Path
 
 import pytest
 
-from learner.loop import Learner, LearnerOptions
-from learner.remote import ControlPlane
 from server.demo import demo_spec
-from tests.factories import activate, learner_for, new_provider, new_user, new_worker, ok
+from tests.factories import activate, new_provider, new_user, new_worker, ok
+from tests.learner.live import finish, start_learner
 from tests.rollout_driver import RolloutDriver
 
 pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
@@ -27,21 +24,12 @@ def train(api, tmp_path: Path, tracking: dict) -> tuple[str, dict]:  # type: ign
     _, alice = new_user(api)
     spec = demo_spec("tiny", STEPS, staleness=1) | {"tracking": tracking, "eval": {"size": 4, "every": 2}}
     job = ok(alice.post("/v1/jobs", json=spec), 201)
-    token = learner_for(api, job["id"]).headers["Authorization"].split()[1]
-    plane = ControlPlane(api.url, token, job["id"])
-    learner = Learner(plane, LearnerOptions(work_dir=tmp_path / "learner", heartbeat_s=0.5, threads=1))
-    thread = threading.Thread(target=learner.run, daemon=True)
-    thread.start()
+    live = start_learner(api, job["id"], tmp_path / "learner")
     _, provider = new_provider(api)
     wid, client = new_worker(api, provider, "w")
     activate(api, wid, job["id"])
     driver = RolloutDriver(api.url, wid, client.headers["Authorization"].split()[1], tmp_path / "w").start()
-    deadline = time.monotonic() + 300
-    while thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    driver.stop()
-    plane.close()
-    assert not thread.is_alive(), "the learner did not finish in time"
+    finish(live, [driver], timeout_s=300, poll_s=0.5)
     final = ok(alice.get(f"/v1/jobs/{job['id']}"))
     assert final["status"] == "succeeded", final
     return job["id"], {"metrics": ok(alice.get(f"/v1/jobs/{job['id']}/metrics")),
