@@ -292,11 +292,13 @@ class Learner:
         worker has one group in each window of ten audited; with the learner's spare time more of them are, so one
         that cheats is struck sooner, at little cost to training: the next claim (not waiting, then) takes what
         arrived meanwhile. Whether any group was audited."""
+        if trainer.auditor is None:
+            return False
         budget, judged = SPARE_AUDIT_S, False
         for step, groups in sorted(held.items()):
-            start = trainer.auditor.seconds if trainer.auditor else 0.0
+            start = trainer.auditor.seconds
             audits = trainer.audit_spare(groups, budget)
-            budget -= (trainer.auditor.seconds - start) if trainer.auditor else 0.0
+            budget -= trainer.auditor.seconds - start
             try:
                 self._report_audits(step, audits)
             except Exception as exc:  # noqa: BLE001 - kept in the trainer's verdicts: they go with the step's report
