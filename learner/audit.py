@@ -16,7 +16,11 @@ holds them) by teacher forcing, and runs three tests on every completion token y
    is bounded by the precision the worker computed in (`GroupClaim.precision`; calibrated by bench/audit.py,
    docs/RELIABILITY.md "Rollout audits") and narrowed to what the group's reported logprobs show of its
    worker's numerics (`AuditConfig.replay_margin`): a worker whose numbers match the audit's to 1e-6 nat gets
-   no room for a stale or nearby model's near ties.
+   no room for a stale or nearby model's near ties. The worker says what precision it computed in and reports
+   its own logprobs, so both could buy room; where the worker's precision is not the auditor's, the room is
+   also capped by what that precision really does to this model on these tokens: the same weights in that
+   precision (a shadow) re-score the group, and their difference from the audit bounds the margin as the
+   reported logprobs do.
 2. Logprob check. The behaviour logprob a worker reports is log q_t(y_t), q_t = softmax(logits_t / T)
    over the full vocabulary before top-p (workers/echo2_worker/backends/base.py). The audit recomputes
    it; a token whose reported value is off by more than `token_tol` nats is a bad token, and more than
@@ -83,12 +87,14 @@ class AuditConfig:
         worst = max(errors.values())
         return 2 * (errors.get(precision, worst) + errors.get(self.auditor, worst)) / temperature
 
-    def replay_margin(self, precision: str, temperature: float, max_abs_diff: float) -> float:
+    def replay_margin(self, precision: str, temperature: float, max_abs_diff: float,
+                      rounding: float | None = None) -> float:
         """The margin a replay gap is judged by: the precision's bound (`margin`), narrowed to what this group's
         reported logprobs show of its worker's numerics (`max_abs_diff`: their largest difference from the
-        audit's, nats)."""
-        evidence = max(self.margin_floor, self.evidence_factor * max_abs_diff)
-        return min(self.margin(precision, temperature), evidence)
+        audit's, nats) and, where a shadow re-scored it, to what the precision itself does on it (`rounding`:
+        the shadow's largest difference from the audit's, nats)."""
+        shown = max_abs_diff if rounding is None else min(max_abs_diff, rounding)
+        return min(self.margin(precision, temperature), max(self.margin_floor, self.evidence_factor * shown))
 
 
 @dataclass(frozen=True)
@@ -122,12 +128,14 @@ class AuditResult:
     mismatches: int = 0  # replayed tokens the sampler would not have drawn, beyond the margin
     near_ties: int = 0  # replayed tokens not drawn by the replay, but within the margin (numerics)
     max_gap: float = 0.0  # nats; the largest replay gap (capped at 1e6 for tokens outside the support)
+    rounding: float | None = None  # nats; a shadow's largest difference from the audit (None: no shadow)
 
     def stats(self) -> dict[str, float]:
+        shadow = {} if self.rounding is None else {"rounding": self.rounding}
         return {"tokens": float(self.tokens), "max_abs_diff": self.max_abs_diff,
                 "mean_abs_diff": self.mean_abs_diff, "bad_tokens": float(self.bad_tokens), "z": self.z,
                 "replayed": float(self.replayed), "mismatches": float(self.mismatches),
-                "near_ties": float(self.near_ties), "max_gap": self.max_gap}
+                "near_ties": float(self.near_ties), "max_gap": self.max_gap} | shadow
 
 
 @dataclass(frozen=True)
@@ -139,30 +147,47 @@ class _Scores:
     outside: int  # tokens outside their top-k/top-p nucleus
     gaps: torch.Tensor  # [M] replay gaps of the replayed tokens (M = N with seeds, else 0)
     where: torch.Tensor  # [M, 2] (sample, position) of each replayed token
+    shadowed: torch.Tensor | None = None  # [N] the shadow's log q_t(y_t) (None: no shadow)
 
 
 @torch.no_grad()
-def audit_group(model: Any, claim: GroupClaim, config: AuditConfig | None = None) -> AuditResult:
-    """Re-score and replay one group (every sample answers the same prompt) under `model` and test it."""
+def audit_group(model: Any, claim: GroupClaim, config: AuditConfig | None = None, shadow: Any = None) -> AuditResult:
+    """Re-score and replay one group (every sample answers the same prompt) under `model` and test it.
+    `shadow`: the same weights in the precision that `model` and the claim do not share (`shadow_dtype`), or
+    None; its difference from `model` caps the replay's margin."""
     config = config or AuditConfig()
-    return _judge(_score(model, claim, claim.masks, config), config, claim)
+    return _judge(_score(model, claim, claim.masks, config, shadow), config, claim)
 
 
 @torch.no_grad()
 def audit_versions(model_at: Callable[[int], Any], claim: GroupClaim, versions: Sequence[Sequence[int]],
-                   config: AuditConfig | None = None) -> AuditResult:
+                   config: AuditConfig | None = None, shadow_at: Callable[[int], Any] | None = None) -> AuditResult:
     """A partial rollout (`versions`: each sample's per-token versions): every token is re-scored and replayed
     under the version that produced it, one pass per version with the other versions' tokens masked out (they
     stay in the context the model reads), then the group is tested on all its tokens together. No token is
-    skipped: the tests are sums over tokens, and each token's terms are its own version's."""
+    skipped: the tests are sums over tokens, and each token's terms are its own version's. `shadow_at`: each
+    version's shadow (`audit_group`), or None."""
     config = config or AuditConfig()
-    parts = [_score(model_at(v), claim, [[x == v for x in row] for row in versions], config)
+    parts = [_score(model_at(v), claim, [[x == v for x in row] for row in versions], config,
+                    None if shadow_at is None else shadow_at(v))
              for v in sorted({v for row in versions for v in row})]
+    shadowed = [p.shadowed for p in parts if p.shadowed is not None]
     joined = _Scores(torch.cat([p.picked for p in parts]), torch.cat([p.reported for p in parts]),
                      torch.cat([p.expected for p in parts]), torch.cat([p.variance for p in parts]),
                      sum(p.outside for p in parts), torch.cat([p.gaps for p in parts]),
-                     torch.cat([p.where for p in parts]))
+                     torch.cat([p.where for p in parts]), torch.cat(shadowed) if shadowed else None)
     return _judge(joined, config, claim)
+
+
+def shadow_dtype(precision: str, auditor: torch.dtype) -> torch.dtype | None:
+    """The precision a shadow of an auditor computing in `auditor` re-scores a group claiming `precision` in:
+    the claimed one where the auditor computes in float32 and the claim is lower, float32 where the auditor
+    itself is lower (its own rounding is then most of the difference), None for float32 on both sides (the
+    precision's bound is already a few thousandths of a nat)."""
+    if auditor != torch.float32:
+        return torch.float32
+    low = getattr(torch, precision, None) if precision in LOGIT_ERROR else torch.bfloat16  # unknown: the coarsest
+    return None if low == torch.float32 else low
 
 
 def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResult:
@@ -171,12 +196,13 @@ def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResu
     spread = float(scores.variance.sum())
     z = float((scores.picked - scores.expected).sum()) / math.sqrt(max(spread, MIN_VARIANCE))
     largest = float(diff.max())
-    margin = config.replay_margin(claim.precision, claim.temperature, largest)
+    rounding = None if scores.shadowed is None else float((scores.shadowed - scores.picked).abs().max())
+    margin = config.replay_margin(claim.precision, claim.temperature, largest, rounding)
     gaps = scores.gaps
     mismatches, near = int((gaps > margin).sum()), int(((gaps > 0) & (gaps <= margin)).sum())
     result = dict(tokens=int(diff.numel()), max_abs_diff=largest, mean_abs_diff=float(diff.mean()),
                   bad_tokens=bad, z=z, replayed=int(gaps.numel()), mismatches=mismatches, near_ties=near,
-                  max_gap=min(float(gaps.max()), 1e6) if gaps.numel() else 0.0)
+                  max_gap=min(float(gaps.max()), 1e6) if gaps.numel() else 0.0, rounding=rounding)
     if bad > config.max_bad_tokens:
         reason: str | None = (f"logprob mismatch: {bad} of {diff.numel()} tokens off by more than "
                               f"{config.token_tol:g} nat (largest {largest:.3g})")
@@ -200,21 +226,18 @@ def _verdict(config: AuditConfig, z: float, outside: int, tokens: int, temperatu
 
 
 def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None] | None,
-           config: AuditConfig) -> _Scores:
+           config: AuditConfig, shadow: Any = None) -> _Scores:
     samples = claim.samples
     completions = [list(tokens) for tokens, _ in samples]
     batch = pad_batch([claim.prompt] * len(samples), completions, 0, masks).to(next(model.parameters()).device)
-    c = batch.completion_len
-    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                position_ids=position_ids(batch.attention_mask), logits_to_keep=c + 1, use_cache=False)
-    logits = out.logits[:, :-1, :].float()  # [B, C, V]: row t predicts completion token t
-    targets = batch.input_ids[:, -c:]
+    targets = batch.input_ids[:, -batch.completion_len:]
     mask = batch.completion_mask.bool()
-    rows, tokens = logits[mask], targets[mask]  # [N, V], [N]: the real completion tokens only
-    settings = _settings(claim, len(rows), logits.device)
+    rows, tokens = _rows(model, batch), targets[mask]  # [N, V], [N]: the real completion tokens only
+    settings = _settings(claim, len(rows), rows.device)
     logq = logprobs(rows, settings)
     ranks = ranked(logq) if settings.truncates() else None  # one ranking of the vocabulary for every support
     picked = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    shadowed = None if shadow is None else _picked(shadow, batch, tokens, settings)
     exact = support(logq, settings, ranks=ranks)  # the nucleus the sampler draws from
     possible = support(logq, settings, NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature), ranks)
     sampling = exact.softmax(-1)
@@ -226,7 +249,20 @@ def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None]
         reported[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
     gaps, where = _replay(targets, mask, claim, config, (logq, ranks, exact, possible))
     return _Scores(picked.cpu(), reported[mask].cpu(), expected.cpu(), variance.clamp(min=0).cpu(), outside, gaps,
-                   where)
+                   where, shadowed)
+
+
+def _rows(model: Any, batch: Any) -> torch.Tensor:
+    """[N, V] float32 logits that predict the batch's real completion tokens, by teacher forcing."""
+    out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                position_ids=position_ids(batch.attention_mask), logits_to_keep=batch.completion_len + 1,
+                use_cache=False)
+    return out.logits[:, :-1, :].float()[batch.completion_mask.bool()]  # row t predicts completion token t
+
+
+def _picked(shadow: Any, batch: Any, tokens: torch.Tensor, settings: RowSettings) -> torch.Tensor:
+    """[N] log q_t(y_t) of the real completion tokens under the shadow (on the audit's device), on the CPU."""
+    return logprobs(_rows(shadow, batch), settings).gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cpu()
 
 
 # The masked rows' logprobs, their ranking (None: no truncation), and their exact and widened supports.

@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ import torch
 from echo2.loading import load_causal_lm
 from echo2.protocol import ClaimedGroup, JobSpec
 
-from .audit import AuditConfig, AuditResult, GroupClaim, audit_group, audit_versions
+from .audit import AuditConfig, AuditResult, GroupClaim, audit_group, audit_versions, shadow_dtype
 from .models import with_adapter
 from .weights import ADAPTER_DIR
 
@@ -34,7 +35,10 @@ Fetch = Callable[[int], Path]  # version -> a local folder holding its safetenso
 class Auditor:
     """Audits on `device` (the learner's), in the dtype the learner computes in there: bfloat16 on a GPU that
     has it, float32 elsewhere. The replay's margin then allows for the auditor's precision as well as the
-    worker's (AuditConfig.auditor)."""
+    worker's (AuditConfig.auditor). A group whose worker computed in another precision is also re-scored by a
+    shadow, a third instance in the precision the two do not share (audit.shadow_dtype), built at the first
+    such group: its difference from the audit caps the margin, so a worker that claims a coarser precision
+    than it computed in, and reports noisy logprobs to match, gains no more room than that precision gives."""
 
     def __init__(self, model_path: str, spec: JobSpec, fetch: Fetch, config: AuditConfig | None = None,
                  device: torch.device | str = "cpu") -> None:
@@ -43,9 +47,9 @@ class Auditor:
         self.dtype = compute_dtype(self.device)
         self.config = replace(config or AuditConfig(), auditor=str(self.dtype).removeprefix("torch."))
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
-        self._model: Any = None
+        self._models: dict[torch.dtype, Any] = {}  # the auditor's dtype, and a shadow's
         self._zero_adapter: dict[str, torch.Tensor] = {}
-        self._loaded: int | None = None
+        self._loaded: dict[torch.dtype, int] = {}  # the version each model holds
         self.seconds = 0.0
 
     def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
@@ -56,44 +60,51 @@ class Auditor:
         """Forget versions no rollout may claim any more (older than t - S)."""
         for version in [v for v in self.versions if v < oldest]:
             del self.versions[version]
-        if self._loaded is not None and self._loaded < oldest:
-            self._loaded = None
+        for dtype in [d for d, v in self._loaded.items() if v < oldest]:
+            del self._loaded[dtype]
 
     def audit(self, group: ClaimedGroup) -> AuditResult:
         start = time.perf_counter()
         try:
             claim = claim_of(group, self.spec)
+            low = shadow_dtype(claim.precision, self.dtype)
+            shadow_at = None if low is None else partial(self._model_at, dtype=low)
             if any(s.versions is not None for s in group.samples):  # a partial rollout: each token its version
                 return audit_versions(self._model_at, claim, [s.token_versions(group.version) for s in group.samples],
-                                      self.config)
-            return audit_group(self._model_at(group.version), claim, self.config)
+                                      self.config, shadow_at)
+            return audit_group(self._model_at(group.version), claim, self.config,
+                               None if shadow_at is None else shadow_at(group.version))
         finally:
             self.seconds += time.perf_counter() - start
 
-    def _model_at(self, version: int) -> Any:
-        if self._model is None:
-            self._model = self._build()
-        if self._loaded != version:
+    def _model_at(self, version: int, dtype: torch.dtype | None = None) -> Any:
+        """The model in `dtype` (the auditor's own by default) holding `version`'s weights."""
+        dtype = dtype or self.dtype
+        if dtype not in self._models:
+            self._models[dtype] = self._build(dtype)
+        model = self._models[dtype]
+        if self._loaded.get(dtype) != version:
             state = self.versions.get(version)
             if state is None:
                 state = self.versions[version] = self._load_folder(self.fetch(version))
             if self.spec.lora is not None:
                 from peft import set_peft_model_state_dict
 
-                set_peft_model_state_dict(self._model, state)
+                set_peft_model_state_dict(model, state)
             else:
-                self._model.load_state_dict(state, strict=False)  # tied weights are stored twice; either loads
-            self._loaded = version
-        return self._model
+                model.load_state_dict(state, strict=False)  # tied weights are stored twice; either loads
+            self._loaded[dtype] = version
+        return model
 
-    def _build(self) -> Any:
-        model = load_causal_lm(self.model_path, dtype=self.dtype, use_safetensors=True)
+    def _build(self, dtype: torch.dtype) -> Any:
+        model = load_causal_lm(self.model_path, dtype=dtype, use_safetensors=True)
         model = model.to(self.device)
         if self.spec.lora is not None:
             model = with_adapter(model, self.spec.lora)
             from peft import get_peft_model_state_dict
 
-            self._zero_adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
+            if not self._zero_adapter:  # the first model's; a shadow's would be a cast of the same zeros
+                self._zero_adapter = {k: v.detach().clone() for k, v in get_peft_model_state_dict(model).items()}
         return model.eval()
 
     def _load_folder(self, folder: Path) -> dict[str, torch.Tensor]:

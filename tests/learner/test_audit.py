@@ -14,10 +14,12 @@ from dataclasses import replace
 import pytest
 import torch
 from echo2.loading import load_causal_lm
+from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit
 from echo2.seeds import sample_seed
 from echo2_worker.backends import GenRequest, create_backend
 
-from learner.audit import AuditConfig, GroupClaim, audit_group
+from learner.audit import AuditConfig, GroupClaim, audit_group, shadow_dtype
+from learner.auditor import Auditor
 from learner.objective import ObjectiveConfig
 from learner.policy import Rollouts, completion_logprobs, grpo_update, pad_batch
 
@@ -193,6 +195,51 @@ def test_reported_noise_widens_the_margin_only_up_to_the_precisions_bound():
     assert config.replay_margin("float32", 1.0, 1e-4) == pytest.approx(config.evidence_factor * 1e-4)
     assert config.replay_margin("float32", 1.0, 0.4) == bound  # logprobs made noisy on purpose gain nothing more
     assert config.replay_margin("bfloat16", 0.5, 0.4) == config.margin("bfloat16", 0.5)
+    # a shadow's rounding caps the margin where the reported logprobs would widen it, never widens it
+    assert config.replay_margin("bfloat16", 1.0, 0.04, 0.002) == pytest.approx(config.evidence_factor * 0.002)
+    assert config.replay_margin("bfloat16", 1.0, 0.001, 0.01) == pytest.approx(config.evidence_factor * 0.001)
+    assert config.replay_margin("bfloat16", 1.0, 0.04, 0.0) == config.margin_floor
+
+
+def test_the_learners_auditor_re_scores_a_bf16_claim_with_its_shadow(tiny_dir, tok, model, tmp_path):
+    """learner/auditor.py builds the shadow at the first group that claims bfloat16 and caps that group's margin
+    with it: the disguised nearby model's groups (above) fail there as with `audit_group` given the shadow; a
+    float32 claim gets no shadow."""
+    spec = JobSpec.model_validate({"name": "t", "base_model": str(tiny_dir), "task": {"name": "arithmetic"},
+                                   "grpo": {"group_size": 8, "max_new_tokens": 48}})
+    auditor = Auditor(str(tiny_dir), spec, fetch=lambda v: pytest.fail("no fetch expected"))
+    auditor.remember(0, {k: v.clone() for k, v in model.state_dict().items()})
+    other = tmp_path / "nearby"
+    _nudged(tiny_dir, 0.05, 5).save_pretrained(other)
+    tok.save_pretrained(other)
+    requests = [r for r in _long(_requests(tok)) if (r.temperature, r.top_p, r.top_k) == (1.0, 1.0, 0)]
+    gen = torch.Generator().manual_seed(3)
+
+    def claimed(r, samples, precision):
+        return ClaimedGroup(rollout_id="rol_1", prompt_id=0, prompt_text="", reference=None, version=0,
+                            worker_id="wrk_1", prompt_token_ids=r.prompt_token_ids, seed=seed_of(r),
+                            precision=precision, samples=[SampleSubmit(token_ids=t, logprobs=lp, finish_reason="length")
+                                                          for t, lp in samples])
+
+    groups = [(r, [(t, (torch.tensor(lp) + 0.03 * torch.randn(len(lp), generator=gen)).clamp(max=0).tolist())
+                   for t, lp in rescored(model, r, [s.token_ids for s in g])])
+              for r, g in zip(requests, _generate(other, requests), strict=True)]
+    judged = [auditor.audit(claimed(r, f, "bfloat16")) for r, f in groups]
+    shadow = load_causal_lm(tiny_dir, dtype=torch.bfloat16).eval()
+    assert [j.passed for j in judged] == [audit_group(model, claim(r, f, seed_of(r), "bfloat16"), None, shadow).passed
+                                          for r, f in groups]
+    assert all(j.rounding is not None for j in judged)
+    assert sum(not j.passed for j in judged) > sum(not audit_group(model, claim(r, f, seed_of(r), "bfloat16")).passed
+                                                   for r, f in groups)
+    assert auditor.audit(claimed(*groups[0], "float32")).rounding is None
+
+
+def test_a_shadow_computes_in_the_precision_the_worker_and_the_auditor_do_not_share():
+    assert shadow_dtype("float32", torch.float32) is None
+    assert shadow_dtype("bfloat16", torch.float32) == torch.bfloat16
+    assert shadow_dtype("float16", torch.float32) == torch.float16
+    assert shadow_dtype("bfloat16", torch.bfloat16) == torch.float32
+    assert shadow_dtype("float32", torch.bfloat16) == torch.float32
 
 
 def test_a_stale_version_fails_the_replay(tiny_dir, tok, model, tmp_path):
@@ -216,12 +263,42 @@ def test_a_stale_version_fails_the_replay(tiny_dir, tok, model, tmp_path):
 
 def test_the_margin_covers_a_bf16_worker(tiny_dir, tok, model):
     """A worker computing in bfloat16 (here on the CPU) draws tokens the fp32 replay agrees with, within the
-    bf16 margin."""
+    bf16 margin, with the auditor's bf16 shadow or without it. The rounding the shadow measures (teacher forcing
+    in bf16) is of the size of the worker's own difference from the audit (decoding in bf16 with a KV cache):
+    0.6-1.4 times it here."""
     requests = _requests(tok)
     groups = _generate(tiny_dir, requests, dtype="bfloat16")
-    results = [audit_group(model, claim(r, [(s.token_ids, s.logprobs) for s in g], seed_of(r), "bfloat16"))
-               for r, g in zip(requests, groups, strict=True)]
-    assert all(r.passed for r in results), [r.reason for r in results if not r.passed]
+    shadow = load_causal_lm(tiny_dir, dtype=torch.bfloat16).eval()
+    for with_shadow in (None, shadow):
+        results = [audit_group(model, claim(r, [(s.token_ids, s.logprobs) for s in g], seed_of(r), "bfloat16"),
+                               None, with_shadow) for r, g in zip(requests, groups, strict=True)]
+        assert all(r.passed for r in results), [r.reason for r in results if not r.passed]
+    assert all(0.25 < r.max_abs_diff / r.rounding < 4 for r in results), [(r.max_abs_diff, r.rounding) for r in results]
+
+
+def test_a_worker_claiming_bf16_with_noisy_logprobs_gets_only_the_room_bf16_gives(tiny_dir, tok, model, tmp_path):
+    """A cheater samples with a nearby model (5 % noise) in float32, rescores under the claimed weights, then
+    claims bfloat16 and adds 0.03-nat noise to its logprobs: the margin, narrowed by how far its logprobs are
+    from the audit's, widens toward bf16's bound and most of its groups pass. The bf16 shadow caps the margin at
+    8 times what bf16 does to these tokens, the room an honest bf16 worker gets, and more of them fail."""
+    other = tmp_path / "nearby"
+    _nudged(tiny_dir, 0.05, 5).save_pretrained(other)
+    tok.save_pretrained(other)
+    requests = _long(_requests(tok))
+    gen = torch.Generator().manual_seed(3)
+    disguised = [(r, [(t, (torch.tensor(lp) + 0.03 * torch.randn(len(lp), generator=gen)).clamp(max=0).tolist())
+                      for t, lp in rescored(model, r, [s.token_ids for s in g])])
+                 for r, g in zip(requests, _generate(other, requests), strict=True)]
+    shadow = load_causal_lm(tiny_dir, dtype=torch.bfloat16).eval()
+    without = [audit_group(model, claim(r, f, seed_of(r), "bfloat16")) for r, f in disguised]
+    capped = [audit_group(model, claim(r, f, seed_of(r), "bfloat16"), None, shadow) for r, f in disguised]
+    assert all(r.rounding is None for r in without) and all(r.rounding < 0.02 for r in capped)
+    config = AuditConfig()
+    for a, b in zip(without, capped, strict=True):
+        assert config.replay_margin("bfloat16", 1.0, b.max_abs_diff, b.rounding) <= config.evidence_factor * b.rounding
+        assert a.passed or not b.passed  # the cap only narrows
+    assert sum(not r.passed for r in capped) >= sum(not r.passed for r in without) + len(disguised) // 4
+    assert all(r.reason.startswith("replay:") for r in capped if not r.passed)
 
 
 def test_a_token_outside_the_nucleus_is_impossible(model, honest):
