@@ -14,6 +14,7 @@ one file (`park`) and built again from it (`restore`): adapter, gradients, optim
 from __future__ import annotations
 
 import contextlib
+import copy
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,7 @@ from echo2.snapshots import atomic_file
 
 from learner.sampling import sample
 
-from ..audit import GroupClaim, audit_group, audit_versions
+from ..audit import GroupClaim, audit_group, audit_versions, shadow_dtype
 from ..models import resolve_model, with_adapter
 from ..publisher import Publisher
 from ..remote import ControlPlane
@@ -97,6 +98,7 @@ class TinkerSession:
         self.inflight: str | None = None  # the newest in-flight checkpoint: what in-flight samplers draw with
         self.steps = 0
         self.should_stop: Callable[[], bool] = lambda: False  # the host's: is the running request still wanted
+        self._shadow_model: tuple[torch.dtype, Any, list[torch.Tensor]] | None = None  # (dtype, model, its params)
 
     def info(self) -> ModelInfo:
         config = self.model.config
@@ -325,13 +327,27 @@ class TinkerSession:
         claim = GroupClaim(prompt=list(payload.prompt), samples=[(list(t), list(lp)) for t, lp in payload.samples],
                            temperature=payload.temperature, top_p=payload.top_p, top_k=payload.top_k,
                            seed=payload.seed, precision=payload.precision.value)
+        low = shadow_dtype(claim.precision, torch.float32)
+        shadow_at = None if low is None else (lambda v: self._shadow(named[v], low))
         if payload.versions is None:
             with self._weights(payload.checkpoint):
-                result = audit_group(self.model, claim)
+                result = audit_group(self.model, claim, None, shadow_at and shadow_at(payload.version))
         else:
             with self._weights(None):  # every version's weights are put in by model_at, then these put back
-                result = audit_versions(lambda v: self._swap(named[v]), claim, payload.versions)
+                result = audit_versions(lambda v: self._swap(named[v]), claim, payload.versions, None, shadow_at)
         return AuditVerdict(passed=result.passed, reason=result.reason or "", stats=result.stats())
+
+    def _shadow(self, checkpoint: str, dtype: torch.dtype) -> Any:
+        """The model in `dtype` holding `checkpoint`'s weights: the audit's shadow of a group whose worker claims
+        that precision (learner/audit.py), a copy made at the first such group."""
+        if self._shadow_model is None or self._shadow_model[0] != dtype:
+            model = copy.deepcopy(self.model).to(dtype).eval()
+            self._shadow_model = (dtype, model, [p for p in model.parameters() if p.requires_grad])
+        _, model, params = self._shadow_model
+        with torch.no_grad():
+            for param, value in zip(params, self.checkpoints[checkpoint], strict=True):
+                param.copy_(value)
+        return model
 
     def _swap(self, checkpoint: str) -> Any:
         with torch.no_grad():

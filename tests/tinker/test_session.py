@@ -10,6 +10,7 @@ import pytest
 import torch
 from echo2.protocol.tinker import (
     AdamStep,
+    AuditPayload,
     ForwardBackwardPayload,
     ModelSpec,
     SamplePayload,
@@ -202,3 +203,27 @@ def test_a_tinker_model_cannot_be_another_users_files_on_the_host(tiny_model_dir
     with pytest.raises(UserError, match="inside Echo2's own data"):
         TinkerSession(ModelSpec(base_model=str(theirs), lora=TinkerLora(rank=4)), tmp_path / "host" / "models",
                       private=(tmp_path / "host",))
+
+
+def test_a_fleet_group_claiming_bf16_is_re_scored_by_a_shadow_of_its_checkpoint(session):
+    """The host's audit gives a group whose worker claims bfloat16 a shadow (learner/audit.py): the claimed
+    checkpoint's weights in bf16, whose difference from the audit caps the replay's margin. It holds that
+    checkpoint, not the weights trained since, and a float32 claim gets none."""
+    session.save(SavePayload(name="audited", kind="sampler"))
+    session.published["audited"] = 7
+    drawn = one(session, SamplePayload(checkpoint="audited", prompt=PROMPT, num_samples=4,
+                                       params={"max_tokens": 6, "temperature": 1.0, "seed": 5}))
+    for _ in range(3):  # the current weights move away from the checkpoint
+        fwdbwd(session, "cross_entropy", {"weights": [1.0] * 4})
+        session.optim_step(AdamStep(learning_rate=0.05))
+    samples = [(s.tokens, s.logprobs) for s in drawn.sequences]
+
+    def audit(precision: str):
+        return session.audit(AuditPayload(checkpoint="audited", version=7, rollout_id="rol_1", prompt=PROMPT,
+                                          samples=samples, temperature=1.0, top_p=1.0, top_k=0,
+                                          precision=precision))
+
+    bf16, fp32 = audit("bfloat16"), audit("float32")
+    assert bf16.passed and fp32.passed, (bf16.reason, fp32.reason)
+    assert 0 < bf16.stats["rounding"] < 0.05 and "rounding" not in fp32.stats
+    assert bf16.stats["max_abs_diff"] < 1e-4  # the audit itself read the checkpoint, as the host drew with it
