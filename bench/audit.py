@@ -22,9 +22,11 @@ from honest ones (or generated the way a forger would):
   hot-match     the same tokens, logprobs recomputed at the job's temperature
   invented      honest tokens, logprobs drawn uniformly from [-3, 0]
 Each audit is learner/audit.py's `audit_group` with its default AuditConfig, on the learner's side of
-the same model (fp32 compute of the published weights). Cost: seconds per audited group against the
-learner's seconds per group of a GRPO update (learner.policy.grpo_update, forward + backward) on the
-same groups, in the same run; at audit rate a, auditing costs about a × that ratio of learner time.
+the same model (fp32 compute of the published weights), with the bf16 shadow for a group claiming bf16 as
+the learner's auditor has. Cost: seconds per audited group against the learner's seconds per group of a
+GRPO update (learner.policy.grpo_update, forward + backward) on the same groups, in the same run; at audit
+rate a, auditing costs about a × that ratio of learner time. Then the same groups claiming bf16, audited
+without the shadow and with it: what the shadow adds to such a group's audit.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -156,12 +158,21 @@ def forgeries(honest: list[Group], model: Any, pad_id: int, vocab: int, eos: int
     }
 
 
-def audit_all(model: Any, groups: list[Group]) -> list[Any]:
-    """learner/audit.py's audit of each group, the replay with its leased seed included."""
+def audit_all(model: Any, groups: list[Group], shadows: dict[str, Any] | None = None) -> list[Any]:
+    """learner/audit.py's audit of each group, the replay with its leased seed included; a group claiming a
+    precision in `shadows` also re-scored by that shadow, as the learner's auditor does (learner/auditor.py)."""
     from learner.audit import GroupClaim, audit_group
 
     return [audit_group(model, GroupClaim(prompt=g.prompt, samples=g.samples, temperature=g.temperature,
-                                          top_p=g.top_p, seed=g.seed, precision=g.precision)) for g in groups]
+                                          top_p=g.top_p, seed=g.seed, precision=g.precision), None,
+                        (shadows or {}).get(g.precision)) for g in groups]
+
+
+def shadows(model_dir: Path) -> dict[str, Any]:
+    """The fp32 auditor's shadows by claimed precision (learner/audit.py::shadow_dtype)."""
+    import torch
+
+    return {"bfloat16": load_causal_lm(model_dir, dtype=torch.bfloat16).eval()}
 
 
 def train_seconds_per_group(model_dir: Path, groups: list[Group], pad_id: int, micro_batch_tokens: int) -> float:
@@ -210,9 +221,10 @@ def main() -> None:
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = load_causal_lm(model_dir, dtype=torch.float32).eval()
     pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+    shadow = shadows(model_dir)
     if args.cost_only:
         groups = generate_transformers(model_dir, requests(tok, args.cost_groups, seed=4))
-        _report_cost(model, model_dir, groups, pad_id, args.micro_batch_tokens)
+        _report_cost(model, model_dir, groups, pad_id, args.micro_batch_tokens, shadow)
         return
     reqs = requests(tok, args.groups, seed=1)
     start = time.perf_counter()
@@ -228,20 +240,20 @@ def main() -> None:
     other = generate_transformers(perturbed(model_dir, work / "other"), forged_reqs)
     hot = generate_transformers(model_dir, forged_reqs, temperature_scale=2.0)
     rng = random.Random(3)
-    _report_honest(model, honest, pad_id)
+    _report_honest(model, honest, pad_id, shadow)
     forged = forgeries(honest["transformers fp32"], model, pad_id, model.get_input_embeddings().num_embeddings,
                        tok.eos_token_id, other, hot, args.forged, rng)
     _report_forged(model, forged, pad_id)
     cost_groups = honest["transformers fp32"][:args.cost_groups]
     del honest, forged, other, hot  # the cost stage's backward pass needs the memory
-    _report_cost(model, model_dir, cost_groups, pad_id, args.micro_batch_tokens)
+    _report_cost(model, model_dir, cost_groups, pad_id, args.micro_batch_tokens, shadow)
 
 
-def _report_honest(model: Any, honest: dict[str, list[Group]], pad_id: int) -> None:
+def _report_honest(model: Any, honest: dict[str, list[Group]], pad_id: int, shadow: dict[str, Any]) -> None:
     print(f"{'honest groups':<22} {'groups':>6} {'rejected':>9} {'max |Δ| nat':>11} {'p99.9 |Δ|':>9} "
           f"{'|z| max':>8}")
     for name, groups in honest.items():
-        results = audit_all(model, groups)
+        results = audit_all(model, groups, shadow)
         worst = sorted(r.max_abs_diff for r in results)
         rejected = [r for r in results if not r.passed]
         print(f"{name:<22} {len(results):>6} {len(rejected) / len(results):>9.2%} {worst[-1]:>11.4f} "
@@ -259,15 +271,24 @@ def _report_forged(model: Any, forged: dict[str, list[Group]], pad_id: int) -> N
         print(f"{name:<22} {len(results):>6} {len(caught) / len(results):>9.2%}  {reason}", flush=True)
 
 
-def _report_cost(model: Any, model_dir: Path, groups: list[Group], pad_id: int, micro_batch_tokens: int) -> None:
-    start = time.perf_counter()
-    audit_all(model, groups)
-    audit_s = (time.perf_counter() - start) / len(groups)
+def _report_cost(model: Any, model_dir: Path, groups: list[Group], pad_id: int, micro_batch_tokens: int,
+                 shadow: dict[str, Any]) -> None:
+    audit_s = _seconds_per_group(lambda: audit_all(model, groups), groups)
     train_s = train_seconds_per_group(model_dir, groups, pad_id, micro_batch_tokens)
     print(f"\ncost over {len(groups)} groups (micro-batches of {micro_batch_tokens} tokens): "
           f"{audit_s * 1000:.0f} ms to audit a group, {train_s * 1000:.0f} ms to train it "
           f"(ratio {audit_s / train_s:.2f}); at the default audit rate 10 % auditing costs "
           f"{0.1 * audit_s / (train_s + 0.1 * audit_s):.1%} of learner time")
+    bf16 = [replace(g, precision="bfloat16") for g in groups]  # the same groups, claiming bf16
+    plain, shadowed = (_seconds_per_group(lambda s=s: audit_all(model, bf16, s), groups) for s in (None, shadow))
+    print(f"a group claiming bf16: {plain * 1000:.0f} ms to audit without its shadow, {shadowed * 1000:.0f} ms "
+          f"with it ({shadowed / plain:.2f}x)")
+
+
+def _seconds_per_group(run: Any, groups: list[Group]) -> float:
+    start = time.perf_counter()
+    run()
+    return (time.perf_counter() - start) / len(groups)
 
 
 def _parse() -> argparse.Namespace:

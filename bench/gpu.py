@@ -20,11 +20,13 @@ Models are random-init (weights do not change throughput; nothing is downloaded)
   tokens equal the default's; against `model.generate` (sampling, with logits) at the same batch, where its
   logits fit in memory; and the decode bound, rows x bandwidth / bytes one decode step must read (bf16 weights + the
   KV cache at the mean context), with the device's nominal memory bandwidth;
-- audit: `learner.audit.audit_group` on the device in the learner's compute dtype, on groups the worker drew
-  (replay included); its share of learner time at the default audit rate = rate x audit seconds per group /
-  learner seconds per group; then every group the worker drew judged (passed, the replay's near ties and
-  largest gap, the largest logprob difference) and, with --cpu-audit-s on a GPU, as many as fit in those seconds
-  by the default fp32 CPU auditor: the false alarms of honest bf16 GPU workers at real shapes;
+- audit: `learner.audit.audit_group` on the device in the learner's compute dtype, with the shadow the
+  learner's auditor gives a bf16 worker's groups (learner/auditor.py), on groups the worker drew (replay
+  included); its share of learner time at the default audit rate = rate x audit seconds per group / learner
+  seconds per group; then every group the worker drew judged (passed, the replay's near ties and largest gap,
+  the largest logprob difference, the shadow's largest rounding) and, with --cpu-audit-s on a GPU, as many as
+  fit in those seconds by the default fp32 CPU auditor: the false alarms of honest bf16 GPU workers at real
+  shapes;
 - publish: `learner.publisher.Publisher` of one full bf16 version of the learner's weights (snapshot, write,
   chunk and hash), the upload replaced by a local copy (`learner.sources.LocalWeights`); in learner steps.
 
@@ -356,31 +358,41 @@ def audit(shape: str, folder: Path, device: Any, groups: list[Any], learner_s_pe
     from learner.auditor import compute_dtype
 
     dtype = compute_dtype(device)
-    model = load_causal_lm(folder, dtype=dtype).to(device).eval()
+    precision = "bfloat16" if device.type == "cuda" else "float32"
+    model, shadow = load_causal_lm(folder, dtype=dtype).to(device).eval(), _shadow(folder, precision, dtype, device)
     config = AuditConfig(auditor=str(dtype).removeprefix("torch."))
-    claims = [GroupClaim(prompt=r.prompt_token_ids, samples=s, temperature=1.0, seed=i,
-                         precision="bfloat16" if device.type == "cuda" else "float32") for i, r, s in groups]
-    audit_group(model, claims[0], config)  # warm-up
+    claims = [GroupClaim(prompt=r.prompt_token_ids, samples=s, temperature=1.0, seed=i, precision=precision)
+              for i, r, s in groups]
+    audit_group(model, claims[0], config, shadow)  # warm-up
     _sync(device)
     t0 = time.perf_counter()
-    results = [audit_group(model, c, config) for c in claims[:AUDIT_TIMED]]
+    results = [audit_group(model, c, config, shadow) for c in claims[:AUDIT_TIMED]]
     _sync(device)
     seconds = (time.perf_counter() - t0) / len(results)
     tokens = sum(r.tokens for r in results) / len(results)
     out = {"audit_s_per_group": seconds, "audit_tokens_per_s": tokens / seconds,
            "audit_share": AUDIT_RATE * seconds / learner_s_per_group if learner_s_per_group else None,
-           **_judged(results + [audit_group(model, c, config) for c in claims[AUDIT_TIMED:]], "")}
-    del model
+           **_judged(results + [audit_group(model, c, config, shadow) for c in claims[AUDIT_TIMED:]], "")}
+    del model, shadow
     _free()
     if device.type == "cuda" and cpu_seconds > 0:
         cpu = load_causal_lm(folder, dtype=torch.float32).eval()
+        cpu_shadow = _shadow(folder, precision, torch.float32, torch.device("cpu"))
         deadline, judged = time.monotonic() + cpu_seconds, []
         for c in claims:
             if time.monotonic() > deadline:
                 break
-            judged.append(audit_group(cpu, c, AuditConfig()))
+            judged.append(audit_group(cpu, c, AuditConfig(), cpu_shadow))
         out |= _judged(judged, "cpu_")
     return out
+
+
+def _shadow(folder: Path, precision: str, auditor: Any, device: Any) -> Any:
+    """The auditor's shadow for groups claiming `precision`, as learner/auditor.py builds it (None: none)."""
+    from learner.audit import shadow_dtype
+
+    low = shadow_dtype(precision, auditor)
+    return None if low is None else load_causal_lm(folder, dtype=low).to(device).eval()
 
 
 def _judged(results: list[Any], prefix: str) -> dict[str, Any]:
@@ -390,7 +402,8 @@ def _judged(results: list[Any], prefix: str) -> dict[str, Any]:
             f"{prefix}replayed": sum(r.replayed for r in results),
             f"{prefix}near_ties": sum(r.near_ties for r in results),
             f"{prefix}max_gap": max((r.max_gap for r in results), default=None),
-            f"{prefix}max_abs_diff": max((r.max_abs_diff for r in results), default=None)}
+            f"{prefix}max_abs_diff": max((r.max_abs_diff for r in results), default=None),
+            f"{prefix}max_rounding": max((r.rounding for r in results if r.rounding is not None), default=None)}
 
 
 def summary(table: dict[str, Any]) -> str:

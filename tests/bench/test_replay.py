@@ -31,6 +31,23 @@ def test_groups_drawn_in_one_stage_are_judged_in_the_next(tmp_path: Path) -> Non
     assert report["auditor"] == "cpu float32"
 
 
+def test_a_cheat_claiming_bf16_with_noisy_logprobs_is_judged_with_and_without_the_shadow(tmp_path: Path) -> None:
+    """`--disguise bfloat16`: the stale cheat's groups, drawn and rescored in float32, claim bfloat16 with noisy
+    logprobs; without the auditor's shadow the margin widens to bf16's bound and nearly all pass, with it most of
+    those unlike an honest draw are caught."""
+    out = tmp_path / "figures.json"
+    run = _replay("--honest", "8", "--cheat", "90", "--cheats", "stale", "--disguise", "bfloat16",
+                  "--versions", str(tmp_path / "versions"), "--out", str(out))
+    assert run.returncode == 0, run.stderr[-3000:]
+    cheats = json.loads(out.read_text())["cheats"]
+    plain, without, capped = (cheats[f"stale{side} (transformers cpu float32)"] for side in
+                              ("", " claiming bfloat16, no shadow", " claiming bfloat16, shadow"))
+    assert plain["effective"] == without["effective"] == capped["effective"] > 20
+    assert without["caught_effective"] <= 0.2 * without["effective"]
+    assert capped["caught_effective"] >= 0.6 * capped["effective"]
+    assert "stale claiming bfloat16, shadow" in run.stdout
+
+
 def test_a_stage_without_what_it_needs_says_what_to_give(tmp_path: Path) -> None:
     missing = _replay("--stage", "generate")
     assert missing.returncode == 2 and "--generated FILE" in missing.stderr
