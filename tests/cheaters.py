@@ -8,6 +8,10 @@ honestly under the version it claims, so only the replay audit can tell. The che
 - `copy`: draws one sample and submits it G times;
 - `eos`: stops every sample after its first token with an end-of-sequence token;
 - `pick`: draws 3G samples (the leased seeds and 2G more) and submits the G with the lowest reward.
+
+Any of them may also be `disguised`: it computes in float32 but claims bfloat16 and adds noise to its logprobs
+(`DISGUISE_NOISE` nats), so that the audit's margin, narrowed by how far its logprobs are from the audit's,
+widens to bfloat16's (the auditor's shadow caps it: learner/audit.py).
 """
 
 from __future__ import annotations
@@ -30,13 +34,15 @@ from tests.rollout_driver import RolloutDriver
 
 CHEATS = ("stale", "stale3", "nearby", "copy", "eos", "pick")
 NEARBY_NOISE = 0.01
+DISGUISE_NOISE = 0.03
 
 
 class Cheater(RolloutDriver):
-    def __init__(self, cheat: str, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, cheat: str, *args: Any, disguised: bool = False, **kwargs: Any) -> None:
         assert cheat in CHEATS, cheat
         super().__init__(*args, **kwargs)
-        self.cheat = cheat
+        self.cheat, self.disguised = cheat, disguised
+        self.noise = torch.Generator().manual_seed(1)
         self.claimed: Any = None  # the claimed version's model, to rescore with
         self.sampling_version: int | None = None
 
@@ -96,7 +102,10 @@ class Cheater(RolloutDriver):
         return {"prompt_id": prompt.prompt_id, "version": lease.version, "prompt_token_ids": ids,
                 "samples": [{"token_ids": t, "logprobs": lp,
                              "finish_reason": "stop" if t[-1] == eos else "length"}
-                            for t, lp in zip(tokens, logprobs, strict=True)]}
+                            for t, lp in zip(tokens, logprobs, strict=True)]} | self._claim()
+
+    def _claim(self) -> dict[str, Any]:
+        return {"precision": "bfloat16"} if self.disguised else {}
 
     def _forge(self, drawn: list[list[int]], text: str, g: int) -> list[list[int]]:
         if self.cheat == "copy":
@@ -113,6 +122,8 @@ class Cheater(RolloutDriver):
         batch = pad_batch([prompt] * len(tokens), tokens, self.tokenizer.pad_token_id or 0)
         with torch.no_grad():
             lp = completion_logprobs(self.claimed, batch, temperature=temperature)
+        if self.disguised:
+            lp = lp + DISGUISE_NOISE * torch.randn(lp.shape, generator=self.noise)
         return [[max(-1e4, min(0.0, x)) for x in lp[i, : len(t)].tolist()] for i, t in enumerate(tokens)]
 
 
