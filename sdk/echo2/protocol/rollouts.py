@@ -189,7 +189,9 @@ class GroupSubmit(Model):
                                         "echo2.seeds.sample_seed(the prompt's leased seed, k), by echo2.sampler.")
     gen_seconds: float = Field(0.0, ge=0, le=86_400)
     precision: Precision = Field(Precision.float32, description="The dtype the worker computed its logits in: "
-                                 "the audit's replay allows for that precision's numerical differences.")
+                                 "the audit's replay allows for that precision's numerical differences, as "
+                                 "far as that precision's rounding moves these tokens' logprobs (measured by the "
+                                 "auditor), whatever the logprobs sent.")
 
     @model_validator(mode="after")
     def _oldest_is_the_version(self) -> GroupSubmit:
