@@ -50,6 +50,7 @@ class Auditor:
         self._models: dict[torch.dtype, Any] = {}  # the auditor's dtype, and a shadow's
         self._zero_adapter: dict[str, torch.Tensor] = {}
         self._loaded: dict[torch.dtype, int] = {}  # the version each model holds
+        self._no_room: set[torch.dtype] = set()  # shadows the device could not hold
         self.seconds = 0.0
 
     def remember(self, version: int, state: dict[str, torch.Tensor]) -> None:
@@ -68,7 +69,7 @@ class Auditor:
         try:
             claim = claim_of(group, self.spec)
             low = shadow_dtype(claim.precision, self.dtype)
-            shadow_at = None if low is None else partial(self._model_at, dtype=low)
+            shadow_at = None if low is None else self._shadow_at(low)
             if any(s.versions is not None for s in group.samples):  # a partial rollout: each token its version
                 return audit_versions(self._model_at, claim, [s.token_versions(group.version) for s in group.samples],
                                       self.config, shadow_at)
@@ -76,6 +77,18 @@ class Auditor:
                                None if shadow_at is None else shadow_at(group.version))
         finally:
             self.seconds += time.perf_counter() - start
+
+    def _shadow_at(self, dtype: torch.dtype) -> Callable[[int], Any] | None:
+        """The shadow in `dtype`, by version; None where the device cannot hold it (logged once), and the group
+        is judged by the claim's margin, as before shadows: a worker's claim must not stop the learner."""
+        if dtype not in self._models and dtype not in self._no_room:
+            try:
+                self._models[dtype] = self._build(dtype)
+            except (torch.OutOfMemoryError, MemoryError):
+                self._no_room.add(dtype)
+                log.error("no memory on %s for the audit's %s shadow: groups claiming that precision are judged "
+                          "without it", self.device, dtype)
+        return partial(self._model_at, dtype=dtype) if dtype in self._models else None
 
     def _model_at(self, version: int, dtype: torch.dtype | None = None) -> Any:
         """The model in `dtype` (the auditor's own by default) holding `version`'s weights."""

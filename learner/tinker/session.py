@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,7 @@ from ..remote import ControlPlane
 from ..weights import LoraWeights
 from .losses import datum_loss
 
+log = logging.getLogger(__name__)
 INFLIGHT = "<inflight>"  # a batch of in-flight requests: drawn with the newest in-flight checkpoint
 MICRO_BATCH_TOKENS = 2048  # padded tokens per forward pass: bounds the logits held for the backward
 LORA_ALPHA = 32.0  # Tinker's own choice, so learning rates carry over from its docs and recipes
@@ -99,6 +101,7 @@ class TinkerSession:
         self.steps = 0
         self.should_stop: Callable[[], bool] = lambda: False  # the host's: is the running request still wanted
         self._shadow_model: tuple[torch.dtype, Any, list[torch.Tensor]] | None = None  # (dtype, model, its params)
+        self._no_room: set[torch.dtype] = set()  # shadows the device could not hold
 
     def info(self) -> ModelInfo:
         config = self.model.config
@@ -328,7 +331,7 @@ class TinkerSession:
                            temperature=payload.temperature, top_p=payload.top_p, top_k=payload.top_k,
                            seed=payload.seed, precision=payload.precision.value)
         low = shadow_dtype(claim.precision, torch.float32)
-        shadow_at = None if low is None else (lambda v: self._shadow(named[v], low))
+        shadow_at = None if low is None or not self._has_shadow(low) else (lambda v: self._shadow(named[v], low))
         if payload.versions is None:
             with self._weights(payload.checkpoint):
                 result = audit_group(self.model, claim, None, shadow_at and shadow_at(payload.version))
@@ -337,12 +340,25 @@ class TinkerSession:
                 result = audit_versions(lambda v: self._swap(named[v]), claim, payload.versions, None, shadow_at)
         return AuditVerdict(passed=result.passed, reason=result.reason or "", stats=result.stats())
 
-    def _shadow(self, checkpoint: str, dtype: torch.dtype) -> Any:
-        """The model in `dtype` holding `checkpoint`'s weights: the audit's shadow of a group whose worker claims
-        that precision (learner/audit.py), a copy made at the first such group."""
+    def _has_shadow(self, dtype: torch.dtype) -> bool:
+        """Whether the audit's shadow in `dtype` (learner/audit.py) is here, made at the first group that needs
+        it: a copy of the model in that precision. Where the device cannot hold it, groups are judged by their
+        claim's margin, as before shadows (logged once): a worker's claim must not fail the host."""
         if self._shadow_model is None or self._shadow_model[0] != dtype:
-            model = copy.deepcopy(self.model).to(dtype).eval()
+            if dtype in self._no_room:
+                return False
+            try:
+                model = copy.deepcopy(self.model).to(dtype).eval()
+            except (torch.OutOfMemoryError, MemoryError):
+                self._no_room.add(dtype)
+                log.error("no memory for the audit's %s shadow: fleet groups claiming it are judged without it", dtype)
+                return False
             self._shadow_model = (dtype, model, [p for p in model.parameters() if p.requires_grad])
+        return True
+
+    def _shadow(self, checkpoint: str, dtype: torch.dtype) -> Any:
+        """The shadow in `dtype` (`_has_shadow`) holding `checkpoint`'s weights."""
+        assert self._shadow_model is not None and self._shadow_model[0] == dtype
         _, model, params = self._shadow_model
         with torch.no_grad():
             for param, value in zip(params, self.checkpoints[checkpoint], strict=True):

@@ -18,6 +18,7 @@ from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit
 from echo2.seeds import sample_seed
 from echo2_worker.backends import GenRequest, create_backend
 
+import learner.auditor
 from learner.audit import AuditConfig, GroupClaim, audit_group, shadow_dtype
 from learner.auditor import Auditor
 from learner.objective import ObjectiveConfig
@@ -205,33 +206,58 @@ def test_the_learners_auditor_re_scores_a_bf16_claim_with_its_shadow(tiny_dir, t
     """learner/auditor.py builds the shadow at the first group that claims bfloat16 and caps that group's margin
     with it: the disguised nearby model's groups (above) fail there as with `audit_group` given the shadow; a
     float32 claim gets no shadow."""
-    spec = JobSpec.model_validate({"name": "t", "base_model": str(tiny_dir), "task": {"name": "arithmetic"},
-                                   "grpo": {"group_size": 8, "max_new_tokens": 48}})
-    auditor = Auditor(str(tiny_dir), spec, fetch=lambda v: pytest.fail("no fetch expected"))
-    auditor.remember(0, {k: v.clone() for k, v in model.state_dict().items()})
+    auditor = _auditor(tiny_dir, model)
     other = tmp_path / "nearby"
     _nudged(tiny_dir, 0.05, 5).save_pretrained(other)
     tok.save_pretrained(other)
     requests = [r for r in _long(_requests(tok)) if (r.temperature, r.top_p, r.top_k) == (1.0, 1.0, 0)]
     gen = torch.Generator().manual_seed(3)
-
-    def claimed(r, samples, precision):
-        return ClaimedGroup(rollout_id="rol_1", prompt_id=0, prompt_text="", reference=None, version=0,
-                            worker_id="wrk_1", prompt_token_ids=r.prompt_token_ids, seed=seed_of(r),
-                            precision=precision, samples=[SampleSubmit(token_ids=t, logprobs=lp, finish_reason="length")
-                                                          for t, lp in samples])
-
     groups = [(r, [(t, (torch.tensor(lp) + 0.03 * torch.randn(len(lp), generator=gen)).clamp(max=0).tolist())
                    for t, lp in rescored(model, r, [s.token_ids for s in g])])
               for r, g in zip(requests, _generate(other, requests), strict=True)]
-    judged = [auditor.audit(claimed(r, f, "bfloat16")) for r, f in groups]
+    judged = [auditor.audit(_claimed(r, f, "bfloat16")) for r, f in groups]
     shadow = load_causal_lm(tiny_dir, dtype=torch.bfloat16).eval()
     assert [j.passed for j in judged] == [audit_group(model, claim(r, f, seed_of(r), "bfloat16"), None, shadow).passed
                                           for r, f in groups]
     assert all(j.rounding is not None for j in judged)
     assert sum(not j.passed for j in judged) > sum(not audit_group(model, claim(r, f, seed_of(r), "bfloat16")).passed
                                                    for r, f in groups)
-    assert auditor.audit(claimed(*groups[0], "float32")).rounding is None
+    assert auditor.audit(_claimed(*groups[0], "float32")).rounding is None
+
+
+def test_a_learner_whose_device_cannot_hold_the_shadow_audits_without_it(tiny_dir, model, honest, monkeypatch,
+                                                                           caplog):
+    """A worker's claim must not stop the learner: where the shadow does not fit (here the device's allocator
+    refuses its weights), the group is judged by the claim's margin, as before shadows, and it is said once."""
+    auditor = _auditor(tiny_dir, model)
+    real = learner.auditor.load_causal_lm
+
+    def no_room(path, dtype, **kwargs):
+        if dtype == torch.bfloat16:
+            raise torch.OutOfMemoryError("out of memory")  # what a full GPU's allocator raises
+        return real(path, dtype=dtype, **kwargs)
+
+    monkeypatch.setattr(learner.auditor, "load_causal_lm", no_room)
+    request, samples = next((r, s) for r, s in honest if (r.temperature, r.top_p, r.top_k) == (1.0, 1.0, 0))
+    results = [auditor.audit(_claimed(request, samples, "bfloat16")) for _ in range(2)]
+    assert all(r.passed and r.rounding is None for r in results)
+    assert [m for m in caplog.messages if "shadow" in m] == [
+        "no memory on cpu for the audit's torch.bfloat16 shadow: groups claiming that precision are judged without it"]
+
+
+def _auditor(tiny_dir, model) -> Auditor:
+    spec = JobSpec.model_validate({"name": "t", "base_model": str(tiny_dir), "task": {"name": "arithmetic"},
+                                   "grpo": {"group_size": 8, "max_new_tokens": 48}})
+    auditor = Auditor(str(tiny_dir), spec, fetch=lambda v: pytest.fail("no fetch expected"))
+    auditor.remember(0, {k: v.clone() for k, v in model.state_dict().items()})
+    return auditor
+
+
+def _claimed(request, samples, precision: str) -> ClaimedGroup:
+    return ClaimedGroup(rollout_id="rol_1", prompt_id=0, prompt_text="", reference=None, version=0,
+                        worker_id="wrk_1", prompt_token_ids=request.prompt_token_ids, seed=seed_of(request),
+                        precision=precision, samples=[SampleSubmit(token_ids=t, logprobs=lp, finish_reason="length")
+                                                      for t, lp in samples])
 
 
 def test_a_shadow_computes_in_the_precision_the_worker_and_the_auditor_do_not_share():
