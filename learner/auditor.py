@@ -35,10 +35,11 @@ Fetch = Callable[[int], Path]  # version -> a local folder holding its safetenso
 class Auditor:
     """Audits on `device` (the learner's), in the dtype the learner computes in there: bfloat16 on a GPU that
     has it, float32 elsewhere. The replay's margin then allows for the auditor's precision as well as the
-    worker's (AuditConfig.auditor). A group whose worker computed in another precision is also re-scored by a
-    shadow, a third instance in the precision the two do not share (audit.shadow_dtype), built at the first
-    such group: its difference from the audit caps the margin, so a worker that claims a coarser precision
-    than it computed in, and reports noisy logprobs to match, gains no more room than that precision gives."""
+    worker's (AuditConfig.auditor). Unless worker and auditor both compute in float32, a group is also
+    re-scored by a shadow, another instance of the model in the precision the two do not share
+    (audit.shadow_dtype), built at the first such group: its difference from the audit caps the margin, so a
+    worker that claims a coarser precision than it computed in, and reports noisy logprobs to match, gains no
+    more room than that precision gives."""
 
     def __init__(self, model_path: str, spec: JobSpec, fetch: Fetch, config: AuditConfig | None = None,
                  device: torch.device | str = "cpu") -> None:

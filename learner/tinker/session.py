@@ -353,6 +353,8 @@ class TinkerSession:
                 self._no_room.add(dtype)
                 log.error("no memory for the audit's %s shadow: fleet groups claiming it are judged without it", dtype)
                 return False
+            for param in model.parameters():
+                param.grad = None  # the copy's own: gradients are the model's, not the shadow's
             self._shadow_model = (dtype, model, [p for p in model.parameters() if p.requires_grad])
         return True
 
