@@ -17,14 +17,17 @@ holds them) by teacher forcing, and runs three tests on every completion token y
    docs/RELIABILITY.md "Rollout audits") and narrowed to what the group's reported logprobs show of its
    worker's numerics (`AuditConfig.replay_margin`): a worker whose numbers match the audit's to 1e-6 nat gets
    no room for a stale or nearby model's near ties. The worker says what precision it computed in and reports
-   its own logprobs, so both could buy room; where the worker's precision is not the auditor's, the room is
-   also capped by what that precision really does to this model on these tokens: the same weights in that
-   precision (a shadow) re-score the group, and their difference from the audit bounds the margin as the
-   reported logprobs do.
+   its own logprobs, so both could buy room; unless worker and auditor both compute in float32, the room is
+   measured instead of taken from the table: the same weights in the precision the two do not share (a
+   shadow) re-score the group, and their largest difference from the audit, r, is what that precision does
+   to this model on these tokens. The margin is then 8 times the smaller of r and the reported difference,
+   and the supports' edges and the logprob check (2.) allow what r needs: tighter than the table where the
+   model rounds little, looser where its large logits round by tenths of a nat.
 2. Logprob check. The behaviour logprob a worker reports is log q_t(y_t), q_t = softmax(logits_t / T)
    over the full vocabulary before top-p (workers/echo2_worker/backends/base.py). The audit recomputes
-   it; a token whose reported value is off by more than `token_tol` nats is a bad token, and more than
-   `max_bad_tokens` of them fail the group (invented logprobs, a flipped token whose logprob was left).
+   it; a token whose reported value is off by more than `token_tol` nats (or 4r, where a shadow measured r and
+   that is more) is a bad token, and more than `max_bad_tokens` of them fail the group (invented logprobs, a
+   flipped token whose logprob was left).
 3. Likelihood check. Tokens sampled honestly from p~_t (q_t truncated to its top-k/top-p nucleus and
    renormalised) have E[log q_t(y_t)] = m_t = sum_y p~_t(y) log q_t(y) and variance v_t, so
        z = sum_t (log q_t(y_t) - m_t) / sqrt(sum_t v_t)
@@ -67,11 +70,12 @@ LOGIT_ERROR = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}
 # only up to the precision's bound above: never further than without this.
 EVIDENCE_FACTOR = 8.0
 MARGIN_FLOOR = 1e-4
+TOL_FACTOR = 4.0
 
 
 @dataclass(frozen=True)
 class AuditConfig:
-    token_tol: float = 0.5  # nats between a reported and a recomputed logprob
+    token_tol: float = 0.5  # nats between a reported and a recomputed logprob (more where a shadow measured more)
     max_bad_tokens: int = 0
     z_crit: float = 6.0
     logit_error: tuple[tuple[str, float], ...] = tuple(LOGIT_ERROR.items())
@@ -91,10 +95,32 @@ class AuditConfig:
                       rounding: float | None = None) -> float:
         """The margin a replay gap is judged by: the precision's bound (`margin`), narrowed to what this group's
         reported logprobs show of its worker's numerics (`max_abs_diff`: their largest difference from the
-        audit's, nats) and, where a shadow re-scored it, to what the precision itself does on it (`rounding`:
-        the shadow's largest difference from the audit's, nats)."""
-        shown = max_abs_diff if rounding is None else min(max_abs_diff, rounding)
-        return min(self.margin(precision, temperature), max(self.margin_floor, self.evidence_factor * shown))
+        audit's, nats). Where a shadow re-scored the group, what the precision does on these tokens was
+        measured (`rounding`: the shadow's largest difference from the audit's, nats), and that bound, not the
+        table's, caps the margin: tighter on a model whose numbers round little, looser on one whose large
+        logits round by tenths of a nat."""
+        if rounding is None or not math.isfinite(rounding):
+            return min(self.margin(precision, temperature), self._evidence(max_abs_diff))
+        return self._evidence(min(max_abs_diff, rounding))
+
+    def support_slack(self, precision: str, temperature: float, rounding: float | None) -> tuple[float, float]:
+        """The slacks at the edges of a top-k/top-p support (echo2.sampler.support): of top-p mass,
+        NUCLEUS_SLACK, and in nats, the precision's bound; each more where a shadow measured more rounding
+        (`replay_margin`): a token's probability off by r nats moves a set's mass by at most e^2r - 1 of it."""
+        bound = self.margin(precision, temperature)
+        if rounding is None or not math.isfinite(rounding):
+            return NUCLEUS_SLACK, bound
+        return max(NUCLEUS_SLACK, min(1.0, math.expm1(2 * rounding))), max(bound, self._evidence(rounding))
+
+    def tolerance(self, rounding: float | None) -> float:
+        """Nats a reported logprob may be off: `token_tol`, or TOL_FACTOR times a shadow's measured rounding
+        where that is more (an honest bf16 worker's logprobs differ from the audit's by up to 3 times the
+        shadow's on SmolLM2 through vLLM: docs/RELIABILITY.md)."""
+        return self.token_tol if rounding is None or not math.isfinite(rounding) else max(
+            self.token_tol, TOL_FACTOR * rounding)
+
+    def _evidence(self, diff: float) -> float:
+        return max(self.margin_floor, self.evidence_factor * diff)
 
 
 @dataclass(frozen=True)
@@ -192,11 +218,12 @@ def shadow_dtype(precision: str, auditor: torch.dtype) -> torch.dtype | None:
 
 def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResult:
     diff = (scores.picked - scores.reported).abs()
-    bad = int((diff > config.token_tol).sum())
+    rounding = _rounding(scores.shadowed, scores.picked)
+    tolerance = config.tolerance(rounding)
+    bad = int((diff > tolerance).sum())
     spread = float(scores.variance.sum())
     z = float((scores.picked - scores.expected).sum()) / math.sqrt(max(spread, MIN_VARIANCE))
     largest = float(diff.max())
-    rounding = None if scores.shadowed is None else float((scores.shadowed - scores.picked).abs().max())
     margin = config.replay_margin(claim.precision, claim.temperature, largest, rounding)
     gaps = scores.gaps
     mismatches, near = int((gaps > margin).sum()), int(((gaps > 0) & (gaps <= margin)).sum())
@@ -205,7 +232,7 @@ def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResu
                   max_gap=min(float(gaps.max()), 1e6) if gaps.numel() else 0.0, rounding=rounding)
     if bad > config.max_bad_tokens:
         reason: str | None = (f"logprob mismatch: {bad} of {diff.numel()} tokens off by more than "
-                              f"{config.token_tol:g} nat (largest {largest:.3g})")
+                              f"{tolerance:.3g} nat (largest {largest:.3g})")
     elif mismatches:
         sample, position = min(map(tuple, scores.where[gaps > margin].tolist()))
         reason = (f"replay: {mismatches} of {gaps.numel()} tokens are not what the sampler draws with the leased "
@@ -238,8 +265,9 @@ def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None]
     ranks = ranked(logq) if settings.truncates() else None  # one ranking of the vocabulary for every support
     picked = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
     shadowed = None if shadow is None else _picked(shadow, batch, tokens, settings)
+    slack = config.support_slack(claim.precision, claim.temperature, _rounding(shadowed, picked.cpu()))
     exact = support(logq, settings, ranks=ranks)  # the nucleus the sampler draws from
-    possible = support(logq, settings, NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature), ranks)
+    possible = support(logq, settings, *slack, ranks)
     sampling = exact.softmax(-1)
     expected = torch.nan_to_num(sampling * logq).sum(-1)
     variance = torch.nan_to_num(sampling * logq.square()).sum(-1) - expected.square()
@@ -247,9 +275,14 @@ def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None]
     reported = torch.zeros_like(mask, dtype=torch.float32)
     for i, (_, lp) in enumerate(samples):
         reported[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
-    gaps, where = _replay(targets, mask, claim, config, (logq, ranks, exact, possible))
+    gaps, where = _replay(targets, mask, claim, slack, (logq, ranks, exact, possible))
     return _Scores(picked.cpu(), reported[mask].cpu(), expected.cpu(), variance.clamp(min=0).cpu(), outside, gaps,
                    where, shadowed)
+
+
+def _rounding(shadowed: torch.Tensor | None, picked: torch.Tensor) -> float | None:
+    """The shadow's largest difference from the audit's logprobs (None: no shadow)."""
+    return None if shadowed is None else float((shadowed - picked).abs().max())
 
 
 def _rows(model: Any, batch: Any) -> torch.Tensor:
@@ -269,10 +302,11 @@ def _picked(shadow: Any, batch: Any, tokens: torch.Tensor, settings: RowSettings
 Scored = tuple[torch.Tensor, Ranks | None, torch.Tensor, torch.Tensor]
 
 
-def _replay(targets: torch.Tensor, mask: torch.Tensor, claim: GroupClaim, config: AuditConfig,
+def _replay(targets: torch.Tensor, mask: torch.Tensor, claim: GroupClaim, slack: tuple[float, float],
             scored: Scored) -> tuple[torch.Tensor, torch.Tensor]:
     """Replay gaps of the masked tokens (sample-major, position order) and their (sample, position).
-    `scored`: what `_score` computed of the masked rows (same rows, same order)."""
+    `slack`: at the supports' edges (`AuditConfig.support_slack`); `scored`: what `_score` computed of the
+    masked rows (same rows, same order)."""
     seeds = claim.seeds()
     if seeds is None:
         return torch.zeros(0), torch.zeros(0, 2, dtype=torch.int64)
@@ -290,7 +324,7 @@ def _replay(targets: torch.Tensor, mask: torch.Tensor, claim: GroupClaim, config
             ranks, exact, wide = scored[1][part], scored[2][part], scored[3][part]
         # The replay reads the logits only to take their logprobs, which it is given: no copy of logits[rows].
         chunk = replay(lp, targets[rows], settings.select(torch.arange(start, start + n, device=device)),
-                       row_seeds[part], rows[1], NUCLEUS_SLACK, config.margin(claim.precision, claim.temperature),
+                       row_seeds[part], rows[1], *slack,
                        lp=lp, ranks=ranks, exact=exact, wide=wide)
         gaps.append(chunk.gap)
     gap = torch.cat(gaps).cpu() if gaps else torch.zeros(0)
