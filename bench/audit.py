@@ -251,13 +251,16 @@ def main() -> None:
 
 def _report_honest(model: Any, honest: dict[str, list[Group]], pad_id: int, shadow: dict[str, Any]) -> None:
     print(f"{'honest groups':<22} {'groups':>6} {'rejected':>9} {'max |Δ| nat':>11} {'p99.9 |Δ|':>9} "
-          f"{'|z| max':>8}")
+          f"{'|z| max':>8} {'rounding':>8}  without the shadow")
     for name, groups in honest.items():
         results = audit_all(model, groups, shadow)
         worst = sorted(r.max_abs_diff for r in results)
         rejected = [r for r in results if not r.passed]
+        rounding = max((r.rounding for r in results if r.rounding is not None), default=None)
+        unshadowed = "-" if rounding is None else f"{sum(not r.passed for r in audit_all(model, groups)):,} rejected"
         print(f"{name:<22} {len(results):>6} {len(rejected) / len(results):>9.2%} {worst[-1]:>11.4f} "
-              f"{worst[int(0.999 * (len(worst) - 1))]:>9.4f} {max(abs(r.z) for r in results):>8.2f}", flush=True)
+              f"{worst[int(0.999 * (len(worst) - 1))]:>9.4f} {max(abs(r.z) for r in results):>8.2f} "
+              f"{'-' if rounding is None else f'{rounding:.4f}':>8}  {unshadowed}", flush=True)
         for r in rejected[:3]:
             print(f"    rejected: {r.reason}")
 
