@@ -67,7 +67,8 @@ LOGIT_ERROR = {"float32": 1e-3, "bfloat16": 0.25, "float16": 0.1}
 # largest difference from the audit's shows how far its numbers are from the auditor's on this group. A replay gap
 # from numerics is a difference of two such errors; EVIDENCE_FACTOR times the largest seen (at least MARGIN_FLOOR
 # nats) bounds it with room to spare. A worker that reports noisier logprobs than it computed widens its margin
-# only up to the precision's bound above: never further than without this.
+# only up to the precision's bound above or, where a shadow measured its precision's rounding on the group, up to
+# EVIDENCE_FACTOR times that (`AuditConfig.replay_margin`).
 EVIDENCE_FACTOR = 8.0
 MARGIN_FLOOR = 1e-4
 TOL_FACTOR = 4.0
@@ -99,28 +100,33 @@ class AuditConfig:
         measured (`rounding`: the shadow's largest difference from the audit's, nats), and that bound, not the
         table's, caps the margin: tighter on a model whose numbers round little, looser on one whose large
         logits round by tenths of a nat."""
-        if rounding is None or not math.isfinite(rounding):
+        if (r := _measured(rounding)) is None:
             return min(self.margin(precision, temperature), self._evidence(max_abs_diff))
-        return self._evidence(min(max_abs_diff, rounding))
+        return self._evidence(min(max_abs_diff, r))
 
     def support_slack(self, precision: str, temperature: float, rounding: float | None) -> tuple[float, float]:
         """The slacks at the edges of a top-k/top-p support (echo2.sampler.support): of top-p mass,
         NUCLEUS_SLACK, and in nats, the precision's bound; each more where a shadow measured more rounding
         (`replay_margin`): a token's probability off by r nats moves a set's mass by at most e^2r - 1 of it."""
         bound = self.margin(precision, temperature)
-        if rounding is None or not math.isfinite(rounding):
+        if (r := _measured(rounding)) is None:
             return NUCLEUS_SLACK, bound
-        return max(NUCLEUS_SLACK, min(1.0, math.expm1(2 * rounding))), max(bound, self._evidence(rounding))
+        return max(NUCLEUS_SLACK, min(1.0, math.expm1(2 * r))), max(bound, self._evidence(r))
 
     def tolerance(self, rounding: float | None) -> float:
         """Nats a reported logprob may be off: `token_tol`, or TOL_FACTOR times a shadow's measured rounding
         where that is more (an honest bf16 worker's logprobs differ from the audit's by up to 3 times the
         shadow's on SmolLM2 through vLLM: docs/RELIABILITY.md)."""
-        return self.token_tol if rounding is None or not math.isfinite(rounding) else max(
-            self.token_tol, TOL_FACTOR * rounding)
+        r = _measured(rounding)
+        return self.token_tol if r is None else max(self.token_tol, TOL_FACTOR * r)
 
     def _evidence(self, diff: float) -> float:
         return max(self.margin_floor, self.evidence_factor * diff)
+
+
+def _measured(rounding: float | None) -> float | None:
+    """A shadow's rounding to go by: None without a shadow or where it overflowed (not finite): the table then."""
+    return rounding if rounding is not None and math.isfinite(rounding) else None
 
 
 @dataclass(frozen=True)

@@ -224,14 +224,8 @@ def test_the_learners_auditor_re_scores_a_bf16_claim_with_its_shadow(tiny_dir, t
     with it: the disguised nearby model's groups (above) fail there as with `audit_group` given the shadow; a
     float32 claim gets no shadow."""
     auditor = _auditor(tiny_dir, model)
-    other = tmp_path / "nearby"
-    _nudged(tiny_dir, 0.05, 5).save_pretrained(other)
-    tok.save_pretrained(other)
     requests = [r for r in _long(_requests(tok)) if (r.temperature, r.top_p, r.top_k) == (1.0, 1.0, 0)]
-    gen = torch.Generator().manual_seed(3)
-    groups = [(r, [(t, (torch.tensor(lp) + 0.03 * torch.randn(len(lp), generator=gen)).clamp(max=0).tolist())
-                   for t, lp in rescored(model, r, [s.token_ids for s in g])])
-              for r, g in zip(requests, _generate(other, requests), strict=True)]
+    groups = _disguised(tiny_dir, tok, model, tmp_path, requests)
     judged = [auditor.audit(_claimed(r, f, "bfloat16")) for r, f in groups]
     shadow = load_causal_lm(tiny_dir, dtype=torch.bfloat16).eval()
     assert [j.passed for j in judged] == [audit_group(model, claim(r, f, seed_of(r), "bfloat16"), None, shadow).passed
@@ -260,6 +254,18 @@ def test_a_learner_whose_device_cannot_hold_the_shadow_audits_without_it(tiny_di
     assert all(r.passed and r.rounding is None for r in results)
     assert [m for m in caplog.messages if "shadow" in m] == [
         "no memory on cpu for the audit's torch.bfloat16 shadow: groups claiming that precision are judged without it"]
+
+
+def _disguised(tiny_dir, tok, model, tmp_path, requests) -> list:
+    """(request, samples) a cheater claiming bf16 sends: drawn in float32 by the weights plus 5 % noise,
+    rescored under the claimed weights, each logprob then given 0.03 nat of noise (never above 0)."""
+    other = tmp_path / "nearby"
+    _nudged(tiny_dir, 0.05, 5).save_pretrained(other)
+    tok.save_pretrained(other)
+    gen = torch.Generator().manual_seed(3)
+    return [(r, [(t, (torch.tensor(lp) + 0.03 * torch.randn(len(lp), generator=gen)).clamp(max=0).tolist())
+                 for t, lp in rescored(model, r, [s.token_ids for s in g])])
+            for r, g in zip(requests, _generate(other, requests), strict=True)]
 
 
 def _auditor(tiny_dir, model) -> Auditor:
@@ -324,14 +330,7 @@ def test_a_worker_claiming_bf16_with_noisy_logprobs_gets_only_the_room_bf16_give
     claims bfloat16 and adds 0.03-nat noise to its logprobs: the margin, narrowed by how far its logprobs are
     from the audit's, widens toward bf16's bound and most of its groups pass. The bf16 shadow caps the margin at
     8 times what bf16 does to these tokens, the room an honest bf16 worker gets, and more of them fail."""
-    other = tmp_path / "nearby"
-    _nudged(tiny_dir, 0.05, 5).save_pretrained(other)
-    tok.save_pretrained(other)
-    requests = _long(_requests(tok))
-    gen = torch.Generator().manual_seed(3)
-    disguised = [(r, [(t, (torch.tensor(lp) + 0.03 * torch.randn(len(lp), generator=gen)).clamp(max=0).tolist())
-                      for t, lp in rescored(model, r, [s.token_ids for s in g])])
-                 for r, g in zip(requests, _generate(other, requests), strict=True)]
+    disguised = _disguised(tiny_dir, tok, model, tmp_path, _long(_requests(tok)))
     shadow = load_causal_lm(tiny_dir, dtype=torch.bfloat16).eval()
     without = [audit_group(model, claim(r, f, seed_of(r), "bfloat16")) for r, f in disguised]
     capped = [audit_group(model, claim(r, f, seed_of(r), "bfloat16"), None, shadow) for r, f in disguised]
