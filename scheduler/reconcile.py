@@ -26,6 +26,7 @@ from api.db import WRITER_LOCK
 from api.models import (
     Decision,
     Job,
+    Lease,
     Rollout,
     SchedulerState,
     StepMetric,
@@ -35,6 +36,7 @@ from api.models import (
     utcnow,
 )
 from api.services import fleet
+from api.services.estimate import busy_seconds
 from api.services.jobs import finish_job, over_budget, pause_job, spec_of
 from api.services.learning import issue_learner_token
 from api.services.pool import expire_leases
@@ -360,7 +362,7 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
         mu = 0.0
     else:
         mu, trial = worker.rollouts_per_s or 1.0, worker.rollouts_per_s or 1.0
-    t_gen = float(gen) if gen else 1.0 / max(mu, 1e-9)
+    t_gen = gen if gen else 1.0 / max(mu, 1e-9)
     t_bcast = _t_bcast(db, worker)
     per_job = {j.job_id: WorkerPerf(min(trial, settings.trial_share * required_throughput(j)), t_gen, t_bcast)
                for j in jobs} if trial is not None else {}
@@ -370,11 +372,25 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
 
 
 def _delivered(db: Session, worker_id: str, since: datetime) -> tuple[int, float | None]:
-    """Groups the worker delivered since then that were worth something, and their mean generation time."""
-    done, gen = db.execute(select(func.count(), func.avg(Rollout.gen_seconds)).where(
-        Rollout.worker_id == worker_id, Rollout.created_at >= since,
-        Rollout.reject_kind.not_in(WORKER_FAULTS) | Rollout.reject_kind.is_(None))).one()
-    return int(done), gen
+    """Groups the worker delivered since then that were worth something, and the seconds it took to make one:
+    their mean reported generation time, or what the control plane's clock saw where that is longer. T_gen
+    decides whether a worker is fresh enough to activate (planner/capacity.py): a worker that says it is faster
+    than it is would be activated where its groups arrive stale.
+    The clock's figure: the time the worker held the leases it sent groups of since then, each from its grant
+    to its last group (overlapping leases counted once: it books its next lease while it generates), over all
+    their groups. Whole leases, so a long one answered a group at a time is not its whole life over its last few."""
+    answered = select(Rollout.lease_id).where(Rollout.worker_id == worker_id, Rollout.created_at >= since)
+    worth = (Rollout.created_at >= since) & (Rollout.reject_kind.not_in(WORKER_FAULTS) | Rollout.reject_kind.is_(None))
+    leases = db.execute(select(Lease.created_at, func.max(Rollout.created_at), func.count(),
+                               func.count().filter(worth), func.sum(Rollout.gen_seconds).filter(worth))
+                        .join(Rollout, Rollout.lease_id == Lease.id)
+                        .where(Lease.worker_id == worker_id, Lease.id.in_(answered))
+                        .group_by(Lease.id, Lease.created_at)).all()
+    done = sum(n for _, _, _, n, _ in leases)
+    made = sum(n for _, _, n, _, _ in leases)
+    claimed = sum(float(g or 0.0) for *_, g in leases) / done if done else 0.0
+    measured = busy_seconds([(start, end) for start, end, *_ in leases]) / made if made else 0.0
+    return done, max(claimed, measured) or None
 
 
 def _t_bcast(db: Session, worker: Worker) -> float:

@@ -90,6 +90,7 @@ class _Rate:
     lease, and its generation and dissemination seconds."""
 
     groups: int = 0
+    submitted: int = 0  # every group of its completed leases, useful or not: what its busy time made
     leases: int = 0
     busy_s: float = 0.0
     gen_total_s: float = 0.0
@@ -101,7 +102,11 @@ class _Rate:
 
     @property
     def gen_s(self) -> float | None:
-        return self.gen_total_s / self.groups if self.gen_total_s > 0 else None
+        """Seconds a group: what the worker said, or its busy time over the groups it made where that is longer
+        (a worker that says it is faster than the control plane's clock saw it gains nothing by saying so)."""
+        claimed = self.gen_total_s / self.groups if self.gen_total_s > 0 else 0.0
+        measured = self.busy_s / self.submitted if self.submitted > 0 else 0.0
+        return max(claimed, measured) or None
 
 
 def estimate(db: Session, spec: JobSpec, settings: Settings, now: datetime | None = None) -> JobEstimate:
@@ -230,27 +235,28 @@ def _rates(db: Session, like: list[_Past]) -> dict[str, _Rate]:
     """Per worker, on these jobs: the groups of use in its completed leases (accepted; of those rejected, only
     the ones a worker is paid for, not its own faults nor those that came too late) over the time it held
     at least one (a prefetched lease overlaps the one being generated: the union is its busy time), their
-    mean generation time, and its dissemination times."""
+    generation time a group (_Rate.gen_s), and its dissemination times."""
     rates: dict[str, _Rate] = defaultdict(_Rate)
     job_ids = [p.job.id for p in like]
     if not job_ids:
         return rates
     useful = (Rollout.status != RolloutStatus.rejected) | Rollout.reject_kind.in_(PAID_REJECTIONS)
     rows = db.execute(select(Lease.worker_id, Lease.created_at, Lease.finished_at, func.count().filter(useful),
-                             func.sum(Rollout.gen_seconds).filter(useful))
+                             func.sum(Rollout.gen_seconds).filter(useful), func.count())
                       .join(Rollout, Rollout.lease_id == Lease.id)  # a completed lease answered every prompt
                       .where(Lease.job_id.in_(job_ids), Lease.status == LeaseStatus.completed)
                       .group_by(Lease.id, Lease.worker_id, Lease.created_at, Lease.finished_at)
                       .order_by(Lease.created_at.desc()).limit(LEASES)).all()
     by_worker: dict[str, list[tuple[datetime, datetime]]] = defaultdict(list)
-    for worker_id, start, end, groups, gen in rows:
+    for worker_id, start, end, groups, gen, submitted in rows:
         rate = rates[worker_id]
         rate.groups += groups
+        rate.submitted += submitted
         rate.leases += 1
         rate.gen_total_s += float(gen or 0.0)
         by_worker[worker_id].append((start, end))
     for worker_id, spans in by_worker.items():
-        rates[worker_id].busy_s = _union_s(spans)
+        rates[worker_id].busy_s = busy_seconds(spans)
     holds = db.execute(select(VersionHold.worker_id, VersionHold.held_at, WeightVersion.created_at)
                        .join(WeightVersion, and_(WeightVersion.job_id == VersionHold.job_id,
                                                  WeightVersion.version == VersionHold.version))
@@ -260,8 +266,9 @@ def _rates(db: Session, like: list[_Past]) -> dict[str, _Rate]:
     return rates
 
 
-def _union_s(spans: list[tuple[datetime, datetime]]) -> float:
-    """Seconds covered by at least one of the spans."""
+def busy_seconds(spans: list[tuple[datetime, datetime]]) -> float:
+    """Seconds covered by at least one of the spans (a worker's leases, from grant to answer: it books its next
+    lease while it generates, so they overlap)."""
     total, reach = 0.0, None
     for start, end in sorted(spans):
         if reach is None or start > reach:

@@ -391,3 +391,40 @@ def test_the_tick_report_the_scheduler_logs_names_launched_jobs_without_their_to
     report, launched = run_tick(api)
     token = launched[0][1]
     assert job["id"] in str(report) and token not in str(report) and token not in repr(report)
+
+
+def test_generation_time_is_measured_by_the_control_plane_where_a_worker_says_it_is_faster(api, tmp_path):
+    """T_gen decides whether a worker is fresh enough for a job: one that says it makes a group in 10 ms,
+    while its leases take 45 s a group, is taken at 45 s and does not qualify where groups must arrive within
+    20 s; one that says it is slower than measured is taken at its word (it can only hurt itself)."""
+    from api.models import Lease, Rollout
+    from planner.capacity import JobProfile, qualify
+    from scheduler.reconcile import _worker_profile
+    from tests.factories import activate, group_body
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    _, provider = new_provider(api)
+    workers = {name: new_worker(api, provider, name) for name in ("boaster", "modest")}
+    claims = {"boaster": 0.01, "modest": 80.0}
+    for name, (wid, client) in workers.items():
+        activate(api, wid, job["id"])
+        lease = ok(client.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 2, "version": 0}), 201)
+        bodies = [{**group_body(p, 0), "gen_seconds": claims[name]} for p in lease["prompts"]]
+        ok(client.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": bodies}))
+    now = utcnow()
+    with api.db.session() as s:
+        for wid, _ in workers.values():  # each lease granted 100 s ago, answered 10 s ago: 45 s a group
+            s.get_one(Worker, wid).active_since = now - timedelta(seconds=200)
+            s.scalars(select(Lease).where(Lease.worker_id == wid)).one().created_at = now - timedelta(seconds=100)
+            for rollout in s.scalars(select(Rollout).where(Rollout.worker_id == wid)):
+                rollout.created_at = now - timedelta(seconds=10)
+        s.commit()
+        profiles = {name: _worker_profile(s, s.get_one(Worker, wid), now, [], api.server.settings)
+                    for name, (wid, _) in workers.items()}
+    assert profiles["boaster"].t_gen_s == pytest.approx(45.0)
+    assert profiles["modest"].t_gen_s == pytest.approx(80.0)
+    fresh_within_20s = JobProfile(job_id=job["id"], rollouts_per_step=8, t_train_s=10.0, staleness=2,
+                                  publish_period=1)
+    verdict = qualify(profiles["boaster"], fresh_within_20s)
+    assert not verdict.ok and "T_bcast+T_gen" in verdict.reason

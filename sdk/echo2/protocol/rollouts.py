@@ -187,7 +187,9 @@ class GroupSubmit(Model):
     prompt_token_ids: list[TokenId] = Field(min_length=1, max_length=32_768)
     samples: list[SampleSubmit] = Field(min_length=1, max_length=64, description="Sample k drawn with "
                                         "echo2.seeds.sample_seed(the prompt's leased seed, k), by echo2.sampler.")
-    gen_seconds: float = Field(0.0, ge=0, le=86_400)
+    gen_seconds: float = Field(0.0, ge=0, le=86_400, description="Seconds the worker spent generating this group "
+                               "(its share of a batch). The scheduler takes a worker's time a group from its "
+                               "leases' times as the control plane saw them, or from these where they say longer.")
     precision: Precision = Field(Precision.float32, description="The dtype the worker computed its logits in: "
                                  "the audit's replay allows for that precision's numerical differences, as "
                                  "far as that precision's rounding moves these tokens' logprobs (measured by the "
