@@ -120,3 +120,12 @@ def test_a_job_keeps_its_estimate_and_reports_it_beside_its_cost(api):
         assert s.get(Job, job["id"]).estimate_usd == pytest.approx(e["cost_usd"])
     report = ok(alice.get(f"/v1/jobs/{job['id']}/report"))
     assert report["estimate_usd"] == pytest.approx(e["cost_usd"]) and report["cost_usd"] == 0.0
+
+
+def test_a_workers_generation_time_is_its_busy_time_a_group_where_it_says_it_is_faster():
+    from api.services.estimate import _Rate
+
+    boaster = _Rate(groups=4, submitted=4, busy_s=100.0, gen_total_s=0.04)  # says 10 ms a group, took 25 s
+    modest = _Rate(groups=4, submitted=4, busy_s=1.0, gen_total_s=320.0)  # says 80 s a group: taken at its word
+    assert boaster.gen_s == pytest.approx(25.0) and modest.gen_s == pytest.approx(80.0)
+    assert _Rate().gen_s is None  # nothing measured: the caller falls back to 1 / mu
