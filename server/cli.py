@@ -190,7 +190,7 @@ def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-d
         return run_demo(stack, args.model, args.steps, args.staleness)
     finally:
         stack.stop()
-        if args.command == "demo":
+        if args.command == "demo" and stack.owner:
             print(f"the stack is stopped; `echo2-server up` (data in {stack.settings.data_dir}) serves the "
                   "dashboard and this job again", flush=True)
 
@@ -227,13 +227,24 @@ def _model(args: argparse.Namespace) -> int:
 
 
 def _create_user(settings, name: str, role: str) -> int:  # type: ignore[no-untyped-def]
+    from pathlib import Path
+
+    from sqlalchemy import make_url
+
     from api.bootstrap import create_user
     from api.db import Database
     from api.migrate import upgrade
 
+    url = make_url(settings.database_url)
+    new = url.get_backend_name() == "sqlite" and not Path(url.database or "").exists()
     upgrade(settings.database_url)
     user, key = create_user(Database(settings.database_url), name, role)
-    print(f"created {role} {user.id} ({name}); API key (shown once):\n{key}")
+    where = url.render_as_string(hide_password=True)
+    print(f"created {role} {user.id} ({name}) in {where}; API key (shown once):\n{key}")
+    if new:  # a key in a database no server reads is refused by every server (401) without saying why
+        print(f"note: {where} did not exist, so this made a new, empty one; a server knows only the users of its own "
+              "database (ECHO2_DATA_DIR or ECHO2_DATABASE_URL where it runs): run this command with the same "
+              "settings, or from the folder it runs in", file=sys.stderr)
     return 0
 
 

@@ -31,6 +31,7 @@ from api.settings import Settings
 from .local import RedisServer, free_port, wait_port
 
 STOP_GRACE_S = 20.0
+OWNER = "up.owner"  # in the run folder: the pid and URL of the `up` (or demo) whose children the pid files name
 
 
 @dataclass
@@ -53,6 +54,7 @@ class Stack:
     stop_signal: int = 0  # set by `hold_signals`' handler: start() and serve_forever end at their next step
     redis: RedisServer | None = None
     admin_key: str = ""
+    owner: bool = False  # this stack claimed its run folder (claim_run_dir): its pid files are its own
 
     @property
     def url(self) -> str:
@@ -65,6 +67,8 @@ class Stack:
     def start(self) -> Stack:
         self.settings.data_dir.mkdir(parents=True, exist_ok=True)
         self.run_dir.mkdir(exist_ok=True)
+        claim_run_dir(self.run_dir, self.url)
+        self.owner = True
         kill_orphans(self.run_dir)
         upgrade(self.settings.database_url)
         first_run_admin(Database(self.settings.database_url), self.settings.data_dir)
@@ -157,8 +161,11 @@ class Stack:
                 child.proc.wait()
         if self.redis is not None:
             self.redis.stop()
+        if not self.owner:  # refused to start (another stack runs from this folder): its files are not ours
+            return
         for pid_file in self.run_dir.glob("*.pid"):
             pid_file.unlink()
+        (self.run_dir / OWNER).unlink(missing_ok=True)
 
 
 def _write_pid(path: Path, pid: int) -> None:
@@ -170,6 +177,35 @@ def _signal_group(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
         return
     with contextlib.suppress(ProcessLookupError):
         os.killpg(proc.pid, sig)  # the child leads its own group: its own children go too
+
+
+class StackRunning(RuntimeError):
+    pass
+
+
+def claim_run_dir(run_dir: Path, url: str) -> None:
+    """Make this process the owner of the run folder's children, or refuse while another `up` that owns them
+    still runs: starting would kill its processes as orphans (kill_orphans) and leave it broken."""
+    owner = run_dir / OWNER
+    pid, running_url = _owner(owner)
+    if pid is not None:
+        raise StackRunning(f"a stack is already running from {run_dir.parent} (process {pid}, {running_url}): use "
+                           f"it, or stop it first (Ctrl-C where it runs, or kill {pid}); to run a second one "
+                           "beside it, give it a data folder of its own (ECHO2_DATA_DIR) and another --port")
+    owner.write_text(f"{os.getpid()} {url}")
+
+
+def _owner(path: Path) -> tuple[int | None, str]:
+    """The live process that owns the folder and its URL; (None, "") where none does (no file, or its process
+    is gone: an `up` that died without cleaning up, whose children kill_orphans then ends)."""
+    try:
+        pid_text, _, url = path.read_text().partition(" ")
+        pid = int(pid_text)
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (ValueError, OSError):
+        return None, ""
+    ours = b"echo2" in cmdline or b"server.cli" in cmdline  # not a recycled pid now running something else
+    return (pid, url) if ours and pid != os.getpid() else (None, "")
 
 
 def kill_orphans(run_dir: Path) -> None:

@@ -52,7 +52,9 @@ def test_demo_learns_with_three_workers_and_keeps_the_invariants(tmp_path):
     assert not list((tmp_path / ".echo2" / "run").glob("*.pid"))
 
 
-def test_ctrl_c_of_up_leaves_no_process_behind(tmp_path):
+def test_a_second_up_in_its_folder_is_refused_and_ctrl_c_leaves_no_process_behind(tmp_path):
+    """A second `up` (or demo) from the same data folder used to kill the running stack's processes as orphans
+    and leave it broken; now it is refused and the running stack is untouched."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "server.cli", "up", "--workers", "1", "--port", str(port)],
@@ -64,15 +66,22 @@ def test_ctrl_c_of_up_leaves_no_process_behind(tmp_path):
         assert time.monotonic() < deadline
     run = tmp_path / ".echo2" / "run"
     _tinker_host_serves(url, (tmp_path / ".echo2" / "admin.key").read_text().strip())
-    groups = [int(p.read_text()) for p in run.glob("*.pid")]
+    groups = sorted(int(p.read_text()) for p in run.glob("*.pid"))
     assert len(groups) == 6  # redis, api, scheduler, learner host, Tinker host, one worker
+    second = subprocess.run([sys.executable, "-m", "server.cli", "up", "--workers", "1", "--port", str(free_port())],
+                            env=stack_env(tmp_path), capture_output=True, text=True, timeout=120)
+    assert second.returncode == 1 and f"a stack is already running from {tmp_path / '.echo2'}" in second.stderr \
+        and url in second.stderr, second.stdout + second.stderr
+    assert sorted(int(p.read_text()) for p in run.glob("*.pid")) == groups
+    assert all(Path(f"/proc/{pid}").exists() and not zombie(pid) for pid in groups)
+    assert httpx.get(f"{url}/v1/version", timeout=10).status_code == 200
     members = descendants(groups)
     assert len(members) >= len(groups)
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=60) == 0
     alive = [pid for pid in members if Path(f"/proc/{pid}").exists() and not zombie(pid)]
     assert alive == [], f"left behind: {alive}"
-    assert not list(run.glob("*.pid"))
+    assert not list(run.glob("*.pid")) and not (run / "up.owner").exists()
 
 
 def test_a_signal_while_up_is_starting_leaves_no_process_behind(tmp_path):

@@ -26,8 +26,18 @@ def test_db_upgrade_and_create_user(tmp_path):
     assert made.returncode == 0, made.stderr
     assert made.stdout.startswith("created user ")  # not an admin unless asked for
     assert made.stdout.strip().splitlines()[-1].startswith("e2u_")
+    assert str(tmp_path / "echo2.db") in made.stdout and "note:" not in made.stderr  # the database it wrote to
     ops = run(["admin", "create-user", "--name", "ops", "--role", "admin"], env)
     assert ops.returncode == 0 and ops.stdout.startswith("created admin "), ops.stderr
+
+
+def test_a_user_made_in_a_database_no_server_has_yet_says_so(tmp_path):
+    """Run outside the server's folder, create-user made a new database there and printed a key every server
+    refused, without a word."""
+    elsewhere = run(["admin", "create-user", "--name", "bob"], {**os.environ, "ECHO2_DATA_DIR": str(tmp_path / "x")})
+    assert elsewhere.returncode == 0, elsewhere.stderr
+    assert str(tmp_path / "x" / "echo2.db") in elsewhere.stdout
+    assert "did not exist, so this made a new, empty one" in elsewhere.stderr
 
 
 def test_errors_are_one_line(tmp_path):
