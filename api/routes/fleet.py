@@ -34,7 +34,7 @@ from ..deps import (
     SettingsDep,
     Token,
 )
-from ..errors import ApiError
+from ..errors import ApiError, unauthorized
 from ..models import Audit, Job, Provider, User, Worker
 from ..routing import make_router
 from ..services import fleet, relay, trust
@@ -50,7 +50,9 @@ def create_provider(body: ProviderCreate, db: SessionDep, settings: SettingsDep,
                        headers={"WWW-Authenticate": "Bearer"})
     if creds is not None:
         identity = auth.lookup(db, creds.credentials)
-        if identity is None or identity.kind != "user" or _role(db, identity.principal_id) != "admin":
+        if identity is None:  # a mistyped key is not a question of rights
+            raise unauthorized("unknown or revoked token")
+        if identity.kind != "user" or _role(db, identity.principal_id) != "admin":
             raise ApiError(403, "only an admin can sign providers up")
     provider = Provider(name=body.name, contact=body.contact)
     db.add(provider)

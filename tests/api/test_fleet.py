@@ -5,6 +5,8 @@ def test_provider_signup_needs_admin_unless_open(api):
     assert api.client().post("/v1/providers", json={"name": "p"}).status_code == 401
     _, alice = new_user(api)
     assert alice.post("/v1/providers", json={"name": "p"}).status_code == 403
+    mistyped = api.client("e2u_not-a-key").post("/v1/providers", json={"name": "p"})  # not a question of rights
+    assert mistyped.status_code == 401 and "unknown or revoked token" in mistyped.text
     provider_id, provider = new_provider(api)
     assert ok(provider.get("/v1/providers/me"))["id"] == provider_id
 
