@@ -9,15 +9,21 @@ import signal
 import stat
 import subprocess
 import sys
+import threading
 import time
+from functools import partial
+from http.server import BaseHTTPRequestHandler, SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
+from echo2_worker.cli import check_version
+from echo2_worker.config import CredentialStore, SavedWorker
+from echo2_worker.control import ControlPlane
 from sqlalchemy import select
 
 from api.models import Lease
 from tests.conftest import Api
-from tests.factories import activate
+from tests.factories import activate, new_user, new_worker, ok
 
 from .conftest import rollouts, start_job, wait_for, worker_row
 
@@ -157,3 +163,151 @@ def test_join_takes_the_gpu_settings_a_provider_needs() -> None:
     for bad in (["--gpu-memory", "1.5"], ["--max-batch", "0"]):
         with pytest.raises(SystemExit):
             parser.parse_args(["join", "--server", "http://x", *bad])
+
+
+@pytest.mark.parametrize("bad", ["-1", "abc", "nan", "20000"])
+def test_a_bad_price_names_the_flag(bad: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Refused by the parser, not by the registration's pydantic model (a raw validation error)."""
+    from echo2_worker.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["join", "--server", "http://x", "--price-per-hour", bad])
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert error.startswith("echo2-worker join: error: argument --price-per-hour: ") and "dollars per hour" in error
+
+
+def provider_token(api: Api) -> str:
+    return ok(api.admin.post("/v1/providers", json={"name": "gpu-co"}), 201)["token"]
+
+
+@pytest.mark.parametrize("price", [None, "0.4"], ids=["forgotten", "given"])
+def test_join_says_its_price_and_warns_when_it_works_for_free(api: Api, tmp_path: Path, price: str | None) -> None:
+    proc = join(api, provider_token(api), tmp_path, "--no-relay", *(["--price-per-hour", price] if price else []))
+    try:
+        log = tmp_path / "worker.log"
+        wait_for(lambda: "joined" in log.read_text(), 60, "the worker to join")
+    finally:
+        proc.kill()  # its drain is another test's: the signal may come before its handler is in place
+        proc.wait(30)
+    msgs = [json.loads(line)["msg"] for line in log.read_text().splitlines() if line.startswith("{")]
+    joined = next(m for m in msgs if " joined " in m)
+    assert joined.endswith(f"asking ${float(price or 0):.2f}/h (leaf only, no relay)")
+    free = [m for m in msgs if "will earn nothing" in m]
+    assert free == ([] if price else ["asking $0.00/h: this worker will earn nothing for its work; to be paid, join "
+                                      "with --price-per-hour USD, e.g. --price-per-hour 0.40"])
+
+
+def join_once(server: str, config: Path, *extra: str) -> subprocess.CompletedProcess:
+    """A join expected to stop at once: with the benchmark on, so that one run first would show."""
+    env = {k: v for k, v in os.environ.items() if k != "ECHO2_PROVIDER_TOKEN"}
+    return subprocess.run([*CLI, "--config-dir", str(config), "join", "--server", server, "--name", "cli-worker",
+                           "--no-relay", "--gpus", "none", "--data-dir", str(config / "data"), *extra],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def revoked_provider_token(api: Api) -> str:
+    token = provider_token(api)
+    row, = ok(api.admin.get("/v1/tokens", params={"kind": "provider"}))
+    assert api.admin.delete(f"/v1/tokens/{row['id']}").status_code == 204
+    return token
+
+
+@pytest.mark.parametrize("kind", ["unknown", "revoked", "saved-revoked", "user", "worker"])
+def test_a_wrong_token_is_refused_before_the_benchmark(api: Api, tmp_path: Path, kind: str) -> None:
+    config = tmp_path / "config"
+    if kind == "saved-revoked":  # a provider token saved by an earlier join, revoked since
+        CredentialStore(config).save(SavedWorker(server=api.url, provider_token=revoked_provider_token(api)))
+    bearer = {"unknown": lambda: "e2p_never-issued", "revoked": lambda: revoked_provider_token(api),
+              "saved-revoked": lambda: None, "user": lambda: new_user(api)[1].headers["authorization"],
+              "worker": lambda: new_worker(api, api.client(provider_token(api)))[1].headers["authorization"]}[kind]()
+    token = bearer and bearer.removeprefix("Bearer ")
+    proc = join_once(api.url, config, *(["--token", token] if token else []))
+    assert proc.returncode == 1, proc.stderr
+    assert "measuring generation throughput" not in proc.stderr and registered(api) == []
+    source = f"saved in {config / 'credentials.json'}" if kind == "saved-revoked" else \
+        "given by --token or ECHO2_PROVIDER_TOKEN"
+    if kind in ("user", "worker"):
+        said = (f"the token {source} is not a provider token (this route needs a provider token, not a {kind} token): "
+                "join needs the e2p_... token the control plane's admin gets by signing the provider up (POST "
+                "/v1/providers); pass it with --token or ECHO2_PROVIDER_TOKEN")
+    else:
+        said = (f"{api.url} does not know the provider token {source} (unknown or revoked token): pass a valid one "
+                "with --token e2p_... or ECHO2_PROVIDER_TOKEN=e2p_...")
+    assert proc.stderr.strip().splitlines()[-1] == f"echo2-worker: error: {said}"
+
+
+def test_join_refuses_a_server_that_is_not_echo2(tmp_path: Path) -> None:
+    """A plain web server (python -m http.server) at --server: said at once, not after a benchmark as its HTML."""
+    web = ThreadingHTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler, directory=str(tmp_path)))
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{web.server_address[1]}"
+    try:
+        proc = join_once(url, tmp_path / "config", "--token", "e2p_x")
+    finally:
+        web.shutdown()
+        web.server_close()
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"echo2-worker: error: {url} is not an Echo2 control plane (GET {url}/v1/version answered 404 text/html): "
+        "give --server the control plane's base URL, e.g. http://CONTROL_PLANE:8000")
+
+
+def test_join_refuses_a_server_url_ending_in_v1(tmp_path: Path) -> None:
+    proc = join_once("http://127.0.0.1:9/v1/", tmp_path / "config", "--token", "e2p_x")
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        "echo2-worker: error: --server 'http://127.0.0.1:9/v1' ends in /v1: give the control plane's base URL "
+        "without it, --server http://127.0.0.1:9"]
+
+
+class Answering:
+    """A server answering every GET with one status, content type and body."""
+
+    def __init__(self, status: int, kind: str, body: bytes) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args: object) -> None:
+                pass
+
+            def do_GET(self) -> None:  # noqa: N802
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
+        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
+
+    def __enter__(self) -> Answering:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._httpd.shutdown()
+        self._httpd.server_close()
+
+
+@pytest.mark.parametrize(("status", "kind", "body", "refused"), [
+    (404, "application/problem+json", b'{"title": "Not Found", "status": 404, "detail": "Not Found"}', None),
+    (404, "application/json", b'{"detail": "Not Found"}', "404 application/json"),
+    (501, "text/html;charset=utf-8", b"<!DOCTYPE HTML><html><body>Unsupported</body></html>", "501 text/html"),
+    (200, "text/html", b"<html>a web app's page for every path</html>", "200 text/html"),
+], ids=["echo2-before-v1-version", "other-json-404", "html-501", "html-200"])
+def test_only_an_echo2_control_plane_passes_the_version_check(status: int, kind: str, body: bytes,
+                                                               refused: str | None,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """Echo2 answers every error in problem+json: a 404 so is a control plane from before /v1/version, which is
+    joined with a warning; anything else at that URL is another service."""
+    with Answering(status, kind, body) as server:
+        control = ControlPlane(server.url)
+        try:
+            if refused is None:
+                check_version(control, server.url, "transformers")
+                assert "predates /v1/version); joining anyway" in caplog.text
+                return
+            with pytest.raises(ValueError) as error:
+                check_version(control, server.url, "transformers")
+        finally:
+            control.close()
+    assert str(error.value) == (f"{server.url} is not an Echo2 control plane (GET {server.url}/v1/version answered "
+                                f"{refused}): give --server the control plane's base URL, e.g. http://CONTROL_PLANE:8000")

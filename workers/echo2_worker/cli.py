@@ -22,6 +22,7 @@ from echo2 import logs
 
 DEFAULT_RELAY_PORT = 7460
 TOKEN_ENV = "ECHO2_PROVIDER_TOKEN"
+MAX_PRICE = 10_000  # USD per hour: the bound of echo2.protocol.common.Price (not imported: --help stays fast)
 log = logging.getLogger("echo2_worker")
 
 
@@ -37,10 +38,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help=f"provider token (e2p_...), or set {TOKEN_ENV} to keep it out of the process list; "
                            "saved for this server, so later joins may omit it")
     join.add_argument("--name", default=None, help="worker name (default: host name)")
-    join.add_argument("--price-per-hour", type=float, default=0.0, help="asking price in USD per hour")
+    join.add_argument("--price-per-hour", type=_price, default=0.0, metavar="USD",
+                      help="asking price in USD per hour (default 0: the worker earns nothing)")
     join.add_argument("--gpus", default="auto",
-                      help="auto (nvidia-smi), none, N, or MODEL:COUNT[:VRAM_GB] such as H100:8:80; a CPU "
-                           "worker offers the machine's RAM, or cpu:0:GB")
+                      help="auto (nvidia-smi), none, N, or MODEL:COUNT[:VRAM_GB] such as H100:8:80 (VRAM_GB may be "
+                           "left out only where nvidia-smi reports it); a CPU worker offers the machine's RAM, or "
+                           "cpu:0:GB")
     join.add_argument("--region", default="local")
     join.add_argument("--max-upload-mbps", type=float, default=None, help="cap on relay upload, Mbit/s")
     relay = join.add_mutually_exclusive_group()
@@ -137,6 +140,9 @@ def _join(args: argparse.Namespace) -> int:
         saved.provider_token = args.token
     gpus = with_memory(parse_gpus(args.gpus))
     backend_name = choose_backend(args.backend, gpus)
+    if not args.price_per_hour:  # said before the benchmark, so a forgotten flag costs one restart
+        log.warning("asking $0.00/h: this worker will earn nothing for its work; to be paid, join with "
+                    "--price-per-hour USD, e.g. --price-per-hour 0.40")
     stats = Stats()
     store = VersionStore((args.data_dir or default_data_dir()) / "versions")
 
@@ -151,6 +157,9 @@ def _join(args: argparse.Namespace) -> int:
     control = ControlPlane(server)
     try:
         check_version(control, server, backend_name)
+        if provider_token and (args.token or args.new or not saved.worker_token):  # it will register with it
+            source = f"given by --token or {TOKEN_ENV}" if args.token else f"saved in {creds.path}"
+            check_provider_token(control, provider_token, source)
         body = _registration(args, server, provider_token, gpus, backend_name, relay.url if relay else None,
                              platform.node())
         worker_id, worker_token, reg = _register_or_reuse(control, creds, saved, body, provider_token, args.new)
@@ -159,8 +168,8 @@ def _join(args: argparse.Namespace) -> int:
         saved.registration = body.model_dump(mode="json")
         creds.save(saved)
         control.token = worker_token
-        log.info("worker %s (%s) joined %s with backend %s%s", worker_id, body.name, server, backend_name,
-                 "" if relay else " (leaf only, no relay)")
+        log.info("worker %s (%s) joined %s with backend %s, asking %s%s", worker_id, body.name, server,
+                 backend_name, _per_hour(body.price_per_hour), "" if relay else " (leaf only, no relay)")
 
         opts = LoopOptions(worker_id=worker_id, data_dir=store.root, max_prompts=args.max_prompts,
                            heartbeat_interval_s=reg, relay_url=relay.url if relay else None)
@@ -186,12 +195,9 @@ def check_version(control: Any, server: str, backend: str) -> None:
     from importlib.metadata import PackageNotFoundError, version
 
     import echo2
-    from echo2 import errors
 
-    try:
-        platform = control.platform_version()
-    except errors.NotFoundError:  # a control plane from before /v1/version: nothing to compare with
-        log.warning("%s does not say its version (it predates /v1/version); joining anyway", server)
+    platform = _platform_version(control, server)
+    if platform is None:
         return
     try:
         mine = {"echo2-worker": version("echo2-worker"), "echo2": echo2.__version__}
@@ -205,6 +211,47 @@ def check_version(control: Any, server: str, backend: str) -> None:
                          f"version with  pip install --upgrade --index-url {platform.index_url} "
                          f"'echo2-worker[{extra}]=={platform.version}' 'echo2=={platform.version}'")
     log.info("the control plane runs Echo2 %s, as this worker does", platform.version)
+
+
+def _platform_version(control: Any, server: str) -> Any:
+    """What the control plane says it runs; None from one that predates /v1/version. Another service at the
+    URL (a web server's 404 page, a proxy) is refused here rather than failing later on its HTML."""
+    from echo2 import errors
+
+    try:
+        return control.platform_version()
+    except (errors.APIStatusError, errors.UnexpectedResponseError) as exc:
+        answer = exc.response
+        kind = answer.headers.get("content-type", "").split(";")[0] if answer is not None else ""
+        # Every error Echo2 answers is problem+json (api/errors.py), since its first version.
+        if isinstance(exc, errors.UnexpectedResponseError) or not kind.startswith("application/problem+json"):
+            what = f"{answer.status_code} {kind}".strip() if answer is not None else str(exc)
+            raise ValueError(f"{server} is not an Echo2 control plane (GET {server}/v1/version answered {what}): "
+                             "give --server the control plane's base URL, e.g. http://CONTROL_PLANE:8000") from None
+        if not isinstance(exc, errors.NotFoundError):
+            raise
+    log.warning("%s does not say its version (it predates /v1/version); joining anyway", server)
+    return None
+
+
+def check_provider_token(control: Any, token: str, source: str) -> None:
+    """Ask the control plane whose token this is before the model loads and the benchmark runs (seconds to
+    minutes), so that a wrong token is said at once."""
+    from echo2 import errors
+
+    try:
+        provider = control.provider(token)
+    except errors.AuthenticationError as exc:
+        raise ValueError(f"{control.server_url} does not know the provider token {source} ({exc.detail}): pass "
+                         f"a valid one with --token e2p_... or {TOKEN_ENV}=e2p_...") from None
+    except errors.PermissionDeniedError as exc:
+        raise ValueError(f"the token {source} is not a provider token ({exc.detail}): join needs the e2p_... "
+                         "token the control plane's admin gets by signing the provider up (POST /v1/providers); "
+                         f"pass it with --token or {TOKEN_ENV}") from None
+    if provider.banned_at is not None:
+        why = f": {provider.standing_reason}" if provider.standing_reason else ""
+        raise ValueError(f"provider {provider.name} is banned and registers no more workers{why}")
+    log.info("provider token of %s accepted", provider.name)
 
 
 def _start_relay(cls: Any, store: Any, bind: str, port: int, host: str, cap: float | None, stats: Any) -> Any:
@@ -276,6 +323,20 @@ def _register_or_reuse(control: Any, creds: Any, saved: Any, body: Any, provider
         raise ValueError("the saved worker is no longer valid: pass --token PROVIDER_TOKEN to register again")
     reg = control.register(provider_token, body)
     return reg.worker.id, reg.token, reg.heartbeat_interval_s
+
+
+def _price(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of US dollars per hour, e.g. 0.40") from None
+    if not 0 <= value <= MAX_PRICE:  # also refuses nan and inf
+        raise argparse.ArgumentTypeError(f"{text} is not a price between 0 and {MAX_PRICE} US dollars per hour")
+    return value
+
+
+def _per_hour(price: float) -> str:
+    return f"${price:.2f}/h" if round(price, 2) == price else f"${price:g}/h"
 
 
 def _share(text: str) -> float:

@@ -31,6 +31,9 @@ def normalize_server(url: str) -> str:
     url = url.strip().rstrip("/")
     if not (url.startswith("http://") or url.startswith("https://")):
         raise ValueError(f"--server {url!r} is not an http:// or https:// URL")
+    if url.endswith("/v1"):  # the worker adds /v1/... itself: a second one finds none of the routes
+        raise ValueError(f"--server {url!r} ends in /v1: give the control plane's base URL without it, "
+                         f"--server {url.removesuffix('/v1')}")
     return url
 
 

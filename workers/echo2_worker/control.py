@@ -26,6 +26,7 @@ from echo2.protocol import (
     LeaseRequest,
     Manifest,
     PlatformVersion,
+    ProviderRead,
     RolloutSubmit,
     RolloutSubmitResult,
     VersionNotice,
@@ -68,6 +69,10 @@ class ControlPlane:
 
     def deregister(self, worker_id: str) -> None:
         self._call("DELETE", f"/v1/workers/{worker_id}", None)
+
+    def provider(self, provider_token: str) -> ProviderRead:
+        """The provider this token belongs to: a cheap check of the token before anything slow."""
+        return self._call("GET", "/v1/providers/me", ProviderRead, token=provider_token)
 
     def platform_version(self) -> PlatformVersion:
         return self._call("GET", "/v1/version", PlatformVersion)

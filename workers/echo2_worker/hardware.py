@@ -11,6 +11,8 @@ import subprocess
 from dataclasses import dataclass
 from urllib.parse import urlparse
 
+MAX_GPUS, MAX_VRAM_GB = 64, 4096  # the bounds registration accepts (echo2.protocol.WorkerRegister)
+
 
 @dataclass
 class Gpus:
@@ -48,25 +50,41 @@ def with_memory(gpus: Gpus) -> Gpus:
 
 
 def parse_gpus(spec: str) -> Gpus:
-    """`auto`, `none`/`cpu`, `N`, `MODEL`, `MODELxN` or `MODEL:N[:VRAM_GB]` (e.g. `H100:8:80`)."""
+    """`auto`, `none`/`cpu`, `N`, `MODEL`, `MODELxN` or `MODEL:N[:VRAM_GB]` (e.g. `H100:8:80`). A GPU's VRAM
+    left out is taken from nvidia-smi: registered with none, the scheduler would never give the worker a job."""
     spec = spec.strip()
     if spec == "auto":
-        return detect_gpus()
+        return _with_vram(spec, detect_gpus())
     if spec.lower() in ("none", "cpu", "0"):
         return Gpus()
     if spec.isdigit():
         found = detect_gpus()
-        return Gpus(found.model if found.count else "gpu", int(spec), found.vram_gb)
+        return _with_vram(spec, Gpus(found.model if found.count else "gpu", int(spec), found.vram_gb))
     parts = spec.split(":")
     if len(parts) == 1 and "x" in spec and spec.rsplit("x", 1)[1].isdigit():
         model, count = spec.rsplit("x", 1)
-        return Gpus(model.strip(), int(count))
+        return _with_vram(spec, Gpus(model.strip(), int(count)))
     try:
         count = int(parts[1]) if len(parts) > 1 else 1
         vram = float(parts[2]) if len(parts) > 2 else 0.0
     except ValueError:
         raise ValueError(f"--gpus {spec!r}: expected MODEL:COUNT[:VRAM_GB], e.g. H100:8:80") from None
-    return Gpus(parts[0].strip()[:64], count, vram)
+    return _with_vram(spec, Gpus(parts[0].strip()[:64], count, vram))
+
+
+def _with_vram(spec: str, gpus: Gpus) -> Gpus:
+    """The spec's GPUs with their VRAM, from nvidia-smi where the spec leaves it out; refused without any, and
+    outside what registration accepts (WorkerRegister: 0-64 GPUs, 0-4096 GiB)."""
+    if not 0 <= gpus.count <= MAX_GPUS or not 0 <= gpus.vram_gb <= MAX_VRAM_GB:
+        raise ValueError(f"--gpus {spec!r}: expected 0 to {MAX_GPUS} GPUs of 0 to {MAX_VRAM_GB} GiB each, "
+                         "e.g. H100:8:80")
+    if gpus.count and not gpus.vram_gb:
+        gpus.vram_gb = detect_gpus().vram_gb
+    if gpus.count and not gpus.vram_gb:
+        raise ValueError(f"--gpus {spec!r}: nvidia-smi reports no GPU memory on this machine, so say how much each "
+                         f"GPU has: --gpus MODEL:COUNT:VRAM_GB, e.g. --gpus {gpus.model}:{gpus.count}:80 (or "
+                         "--gpus none for a CPU worker)")
+    return gpus
 
 
 def installed_backends() -> list[str]:
