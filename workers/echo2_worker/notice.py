@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable
 
 from echo2 import errors
+from echo2.protocol import VersionNotice
 
 from .control import ControlPlane
 
@@ -33,18 +34,32 @@ class VersionWatcher:
         self._stop.set()
 
     def _run(self) -> None:
+        # What notices said, until the worker's own view (`watching`, from its heartbeat replies) catches up:
+        # asked again with what it knew, the control plane answers at once with the same news, and the poll
+        # turned into a busy loop of requests (and log lines) until the heartbeat's reply came.
+        announced: dict[str, int] = {}
+        ended: set[str] = set()
         while not self._stop.is_set():
             target = self.watching()
-            if target is None:
+            if target is None or target[0] in ended:
                 self._stop.wait(1.0)
                 continue
             job_id, known = target
             try:
-                notice = self.control.wait_for_version(job_id, known, POLL_S)
+                notice = self.control.wait_for_version(job_id, max(known, announced.get(job_id, known)), POLL_S)
             except errors.Echo2Error as exc:
                 log.debug("version notice poll failed (%s); the heartbeat still brings news", exc)
                 self._stop.wait(RETRY_S)
                 continue
             if notice.changed and not self._stop.is_set():
-                log.info("version %s of job %s announced", notice.version, job_id)
-                self.on_news()
+                self._news(notice, announced, ended)
+
+    def _news(self, notice: VersionNotice, announced: dict[str, int], ended: set[str]) -> None:
+        if notice.job_status.is_terminal():
+            log.info("job %s %s", notice.job_id, notice.job_status.value)
+            ended.add(notice.job_id)
+        else:
+            log.info("version %s of job %s announced", notice.version, notice.job_id)
+            if notice.version is not None:
+                announced[notice.job_id] = notice.version
+        self.on_news()
