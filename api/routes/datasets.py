@@ -25,7 +25,7 @@ UploadPath = Annotated[str, Path(max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
 def create_dataset(body: DatasetCreate, user: CurrentUser, db: SessionDep) -> DatasetRead:
     for i, item in enumerate(body.items):
         if problem := item_problem(item):
-            raise ApiError(422, f"item {i}: {problem}", field=f"items.{i}")
+            raise ApiError(422, f"items.{i}: {problem}", field=f"items.{i}")
     items = [{k: [t.model_dump(mode="json") for t in v] if isinstance(v, list) else v for k, v in item.items()}
              for item in body.items]
     dataset = uploads.store(db, user, body.name, items)
@@ -81,7 +81,10 @@ def put_part(upload_id: UploadPath, index: Annotated[int, Path(ge=0, le=1_000_00
 @router.post("/datasets/uploads/{upload_id}/complete", status_code=201, operation_id="complete_dataset_upload",
              summary="Check the whole file against its sha256, parse it (every bad line named with its number) and "
                      "create the dataset",
-             responses={409: {"description": "Parts are missing."}})
+             description="A file refused here (422) is dropped with its parts: its sha256 allows no other content, "
+                         "so fix the file and upload it again (POST /v1/datasets/uploads).",
+             responses={409: {"description": "Parts are missing: send them, then complete again."},
+                        422: {"description": "The file is refused (bad lines, sha256, size); the upload is gone."}})
 def complete_upload(upload_id: UploadPath, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> DatasetRead:
     dataset = uploads.complete(db, user, settings, _upload(db, user, upload_id, for_update=True))
     db.commit()
@@ -91,10 +94,7 @@ def complete_upload(upload_id: UploadPath, user: CurrentUser, db: SessionDep, se
 @router.delete("/datasets/uploads/{upload_id}", status_code=204, operation_id="abandon_dataset_upload",
                summary="Abandon an upload and drop the parts received")
 def abandon_upload(upload_id: UploadPath, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> None:
-    upload = _upload(db, user, upload_id)
-    db.delete(upload)
-    db.commit()
-    uploads.discard(settings, upload_id)
+    uploads.abandon(db, settings, _upload(db, user, upload_id))
 
 
 def _upload(db: SessionDep, user: User, upload_id: str, for_update: bool = False) -> DatasetUpload:

@@ -1,7 +1,8 @@
 """Datasets of any size, uploaded as JSONL in parts: each part checked by its sha256 and kept on disk under
 DATA_DIR/uploads/<id>/ as it arrives, so an interrupted upload resumes with the parts it lacks; on completion the
 whole file is checked against its sha256, parsed line by line (every bad line named with its number), and stored
-as a dataset in one transaction."""
+as a dataset in one transaction. A file refused on completion is dropped with its parts at once: its sha256, fixed
+when the upload started, allows no other content, so only a new upload of the fixed file can succeed."""
 
 from __future__ import annotations
 
@@ -85,12 +86,17 @@ def put_part(settings: Settings, upload: DatasetUpload, index: int, data: bytes,
 
 
 def complete(db: Session, user: User, settings: Settings, upload: DatasetUpload) -> Dataset:
-    """Check the whole file, parse it and store the dataset; the parts are then removed."""
+    """Check the whole file, parse it and store the dataset; the parts are then removed. A file refused for its
+    content is abandoned (module docstring) before the refusal is raised."""
     missing = sorted(set(range(_parts(upload))) - set(received(settings, upload)))
     if missing:
         raise ApiError(409, f"{len(missing)} parts are missing (first: {missing[:10]}): send them, then complete",
                        field="parts")
-    items = parse(_blocks(settings, upload), upload.sha256)
+    try:
+        items = parse(_blocks(settings, upload), upload.sha256)
+    except ApiError:
+        abandon(db, settings, upload)
+        raise
     dataset = store(db, user, upload.name, items)
     db.delete(upload)
     db.flush()
@@ -98,7 +104,11 @@ def complete(db: Session, user: User, settings: Settings, upload: DatasetUpload)
     return dataset
 
 
-def discard(settings: Settings, upload_id: str) -> None:
+def abandon(db: Session, settings: Settings, upload: DatasetUpload) -> None:
+    """Delete the upload, then its parts: a failed commit never leaves a row whose parts are gone."""
+    upload_id = upload.id
+    db.delete(upload)
+    db.commit()
     shutil.rmtree(folder(settings, upload_id), ignore_errors=True)
 
 

@@ -121,22 +121,34 @@ def _version_of(response: httpx.Response) -> int | None:
 # The two clients
 
 
+def _base_url(given: str | None) -> str:
+    """The server's base URL (without a trailing slash), or a ConfigurationError saying what to give instead."""
+    if not given:
+        raise errors.ConfigurationError(
+            "no Echo2 server given: set ECHO2_BASE_URL or pass base_url (CLI: --base-url), e.g. http://127.0.0.1:8000")
+    if not re.match(r"^https?://[^/\s]+", given):
+        raise errors.ConfigurationError(f"base URL {given!r} is not an http:// or https:// URL")
+    try:
+        path = httpx.URL(given).path
+    except httpx.InvalidURL as exc:
+        raise errors.ConfigurationError(f"base URL {given!r} is not a valid URL: {exc}") from None
+    root = given.rstrip("/")
+    if path.rstrip("/").endswith("/v1"):  # each call adds /v1 itself: given twice, every call would be a 404
+        raise errors.ConfigurationError(f"base URL {given!r} ends in /v1: give the server's base URL without it, "
+                                        f"{root[:-3]!r} (ECHO2_BASE_URL or --base-url)")
+    return root
+
+
 class _BaseClient:
     def __init__(self, base_url: str | None, api_key: str | None, timeout: float | httpx.Timeout | None,
                  max_retries: int) -> None:
-        base_url = base_url or os.environ.get("ECHO2_BASE_URL")
-        if not base_url:
-            raise errors.ConfigurationError(
-                "no Echo2 server given: set ECHO2_BASE_URL or pass base_url (CLI: --base-url), e.g. http://127.0.0.1:8000")
-        if not re.match(r"^https?://[^/\s]+", base_url):
-            raise errors.ConfigurationError(f"base URL {base_url!r} is not an http:// or https:// URL")
+        self.base_url = _base_url(base_url or os.environ.get("ECHO2_BASE_URL"))
         api_key = api_key or os.environ.get("ECHO2_API_KEY")
         if not api_key:
             raise errors.ConfigurationError(
                 "no API key given: set ECHO2_API_KEY or pass api_key (CLI: --api-key)")
         if max_retries < 0:
             raise errors.ConfigurationError("max_retries must be >= 0")
-        self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.timeout = DEFAULT_TIMEOUT if timeout is None else timeout
         self.max_retries = max_retries
@@ -450,7 +462,8 @@ class Datasets(_Datasets, SyncResource):
         """Create a dataset from a file of any size: JSONL (one item per line), or a Hugging Face dataset (a Parquet
         file or folder of them, an Arrow file, a `save_to_disk` folder; `pip install 'echo2[datasets]'`), sent in
         parts; an interrupted upload of the same file resumes with the parts the server lacks. The server names
-        every bad line with its number. `progress(sent, total)` is called after each part."""
+        every bad line with its number, and keeps nothing of a file it refuses: fix it and upload it again.
+        `progress(sent, total)` is called after each part."""
         with _UploadFile(name, path, format, split) as file:
             upload = self._start_upload(name, file.size, file.sha256)
             for index, data in file.missing(upload):

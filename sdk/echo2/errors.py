@@ -190,8 +190,7 @@ def error_from_response(response: httpx.Response, retry_after: float | None = No
     elif isinstance(body, dict) and "detail" in body:  # FastAPI's default shape, from a non-Echo2 proxy/app
         detail = str(body["detail"])
     else:
-        text = _safe_text(response)
-        detail = text[:500] if text else None
+        detail = _not_echo2(response)
     message = format_message(status, title, detail, errors)
     return error_class(status)(message, status=status, title=title, detail=detail, errors=errors, type=kind,
                                response=response, retry_after=retry_after)
@@ -203,23 +202,45 @@ def format_message(status: int | None, title: str, detail: str | None, errors: l
     # A route's own error repeats its detail as its field's reason: said once, after the field's name.
     own = next((e for e in errors if e.field and e.reason == detail), None)
     if own is not None and detail is not None and not detail.startswith(f"{own.field}:"):
-        detail = f"{own.field}: {detail}"
+        detail = f"{_named(own.field, detail)}: {detail}"
     text = f"{head}: {detail}" if detail else head
-    extra = [str(e) for e in errors if str(e) and e is not own and (detail is None or str(e) not in detail)]
+    extra = [str(e) for e in errors if str(e) and e is not own and not _said(e, detail, errors)]
     if extra:
         text += f" (also {'; '.join(extra[:5])}{'; ...' if len(extra) > 5 else ''})"
     return " ".join(text.split())
 
 
+def _named(field: str, detail: str) -> str:
+    """The field's name to put before its detail, less a qualifier the detail itself starts with:
+    `dataset_id (item 0)` before `item 0: ...` is `dataset_id`."""
+    name, _, qualifier = field.partition(" (")
+    qualifier = qualifier.removesuffix(")")
+    return name if qualifier and detail.startswith(f"{qualifier}:") else field
+
+
+def _said(error: FieldReason, detail: str | None, errors: list[FieldReason]) -> bool:
+    """Whether the detail already says this error: whole, or by its reason when the detail names no other
+    field first (a summary, `2 bad lines of 6: line 2: ...; line 5: ...`, of the errors `file: line 2: ...`)."""
+    if detail is None:
+        return False
+    if str(error) in detail:
+        return True
+    first = next((e.field for e in errors if e.field and detail.startswith(f"{e.field}:")), error.field)
+    return first == error.field and error.reason in detail
+
+
+def _not_echo2(response: httpx.Response) -> str:
+    """Why an error answer that is not problem+json is no Echo2 control plane's (its body, often a whole HTML
+    page from a proxy or another server, stays in `response`)."""
+    url = response.request.url
+    kind = response.headers.get("content-type", "").split(";")[0].strip() or "no Content-Type"
+    return (f"the server at {url.scheme}://{url.netloc.decode()} answered {response.request.method} {url.path} "
+            f"with {kind}, not Echo2's problem+json: it does not look like an Echo2 control plane (check the base "
+            "URL, ECHO2_BASE_URL or --base-url, and any proxy in front of the server)")
+
+
 def _json_body(response: httpx.Response) -> Any:
     try:
         return response.json()
-    except Exception:  # not JSON, or not read: fall back to text
+    except Exception:  # not JSON, or not read
         return None
-
-
-def _safe_text(response: httpx.Response) -> str:
-    try:
-        return response.text.strip()
-    except Exception:
-        return ""

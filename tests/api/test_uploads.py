@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 
+from api.models import DatasetUpload
 from tests.factories import job_spec, new_user, ok
 
 
@@ -88,3 +89,36 @@ def test_chat_items_give_their_last_user_turn_to_the_task_and_keep_the_turns_bef
     multi = alice.post("/v1/jobs", json=job_spec(task={"name": "guess_number"}, num_prompts=None,
                                                   prompts=[{"item": items[0]}]))
     assert multi.status_code == 422
+
+
+def test_a_refused_file_is_dropped_with_its_parts_and_the_fixed_file_uploads_under_the_same_name(api):
+    _, alice = new_user(api)
+    uploads = api.server.settings.data_dir / "uploads"
+    bad = b'{"prompt": "ok"}\n{oops\n["a list"]\n'
+    upload = _start(alice, "mybad", bad)
+    assert _put(alice, upload, 0, bad).status_code == 204 and (uploads / upload["id"] / "0.part").exists()
+    refused = alice.post(f"/v1/datasets/uploads/{upload['id']}/complete")
+    assert refused.status_code == 422 and refused.json()["detail"].startswith("2 bad lines of 3: line 2: not valid")
+    assert not (uploads / upload["id"]).exists()  # its sha256 allows no fix in place: nothing to keep
+    with api.db.session() as s:
+        assert s.get(DatasetUpload, upload["id"]) is None
+    again = _start(alice, "mybad", bad)  # the same bad file again: a new upload, not the refused one resumed
+    assert again["id"] != upload["id"] and again["received"] == []
+    assert alice.delete(f"/v1/datasets/uploads/{again['id']}").status_code == 204
+    good = b'{"prompt": "ok"}\n{"prompt": "fixed"}\n'
+    fixed = _start(alice, "mybad", good)
+    assert _put(alice, fixed, 0, good).status_code == 204
+    assert ok(alice.post(f"/v1/datasets/uploads/{fixed['id']}/complete"), 201)["num_items"] == 2
+    assert not any((uploads / u["id"]).exists() for u in (upload, again, fixed))
+
+
+def test_a_file_that_does_not_match_its_sha256_is_dropped_too(api):
+    _, alice = new_user(api)
+    data = b'{"prompt": "ok"}\n'
+    body = {"name": "d", "size": len(data), "sha256": hashlib.sha256(b"x" * len(data)).hexdigest()}
+    upload = ok(alice.post("/v1/datasets/uploads", json=body))
+    assert _put(alice, upload, 0, data).status_code == 204  # the part matches its own sha256, not the file's
+    refused = alice.post(f"/v1/datasets/uploads/{upload['id']}/complete")
+    assert refused.status_code == 422 and "does not match the sha256" in refused.json()["detail"]
+    assert alice.get(f"/v1/datasets/uploads/{upload['id']}").status_code == 404
+    assert not (api.server.settings.data_dir / "uploads" / upload["id"]).exists()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -60,3 +63,20 @@ def stub(_stub_server: StubServer) -> StubServer:
     """A scripted local HTTP server (no database): set its replies with `stub.reply(...)`."""
     _stub_server.reply(Reply(500))
     return _stub_server
+
+
+class _QuietFiles(SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # a request log on stderr would bury what a failing test captured
+
+
+@pytest.fixture(scope="session")
+def plain_http(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """The URL of a web server that is no Echo2 control plane: Python's file server on loopback, whose
+    404 for /v1/... is an HTML page."""
+    handler = partial(_QuietFiles, directory=str(tmp_path_factory.mktemp("www")))
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}"
+    server.shutdown()
+    server.server_close()

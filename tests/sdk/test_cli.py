@@ -11,7 +11,9 @@ from pathlib import Path
 
 import pytest
 from echo2.protocol import JobRead
+from sqlalchemy import select
 
+from api.models import DatasetUpload
 from tests.conftest import ADMIN_KEY
 
 from .conftest import SPEC
@@ -187,3 +189,29 @@ def test_console_script(api):
     result = subprocess.run([str(script), "--api-key", ADMIN_KEY, "--base-url", api.url, "jobs", "list"],
                             capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "(none)" in result.stdout, result.stderr
+
+
+def test_a_refused_upload_is_one_line_naming_each_bad_line_once_and_leaves_nothing_behind(api, alice, tmp_path):
+    url, key = api.url, alice.key
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a"}\n{oops\n["a list"]\n')
+    result = echo2("datasets", "upload", "mybad", str(bad), url=url, key=key)
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    refused = result.stderr.strip().splitlines()[-1]  # after the progress bar's lines
+    assert refused.startswith("echo2: error: HTTP 422 Unprocessable Entity: 2 bad lines of 3: line 2: not valid JSON")
+    assert refused.count("line 2") == 1 and refused.count("line 3") == 1 and "(also" not in refused
+    with api.db.session() as s:
+        assert s.scalars(select(DatasetUpload).where(DatasetUpload.owner_id == alice.id)).all() == []
+    bad.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    fixed = echo2("datasets", "upload", "mybad", str(bad), url=url, key=key)
+    assert fixed.returncode == 0 and "2 items" in fixed.stdout, fixed.stderr
+
+
+def test_a_base_url_that_is_no_echo2_server_is_a_one_line_error_saying_so(api, alice, plain_http):
+    with_v1 = one_line_error(echo2("--base-url", f"{api.url}/v1", "jobs", "list", key=alice.key))
+    assert with_v1 == (f"echo2: error: base URL '{api.url}/v1' ends in /v1: give the server's base URL without it, "
+                       f"'{api.url}' (ECHO2_BASE_URL or --base-url)")
+    elsewhere = one_line_error(echo2("--base-url", plain_http, "jobs", "list", key=alice.key))
+    assert elsewhere.startswith(f"echo2: error: HTTP 404 File not found: the server at {plain_http} answered GET "
+                                "/v1/jobs with text/html")
+    assert "does not look like an Echo2 control plane" in elsewhere and "<" not in elsewhere

@@ -10,6 +10,7 @@ from echo2 import (
     AuthenticationError,
     BadRequestError,
     Client,
+    ConfigurationError,
     ConflictError,
     ConnectionError,
     Echo2Error,
@@ -122,7 +123,8 @@ def test_answers_that_are_not_problem_json(stub):
         stub.reply(Reply(502, b"<html>bad gateway</html>", media_type="text/html"))
         with pytest.raises(ServerError) as info:
             client.users.me()
-        assert info.value.status == 502 and info.value.detail == "<html>bad gateway</html>"
+        assert info.value.status == 502 and "does not look like an Echo2 control plane" in info.value.detail
+        assert "<html>" not in str(info.value) and info.value.response.text == "<html>bad gateway</html>"
         stub.reply(Reply(200, b"<html>login portal</html>", media_type="text/html"))
         with pytest.raises(UnexpectedResponseError, match="not a UserRead"):
             client.users.me()
@@ -130,3 +132,61 @@ def test_answers_that_are_not_problem_json(stub):
         with pytest.raises(APIStatusError) as teapot:
             client.users.me()
         assert type(teapot.value) is APIStatusError and teapot.value.detail == "short and stout"
+
+
+def test_an_error_page_from_a_server_that_is_not_echo2_says_so_not_its_html(plain_http):
+    with Client(plain_http, "k", max_retries=0) as client, pytest.raises(NotFoundError) as info:
+        client.users.me()
+    assert str(info.value) == (  # the status line is the file server's own
+        f"HTTP 404 File not found: the server at {plain_http} answered GET /v1/me with text/html, not Echo2's "
+        "problem+json: it does not look like an Echo2 control plane (check the base URL, ECHO2_BASE_URL or "
+        "--base-url, and any proxy in front of the server)")
+    assert "<html" in info.value.response.text.lower()  # the page itself is still there to look at
+
+
+def test_a_base_url_ending_in_v1_is_refused_with_the_url_to_give(api, alice):
+    for given in (f"{api.url}/v1", f"{api.url}/v1/"):
+        with pytest.raises(ConfigurationError) as info:
+            Client(given, alice.key)
+        assert str(info.value) == (f"base URL {given!r} ends in /v1: give the server's base URL without it, "
+                                   f"{api.url!r} (ECHO2_BASE_URL or --base-url)")
+    with Client(api.url, alice.key) as client:  # the URL it names works
+        assert client.users.me().id == alice.id
+
+
+def test_a_file_refused_for_its_bad_lines_names_each_once(alice, tmp_path):
+    lines = ['{"prompt": "a"}', "{oops", '{"prompt": "b"}', '{"prompt": "c"}', '["a list"]', '{"prompt": "d"}']
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("\n".join(lines) + "\n")
+    with pytest.raises(BadRequestError) as info:
+        alice.client.datasets.upload("mybad", bad)
+    assert str(info.value) == (
+        "HTTP 422 Unprocessable Entity: 2 bad lines of 6: line 2: not valid JSON (Expecting property name "
+        "enclosed in double quotes: line 1 column 2 (char 1)); line 5: not a JSON object: each line is one item, "
+        'like {"prompt": ...}, not a list')
+    assert [e.reason.split(":")[0] for e in info.value.errors] == ["line 2", "line 5"]  # still there to act on
+    bad.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    assert alice.client.datasets.upload("mybad", bad).num_items == 2
+
+
+def test_a_bad_dataset_item_is_named_once(alice):
+    answered = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}]
+    with pytest.raises(BadRequestError) as info:  # valid to the SDK's model: the server refuses it
+        alice.client.datasets.create("answered", [{"prompt": "a"}, {"messages": answered}])
+    assert str(info.value).startswith("HTTP 422 Unprocessable Entity: items.1: 'messages' must end with a user turn")
+    assert "item 1" not in str(info.value) and "(also" not in str(info.value)
+    dataset = alice.client.datasets.create("no-prompts", [{"question": "q", "reference": "1"}])
+    with pytest.raises(BadRequestError) as info:
+        alice.client.jobs.create(SPEC, task={"name": "exact_match"}, num_prompts=None, dataset_id=dataset.id)
+    assert str(info.value) == ("HTTP 422 Unprocessable Entity: dataset_id: item 0: task 'exact_match': dataset item "
+                               "is missing key 'prompt' (keys present: question, reference)")
+    assert info.value.errors[0].field == "dataset_id (item 0)"
+
+
+def test_fields_with_the_same_reason_are_each_named(alice):
+    with pytest.raises(BadRequestError) as info:  # the detail says the first; the others are no less wrong
+        alice.client.jobs.create({"task": {"name": "arithmetic"}, "grpo": {"group_size": "a", "prompts_per_step": "b"}})
+    assert str(info.value) == (
+        "Invalid JobSpec (not sent): name: Field required (also base_model: Field required; grpo.group_size: Input "
+        "should be a valid integer, unable to parse string as an integer; grpo.prompts_per_step: Input should be a "
+        "valid integer, unable to parse string as an integer)")
