@@ -186,14 +186,15 @@ def _from_item(adapter: Any, params: Any, item: dict[str, Any], i: int,
     """A prompt from an item; a chat item (`messages`) gives the task its last user turn as the prompt's text,
     and keeps the turns before it as the prompt's context (rendered by the model's chat template)."""
     field = f"prompts.{i}" if spec.prompts is not None else f"dataset_id (item {i})"
+    where = field if spec.prompts is not None else f"item {i}"  # what the detail starts with: said once
     context = None
     if MESSAGES in item:
         problem = item_problem(item)
         if problem:
-            raise ApiError(422, f"item {i}: {problem}", field=field)
+            raise ApiError(422, f"{where}: {problem}", field=field)
         key = adapter.prompt_key(params)
         if key is None:
-            raise ApiError(422, f"item {i}: task {adapter.name} reads no prompt text from an item, so it cannot "
+            raise ApiError(422, f"{where}: task {adapter.name} reads no prompt text from an item, so it cannot "
                            "take chat items (messages)", field=field)
         turns = [t.model_dump(mode="json") if isinstance(t, ChatTurn) else {"role": t["role"], "content": t["content"]}
                  for t in item[MESSAGES]]
@@ -202,7 +203,7 @@ def _from_item(adapter: Any, params: Any, item: dict[str, Any], i: int,
     try:
         prompt = adapter.prompt_from_item(item, params)
     except (TaskError, KeyError, ValueError, TypeError) as exc:
-        raise ApiError(422, f"item {i}: {exc}", field=field) from None
+        raise ApiError(422, f"{where}: {exc}", field=field) from None
     return prompt.text, prompt.reference, context
 
 

@@ -181,6 +181,10 @@ def test_a_bad_dataset_item_is_named_once(alice):
     assert str(info.value) == ("HTTP 422 Unprocessable Entity: dataset_id: item 0: task 'exact_match': dataset item "
                                "is missing key 'prompt' (keys present: question, reference)")
     assert info.value.errors[0].field == "dataset_id (item 0)"
+    with pytest.raises(BadRequestError) as info:  # the same problem in a job's inline prompts
+        alice.client.jobs.create(SPEC, num_prompts=None, prompts=[{"item": {"messages": answered}}])
+    assert str(info.value) == ("HTTP 422 Unprocessable Entity: prompts.0: 'messages' must end with a user turn (the "
+                               "prompt the model answers), not 'assistant'")
 
 
 def test_fields_with_the_same_reason_are_each_named(alice):

@@ -116,5 +116,6 @@ def item_problem(item: dict[str, object]) -> str | None:
         last = turns[-1]
         role = last.role if isinstance(last, ChatTurn) else (last.get("role") if isinstance(last, dict) else None)
         if role != ChatRole.user:
-            return f"{MESSAGES!r} must end with a user turn (the prompt the model answers), not {role!r}"
+            said = getattr(role, "value", role)  # an enum's value, not its repr
+            return f"{MESSAGES!r} must end with a user turn (the prompt the model answers), not {said!r}"
     return None
