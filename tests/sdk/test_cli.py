@@ -215,3 +215,9 @@ def test_a_base_url_that_is_no_echo2_server_is_a_one_line_error_saying_so(api, a
     assert elsewhere.startswith(f"echo2: error: HTTP 404 File not found: the server at {plain_http} answered GET "
                                 "/v1/jobs with text/html")
     assert "does not look like an Echo2 control plane" in elsewhere and "<" not in elsewhere
+
+
+def test_an_unknown_option_points_to_the_help_of_its_command():
+    result = echo2("jobs", "submit", "--bogus", "1", url="http://127.0.0.1:9", key="k")
+    assert result.returncode == 2
+    assert one_line_error(result) == "echo2: error: unrecognized arguments: --bogus 1 (see echo2 jobs submit --help)"

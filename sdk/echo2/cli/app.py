@@ -27,7 +27,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # argparse's own error names the top command's help, not the one that has the options
+        where = " ".join(str(p) for p in (PROG, getattr(args, "group", None), getattr(args, "command", None)) if p)
+        print(f"{PROG}: error: unrecognized arguments: {' '.join(extra)} (see {where} --help)", file=sys.stderr)
+        return 2
     try:
         return int(args.func(args))
     except UsageError as exc:
