@@ -139,7 +139,7 @@ def test_watch_follows_a_job_to_the_end(api, alice, driven):
         rest, err = watch.communicate(timeout=60)
     assert watch.returncode == 0, err
     lines = (first + rest).strip().splitlines()
-    assert "running" in lines[0] and "step 1/3" in lines[0] and "staleness 0.50 (S=1)" in lines[0]
+    assert "running" in lines[0] and "1/3 steps done" in lines[0] and "staleness 0.50 (S=1)" in lines[0]
     assert "reward 0.500" in lines[0] and "cost $" in lines[0]
     assert "held-out -" in lines[0]  # the driven job reports no evaluation
     progress = [line.rsplit("  cost $", 1)[0] for line in lines[:-3]]

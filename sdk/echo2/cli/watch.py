@@ -60,7 +60,7 @@ def _say_pause(job: JobRead, said: str, tty: bool) -> str:
 def _finish(client: Client, job_id: str, job: JobRead) -> int:
     """The job's outcome and report; exit status 0 only if it succeeded."""
     reason = f" ({job.status_reason})" if job.status_reason else ""
-    print(f"job {job.id} {job.status.value}{reason}: step {job.step}/{job.spec.max_steps}, "
+    print(f"job {job.id} {job.status.value}{reason}: {job.step}/{job.spec.max_steps} steps done, "
           f"reward {num(job.reward_mean)}, cost ${job.cost.total_usd:.4f}")
     print(report_line(client.jobs.report(job_id)))
     return 0 if job.status.value == "succeeded" else 1
@@ -94,7 +94,8 @@ def _held_out_line(r: JobReport) -> str:
 def _progress(job: JobRead, m: StepMetrics | None, held_out: EvalRead | None = None) -> str:
     stale = mean_staleness(m) if m is not None else None
     parts = [
-        job.id, f"{job.status.value:<9}", f"step {job.step}/{job.spec.max_steps}",
+        # Steps done, not a step's number: `jobs metrics` numbers steps from 0, and the reward is the last one's.
+        job.id, f"{job.status.value:<9}", f"{job.step}/{job.spec.max_steps} steps done",
         f"v{job.version}" if job.version is not None else "v-",
         f"reward {num(job.reward_mean)}",
         f"held-out {num(held_out.greedy_accuracy)} (step {held_out.step})" if held_out else "held-out -",
