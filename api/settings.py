@@ -45,8 +45,9 @@ class Settings(BaseSettings):
                                    "that ended this many hours ago, and of a running job's groups rejected this "
                                    "long ago, out of the database into zstd Parquet files under data_dir/archive "
                                    "(its rollouts, traces and the learner's replay still read the same); and "
-                                   "deletes multi-turn episodes last played this long ago whose lease ended "
-                                   "and the results of Tinker futures whose session ended this long ago.")
+                                   "deletes multi-turn episodes last played this long ago whose lease ended, "
+                                   "the results of Tinker futures whose session ended this long ago, and dataset "
+                                   "uploads that received no part for this long.")
     archive_after_steps: int = Field(20, ge=0, le=1_000_000, description="A running job's groups trained this many "
                                      "steps ago (and older than its newest 2,000, which the fleet comparison reads) "
                                      "are archived too.")

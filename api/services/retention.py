@@ -19,6 +19,8 @@
   ECHO2_ARCHIVE_AFTER_H after their last turn once the lease ended (a submitted group's turns are its rollout's).
 - Tinker futures (api/tinker/service.py): a request's result is kept ECHO2_ARCHIVE_AFTER_H after its session
   ended, then deleted (the row stays for usage and billing; asking for the result answers 410).
+- Dataset uploads (api/services/uploads.py): one that received no part for ECHO2_ARCHIVE_AFTER_H is dropped
+  with its parts (an interrupted upload resumes until then); a file refused on completion is dropped at once.
 
 Versions are collected where the API changes a job (publish, finish, cancel). `sweep`, run by each API
 process at start and then every ECHO2_RETENTION_SWEEP_S (with the archive's sweep and deletion), catches the
@@ -41,7 +43,7 @@ from ..models import Job, WeightVersion, utcnow
 from ..settings import Settings
 from ..storage import BlobStore
 from ..tinker import service as tinker
-from . import archive, episodes, versions
+from . import archive, episodes, uploads, versions
 from .jobs import spec_of
 from .plans import Forms
 
@@ -100,6 +102,9 @@ def _archive_once(database: Database, settings: Settings) -> None:
             log.info("retention sweep deleted %d played episodes of ended leases", gone)
         if gone := tinker.drop_results(db, before):
             log.info("retention sweep deleted the results of %d futures of ended Tinker sessions", gone)
+        if gone := uploads.drop_stale(db, settings, before):
+            log.info("retention sweep dropped %d dataset uploads that received nothing for %g h", gone,
+                     settings.archive_after_h)
 
 
 def sweep(db: Session, blobs: BlobStore, every: int, checkpoints: BlobStore | None = None) -> int:

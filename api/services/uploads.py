@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +103,19 @@ def complete(db: Session, user: User, settings: Settings, upload: DatasetUpload)
     db.flush()
     shutil.rmtree(folder(settings, upload.id), ignore_errors=True)
     return dataset
+
+
+def drop_stale(db: Session, settings: Settings, before: datetime) -> int:
+    """Abandon the uploads started before `before` that have received no part since; returns how many. An
+    interrupted upload resumes until then (the retention sweep's ECHO2_ARCHIVE_AFTER_H); after it, nothing would
+    ever remove its parts."""
+    gone = 0
+    for upload in db.scalars(select(DatasetUpload).where(DatasetUpload.created_at <= before)).all():
+        parts = [p.stat().st_mtime for p in folder(settings, upload.id).glob("*.part")]
+        if max(parts, default=0.0) <= before.timestamp():
+            abandon(db, settings, upload)
+            gone += 1
+    return gone
 
 
 def abandon(db: Session, settings: Settings, upload: DatasetUpload) -> None:

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+from datetime import timedelta
 
-from api.models import DatasetUpload
+from api.models import DatasetUpload, utcnow
 from tests.factories import job_spec, new_user, ok
 
 
@@ -122,3 +123,31 @@ def test_a_file_that_does_not_match_its_sha256_is_dropped_too(api):
     assert refused.status_code == 422 and "does not match the sha256" in refused.json()["detail"]
     assert alice.get(f"/v1/datasets/uploads/{upload['id']}").status_code == 404
     assert not (api.server.settings.data_dir / "uploads" / upload["id"]).exists()
+
+
+def test_the_retention_sweep_drops_an_upload_that_received_nothing_for_a_while(api):
+    """An interrupted upload resumes for ECHO2_ARCHIVE_AFTER_H after its last part; then nothing would ever remove
+    its parts, so the sweep drops it. One that is still receiving parts is kept."""
+    import asyncio
+    import os
+    import time
+
+    from api.services import retention
+
+    _, alice = new_user(api)
+    uploads = api.server.settings.data_dir / "uploads"
+    files = {name: b'{"prompt": "%s"}\n' % name.encode() for name in ("idle", "busy")}
+    idle, busy = (_start(alice, name, data) for name, data in files.items())
+    for upload, data in zip((idle, busy), files.values(), strict=True):  # never completed: as if interrupted
+        assert _put(alice, upload, 0, data).status_code == 204
+    two_hours_ago = time.time() - 7200
+    os.utime(uploads / idle["id"] / "0.part", (two_hours_ago, two_hours_ago))
+    with api.db.session() as s:  # both started two hours ago; only the busy one got a part since
+        for upload in (idle, busy):
+            s.get_one(DatasetUpload, upload["id"]).created_at = utcnow() - timedelta(hours=2)
+        s.commit()
+    state = api.server.app.state
+    settings = api.server.settings.model_copy(update={"archive_after_h": 1.0, "retention_sweep_s": 0})
+    asyncio.run(retention.sweep_periodically(api.db, state.blobs, state.checkpoints, settings))
+    assert alice.get(f"/v1/datasets/uploads/{idle['id']}").status_code == 404 and not (uploads / idle["id"]).exists()
+    assert ok(alice.get(f"/v1/datasets/uploads/{busy['id']}"))["received"] == [0]
