@@ -179,17 +179,13 @@ def _signal_group(proc: subprocess.Popen[bytes] | None, sig: int) -> None:
         os.killpg(proc.pid, sig)  # the child leads its own group: its own children go too
 
 
-class StackRunning(RuntimeError):
-    pass
-
-
 def claim_run_dir(run_dir: Path, url: str) -> None:
     """Make this process the owner of the run folder's children, or refuse while another `up` that owns them
     still runs: starting would kill its processes as orphans (kill_orphans) and leave it broken."""
     owner = run_dir / OWNER
     pid, running_url = _owner(owner)
     if pid is not None:
-        raise StackRunning(f"a stack is already running from {run_dir.parent} (process {pid}, {running_url}): use "
+        raise RuntimeError(f"a stack is already running from {run_dir.parent} (process {pid}, {running_url}): use "
                            f"it, or stop it first (Ctrl-C where it runs, or kill {pid}); to run a second one "
                            "beside it, give it a data folder of its own (ECHO2_DATA_DIR) and another --port")
     owner.write_text(f"{os.getpid()} {url}")
