@@ -236,6 +236,27 @@ def test_a_wrong_token_is_refused_before_the_benchmark(api: Api, tmp_path: Path,
     assert proc.stderr.strip().splitlines()[-1] == f"echo2-worker: error: {said}"
 
 
+@pytest.mark.parametrize("provider", ["none saved", "revoked"])
+def test_a_saved_worker_that_is_gone_is_said_before_the_benchmark(api: Api, tmp_path: Path, provider: str) -> None:
+    """A worker saved by an earlier join and deregistered since: registering again needs a provider token, and
+    one missing or no longer valid is said at once, not after the model loaded and the benchmark ran."""
+    config = tmp_path / "config"
+    saved_provider = revoked_provider_token(api) if provider == "revoked" else None  # the only provider token yet
+    worker_id, client = new_worker(api, api.client(provider_token(api)))
+    assert client.delete(f"/v1/workers/{worker_id}").status_code in (200, 204)
+    token = client.headers["authorization"].removeprefix("Bearer ")
+    CredentialStore(config).save(SavedWorker(server=api.url, worker_id=worker_id, worker_token=token,
+                                             provider_token=saved_provider))
+    proc = join_once(api.url, config)
+    assert proc.returncode == 1 and "measuring generation throughput" not in proc.stderr, proc.stderr
+    said = proc.stderr.strip().splitlines()[-1]
+    if provider == "revoked":
+        assert said.startswith(f"echo2-worker: error: {api.url} does not know the provider token saved in ")
+    else:
+        assert said == (f"echo2-worker: error: the worker saved in {config / 'credentials.json'} is no longer valid "
+                        f"on {api.url}: pass --token PROVIDER_TOKEN (or ECHO2_PROVIDER_TOKEN) to register again")
+
+
 def test_join_refuses_a_server_that_is_not_echo2(tmp_path: Path) -> None:
     """A plain web server (python -m http.server) at --server: said at once, not after a benchmark as its HTML."""
     web = ThreadingHTTPServer(("127.0.0.1", 0), partial(SimpleHTTPRequestHandler, directory=str(tmp_path)))

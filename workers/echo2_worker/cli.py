@@ -157,7 +157,10 @@ def _join(args: argparse.Namespace) -> int:
     control = ControlPlane(server)
     try:
         check_version(control, server, backend_name)
-        if provider_token and (args.token or args.new or not saved.worker_token):  # it will register with it
+        if args.token or args.new or not _saved_worker_usable(control, saved):  # it will register with its token
+            if provider_token is None:
+                raise ValueError(f"the worker saved in {creds.path} is no longer valid on {server}: pass --token "
+                                 f"PROVIDER_TOKEN (or {TOKEN_ENV}) to register again")
             source = f"given by --token or {TOKEN_ENV}" if args.token else f"saved in {creds.path}"
             check_provider_token(control, provider_token, source)
         body = _registration(args, server, provider_token, gpus, backend_name, relay.url if relay else None,
@@ -232,6 +235,19 @@ def _platform_version(control: Any, server: str) -> Any:
             raise
     log.warning("%s does not say its version (it predates /v1/version); joining anyway", server)
     return None
+
+
+def _saved_worker_usable(control: Any, saved: Any) -> bool:
+    """Whether the saved worker's token still names a registered worker: asked before the benchmark, so a stale
+    one is said at once (whether its registration still matches is known once the benchmark made the new one)."""
+    from echo2 import errors
+
+    if not (saved.worker_id and saved.worker_token):
+        return False
+    try:
+        return control.get_worker(saved.worker_id, token=saved.worker_token).status.value != "deregistered"
+    except (errors.AuthenticationError, errors.NotFoundError):
+        return False
 
 
 def check_provider_token(control: Any, token: str, source: str) -> None:

@@ -77,8 +77,8 @@ class ControlPlane:
     def platform_version(self) -> PlatformVersion:
         return self._call("GET", "/v1/version", PlatformVersion)
 
-    def get_worker(self, worker_id: str) -> WorkerRead:
-        return self._call("GET", f"/v1/workers/{worker_id}", WorkerRead)
+    def get_worker(self, worker_id: str, token: str | None = None) -> WorkerRead:
+        return self._call("GET", f"/v1/workers/{worker_id}", WorkerRead, token=token)
 
     def manifest(self, url: str) -> Manifest:
         return self._call("GET", url, Manifest)
