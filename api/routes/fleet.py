@@ -20,7 +20,7 @@ from echo2.protocol import (
     WorkerStatus,
 )
 from fastapi import Query, Request, Response
-from sqlalchemy import func, select
+from sqlalchemy import func, or_, select
 
 from .. import auth
 from ..deps import (
@@ -35,7 +35,7 @@ from ..deps import (
     Token,
 )
 from ..errors import ApiError, unauthorized
-from ..models import Audit, Job, Provider, User, Worker
+from ..models import Audit, Decision, Job, Lease, Provider, User, Worker
 from ..routing import make_router
 from ..services import fleet, relay, trust
 
@@ -167,10 +167,20 @@ def _visible(query, p: Principal):  # type: ignore[no-untyped-def]
 
 
 def _visible_worker(db: SessionDep, p: Principal, worker_id: str) -> Worker:
-    worker = db.scalar(_visible(select(Worker), p).where(Worker.id == worker_id))
+    query = select(Worker).where(Worker.id == worker_id)
+    worker = db.scalar(_visible(query, p) if p.kind != "user" or p.is_admin else query.where(_worked_for(p.id)))
     if worker is None:
         raise ApiError(404, f"worker {worker_id} not found")
     return worker
+
+
+def _worked_for(user_id: str):  # type: ignore[no-untyped-def]
+    """A worker one of the user's jobs has had: assigned now, or earlier (it leased its prompts), or weighed for
+    it by the scheduler (its decisions, which the job's page links to). The list (`_visible`) is of those
+    serving the user's jobs now."""
+    owned = select(Job.id).where(Job.owner_id == user_id)
+    return or_(Worker.job_id.in_(owned), Worker.id.in_(select(Lease.worker_id).where(Lease.job_id.in_(owned))),
+               Worker.id.in_(select(Decision.worker_id).where(Decision.job_id.in_(owned))))
 
 
 def _role(db: SessionDep, user_id: str) -> str | None:

@@ -34,6 +34,29 @@ def test_worker_registration_and_visibility(api):
     assert alice.get(f"/v1/workers/{worker_id}").status_code == 404
 
 
+def test_a_worker_that_worked_for_a_users_job_stays_visible_to_its_owner_after_moving_on(api, tmp_path):
+    """The job's page links to the workers that leased its prompts and those the scheduler weighed for it; once
+    such a worker left the job, its owner got a 404 there. The list stays the workers serving the jobs now."""
+    from api.models import Worker
+    from api.services.fleet import unassign
+    from tests.factories import fake_model_folder
+
+    alice_id, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    _, provider = new_provider(api)
+    worker_id, worker = new_worker(api, provider)
+    activate(api, worker_id, job["id"])
+    ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+    with api.db.session() as s:  # it moves on: the lease released, the worker idle
+        unassign(s, s.get_one(Worker, worker_id))
+        s.commit()
+    assert ok(alice.get(f"/v1/workers/{worker_id}"))["id"] == worker_id
+    assert ok(alice.get("/v1/workers"))["total"] == 0
+    _, bob = new_user(api, "bob")
+    assert bob.get(f"/v1/workers/{worker_id}").status_code == 404
+    assert alice.get(f"/v1/workers/{worker_id}/audits").status_code == 403  # still the worker's and provider's
+
+
 def test_bad_registration_names_the_field(api):
     _, provider = new_provider(api)
     r = provider.post("/v1/workers", json={"name": "w", "price_per_hour": -1, "backends": []})
