@@ -27,7 +27,10 @@ E2.page("jobs", () => {
   }
 
   function emptyText() {
-    return status.value || name.value ? "No jobs match these filters." : "No jobs yet. Submit one to start training.";
+    if (status.value || name.value) return "No jobs match these filters.";
+    // Tinker samplers are jobs too: a user who has only those is told where they are.
+    return tinker.checked ? "No jobs yet. Submit one to start training."
+      : "No training jobs yet (Tinker samplers are hidden: tick \"Show Tinker samplers\"). Submit one to start training.";
   }
 
   function row(job) {
