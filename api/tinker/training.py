@@ -191,8 +191,10 @@ def optim_step(body: OptimStepRequest, user: TinkerUser, db: SessionDep, key: Id
         raise ApiError(400, "Echo2 steps with Adam only: pass AdamParams", field="optim_params")
     try:
         step = AdamStep(**body.adam_params.model_dump())
-    except ValidationError as exc:
-        raise ApiError(400, f"adam_params: {exc.errors()[0]['loc'][0]}: {exc.errors()[0]['msg']}") from exc
+    except ValidationError as exc:  # named as its field, as every other refusal is
+        first = exc.errors()[0]
+        raise ApiError(400, f"adam_params: {first['loc'][0]}: {first['msg']}",
+                       field=f"adam_params.{first['loc'][0]}") from exc
     model = service.owned_model(db, user.id, body.model_id)
     row = queueing.enqueue(db, model, RequestKind.optim_step, step.model_dump(mode="json"), key)
     db.commit()

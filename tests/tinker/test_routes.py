@@ -580,3 +580,12 @@ def test_open_futures_cost_one_query_per_recheck_and_wake_when_they_end_in_anoth
     # While they waited: a few status queries for all 20, not a load of each every RECHECK_S (over 60).
     waiting = [s for s in statements if "tinker_requests" in s]
     assert len(waiting) <= 8 + 2 * len(ids), waiting  # the rechecks, and each future's final load
+
+
+def test_a_bad_adam_parameter_is_named_as_its_field(api):
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    _, model_id = ready_model(api, client)
+    refused = client.post("/api/v1/optim_step", json={"model_id": model_id, "adam_params": {"learning_rate": -1}})
+    assert refused.status_code == 400 and refused.json()["detail"].startswith("adam_params: learning_rate: ")
+    assert [e["field"] for e in refused.json()["errors"]] == ["adam_params.learning_rate"]
