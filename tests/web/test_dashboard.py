@@ -434,6 +434,7 @@ def test_refused_pages_say_why(api, ui):
     ui.login(key)
     ui.goto("/admin")
     expect_text(ui, "#page-error", "Only admins can use this page")
+    assert not ui.page.locator("#user-form").is_visible()  # no forms that could only answer 403
     ui.expect_http(404, "/v1/jobs/job_missing")
     ui.goto("/jobs/job_missing")
     expect_text(ui, "#page-error", "Not found")

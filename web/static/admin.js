@@ -5,6 +5,8 @@ E2.page("admin", async (session) => {
   const { api, query, poll, h, $, fmt, timeEl, fillRows, setText } = E2;
   if (session.role !== "admin") {
     E2.pageError(new E2.ApiError(403, { detail: "Only admins can use this page." }));
+    // The forms would only answer 403: not shown to those who cannot use them.
+    for (const section of document.querySelectorAll("main section")) section.hidden = true;
     return;
   }
   const names = new Map();
