@@ -179,7 +179,7 @@ class _Scores:
     outside: int  # tokens outside their top-k/top-p nucleus
     gaps: torch.Tensor  # [M] replay gaps of the replayed tokens (M = N with seeds, else 0)
     where: torch.Tensor  # [M, 2] (sample, position) of each replayed token
-    shadowed: torch.Tensor | None = None  # [N] the shadow's log q_t(y_t) (None: no shadow)
+    rounding: float | None = None  # the shadow's largest difference from `picked` (None: no shadow)
 
 
 @torch.no_grad()
@@ -203,11 +203,11 @@ def audit_versions(model_at: Callable[[int], Any], claim: GroupClaim, versions: 
     parts = [_score(model_at(v), claim, [[x == v for x in row] for row in versions], config,
                     None if shadow_at is None else shadow_at(v))
              for v in sorted({v for row in versions for v in row})]
-    shadowed = [p.shadowed for p in parts if p.shadowed is not None]
+    roundings = [p.rounding for p in parts]  # measured on every token, or the table for the whole group
     joined = _Scores(torch.cat([p.picked for p in parts]), torch.cat([p.reported for p in parts]),
                      torch.cat([p.expected for p in parts]), torch.cat([p.variance for p in parts]),
                      sum(p.outside for p in parts), torch.cat([p.gaps for p in parts]),
-                     torch.cat([p.where for p in parts]), torch.cat(shadowed) if shadowed else None)
+                     torch.cat([p.where for p in parts]), None if None in roundings else max(roundings))
     return _judge(joined, config, claim)
 
 
@@ -224,7 +224,7 @@ def shadow_dtype(precision: str, auditor: torch.dtype) -> torch.dtype | None:
 
 def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResult:
     diff = (scores.picked - scores.reported).abs()
-    rounding = _rounding(scores.shadowed, scores.picked)
+    rounding = scores.rounding
     tolerance = config.tolerance(rounding)
     bad = int((diff > tolerance).sum())
     spread = float(scores.variance.sum())
@@ -270,8 +270,8 @@ def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None]
     logq = logprobs(rows, settings)
     ranks = ranked(logq) if settings.truncates() else None  # one ranking of the vocabulary for every support
     picked = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    shadowed = None if shadow is None else _picked(shadow, batch, tokens, settings)
-    slack = config.support_slack(claim.precision, claim.temperature, _rounding(shadowed, picked.cpu()))
+    rounding = None if shadow is None else float((_picked(shadow, batch, tokens, settings) - picked.cpu()).abs().max())
+    slack = config.support_slack(claim.precision, claim.temperature, rounding)
     exact = support(logq, settings, ranks=ranks)  # the nucleus the sampler draws from
     possible = support(logq, settings, *slack, ranks)
     sampling = exact.softmax(-1)
@@ -283,12 +283,7 @@ def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None]
         reported[i, : len(lp)] = torch.as_tensor(lp, dtype=torch.float32)
     gaps, where = _replay(targets, mask, claim, slack, (logq, ranks, exact, possible))
     return _Scores(picked.cpu(), reported[mask].cpu(), expected.cpu(), variance.clamp(min=0).cpu(), outside, gaps,
-                   where, shadowed)
-
-
-def _rounding(shadowed: torch.Tensor | None, picked: torch.Tensor) -> float | None:
-    """The shadow's largest difference from the audit's logprobs (None: no shadow)."""
-    return None if shadowed is None else float((shadowed - picked).abs().max())
+                   where, rounding)
 
 
 def _rows(model: Any, batch: Any) -> torch.Tensor:

@@ -97,3 +97,29 @@ def test_an_honest_partial_rollout_passes_its_audit_and_trains_a_forged_one_fail
     assert not verdicts["rol_f"].passed and "logprob mismatch" in (verdicts["rol_f"].reason or "")
     assert set(result.rejected) == {"rol_f"} and "rol_p" in result.rewards
     assert result.staleness_hist == [0, 1]  # counted by its oldest token
+
+
+def test_a_partial_rollout_with_a_shadow_for_some_of_its_versions_is_judged_by_the_table(tiny_dir, two_versions):
+    """The Tinker host shadows each checkpoint and goes without where memory runs out, so one version of a partial
+    rollout may have a shadow and another none: the audit then measured part of the group's rounding, and judges
+    it by the precision table, as without any shadow (it raised on the shadowed tokens' count before)."""
+    import copy
+
+    from transformers import AutoTokenizer
+
+    from learner.audit import audit_versions
+    from learner.auditor import claim_of
+
+    v0, v1 = two_versions
+    tok = AutoTokenizer.from_pretrained(tiny_dir)
+    spec = JobSpec.model_validate({"name": "p", "base_model": str(tiny_dir), "task": {"name": "arithmetic"},
+                                   "partial_rollouts": True, "staleness": 1,
+                                   "grpo": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 2 * HALF}})
+    group = partial_group(tok, v0, v1, "What is 2 + 2?", audit=True)
+    versions = [s.token_versions(group.version) for s in group.samples]
+    shadows = {0: copy.deepcopy(v0).to(torch.bfloat16), 1: None}
+    mixed = audit_versions({0: v0, 1: v1}.__getitem__, claim_of(group, spec), versions, None, shadows.__getitem__)
+    both = audit_versions({0: v0, 1: v1}.__getitem__, claim_of(group, spec), versions, None,
+                          {0: shadows[0], 1: copy.deepcopy(v1).to(torch.bfloat16)}.__getitem__)
+    assert mixed.passed and mixed.rounding is None, mixed.reason
+    assert both.passed and both.rounding is not None and both.rounding > 0, both.reason
