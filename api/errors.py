@@ -108,14 +108,12 @@ class BodyLimit:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > limit:
-                raise _TooLarge(limit)
+            if seen > limit:  # an HTTPException: FastAPI's body parsing passes it on (any other error is a 400)
+                detail = too_large(scope.get("path", ""), limit)
+                raise ApiError(413, detail, field="body")
             return message
 
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await self._reject(scope, receive, send, limit)
+        await self.app(scope, limited, send)
 
     def _limit(self, scope: Scope) -> int:
         path: str = scope.get("path", "")
@@ -135,8 +133,3 @@ def too_large(path: str, limit: int) -> str:
         return (f"the dataset is larger than this server's limit of {mib} per request: send it in parts "
                 "(POST /v1/datasets/uploads; `echo2 datasets upload` and the SDK's datasets.upload do)")
     return f"the request body is larger than this server's limit of {mib} for {path}: send less at once"
-
-
-class _TooLarge(Exception):
-    def __init__(self, limit: int) -> None:
-        self.limit = limit

@@ -56,6 +56,9 @@ def test_what_is_not_a_well_formed_beat_gets_the_routes_own_answer(api):
                          headers={"content-type": "text/plain"}), 422)
     _problem(worker.post(f"/v1/workers/{other}/heartbeat", json={}), 403)  # another worker's heartbeat
     _problem(worker.post(f"/v1/workers/{wid}/heartbeat", json={"stats": {"pad": "x" * (17 * 2**20)}}), 413)
+    chunks = [b'{"stats": {"pad": "', *[b"x" * 2**20] * 17, b'"}}']  # no length declared: refused as it streams
+    _problem(worker.post(f"/v1/workers/{wid}/heartbeat", content=iter(chunks),
+                         headers={"content-type": "application/json"}), 413)
     _problem(httpx.post(url, json={}, headers={"Authorization": "Bearer e2w_not-a-token"}), 401)
 
 
@@ -84,3 +87,31 @@ def test_a_batch_of_beats_reads_its_tokens_in_one_query(api):
                   and "workers.audit_salt" in s)  # one worker read per batch (heartbeats._authenticate)
     token_reads = sum(1 for s in statements if "FROM tokens" in s)
     assert 1 <= token_reads == batches < len(workers), (token_reads, batches)
+
+
+def test_beats_that_arrive_together_each_write_their_own_row(api):
+    """A batch's rows are written together (on PostgreSQL by one statement): each worker's row gets its own
+    beat's time, status, stats and versions, and a worker that beat twice in a batch gets one of its beats
+    whole, not a mix of the two."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from api.models import Worker
+
+    _, provider = new_provider(api)
+    workers = [new_worker(api, provider, f"w{i}") for i in range(12)]
+    beats = [(wid, client, {"status": "draining" if i % 2 else "idle", "versions_held": [i, i + 1],
+                            "stats": {"rollouts_done": i, "tokens_per_s": 10.5 * i}})
+             for i, (wid, client) in enumerate(workers)]
+    twice = (workers[0][0], workers[0][1], {"status": "draining", "versions_held": [7], "stats": {"rollouts_done": 99}})
+    with ThreadPoolExecutor(len(beats) + 1) as pool:
+        answers = list(pool.map(lambda b: b[1].post(f"/v1/workers/{b[0]}/heartbeat", json=b[2]), [*beats, twice]))
+    assert all(a.status_code == 200 for a in answers), [a.text for a in answers]
+    with api.db.session() as s:
+        rows = {w.id: w for w in s.query(Worker).filter(Worker.id.in_([wid for wid, _ in workers]))}
+    for i, (wid, _, sent) in enumerate(beats):
+        row, options = rows[wid], [sent, twice[2]] if i == 0 else [sent]
+        assert row.last_heartbeat_at is not None
+        assert any((row.status, row.versions_held, row.stats["rollouts_done"]) ==
+                   (b["status"], b["versions_held"], b["stats"]["rollouts_done"]) for b in options), (i, row.stats)
+        if i > 0:
+            assert row.stats["tokens_per_s"] == 10.5 * i and row.version_held is None
