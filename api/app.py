@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from echo2 import logs
 from fastapi import FastAPI
+from starlette.types import ASGIApp
 
 import web
 
@@ -48,6 +50,18 @@ a user API key, a provider token, a worker token or a job's learner token. Error
 `application/problem+json` naming the field and the reason."""
 
 
+class _App(FastAPI):
+    """FastAPI with the worker heartbeat's own path (api/fastpath.py) outside all its layers: a fleet's beats are
+    most of the requests, and each layer a request passes costs CPU on every await it resumes through (the
+    layers were ~10 % of a beat's server CPU, docs/BENCHMARKS.md)."""
+
+    heartbeat_path: Callable[[ASGIApp], ASGIApp] | None = None
+
+    def build_middleware_stack(self) -> ASGIApp:
+        stack = super().build_middleware_stack()
+        return stack if self.heartbeat_path is None else self.heartbeat_path(stack)
+
+
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or get_settings()
     db = Database(settings.database_url)
@@ -77,7 +91,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # Metrics are ours (/metrics, api/telemetry.py). FastAPI's own OpenTelemetry hooks, on by default, looked for
     # a configured provider on every request: 3 % of a heartbeat's CPU for nothing.
-    app = FastAPI(title="Echo2", version=VERSION, description=DESCRIPTION, lifespan=lifespan,
+    app = _App(title="Echo2", version=VERSION, description=DESCRIPTION, lifespan=lifespan,
                   telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.settings, app.state.db = settings, db
     app.state.blobs = BlobStore(settings.blob_dir)
@@ -92,9 +106,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     for module in (health, users, estimates, jobs, datasets, fleet, ledger, leases, learner, learner_state, evals,
                    weights, export, traces, packages, tinker):
         app.include_router(module.router)
-    # Innermost first: the body limit and the metrics wrap the heartbeat's own path too.
-    app.add_middleware(HeartbeatPath, route=next(r for r in fleet.router.routes if getattr(r, "operation_id", None)
-                                                 == "worker_heartbeat"))
+    app.heartbeat_path = functools.partial(
+        HeartbeatPath, route=next(r for r in fleet.router.routes if getattr(r, "operation_id", None)
+                                  == "worker_heartbeat"), telemetry=telemetry, limit=settings.max_body_bytes)
     app.add_middleware(errors.BodyLimit, default_limit=settings.max_body_bytes,
                        large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
     app.add_middleware(MetricsMiddleware, telemetry=telemetry)

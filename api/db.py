@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import pydantic_core
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import ColumnElement, Engine, any_, bindparam, create_engine, event
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session, sessionmaker
@@ -68,6 +69,15 @@ def insert_skipping_conflicts(db: Session, entity: Any) -> Any:
     transaction inserted first are left as they are."""
     insert = pg_insert if db.get_bind().dialect.name == "postgresql" else sqlite_insert
     return insert(entity).on_conflict_do_nothing()
+
+
+def among(db: Session, column: ColumnElement[Any], values: Collection[Any]) -> ColumnElement[bool]:
+    """`column IN values`; on PostgreSQL `column = ANY(:array)`, one statement text whatever the number of values,
+    which psycopg prepares once, where IN's text (a placeholder a value) differs with each count and is parsed and
+    planned anew: for the queries of a heartbeat batch, whose size varies batch to batch."""
+    if db.get_bind().dialect.name != "postgresql":
+        return column.in_(values)
+    return column == any_(bindparam(None, list(values), type_=ARRAY(column.type)))
 
 
 class Database:

@@ -21,11 +21,11 @@ from typing import Any
 
 import anyio
 from echo2.protocol import DesiredState, Heartbeat, HeartbeatReply, WorkerStatus
-from sqlalchemy import Row, bindparam, select, update
+from sqlalchemy import Row, bindparam, select, text, update
 from sqlalchemy.orm import Session
 
 from .. import auth
-from ..db import Database, insert_skipping_conflicts
+from ..db import Database, _to_json, among, insert_skipping_conflicts
 from ..errors import ApiError, unauthorized
 from ..models import Job, VersionHold, WeightVersion, Worker, utcnow
 from ..settings import Settings
@@ -96,6 +96,14 @@ class Heartbeats:
 _Row = Row[Any]
 # A Core executemany: the ORM bulk update by primary key it replaces adds per-row bookkeeping on the hottest path.
 _BEAT = update(Worker.__table__).where(Worker.__table__.c.id == bindparam("b_id"))
+# On PostgreSQL one statement a batch, its rows one JSON document: an executemany is still a statement per row
+# to bind and run, and arrays are bound by Python code per element (docs/BENCHMARKS.md).
+_PG_BEAT = text("""
+UPDATE workers SET last_heartbeat_at = :now, version_held = b.version_held, versions_held = b.versions_held,
+                   stats = b.stats, status = b.status
+FROM json_to_recordset(CAST(:beats AS json))
+     AS b(id varchar, version_held integer, versions_held json, stats json, status varchar)
+WHERE workers.id = b.id""").bindparams(bindparam("now", type_=Worker.__table__.c.last_heartbeat_at.type))
 
 
 def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
@@ -105,7 +113,7 @@ def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
     rows = {r.id: r for r in db.execute(
         select(Worker.id, Worker.provider_id, Worker.status, Worker.job_id, Worker.desired, Worker.version_held,
                Worker.trust, Worker.quarantined_until, Worker.trust_reason, Worker.audit_salt)
-        .where(Worker.id.in_(ids)))} if ids else {}
+        .where(among(db, Worker.id, ids)).order_by(Worker.id).with_for_update())} if ids else {}
     out: list[_Row | ApiError] = []
     for pending, identity in zip(batch, identities, strict=True):
         if identity is None:
@@ -135,17 +143,25 @@ def _apply(db: Session, ok: list[tuple[_Pending, _Row]], now: datetime,
     possession = Possession(db, [Claim(row.id, job_id, row.audit_salt, set(_held(p.hb, job_id)), p.hb.proofs)
                                  for p, row in ok if (job_id := placed[row.id][0]) is not None])
     struck = _strike(db, possession.check(db, now), placed, settings)
-    db.flush()  # the strikes above first: the executemany below is Core, which does not autoflush
-    # Rows locked in one order (by id): another API process's batch naming some of the same workers waits
-    # for this one instead of deadlocking with it.
-    db.execute(_BEAT, [
-        {"b_id": row.id, "last_heartbeat_at": now, "version_held": p.hb.version_held,
-         "versions_held": _held(p.hb, placed[row.id][0]), "stats": p.hb.stats.model_dump(mode="json"),
-         "status": p.hb.status}
-        for p, row in sorted(ok, key=lambda beat: beat[1].id)])
+    db.flush()  # the strikes above first: the writes below are Core, which does not autoflush
+    _write_beats(db, [(row.id, p.hb, placed[row.id][0]) for p, row in ok], now)
     for p, row in ok:
         relay.record(db, row.id, row.provider_id, p.hb)
     return _replies(db, ok, placed, jobs, settings, possession, struck)
+
+
+def _write_beats(db: Session, beats: list[tuple[str, Heartbeat, str | None]], now: datetime) -> None:
+    """Each beat's row: when it beat, what it holds, its stats and status (a worker's last beat where a batch
+    holds two of its beats: PostgreSQL updates a row once a statement)."""
+    beats = list({worker_id: (worker_id, hb, job_id) for worker_id, hb, job_id in beats}.values())
+    if db.get_bind().dialect.name == "postgresql":
+        db.execute(_PG_BEAT, {"now": now, "beats": _to_json([
+            {"id": worker_id, "version_held": hb.version_held, "versions_held": _held(hb, job_id), "stats": hb.stats,
+             "status": hb.status} for worker_id, hb, job_id in beats])})
+        return
+    db.execute(_BEAT, [{"b_id": worker_id, "last_heartbeat_at": now, "version_held": hb.version_held,
+                        "versions_held": _held(hb, job_id), "stats": hb.stats.model_dump(mode="json"),
+                        "status": hb.status} for worker_id, hb, job_id in beats])
 
 
 def _strike(db: Session, wrong: dict[str, str], placed: dict[str, tuple[str | None, str]],
