@@ -91,8 +91,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     # Metrics are ours (/metrics, api/telemetry.py). FastAPI's own OpenTelemetry hooks, on by default, looked for
     # a configured provider on every request: 3 % of a heartbeat's CPU for nothing.
-    app = _App(title="Echo2", version=VERSION, description=DESCRIPTION, lifespan=lifespan,
-                  telemetry={"tracing": False, "metrics": False, "logs": False})
+    # docs_url, redoc_url: served with their assets by api/openapi.py (FastAPI's pages load them from a CDN).
+    app = _App(title="Echo2", version=VERSION, description=DESCRIPTION, lifespan=lifespan, docs_url=None,
+               redoc_url=None, telemetry={"tracing": False, "metrics": False, "logs": False})
     app.state.settings, app.state.db = settings, db
     app.state.blobs = BlobStore(settings.blob_dir)
     app.state.checkpoints = BlobStore(settings.blob_dir, prefix="c")

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import fastapi_offline
 from echo2.protocol import Problem
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.openapi.utils import get_openapi
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+# Swagger UI's and ReDoc's scripts, served from here: FastAPI's pages load them from a CDN, which a control plane
+# on a private network (or any machine offline) cannot reach, and the page stays blank.
+ASSETS = Path(fastapi_offline.__file__).parent / "static"
+ASSETS_URL = "/docs-assets"
 
 ERRORS = {
     "401": "Missing, unknown or revoked token.",
@@ -25,6 +35,27 @@ def install(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]
+    _install_docs(app)
+
+
+def _install_docs(app: FastAPI) -> None:
+    """/docs (Swagger UI) and /redoc on assets served by this app (the app is made with docs_url=None)."""
+    app.mount(ASSETS_URL, StaticFiles(directory=ASSETS), name="docs-assets")
+
+    @app.get("/docs", include_in_schema=False)
+    def swagger(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_swagger_ui_html(openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} API",
+                                   swagger_js_url=f"{root}{ASSETS_URL}/swagger-ui-bundle.js",
+                                   swagger_css_url=f"{root}{ASSETS_URL}/swagger-ui.css",
+                                   swagger_favicon_url=f"{root}{ASSETS_URL}/favicon.png")
+
+    @app.get("/redoc", include_in_schema=False)
+    def redoc(request: Request) -> HTMLResponse:
+        root = request.scope.get("root_path", "")
+        return get_redoc_html(openapi_url=f"{root}{app.openapi_url}", title=f"{app.title} API",
+                              redoc_js_url=f"{root}{ASSETS_URL}/redoc.standalone.js", with_google_fonts=False,
+                              redoc_favicon_url=f"{root}{ASSETS_URL}/favicon.png")
 
 
 def _build(app: FastAPI) -> dict[str, Any]:
