@@ -519,6 +519,11 @@ def test_the_jobs_table_fits_a_laptop_and_tinker_samplers_are_shown_on_request(a
         expect_text(ui, "#jobs-count", "of 2")
         expect_text(ui, "#jobs-table tbody tr", "Tinker sampler of")
         assert ui.page.url.endswith("?tinker=true")
+        sampler = ui.page.locator("#jobs-table tbody tr", has_text="Tinker sampler of")
+        assert "checkpoint" in sampler.inner_text() and "100000" not in sampler.inner_text()  # no steps of its own
+        sampler.get_by_role("link").click()
+        expect_text(ui, "#sum-step", "sampling checkpoint")
+        assert not ui.page.locator("#sum-progress").is_visible()
     finally:
         close_dashboard(context, ui)
     ui.check()

@@ -38,8 +38,11 @@ E2.page("job", () => {
     const traces = $("#job-traces");
     traces.hidden = job.step === 0;
     traces.href = `/jobs/${encodeURIComponent(job.id)}/steps/${Math.max(0, job.step - 1)}`;
-    setText("#sum-step", `${job.step} / ${spec.max_steps} steps `);
-    Object.assign($("#sum-progress"), { max: spec.max_steps, value: job.step });
+    // A Tinker sampler has no steps of its own: it follows its model's sampler checkpoints until the model goes.
+    const sampler = job.kind === "tinker_fleet";
+    setText("#sum-step", sampler ? `sampling checkpoint ${job.step} of its Tinker model (no steps of its own)`
+      : `${job.step} / ${spec.max_steps} steps `);
+    Object.assign($("#sum-progress"), { max: spec.max_steps, value: job.step, hidden: sampler });
     setText("#sum-reward", fmt.num(job.reward_mean));
     $("#sum-cost").replaceChildren(fmt.usd(job.cost.total_usd), h("small", { class: "muted" },
       `learner ${fmt.usd(job.cost.learner_usd)} · workers ${fmt.usd(job.cost.workers_usd)}`));

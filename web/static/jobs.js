@@ -33,14 +33,19 @@ E2.page("jobs", () => {
       : "No training jobs yet (Tinker samplers are hidden: tick \"Show Tinker samplers\"). Submit one to start training.";
   }
 
-  function row(job) {
+  function progress(job) {
     const max = job.spec.max_steps;
+    if (job.kind === "tinker_fleet") return h("td", { class: "progress-cell" }, `checkpoint ${job.step}`);
+    return h("td", { class: "progress-cell" },
+      h("progress", { max, value: job.step, "aria-label": `${job.name}: step ${job.step} of ${max}` }),
+      h("span", {}, ` ${job.step} / ${max}`));
+  }
+
+  function row(job) {
     return h("tr", { dataset: { key: job.id } },
       h("th", { scope: "row", class: "wrap" }, h("a", { href: "/jobs/" + encodeURIComponent(job.id) }, job.name)),
       h("td", {}, badge(job.status)),
-      h("td", { class: "progress-cell" },
-        h("progress", { max, value: job.step, "aria-label": `${job.name}: step ${job.step} of ${max}` }),
-        h("span", {}, ` ${job.step} / ${max}`)),
+      progress(job),
       h("td", { class: "num" }, fmt.num(job.reward_mean)),
       h("td", { class: "num" }, fmt.usd(job.cost.total_usd)),
       h("td", { class: "muted wrap" }, `${job.spec.base_model} · ${job.spec.task.name}`),
