@@ -20,12 +20,13 @@ from datetime import datetime
 from typing import Any
 
 import anyio
+import pydantic_core
 from echo2.protocol import DesiredState, Heartbeat, HeartbeatReply, WorkerStatus
 from sqlalchemy import Row, bindparam, select, text, update
 from sqlalchemy.orm import Session
 
 from .. import auth
-from ..db import Database, _to_json, among, insert_skipping_conflicts
+from ..db import Database, among, insert_skipping_conflicts
 from ..errors import ApiError, unauthorized
 from ..models import Job, VersionHold, WeightVersion, Worker, utcnow
 from ..settings import Settings
@@ -110,6 +111,8 @@ def _authenticate(db: Session, batch: list[_Pending]) -> list[_Row | ApiError]:
     """Per heartbeat, the caller's worker row, or the error to answer it with (401/403, as other routes)."""
     identities = auth.lookup_many(db, [p.token for p in batch])
     ids = {i.principal_id for i in identities if i is not None and i.kind == "worker"}
+    # Locked here, in id order: another API process's batch naming some of the same workers waits for this one
+    # instead of deadlocking with it (the batch's writes come later, in whatever order their plan takes).
     rows = {r.id: r for r in db.execute(
         select(Worker.id, Worker.provider_id, Worker.status, Worker.job_id, Worker.desired, Worker.version_held,
                Worker.trust, Worker.quarantined_until, Worker.trust_reason, Worker.audit_salt)
@@ -155,9 +158,9 @@ def _write_beats(db: Session, beats: list[tuple[str, Heartbeat, str | None]], no
     holds two of its beats: PostgreSQL updates a row once a statement)."""
     beats = list({worker_id: (worker_id, hb, job_id) for worker_id, hb, job_id in beats}.values())
     if db.get_bind().dialect.name == "postgresql":
-        db.execute(_PG_BEAT, {"now": now, "beats": _to_json([
+        db.execute(_PG_BEAT, {"now": now, "beats": pydantic_core.to_json([
             {"id": worker_id, "version_held": hb.version_held, "versions_held": _held(hb, job_id), "stats": hb.stats,
-             "status": hb.status} for worker_id, hb, job_id in beats])})
+             "status": hb.status} for worker_id, hb, job_id in beats]).decode()})
         return
     db.execute(_BEAT, [{"b_id": worker_id, "last_heartbeat_at": now, "version_held": hb.version_held,
                         "versions_held": _held(hb, job_id), "stats": hb.stats.model_dump(mode="json"),
