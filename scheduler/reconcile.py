@@ -55,7 +55,9 @@ log = logging.getLogger(__name__)
 Launcher = Callable[[str, str, Placement], None]  # (job id, learner token, where) -> enqueue its learner
 MU_WINDOW_S = 60.0
 BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
-WORKER_FAULTS = [k for k in RejectKind if k.fault() is Fault.worker]
+# Groups that count as delivered (mu): not a worker's fault, and not late either: a group that arrives after its
+# lease ended or once stale is of no use to the job (and a worker could release leases and answer them at will).
+UNDELIVERED = [k for k in RejectKind if k.fault() in (Fault.worker, Fault.late)]
 TRIAL_RETRY = 10  # grace periods before a worker whose trial delivered nothing is tried again
 WORKING = [s for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
 LIVE = JobStatus.live()
@@ -340,7 +342,7 @@ def _job_profile(db: Session, job: Job) -> JobProfile:
 def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobProfile],
                     settings: Settings) -> WorkerProfile:
     """μ from the groups it delivered that were worth something (accepted, and not rejected for its own
-    fault) in the last minute of work, or over its whole activation when that minute holds none (a
+    fault or for arriving late) in the last minute of work, or over its whole activation when that minute holds none (a
     slow worker, or one that waited for room in the queue): the raw generation rate. A worker that has
     delivered nothing since it was activated is on trial: it counts, whatever it claims, for at most
     `trial_share` of each job's need. A trial that delivered nothing for `delivery_grace_s` fails: the
@@ -380,7 +382,7 @@ def _delivered(db: Session, worker_id: str, since: datetime) -> tuple[int, float
     to its last group (overlapping leases counted once: it books its next lease while it generates), over all
     their groups. Whole leases, so a long one answered a group at a time is not its whole life over its last few."""
     answered = select(Rollout.lease_id).where(Rollout.worker_id == worker_id, Rollout.created_at >= since)
-    worth = (Rollout.created_at >= since) & (Rollout.reject_kind.not_in(WORKER_FAULTS) | Rollout.reject_kind.is_(None))
+    worth = (Rollout.created_at >= since) & (Rollout.reject_kind.not_in(UNDELIVERED) | Rollout.reject_kind.is_(None))
     leases = db.execute(select(Lease.created_at, func.max(Rollout.created_at), func.count(),
                                func.count().filter(worth), func.sum(Rollout.gen_seconds).filter(worth))
                         .join(Rollout, Rollout.lease_id == Lease.id)

@@ -102,14 +102,18 @@ def _refuse_all(rows: list[dict[str, Any]], results: list[GroupResult], reason: 
 
 def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: Prompt | None
                ) -> tuple[str | None, RejectKind | None]:
+    # Checked first, whether or not the group comes late: a late group is no one's fault, a forged one is its
+    # sender's (else junk sent on a lease the worker released itself would be a blameless "late").
+    problem = _invalid(job, spec, lease, group, prompt)
+    if problem:
+        return problem, RejectKind.invalid
     if lease.status != LeaseStatus.active:
         return f"lease is {lease.status}", RejectKind.lease_ended
     if _of_lease(spec, lease, group) and group.version <= job.step and not spec.admissible(job.step, group.version):
         return f"stale: step {job.step} - version {group.version} > S={spec.staleness}", RejectKind.stale_at_submit
     if prompt is not None and prompt.request_id is not None and (prompt.state, prompt.lease_id) != ("leased", lease.id):
         return "too late: its Tinker request went to the learner host", RejectKind.lease_ended
-    problem = _invalid(job, spec, lease, group, prompt)
-    return (problem, RejectKind.invalid) if problem else (None, None)
+    return None, None
 
 
 def _episodes_rejection(db: Session, lease: Lease, group: GroupSubmit, bounds: EpisodeLimits

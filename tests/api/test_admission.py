@@ -89,3 +89,19 @@ def test_a_prompt_outside_the_lease_is_a_strike(api, door):
     result = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
     assert result["status"] == "rejected" and result["rollout_id"] is None
     assert ok(api.admin.get(f"/v1/workers/{wid}"))["trust"] == "suspect"
+
+
+def test_a_forged_group_on_a_lease_its_worker_released_is_a_strike_and_a_real_one_is_only_late(api, door):
+    """Junk sent on a lease the worker gave back was a blameless "lease is released" (no check, no strike): a
+    worker could lease, release and answer at will. The door's checks come first; a real late group stays late."""
+    job, alice, wid, worker, lease = door
+    ok(worker.post(f"/v1/leases/{lease['id']}/release"))
+    late = submit(worker, lease, 0, [sample(), sample()])
+    assert late["status"] == "rejected" and late["reason"] == "lease is released"
+    assert ok(api.admin.get(f"/v1/workers/{wid}"))["trust"] == "probation"
+    forged = submit(worker, lease, 1, [sample(tokens=(5, 96, 0)), sample()])
+    assert forged["status"] == "rejected" and "outside the vocabulary" in forged["reason"]
+    assert ok(api.admin.get(f"/v1/workers/{wid}"))["trust"] == "suspect"
+    kinds = {r["prompt_id"]: (r["reject_kind"], r["fault"])
+             for r in ok(alice.get(f"/v1/jobs/{job['id']}/rollouts"))["items"]}
+    assert kinds[late["prompt_id"]] == ("lease_ended", "late") and kinds[forged["prompt_id"]] == ("invalid", "worker")

@@ -428,3 +428,25 @@ def test_generation_time_is_measured_by_the_control_plane_where_a_worker_says_it
                                   publish_period=1)
     verdict = qualify(profiles["boaster"], fresh_within_20s)
     assert not verdict.ok and "T_bcast+T_gen" in verdict.reason
+
+
+def test_groups_sent_on_a_released_lease_are_not_counted_as_delivered(api, tmp_path):
+    """μ counts the groups a worker delivered that the job could use. One that leases, releases and answers the
+    released lease (its groups refused as late, no strike) was measured at whatever rate it answered, and
+    outbid honest workers for the job while delivering nothing."""
+    from scheduler.reconcile import _delivered
+    from tests.factories import activate, group_body
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    _, provider = new_provider(api)
+    wid, client = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    for _ in range(3):
+        lease = ok(client.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 2, "version": 0}), 201)
+        ok(client.post(f"/v1/leases/{lease['id']}/release"))
+        answers = ok(client.post(f"/v1/leases/{lease['id']}/rollouts",
+                                 json={"groups": [group_body(p, 0) for p in lease["prompts"]]}))["results"]
+        assert {a["reason"] for a in answers} == {"lease is released"}
+    with api.db.session() as s:
+        assert _delivered(s, wid, utcnow() - timedelta(seconds=60))[0] == 0  # it was 6
