@@ -50,6 +50,10 @@ def test_what_is_not_a_well_formed_beat_gets_the_routes_own_answer(api):
     assert ok(httpx.post(url, json={}, headers={"Authorization": f"Bearer  {token}"}))  # as HTTPBearer strips
     bad = _problem(worker.post(f"/v1/workers/{wid}/heartbeat", json={"status": "flying"}), 422)
     assert bad["errors"][0]["field"] == "body.status"
+    for status in ("offline", "deregistered"):  # the control plane's to set: a worker that said so kept its leases
+        bad = _problem(worker.post(f"/v1/workers/{wid}/heartbeat", json={"status": status}), 422)
+        assert bad["errors"][0]["field"] == "body.status" and "DELETE /v1/workers/{id}" in bad["errors"][0]["reason"]
+    assert ok(api.admin.get(f"/v1/workers/{wid}"))["status"] == "idle"
     _problem(worker.post(f"/v1/workers/{wid}/heartbeat", content=b'{"status": "idle"',
                          headers={"content-type": "application/json"}), 422)
     _problem(worker.post(f"/v1/workers/{wid}/heartbeat", content=b'{"status": "idle"}',

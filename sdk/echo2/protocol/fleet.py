@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated
 
-from pydantic import Field, StringConstraints
+from pydantic import Field, StringConstraints, field_validator
 
 from .common import (
     Backend,
@@ -166,8 +166,12 @@ class Proof(Model):
     sha256: Sha256
 
 
+REPORTED = (WorkerStatus.idle, WorkerStatus.active, WorkerStatus.draining)
+
+
 class Heartbeat(Model):
-    status: WorkerStatus = WorkerStatus.idle
+    status: WorkerStatus = Field(WorkerStatus.idle, description="`idle`, `active` or `draining`: `offline` and "
+                                 "`deregistered` are the control plane's to set (DELETE /v1/workers/{id} leaves).")
     job_id: Id | None = None
     version_held: Version | None = None
     versions_held: list[Version] = Field(default_factory=list, max_length=8, description="Every complete version "
@@ -180,6 +184,16 @@ class Heartbeat(Model):
     bad_sources: list[BadSource] = Field(default_factory=list, max_length=32)
     fetched_from: list[Fetched] = Field(default_factory=list, max_length=16,
                                         description="Per source, what the last download took from it.")
+
+    @field_validator("status")
+    @classmethod
+    def _reported(cls, status: WorkerStatus) -> WorkerStatus:
+        # A worker that called itself offline escaped the offline sweep and the scheduler but kept its job and
+        # leases (renewing them without a beat); one that called itself deregistered kept its tokens.
+        if status not in REPORTED:
+            raise ValueError(f"a worker reports idle, active or draining, not {status.value}: offline and "
+                             "deregistered are the control plane's to set (DELETE /v1/workers/{id} to leave)")
+        return status
 
 
 class SamplingParams(ReadModel):
