@@ -6,6 +6,7 @@ from fastapi import Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from sqlalchemy import text
 
+from ..deps import AdminUser
 from ..errors import ApiError
 from ..routing import make_router
 
@@ -29,6 +30,8 @@ def readyz(request: Request) -> dict[str, str]:
 
 
 @router.get("/metrics", operation_id="prometheus_metrics", summary="Prometheus text exposition",
+            description="For an admin's API key: its series name every tenant's jobs (rewards, costs, accuracy) "
+                        "and every provider's workers (trust, earnings), which no other token may read.",
             response_class=Response, responses={200: {"content": {"text/plain": {}}}})
-def metrics(request: Request) -> Response:
+def metrics(request: Request, _: AdminUser) -> Response:
     return Response(generate_latest(request.app.state.registry), media_type=CONTENT_TYPE_LATEST)

@@ -109,7 +109,7 @@ def test_the_learner_reports_accuracy_and_the_owner_reads_the_curve(api, tmp_pat
     assert summary["eval_before"]["greedy_accuracy"] == 0.0 and summary["eval_after"]["step"] == 1
     _, bob = new_user(api, "bob")
     assert bob.get(f"/v1/jobs/{jid}/evals").status_code == 404
-    scraped = api.client().get("/metrics").text
+    scraped = api.admin.get("/metrics").text
     assert f'echo2_job_heldout_accuracy{{decoding="greedy",job="{jid}"}} 0.666' in scraped
     cli = echo2("jobs", "report", jid, url=api.url, key=alice.headers["Authorization"].split()[1])
     assert cli.returncode == 0 and cli.stdout.strip().splitlines()[-1] == (

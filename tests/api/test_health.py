@@ -1,4 +1,4 @@
-from tests.factories import ok
+from tests.factories import new_provider, new_user, ok
 
 
 def test_health_and_readiness(api):
@@ -8,7 +8,11 @@ def test_health_and_readiness(api):
 
 def test_prometheus_metrics_report_fleet_and_requests(api):
     api.admin.get("/v1/me")
-    text = api.client().get("/metrics").text
+    assert api.client().get("/metrics").status_code == 401  # its series name every tenant's jobs and workers
+    _, alice = new_user(api)
+    _, provider = new_provider(api)
+    assert alice.get("/metrics").status_code == provider.get("/metrics").status_code == 403
+    text = api.admin.get("/metrics").text
     assert "echo2_http_requests_total" in text
     assert 'route="/v1/me"' in text
     assert "echo2_jobs" in text

@@ -26,7 +26,7 @@ from tests.factories import (
 def scrape(api) -> dict[str, dict[tuple[tuple[str, str], ...], float]]:
     """Every sample on /metrics: name -> {sorted labels: value}."""
     out: dict[str, dict[tuple[tuple[str, str], ...], float]] = {}
-    for family in text_string_to_metric_families(api.client().get("/metrics").text):
+    for family in text_string_to_metric_families(api.admin.get("/metrics").text):
         for s in family.samples:
             out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
     return out

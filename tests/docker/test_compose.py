@@ -301,6 +301,10 @@ def test_monitoring_override_scrapes_the_api_and_provisions_the_dashboard():
     # honor_labels: the series' own `job` label (an Echo2 job id) is kept, not renamed exported_job.
     assert [(s["metrics_path"], s["static_configs"][0]["targets"], s["honor_labels"]) for s in scrape] == [
         ("/metrics", ["api:8000"], True)]
+    # /metrics answers an admin's key only: Prometheus reads the bootstrap admin key from its compose secret.
+    assert svc["prometheus"]["secrets"] == ["echo2_admin_key"]
+    assert MONITORING["secrets"]["echo2_admin_key"] == {"environment": "ECHO2_BOOTSTRAP_API_KEY"}
+    assert scrape[0]["authorization"] == {"type": "Bearer", "credentials_file": "/run/secrets/echo2_admin_key"}
     board = _dashboard()
     uids = {p["datasource"]["uid"] for p in board["panels"] if p["type"] != "row"}
     sources = _load(DOCKER / "grafana" / "provisioning" / "datasources" / "prometheus.yaml")["datasources"]
@@ -312,7 +316,7 @@ def test_monitoring_override_scrapes_the_api_and_provisions_the_dashboard():
 
 def test_dashboard_queries_only_series_the_api_exposes(api):
     exposed = set()
-    for family in text_string_to_metric_families(api.client().get("/metrics").text):
+    for family in text_string_to_metric_families(api.admin.get("/metrics").text):
         exposed |= {family.name, *(family.name + s for s in SUFFIXES.get(family.type, ()))}
     queried = {name for expr in _dashboard_queries(_dashboard()) for name in re.findall(r"\becho2_\w+", expr)}
     assert queried - exposed == set(), "the dashboard queries series /metrics does not expose"
