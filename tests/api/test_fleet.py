@@ -63,6 +63,12 @@ def test_bad_registration_names_the_field(api):
     assert r.status_code == 422
     fields = {e["field"] for e in r.json()["errors"]}
     assert {"body.price_per_hour", "body.backends"} <= fields
+    # A right-to-left override makes a name display as another in every list (a reviewer's worker did).
+    for name in ("gpu\u202e1-rekcah", "a\tb", "w\u2066x"):
+        r = provider.post("/v1/workers", json={"name": name, "vram_gb": 16})
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "body.name", name
+        assert "bidirectional" in r.json()["errors"][0]["reason"]
+    assert ok(provider.post("/v1/workers", json={"name": "gpu-1 🚀 <b>", "vram_gb": 16}), 201)  # shown as written
 
 
 def test_heartbeat_idle_then_active_with_assignment(api, tmp_path):

@@ -7,6 +7,7 @@ so the control plane can reject oversized input before it touches the database.
 from __future__ import annotations
 
 import math
+import unicodedata
 from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Generic, TypeVar
@@ -29,10 +30,24 @@ def _finite(value: object) -> object:
     return value
 
 
+# Bidirectional embeddings, overrides and isolates, and the marks: in a name they make it display as another
+# ("gpu-1" reading backwards as a trusted provider's) in the dashboard's and the CLI's lists.
+_BIDI = frozenset("\u061c\u200e\u200f\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+
+
+def _plain(value: str) -> str:
+    for i, ch in enumerate(value):
+        if ch in _BIDI or unicodedata.category(ch) == "Cc":
+            raise ValueError(f"must not contain control or bidirectional-formatting characters (U+{ord(ch):04X} "
+                             f"at position {i}): a name shows as it is written")
+    return value
+
+
 NoNul = AfterValidator(_no_nul)
 Finite = BeforeValidator(_finite)
 Id = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
-Name = Annotated[str, StringConstraints(min_length=1, max_length=128, strip_whitespace=True), NoNul]
+Name = Annotated[str, StringConstraints(min_length=1, max_length=128, strip_whitespace=True), NoNul,
+                 AfterValidator(_plain)]
 Text = Annotated[str, StringConstraints(max_length=32_768), NoNul]
 Key = Annotated[str, StringConstraints(max_length=64), NoNul]
 Url = Annotated[str, StringConstraints(min_length=1, max_length=512, pattern=r"^https?://[^\s\x00]+$")]
