@@ -268,6 +268,7 @@ class Learner:
             groups += claimed
             self._audit_ahead(trainer, ahead)
             spare = len(groups) < want and self._audit_spare(trainer, {t: groups, **ahead.held()})
+        ahead.collected(t)
         return groups
 
     def _audit_ahead(self, trainer: GRPOTrainer, ahead: Ahead) -> None:

@@ -85,17 +85,33 @@ class ClaimAhead(threading.Thread):
 
 
 class Ahead:
-    """The claims-ahead in flight, by step: started from the committer's thread, taken by the trainer's."""
+    """The claims-ahead in flight, by step: started from the committer's thread, taken by the trainer's. The claims
+    for step t + 1 begin once step t has all its groups (`collected`), not when the ack of step t - 1 allows them
+    (`start`), which often comes while step t still claims: begun then, they took the groups step t waited for, and
+    at the end of an epoch (the pool starts the next one only once every prompt is trained) none other came."""
 
     def __init__(self, plane: RolloutSource, want: int) -> None:
         self.plane, self.want = plane, want
         self._by_step: dict[int, ClaimAhead] = {}
         self._lock = threading.Lock()
+        self._allowed = self._collected = -1  # the newest step claims may be made for; the newest with its groups
 
     def start(self, step: int) -> None:
+        """The control plane takes claims for `step` now: they begin once the step before it has its groups."""
         with self._lock:
-            if step not in self._by_step:
-                self._by_step[step] = ClaimAhead(self.plane, step, self.want)
+            self._allowed = max(self._allowed, step)
+            self._begin()
+
+    def collected(self, step: int) -> None:
+        """`step` has all its groups: the claims for the one after it take nothing it waits for."""
+        with self._lock:
+            self._collected = max(self._collected, step)
+            self._begin()
+
+    def _begin(self) -> None:
+        step = self._allowed
+        if step == self._collected + 1 and step not in self._by_step:
+            self._by_step[step] = ClaimAhead(self.plane, step, self.want)
 
     def held(self) -> dict[int, list[ClaimedGroup]]:
         """What the claims in flight hold so far, by step: groups that may be audited before their step starts.

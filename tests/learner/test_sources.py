@@ -5,11 +5,15 @@ reports in order (pipeline.py), versions published as keyframes and deltas (publ
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
+from types import SimpleNamespace
 
 import torch
 from echo2.possession import read_range
-from echo2.protocol import ClaimedGroup, JobSpec, SampleSubmit, StepAck, StepReport, WeightsConfig
+from echo2.protocol import ClaimedGroup, JobSpec, JobStatus, SampleSubmit, StepAck, StepReport, WeightsConfig
 
+from learner.loop import Learner, LearnerOptions
 from learner.parallel import Solo
 from learner.pipeline import Ahead, Committer
 from learner.publisher import Publisher
@@ -48,6 +52,7 @@ def test_claims_ahead_and_reports_in_order_against_an_in_process_source():
     source.put([group(i, 0) for i in range(4)])
     ahead, committer = Ahead(source, want=2), Committer(source)
     ahead.start(1)
+    ahead.collected(0)
     acks: list[StepAck] = []
     committer.submit(StepReport(step=0, rollout_ids=["rol_a"], t_train_s=0.1), acks.append)
     committer.submit(StepReport(step=1, rollout_ids=["rol_b"], t_train_s=0.1), acks.append)
@@ -56,6 +61,37 @@ def test_claims_ahead_and_reports_in_order_against_an_in_process_source():
     assert len(ahead.take(1)) == 2 and ahead.take(2) == []
     ahead.close()
     committer.close()
+
+
+def test_a_claim_ahead_waits_until_the_step_before_has_its_groups(tmp_path):
+    """The ack of step t - 1 starts the claims for t + 1, often while step t still waits for its groups. Claiming
+    then, they took the groups step t waited for; at the end of an epoch no other came (the pool starts the next
+    one only once every prompt is trained) and the learner waited for good (24 prompts, R = 8, S = 2)."""
+    spec = JobSpec.model_validate({**SPEC.model_dump(), "staleness": 2, "max_steps": 10, "publish_period": 3})
+    source = LocalRollouts(spec)
+    learner = Learner(source, LearnerOptions(work_dir=tmp_path))  # type: ignore[arg-type]
+    trainer = SimpleNamespace(auditor=None, audit_claimed=lambda groups: [])
+    ahead, committer = Ahead(source, want=2), Committer(source)
+    source.put([group(0, 0), group(1, 0)])
+    first = learner._collect(spec, trainer, 0, ahead)  # type: ignore[arg-type]
+    report = StepReport(step=0, rollout_ids=[g.rollout_id for g in first], t_train_s=0.1)
+    learner._commit(spec, trainer, None, committer, ahead, report, set())  # type: ignore[arg-type]
+    assert committer.wait().step == 1  # acknowledged: claims for step 2 are due
+    source.put([group(2, 0), group(3, 0)])  # the epoch's last groups
+    deadline = time.monotonic() + 1.0
+    while source._queued and time.monotonic() < deadline:
+        time.sleep(0.02)
+    collected: list[list[ClaimedGroup] | None] = []
+    collecting = threading.Thread(target=lambda: collected.append(learner._collect(spec, trainer, 1, ahead)))
+    collecting.start()
+    collecting.join(timeout=5)
+    learner.last_ack = StepAck(step=1, job_status=JobStatus.cancelled, stop=True)  # a stalled step gives up
+    collecting.join()
+    started = ahead.held()  # and once step 1 has its groups, the claims for step 2 begin
+    ahead.close()
+    committer.close()
+    assert collected[0] is not None and [g.rollout_id for g in collected[0]] == ["rol_2", "rol_3"]
+    assert list(started) == [2]
 
 
 def test_the_publisher_publishes_keyframes_and_deltas_to_an_in_process_sink(tmp_path, tiny):
