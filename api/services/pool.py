@@ -213,12 +213,11 @@ def _take_available(db: Session, job: Job, limit: int, version: int) -> list[Pro
 
 
 def _start_next_epoch(db: Session, job: Job, seed: int) -> bool:
-    """When every training prompt has been trained on, the pool starts over in a new seeded order (held-out
-    and set-aside prompts stay out)."""
-    done = [PromptState.trained, PromptState.eval, PromptState.set_aside]
-    busy = db.scalar(select(func.count()).where(Prompt.job_id == job.id, Prompt.state.not_in(done)))
-    if busy:
-        return False
+    """When no training prompt is left to lease, the trained ones start over in a new seeded order (held-out
+    and set-aside prompts stay out). Not once every prompt is trained: an epoch's last few, submitted and waiting
+    for a step that needs more groups than they are (an epoch that is not a whole number of steps), waited for
+    the next epoch, which waited for them, and the job stalled for good. A prompt still in flight finishes its
+    epoch and joins the next start after it."""
     prompts = list(db.scalars(select(Prompt).where(Prompt.job_id == job.id, Prompt.state == PromptState.trained)
                               .with_for_update()))
     for p in prompts:

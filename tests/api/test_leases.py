@@ -11,6 +11,7 @@ from tests.factories import (
     new_worker,
     ok,
     running_job,
+    step_report,
     submit_group,
 )
 
@@ -173,3 +174,26 @@ def test_pool_exhaustion_is_409_with_retry_after(api, setup):
     ok(lease(worker, job, 40), 201)
     r = lease(worker, job, 1)
     assert r.status_code == 409 and r.headers["retry-after"] == "1"
+
+
+def test_an_epoch_that_does_not_fill_a_step_is_followed_by_the_next_at_once(api, tmp_path):
+    """6 prompts, 4 a step (as 20 and 8): the second step takes the first epoch's last 2 and 2 of the next. The
+    next epoch waited for every prompt to be trained, so those last 2, submitted and waiting for that step, held
+    it back and the step never filled: the job stalled for good."""
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), num_prompts=6, staleness=4,
+                               grpo={"group_size": 2, "prompts_per_step": 4})
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    first = ok(lease(worker, job, n=4), 201)
+    ids = [ok(submit_group(worker, first, p, 0))["results"][0]["rollout_id"] for p in first["prompts"]]
+    batch = ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": 0, "max_groups": 4}))
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(batch["step"], ids)))
+    last = ok(lease(worker, job, n=4), 201)  # the epoch's last 2
+    assert len(last["prompts"]) == 2
+    for p in last["prompts"]:
+        ok(submit_group(worker, last, p, 0))
+    following = ok(lease(worker, job, n=4), 201)  # was a 409: "all are leased or awaiting training"
+    seeds = {p["prompt_id"]: p["seed"] for p in first["prompts"]}
+    assert following["prompts"] and all(p["seed"] != seeds[p["prompt_id"]] for p in following["prompts"])  # epoch 1
