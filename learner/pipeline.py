@@ -87,8 +87,8 @@ class ClaimAhead(threading.Thread):
 class Ahead:
     """The claims-ahead in flight, by step: started from the committer's thread, taken by the trainer's. The claims
     for step t + 1 begin once step t has all its groups (`collected`), not when the ack of step t - 1 allows them
-    (`start`), which often comes while step t still claims: begun then, they took the groups step t waited for, and
-    at the end of an epoch (the pool starts the next one only once every prompt is trained) none other came."""
+    (`start`), which often comes while step t still claims: begun then, they took the groups step t waited for (at an
+    epoch's end, before the pool started the next epoch early, the job stalled for good)."""
 
     def __init__(self, plane: RolloutSource, want: int) -> None:
         self.plane, self.want = plane, want
