@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from echo2.protocol.common import reason
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -72,7 +73,7 @@ def http_problem(exc: StarletteHTTPException) -> JSONResponse:
 def install(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"field": _field(e["loc"]), "reason": e["msg"]} for e in exc.errors()]
+        errors = [{"field": _field(e["loc"]), "reason": reason(e)} for e in exc.errors()]
         first = errors[0] if errors else {"field": "", "reason": "invalid request"}
         return problem(422, f"{first['field']}: {first['reason']}", errors)
 

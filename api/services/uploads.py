@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from echo2.protocol import UploadCreate, UploadRead
+from echo2.protocol.common import reason
 from echo2.protocol.datasets import Item, item_problem
 from pydantic import TypeAdapter, ValidationError
 from sqlalchemy import insert, select
@@ -192,7 +193,7 @@ def _line_item(line: bytes) -> dict[str, Any] | str:
         item = _item.validate_python(value)
     except ValidationError as exc:
         err = exc.errors()[0]
-        return f"key {err['loc'][0]!r}: {err['msg']}" if err["loc"] else err["msg"]
+        return f"key {err['loc'][0]!r}: {reason(err)}" if err["loc"] else reason(err)
     if problem := item_problem(item):
         return problem
     return {k: [t.model_dump(mode="json") for t in v] if isinstance(v, list) else v for k, v in item.items()}

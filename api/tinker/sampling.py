@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from echo2.protocol.common import reason
 from echo2.protocol.tinker import (
     MAX_TOPK,
     ModelKind,
@@ -128,8 +129,8 @@ def _payload(body: SampleRequest, checkpoint: str | None, inflight: bool) -> Sam
                              topk_prompt=body.topk_prompt_logprobs, topk_sample=body.topk_sample_logprobs,
                              prompt_last_n=last_n, alt_k=body.prompt_alt_tokens_k)
     except (ValueError, ValidationError) as exc:
-        reason = exc.errors()[0]["msg"] if isinstance(exc, ValidationError) else str(exc)
-        raise ApiError(400, f"asample: {reason}", field="prompt") from exc
+        why = reason(exc.errors()[0]) if isinstance(exc, ValidationError) else str(exc)
+        raise ApiError(400, f"asample: {why}", field="prompt") from exc
 
 
 def _params(params: SamplingParams) -> SampleParams:

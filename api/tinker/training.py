@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+from echo2.protocol.common import reason
 from echo2.protocol.tinker import (
     MAX_REQUEST_TOKENS,
     RECORDED_LOGPROBS,
@@ -143,7 +144,7 @@ def _payload(parsed: wire.ForwardBackwardRequest) -> ForwardBackwardPayload:
         return ForwardBackwardPayload(loss_fn=loss, loss_fn_config=config, forward_only=parsed.forward_only,
                                       data=data)
     except ValidationError as exc:
-        raise ApiError(400, f"forward_backward: {exc.errors()[0]['msg']}") from exc
+        raise ApiError(400, f"forward_backward: {reason(exc.errors()[0])}") from exc
 
 
 def _datum(datum: wire.Datum, index: int, loss: LossFn) -> TinkerDatum:
@@ -163,7 +164,7 @@ def _datum(datum: wire.Datum, index: int, loss: LossFn) -> TinkerDatum:
     try:
         return TinkerDatum(tokens=datum.tokens, target_tokens=datum.inputs["target_tokens"].tolist(), inputs=inputs)
     except ValidationError as exc:
-        raise ApiError(400, f"data[{index}]: {exc.errors()[0]['msg']}", field=f"data[{index}]") from exc
+        raise ApiError(400, f"data[{index}]: {reason(exc.errors()[0])}", field=f"data[{index}]") from exc
 
 
 def _check_fits(model: TinkerModel, payload: ForwardBackwardPayload) -> None:

@@ -17,6 +17,7 @@ import httpx
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from . import errors
+from .protocol.common import reason
 from .transport import Call
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ def parse(call: Call, cast: Any, response: httpx.Response) -> Any:
         name = getattr(cast, "__name__", str(cast))
         raise errors.UnexpectedResponseError(
             f"{call.method} {call.url} answered {response.status_code} with a body that is not a {name} "
-            f"({where}: {first['msg']}); is ECHO2_BASE_URL an Echo2 server of a compatible version?",
+            f"({where}: {reason(first)}); is ECHO2_BASE_URL an Echo2 server of a compatible version?",
             response=response,
         ) from None
 
@@ -58,7 +59,7 @@ def validated(model: type[M], data: Any) -> M:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        reasons = [errors.FieldReason(".".join(str(p) for p in e["loc"]), e["msg"]) for e in exc.errors()]
+        reasons = [errors.FieldReason(".".join(str(p) for p in e["loc"]), reason(e)) for e in exc.errors()]
         detail = str(reasons[0])
         title = f"Invalid {model.__name__} (not sent)"
         raise errors.BadRequestError(errors.format_message(None, title, detail, reasons), status=None,

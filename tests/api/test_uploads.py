@@ -66,7 +66,7 @@ def test_every_bad_line_is_named_with_its_number(api):
     assert [r.split(":")[0] for r in reasons] == ["line 2", "line 4", "line 5", "line 6"]
     assert "key 'prompt' holds a list; only 'messages' may" in reasons[1]
     assert "'messages' must end with a user turn" in reasons[2]
-    assert reasons[3] == "line 6: key 'messages': Value error, 0.role: Input should be 'system', 'user' or 'assistant'"
+    assert reasons[3] == "line 6: key 'messages': 0.role: Input should be 'system', 'user' or 'assistant'"
     one_shot = alice.post("/v1/datasets/upload", data={"name": "bad"}, files={"file": ("d.jsonl", data)})
     assert one_shot.status_code == 422 and [e["reason"] for e in one_shot.json()["errors"]] == reasons
     assert ok(alice.get("/v1/datasets"))["total"] == 0

@@ -13,6 +13,13 @@ from enum import StrEnum
 from typing import Annotated, Generic, TypeVar
 
 from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, StringConstraints
+from pydantic_core import ErrorDetails
+
+
+def reason(error: ErrorDetails) -> str:
+    """What one validation error says, without the "Value error, " pydantic puts before our validators' own words."""
+    cause = error.get("ctx", {}).get("error") if error["type"] == "value_error" else None
+    return str(cause) if cause is not None else error["msg"]
 
 
 def _no_nul(value: str) -> str:

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BeforeValidator, Field, TypeAdapter, ValidationError, WithJsonSchema
 
-from .common import Finite, Key, Model, Name, ReadModel, Sha256, Text
+from .common import Finite, Key, Model, Name, ReadModel, Sha256, Text, reason
 
 MESSAGES = "messages"  # the key of a chat item's turns
 
@@ -42,7 +42,7 @@ def _value(value: object) -> object:
     except ValidationError as exc:
         err = exc.errors()[0]
         where = ".".join(str(p) for p in err["loc"] if not str(p).startswith(("function-", "nullable")))
-        raise ValueError(f"{where}: {err['msg']}" if where and isinstance(value, list) else err["msg"]) from None
+        raise ValueError(f"{where}: {reason(err)}" if where and isinstance(value, list) else reason(err)) from None
 
 
 _VALUE_SCHEMA = {"anyOf": [{"type": "string", "maxLength": 32_768}, {"type": "boolean"}, {"type": "number"},
