@@ -1,11 +1,12 @@
 """One reconcile tick: the control loop that keeps the database's desired state true.
 
 In order: workers that stopped heartbeating go offline (their leases return); expired leases return
-their prompts; quarantines that ran out end; reported relays are probed (relay_probe.py); the cost
+their prompts; quarantines that ran out end; the cost
 ledger advances (billing.py); jobs over budget, or whose owner spent their daily quota, pause;
 finished-but-orphaned jobs are closed; learners are launched or relaunched when missing or dead, into
 the learner hosts' free slots, the rest wait in line (hosts.py, queue.py); then the activation solver picks which
-workers serve which job and the choice is applied and recorded. Every step is idempotent, so a tick
+workers serve which job and the choice is applied and recorded; once that is committed, reported relays are
+probed (relay_probe.py: their fetches hold no transaction open). Every step is idempotent, so a tick
 delivered twice (at-least-once Celery) or interrupted half-way does no harm. One job's trouble (a spec that
 no longer validates, a planner failure) is logged with the job, recorded in its `status_reason` and rolled
 back, and the tick goes on for the others (`Trouble`).
@@ -93,7 +94,6 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
     report.prompts_returned = expire_leases(db, now)
     tinker_fleet.sweep(db)
     release_quarantines(db, now)
-    relay_probe.probe_reported(db, settings, now)
     billing.bill(db, settings, now, _state(db, "last_tick").get("at"))
     _put_state(db, "last_tick", {"at": now.timestamp()})
     jobs = list(db.scalars(select(Job).where(Job.status.in_(LIVE)).with_for_update(**WRITER_LOCK)))
@@ -109,6 +109,7 @@ def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None
     db.commit()
     for one in report.launched:  # enqueue only after the launch is recorded
         launch(one.job_id, one.token, one.placement)
+    relay_probe.probe_reported(db, settings, now)  # after the commit: its fetches hold no lock
     return report
 
 

@@ -139,9 +139,10 @@ def start_worker(api: Api, setup: JobSetup, data_dir: Path, *, name: str = "w", 
 
 
 class LyingRelay:
-    """A peer that answers every chunk request with the right number of wrong bytes."""
+    """A peer that answers every chunk request with the right number of wrong bytes; with `drip_s`, a byte at a
+    time, one every `drip_s` seconds, without end (a chunk of 1 GiB, it says)."""
 
-    def __init__(self, sizes: Callable[[str, int, int], int | None]) -> None:
+    def __init__(self, sizes: Callable[[str, int, int], int | None], drip_s: float | None = None) -> None:
         self.requests = 0
         outer = self
 
@@ -155,11 +156,26 @@ class LyingRelay:
                 parts = [p for p in self.path.strip("/").split("/") if p != "delta"]  # v1 jobs J versions V chunks I
                 size = sizes(parts[2], int(parts[4]), int(parts[6])) if len(parts) == 7 else None
                 outer.requests += 1
+                if drip_s is not None and size:
+                    self._drip(drip_s)
+                    return
                 body = b"\x00" * size if size else b"{}"
                 self.send_response(200 if size else 404)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def _drip(self, every_s: float) -> None:
+                self.send_response(200)
+                self.send_header("Content-Length", str(2**30))
+                self.end_headers()
+                try:
+                    while True:
+                        self.wfile.write(b"\x00")
+                        self.wfile.flush()
+                        time.sleep(every_s)
+                except OSError:
+                    pass  # the client gave up
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
