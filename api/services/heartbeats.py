@@ -149,7 +149,7 @@ def _apply(db: Session, ok: list[tuple[_Pending, _Row]], now: datetime,
     db.flush()  # the strikes above first: the writes below are Core, which does not autoflush
     _write_beats(db, [(row.id, p.hb, placed[row.id][0]) for p, row in ok], now)
     for p, row in ok:
-        relay.record(db, row.id, row.provider_id, p.hb)
+        relay.record(db, row.id, row.provider_id, placed[row.id][0], p.hb)
     return _replies(db, ok, placed, jobs, settings, possession, struck)
 
 

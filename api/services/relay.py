@@ -1,5 +1,6 @@
 """Relay claims, earned rather than stated.
 
+- Reports and measurements count only from workers on the relay's job (the only versions they download).
 - Bad-source reports are weighed by reporter: one report per (relay, reporting provider), reports from
   the relay's own provider and from workers that may not work (quarantined, banned) do not count, and
   `bad_chunks` is the number of distinct providers left. A relay reported by ECHO2_RELAY_MAX_BAD_CHUNKS
@@ -7,7 +8,8 @@
   serves no peer. So one provider cannot evict another's relay, however often it reports.
 - Upload rates are measured: a worker's heartbeat says what its last download took from each source,
   and each relay is credited with the rate workers of other providers saw (an average weighted toward
-  the latest). The relay tree is ordered by that, never by a claimed `upload_mbps`.
+  the latest), each between 1 ms and 100 Gbit/s. The relay tree is ordered by that, never by a claimed
+  `upload_mbps`.
 - In production a relay URL must be a public http(s) address.
 """
 
@@ -27,29 +29,37 @@ from ..models import RelayReport, Worker
 
 WORKING = [s for s in TrustState if s.can_work()]
 MIN_MEASURED_BYTES = 1 << 20  # below this, a transfer says more about latency than about upload rate
+MIN_MEASURED_S = 1e-3  # shorter is no measurement (5e-324 s made a rate of infinity, which no EMA brings down)
+MAX_MEASURED_MBPS = 100_000.0  # 100 Gbit/s: no relay's uplink is faster
 EMA = 0.3  # weight of the newest measurement
 
 
-def record(db: Session, reporter_id: str, reporter_provider: str, hb: Heartbeat) -> None:
-    """The reporter's bad-source reports and transfer measurements, attributed to the relays they name."""
+def record(db: Session, reporter_id: str, reporter_provider: str, job_id: str | None, hb: Heartbeat) -> None:
+    """The reporter's bad-source reports and transfer measurements, attributed to the relays they name on the
+    job it works on: a worker downloads only its own job's versions, so what an idle worker, or one of another
+    job, says of a relay is not a download it made (one moved an honest relay from the root to the last place
+    by reporting it slow from nowhere). Every relay of the job at that address is credited: an address another
+    worker registered too (a decoy off the job) takes no report away from the relay that served it."""
     urls = {b.url.rstrip("/") for b in hb.bad_sources} | {f.url.rstrip("/") for f in hb.fetched_from}
-    if not urls:
+    if not urls or job_id is None:
         return
-    relays = {w.relay_url: w for w in db.scalars(select(Worker).where(Worker.relay_url.in_(urls)))
-              if w.provider_id != reporter_provider and w.id != reporter_id}
-    reported = [(relays[b.url.rstrip("/")], b.reason) for b in hb.bad_sources if b.url.rstrip("/") in relays]
+    relays: dict[str, list[Worker]] = {}
+    for w in db.scalars(select(Worker).where(Worker.relay_url.in_(urls), Worker.job_id == job_id)):
+        if w.provider_id != reporter_provider and w.id != reporter_id:
+            relays.setdefault(str(w.relay_url), []).append(w)
+    reported = {w.id: (w, b.reason) for b in hb.bad_sources for w in relays.get(b.url.rstrip("/"), [])}
     if reported:
         db.execute(insert_skipping_conflicts(db, RelayReport), [
-            {"reported_worker_id": w.id, "reporter_worker_id": reporter_id, "reporter_provider_id": reporter_provider,
-             "reason": reason[:512]} for w, reason in reported])
-        for w in {w.id: w for w, _ in reported}.values():
+            {"reported_worker_id": wid, "reporter_worker_id": reporter_id, "reporter_provider_id": reporter_provider,
+             "reason": reason[:512]} for wid, (_, reason) in reported.items()])
+        for w, _ in reported.values():
             w.bad_chunks = distinct_reporters(db, w.id)
     for f in hb.fetched_from:
-        relay = relays.get(f.url.rstrip("/"))
-        if relay is not None and f.bytes >= MIN_MEASURED_BYTES and f.seconds > 0:
-            rate = f.bytes * 8 / f.seconds / 1e6
-            old = relay.measured_upload_mbps
-            relay.measured_upload_mbps = rate if old is None else (1 - EMA) * old + EMA * rate
+        if f.bytes >= MIN_MEASURED_BYTES and f.seconds >= MIN_MEASURED_S:
+            rate = min(f.bytes * 8 / f.seconds / 1e6, MAX_MEASURED_MBPS)
+            for relay in relays.get(f.url.rstrip("/"), []):
+                old = relay.measured_upload_mbps
+                relay.measured_upload_mbps = rate if old is None else (1 - EMA) * old + EMA * rate
 
 
 def distinct_reporters(db: Session, worker_id: str) -> int:
@@ -59,23 +69,20 @@ def distinct_reporters(db: Session, worker_id: str) -> int:
                      .where(RelayReport.reported_worker_id == worker_id, Worker.trust.in_(WORKING))) or 0
 
 
-def clear_reports(db: Session, worker: Worker) -> None:
-    """The control plane fetched a good chunk from this relay: the reports against it are void."""
-    db.execute(RelayReport.__table__.delete().where(RelayReport.reported_worker_id == worker.id))
-    worker.bad_chunks = 0
-
-
 PEERS_CANNOT_REACH = "peers on the internet could not fetch from it (give the address they can reach)"
 
 
 def check_public_url(url: str, field: str = "relay_url", why: str = PEERS_CANNOT_REACH) -> None:
     """422 unless `url` is http(s) on a host that resolves only to public addresses."""
-    parts = urlsplit(url)
-    host = parts.hostname or ""
+    try:
+        parts = urlsplit(url)
+        host, _ = parts.hostname or "", parts.port
+    except ValueError as exc:  # "http://[::1", a port past 65535
+        raise ApiError(422, f"{field} {url!r} is not a valid URL: {exc}", field=field) from None
     if parts.scheme not in ("http", "https") or not host:
         raise ApiError(422, f"{field} must be an http(s) URL with a host", field=field)
     for address in _addresses(host, field):
-        ip = ipaddress.ip_address(address)
+        ip = ipaddress.ip_address(address.split("%", 1)[0])  # an IPv6 address may carry its interface
         if not ip.is_global or ip.is_multicast:
             raise ApiError(422, f"{field} {url} reaches {ip}, which is not a public address: {why}", field=field)
 
@@ -87,5 +94,5 @@ def _addresses(host: str, field: str) -> list[str]:
         pass
     try:
         return sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
-    except OSError:
+    except (OSError, UnicodeError, ValueError):  # a label over 63 characters, an empty one ("a..b", ".")
         raise ApiError(422, f"{field} host {host!r} does not resolve", field=field) from None

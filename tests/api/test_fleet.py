@@ -1,3 +1,5 @@
+import pytest
+
 from tests.factories import activate, new_job, new_provider, new_user, new_worker, ok, running_job
 
 
@@ -155,10 +157,11 @@ def test_assigned_worker_waits_until_a_version_exists(api):
     assert reply["desired"] == "idle" and reply["assignment"] is None
 
 
-def measure(api, url: str, mbps: float) -> None:
-    """A worker of another provider reports downloading 8 MB from `url` at `mbps`."""
+def measure(api, job_id: str, url: str, mbps: float) -> None:
+    """A worker of another provider on the job reports downloading 8 MB from `url` at `mbps`."""
     _, provider = new_provider(api, f"measurer-{url}")
     wid, client = new_worker(api, provider, "measurer")
+    activate(api, wid, job_id)
     size = 8 * 2**20
     ok(client.post(f"/v1/workers/{wid}/heartbeat",
                    json={"fetched_from": [{"url": url, "bytes": size, "seconds": size * 8 / (mbps * 1e6)}]}))
@@ -173,7 +176,7 @@ def relays(api, job_id, claims_and_rates):
         wid, client = new_worker(api, provider, f"w{i}", upload_mbps=claimed, relay_url=url)
         activate(api, wid, job_id)
         if rate is not None:
-            measure(api, url, rate)
+            measure(api, job_id, url, rate)
         out[rate] = (wid, client)
     return out
 
@@ -220,6 +223,7 @@ def test_default_relay_is_a_chain_by_measured_uplink_skipping_peers_others_repor
         ok(client.post(f"/v1/workers/{wid}/heartbeat", json=bad))
     _, other = new_provider(api, "other")
     rival_id, rival = new_worker(api, other, "rival")
+    activate(api, rival_id, job["id"])
     for _ in range(32):  # nor do 32 from one other provider
         ok(rival.post(f"/v1/workers/{rival_id}/heartbeat", json={"bad_sources": bad["bad_sources"] * 32}))
     assert ok(api.admin.get(f"/v1/workers/{workers[500.0][0]}"))["bad_chunks"] == 1
@@ -227,22 +231,64 @@ def test_default_relay_is_a_chain_by_measured_uplink_skipping_peers_others_repor
     for i in range(api.server.settings.relay_max_bad_chunks - 1):  # distinct providers: evicted
         _, p = new_provider(api, f"reporter-{i}")
         rid, r = new_worker(api, p, "r")
+        activate(api, rid, job["id"])
         ok(r.post(f"/v1/workers/{rid}/heartbeat", json=bad))
     assert parents_of(workers[100.0]) == ["http://127.0.0.3:7000", api.url]
 
 
-def test_bad_source_reports_count_distinct_other_providers(api):
+def test_bad_source_reports_count_distinct_other_providers(api, tmp_path):
+    from tests.factories import fake_model_folder
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
     _, provider = new_provider(api)
     liar_id, _ = new_worker(api, provider, "liar", relay_url="http://127.0.0.9:7000")
+    activate(api, liar_id, job["id"])
     hb = {"bad_sources": [{"url": "http://127.0.0.9:7000", "reason": "chunk 3 sha256 mismatch"}]}
     sibling_id, sibling = new_worker(api, provider, "sibling")
+    activate(api, sibling_id, job["id"])
     ok(sibling.post(f"/v1/workers/{sibling_id}/heartbeat", json=hb))
     assert ok(api.admin.get(f"/v1/workers/{liar_id}"))["bad_chunks"] == 0
     _, other = new_provider(api, "other")
     wid, worker = new_worker(api, other, "honest")
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json=hb))  # not on the job: it downloaded nothing from it
+    assert ok(api.admin.get(f"/v1/workers/{liar_id}"))["bad_chunks"] == 0
+    activate(api, wid, job["id"])
     ok(worker.post(f"/v1/workers/{wid}/heartbeat", json=hb))
     ok(worker.post(f"/v1/workers/{wid}/heartbeat", json=hb))
     assert ok(api.admin.get(f"/v1/workers/{liar_id}"))["bad_chunks"] == 1
+
+
+def test_what_a_worker_says_of_a_relay_counts_only_for_a_download_it_can_have_made(api, tmp_path):
+    """A hostile provider's idle worker reporting an honest relay slow, a rate of infinity, and a decoy off the
+    job at the honest relay's address (to soak up reports): none moves the honest relay."""
+    from tests.factories import fake_model_folder
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
+    relay_id, _ = relays(api, job["id"], [(100, 400.0)])[400.0]  # at http://127.0.0.2:7000
+    _, hostile = new_provider(api, "hostile")
+    decoy_id, decoy = new_worker(api, hostile, "decoy", relay_url="http://127.0.0.2:7000")  # the same address
+    idle_id, idle = new_worker(api, hostile, "idle")
+    slow = {"fetched_from": [{"url": "http://127.0.0.2:7000", "bytes": 2**20, "seconds": 86_400}]}
+    for _ in range(25):
+        ok(idle.post(f"/v1/workers/{idle_id}/heartbeat", json=slow))
+    assert ok(api.admin.get(f"/v1/workers/{relay_id}"))["measured_upload_mbps"] == pytest.approx(400.0)
+    activate(api, idle_id, job["id"])
+    instant = {"fetched_from": [{"url": "http://127.0.0.2:7000", "bytes": 2**20, "seconds": 5e-324}]}
+    ok(idle.post(f"/v1/workers/{idle_id}/heartbeat", json=instant))  # shorter than a millisecond: no measurement
+    assert ok(api.admin.get(f"/v1/workers/{relay_id}"))["measured_upload_mbps"] == pytest.approx(400.0)
+    fast = {"fetched_from": [{"url": "http://127.0.0.2:7000", "bytes": 2**30, "seconds": 0.001}]}
+    ok(idle.post(f"/v1/workers/{idle_id}/heartbeat", json=fast))  # 8.6 Tbit/s: counted as 100 Gbit/s
+    assert ok(api.admin.get(f"/v1/workers/{relay_id}"))["measured_upload_mbps"] == pytest.approx(0.7 * 400 + 3e4)
+    bad = {"bad_sources": [{"url": "http://127.0.0.2:7000", "reason": "chunk 0 sha256 mismatch"}]}
+    for i in range(3):
+        _, p = new_provider(api, f"peer-{i}")
+        rid, r = new_worker(api, p, "peer")
+        activate(api, rid, job["id"])
+        ok(r.post(f"/v1/workers/{rid}/heartbeat", json=bad))
+    assert ok(api.admin.get(f"/v1/workers/{relay_id}"))["bad_chunks"] == 3  # the relay that served them
+    assert ok(api.admin.get(f"/v1/workers/{decoy_id}"))["bad_chunks"] == 0
 
 
 def test_production_relay_urls_must_be_public(api):
@@ -250,7 +296,10 @@ def test_production_relay_urls_must_be_public(api):
     api.server.settings.env = "production"
     try:
         for url in ("http://127.0.0.1:7000", "http://10.0.0.5:7000", "http://169.254.1.1:7000",
-                    "http://localhost:7000", "http://0.0.0.0:7000", "http://[::1]:7000", "http://192.168.1.2/"):
+                    "http://localhost:7000", "http://0.0.0.0:7000", "http://[::1]:7000", "http://192.168.1.2/",
+                    # not URLs a peer can reach at all: each was a 500 or a reset connection
+                    "http://[::1", "http://.:7000", f"http://{'a' * 64}.example.com", "http://a..b:7000",
+                    "http://93.184.216.34:99999", "http://[fe80::1%25eth0]:7000"):
             r = provider.post("/v1/workers", json={"name": "r", "relay_url": url})
             assert r.status_code == 422 and r.json()["errors"][0]["field"] == "relay_url", (url, r.text)
         assert provider.post("/v1/workers", json={"name": "r", "relay_url": "http://93.184.216.34:7000"}).status_code \

@@ -299,6 +299,7 @@ def test_open_a_worker_from_the_fleet(api, ui, training):
     wid = training["worker_id"]
     _, provider = new_provider(api, "peer-co")
     peer_id, peer = new_worker(api, provider, name="peer")
+    activate(api, peer_id, training["job"]["id"])
     # a peer reports that chunks from rtx-1's relay failed verification: the trust flag goes up
     ok(peer.post(f"/v1/workers/{peer_id}/heartbeat",
                  json={"bad_sources": [{"url": "http://10.0.0.7:7070", "reason": "sha256 mismatch"}]}))

@@ -82,6 +82,7 @@ def test_bad_delta_chunks_from_a_relay_peer_are_refused_and_fetched_from_the_ori
         activate(api, liar_id, setup.id)
         _, third = new_provider(api, "measurer-co")
         measurer_id, measurer = new_worker(api, third, "measurer")  # measured the liar fast: the tree's root
+        activate(api, measurer_id, setup.id)
         ok(measurer.post(f"/v1/workers/{measurer_id}/heartbeat",
                          json={"fetched_from": [{"url": liar.url, "bytes": 8 * 2**20, "seconds": 0.1}]}))
         w = worker_factory(setup, "honest", relay=True)

@@ -149,6 +149,7 @@ def test_peers_relay_chunks_and_a_lying_peer_is_rejected_and_reported(api: Api, 
         activate(api, liar_id, setup.id)
         _, third = new_provider(api, "measurer-co")
         measurer_id, measurer = new_worker(api, third, "measurer")
+        activate(api, measurer_id, setup.id)  # on the job: what it says of the job's relays counts
         size = 8 * 2**20
         ok(measurer.post(f"/v1/workers/{measurer_id}/heartbeat",
                          json={"fetched_from": [{"url": liar.url, "bytes": size, "seconds": 0.1}]}))
