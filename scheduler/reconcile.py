@@ -58,7 +58,8 @@ MU_WINDOW_S = 60.0
 BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
 # Groups that count as delivered (mu): not a worker's fault, and not late either: a group that arrives after its
 # lease ended or once stale is of no use to the job (and a worker could release leases and answer them at will).
-UNDELIVERED = [k for k in RejectKind if k.fault() in (Fault.worker, Fault.late)]
+# Nor one whose episodes broke the environment: the worker chose the actions (nonsense ones count as its speed).
+UNDELIVERED = [k for k in RejectKind if k.fault() in (Fault.worker, Fault.late)] + [RejectKind.environment_failed]
 TRIAL_RETRY = 10  # grace periods before a worker whose trial delivered nothing is tried again
 WORKING = [s for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
 LIVE = JobStatus.live()

@@ -45,16 +45,17 @@ def return_prompts(db: Session, prompt_ids: list[int], lease_id: str | None = No
 def set_aside_failing(db: Session, job_id: str, prompt_ids: list[int]) -> int:
     """A prompt whose environment failed ENV_FAILURES times leaves the pool: returned, it would be leased
     again and again (first, once starving) while the job's other prompts wait. The failures must come
-    from two workers when the job has had two, so one worker sending actions that break the environment
-    cannot empty the pool alone. The job fails, saying why, when fewer prompts are left than a step takes.
-    Returns how many prompts were set aside."""
+    from workers of two providers when the job has had two, so one provider sending actions that break the
+    environment (from as many workers as it likes) cannot empty the pool alone. The job fails, saying why,
+    when fewer prompts are left than a step takes. Returns how many prompts were set aside."""
     if not prompt_ids:
         return 0
-    fleet = db.scalar(select(func.count(Lease.worker_id.distinct())).where(Lease.job_id == job_id)) or 1
-    failures = (select(Rollout.prompt_id).where(Rollout.prompt_id.in_(prompt_ids),
-                                                Rollout.reject_kind == RejectKind.environment_failed)
+    fleet = db.scalar(select(func.count(Worker.provider_id.distinct())).join(Lease, Lease.worker_id == Worker.id)
+                      .where(Lease.job_id == job_id)) or 1
+    failures = (select(Rollout.prompt_id).join(Worker, Worker.id == Rollout.worker_id)
+                .where(Rollout.prompt_id.in_(prompt_ids), Rollout.reject_kind == RejectKind.environment_failed)
                 .group_by(Rollout.prompt_id)
-                .having(func.count() >= ENV_FAILURES, func.count(Rollout.worker_id.distinct()) >= min(fleet, 2)))
+                .having(func.count() >= ENV_FAILURES, func.count(Worker.provider_id.distinct()) >= min(fleet, 2)))
     result = db.execute(update(Prompt).where(Prompt.id.in_(failures), Prompt.state == PromptState.available)
                         .values(state=PromptState.set_aside))
     if result.rowcount:

@@ -7,14 +7,16 @@ import json
 import shutil
 import threading
 import time
+from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 from sqlalchemy import func, select
 from tokenizers import Tokenizer
 
-from api.models import Episode, Job, Prompt, Rollout
+from api.models import Episode, Job, Prompt, Rollout, utcnow
 from api.services import archive, retention
+from scheduler.reconcile import _delivered
 from tests.factories import activate, new_provider, new_user, new_worker, ok, publish, start_learner
 
 GUESS = {"name": "guess_number", "params": {"low": 100_000, "high": 999_999, "max_turns": 3}}
@@ -386,9 +388,10 @@ def test_a_prompt_whose_environment_keeps_failing_is_set_aside_not_leased_foreve
     assert reason.startswith("only 0 prompts are left, a step takes 2: the environment failed 3 times"), reason
 
 
-def test_one_worker_alone_cannot_set_a_jobs_prompts_aside(api, hosted):
-    """Actions that break the environment are the worker's to choose: with two workers on the job, three
-    failures from one of them leave the prompt in the pool, and a second worker's failure sets it aside."""
+def test_one_provider_alone_cannot_set_a_jobs_prompts_aside(api, hosted):
+    """Actions that break the environment are the worker's to choose: with two providers' workers on the job,
+    three failures from one provider's, even from two of its workers, leave the prompt in the pool, and the
+    other provider's failure sets it aside."""
     job, _, worker, lease, tok, _ = hosted  # `worker` holds a lease: the job has had two workers from here
     Environment.mode = "down"
     _, provider = new_provider(api)
@@ -396,8 +399,12 @@ def test_one_worker_alone_cannot_set_a_jobs_prompts_aside(api, hosted):
     activate(api, wid, job["id"])
     mine = [fail_all(other, job, tok) for _ in range(3)]
     assert all(set(m) == set(mine[0]) and len(m) == 3 for m in mine)
+    twin_id, twin = new_worker(api, provider, "twin")  # a second worker of the same provider
+    activate(api, twin_id, job["id"])
+    assert set(fail_all(twin, job, tok)) == set(mine[0])
     with api.db.session() as s:
         assert {s.get(Prompt, pid).state for pid in mine[0]} == {"available"}
+        assert _delivered(s, wid, utcnow() - timedelta(minutes=5))[0] == 0  # 9 groups, none of use to the job
     fail_all(worker, job, tok, lease)
     assert set(mine[0]) < set(fail_all(worker, job, tok))
     with api.db.session() as s:
