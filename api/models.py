@@ -185,6 +185,19 @@ class RelayReport(Base):
     __table_args__ = (UniqueConstraint("reported_worker_id", "reporter_provider_id"),)
 
 
+class RelayMeasurement(Base):
+    """What one provider's workers measured downloading from a relay (an average weighted toward the latest):
+    the relay's rate is the median over providers (services/relay.py)."""
+
+    __tablename__ = "relay_measurements"
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"), primary_key=True)
+    relay_worker_id: Mapped[str] = mapped_column(String(32), index=True)
+    provider_id: Mapped[str] = mapped_column(String(32))
+    mbps: Mapped[float] = mapped_column(Float)
+    measured_at: Mapped[datetime] = mapped_column(default=utcnow)
+    __table_args__ = (UniqueConstraint("relay_worker_id", "provider_id"),)
+
+
 class Dataset(Base):
     __tablename__ = "datasets"
     id: Mapped[str] = mapped_column(String(32), primary_key=True, default=lambda: new_id("ds"))

@@ -7,9 +7,10 @@
   of them, or confirmed bad by the control plane fetching a chunk itself (scheduler/relay_probe.py),
   serves no peer. So one provider cannot evict another's relay, however often it reports.
 - Upload rates are measured: a worker's heartbeat says what its last download took from each source,
-  and each relay is credited with the rate workers of other providers saw (an average weighted toward
-  the latest), each between 1 ms and 100 Gbit/s. The relay tree is ordered by that, never by a claimed
-  `upload_mbps`.
+  and each relay is credited with the rate workers of other providers saw: per provider an average
+  weighted toward the latest, each download between 1 ms and 100 Gbit/s, and for the relay the median
+  over providers, so one provider's invented figures move it only as far as the others let them. The
+  relay tree is ordered by that, never by a claimed `upload_mbps`.
 - In production a relay URL must be a public http(s) address.
 """
 
@@ -17,15 +18,18 @@ from __future__ import annotations
 
 import ipaddress
 import socket
+import statistics
 from urllib.parse import urlsplit
 
 from echo2.protocol import Heartbeat, TrustState
 from sqlalchemy import func, select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from ..db import insert_skipping_conflicts
 from ..errors import ApiError
-from ..models import RelayReport, Worker
+from ..models import RelayMeasurement, RelayReport, Worker, utcnow
 
 WORKING = [s for s in TrustState if s.can_work()]
 MIN_MEASURED_BYTES = 1 << 20  # below this, a transfer says more about latency than about upload rate
@@ -58,8 +62,19 @@ def record(db: Session, reporter_id: str, reporter_provider: str, job_id: str | 
         if f.bytes >= MIN_MEASURED_BYTES and f.seconds >= MIN_MEASURED_S:
             rate = min(f.bytes * 8 / f.seconds / 1e6, MAX_MEASURED_MBPS)
             for relay in relays.get(f.url.rstrip("/"), []):
-                old = relay.measured_upload_mbps
-                relay.measured_upload_mbps = rate if old is None else (1 - EMA) * old + EMA * rate
+                _measured(db, relay, reporter_provider, rate)
+
+
+def _measured(db: Session, relay: Worker, provider_id: str, rate: float) -> None:
+    """The provider's figure for the relay moves toward `rate`; the relay's is the median of the providers'."""
+    table = RelayMeasurement.__table__
+    upsert = (pg_insert if db.get_bind().dialect.name == "postgresql" else sqlite_insert)(table).values(
+        relay_worker_id=relay.id, provider_id=provider_id, mbps=rate, measured_at=utcnow())
+    db.execute(upsert.on_conflict_do_update(
+        index_elements=[table.c.relay_worker_id, table.c.provider_id],
+        set_={"mbps": (1 - EMA) * table.c.mbps + EMA * rate, "measured_at": upsert.excluded.measured_at}))
+    rates = db.scalars(select(RelayMeasurement.mbps).where(RelayMeasurement.relay_worker_id == relay.id)).all()
+    relay.measured_upload_mbps = statistics.median(rates)
 
 
 def distinct_reporters(db: Session, worker_id: str) -> int:

@@ -260,27 +260,36 @@ def test_bad_source_reports_count_distinct_other_providers(api, tmp_path):
 
 
 def test_what_a_worker_says_of_a_relay_counts_only_for_a_download_it_can_have_made(api, tmp_path):
-    """A hostile provider's idle worker reporting an honest relay slow, a rate of infinity, and a decoy off the
-    job at the honest relay's address (to soak up reports): none moves the honest relay."""
+    """A hostile provider's workers: one idle reporting an honest relay slow, then on the job a rate of infinity,
+    one of 8.6 Tbit/s and slow ones again, and a decoy off the job at the honest relay's address (to soak up
+    reports). The relay keeps the median of what the providers on its job measured: the honest two's."""
     from tests.factories import fake_model_folder
 
     _, alice = new_user(api)
     job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"))
     relay_id, _ = relays(api, job["id"], [(100, 400.0)])[400.0]  # at http://127.0.0.2:7000
+    measure(api, job["id"], "http://127.0.0.2:7000", 400.0)  # a second honest provider measures it the same
+
+    def rate() -> float:
+        return ok(api.admin.get(f"/v1/workers/{relay_id}"))["measured_upload_mbps"]
+
     _, hostile = new_provider(api, "hostile")
     decoy_id, decoy = new_worker(api, hostile, "decoy", relay_url="http://127.0.0.2:7000")  # the same address
     idle_id, idle = new_worker(api, hostile, "idle")
-    slow = {"fetched_from": [{"url": "http://127.0.0.2:7000", "bytes": 2**20, "seconds": 86_400}]}
-    for _ in range(25):
-        ok(idle.post(f"/v1/workers/{idle_id}/heartbeat", json=slow))
-    assert ok(api.admin.get(f"/v1/workers/{relay_id}"))["measured_upload_mbps"] == pytest.approx(400.0)
+
+    def say(seconds: float, size: int = 2**20, times: int = 1) -> None:
+        beat = {"fetched_from": [{"url": "http://127.0.0.2:7000", "bytes": size, "seconds": seconds}]}
+        for _ in range(times):
+            ok(idle.post(f"/v1/workers/{idle_id}/heartbeat", json=beat))
+
+    say(86_400, times=25)  # on no job: it downloaded nothing from the relay
+    assert rate() == pytest.approx(400.0)
     activate(api, idle_id, job["id"])
-    instant = {"fetched_from": [{"url": "http://127.0.0.2:7000", "bytes": 2**20, "seconds": 5e-324}]}
-    ok(idle.post(f"/v1/workers/{idle_id}/heartbeat", json=instant))  # shorter than a millisecond: no measurement
-    assert ok(api.admin.get(f"/v1/workers/{relay_id}"))["measured_upload_mbps"] == pytest.approx(400.0)
-    fast = {"fetched_from": [{"url": "http://127.0.0.2:7000", "bytes": 2**30, "seconds": 0.001}]}
-    ok(idle.post(f"/v1/workers/{idle_id}/heartbeat", json=fast))  # 8.6 Tbit/s: counted as 100 Gbit/s
-    assert ok(api.admin.get(f"/v1/workers/{relay_id}"))["measured_upload_mbps"] == pytest.approx(0.7 * 400 + 3e4)
+    say(5e-324)  # shorter than a millisecond: no measurement (it stored infinity)
+    say(0.001, size=2**30)  # 8.6 Tbit/s, counted as 100 Gbit/s: one provider of three
+    assert rate() == pytest.approx(400.0)
+    say(86_400, times=25)
+    assert rate() == pytest.approx(400.0)
     bad = {"bad_sources": [{"url": "http://127.0.0.2:7000", "reason": "chunk 0 sha256 mismatch"}]}
     for i in range(3):
         _, p = new_provider(api, f"peer-{i}")
