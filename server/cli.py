@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from urllib.parse import urlsplit
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -163,12 +164,28 @@ def _learner_host(settings, app, slots: int | None, argv: list[str]) -> int:  # 
     return 0
 
 
+def _on_port(settings, port: int):  # type: ignore[no-untyped-def]
+    """The settings on `port`; the public URL follows it only where it was the default (http://host:port): an
+    ECHO2_PUBLIC_URL given for remote workers stays what it says."""
+    moved = settings.public_url == f"http://{settings.host}:{settings.port}"
+    return settings.model_copy(update={"port": port, **({"public_url": f"http://{settings.host}:{port}"} if moved
+                                                        else {})})
+
+
+def _warn_unreachable(settings) -> None:  # type: ignore[no-untyped-def]
+    if urlsplit(settings.public_url).hostname in ("0.0.0.0", "::"):
+        print(f"note: workers on other machines are told to reach this control plane at {settings.public_url}, "
+              "which is their own machine: give it the address they reach it by (ECHO2_PUBLIC_URL=http://HOST:PORT)",
+              file=sys.stderr, flush=True)
+
+
 def _up(settings, args: argparse.Namespace) -> int:  # type: ignore[no-untyped-def]
     from .stack import Stack, exit_on_sigterm, hold_signals, serve_forever
 
     _check_api_processes(settings, args.api_processes, "--api-processes")
     if args.port:
-        settings = settings.model_copy(update={"port": args.port, "public_url": f"http://{settings.host}:{args.port}"})
+        settings = _on_port(settings, args.port)
+    _warn_unreachable(settings)
     stack = Stack(settings.model_copy(update={"data_dir": settings.data_dir.resolve()}), workers=args.workers,
                   learner_slots=args.learner_slots, tinker_slots=args.tinker_slots,
                   api_processes=args.api_processes)

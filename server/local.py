@@ -18,6 +18,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def check_port_free(host: str, port: int) -> None:
+    """Refuse to start where another program listens: the API would fail to bind and restart for ever while
+    `wait_port`, finding the other program's listener, said the stack was up (and its clients talked to that)."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a port left in TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            raise RuntimeError(f"port {port} on {host} is taken by another program ({exc.strerror}): stop it, or "
+                               "give Echo2 another port (--port N, or ECHO2_PORT)") from None
+
+
 def wait_port(port: int, timeout: float = 30.0, proc: subprocess.Popen | None = None) -> None:  # type: ignore[type-arg]
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

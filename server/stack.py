@@ -28,7 +28,7 @@ from api.db import Database
 from api.migrate import upgrade
 from api.settings import Settings
 
-from .local import RedisServer, free_port, wait_port
+from .local import RedisServer, check_port_free, free_port, wait_port
 
 STOP_GRACE_S = 20.0
 OWNER = "up.owner"  # in the run folder: the pid and URL of the `up` (or demo) whose children the pid files name
@@ -70,6 +70,7 @@ class Stack:
         claim_run_dir(self.run_dir, self.url)
         self.owner = True
         kill_orphans(self.run_dir)
+        check_port_free(self.settings.host, self.settings.port)
         upgrade(self.settings.database_url)
         first_run_admin(Database(self.settings.database_url), self.settings.data_dir)
         self.admin_key = (self.settings.data_dir / "admin.key").read_text().strip()

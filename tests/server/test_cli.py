@@ -99,3 +99,35 @@ def test_several_api_processes_need_postgresql(tmp_path):
         assert done.returncode == 1 and done.stderr.startswith("echo2-server: error:"), (args, done.stderr)
     assert "ECHO2_DATABASE_URL" in run(["up", "--api-processes", "2"], env).stderr
     assert not (tmp_path / "echo2.db").exists()  # refused before anything was made
+
+
+def test_up_on_a_port_another_program_holds_is_refused(tmp_path):
+    """It said "Echo2 is up" with the other program's listener on its port, while its API failed to bind and
+    restarted every 2 s."""
+    import socket
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        done = run(["up", "--workers", "0", "--port", str(port)], {**os.environ, "ECHO2_DATA_DIR": str(tmp_path)})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"port {port} on 127.0.0.1 is taken by another program" in done.stderr and "--port" in done.stderr
+    assert "Echo2 is up" not in done.stdout and not list((tmp_path / "run").glob("*.pid"))
+
+
+def test_up_on_another_port_keeps_the_public_url_it_was_given(tmp_path):
+    """`up --port P` replaced ECHO2_PUBLIC_URL with http://HOST:P, so the address remote workers were told was
+    lost; and a public URL of 0.0.0.0 (what ECHO2_HOST=0.0.0.0 gives) is a note, since a remote worker reads it as
+    itself."""
+    port = free_port()
+    env = {**os.environ, "ECHO2_DATA_DIR": str(tmp_path), "ECHO2_PUBLIC_URL": f"http://0.0.0.0:{port}"}
+    proc = subprocess.Popen([sys.executable, "-m", "server.cli", "up", "--workers", "0", "--port", str(port)],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        banner = proc.stdout.readline() + proc.stdout.readline()
+        assert f"Echo2 is up: dashboard http://0.0.0.0:{port}/" in banner, banner
+    finally:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    assert "workers on other machines are told to reach this control plane at" in err and "ECHO2_PUBLIC_URL" in err
