@@ -115,6 +115,9 @@ def test_errors_are_one_line(api, alice):
                                         url=url, key=key))
     assert "422" in unknown_task and "task.name" in unknown_task
     assert "give --file" in one_line_error(echo2("jobs", "submit", "--steps", "3", url=url, key=key))
+    misnamed = one_line_error(echo2("jobs", "submit", "-f", "-", url=url, key=key,  # "give --file" said nothing
+                                    stdin=json.dumps({"model": "echo2:tiny", "task": "arithmetic", "steps": 5})))
+    assert "base_model" in misnamed and "give --file" not in misnamed, misnamed
     assert "404" in one_line_error(echo2("jobs", "get", "nope", url=url, key=key))
     assert "401" in one_line_error(echo2("jobs", "list", url=url, key="e2u_wrong"))
     assert "ECHO2_API_KEY" in one_line_error(echo2("jobs", "list", url=url))

@@ -79,7 +79,7 @@ def test_a_provider_statement_in_the_sdk_and_the_cli(api, tmp_path):
 
 def test_estimate_and_ledger_commands(api, alice, tmp_path):
     spec = tmp_path / "spec.json"
-    spec.write_text(json.dumps(SPEC))
+    spec.write_text(json.dumps({k: v for k, v in SPEC.items() if k != "name"}))  # named as `jobs submit` names it
     shown = echo2("jobs", "estimate", "--spec", str(spec), "--set", "max_steps=7", url=api.url, key=alice.key)
     assert shown.returncode == 0, shown.stderr
     assert shown.stdout.startswith("estimate $") and "over 14 s" in shown.stdout

@@ -8,7 +8,7 @@ from typing import Any
 
 from .common import Parser, UsageError, connect, key_value, print_json
 from .render import more, num, table, when
-from .spec import read_spec, set_path
+from .spec import named, read_spec, set_path
 
 
 def add_money(groups: Any, jobs: Any, conn: Parser) -> None:
@@ -57,7 +57,7 @@ def _jobs_estimate(args: argparse.Namespace) -> int:
     for path, value in args.sets:
         set_path(spec, path, value)
     with connect(args) as client:
-        e = client.jobs.estimate(spec)
+        e = client.jobs.estimate(named(spec))  # named as `jobs submit` names it: the estimate needs a whole spec
     if args.json:
         print_json(e)
         return 0

@@ -25,19 +25,28 @@ def spec_from_args(args: argparse.Namespace) -> dict[str, Any]:
     task = _task(spec.get("task"), args)
     if task is not None:
         spec["task"] = task
-    if not spec.get("base_model") or not spec.get("task"):
+    if not args.file and (not spec.get("base_model") or not spec.get("task")):
         raise UsageError("give --file SPEC.json, or --model and --task")
     if args.name:
         spec["name"] = args.name
-    elif "name" not in spec:
-        model_tail = str(spec["base_model"]).rstrip("/").split("/")[-1].replace(":", "-")
-        spec["name"] = f"{spec['task'].get('name', 'job')}-{model_tail}"[:128]
+    named(spec)
     for flag, path in _FLAG_PATHS.items():
         value = getattr(args, flag)
         if value is not None:
             set_path(spec, path, value)
     for path, value in args.sets:
         set_path(spec, path, value)
+    return spec
+
+
+def named(spec: dict[str, Any]) -> dict[str, Any]:
+    """The spec with the default name where it has none, the task's and the model's ("arithmetic-tiny"). A file
+    missing its model or task keeps no name either: validation then names what is missing (base_model, task)."""
+    task, model = spec.get("task"), spec.get("base_model")
+    task_name = task.get("name", "job") if isinstance(task, dict) else task
+    if "name" not in spec and isinstance(task_name, str) and task_name and isinstance(model, str) and model:
+        model_tail = model.rstrip("/").split("/")[-1].replace(":", "-")
+        spec["name"] = f"{task_name}-{model_tail}"[:128]
     return spec
 
 
