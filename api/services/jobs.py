@@ -270,7 +270,8 @@ def resume_by_owner(job: Job) -> None:
     if job.status != JobStatus.paused:
         raise ApiError(409, f"job {job.id} is {job.status}, not paused")
     if job.paused_for is PauseCause.budget:
-        raise ApiError(409, f"job {job.id} is paused by its budget: raise budget_usd (PATCH /v1/jobs/{job.id})")
+        raise ApiError(409, f"job {job.id} is paused by its budget: raise budget_usd, which resumes it: echo2 jobs "
+                       f"budget {job.id} USD (PATCH /v1/jobs/{job.id})")
     if job.paused_for is PauseCause.quota:
         raise ApiError(409, f"job {job.id} is paused by its owner's daily quota: it resumes by itself as the last 24 "
                        "hours' spending falls")
@@ -297,8 +298,8 @@ def over_budget(job: Job) -> str | None:
     budget, spent = spec_of(job).budget_usd, job.learner_usd + job.workers_usd
     if budget is None or spent < budget:
         return None
-    return (f"budget of ${budget:.2f} exhausted (${spent:.2f} spent) at step {job.step}: raise budget_usd "
-            "(PATCH /v1/jobs/{id}) to resume it")
+    return (f"budget of ${budget:.2f} exhausted (${spent:.2f} spent) at step {job.step}: raise budget_usd to resume "
+            f"it: echo2 jobs budget {job.id} USD (PATCH /v1/jobs/{job.id})")
 
 
 def spec_of(job: Job) -> JobSpec:

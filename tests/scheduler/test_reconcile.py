@@ -117,6 +117,7 @@ def test_a_job_whose_budget_runs_out_pauses_and_resumes_when_it_is_raised(api, t
     got = ok(alice.get(f"/v1/jobs/{job['id']}"))
     assert got["status"] == "paused" and got["paused_for"] == "budget", got
     assert "budget of $0.50 exhausted" in got["status_reason"] and "raise budget_usd" in got["status_reason"]
+    assert f"echo2 jobs budget {job['id']} USD (PATCH /v1/jobs/{job['id']})" in got["status_reason"]
     assert got["cost"]["learner_usd"] >= 0.5
     beat = ok(learner.post(f"/v1/jobs/{job['id']}/learner/heartbeat", json={"step": 0, "busy_s": 0, "wall_s": 1}))
     assert beat["stop"] and beat["job_status"] == "paused"  # the learner stops, the job does not end
