@@ -27,7 +27,9 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
+from echo2.protocol.common import reason
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 log = logging.getLogger(__name__)
 MAX_PROMPT_CHARS = 100_000
@@ -141,16 +143,22 @@ class TaskAdapter(ABC):
         try:
             return self.Params.model_validate(dict(raw or {}))
         except ValidationError as exc:
-            errors = [(".".join(str(p) for p in e["loc"]) or "params", e["msg"]) for e in exc.errors()]
+            errors = [(".".join(str(p) for p in e["loc"]) or "params", self._reason(e)) for e in exc.errors()]
             raise TaskParamsError(self.name, errors) from None
+
+    def _reason(self, error: ErrorDetails) -> str:
+        if error["type"] == "extra_forbidden":  # a typo, most often: say what the task takes
+            return f"task {self.name} has no such parameter; it takes {', '.join(self.Params.model_fields) or 'none'}"
+        return reason(error)
 
     def generate_prompts(self, params: TaskParams, seed: int, count: int) -> list[TaskPrompt]:
         """Synthetic tasks: `count` prompts, a pure function of (params, seed)."""
-        raise TaskError(f"task {self.name!r} reads prompts from a dataset; use prompt_from_item")
+        raise TaskError(f"task {self.name!r} reads its prompts from a dataset: give dataset_id or prompts")
 
     def prompt_from_item(self, item: Mapping[str, Any], params: TaskParams) -> TaskPrompt:
         """Dataset tasks: one prompt from one JSONL item."""
-        raise TaskError(f"task {self.name!r} generates its own prompts; use generate_prompts")
+        raise TaskError(f"task {self.name!r} generates its own prompts: leave out dataset_id and prompts (the CLI's "
+                        "--dataset)")
 
     def prompt_key(self, params: TaskParams) -> str | None:
         """The item key a dataset task reads its prompt's text from (`prompt_key`, or `question_key` in its

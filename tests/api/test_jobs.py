@@ -59,6 +59,19 @@ def test_dataset_task_without_prompts_is_rejected(api):
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "dataset_id"
 
 
+def test_a_task_refusal_says_what_the_task_takes(api):
+    """A mistyped parameter said "Extra inputs are not permitted"; prompts given to a task that makes its own said
+    "use generate_prompts", a method of ours."""
+    _, alice = new_user(api)
+    typo = alice.post("/v1/jobs", json=job_spec(task={"name": "arithmetic", "params": {"digits": 3}}))
+    assert typo.status_code == 422 and typo.json()["errors"][0]["field"] == "task.params.digits"
+    said = typo.json()["detail"]
+    assert "task arithmetic has no such parameter; it takes min_operand, max_operand" in said, said
+    items = [{"item": {"question": "What is 2+3?", "answer": "5"}}]
+    given = alice.post("/v1/jobs", json=job_spec(task={"name": "arithmetic"}, prompts=items))
+    assert given.status_code == 422 and "generates its own prompts: leave out dataset_id and prompts" in given.text
+
+
 def test_inline_prompts_and_bad_items(api):
     _, alice = new_user(api)
     items = [{"item": {"question": "What is 2+3?", "answer": "#### 5"}}]

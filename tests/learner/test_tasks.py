@@ -183,7 +183,7 @@ def test_gsm8k_items_and_reward():
     assert task.prompt_from_item({"q": "1+1?", "a": "2"}, custom).text == "Q: 1+1?\nA:"
     with pytest.raises(TaskParamsError, match="template"):
         task.parse_params({"template": "no placeholder"})
-    with pytest.raises(TaskError, match="reads prompts from a dataset"):
+    with pytest.raises(TaskError, match="reads its prompts from a dataset"):
         task.generate_prompts(params, 0, 1)
 
 
