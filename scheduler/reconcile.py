@@ -266,7 +266,27 @@ def _activate(db: Session, settings: Settings, now: datetime, trouble: Trouble) 
         if line.action in (Action.ACTIVATE, Action.DEACTIVATE) or decision.resolved:
             inputs = {"method": decision.method, "jobs": [_alloc(a) for a in decision.jobs]}
             _record(db, runs, worker.id, job_id, line, (decision.trigger, inputs, now), decision.resolved)
+    _say_who_serves(jobs, {j.id for j in jobs if required_throughput(job_profiles[j.id]) > 0}, workers)
     return activated, deactivated
+
+
+WAITING = "waiting for workers"  # a running job's status_reason while none serves it
+
+
+def _say_who_serves(jobs: list[Job], needing: set[str], workers: list[Worker]) -> None:
+    """A running job that needs groups and that no worker serves says so, and why in a word; the decisions
+    (`echo2 jobs explain`) say the rest. It ran with no reason at all, its learner idle and billed. Another
+    reason (its learner starting) stays; this one goes once a worker serves the job."""
+    for job in jobs:
+        waiting = job.id in needing and not any(w.job_id == job.id for w in workers)
+        ours = (job.status_reason or "").startswith(WAITING)
+        if not waiting and ours:
+            job.status_reason = None
+        elif waiting and (ours or job.status_reason is None):
+            fleet_now = {0: "no worker is online", 1: "the one worker online does not serve it now"}.get(
+                len(workers), f"none of the {len(workers)} workers online serves it now")
+            billed = "; its learner waits for their groups, and is billed meanwhile" if job.kind.has_learner else ""
+            job.status_reason = f"{WAITING}: {fleet_now} (echo2 jobs explain {job.id} says why){billed}"
 
 
 def _decide(jobs: list[Job], job_profiles: dict[str, JobProfile], workers: list[WorkerProfile], now: float,

@@ -308,6 +308,31 @@ def test_a_worker_below_the_jobs_memory_need_is_never_activated_and_the_job_says
         assert not s.scalars(select(Decision).where(Decision.worker_id == small, Decision.action == "activated")).all()
 
 
+def test_a_running_job_no_worker_serves_says_so_until_one_does(api, tmp_path):
+    """With no worker online, or none that can serve it, a running job said nothing (status_reason null) while its
+    learner waited, billed."""
+    from learner.tiny import build_tiny_model
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, build_tiny_model(tmp_path / "tiny"), grpo={"group_size": 2, "prompts_per_step": 2})
+
+    def reason() -> str | None:
+        return ok(alice.get(f"/v1/jobs/{job['id']}"))["status_reason"]
+
+    run_tick(api)
+    assert reason() == (f"waiting for workers: no worker is online (echo2 jobs explain {job['id']} says why); its "
+                        "learner waits for their groups, and is billed meanwhile")
+    _, provider = new_provider(api)
+    small, small_client = new_worker(api, provider, "small", vram_gb=0.25, rollouts_per_s=100.0)
+    ok(small_client.post(f"/v1/workers/{small}/heartbeat", json={}))
+    run_tick(api)
+    assert reason().startswith("waiting for workers: the one worker online does not serve it now")
+    big, big_client = new_worker(api, provider, "big", vram_gb=16, rollouts_per_s=100.0)
+    ok(big_client.post(f"/v1/workers/{big}/heartbeat", json={}))
+    run_tick(api)
+    assert ok(api.admin.get(f"/v1/workers/{big}"))["desired"] == "active" and reason() is None
+
+
 def test_a_job_can_state_its_memory_need_and_backends(api, tmp_path):
     _, alice = new_user(api)
     job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), workers={"memory_gb": 40, "backends": ["vllm"]})
