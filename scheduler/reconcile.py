@@ -36,7 +36,7 @@ from api.models import (
     Worker,
     utcnow,
 )
-from api.services import fleet
+from api.services import fleet, pool
 from api.services.estimate import busy_seconds
 from api.services.jobs import finish_job, over_budget, pause_job, spec_of
 from api.services.learning import issue_learner_token
@@ -368,14 +368,15 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     slow worker, or one that waited for room in the queue): the raw generation rate. A worker that has
     delivered nothing since it was activated is on trial: it counts, whatever it claims, for at most
     `trial_share` of each job's need. A trial that delivered nothing for `delivery_grace_s` fails: the
-    worker is measured at zero (and so not activated) until `TRIAL_RETRY` grace periods later."""
+    worker is measured at zero (and so not activated) until `TRIAL_RETRY` grace periods later; not one that was
+    refused every lease meanwhile because its groups wait for the learner's audit (pool.held_back)."""
     active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
     window = min(active_s, MU_WINDOW_S)
     done, gen = _delivered(db, worker.id, now - timedelta(seconds=MU_WINDOW_S))
     if not done and worker.active_since is not None:
         # A SmolLM2 worker on CPU, with a minute between two deliveries, was failed as if it never worked.
         (done, gen), window = _delivered(db, worker.id, worker.active_since), active_s
-    if not done and active_s >= settings.delivery_grace_s:
+    if not done and active_s >= settings.delivery_grace_s and not pool.held_back(db, worker):
         worker.trial_failed_at = now
     retry_at = worker.trial_failed_at + timedelta(seconds=TRIAL_RETRY * settings.delivery_grace_s) \
         if worker.trial_failed_at else now

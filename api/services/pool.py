@@ -118,6 +118,18 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
     return lease, chosen
 
 
+def unjudged(db: Session, worker: Worker) -> int:
+    """The worker's groups that wait for the learner's verdict, on every job."""
+    return db.scalar(select(func.count()).where(
+        Rollout.worker_id == worker.id, Rollout.status.in_((RolloutStatus.accepted, RolloutStatus.claimed)),
+        Rollout.audit.is_(None))) or 0
+
+
+def held_back(db: Session, worker: Worker) -> bool:
+    """Whether the worker may lease nothing until the learner judges its groups (on probation or suspect)."""
+    return worker.trust in (TrustState.probation, TrustState.suspect) and unjudged(db, worker) >= UNJUDGED
+
+
 def _unjudged_room(db: Session, worker: Worker) -> int:
     """How many more prompts a worker whose every group is audited (probation, suspect) may take: at most
     UNJUDGED of its groups wait for the learner's verdict at once, counting the prompts it holds, so a worker that
@@ -125,9 +137,7 @@ def _unjudged_room(db: Session, worker: Worker) -> int:
     trusted worker (its audits are the windows of trust.should_audit)."""
     if worker.trust not in (TrustState.probation, TrustState.suspect):
         return UNJUDGED_ANY
-    waiting = db.scalar(select(func.count()).where(
-        Rollout.worker_id == worker.id, Rollout.status.in_((RolloutStatus.accepted, RolloutStatus.claimed)),
-        Rollout.audit.is_(None)))
+    waiting = unjudged(db, worker)
     held = db.scalar(select(func.count()).select_from(Prompt).join(Lease, Lease.id == Prompt.lease_id)
                      .where(Lease.worker_id == worker.id, Lease.status == LeaseStatus.active,
                             Prompt.state == PromptState.leased))

@@ -269,6 +269,36 @@ def test_a_slow_worker_is_measured_not_failed_and_one_that_never_delivers_is(api
         assert idle_row.trial_failed_at == now and failed.mu == 0.0  # grace 120 s, nothing delivered
 
 
+def test_a_worker_whose_groups_wait_for_their_audit_does_not_fail_its_trial(api, tmp_path):
+    """On probation, a worker with 8 groups waiting for the learner's audit may lease nothing (on any job) until
+    they are judged. Moved to another job meanwhile, it delivered nothing there and its trial failed: no
+    activation for ten grace periods (20 minutes), though its speed was never in question."""
+    from api.models import Rollout
+    from scheduler.reconcile import _worker_profile
+    from tests.factories import activate, submit_group
+
+    _, alice = new_user(api)
+    first, _ = running_job(api, alice, fake_model_folder(tmp_path / "a"), name="first")
+    second, _ = running_job(api, alice, fake_model_folder(tmp_path / "b"), name="second")
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, first["id"])
+    lease = ok(worker.post("/v1/leases", json={"job_id": first["id"], "max_prompts": 8, "version": 0}), 201)
+    for prompt in lease["prompts"]:
+        ok(submit_group(worker, lease, prompt, 0))
+    activate(api, wid, second["id"])
+    refused = worker.post("/v1/leases", json={"job_id": second["id"], "max_prompts": 1, "version": 0})
+    assert refused.status_code == 409 and "wait for the learner's audit" in refused.text
+    with api.db.session() as s:  # its groups sent 300 s ago; on the second job for 200 s (grace: 120 s)
+        for group in s.scalars(select(Rollout).where(Rollout.worker_id == wid)):
+            group.created_at = utcnow() - timedelta(seconds=300)
+        row = s.get_one(Worker, wid)
+        row.active_since = utcnow() - timedelta(seconds=200)
+        s.commit()
+        _worker_profile(s, row, utcnow(), [], api.server.settings)
+        assert row.trial_failed_at is None
+
+
 def test_a_deactivation_is_explained_on_the_job_the_worker_left(api, tmp_path):
     _, alice = new_user(api)
     job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), grpo={"group_size": 2, "prompts_per_step": 2})

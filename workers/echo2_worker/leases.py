@@ -55,6 +55,7 @@ class Leases:
         self._net = ThreadPoolExecutor(max_workers=1, thread_name_prefix="echo2-net")
         self._prefetched: Future[LeaseRead | None] | None = None
         self._failures = 0  # booking failures in a row (main thread)
+        self._refused = ""  # why the last lease was refused for now, said once (main thread)
 
     def active(self) -> list[LeaseRead]:
         with self._lock:
@@ -66,7 +67,10 @@ class Leases:
         try:
             lease = self._book(held)
         except errors.ConflictError as exc:
-            if exc.retry_after is not None:  # no prompts free right now
+            if exc.retry_after is not None:  # no prompts free right now, or its groups wait for their audit
+                if exc.detail != self._refused:  # said once: a provider sees why its worker waits
+                    log.info("no lease for now: %s", exc.detail)
+                    self._refused = exc.detail or ""
                 raise NoLease(min(exc.retry_after, 5.0)) from None
             log.info("lease refused: %s", exc.detail)  # too stale or job not running: wait for the next reply
             raise NoLease(5.0, for_reply=True) from None
@@ -79,7 +83,7 @@ class Leases:
             delay = PAUSES.backoff(self._failures)
             log.warning("could not lease prompts (%s); retrying in %.1fs", exc, delay)
             raise NoLease(delay) from None
-        self._failures = 0
+        self._failures, self._refused = 0, ""
         return lease
 
     def _book(self, held: VersionKey) -> LeaseRead:
