@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from itertools import takewhile
+
 from echo2.protocol import (
     AuditReport,
     AuditVerdict,
     AuditVerdicts,
+    JobSpec,
     JobStatus,
     LearnerHeartbeat,
     PauseCause,
@@ -63,7 +66,7 @@ def commit_step(db: Session, job: Job, report: StepReport, settings: Settings) -
     job.reward_failures = job.reward_failures + len(unscored) if unscored else 0
     if job.status == JobStatus.running and job.step < spec.max_steps:
         if job.reward_failures >= spec.reward_failures_to_pause:
-            pause_job(db, job, PauseCause.reward, _unscored_reason(job, spec.task.name, report.unscored[-1].reason))
+            pause_job(db, job, PauseCause.reward, _unscored_reason(db, job, spec, report.unscored[-1].reason))
         elif (why := over_budget(job)) is not None:
             pause_job(db, job, PauseCause.budget, why)  # the ack tells the learner to stop; it resumes when raised
     return _ack(job)
@@ -79,10 +82,21 @@ def _mark_unscored(db: Session, report: StepReport, rows: dict[str, Rollout]) ->
     return_prompts(db, [rows[r.rollout_id].prompt_id for r in report.unscored], from_state="submitted")
 
 
-def _unscored_reason(job: Job, task: str, last: str) -> str:
-    return (f"paused at step {job.step}: {job.reward_failures} groups in a row could not be scored by task {task} "
-            f"(last: {last}); none of them was trained. Fix it, then resume the job: echo2 jobs resume {job.id} "
-            f"(POST /v1/jobs/{job.id}/resume)")
+def _unscored_reason(db: Session, job: Job, spec: JobSpec, last: str) -> str:
+    return (f"paused at step {job.step}: {job.reward_failures} groups in a row could not be scored by task "
+            f"{spec.task.name} (last: {last}); none of them was trained{_empty_steps(db, job, spec)}. Fix it, then "
+            f"resume the job: echo2 jobs resume {job.id} (POST /v1/jobs/{job.id}/resume)")
+
+
+def _empty_steps(db: Session, job: Job, spec: JobSpec) -> str:
+    """The steps just before the pause that trained no group, said: they count toward max_steps all the same."""
+    trained = db.scalars(select(StepMetric.groups).where(StepMetric.job_id == job.id)
+                         .order_by(StepMetric.step.desc()).limit(spec.reward_failures_to_pause)).all()
+    empty = len(list(takewhile(lambda groups: groups == 0, trained)))
+    if not empty:
+        return ""
+    steps = f"step {job.step - 1}" if empty == 1 else f"steps {job.step - empty}-{job.step - 1}"
+    return f", and {steps} trained no group but count{'s' if empty == 1 else ''} among its {spec.max_steps} steps"
 
 
 def _check_disjoint(report: StepReport) -> None:

@@ -101,6 +101,8 @@ def test_a_reward_endpoint_taken_down_pauses_the_job_and_resume_finishes_it(tmp_
     in_a_row = re.search(r"(\d+) groups in a row could not be scored by task http_reward", reason)
     assert in_a_row and int(in_a_row[1]) >= PAUSE_AFTER, reason
     assert "ConnectError" in reason and f"echo2 jobs resume {job.id}" in reason, reason
+    # the steps that trained nothing count toward max_steps: the reason says so (a user found it out from the report)
+    assert re.search(rf"steps? [\d-]+ trained no group but counts? among its {STEPS} steps", reason), reason
     assert f"job {job.id} paused: {reason}" in watched.stdout, watched.stdout + watched.stderr
     assert resumed.returncode == 0 and "queued" in resumed.stdout, resumed.stdout + resumed.stderr
     assert failed and all("the task could not score it" in r.reason for r in failed)
