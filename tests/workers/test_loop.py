@@ -23,7 +23,7 @@ from server.local import free_port
 from tests.conftest import Api
 from tests.factories import activate, new_provider, new_worker, ok, publish
 
-from .conftest import LyingRelay, rollouts, start_job, wait_for, worker_row
+from .conftest import LyingRelay, rollouts, start_job, start_worker, wait_for, worker_row
 
 
 def active_leases(api: Api, worker_id: str) -> list[Lease]:
@@ -248,3 +248,27 @@ def test_a_lease_longer_than_its_ttl_is_renewed(api: Api, tiny_model_dir: Path, 
     finally:
         server.should_exit = True
         thread.join(30)
+
+
+def test_a_worker_whose_disk_is_full_says_where_and_how_much_it_needs(api: Api, tiny_model_dir: Path, tmp_path: Path,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """It logged "[Errno 28] No space left on device" every few seconds, naming neither the folder nor the size."""
+    import subprocess
+
+    disk = tmp_path / "small-disk"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("mounting a 256 KiB tmpfs needs root")
+    try:
+        setup = start_job(api, tiny_model_dir)
+        worker = start_worker(api, setup, disk, name="full")
+
+        def said() -> list[str]:
+            return [r.getMessage() for r in caplog.records if "no space left on the disk of" in r.getMessage()]
+
+        wait_for(said, 60, "the worker to say its disk is full")
+        assert f"no space left on the disk of {disk / 'versions'}: this version needs " in said()[0]
+        assert "GB are free; free some, or give --data-dir on a larger disk" in said()[0]
+        worker.drain()
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -15,7 +15,9 @@ admissible, keeps generating.
 
 from __future__ import annotations
 
+import errno
 import logging
+import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -197,10 +199,19 @@ class Versions:
             log.info("stopped fetching version %d: a newer one is wanted", a.version)
         except DeltaError as exc:
             self._failed(a, f"a delta did not fit: {exc}")
-        except (VersionUnavailable, errors.Echo2Error, OSError, ValueError) as exc:
+        except OSError as exc:
+            self._failed(a, self._disk_full(a) if exc.errno == errno.ENOSPC else str(exc))
+        except (VersionUnavailable, errors.Echo2Error, ValueError) as exc:
             self._failed(a, str(exc))
         finally:
             self._finished()
+
+    def _disk_full(self, a: Assignment) -> str:
+        """What a provider does about a full disk: the folder, what the version needs and what is free."""
+        need = sum(step.size for step in a.fetch)
+        free = shutil.disk_usage(self.store.root).free
+        return (f"no space left on the disk of {self.store.root}: this version needs {need / 1e9:.2f} GB, "
+                f"{free / 1e9:.2f} GB are free; free some, or give --data-dir on a larger disk")
 
     def _finished(self) -> None:
         """The download no longer needs its versions: when the swap came while it was still running (it
