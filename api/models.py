@@ -205,6 +205,7 @@ class Dataset(Base):
     name: Mapped[str] = mapped_column(String(128))
     num_items: Mapped[int] = mapped_column(Integer)
     keys: Mapped[list[Any]]
+    sha256: Mapped[str | None] = mapped_column(String(64), default=None)  # of the file it was uploaded from in parts
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 
 

@@ -53,7 +53,9 @@ def _read_blocks(file: UploadFile) -> Iterator[bytes]:
 
 @router.post("/datasets/uploads", operation_id="start_dataset_upload",
              summary="Start the upload of a JSONL file of any size in parts, or resume it (the same name, size and "
-                     "sha256): the answer lists the parts already received")
+                     "sha256): the answer lists the parts already received",
+             responses={409: {"description": "This file was uploaded under this name already: the detail names "
+                                             "its dataset."}})
 def start_upload(body: UploadCreate, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> UploadRead:
     upload = uploads.start(db, user, body)
     db.commit()

@@ -40,7 +40,15 @@ def folder(settings: Settings, upload_id: str) -> Path:
 
 
 def start(db: Session, user: User, body: UploadCreate) -> DatasetUpload:
-    """The upload of this file begun before by this user (resumed), or a new one."""
+    """The upload of this file begun before by this user (resumed), or a new one; a 409 naming the dataset where
+    this user's upload of the same file under the same name completed already (run again to resume, it made a
+    second dataset of the same name)."""
+    made = db.scalar(select(Dataset).where(Dataset.owner_id == user.id, Dataset.name == body.name,
+                                           Dataset.sha256 == body.sha256).limit(1))
+    if made is not None:
+        raise ApiError(409, f"this file is dataset {made.id} already ({made.num_items} items, named {made.name!r}, "
+                       f"uploaded {made.created_at:%Y-%m-%d %H:%M} UTC): use that id, or upload it under another "
+                       "name", field="sha256")
     found = db.scalar(select(DatasetUpload).where(DatasetUpload.owner_id == user.id, DatasetUpload.name == body.name,
                                                   DatasetUpload.size == body.size,
                                                   DatasetUpload.sha256 == body.sha256))
@@ -99,7 +107,7 @@ def complete(db: Session, user: User, settings: Settings, upload: DatasetUpload)
     except ApiError:
         abandon(db, settings, upload)
         raise
-    dataset = store(db, user, upload.name, items)
+    dataset = store(db, user, upload.name, items, upload.sha256)
     db.delete(upload)
     db.flush()
     shutil.rmtree(folder(settings, upload.id), ignore_errors=True)
@@ -199,9 +207,9 @@ def _line_item(line: bytes) -> dict[str, Any] | str:
     return {k: [t.model_dump(mode="json") for t in v] if isinstance(v, list) else v for k, v in item.items()}
 
 
-def store(db: Session, user: User, name: str, items: list[dict[str, Any]]) -> Dataset:
+def store(db: Session, user: User, name: str, items: list[dict[str, Any]], sha256: str | None = None) -> Dataset:
     keys = sorted({k for item in items for k in item})[:64]
-    dataset = Dataset(owner_id=user.id, name=name, num_items=len(items), keys=keys)
+    dataset = Dataset(owner_id=user.id, name=name, num_items=len(items), keys=keys, sha256=sha256)
     db.add(dataset)
     db.flush()
     for start_at in range(0, len(items), INSERT_BATCH):

@@ -48,6 +48,11 @@ def test_an_upload_in_parts_resumes_with_the_parts_missing_and_completes(api):
     assert dataset["num_items"] == data.count(b"\n") and dataset["keys"] == ["answer", "question"]
     assert alice.get(f"/v1/datasets/uploads/{upload['id']}").status_code == 404  # done: gone
     assert not (api.server.settings.data_dir / "uploads" / upload["id"]).exists()
+    again = alice.post("/v1/datasets/uploads", json={"name": "big", "size": len(data),  # run again "to resume"
+                                                     "sha256": hashlib.sha256(data).hexdigest()})
+    assert again.status_code == 409 and f"this file is dataset {dataset['id']} already" in again.json()["detail"]
+    assert _start(alice, "big copy", data)["received"] == []  # under another name: a new upload
+    assert ok(alice.get("/v1/datasets"))["total"] == 1
 
 
 def test_every_bad_line_is_named_with_its_number(api):
