@@ -10,6 +10,7 @@ from echo2.protocol import (
     Heartbeat,
     HeartbeatReply,
     Page,
+    PlacementLine,
     ProviderCreate,
     ProviderCreated,
     ProviderRead,
@@ -114,6 +115,25 @@ def list_workers(p: AnyPrincipal, db: SessionDep, settings: SettingsDep, status:
 @router.get("/workers/{worker_id}", operation_id="get_worker", summary="Get a worker")
 def get_worker(worker_id: str, p: AnyPrincipal, db: SessionDep, settings: SettingsDep) -> WorkerRead:
     return trust.worker_reads(db, [_visible_worker(db, p, worker_id)], settings, admin=p.is_admin)[0]
+
+
+@router.get("/workers/{worker_id}/placement", operation_id="get_worker_placement",
+            summary="Why the scheduler has this worker where it is: its newest decision on each job it weighed the "
+                    "worker for, newest first",
+            description="Visible to the worker itself, its provider and admins. An idle worker's lines say what it "
+                        "misses for each job (memory, backend, freshness, a measured throughput) or that it is not "
+                        "needed; `echo2-worker status` prints them.")
+def get_worker_placement(worker_id: str, p: AnyPrincipal, db: SessionDep,
+                         limit: Annotated[int, Query(ge=1, le=50)] = 5) -> list[PlacementLine]:
+    worker = _visible_worker(db, p, worker_id)
+    if p.kind == "user" and not p.is_admin:  # its lines name the other jobs it serves or was weighed for
+        raise ApiError(403, "a worker's placement is for the worker, its provider and admins")
+    job = func.coalesce(Decision.job_id, "")
+    newest = (select(job.label("job"), func.max(Decision.decided_at).label("at"))
+              .where(Decision.worker_id == worker.id).group_by(job).subquery())
+    rows = db.scalars(select(Decision).join(newest, (job == newest.c.job) & (Decision.decided_at == newest.c.at))
+                      .where(Decision.worker_id == worker.id).order_by(Decision.decided_at.desc()).limit(limit))
+    return [PlacementLine(job_id=d.job_id, action=str(d.action), line=d.line, decided_at=d.decided_at) for d in rows]
 
 
 @router.post("/workers/{worker_id}/heartbeat", operation_id="worker_heartbeat", response_model=HeartbeatReply,

@@ -378,3 +378,25 @@ def test_heartbeat_checks_the_token_before_the_body(api):
     _, other = new_worker(api, provider, name="other")
     r = other.post(f"/v1/workers/{worker_id}/heartbeat", json={})
     assert r.status_code == 403 and "itself" in r.json()["detail"]
+
+
+def test_a_provider_reads_why_the_scheduler_left_its_worker_idle(api, tmp_path):
+    """A worker too small for the only job stayed "idle", and only the job's owner could read why (its decisions);
+    its provider saw nothing, in the API, the dashboard or `echo2-worker status`."""
+    from learner.tiny import build_tiny_model
+    from tests.factories import run_tick
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, build_tiny_model(tmp_path / "tiny"), grpo={"group_size": 2, "prompts_per_step": 2})
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, "small", vram_gb=0.001, rollouts_per_s=100.0)
+    ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
+    run_tick(api)
+    run_tick(api)  # a decision decided again adds to its line's count, not a second line
+    [line] = ok(provider.get(f"/v1/workers/{wid}/placement"))
+    assert line["job_id"] == job["id"] and line["action"] == "skipped"
+    assert line["line"].startswith(f"skipped {wid}: VRAM 0.001 GiB < need"), line
+    assert ok(worker.get(f"/v1/workers/{wid}/placement")) == [line]  # the worker itself
+    assert alice.get(f"/v1/workers/{wid}/placement").status_code == 403  # its lines name other tenants' jobs
+    _, rival = new_provider(api, "rival")
+    assert rival.get(f"/v1/workers/{wid}/placement").status_code == 404

@@ -315,6 +315,7 @@ def test_open_a_worker_from_the_fleet(api, ui, training):
     ui.page.wait_for_url(re.compile(rf"/workers/{wid}$"))
     expect_text(ui, "#worker-hw", "RTX 4090")
     expect_text(ui, "#worker-work", r"Version held\s*0")
+    expect_text(ui, "#worker-work", r"Scheduler\s*no decision yet")  # placed by hand here, not by the scheduler
     expect_text(ui, "#worker-net", "http://10.0.0.7:7070")
     expect_text(ui, "#worker-trust", "1 chunk")
     ui.shot("worker")

@@ -118,6 +118,10 @@ def test_join_runs_survives_a_crash_and_drains_on_sigterm(api: Api, tiny_model_d
                                 capture_output=True, text=True, timeout=60, check=True)
         shown = json.loads(status.stdout)[0]
         assert shown["worker_id"] == worker["id"] and shown["server_says"]["status"] in ("active", "idle")
+        assert shown["placement"] == []  # placed by hand here, not by a scheduler's decision
+        plain = subprocess.run([*CLI, "--config-dir", str(tmp_path / "config"), "status"], capture_output=True,
+                               text=True, timeout=60, check=True)
+        assert f"worker {worker['id']}" in plain.stdout and "version held" in plain.stdout
         assert setup.provider_token not in status.stdout and "e2w_" not in status.stdout
 
         assert stop(proc) == 0

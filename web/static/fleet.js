@@ -59,6 +59,7 @@
         ["Provider", h("code", {}, w.provider_id)],
         ["Registered", timeEl(w.created_at)],
       ]);
+      const placed = seesAudits ? await placement(id) : null;
       props("#worker-work", [
         ["Status", [badge(w.status), ` (told: ${w.desired})`]],
         ["Job", w.job_id ? E2.jobRef(w.job_id, true) : "none"],
@@ -67,6 +68,7 @@
         ["Rollouts accepted", String(w.accepted_rollouts)],
         ["Rollouts rejected", String(w.rejected_rollouts)],
         ["Last heartbeat", timeEl(w.last_heartbeat_at, true)],
+        ...(placed ? [["Scheduler", placed]] : []),
       ]);
       props("#worker-net", [
         ["Relay role", w.relay_url ? "relay (serves chunks to peers)" : "leaf (downloads only)"],
@@ -89,6 +91,15 @@
     fillRows(list, audits.map((a) => h("tr", {},
       h("td", {}, timeEl(a.created_at, true)), h("td", {}, E2.jobRef(a.job_id)),
       h("td", { class: "num" }, String(a.version)), h("td", {}, a.reason || ""))), "No failed audits.", 4);
+  }
+
+  /** The scheduler's newest line on each job it weighed the worker for: why it works where it does, or idles
+   * ("skipped …: VRAM 8 GiB < need 11.5 GiB"). Only the worker's provider and admins may read them. */
+  async function placement(id) {
+    let lines;
+    try { lines = await api(`/v1/workers/${encodeURIComponent(id)}/placement`); }
+    catch (_) { return null; }
+    return lines.length ? lines.map((p) => h("div", { class: "placement" }, p.line)) : "no decision yet";
   }
 
   function props(sel, pairs) {

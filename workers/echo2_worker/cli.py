@@ -479,6 +479,7 @@ def _status(args: argparse.Namespace) -> int:
             control = ControlPlane(saved.server, saved.worker_token, max_retries=1, timeout=10)
             try:
                 item["server_says"] = control.get_worker(saved.worker_id).model_dump(mode="json")
+                item["placement"] = [p.model_dump(mode="json") for p in control.placement(saved.worker_id)]
             except errors.Echo2Error as exc:
                 item["server_says"] = {"error": str(exc)}
             finally:
@@ -496,6 +497,8 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  status {says['status']} (desired {says['desired']}), job {says['job_id'] or '-'}, "
                   f"version held {says['version_held']}, rollouts {says['accepted_rollouts']} accepted / "
                   f"{says['rejected_rollouts']} rejected, last heartbeat {says['last_heartbeat_at']}")
+        for p in item.get("placement") or []:  # why it is idle, or where it works: the scheduler's newest lines
+            print(f"  scheduler, job {p['job_id'] or '-'}: {p['line']} ({p['decided_at']})")
     return 0
 
 

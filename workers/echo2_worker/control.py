@@ -25,6 +25,7 @@ from echo2.protocol import (
     LeaseRead,
     LeaseRequest,
     Manifest,
+    PlacementLine,
     PlatformVersion,
     ProviderRead,
     RolloutSubmit,
@@ -35,13 +36,17 @@ from echo2.protocol import (
     WorkerRegistered,
 )
 from echo2.transport import Call, RetryPolicy, Transport
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, RootModel, ValidationError
 
 M = TypeVar("M", bound=BaseModel)
 RETRY_STATUSES = frozenset({429, 502, 503, 504})
 UNTIL_DEADLINE = 10**6  # retries of a call bounded by its give_up_after instead of a count
 USER_AGENT = "echo2-worker/0.1.0"
 EPISODE_TIMEOUT_S = 90.0
+
+
+class _Placement(RootModel[list[PlacementLine]]):
+    """GET /v1/workers/{id}/placement's answer."""
 
 
 class ControlPlane:
@@ -79,6 +84,10 @@ class ControlPlane:
 
     def get_worker(self, worker_id: str, token: str | None = None) -> WorkerRead:
         return self._call("GET", f"/v1/workers/{worker_id}", WorkerRead, token=token)
+
+    def placement(self, worker_id: str) -> list[PlacementLine]:
+        """Why the scheduler has this worker where it is (its newest decision on each job weighed)."""
+        return self._call("GET", f"/v1/workers/{worker_id}/placement", _Placement).root
 
     def manifest(self, url: str) -> Manifest:
         return self._call("GET", url, Manifest)

@@ -112,6 +112,16 @@ class WorkerRead(ReadModel):
     created_at: datetime
 
 
+class PlacementLine(ReadModel):
+    """The scheduler's newest decision about a worker on one job, e.g. "skipped w9: VRAM 8 GiB < need 11.5 GiB" or
+    "idle w3: qualifies but not needed": why a worker is where it is, for its provider."""
+
+    job_id: str | None
+    action: str
+    line: str
+    decided_at: datetime
+
+
 class WorkerRegistered(ReadModel):
     worker: WorkerRead
     token: str = Field(description="Per-worker token (shown once).")
