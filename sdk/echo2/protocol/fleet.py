@@ -99,8 +99,9 @@ class WorkerRead(ReadModel):
                             "worker's relay; at ECHO2_RELAY_MAX_BAD_CHUNKS it serves no peer.")
     relay_confirmed_bad_at: datetime | None = Field(None, description="When the control plane fetched a chunk from "
                                                     "this relay itself and found it corrupt: it serves no peer.")
-    measured_upload_mbps: float | None = Field(None, description="Upload rate other providers' workers measured "
-                                               "downloading from this relay; relay placement goes by it.")
+    measured_upload_mbps: float | None = Field(None, description="Upload rate other providers' workers on its job "
+                                               "measured downloading from this relay (the median over providers); "
+                                               "relay placement goes by it.")
     trust: TrustState = Field(TrustState.probation, description="Standing after the learner's audits and the "
                               "door's checks: probation, trusted, suspect, quarantined or banned.")
     audits_passed: int = 0
