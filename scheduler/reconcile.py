@@ -277,8 +277,9 @@ def _say_who_serves(jobs: list[Job], needing: set[str], workers: list[Worker]) -
     """A running job that needs groups and that no worker serves says so, and why in a word; the decisions
     (`echo2 jobs explain`) say the rest. It ran with no reason at all, its learner idle and billed. Another
     reason (its learner starting) stays; this one goes once a worker serves the job."""
+    served = {w.job_id for w in workers}
     for job in jobs:
-        waiting = job.id in needing and not any(w.job_id == job.id for w in workers)
+        waiting = job.id in needing and job.id not in served
         ours = (job.status_reason or "").startswith(WAITING)
         if not waiting and ours:
             job.status_reason = None
