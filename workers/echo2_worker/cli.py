@@ -480,8 +480,8 @@ def _status(args: argparse.Namespace) -> int:
             try:
                 item["server_says"] = control.get_worker(saved.worker_id).model_dump(mode="json")
                 item["placement"] = [p.model_dump(mode="json") for p in control.placement(saved.worker_id)]
-            except errors.Echo2Error as exc:
-                item["server_says"] = {"error": str(exc)}
+            except errors.Echo2Error as exc:  # the worker's own figures stay, where only its placement failed
+                item.setdefault("server_says", {"error": str(exc)})
             finally:
                 control.close()
         out.append(item)
