@@ -104,7 +104,10 @@ def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, d
                          "Submit a group once its episodes are done, each sample's tokens being all its turns in "
                          "order with `turns` giving their lengths.",
              responses={409: {"description": "Single-turn job, lease over, episode over, or turns out of order."},
-                        422: {"description": "Too many tokens, or tokens outside the vocabulary."}})
+                        422: {"description": "Too many tokens, or tokens outside the vocabulary."},
+                        429: {"description": f"This worker has {episodes.PER_WORKER} requests playing already, "
+                                           f"or this API process {episodes.IN_FLIGHT} (slow environments never "
+                                           "take every request thread): retry after Retry-After seconds."}})
 def play_episode_turns(lease_id: str, body: EpisodeTurns, worker: CurrentWorker, db: SessionDep,
                        blobs: BlobsDep) -> EpisodeReplies:
     # The lease row is not locked: its environments may take a while, and renewals must not wait on
@@ -112,7 +115,8 @@ def play_episode_turns(lease_id: str, body: EpisodeTurns, worker: CurrentWorker,
     lease, job = _own(db, worker, lease_id, lock=False)
     if job.status != JobStatus.running:
         raise ApiError(409, f"job {job.id} is {job.status}; its episodes are over")
-    replies = episodes.play(db, blobs, lease, job, body.steps)
+    with episodes.playing_slot(worker.id):
+        replies = episodes.play(db, blobs, lease, job, body.steps)
     db.commit()
     return EpisodeReplies(replies=replies)
 

@@ -18,13 +18,20 @@ checked, the transaction ends, the environments run, and a second transaction st
 stalled every other request). A request carries at most `EpisodeLimits.max_steps` steps: the ones the
 environment can answer within the request's deadline at its concurrency. A worker that falls silent
 mid-episode loses its lease at its TTL, and the prompt goes back to the pool like any other.
+While its environments play, a request holds one of the API process's request threads (anyio's 40): at most
+IN_FLIGHT of them play at once in a process, PER_WORKER for one worker, and a request past those is answered 429
+with Retry-After at once, so slow environments (or a worker sending many requests) never take the threads every
+other route needs.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+import threading
+from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -46,6 +53,34 @@ MAX_EPISODE_TOKENS = 16_384  # a submitted sample's token limit (echo2.protocol.
 ENV_DEADLINE_S = 60.0  # one request's environment calls; a worker's client waits longer (echo2_worker.control)
 MAX_OBSERVATION_TOKENS = 512  # one environment reply; a longer one ends its episode as the environment's failure
 MAX_STEPS = 4_096  # echo2.protocol.EpisodeTurns
+IN_FLIGHT = 16  # episode requests playing at once in one API process: under half its 40 request threads
+PER_WORKER = 2  # an honest worker sends one a round; a second covers a retry racing its first attempt
+RETRY_AFTER_S = 1
+_playing: Counter[str] = Counter()  # worker id -> its requests playing in this process
+_playing_lock = threading.Lock()
+
+
+@contextmanager
+def playing_slot(worker_id: str) -> Iterator[None]:
+    """Hold one of the process's episode slots while a request plays, or refuse it (429, Retry-After) at once."""
+    with _playing_lock:
+        busy = None
+        if _playing[worker_id] >= PER_WORKER:
+            busy = (f"worker {worker_id} has {PER_WORKER} episode requests playing already: send a lease's turns "
+                    "one request a round, and retry this one when an earlier one has answered")
+        elif sum(_playing.values()) >= IN_FLIGHT:
+            busy = (f"this API process is playing {IN_FLIGHT} episode requests already, its most at once (so that "
+                    "environments never hold the threads other routes need): retry shortly")
+        if busy:
+            raise ApiError(429, busy, headers={"Retry-After": str(RETRY_AFTER_S)})
+        _playing[worker_id] += 1
+    try:
+        yield
+    finally:
+        with _playing_lock:
+            _playing[worker_id] -= 1
+            if not _playing[worker_id]:
+                del _playing[worker_id]
 
 
 def limits(job: Job) -> EpisodeLimits | None:

@@ -11,11 +11,13 @@ from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
+from echo2.protocol import EpisodeStep
+from echo2_worker.control import ControlPlane
 from sqlalchemy import func, select
 from tokenizers import Tokenizer
 
 from api.models import Episode, Job, Prompt, Rollout, utcnow
-from api.services import archive, retention
+from api.services import archive, episodes, retention
 from scheduler.reconcile import _delivered
 from tests.factories import activate, new_provider, new_user, new_worker, ok, publish, start_learner
 
@@ -328,9 +330,11 @@ def test_a_request_carries_what_the_environment_answers_within_its_deadline(api,
     assert r.status_code == 422 and "at most 240" in r.json()["detail"] and Environment.seen == []
 
 
-def test_a_turn_sent_twice_at_once_is_played_once(api, game):
+def test_a_turn_sent_twice_at_once_is_played_once(api, game, monkeypatch):
     """Racing twins of a first turn (a retry while its first attempt still runs) get one answer; a twin with
-    other tokens is refused. On PostgreSQL both used to insert the episode, and the second got a 500."""
+    other tokens is refused. On PostgreSQL both used to insert the episode, and the second got a 500. One
+    process lets a worker play two requests at once, so six race here as they would across API processes."""
+    monkeypatch.setattr(episodes, "PER_WORKER", 6)
     _, _, worker, lease, tok = game
     pid = lease["prompts"][0]["prompt_id"]
     same = race(worker, lease, pid, 0, [said(tok, "5")] * 6)
@@ -441,3 +445,74 @@ def test_the_retention_sweep_deletes_the_episodes_of_ended_leases(api, game):
         kept = archive.payloads(settings.data_dir, [row])[rid].samples
     assert [(k["token_ids"], k["turns"]) for k in kept] == [(won["token_ids"], won["turns"]),
                                                             (lost["token_ids"], lost["turns"])]
+
+
+def test_episode_requests_never_take_every_request_thread(api, hosted, monkeypatch):
+    """Each playing request holds an API thread for as long as its environments take (up to 60 s): one worker
+    may have two playing, a process sixteen (one here), and a request past that is told to retry at once,
+    while other routes answer as ever."""
+    _, _, worker, lease, tok, _ = hosted
+    Environment.mode = "lagging"
+    pid = lease["prompts"][0]["prompt_id"]
+
+    def step(sample, k=0):
+        return {"steps": [{"prompt_id": pid, "sample": sample, "turn": k, "action_token_ids": said(tok, "3")}]}
+
+    def playing(sample, answers, k=0):
+        thread = threading.Thread(target=lambda: answers.append(
+            worker.post(f"/v1/leases/{lease['id']}/episodes", json=step(sample, k))))
+        thread.start()
+        return thread
+
+    answers: list = []
+    threads = [playing(0, answers), playing(1, answers)]
+    time.sleep(0.3)
+    third = worker.post(f"/v1/leases/{lease['id']}/episodes", json=step(0))
+    assert third.status_code == 429 and third.headers["Retry-After"] == "1"
+    assert "2 episode requests playing already" in third.json()["detail"]
+    for thread in threads:
+        thread.join()
+    assert [r.status_code for r in answers] == [200, 200]
+
+    monkeypatch.setattr(episodes, "IN_FLIGHT", 1)
+    _, provider = new_provider(api)
+    other_id, other = new_worker(api, provider)
+    activate(api, other_id, hosted[0]["id"])
+    theirs = ok(other.post("/v1/leases", json={"job_id": hosted[0]["id"], "max_prompts": 1, "version": 0}), 201)
+    busy = [playing(1, answers, k=1)]  # a new turn: one the environment plays
+    time.sleep(0.3)
+    step_theirs = {"prompt_id": theirs["prompts"][0]["prompt_id"], "sample": 0, "turn": 0,
+                   "action_token_ids": said(tok, "3")}
+    refused = other.post(f"/v1/leases/{theirs['id']}/episodes", json={"steps": [step_theirs]})
+    assert refused.status_code == 429 and "this API process is playing 1 episode requests" in refused.text
+    started = time.monotonic()
+    ok(other.get(f"/v1/workers/{other_id}"))  # a route that needs a request thread
+    assert time.monotonic() - started < 0.4
+    busy[0].join()
+    assert reply(other.post(f"/v1/leases/{theirs['id']}/episodes", json={"steps": [step_theirs]}))["turn"] == 0
+
+
+def test_a_worker_asks_again_while_the_process_is_busy_playing_others(api, hosted, monkeypatch):
+    """The worker's client (echo2_worker.control) retries a 429 for as long as it would wait for an answer,
+    not three times: a fleet's episodes may fill a process's slots for a minute."""
+    _, _, worker, lease, tok, _ = hosted
+    monkeypatch.setattr(episodes, "IN_FLIGHT", 1)
+    release = threading.Event()
+
+    def held_elsewhere():
+        with episodes.playing_slot("another-worker"):
+            release.wait(10)
+
+    holder = threading.Thread(target=held_elsewhere)
+    holder.start()
+    threading.Timer(5.0, release.set).start()
+    control = ControlPlane(api.server.url, worker.headers["Authorization"].removeprefix("Bearer "))
+    step = EpisodeStep(prompt_id=lease["prompts"][0]["prompt_id"], sample=0, turn=0, action_token_ids=said(tok, "7"))
+    started = time.monotonic()
+    try:
+        answer = control.play_turns(lease["id"], [step])
+    finally:
+        release.set()
+        holder.join()
+        control.close()
+    assert time.monotonic() - started >= 4.5 and answer[0].done

@@ -121,9 +121,11 @@ class ControlPlane:
 
     def play_turns(self, lease_id: str, steps: list[EpisodeStep]) -> list[EpisodeReply]:
         # Replayed safely: the server answers a retried turn as it answered it the first time. It may take
-        # its environments up to 60 s (api/services/episodes.py ENV_DEADLINE_S): wait longer than that.
+        # its environments up to 60 s (api/services/episodes.py ENV_DEADLINE_S): wait longer than that. A
+        # process busy with other workers' episodes answers 429 at once: ask again for as long.
+        policy = replace(self._policy, max_retries=UNTIL_DEADLINE, give_up_after=EPISODE_TIMEOUT_S)
         return self._call("POST", f"/v1/leases/{lease_id}/episodes", EpisodeReplies, EpisodeTurns(steps=steps),
-                          timeout=EPISODE_TIMEOUT_S).replies
+                          timeout=EPISODE_TIMEOUT_S, policy=policy).replies
 
     # -- plumbing --------------------------------------------------------------------------------
 
