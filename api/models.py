@@ -37,6 +37,7 @@ from sqlalchemy import (
     Text,
     TypeDecorator,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -335,6 +336,9 @@ class Lease(Base):
     __table_args__ = (Index("ix_leases_expiry", "status", "expires_at"), Index("ix_leases_job", "job_id", "status"))
 
 
+ENV_FAILED = text(f"reject_kind = '{RejectKind.environment_failed.value}'")
+
+
 class Rollout(Base):
     """One prompt's group of G samples, tagged with the version that generated it."""
 
@@ -371,6 +375,8 @@ class Rollout(Base):
         Index("ix_rollouts_queue", "job_id", "status", "version", "created_at"),
         # The newest trained groups of a job: the fleet comparison's window and the archive sweep's edge.
         Index("ix_rollouts_trained", "job_id", "status", "trained_step"),
+        # A prompt's environment failures, by whom: setting the prompt aside and paying for them need two providers.
+        Index("ix_rollouts_env_failed", "prompt_id", postgresql_where=ENV_FAILED, sqlite_where=ENV_FAILED),
     )
 
 

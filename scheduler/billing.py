@@ -8,9 +8,12 @@ everything ran):
 - a worker accrues its active time (at most `pay_window_s` of it waiting to be paid), and is paid out
   of it only for rollouts that were worth something: trained, or accepted in time but then not
   trained through the platform's fault (RejectKind.fault() is platform: stale when claimed, an environment
-  or a reward that failed). Each such group buys 1 / (f · μ_a) seconds, where μ_a is the rate
-  the worker was activated for and f = `pay_rate_fraction`: delivering at f · μ_a or better is paid in
-  full, less is paid pro rata, nothing is paid nothing — however much a worker claims to be able to do.
+  or a reward that failed). An environment's failure is paid only once a worker of another provider saw the
+  environment fail on the same prompt: the group is never audited, and junk actions a worker sends without
+  generating make a strict environment fail as surely as an outage does. Each such group buys
+  1 / (f · μ_a) seconds, where μ_a is the rate the worker was activated for and f = `pay_rate_fraction`:
+  delivering at f · μ_a or better is paid in full, less is paid pro rata, nothing is paid nothing —
+  however much a worker claims to be able to do.
   A quarantined or banned worker is paid nothing more.
 
 Every payment is a ledger entry naming the rollouts it pays for, the job's step when it was made, and
@@ -23,15 +26,15 @@ from collections import defaultdict
 from datetime import datetime, timedelta
 
 from echo2.protocol import Fault, JobStatus, RejectKind, RolloutStatus, TrustState, WorkerStatus
-from sqlalchemy import and_, or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy import Exists, and_, or_, select
+from sqlalchemy.orm import Session, aliased
 
 from api.models import Job, LedgerEntry, Provider, Rollout, Worker
 from api.services.jobs import spec_of
 from api.settings import Settings
 
 MIN_MU = 1e-3  # groups/s: a floor for an activation rate that was never measured
-PAID_REJECTIONS = [k for k in RejectKind if k.fault() is Fault.platform]
+PAID_REJECTIONS = [k for k in RejectKind if k.fault() is Fault.platform and k is not RejectKind.environment_failed]
 WORKING = [s for s in TrustState if s.can_work()]
 
 
@@ -62,13 +65,23 @@ def _bill_learners(db: Session, settings: Settings, now: datetime, seconds: floa
 def _payable(db: Session) -> dict[str, dict[str, list[tuple[str, bool]]]]:
     """worker -> job -> (id, trained) of its unpaid rollouts that are worth paying for."""
     worth = or_(Rollout.status == RolloutStatus.trained,
-                and_(Rollout.status == RolloutStatus.rejected, Rollout.reject_kind.in_(PAID_REJECTIONS)))
+                and_(Rollout.status == RolloutStatus.rejected, Rollout.reject_kind.in_(PAID_REJECTIONS)),
+                and_(Rollout.reject_kind == RejectKind.environment_failed, _env_failed_elsewhere()))
     rows = db.execute(select(Rollout.worker_id, Rollout.job_id, Rollout.id, Rollout.status)
+                      .join(Worker, Worker.id == Rollout.worker_id)
                       .where(Rollout.paid_entry_id.is_(None), worth).order_by(Rollout.created_at))
     out: dict[str, dict[str, list[tuple[str, bool]]]] = defaultdict(lambda: defaultdict(list))
     for worker_id, job_id, rollout_id, status in rows:
         out[worker_id][job_id].append((rollout_id, status == RolloutStatus.trained))
     return out
+
+
+def _env_failed_elsewhere() -> Exists:
+    """The environment failed on the rollout's prompt for a worker of another provider too."""
+    other, by = aliased(Rollout), aliased(Worker)
+    return (select(other.id).join(by, by.id == other.worker_id)
+            .where(other.prompt_id == Rollout.prompt_id, other.reject_kind == RejectKind.environment_failed,
+                   by.provider_id != Worker.provider_id).exists())
 
 
 def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list[tuple[str, bool]]]) -> None:

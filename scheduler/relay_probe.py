@@ -113,7 +113,7 @@ async def _fetch(probe: Probe) -> bool | None:
 
 def record(db: Session, settings: Settings, probe: Probe, verdict: bool | None, now: datetime) -> None:
     """A corrupt chunk confirms the reports; anything else leaves them as they are."""
-    worker = db.get(Worker, probe.worker_id)
+    worker = db.get(Worker, probe.worker_id, with_for_update=True)  # its strikes as they are, not as last read
     if verdict is False and worker is not None and worker.relay_confirmed_bad_at is None:
         worker.relay_confirmed_bad_at = now
         trust.strike(db, worker, "its relay served a corrupt chunk (confirmed by the control plane)", settings)

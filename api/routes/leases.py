@@ -77,6 +77,10 @@ def release_lease(lease_id: str, worker: CurrentWorker, db: SessionDep) -> Lease
              summary="Submit version-tagged groups for prompts of this lease (idempotent per prompt)")
 def submit_rollouts(lease_id: str, body: RolloutSubmit, worker: CurrentWorker, db: SessionDep,
                     settings: SettingsDep, request: Request) -> RolloutSubmitResult:
+    # One worker's submissions take turns, its row read afresh: a burst of forged groups sent at once is one
+    # strike each, not one in all (each request read strikes = 0 with the token), and rows are locked in one
+    # order, worker then lease (a quarantine ends the worker's other leases: the reverse order deadlocked).
+    db.refresh(worker, with_for_update=True)
     lease, job = _own(db, worker, lease_id)  # no job lock: the claim re-checks staleness
     if job.status.is_terminal():
         raise ApiError(409, f"job {job.id} is {job.status}; rollouts are no longer accepted")

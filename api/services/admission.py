@@ -73,7 +73,7 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
                                        reason="prompt is not part of this lease"))
             continue
         prompt = prompts.get(group.prompt_id)
-        reason, kind = _rejection(job, spec, lease, group, prompt)
+        reason, kind = _rejection(job, spec, lease, group, prompt, multi_turn=bounds is not None)
         rewards = None
         if reason is None and bounds is not None:
             reason, kind, rewards = _episodes_rejection(db, lease, group, bounds)
@@ -100,11 +100,11 @@ def _refuse_all(rows: list[dict[str, Any]], results: list[GroupResult], reason: 
             by_id[row["id"]].status, by_id[row["id"]].reason = RolloutStatus.rejected, reason
 
 
-def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: Prompt | None
-               ) -> tuple[str | None, RejectKind | None]:
+def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: Prompt | None, *,
+               multi_turn: bool) -> tuple[str | None, RejectKind | None]:
     # Checked first, whether or not the group comes late: a late group is no one's fault, a forged one is its
     # sender's (else junk sent on a lease the worker released itself would be a blameless "late").
-    problem = _invalid(job, spec, lease, group, prompt)
+    problem = _invalid(job, spec, lease, group, prompt, multi_turn)
     if problem:
         return problem, RejectKind.invalid
     if lease.status != LeaseStatus.active:
@@ -130,9 +130,15 @@ def _episodes_rejection(db: Session, lease: Lease, group: GroupSubmit, bounds: E
     return reason, RejectKind.invalid, None
 
 
-def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: Prompt | None) -> str | None:
+def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: Prompt | None,
+             multi_turn: bool) -> str | None:
     """Why the group cannot be a real sample of the leased version under the job's settings (or its prompt's
     own, for a Tinker request: api/tinker/fleet.py), or None."""
+    # Segments not the model's are neither bounded by max_new_tokens nor audited: only an episode has them.
+    turns = [k for k, s in enumerate(group.samples) if s.turns is not None]
+    if turns and not multi_turn:
+        return (f"sample {turns[0]}: turns sent, but the job's task is single-turn: a sample is the model's "
+                "completion alone, without turns")
     if not _of_lease(spec, lease, group):
         newer = " or, with partial rollouts, a later one" if spec.partial_rollouts else ""
         return f"version {group.version} differs from the leased version {lease.version}{newer}"
@@ -160,7 +166,7 @@ def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: 
 
 def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit, eos: list[Any] | None,
                     inflight: bool) -> str | None:
-    """A prompt with its own sampling (a Tinker request) must be drawn from exactly its tokens, one turn of it,
+    """A prompt with its own sampling (a Tinker request) must be drawn from exactly its tokens (one turn: _invalid),
     stopping where the request says, with its version; an in-flight request (its fleet job has partial
     rollouts), with its version or newer ones, per-token versions telling which."""
     if group.version != prompt.version and not (inflight and group.version > prompt.version):
@@ -169,8 +175,8 @@ def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit, eos
         return "prompt_token_ids differ from the leased prompt's token_ids"
     stops = own.stop_token_ids if own.stop_token_ids is not None else (eos or [])
     for k, sample in enumerate(group.samples):
-        if sample.turns is not None or (sample.versions is not None and not inflight):
-            return f"sample {k}: a Tinker sample is one turn of one version"
+        if sample.versions is not None and not inflight:
+            return f"sample {k}: a Tinker sample is of one version"
         early = [i for i, t in enumerate(sample.token_ids[:-1]) if t in stops]
         if early:
             return f"sample {k}: it goes on past the stop token at position {early[0]}"
@@ -261,8 +267,8 @@ def _store(db: Session, lease: Lease, worker: Worker, rows: list[dict[str, Any]]
 def _count(db: Session, worker: Worker, rows: list[dict[str, Any]]) -> None:
     """The worker's counts of groups, and its accepted groups numbered for the audit windows (trust.should_audit),
     in one atomic statement: two submissions at once never share numbers (a worker cannot send many at once to
-    have them all fall outside its audit), and neither overwrites the other's counts (the worker's row is not
-    locked: its object was read when its token was)."""
+    have them all fall outside its audit), and neither overwrites the other's counts (the submission route
+    locks the worker's row, but the learner's verdicts also count its rejections)."""
     if not rows:
         return
     accepted = [r for r in rows if r["status"] == RolloutStatus.accepted]

@@ -173,7 +173,7 @@ def _strike(db: Session, wrong: dict[str, str], placed: dict[str, tuple[str | No
     a quarantine unassigns it, which its reply says."""
     struck = {}
     for worker_id, reason in wrong.items():
-        worker = db.get_one(Worker, worker_id)
+        worker = db.get_one(Worker, worker_id, with_for_update=True, populate_existing=True)  # strikes as they are
         trust.strike(db, worker, reason, settings)
         placed[worker_id], struck[worker_id] = (worker.job_id, worker.desired), worker
     return struck

@@ -43,6 +43,9 @@ def submit(worker, lease, i, samples):
     (sample(logprobs=[-4.5, -1e4, -4.5]), "no sampler draws a token that unlikely"),
     (sample(finish="length"), "finish_reason is length after 3 tokens"),
     (sample(tokens=(5, 6, 7)), "is not a stop token (an end-of-sequence token"),
+    # "Environment" tokens between two model tokens: neither bounded by max_new_tokens nor audited, yet scored.
+    ({**sample(tokens=[5, *[7] * 16_000, 0], logprobs=[-4.5] * 16_002), "turns": [1, 16_000, 1]},
+     "turns sent, but the job's task is single-turn"),
 ])
 def test_each_invalid_sample_is_refused_with_its_own_reason_and_a_strike(api, door, bad, reason):
     job, alice, wid, worker, lease = door

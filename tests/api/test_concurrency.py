@@ -132,3 +132,41 @@ def test_a_lease_does_not_wait_for_a_transaction_that_added_a_prompt_to_its_job(
         lease = worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 2, "version": 0}, timeout=10)
         open_tx.rollback()
     assert ok(lease, 201)["prompts"]
+
+
+def test_forged_groups_sent_at_once_are_a_strike_each(api, tmp_path):
+    """Each submission read the worker's strikes with its token, unlocked: eight forged groups sent at once on
+    eight leases each wrote strikes = 1 (suspect) where the second should have quarantined the worker, and a
+    quarantine racing another submission deadlocked (a 500). A worker's submissions now take turns."""
+    import threading
+
+    from api.models import Worker
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), num_prompts=16,
+                         grpo={"group_size": 2, "prompts_per_step": 16, "max_new_tokens": 8})
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    leases = [ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+              for _ in range(8)]
+    forged = {"token_ids": [5, 6, 7, 8, 9, 10, 11, 12, 13], "logprobs": [-1.0] * 9, "finish_reason": "length"}
+    gate, answers = threading.Barrier(len(leases)), []
+
+    def send(lease):  # type: ignore[no-untyped-def]
+        group = {"prompt_id": lease["prompts"][0]["prompt_id"], "version": 0, "prompt_token_ids": [1, 2, 3],
+                 "samples": [forged, forged]}
+        with api.client(worker.headers["Authorization"].removeprefix("Bearer ")) as client:
+            gate.wait()
+            answers.append(client.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))
+
+    threads = [threading.Thread(target=send, args=(lease,)) for lease in leases]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(a.status_code for a in answers) == [200] * 8, [a.text for a in answers if a.status_code != 200]
+    assert all(r["status"] == "rejected" for a in answers for r in a.json()["results"])
+    with api.db.session() as s:
+        w = s.get_one(Worker, wid)
+        assert (w.strikes, w.trust) == (8, "quarantined")

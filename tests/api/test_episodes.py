@@ -16,8 +16,9 @@ from echo2_worker.control import ControlPlane
 from sqlalchemy import func, select
 from tokenizers import Tokenizer
 
-from api.models import Episode, Job, Prompt, Rollout, utcnow
+from api.models import Episode, Job, LedgerEntry, Prompt, Rollout, Worker, utcnow
 from api.services import archive, episodes, retention
+from scheduler import billing
 from scheduler.reconcile import _delivered
 from tests.factories import activate, new_provider, new_user, new_worker, ok, publish, start_learner
 
@@ -222,6 +223,8 @@ class Environment(BaseHTTPRequestHandler):
             time.sleep(0.8)  # within the job's 1 s timeout
         if Environment.mode == "down":
             return self._send(503, {"error": "down"})
+        if Environment.mode == "strict" and not body["actions"][-1].strip().rstrip(".").isdigit():
+            return self._send(400, {"error": "not a number"})  # as a real environment refuses what it cannot parse
         guess = body["actions"][-1].strip().rstrip(".")
         won = guess == body["reference"]
         self._send(200, {"done": True, "reward": 1.0} if won or len(body["actions"]) == 2
@@ -516,3 +519,42 @@ def test_a_worker_asks_again_while_the_process_is_busy_playing_others(api, hoste
         holder.join()
         control.close()
     assert time.monotonic() - started >= 4.5 and answer[0].done
+
+
+def test_an_environment_failure_is_paid_only_once_another_provider_saw_it_too(api, hosted):
+    """A group whose environment failed is never audited, and junk actions a worker sends without generating
+    make a strict environment fail (400) as surely as an outage: alone, such failures earn nothing. Once a worker
+    of another provider saw the environment fail on the same prompt, it is the environment's, and both are paid."""
+    job, _, _, _, tok, _ = hosted
+    Environment.mode = "strict"
+    junk = said(tok, "zz")
+    pays, pid = [], None
+    for name in ("cheap-gpus", "other-gpus"):
+        _, provider = new_provider(api, name)
+        wid, worker = new_worker(api, provider, price_per_hour=3600.0)
+        activate(api, wid, job["id"])
+        lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+        pid = pid or lease["prompts"][0]["prompt_id"]
+        assert lease["prompts"][0]["prompt_id"] == pid  # the prompt went back to the pool, first in line
+        steps = [{"prompt_id": pid, "sample": k, "turn": 0, "action_token_ids": junk} for k in range(2)]
+        assert all(r["done"] for r in ok(worker.post(f"/v1/leases/{lease['id']}/episodes",
+                                                     json={"steps": steps}))["replies"])
+        sample = {"token_ids": junk, "logprobs": [-1.0] * len(junk), "finish_reason": "stop", "turns": [len(junk)]}
+        group = {"prompt_id": pid, "version": 0, "prompt_token_ids": [1, 2], "samples": [sample, sample]}
+        result = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
+        assert result["status"] == "rejected" and "HTTP 400" in result["reason"]
+        pays.append((wid, paid_to(api, wid)))
+    (first, alone), (second, _) = pays
+    assert alone == 0.0  # its failure alone: unpaid
+    assert paid_to(api, first) > 0 and paid_to(api, second) > 0  # seen by two providers: the environment's
+
+
+def paid_to(api, worker_id: str) -> float:
+    """Bill a minute of the worker's active time (scheduler/billing.py) and return what it was paid in all."""
+    now = utcnow()
+    with api.db.session() as s:
+        worker = s.get_one(Worker, worker_id)
+        worker.status, worker.desired, worker.activated_mu = "active", "active", 1.0
+        billing.bill(s, api.server.settings, now, last=now.timestamp() - 60)
+        s.commit()
+        return sum(e.amount_usd for e in s.scalars(select(LedgerEntry).where(LedgerEntry.worker_id == worker_id)))
