@@ -27,7 +27,8 @@ class Settings(BaseSettings):
     lease_ttl_s: float = Field(60.0, gt=0, description="A lease not renewed or completed by then expires.")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="How often workers should heartbeat.")
     worker_offline_after_s: float = Field(15.0, gt=0, description="No heartbeat for this long: offline.")
-    learner_price_per_hour: float = Field(2.0, ge=0, description="Default reserved learner price ($/h).")
+    learner_price_per_hour: float = Field(2.0, ge=0, description="Reserved learner price ($/h); a user's job may name "
+                                          "a higher one, not a lower.")
     reconcile_interval_s: float = Field(2.0, gt=0, description="Scheduler tick period.")
     learner_start_timeout_s: float = Field(300.0, gt=0, description="A launched learner must start by then.")
     learner_dead_after_s: float = Field(30.0, gt=0, description="No learner heartbeat for this long: relaunch.")

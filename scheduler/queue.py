@@ -5,25 +5,25 @@ running jobs whose learner died (their relaunch goes first) — are taken by pri
 free slots on one host (placement.py: N slots for an N-GPU learner, GPUs that hold its memory need),
 skipping a job whose owner is at their concurrent-jobs quota; each left waiting gets
 its place in line and the reason in `status_reason`. An owner whose spending over the last 24 hours
-reached `max_usd_per_day` has their queued and running jobs paused (cause "quota") and queued again
-once the rolling day's spending falls below it.
+reached `max_usd_per_day` (jobs and Tinker usage together) has their queued and running jobs paused (cause
+"quota") and queued again once the rolling day's spending falls below it; their Tinker requests are refused
+meanwhile (api/tinker/queueing.py).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from datetime import datetime, timedelta
+from datetime import datetime
 
 from echo2.protocol import JobStatus, PauseCause
-from sqlalchemy import func, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from api.models import Job, LedgerEntry, User
+from api.models import Job, User
 from api.services.jobs import pause_job, resume_job
+from api.services.ledger import spent_today
 
 from .placement import Line, Placement
-
-DAY = timedelta(days=1)
 
 
 def apply_daily_quotas(db: Session, jobs: list[Job], now: datetime) -> None:
@@ -42,12 +42,6 @@ def apply_daily_quotas(db: Session, jobs: list[Job], now: datetime) -> None:
     for job in jobs:  # an owner whose quota was lifted
         if job.paused_for is PauseCause.quota and job.owner_id not in limits:
             resume_job(job)
-
-
-def spent_today(db: Session, owner_id: str, now: datetime) -> float:
-    return float(db.scalar(select(func.coalesce(func.sum(LedgerEntry.amount_usd), 0.0))
-                           .join(Job, Job.id == LedgerEntry.job_id)
-                           .where(Job.owner_id == owner_id, LedgerEntry.created_at >= now - DAY)))
 
 
 def admit(db: Session, waiting: list[Job], line: Line, launch: Callable[[Job, Placement], bool]) -> None:

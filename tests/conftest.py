@@ -69,9 +69,10 @@ class LiveServer:
 @pytest.fixture(scope="session")
 def live_server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     port = free_port()
-    # retention_sweep_s=0: one sweep at start only; tests that need one run it themselves.
+    # retention_sweep_s=0: one sweep at start only; tests that need one run it themselves. Learners at $1/h:
+    # the lowest a user may name (api/services/jobs.py check_terms), which the billing tests' arithmetic uses.
     settings = Settings(data_dir=tmp_path_factory.mktemp("data"), database_url=database_url, port=port,
-                        lease_ttl_s=30, heartbeat_interval_s=1, retention_sweep_s=0)
+                        lease_ttl_s=30, heartbeat_interval_s=1, retention_sweep_s=0, learner_price_per_hour=1.0)
     app = create_app(settings)
     server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=server.run, daemon=True)

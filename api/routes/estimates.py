@@ -20,6 +20,7 @@ router = make_router(prefix="/v1", tags=["jobs"])
                          "with the numbers and what to change).")
 def estimate_job(spec: JobSpec, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> JobEstimate:
     jobs.training_items(db, user, spec)
+    jobs.check_terms(user, spec, settings)
     jobs.check_references(spec, settings)
     memory.check(db, spec, settings)
     return estimate(db, spec, settings)

@@ -17,6 +17,7 @@ from echo2.protocol import (
     LeaseStatus,
     PauseCause,
     PromptState,
+    Role,
     SamplingParams,
 )
 from echo2.protocol.datasets import MESSAGES, ChatTurn, item_problem
@@ -50,6 +51,7 @@ def create_job(
                 raise ApiError(422, "Idempotency-Key was already used with a different body", field="Idempotency-Key")
             return existing, False
     items, held_out = training_items(db, user, spec)
+    check_terms(user, spec, settings)
     check_references(spec, settings)
     learner_memory = memory.check(db, spec, settings)
     if spec.learner.price_per_hour is None:
@@ -85,6 +87,22 @@ def create_job(
 
 # (text, reference, chat context: the turns before a chat item's last user turn, else None)
 Items = list[tuple[str, str | None, list[dict[str, str]] | None]]
+
+
+def check_terms(user: User, spec: JobSpec, settings: Settings) -> None:
+    """What a tenant may not set for itself, only an admin: a learner price below the platform's (the learner
+    would run, and the job's budget and the daily quota count it, for less), and a priority above 0 (it orders
+    every tenant's jobs for learner slots and workers)."""
+    if user.role is Role.admin:
+        return
+    price = spec.learner.price_per_hour
+    if price is not None and price < settings.learner_price_per_hour:
+        raise ApiError(422, f"learner.price_per_hour is ${price:g}/h, below the platform's "
+                            f"${settings.learner_price_per_hour:g}/h: leave it out", field="learner.price_per_hour")
+    if spec.priority > 0:
+        raise ApiError(403, f"priority {spec.priority}: a priority above 0 puts a job ahead of other tenants' and "
+                            "is an admin's to give; yours may be 0 or lower (to let your other jobs go first)",
+                       field="priority")
 
 
 def check_references(spec: JobSpec, settings: Settings) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from echo2.protocol import JobLedger, LedgerEntryRead, LedgerTotal, ProviderStatement
@@ -13,7 +13,20 @@ from sqlalchemy import ColumnElement, func, select
 from sqlalchemy.orm import Session, defer
 
 from ..models import Job, LedgerEntry, Provider
+from ..tinker.models import TinkerUsage
 from .jobs import job_read
+
+DAY = timedelta(days=1)
+
+
+def spent_today(db: Session, owner_id: str, now: datetime) -> float:
+    """What the user spent in the 24 hours before `now`: its jobs' ledger entries and its Tinker usage."""
+    jobs = db.scalar(select(func.coalesce(func.sum(LedgerEntry.amount_usd), 0.0))
+                     .join(Job, Job.id == LedgerEntry.job_id)
+                     .where(Job.owner_id == owner_id, LedgerEntry.created_at >= now - DAY))
+    tinker = db.scalar(select(func.coalesce(func.sum(TinkerUsage.amount_usd), 0.0))
+                       .where(TinkerUsage.owner_id == owner_id, TinkerUsage.created_at >= now - DAY))
+    return float(jobs) + float(tinker)
 
 CSV_HEADER = ("time", "kind", "worker", "job", "step", "groups", "seconds", "amount_usd", "memo")
 

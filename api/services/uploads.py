@@ -10,6 +10,7 @@ import hashlib
 import json
 import math
 import os
+import secrets
 import shutil
 from collections.abc import Iterator
 from datetime import datetime
@@ -87,7 +88,7 @@ def put_part(settings: Settings, upload: DatasetUpload, index: int, data: bytes,
         raise ApiError(422, f"part {index} does not match its sha256: resend it", field="X-Echo2-Sha256")
     where = folder(settings, upload.id)
     where.mkdir(parents=True, exist_ok=True)
-    partial = where / f"{index}.tmp"
+    partial = where / f"{index}.{secrets.token_hex(4)}.tmp"  # a copy of its own: a retry may race its first try
     with partial.open("wb") as f:
         f.write(data)
         f.flush()

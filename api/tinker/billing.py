@@ -38,10 +38,10 @@ SAVES = (RequestKind.save_weights, RequestKind.save_weights_for_sampler)
 @router.get("/events")
 def usage_events(user: TinkerUser, db: SessionDep, starting_on: Annotated[datetime, Query()],
                  ending_before: Annotated[datetime, Query()]) -> dict[str, Any]:
-    start, end = _utc(starting_on), _utc(ending_before)
+    start, end = _bound(starting_on, "starting_on"), _bound(ending_before, "ending_before")
     if start.minute or start.second or start.microsecond or end.minute or end.second or end.microsecond:
         raise ApiError(400, "starting_on and ending_before must be on UTC hour boundaries", field="starting_on")
-    if not start < end <= start + MAX_WINDOW:
+    if not (start < end and end - start <= MAX_WINDOW):  # no sum: start + 14 days may be past year 9999
         raise ApiError(400, "ending_before must be after starting_on, and at most 14 days after it",
                        field="ending_before")
     rows = db.execute(select(UsageRow, TinkerModel.base_model)
@@ -109,3 +109,10 @@ def storage_now(user: TinkerUser, db: SessionDep) -> dict[str, Any]:
 
 def _utc(moment: datetime) -> datetime:
     return moment.replace(tzinfo=UTC) if moment.tzinfo is None else moment.astimezone(UTC)
+
+
+def _bound(moment: datetime, field: str) -> datetime:
+    try:
+        return _utc(moment)
+    except OverflowError:  # e.g. 0001-01-01T00:00+01:00, before the first representable instant
+        raise ApiError(400, f"{field} is out of range", field=field) from None

@@ -71,7 +71,7 @@ def list_checkpoints(model_id: str, user: TinkerUser, db: SessionDep) -> dict[st
 
 @router.get("/checkpoints")
 def list_user_checkpoints(user: TinkerUser, db: SessionDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-                          offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+                          offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0) -> dict[str, Any]:
     total = db.scalar(select(func.count()).select_from(_live(user.id).subquery())) or 0
     rows = db.scalars(_live(user.id).order_by(TinkerCheckpoint.created_at.desc()).limit(limit).offset(offset))
     return {"checkpoints": [as_sdk(r) for r in rows],
@@ -217,7 +217,7 @@ def get_training_run(model_id: str, user: TinkerUser, db: SessionDep) -> dict[st
 
 @router.get("/training_runs")
 def list_training_runs(user: TinkerUser, db: SessionDep, limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-                       offset: Annotated[int, Query(ge=0)] = 0) -> dict[str, Any]:
+                       offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0) -> dict[str, Any]:
     where = (TinkerModel.owner_id == user.id, TinkerModel.kind.in_((ModelKind.train, ModelKind.copy)))
     total = db.scalar(select(func.count()).select_from(TinkerModel).where(*where)) or 0
     runs = db.scalars(select(TinkerModel).where(*where).order_by(TinkerModel.created_at.desc()).limit(limit)

@@ -11,6 +11,8 @@ from sqlalchemy.orm import Session
 
 from ..db import WRITER_LOCK
 from ..errors import ApiError
+from ..models import User, utcnow
+from ..services.ledger import spent_today
 from .models import TinkerModel, TinkerRequest
 
 UNFINISHED = (RequestStatus.pending, RequestStatus.running, RequestStatus.fleet)
@@ -29,6 +31,7 @@ def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
         return earlier
     if bounded:
         _check_backlog(db, model.owner_id)
+        _check_quota(db, model.owner_id)
     last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id))
     row = TinkerRequest(owner_id=model.owner_id, model_id=model.id, kind=kind, seq=(last or 0) + 1,
                         payload=payload, idempotency_key=idempotency_key or None)
@@ -49,6 +52,16 @@ def _earlier(db: Session, owner_id: str, idempotency_key: str | None) -> TinkerR
     return db.scalar(select(TinkerRequest).where(TinkerRequest.owner_id == owner_id,
                                                  TinkerRequest.idempotency_key == idempotency_key)
                      .execution_options(populate_existing=True))
+
+
+def _check_quota(db: Session, owner_id: str) -> None:
+    """A user past its daily quota ($ in any 24 hours, jobs and Tinker together) runs no more Tinker requests
+    until the day's spending rolls off, as its jobs pause (scheduler/queue.py)."""
+    limit = db.scalar(select(User.max_usd_per_day).where(User.id == owner_id))
+    if limit is not None and (spent := spent_today(db, owner_id, utcnow())) >= limit:
+        raise ApiError(402, f"your daily quota of ${limit:.2f} is spent (${spent:.2f} in the last 24 h, jobs and "
+                            "Tinker together): requests are taken again as the day's spending rolls off, or an "
+                            "admin raises the quota")
 
 
 def _check_backlog(db: Session, owner_id: str) -> None:

@@ -80,7 +80,8 @@ Scope = Annotated[Literal["owned", "accessible"], Query()]
 
 @router.get("/sessions")
 def list_sessions(user: TinkerUser, db: SessionDep, limit: Annotated[int, Query(ge=1, le=1000)] = 20,
-                  offset: Annotated[int, Query(ge=0)] = 0, access_scope: Scope = "owned") -> dict[str, Any]:
+                  offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0,
+                  access_scope: Scope = "owned") -> dict[str, Any]:
     """tinker.types.ListSessionsResponse: the caller's sessions, newest first, finished ones included."""
     ids = db.scalars(select(TinkerSession.id).where(TinkerSession.owner_id == user.id)
                      .order_by(TinkerSession.created_at.desc(), TinkerSession.id).limit(limit).offset(offset))

@@ -16,6 +16,22 @@ def test_create_get_list_job(api):
     assert ok(alice.get("/v1/jobs", params={"status": "running"}))["total"] == 0
 
 
+def test_a_user_cannot_price_its_own_learner_lower_or_put_its_job_ahead_of_other_tenants(api):
+    """A learner price is the platform's (a user's $0/h learner ran free, past its budget and the daily quota), and
+    a priority above 0 orders every tenant's jobs (a newcomer's 100 took the one free learner slot): an admin's to
+    give. The estimate refuses what submission would."""
+    _, alice = new_user(api)
+    floor = api.server.settings.learner_price_per_hour
+    for route in ("/v1/jobs", "/v1/jobs:estimate"):
+        cheap = alice.post(route, json=job_spec(learner={"price_per_hour": 0.0}))
+        assert cheap.status_code == 422 and cheap.json()["errors"][0]["field"] == "learner.price_per_hour"
+        assert f"below the platform's ${floor:g}/h: leave it out" in cheap.json()["detail"]
+        pushy = alice.post(route, json=job_spec(priority=100))
+        assert pushy.status_code == 403 and "an admin's to give; yours may be 0 or lower" in pushy.json()["detail"]
+    assert new_job(alice, priority=-5, learner={"price_per_hour": floor * 2})["spec"]["priority"] == -5
+    assert new_job(api.admin, priority=100, learner={"price_per_hour": 0.0})["spec"]["learner"]["price_per_hour"] == 0
+
+
 def test_synthetic_prompts_default_to_enough_for_all_steps(api):
     _, alice = new_user(api)
     spec = job_spec(max_steps=3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from api.models import DatasetUpload, utcnow
@@ -156,3 +157,23 @@ def test_the_retention_sweep_drops_an_upload_that_received_nothing_for_a_while(a
     asyncio.run(retention.sweep_periodically(api.db, state.blobs, state.checkpoints, settings))
     assert alice.get(f"/v1/datasets/uploads/{idle['id']}").status_code == 404 and not (uploads / idle["id"]).exists()
     assert ok(alice.get(f"/v1/datasets/uploads/{busy['id']}"))["received"] == [0]
+
+
+def test_a_part_sent_twice_at_once_is_stored_once_not_a_500(api):
+    """A retry racing its first attempt (or two clients resuming one upload): each copy wrote the same `0.tmp`,
+    and the slower found it moved away (a 500). Each copy now writes its own."""
+    _, alice = new_user(api)
+    key = alice.headers["Authorization"].removeprefix("Bearer ")
+    line = json.dumps({"question": "2+2? " + "x" * 3000, "answer": "4"}) + "\n"
+    data = (line * (8 * 2**20 // len(line) + 5)).encode()  # two parts
+    upload = _start(alice, "raced", data)
+    part = data[:upload["part_size"]]
+
+    def put(_: int) -> int:
+        with api.client(key) as client:
+            return _put(client, upload, 0, part).status_code
+
+    with ThreadPoolExecutor(4) as pool:
+        assert list(pool.map(put, range(8))) == [204] * 8
+    assert _put(alice, upload, 1, data[upload["part_size"]:]).status_code == 204
+    assert ok(alice.post(f"/v1/datasets/uploads/{upload['id']}/complete"), 201)["num_items"] == data.count(b"\n")

@@ -19,7 +19,7 @@ from sqlalchemy import event, update
 from api.services import notices, retention
 from api.tinker import futures, host, queueing, sampling
 from api.tinker.models import TinkerRequest
-from tests.factories import new_provider, new_user, new_worker, ok
+from tests.factories import job_spec, new_provider, new_user, new_worker, ok, run_tick
 
 INFO = {"tokenizer_id": "/models/tiny", "arch": "qwen2", "vocab_size": 96, "max_context_length": 512}
 
@@ -589,3 +589,37 @@ def test_a_bad_adam_parameter_is_named_as_its_field(api):
     refused = client.post("/api/v1/optim_step", json={"model_id": model_id, "adam_params": {"learning_rate": -1}})
     assert refused.status_code == 400 and refused.json()["detail"].startswith("adam_params: learning_rate: ")
     assert [e["field"] for e in refused.json()["errors"]] == ["adam_params.learning_rate"]
+
+
+def test_tinker_spending_counts_toward_the_daily_quota(api):
+    """A daily quota ($ in any 24 h) counts Tinker usage with the jobs' ledger: $10 of Tinker against a $1 quota
+    pauses the user's GRPO job, and its next Tinker request is a 402 that says why (it counted jobs alone)."""
+    alice_id, alice = new_user(api)
+    ok(api.admin.put(f"/v1/users/{alice_id}/quotas", json={"max_concurrent_jobs": None, "max_usd_per_day": 1.0}))
+    client = sdk(api, key_of(alice))
+    _, model_id = ready_model(api, client)
+    proto = {"Content-Type": "application/x-protobuf"}
+    fwdbwd = _fwdbwd(model_id, "cross_entropy", {"target_tokens": _tensor([2, 3, 4], 2)})
+    ok(client.post("/api/v1/forward_backward", headers=proto, content=fwdbwd))
+    report(api, claim(api, holding=[model_id], price=3600.0)["work"], seconds=10.0,
+           forward_backward={"outputs": [], "metrics": {"loss:sum": 1.0}})
+    assert ok(alice.get("/v1/tinker/usage"))["total_usd"] == pytest.approx(10.0)
+    refused = client.post("/api/v1/forward_backward", headers=proto, content=fwdbwd)
+    assert refused.status_code == 402 and "daily quota of $1.00 is spent ($10.00" in refused.text
+    job = ok(alice.post("/v1/jobs", json=job_spec()), 201)
+    run_tick(api)
+    assert ok(alice.get(f"/v1/jobs/{job['id']}"))["paused_for"] == "quota"
+
+
+def test_listings_and_usage_events_refuse_what_is_out_of_range_with_a_4xx(api):
+    """An offset past int64, or a date whose window or UTC offset leaves the calendar, was a 500."""
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    for path in ("/api/v1/sessions", "/api/v1/checkpoints", "/api/v1/training_runs"):
+        assert client.get(path, params={"offset": 2**63}).status_code in (400, 422), path
+    def events(start, end):  # type: ignore[no-untyped-def]
+        return client.get("/api/v1/billing/usage/events", params={"starting_on": start, "ending_before": end})
+
+    assert ok(events("9999-12-31T22:00:00Z", "9999-12-31T23:00:00Z"))["data"] == []  # 14 days on is past 9999
+    before_year_1 = events("0001-01-01T00:00:00+01:00", "0001-01-02T00:00:00Z")
+    assert before_year_1.status_code == 400 and "starting_on is out of range" in before_year_1.text

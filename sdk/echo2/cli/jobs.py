@@ -73,7 +73,7 @@ def _add_submit(jc: Any, conn: Parser) -> None:
     submit.add_argument("--num-prompts", type=int, metavar="N", help="prompts to generate (synthetic tasks)")
     submit.add_argument("--budget", type=float, metavar="USD", help="pause the job when this much is spent")
     submit.add_argument("--seed", type=int)
-    submit.add_argument("--priority", type=int)
+    submit.add_argument("--priority", type=int, help="higher first; above 0 is an admin's to give")
     submit.add_argument("--set", action="append", type=key_value, default=[], dest="sets",
                         metavar="PATH=VALUE", help="any spec field by dotted path, e.g. grpo.kl_coef=0.01")
     submit.add_argument("--idempotency-key", metavar="KEY",

@@ -204,7 +204,8 @@ class LearnerResources(Model):
                       "numbers).")
     device: Device = Device.auto
     price_per_hour: Price | None = Field(
-        None, description="Reserved learner price in $/h; the server default applies when omitted."
+        None, description="Reserved learner price in $/h; the platform's applies when omitted, and a user may not "
+                          "name a lower one (422)."
     )
     activation_checkpointing: bool = Field(False, description="Recompute activations in the backward pass "
                                            "instead of keeping them: less memory, about a third more compute.")
@@ -306,7 +307,9 @@ class JobSpec(Model):
         "timeout). Such a group is never trained; its worker is paid (the platform's fault) and its prompt returns to "
         "the pool. A step with no unscored group starts the count again; POST /v1/jobs/{id}/resume resumes the job.")
     seed: int = Field(0, ge=0, le=2**31 - 1)
-    priority: int = Field(0, ge=-100, le=100, description="Higher first when jobs compete for workers.")
+    priority: int = Field(0, ge=-100, le=100, description="Higher first when jobs compete for learner slots and "
+                          "workers. Above 0 is an admin's to give (403 for a user): a user's job may have 0 or less, "
+                          "to let the user's other jobs go first.")
 
     @model_validator(mode="after")
     def _check(self) -> JobSpec:

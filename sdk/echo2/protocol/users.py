@@ -20,9 +20,9 @@ class Quotas(Model):
 
     max_concurrent_jobs: int | None = Field(None, ge=1, le=10_000, description="Jobs of this user holding a "
                                             "learner at once; more wait in line.")
-    max_usd_per_day: float | None = Field(None, ge=0, le=1_000_000, description="$ the user's jobs may spend in "
-                                          "any 24 hours; at it, their running jobs pause until the day's spending "
-                                          "rolls off.")
+    max_usd_per_day: float | None = Field(None, ge=0, le=1_000_000, description="$ the user's jobs and Tinker "
+                                          "usage may spend in any 24 hours; at it, their running jobs pause and "
+                                          "Tinker requests are refused (402) until the day's spending rolls off.")
 
 
 class UserRead(ReadModel):
