@@ -111,8 +111,8 @@ def _worker_memo(paid: list[tuple[str, bool]], step: int | None, seconds: float,
     """E.g. "12 groups trained (job step 31), 84 s of active time at $0.05/h"."""
     trained = sum(1 for _, was_trained in paid if was_trained)
     groups = f"{_groups(trained)} trained"
-    if trained < len(paid):  # accepted in time, then not trained in time: the platform's loss, still paid
-        groups += f", {_groups(len(paid) - trained)} accepted but not trained through the platform's fault"
+    if trained < len(paid):  # stale when claimed, or its environment or reward failed: the platform's loss, paid
+        groups += f", {_groups(len(paid) - trained)} not trained through the platform's fault"
     return f"{groups} (job step {step}), {seconds:.0f} s of active time at ${price:.2f}/h"
 
 
