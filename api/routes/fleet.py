@@ -107,14 +107,15 @@ def list_workers(p: AnyPrincipal, db: SessionDep, settings: SettingsDep, status:
         query = query.where(Worker.job_id == job_id)
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0
     rows = db.scalars(query.order_by(Worker.created_at, Worker.id).limit(limit).offset(offset))
-    items = trust.worker_reads(db, list(rows), settings, admin=p.is_admin)
+    items = trust.worker_reads(db, list(rows), settings, admin=p.is_admin, user_id=_user(p))
     nxt = offset + len(items) if offset + len(items) < total else None
     return Page[WorkerRead](items=items, total=total, next_offset=nxt)
 
 
 @router.get("/workers/{worker_id}", operation_id="get_worker", summary="Get a worker")
 def get_worker(worker_id: str, p: AnyPrincipal, db: SessionDep, settings: SettingsDep) -> WorkerRead:
-    return trust.worker_reads(db, [_visible_worker(db, p, worker_id)], settings, admin=p.is_admin)[0]
+    return trust.worker_reads(db, [_visible_worker(db, p, worker_id)], settings, admin=p.is_admin,
+                              user_id=_user(p))[0]
 
 
 @router.get("/workers/{worker_id}/placement", operation_id="get_worker_placement",
@@ -172,6 +173,11 @@ def deregister(worker_id: str, p: AnyPrincipal, db: SessionDep) -> None:
     worker.status = WorkerStatus.deregistered
     auth.revoke_all(db, "worker", worker.id)
     db.commit()
+
+
+def _user(p: Principal) -> str | None:
+    """The user reading, whose view of a worker leaves other tenants out (trust.worker_reads)."""
+    return p.id if p.kind == "user" else None
 
 
 def _visible(query, p: Principal):  # type: ignore[no-untyped-def]

@@ -17,6 +17,7 @@ from echo2.protocol import (
     Page,
     PromptRead,
     PromptState,
+    Role,
     RolloutRead,
     RolloutStatus,
     StepMetrics,
@@ -30,7 +31,7 @@ from tasks import get_task, list_tasks
 from ..deps import BlobsDep, CheckpointsDep, CurrentUser, PassedFilter, SessionDep, SettingsDep, owned_job
 from ..models import Audit, Decision, Job, Prompt, Rollout, StepMetric
 from ..routing import make_router
-from ..services import archive, modelinfo, reports, retention, trust
+from ..services import archive, modelinfo, reports, retention, tenancy, trust
 from ..services import jobs as svc
 from ..services.ledger import next_offset
 
@@ -167,7 +168,12 @@ def list_decisions(job_id: str, user: CurrentUser, db: SessionDep, limit: Limit 
     owned_job(db, user, job_id)
     rows = db.scalars(select(Decision).where(Decision.job_id == job_id)
                       .order_by(Decision.decided_at.desc(), Decision.id.desc()).limit(limit))
-    return [DecisionRead.model_validate(d) for d in rows]
+    reads = [DecisionRead.model_validate(d) for d in rows]
+    if user.role is Role.admin:
+        return reads
+    own = tenancy.own_jobs(db, user.id)  # a line or trigger may name another tenant's job: not to this reader
+    return [r.model_copy(update={"line": tenancy.redact(r.line, own), "trigger": tenancy.redact(r.trigger, own)})
+            for r in reads]
 
 
 @router.get("/jobs/{job_id}/audits", operation_id="list_job_audits",

@@ -30,6 +30,7 @@ from sqlalchemy.orm import Session
 
 from ..models import Audit, Provider, Rollout, Worker, utcnow
 from ..settings import Settings
+from . import tenancy
 from .clawback import claw_back
 from .fleet import unassign
 from .pool import return_prompts
@@ -90,14 +91,28 @@ def shown_audits(worker: Worker, settings: Settings) -> Select[tuple[Audit]]:
             .where(Audit.worker_id == worker.id, not_(_in_open_window([worker], settings))))
 
 
-def worker_reads(db: Session, workers: list[Worker], settings: Settings, *, admin: bool) -> list[WorkerRead]:
-    """Workers as a principal sees them: audits passed in a window still open not counted but for admins."""
+def worker_reads(db: Session, workers: list[Worker], settings: Settings, *, admin: bool,
+                 user_id: str | None = None) -> list[WorkerRead]:
+    """Workers as a principal sees them: audits passed in a window still open not counted but for admins; a user
+    (`user_id`) sees neither another tenant's job a worker serves now, nor ids of others' jobs or rollouts."""
     reads = [WorkerRead.model_validate(w) for w in workers]
     if admin or not workers:
         return reads
+    if user_id is not None:
+        reads = _as_tenant(reads, tenancy.own_jobs(db, user_id))
     hidden = dict(db.execute(select(Audit.worker_id, func.count()).outerjoin(Rollout, Rollout.id == Audit.rollout_id)
                              .where(_in_open_window(workers, settings)).group_by(Audit.worker_id)).all())
     return [r.model_copy(update={"audits_passed": r.audits_passed - hidden.get(r.id, 0)}) for r in reads]
+
+
+def _as_tenant(reads: list[WorkerRead], own: set[str]) -> list[WorkerRead]:
+    """A worker serving another tenant's job now shows no job, version or throughput to this one."""
+    out = []
+    for r in reads:
+        elsewhere = {"job_id": None, "version_held": None, "rollouts_per_s": 0.0} if r.job_id not in own else {}
+        out.append(r.model_copy(update={**elsewhere, "trust_reason": tenancy.redact(r.trust_reason, own,
+                                                                                   rollouts=True)}))
+    return out
 
 
 def record_audit(db: Session, rollout: Rollout, step: int, passed: bool, reason: str | None,

@@ -103,3 +103,28 @@ def test_every_id_taking_route_refuses_other_principals(api, world):
     job = ok(api.admin.get(f"/v1/jobs/{ids['job_id']}"))
     assert job["status"] == "running" and job["version"] == 0
     assert ok(api.admin.get(f"/v1/workers/{ids['worker_id']}"))["status"] != "deregistered"
+
+
+def test_a_tenant_reads_nothing_of_another_tenants_jobs_through_the_scheduler_or_a_worker(api, tmp_path):
+    """The scheduler's lines on Alice's job ("skipped w: serves job <Bob's>") and their triggers ("job set changed:
+    +<Bob's>") named Bob's job, and a worker her job was weighed for showed the job it serves now, Bob's, with
+    its version and throughput. Admins still read everything."""
+    from tests.factories import run_tick
+
+    _, alice = new_user(api, "alice")
+    _, bob = new_user(api, "bob")
+    mine, _ = running_job(api, alice, fake_model_folder(tmp_path / "a"), name="alice-job")
+    theirs, _ = running_job(api, bob, fake_model_folder(tmp_path / "b", seed=1), name="bob-secret-job")
+    _, provider = new_provider(api, "gpu-co")
+    for i in range(2):
+        wid, worker = new_worker(api, provider, f"w{i}", price_per_hour=0.1, rollouts_per_s=100.0)
+        ok(worker.post(f"/v1/workers/{wid}/heartbeat", json={}))
+    run_tick(api)
+    bobs = next(w for w in ok(api.admin.get("/v1/workers"))["items"] if w["job_id"] == theirs["id"])
+    lines = ok(alice.get(f"/v1/jobs/{mine['id']}/decisions"))
+    assert any(d["worker_id"] == bobs["id"] for d in lines)  # she reads why Bob's worker is not on her job ...
+    assert theirs["id"] not in str(lines) and "another job" in str(lines)  # ... not whose job it serves
+    assert theirs["id"] in str(ok(api.admin.get(f"/v1/jobs/{mine['id']}/decisions")))
+    seen = ok(alice.get(f"/v1/workers/{bobs['id']}"))
+    assert (seen["job_id"], seen["version_held"], seen["rollouts_per_s"]) == (None, None, 0.0)
+    assert ok(bob.get(f"/v1/workers/{bobs['id']}"))["job_id"] == theirs["id"]  # the job's owner reads it

@@ -379,15 +379,21 @@
           s = { key, kind: "user", id: u.id, name: u.name, role: u.role };
         }
         session.set(s);
-        const next = new URLSearchParams(location.search).get("next");
-        const safe = next && next.startsWith("/") && !next.startsWith("//") && next !== "/login";
-        location.assign(safe ? next : s.kind === "provider" ? "/provider" : "/jobs");
+        location.assign(sameSite(new URLSearchParams(location.search).get("next"))
+          || (s.kind === "provider" ? "/provider" : "/jobs"));
       } catch (err) {
         fail(err.status === 401 ? "This key is unknown or revoked."
           : err.status === 403 ? "This token cannot use the dashboard (use a user API key or a provider token)."
             : err.message);
       }
     });
+    /** `next` as a path of this site, or null: "/\\host" and "/<TAB>/host" look like paths but browsers read
+     * them as "//host", so the URL is resolved as the browser would and its origin compared. */
+    function sameSite(next) {
+      if (!next) return null;
+      const url = new URL(next, location.origin);
+      return url.origin === location.origin && url.pathname !== "/login" ? url.pathname + url.search + url.hash : null;
+    }
     function fail(text) {
       error.textContent = text;
       error.hidden = false;

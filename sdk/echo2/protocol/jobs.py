@@ -422,7 +422,8 @@ class TaskInfo(ReadModel):
 class DecisionRead(ReadModel):
     """One line of an activation decision about one worker and this job, e.g. "activated w17: cheapest per
     rollout that still meets freshness", "idle w3: qualifies but not needed", "skipped w9: VRAM 8 GiB <
-    need 11.5 GiB" or "skipped w4: serves job J (one job at a time)". Stored as changes: re-solves that decide
+    need 11.5 GiB" or "skipped w4: serves job J (one job at a time)"; a user reads another tenant's job there, and
+    in the trigger, as "another job". Stored as changes: re-solves that decide
     the same action for the worker again count on this line (`repeats`, `decided_at`) and give it their
     wording, trigger and inputs."""
 
