@@ -17,7 +17,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import httpcore
 import httpx
 from echo2.protocol import Form, Manifest
 from echo2.snapshots import SnapshotError
@@ -31,6 +33,71 @@ log = logging.getLogger(__name__)
 MIN_RATE = 128 * 1024  # bytes/s: a parent slower than this for a whole chunk counts as stalled
 NOT_YET_POLL_S = 0.25
 ROUND_PAUSES = RetryPolicy(initial_delay=0.5, max_delay=10.0)  # before another round when no source served a chunk
+
+
+_deadline = threading.local()  # .at: when the calling thread's request must have ended, headers and body together
+
+
+def _within(timeout: float | None) -> float | None:
+    """A socket operation's timeout, shortened to what is left of the thread's deadline (ReadTimeout past it)."""
+    end = getattr(_deadline, "at", None)
+    if end is None:
+        return timeout
+    left = end - time.monotonic()
+    if left <= 0:
+        raise httpcore.ReadTimeout("past the chunk's deadline")
+    return left if timeout is None else min(timeout, left)
+
+
+class _DeadlineStream(httpcore.NetworkStream):
+    def __init__(self, inner: httpcore.NetworkStream) -> None:
+        self._inner = inner
+
+    def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._inner.read(max_bytes, _within(timeout))
+
+    def write(self, buffer: bytes, timeout: float | None = None) -> None:
+        self._inner.write(buffer, _within(timeout))
+
+    def close(self) -> None:
+        self._inner.close()
+
+    def start_tls(self, ssl_context: Any, server_hostname: str | None = None,
+                  timeout: float | None = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.start_tls(ssl_context, server_hostname, _within(timeout)))
+
+    def get_extra_info(self, info: str) -> Any:
+        return self._inner.get_extra_info(info)
+
+
+class _DeadlineBackend(httpcore.NetworkBackend):
+    """httpcore's sockets, each read and write within the calling thread's deadline: httpx's timeouts are per
+    read, so a peer sending its headers a byte at a time held a download thread for hours."""
+
+    def __init__(self) -> None:
+        self._inner = httpcore.SyncBackend()
+
+    def connect_tcp(self, host: str, port: int, timeout: float | None = None, local_address: str | None = None,
+                    socket_options: Any = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.connect_tcp(host, port, _within(timeout), local_address, socket_options))
+
+    def connect_unix_socket(self, path: str, timeout: float | None = None,
+                            socket_options: Any = None) -> httpcore.NetworkStream:
+        return _DeadlineStream(self._inner.connect_unix_socket(path, _within(timeout), socket_options))
+
+    def sleep(self, seconds: float) -> None:
+        self._inner.sleep(seconds)
+
+
+def _transport(limits: httpx.Limits) -> httpx.HTTPTransport:
+    """httpx's transport on `_DeadlineBackend` (httpx takes no network backend: its pool is replaced). Proxies
+    from the environment still apply: httpx mounts their own transports beside this one."""
+    transport = httpx.HTTPTransport(limits=limits)
+    transport._pool = httpcore.ConnectionPool(
+        ssl_context=httpx.create_ssl_context(), max_connections=limits.max_connections,  # httpx's own defaults
+        max_keepalive_connections=limits.max_keepalive_connections, keepalive_expiry=limits.keepalive_expiry,
+        network_backend=_DeadlineBackend())
+    return transport
 
 
 class DownloadCancelled(Exception):
@@ -87,8 +154,8 @@ class Downloader:
         self.parallel = max(1, parallel)
         self._lock = threading.Lock()
         self._http = httpx.Client(timeout=timeout or httpx.Timeout(20.0, connect=5.0),
-                                  limits=httpx.Limits(max_connections=4 * self.parallel,
-                                                      max_keepalive_connections=2 * self.parallel))
+                                  transport=_transport(httpx.Limits(max_connections=4 * self.parallel,
+                                                                    max_keepalive_connections=2 * self.parallel)))
 
     def close(self) -> None:
         self._http.close()
@@ -202,18 +269,24 @@ class Downloader:
         return {"Authorization": f"Bearer {held.relay_key}"} if held.relay_key else {}
 
     def _get(self, url: str, headers: dict[str, str], size: int) -> tuple[int, bytes]:
-        deadline = time.monotonic() + 15.0 + size / MIN_RATE
+        _deadline.at = time.monotonic() + 15.0 + size / MIN_RATE  # for the whole request: _DeadlineBackend
+        try:
+            return self._read(url, headers, size)
+        finally:
+            _deadline.at = None
+
+    def _read(self, url: str, headers: dict[str, str], size: int) -> tuple[int, bytes]:
         with self._http.stream("GET", url, headers=headers) as response:
             if response.status_code != 200:
                 return response.status_code, b""
             buf = bytearray()
-            for block in response.iter_bytes():
+            # The bytes as sent, never decoded: a peer's "Content-Encoding: gzip, gzip" made 70 KB into 64 MiB in
+            # memory before the size was checked. Encoded bytes fail the chunk's sha256 like any other wrong ones.
+            for block in response.iter_raw():
                 buf += block
                 self.meter.add(len(block))
                 if len(buf) > size:
                     break  # longer than the manifest says: verification will reject it
-                if time.monotonic() > deadline:
-                    raise httpx.ReadTimeout(f"slower than {MIN_RATE // 1024} KiB/s", request=response.request)
             return 200, bytes(buf)
 
     def _failed(self, src: _Source, reason: str) -> bool:

@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 from echo2.protocol import Form
 
@@ -37,8 +38,9 @@ log = logging.getLogger(__name__)
 
 SHA_HEADER = "X-Echo2-Sha256"
 _ROUTE = re.compile(r"^/v1/jobs/([A-Za-z0-9_\-]{1,64})/versions/(\d{1,8})(/delta)?/(manifest|chunks/(\d{1,7}))$")
-_RANGE = re.compile(r"^bytes=(\d*)-(\d*)$")
+_RANGE = re.compile(r"^bytes=(\d{0,12})-(\d{0,12})$")  # no chunk is a terabyte; 4,300 digits made int() raise
 WRITE_SLICE = 64 * 1024
+IDLE_S = 30.0  # a connection silent this long, or a write of WRITE_SLICE not taken this long, is dropped
 
 
 class RelayServer:
@@ -53,7 +55,7 @@ class RelayServer:
         self.wait_s = wait_s
         self.served_chunks = 0
         self._slots = threading.BoundedSemaphore(max_connections)
-        self._httpd = _Server((host, port), _handler_class(self))
+        self._httpd = _Server((host, port), _handler_class(self), open_at_most=2 * max_connections + 16)
         self._httpd.daemon_threads = True
         self._advertise = advertise_host or host
         self._thread: threading.Thread | None = None
@@ -89,6 +91,29 @@ class RelayServer:
 
 
 class _Server(ThreadingHTTPServer):
+    """Each connection is a thread: at most `open_at_most` at once, past which a new one is closed at once (strangers
+    holding silent connections used to take a thread and a file handle each, for good)."""
+
+    def __init__(self, address: tuple[str, int], handler: type[BaseHTTPRequestHandler], *, open_at_most: int) -> None:
+        super().__init__(address, handler)
+        self._open = threading.BoundedSemaphore(open_at_most)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._open.acquire(blocking=False):
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._open.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._open.release()
+
     def handle_error(self, request: object, client_address: tuple[str, int]) -> None:
         """Through logging (JSON when the worker logs JSON), not the stdlib's traceback on stderr; a peer that
         resets a kept-alive connection is routine: one line."""
@@ -110,6 +135,9 @@ class _Handler(BaseHTTPRequestHandler):
     relay: RelayServer
     protocol_version = "HTTP/1.1"
     server_version = "echo2-relay"
+    # A socket timeout on every read and write: a connection that sends no request, or a child that stops reading
+    # a chunk, lets go of its thread and its slot after this long (each write is one WRITE_SLICE).
+    timeout = IDLE_S
 
     def setup(self) -> None:
         super().setup()
