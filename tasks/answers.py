@@ -20,6 +20,8 @@ _NUM = r"(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?|\.\d+"
 NUMBER_RE = re.compile(rf"(?<![\d.,])-?\$?(?:{_NUM})(?:\s*/\s*(?:{_NUM}))?%?")
 _ANSWER_IS = re.compile(r"answer\s+is\s*:?", re.IGNORECASE)
 _MAX_CHARS = 20_000  # verifier input bound: longer completions are scored on their tail
+DECIMAL = re.compile(r"[+-]?(?:\d+\.?\d*|\.\d+)(?:[eE]([+-]?\d{1,6}))?")  # Fraction's own syntax, minus _ and spaces
+MAX_EXPONENT = 400  # 10**400 is larger than any answer; Fraction builds 10**e whole
 
 
 def _first_number(span: str) -> str | None:
@@ -69,6 +71,11 @@ def parse_number(text: str | None) -> Fraction | None:
         num, den = s.split("/")
         a, b = parse_number(num), parse_number(den)
         return a / b if a is not None and b else None
+    # A decimal, its exponent (if any) bounded: Fraction("1e999999999") builds that power of ten, and a worker's
+    # completion of 26 tokens held the learner's step for hours.
+    m = DECIMAL.fullmatch(s)
+    if m is None or (m.group(1) is not None and abs(int(m.group(1))) > MAX_EXPONENT):
+        return None
     try:
         return Fraction(s)
     except (ValueError, ZeroDivisionError):

@@ -39,7 +39,7 @@ from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 from sqlalchemy.orm.attributes import set_committed_value
 
-from ..models import Job, Lease, Prompt, Rollout, Worker, new_id, utcnow
+from ..models import Job, Lease, Prompt, Rollout, WeightVersion, Worker, new_id, utcnow
 from ..settings import Settings
 from . import archive, episodes, trust
 from .jobs import spec_of
@@ -74,6 +74,8 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
             continue
         prompt = prompts.get(group.prompt_id)
         reason, kind = _rejection(job, spec, lease, group, prompt, multi_turn=bounds is not None)
+        if reason is None and (reason := _unpublished(db, job, spec, lease, group)):
+            kind = RejectKind.invalid
         rewards = None
         if reason is None and bounds is not None:
             reason, kind, rewards = _episodes_rejection(db, lease, group, bounds)
@@ -201,6 +203,20 @@ def _invalid_versions(job: Job, spec: JobSpec, group: GroupSubmit) -> str | None
         if job.version is None or runs[-1][0] > job.version:
             return f"sample {k}: tokens of version {runs[-1][0]}, which was never published (latest {job.version})"
     return None
+
+
+def _unpublished(db: Session, job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit) -> str | None:
+    """Partial rollouts name versions after the leased one: each must be one the learner published (with κ > 1
+    not every number is), or its auditor has no weights to replay those tokens with (it crashed on one)."""
+    named = {group.version} | {v for s in group.samples if s.versions for v, _ in s.versions}
+    named.discard(lease.version)  # published: the lease was granted at it
+    if not named:
+        return None
+    known = set(db.scalars(select(WeightVersion.version).where(WeightVersion.job_id == job.id,
+                                                                WeightVersion.version.in_(named))))
+    missing = sorted(named - known)
+    return (f"tokens of version {missing[0]}, which was never published (this job publishes every "
+            f"{spec.publish_period} steps)") if missing else None
 
 
 def _invalid_sample(sample: SampleSubmit, max_new: int, vocab: int | None, eos: set[int]) -> str | None:

@@ -122,3 +122,30 @@ def test_partial_rollouts_with_a_multi_turn_task_is_refused_at_creation(api):
                                      "partial_rollouts": True, "max_steps": 5})
     assert r.status_code == 422, r.text
     assert "multi-turn" in r.text and "set partial_rollouts to false" in r.text and "partial_rollouts" in r.text
+
+
+def test_versions_between_publications_are_neither_leased_nor_taken(api, tiny_model_dir):
+    """With publish_period 2 only versions 0, 2, ... exist. Tokens tagged [[0, 1], [1, 2]] passed the door (only
+    the newest run was compared with the latest version), and the learner's auditor, asking for version 1's
+    weights, raised: the learner died, and the next one that claimed the group too, until the job failed. A lease
+    at version 1 was granted as well (a version without probes is held when claimed)."""
+    _, alice = new_user(api)
+    job = new_job(alice, partial_rollouts=True, staleness=3, publish_period=2,
+                  grpo={"group_size": 2, "prompts_per_step": 8, "max_new_tokens": 8})
+    learner = start_learner(api, job["id"])
+    publish(learner, job["id"], tiny_model_dir, version=0, step=0)
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider)
+    activate(api, wid, job["id"])
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 4, "version": 0}), 201)
+    step_to(api, job["id"], learner, tiny_model_dir, 2)
+    between = group(lease, 0, 0, sample([[0, 1], [1, 2]]), sample(None))
+    result = ok(submit(worker, lease, between))["results"][0]
+    assert result["status"] == "rejected" and ("tokens of version 1, which was never published (this job "
+                                               "publishes every 2 steps)") in result["reason"]
+    assert ok(api.admin.get(f"/v1/workers/{wid}"))["trust"] == "suspect"  # the worker's fault: a strike
+    hold(worker, 0, 1, 2)
+    refused = worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 2, "version": 1})
+    assert refused.status_code == 409 and "version 1 is not published; the latest is 2" in refused.text
+    published = group(lease, 1, 0, sample([[0, 1], [2, 2]]), sample(None))
+    assert ok(submit(worker, lease, published))["results"][0]["status"] == "accepted"

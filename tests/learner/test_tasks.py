@@ -163,6 +163,18 @@ def test_numeric_equivalence(a, b, equal):
     assert parse_number("2,000.25") == parse_number("8001/4")
 
 
+def test_an_answer_with_a_huge_exponent_is_no_number_and_costs_nothing():
+    """`#### ,1e,9,9,9,9,9,9,9,9,9` (26 tokens of a worker's completion) reached Fraction("1e999999999"), which
+    builds that power of ten: hours of the learner's step. An exponent beyond 400 is no number now."""
+    task = get_task("arithmetic")
+    prompt = TaskPrompt(text="What is 2 + 2?", reference="4")
+    started = time.process_time()
+    assert task.reward(prompt, "#### ,1e," + ",".join("999999999"), task.parse_params({})) == 0.0
+    assert parse_number("1e999999999") is None and parse_number("1e401") is None
+    assert time.process_time() - started < 1.0
+    assert parse_number("1e3") == 1000 and parse_number("2.5e-1") == parse_number("1/4")
+
+
 def test_gsm8k_items_and_reward():
     task = get_task("gsm8k")
     params = task.parse_params({})
