@@ -16,7 +16,8 @@ from typing import Any
 from .errors import ConfigurationError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
-FORMATS = ("auto", "jsonl", "parquet", "arrow", "hf")
+FORMATS = ("auto", "jsonl", "json", "parquet", "arrow", "hf")  # json: one JSON array of items
+SPLITS = ("train", "test", "validation", "valid", "dev")  # what a Hub folder's file names start with
 
 
 class DatasetFileError(ValueError):
@@ -33,6 +34,8 @@ def detect(path: Path) -> str:
         raise DatasetFileError(f"{path} is a folder, but neither a saved Hugging Face dataset (no dataset_info.json "
                                "or dataset_dict.json) nor a folder of .parquet files")
     suffix = path.suffix.lower()
+    if suffix == ".json" and _starts_with(path, b"["):  # json.dump(items, f, indent=2): an array, not JSON Lines
+        return "json"
     if suffix in JSONL_SUFFIXES:
         return "jsonl"
     if suffix == ".parquet":
@@ -48,9 +51,12 @@ def as_jsonl(path: Path, fmt: str = "auto", split: str | None = None) -> tuple[P
     if not path.exists():
         raise DatasetFileError(f"{path} does not exist")
     fmt = detect(path) if fmt == "auto" else fmt
+    if split is not None and fmt != "hf" and not path.is_dir():
+        raise DatasetFileError(f"{path.name} is one file with no splits: leave out --split (it chooses a split of a "
+                               "saved Hugging Face dataset or of a folder of split files)")
     if fmt == "jsonl":
         return path, False
-    rows = {"parquet": _parquet_rows, "arrow": _arrow_rows, "hf": _hf_rows}[fmt](path, split)
+    rows = {"json": _json_rows, "parquet": _parquet_rows, "arrow": _arrow_rows, "hf": _hf_rows}[fmt](path, split)
     out = Path(tempfile.mkstemp(prefix="echo2-dataset-", suffix=".jsonl")[1])
     try:
         with out.open("w", encoding="utf-8") as f:
@@ -98,11 +104,47 @@ def _table_rows(table: Any) -> Iterator[dict[str, Any]]:
         yield from batch.to_pylist()
 
 
+def _starts_with(path: Path, prefix: bytes) -> bool:
+    with path.open("rb") as f:
+        return f.read(4096).lstrip()[:len(prefix)] == prefix
+
+
+def _json_rows(path: Path, split: str | None) -> Iterator[dict[str, Any]]:
+    try:
+        items = json.loads(path.read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise DatasetFileError(f"{path.name} is not valid JSON: {exc}") from None
+    if not isinstance(items, list):
+        raise DatasetFileError(f"{path.name} is not one JSON array of items, nor JSON Lines (one item per line)")
+    for n, item in enumerate(items, start=1):
+        if not isinstance(item, dict):
+            raise DatasetFileError(f"item {n} of {path.name} is not an object ({{\"question\": ..., ...}})")
+        yield item
+
+
+def _split_files(path: Path, split: str | None) -> list[Path]:
+    """A folder's Parquet files, only the chosen split's where their names say which split they are (a Hub
+    folder's train-00000-of-00001.parquet beside test-...): merged, the test split was trained on."""
+    files = sorted(path.glob("*.parquet"))
+    by_split: dict[str, list[Path]] = {}
+    for file in files:
+        by_split.setdefault(file.stem.split("-", 1)[0].lower(), []).append(file)
+    named = [s for s in by_split if s in SPLITS]
+    if not named:
+        if split is not None:
+            raise DatasetFileError(f"{path} holds no split files (named train-..., test-...): leave out --split")
+        return files
+    chosen = split or ("train" if "train" in named else None)
+    if chosen is None or chosen not in by_split:
+        raise DatasetFileError(f"{path} holds the splits {', '.join(named)}: choose one with --split")
+    return by_split[chosen]
+
+
 def _parquet_rows(path: Path, split: str | None) -> Iterator[dict[str, Any]]:
     _pyarrow()
     import pyarrow.parquet as pq
 
-    files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+    files = _split_files(path, split) if path.is_dir() else [path]
     for file in files:
         try:
             parquet = pq.ParquetFile(file)

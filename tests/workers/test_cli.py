@@ -336,3 +336,15 @@ def test_only_an_echo2_control_plane_passes_the_version_check(status: int, kind:
             control.close()
     assert str(error.value) == (f"{server.url} is not an Echo2 control plane (GET {server.url}/v1/version answered "
                                 f"{refused}): give --server the control plane's base URL, e.g. http://CONTROL_PLANE:8000")
+
+
+def test_join_refuses_more_prompts_a_lease_than_the_protocol_takes():
+    """`--max-prompts 512` registered, benchmarked and waited to be activated, then failed on its first lease
+    request with a pydantic error (a lease takes 1 to 256)."""
+    from echo2_worker.cli import build_parser
+
+    for bad in ("512", "0"):
+        with pytest.raises(SystemExit) as exit_:
+            build_parser().parse_args(["join", "--server", "http://127.0.0.1:9", "--max-prompts", bad])
+        assert exit_.value.code == 2
+    assert build_parser().parse_args(["join", "--server", "http://x", "--max-prompts", "256"]).max_prompts == 256

@@ -68,7 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
                       help="transformers on a GPU: compile the decode step with CUDA graphs; about 3x the tokens/s of "
                            "a 135M model on an H100, after about a minute of compiling for each new batch shape "
                            "(docs/BENCHMARKS.md)")
-    join.add_argument("--max-prompts", type=int, default=8, help="prompts per lease")
+    join.add_argument("--max-prompts", type=_prompts, default=8, help="prompts per lease (1 to 256)")
     join.add_argument("--data-dir", type=Path, default=None, help="where weight versions are kept")
     join.add_argument("--no-bench", action="store_true", help="register without measuring throughput first")
     join.add_argument("--new", action="store_true", help="register a new worker even if one is saved for --server")
@@ -359,6 +359,13 @@ def _share(text: str) -> float:
     value = float(text)
     if not 0.1 <= value <= 0.95:
         raise argparse.ArgumentTypeError(f"{text} is not a share of memory between 0.1 and 0.95")
+    return value
+
+
+def _prompts(text: str) -> int:
+    value = int(text)
+    if not 1 <= value <= 256:  # echo2.protocol.LeaseRequest.max_prompts
+        raise argparse.ArgumentTypeError(f"{text} is not a number of prompts per lease between 1 and 256")
     return value
 
 

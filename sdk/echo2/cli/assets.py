@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from ..dataset_files import FORMATS
 from .common import Parser, connect, print_json
 from .render import ProgressBar, table
 
@@ -21,12 +22,15 @@ def add_assets(groups: Any, conn: Parser) -> None:
                                        "Every bad line is named with its number.")
     upload.add_argument("name", metavar="NAME")
     upload.add_argument("file", metavar="PATH", help="FILE.jsonl, FILE.parquet, FILE.arrow or a dataset folder")
-    upload.add_argument("--format", choices=["auto", "jsonl", "parquet", "arrow", "hf"], default="auto",
+    upload.add_argument("--format", choices=list(FORMATS), default="auto",
                         help="the file's format (default: from its name)")
-    upload.add_argument("--split", help="the split of a saved DatasetDict (default: train)")
+    upload.add_argument("--split", help="the split of a saved DatasetDict, or of a folder of split files "
+                        "(train-....parquet, test-...): default train")
     upload.add_argument("--json", action="store_true")
     upload.set_defaults(func=_datasets_upload)
     dlist = dc.add_parser("list", parents=[conn], help="list your datasets")
+    dlist.add_argument("--limit", type=int, default=50)
+    dlist.add_argument("--offset", type=int, default=0)
     dlist.add_argument("--json", action="store_true")
     dlist.set_defaults(func=_datasets_list)
 
@@ -78,13 +82,15 @@ def _datasets_upload(args: argparse.Namespace) -> int:
 
 def _datasets_list(args: argparse.Namespace) -> int:
     with connect(args) as client:
-        page = client.datasets.list()
+        page = client.datasets.list(limit=args.limit, offset=args.offset)
     if args.json:
         print_json(page)
-    else:
-        table(["ID", "NAME", "ITEMS", "KEYS", "CREATED"],
-              [[d.id, d.name, d.num_items, ",".join(d.keys), d.created_at.strftime("%Y-%m-%d %H:%M")]
-               for d in page.items])
+        return 0
+    table(["ID", "NAME", "ITEMS", "KEYS", "CREATED"],
+          [[d.id, d.name, d.num_items, ",".join(d.keys), d.created_at.strftime("%Y-%m-%d %H:%M")]
+           for d in page.items])
+    if page.next_offset is not None:
+        print(f"({args.offset + len(page.items)} of {page.total}; more with --offset {page.next_offset})")
     return 0
 
 

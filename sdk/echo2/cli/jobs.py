@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .common import PROG, Parser, UsageError, connect, key_value, print_json
@@ -121,7 +123,9 @@ def _submit(args: argparse.Namespace) -> int:
             if not args.watch:
                 print(f"follow it with: {PROG} jobs watch {job.id}")
         if args.watch:
-            return watch(client, job.id, 2.0, None)
+            # With --json, stdout is the job's JSON alone, for a script to parse: what the watch says goes to stderr.
+            with contextlib.redirect_stdout(sys.stderr) if args.json else contextlib.nullcontext():
+                return watch(client, job.id, 2.0, None)
     return 0
 
 
