@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from ..db import WRITER_LOCK
 from ..errors import ApiError
-from ..models import Job, Lease, Prompt, Rollout, StepMetric, WeightVersion, Worker, utcnow
+from ..models import Job, Lease, Prompt, Rollout, StepMetric, Worker, utcnow
 from . import possession
 from .jobs import finish_job, spec_of
 
@@ -193,7 +193,10 @@ def _retry_after(seconds: float) -> dict[str, str]:
 
 
 def _check_version(db: Session, job: Job, worker: Worker, version: int, spec: JobSpec) -> None:
-    if job.version is None or version > job.version or not _published(db, job.id, version):
+    # The learner's auditor has no weights for a number that is not a version; a version without probes is held
+    # when claimed, one with them once proven.
+    probed = possession.probed(db, job.id, version) if job.version is not None and version <= job.version else None
+    if probed is None:
         raise ApiError(409, f"version {version} is not published; the latest is {job.version} (this job publishes "
                             f"every {spec.publish_period} steps)", field="version")
     if version < spec.oldest_admissible(job.step):
@@ -203,17 +206,10 @@ def _check_version(db: Session, job: Job, worker: Worker, version: int, spec: Jo
     if version not in (worker.versions_held or []):
         raise ApiError(409, f"this worker has not reported holding version {version}: send a heartbeat with it "
                        "in versions_held first", field="version")
-    if not possession.proven(db, job.id, version, worker.id):
+    if probed and not possession.proven(db, job.id, version, worker.id):
         raise ApiError(409, f"this worker has not proven it holds version {version}: answer the challenge of the "
                        "last heartbeat reply (assignment.challenges) in the `proofs` of a heartbeat, with the "
                        "sha256 of those bytes of your copy, then lease again", field="version")
-
-
-def _published(db: Session, job_id: str, version: int) -> bool:
-    """With κ > 1 not every number below the latest is a version: the learner's auditor has no weights for one that
-    is not (and possession holds a version without probes when claimed)."""
-    return db.scalar(select(WeightVersion.version).where(WeightVersion.job_id == job_id,
-                                                         WeightVersion.version == version)) is not None
 
 
 def _take_available(db: Session, job: Job, limit: int, version: int) -> list[Prompt]:

@@ -110,11 +110,14 @@ class Possession:
         return probes[int.from_bytes(pick.digest()[:8], "big") % len(probes)]
 
 
+def probed(db: Session, job_id: str, version: int) -> bool | None:
+    """Whether the version was published with probes; None when it was never published (with κ > 1 not every
+    number below the latest is a version)."""
+    return db.scalar(select(WeightVersion.probes.is_not(None))
+                     .where(WeightVersion.job_id == job_id, WeightVersion.version == version))
+
+
 def proven(db: Session, job_id: str, version: int, worker_id: str) -> bool:
-    """Whether the worker may lease at `version`: it proved it holds it, or the version has no probes."""
-    probed = db.scalar(select(WeightVersion.probes.is_not(None))
-                       .where(WeightVersion.job_id == job_id, WeightVersion.version == version))
-    if not probed:
-        return True
+    """Whether the worker proved it holds `version` (one published with probes: `probed`)."""
     return db.scalar(select(VersionHold.proven_at).where(
         VersionHold.job_id == job_id, VersionHold.version == version, VersionHold.worker_id == worker_id)) is not None
