@@ -36,17 +36,24 @@ def step_to(api, job_id: str, learner, folder, step: int) -> None:  # type: igno
         s.commit()
 
 
-@pytest.fixture
-def partial(api, tiny_model_dir):  # type: ignore[no-untyped-def]
+def leasing(api, folder, max_prompts: int = 8, **spec: Any):  # type: ignore[no-untyped-def]
+    """A partial-rollouts job at version 0 and a worker holding a lease of it: (job, learner, worker id, worker,
+    lease)."""
     _, alice = new_user(api)
-    job = new_job(alice, partial_rollouts=True, staleness=1,
-                  grpo={"group_size": 2, "prompts_per_step": 8, "max_new_tokens": 8})
+    job = new_job(alice, partial_rollouts=True, grpo={"group_size": 2, "prompts_per_step": 8, "max_new_tokens": 8},
+                  **spec)
     learner = start_learner(api, job["id"])
-    publish(learner, job["id"], tiny_model_dir, version=0, step=0)
+    publish(learner, job["id"], folder, version=0, step=0)
     _, provider = new_provider(api)
     wid, worker = new_worker(api, provider)
     activate(api, wid, job["id"])
-    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 8, "version": 0}), 201)
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": max_prompts, "version": 0}), 201)
+    return job, learner, wid, worker, lease
+
+
+@pytest.fixture
+def partial(api, tiny_model_dir):  # type: ignore[no-untyped-def]
+    job, learner, _, worker, lease = leasing(api, tiny_model_dir, staleness=1)
     return job, learner, worker, lease
 
 
@@ -129,15 +136,7 @@ def test_versions_between_publications_are_neither_leased_nor_taken(api, tiny_mo
     the newest run was compared with the latest version), and the learner's auditor, asking for version 1's
     weights, raised: the learner died, and the next one that claimed the group too, until the job failed. A lease
     at version 1 was granted as well (a version without probes is held when claimed)."""
-    _, alice = new_user(api)
-    job = new_job(alice, partial_rollouts=True, staleness=3, publish_period=2,
-                  grpo={"group_size": 2, "prompts_per_step": 8, "max_new_tokens": 8})
-    learner = start_learner(api, job["id"])
-    publish(learner, job["id"], tiny_model_dir, version=0, step=0)
-    _, provider = new_provider(api)
-    wid, worker = new_worker(api, provider)
-    activate(api, wid, job["id"])
-    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 4, "version": 0}), 201)
+    job, learner, wid, worker, lease = leasing(api, tiny_model_dir, max_prompts=4, staleness=3, publish_period=2)
     step_to(api, job["id"], learner, tiny_model_dir, 2)
     between = group(lease, 0, 0, sample([[0, 1], [1, 2]]), sample(None))
     result = ok(submit(worker, lease, between))["results"][0]

@@ -3,6 +3,7 @@ and nudged next versions. Everything talks to the real control plane over HTTP (
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import threading
 import time
@@ -138,12 +139,12 @@ def start_worker(api: Api, setup: JobSetup, data_dir: Path, *, name: str = "w", 
     return RunningWorker(worker, thread, worker_id, store, server, result)
 
 
-class LyingRelay:
-    """A peer that answers every chunk request with the right number of wrong bytes; with `drip_s`, a byte at a
-    time, one every `drip_s` seconds, without end (a chunk of 1 GiB, it says)."""
+class HostileRelay:
+    """A peer relay on loopback whose every GET is answered by `answer(handler)`."""
 
-    def __init__(self, sizes: Callable[[str, int, int], int | None], drip_s: float | None = None) -> None:
+    def __init__(self, answer: Callable[[BaseHTTPRequestHandler], None]) -> None:
         self.requests = 0
+        self.closed = threading.Event()
         outer = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -153,29 +154,9 @@ class LyingRelay:
                 pass
 
             def do_GET(self) -> None:  # noqa: N802
-                parts = [p for p in self.path.strip("/").split("/") if p != "delta"]  # v1 jobs J versions V chunks I
-                size = sizes(parts[2], int(parts[4]), int(parts[6])) if len(parts) == 7 else None
                 outer.requests += 1
-                if drip_s is not None and size:
-                    self._drip(drip_s)
-                    return
-                body = b"\x00" * size if size else b"{}"
-                self.send_response(200 if size else 404)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _drip(self, every_s: float) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(2**30))
-                self.end_headers()
-                try:
-                    while True:
-                        self.wfile.write(b"\x00")
-                        self.wfile.flush()
-                        time.sleep(every_s)
-                except OSError:
-                    pass  # the client gave up
+                with contextlib.suppress(OSError):  # the client gave up
+                    answer(self)
 
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._httpd.daemon_threads = True
@@ -183,8 +164,35 @@ class LyingRelay:
         threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
 
     def close(self) -> None:
+        self.closed.set()
         self._httpd.shutdown()
         self._httpd.server_close()
+
+
+class LyingRelay(HostileRelay):
+    """A peer that answers every chunk request with the right number of wrong bytes; with `drip_s`, a byte at a
+    time, one every `drip_s` seconds, without end (a chunk of 1 GiB, it says)."""
+
+    def __init__(self, sizes: Callable[[str, int, int], int | None], drip_s: float | None = None) -> None:
+        super().__init__(lambda handler: _lie(handler, sizes, drip_s))
+
+
+def _lie(handler: BaseHTTPRequestHandler, sizes: Callable[[str, int, int], int | None], drip_s: float | None) -> None:
+    parts = [p for p in handler.path.strip("/").split("/") if p != "delta"]  # v1 jobs J versions V chunks I
+    size = sizes(parts[2], int(parts[4]), int(parts[6])) if len(parts) == 7 else None
+    if drip_s is not None and size:
+        handler.send_response(200)
+        handler.send_header("Content-Length", str(2**30))
+        handler.end_headers()
+        while True:
+            handler.wfile.write(b"\x00")
+            handler.wfile.flush()
+            time.sleep(drip_s)
+    body = b"\x00" * size if size else b"{}"
+    handler.send_response(200 if size else 404)
+    handler.send_header("Content-Length", str(len(body)))
+    handler.end_headers()
+    handler.wfile.write(body)
 
 
 def make_next_version(src: Path, dst: Path, *, noise: float = 0.05, seed: int = 1) -> Path:

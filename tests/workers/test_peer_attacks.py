@@ -3,12 +3,11 @@ strangers (the worker's own relay server). Each test here failed before its fix:
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import socket
 import threading
 import time
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import httpx
@@ -19,37 +18,8 @@ from echo2_worker.ratelimit import RateMeter
 from echo2_worker.relay import RelayServer
 from echo2_worker.store import VersionStore
 
+from .conftest import HostileRelay
 from .test_relay import JOB, KEY, fill_store, same_files
-
-
-class _Hostile:
-    """A peer relay on loopback whose every GET is answered by `answer(handler)`."""
-
-    def __init__(self, answer) -> None:
-        self.requests = 0
-        self.closed = threading.Event()
-        outer = self
-
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-            def do_GET(self) -> None:  # noqa: N802
-                outer.requests += 1
-                with contextlib.suppress(OSError):  # the worker hung up
-                    answer(self)
-
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._httpd.server_address[1]}"
-        threading.Thread(target=self._httpd.serve_forever, daemon=True).start()
-
-    def close(self) -> None:
-        self.closed.set()
-        self._httpd.shutdown()
-        self._httpd.server_close()
 
 
 class _BlockMeter(RateMeter):
@@ -79,7 +49,7 @@ def test_a_compressed_answer_cannot_blow_up_past_the_chunk_size(tmp_path: Path, 
         h.end_headers()
         h.wfile.write(bomb)
 
-    peer = _Hostile(answer)
+    peer = HostileRelay(answer)
     meter = _BlockMeter()
     try:
         with RelayServer(origin_store) as origin:
@@ -110,7 +80,7 @@ def test_a_peer_dripping_its_headers_cannot_hold_a_download_past_the_chunk_deadl
             h.wfile.flush()
             time.sleep(0.2)
 
-    peer = _Hostile(answer)
+    peer = HostileRelay(answer)
     outcome: dict = {}
     try:
         with RelayServer(origin_store) as origin:
