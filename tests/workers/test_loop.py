@@ -272,3 +272,23 @@ def test_a_worker_whose_disk_is_full_says_where_and_how_much_it_needs(api: Api, 
         worker.drain()
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_worker_told_an_unreachable_address_for_weights_names_the_setting_to_fix(
+        api: Api, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A control plane started without ECHO2_PUBLIC_URL tells remote workers to fetch weights from its own
+    loopback address: the worker heartbeat fine and logged only "could not reach the Echo2 server", as if the
+    server it was talking to were down."""
+    setup = start_job(api, tiny_model_dir)
+    monkeypatch.setattr(api.server.settings, "public_url", "http://127.0.0.1:9")  # nothing listens there
+    worker = start_worker(api, setup, tmp_path / "w", name="far")
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if "could not fetch version" in r.getMessage()]
+
+    wait_for(said, 60, "the worker to say why it cannot fetch")
+    assert (f"this worker reaches the control plane at {api.url}, which names http://127.0.0.1:9 for its weights "
+            "(its ECHO2_PUBLIC_URL)") in said()[0]
+    assert "ask its operator to set ECHO2_PUBLIC_URL to an address workers can reach" in said()[0]
+    worker.drain()

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx
 from echo2 import errors
 from echo2.deltas import DeltaError, apply_delta, files_digest
 from echo2.possession import answer
@@ -201,6 +202,8 @@ class Versions:
             self._failed(a, f"a delta did not fit: {exc}")
         except OSError as exc:
             self._failed(a, self._disk_full(a) if exc.errno == errno.ENOSPC else str(exc))
+        except errors.ConnectionError as exc:
+            self._failed(a, str(exc) + self._origin_hint(exc))
         except (VersionUnavailable, errors.Echo2Error, ValueError) as exc:
             self._failed(a, str(exc))
         finally:
@@ -212,6 +215,18 @@ class Versions:
         free = shutil.disk_usage(self.store.root).free
         return (f"no space left on the disk of {self.store.root}: this version needs {need / 1e9:.2f} GB, "
                 f"{free / 1e9:.2f} GB are free; free some, or give --data-dir on a larger disk")
+
+    def _origin_hint(self, exc: errors.ConnectionError) -> str:
+        """Weights come from the address the control plane names (its ECHO2_PUBLIC_URL), not from the one this
+        worker was given: a control plane left at its loopback default cannot be reached from another machine."""
+        if exc.request is None:
+            return ""
+        named, ours = exc.request.url, httpx.URL(self.control.server_url)
+        if (named.scheme, named.host, named.port) == (ours.scheme, ours.host, ours.port):
+            return ""
+        return (f"; this worker reaches the control plane at {self.control.server_url}, which names "
+                f"{named.scheme}://{named.netloc.decode()} for its weights (its ECHO2_PUBLIC_URL): ask its operator to "
+                "set ECHO2_PUBLIC_URL to an address workers can reach")
 
     def _finished(self) -> None:
         """The download no longer needs its versions: when the swap came while it was still running (it
