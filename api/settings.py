@@ -23,6 +23,8 @@ class Settings(BaseSettings):
     open_provider_registration: bool = Field(False, description="Let anyone sign up as a GPU provider.")
     bootstrap_api_key: str = Field("", description="If set, an admin with this API key is ensured at start.")
     max_body_bytes: int = Field(16 * 2**20, ge=1024, description="Largest JSON request body (413 beyond).")
+    max_upload_bytes: int = Field(16 * 2**30, ge=2**20, description="Most bytes one user's dataset uploads in "
+                                  "progress may declare together (413 beyond): their parts fill this host's disk.")
     max_chunk_bytes: int = Field(64 * 2**20, ge=4096, description="Largest weight chunk upload.")
     lease_ttl_s: float = Field(60.0, gt=0, description="A lease not renewed or completed by then expires.")
     heartbeat_interval_s: float = Field(2.0, gt=0, description="How often workers should heartbeat.")

@@ -55,9 +55,11 @@ def _read_blocks(file: UploadFile) -> Iterator[bytes]:
              summary="Start the upload of a JSONL file of any size in parts, or resume it (the same name, size and "
                      "sha256): the answer lists the parts already received",
              responses={409: {"description": "This file was uploaded under this name already: the detail names "
-                                             "its dataset."}})
+                                             "its dataset."},
+                        413: {"description": "Your uploads in progress would declare more than ECHO2_MAX_UPLOAD_BYTES "
+                                             "together: complete or abandon one first."}})
 def start_upload(body: UploadCreate, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> UploadRead:
-    upload = uploads.start(db, user, body)
+    upload = uploads.start(db, user, settings, body)
     db.commit()
     return uploads.read(settings, upload)
 

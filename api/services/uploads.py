@@ -21,7 +21,7 @@ from echo2.protocol import UploadCreate, UploadRead
 from echo2.protocol.common import reason
 from echo2.protocol.datasets import Item, item_problem
 from pydantic import TypeAdapter, ValidationError
-from sqlalchemy import insert, select
+from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session
 
 from ..errors import ApiError
@@ -40,7 +40,7 @@ def folder(settings: Settings, upload_id: str) -> Path:
     return settings.data_dir / "uploads" / upload_id
 
 
-def start(db: Session, user: User, body: UploadCreate) -> DatasetUpload:
+def start(db: Session, user: User, settings: Settings, body: UploadCreate) -> DatasetUpload:
     """The upload of this file begun before by this user (resumed), or a new one; a 409 naming the dataset where
     this user's upload of the same file under the same name completed already (run again to resume, it made a
     second dataset of the same name)."""
@@ -55,10 +55,23 @@ def start(db: Session, user: User, body: UploadCreate) -> DatasetUpload:
                                                   DatasetUpload.sha256 == body.sha256))
     if found is not None:
         return found
+    _check_room(db, user, settings, body.size)
     upload = DatasetUpload(owner_id=user.id, name=body.name, size=body.size, sha256=body.sha256, part_size=PART_SIZE)
     db.add(upload)
     db.flush()
     return upload
+
+
+def _check_room(db: Session, user: User, settings: Settings, size: int) -> None:
+    """A user's uploads in progress may declare at most ECHO2_MAX_UPLOAD_BYTES together: their parts fill the
+    control plane's disk, which every tenant shares."""
+    begun = int(db.scalar(select(func.coalesce(func.sum(DatasetUpload.size), 0))  # a Decimal on PostgreSQL
+                          .where(DatasetUpload.owner_id == user.id)) or 0)
+    if begun + size > settings.max_upload_bytes:
+        raise ApiError(413, f"your uploads in progress declare {begun / 1e6:.2f} MB and this one {size / 1e6:.2f} MB, "
+                       f"more than the {settings.max_upload_bytes / 1e6:.2f} MB one user may upload at once "
+                       "(ECHO2_MAX_UPLOAD_BYTES): complete or abandon one first (DELETE "
+                       "/v1/datasets/uploads/UPLOAD_ID)", field="size")
 
 
 def read(settings: Settings, upload: DatasetUpload) -> UploadRead:

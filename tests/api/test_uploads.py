@@ -177,3 +177,22 @@ def test_a_part_sent_twice_at_once_is_stored_once_not_a_500(api):
         assert list(pool.map(put, range(8))) == [204] * 8
     assert _put(alice, upload, 1, data[upload["part_size"]:]).status_code == 204
     assert ok(alice.post(f"/v1/datasets/uploads/{upload['id']}/complete"), 201)["num_items"] == data.count(b"\n")
+
+
+def test_one_user_may_not_declare_more_upload_bytes_than_the_platform_allows_at_once(api, monkeypatch):
+    """An upload may declare up to 1 TiB and its parts fill the control plane's disk, which every tenant shares:
+    one user could start any number of them."""
+    monkeypatch.setattr(api.server.settings, "max_upload_bytes", 3 * 2**20)
+    _, alice = new_user(api)
+    first = _start(alice, "a", b"x" * 2**20)
+    second = _start(alice, "b", b"y" * 2**20)
+    over = alice.post("/v1/datasets/uploads", json={"name": "c", "size": 2 * 2**20, "sha256": "0" * 64})
+    assert over.status_code == 413
+    assert over.json()["detail"] == (
+        "your uploads in progress declare 2.10 MB and this one 2.10 MB, more than the 3.15 MB one user may upload at "
+        "once (ECHO2_MAX_UPLOAD_BYTES): complete or abandon one first (DELETE /v1/datasets/uploads/UPLOAD_ID)")
+    assert _start(alice, "a", b"x" * 2**20)["id"] == first["id"]  # resuming one begun is never refused
+    _, bob = new_user(api, "bob")
+    assert _start(bob, "c", b"z" * 2 * 2**20)["received"] == []  # the bound is each user's
+    assert alice.delete(f"/v1/datasets/uploads/{second['id']}").status_code == 204
+    assert _start(alice, "c", b"z" * 2 * 2**20)["received"] == []
