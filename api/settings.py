@@ -39,9 +39,9 @@ class Settings(BaseSettings):
     min_dwell_s: float = Field(60.0, ge=0, description="An activated worker keeps its job at least this long.")
     relay_fanout: int = Field(1, ge=1, le=16, description="Children per relay peer (1: a pipelined chain).")
     relay_max_bad_chunks: int = Field(3, ge=1, description="Peers reported bad this often stop being parents.")
-    keep_versions_every: int = Field(0, ge=0, description="Also keep the weights of every n-th version for "
-                                     "download (0: only the final or newest one, kept forever, and those rollouts "
-                                     "may still use).")
+    keep_versions_every: int = Field(0, ge=0, description="Also keep the weights of every n-th version stored "
+                                     "in full (a keyframe) for download (0: only the final or newest one, kept "
+                                     "forever, and those rollouts may still use).")
     retention_sweep_s: float = Field(300.0, ge=0, description="Each API process looks for weights left "
                                      "to collect at start and then this often (0: at start only).")
     archive_after_h: float = Field(24.0, ge=0, description="The retention sweep moves the token payloads of a job "
@@ -82,11 +82,13 @@ class Settings(BaseSettings):
                                                   "the Hugging Face cache and the Hub, seen from this machine: true of "
                                                   "`echo2-server up`); `names`, only built-in names (learner hosts "
                                                   "on other machines).")
-    hf_hub_cache: Path | None = Field(None, description="The Hugging Face cache the learner hosts load from "
-                                      "(default: huggingface_hub's own, HF_HUB_CACHE).")
+    hf_hub_cache: Path | None = Field(None, description="The Hugging Face cache a job's Hub id is checked "
+                                      "against at submission and its config read from for the memory estimate "
+                                      "(default: huggingface_hub's own). Learner hosts load through huggingface_hub's "
+                                      "HF_HUB_CACHE / HF_HOME: point this at the cache they use.")
     wheel_dir: Path | None = Field(None, description="A folder holding the echo2 and echo2-worker wheels the "
-                                   "package index (/simple/) serves; default: built from the source tree at start "
-                                   "into DATA_DIR/wheels.")
+                                   "package index (/simple/) serves; default: built from the source tree into "
+                                   "DATA_DIR/wheels at the index's first request (and again when the tree changed).")
     package_upstream: str = Field("https://pypi.org/simple", max_length=512, description="Where the package index "
                                   "sends pip for every other project (the worker's dependencies); empty: 404, and "
                                   "pip uses the indexes of its own configuration.")

@@ -181,7 +181,8 @@ def _chunk(db: SessionDep, blobs: BlobsDep, p: Principal, job_id: str, version: 
 
 
 @router.get("/checkpoint", operation_id="download_checkpoint",
-            summary="Download a version (default: the final one) as a tar of the HF model folder",
+            summary="Download a version (default: the final one, else the newest published) as a tar of the HF "
+                    "model folder",
             response_class=StreamingResponse,
             responses={200: {"content": {"application/x-tar": {}}}, 410: {"description": "Its weights were deleted."},
                        409: {"description": "That version was published only as a delta."}})
