@@ -17,6 +17,7 @@ be copied: a sampler checkpoint's weights are in its host's memory, not in the s
 
 from __future__ import annotations
 
+import hashlib
 import secrets
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -108,7 +109,10 @@ def copy_weights(body: CopyWeightsRequest, user: TinkerUser, db: SessionDep, key
     if body.ttl_seconds is not None and not 3600 <= body.ttl_seconds <= TEN_YEARS_S:
         raise ApiError(400, f"ttl_seconds must be between 3600 and {TEN_YEARS_S}, or null", field="ttl_seconds")
     run = _copy_run(db, user.id, body, source, key)
-    existing = db.get(TinkerCheckpoint, (run.id, source.name))
+    existing = db.get(TinkerCheckpoint, (run.id, source.name, CheckpointKind.training))
+    if existing is not None and existing.sha256 != source.sha256:  # answering its path gave another state's copy
+        raise ApiError(400, f"training run {run.id} holds a copy of another state named {source.name!r} already: "
+                            "give a model_seq_id that is new in the session", field="model_seq_id")
     if existing is None:
         db.add(TinkerCheckpoint(model_id=run.id, name=source.name, kind=CheckpointKind.training, step=source.step,
                                 host=source.host, sha256=source.sha256, size_bytes=source.size_bytes,
@@ -124,11 +128,12 @@ def _copy_run(db: Session, owner_id: str, body: CopyWeightsRequest, source: Tink
     assert origin is not None
     if body.session_id is not None:
         session = service.owned_session(db, owner_id, body.session_id)
-        run_id = f"{session.id}:copy:{body.model_seq_id or 0}"
+        seq = body.model_seq_id if body.model_seq_id is not None else _idempotent_suffix(owner_id, key)
+        run_id = f"{session.id}:copy:{seq}"
     else:
         session = db.get(TinkerSession, origin.session_id)
         assert session is not None
-        run_id = f"copy_{_idempotent_suffix(key)}"
+        run_id = f"copy_{_idempotent_suffix(owner_id, key)}"
     run = db.get(TinkerModel, run_id)
     if run is None:
         run = TinkerModel(id=run_id, session_id=session.id, owner_id=owner_id, kind=ModelKind.copy,
@@ -141,13 +146,12 @@ def _copy_run(db: Session, owner_id: str, body: CopyWeightsRequest, source: Tink
     return run
 
 
-def _idempotent_suffix(key: str | None) -> str:
-    """A retried copy (same X-Idempotency-Key) lands on the same run."""
+def _idempotent_suffix(owner_id: str, key: str | None) -> str:
+    """A retried copy (the same X-Idempotency-Key from the same user) lands on the same run; every other copy on a
+    run of its own (the key alone named it: two users sending one key collided)."""
     if not key:
         return secrets.token_hex(12)
-    import hashlib
-
-    return hashlib.sha256(key.encode()).hexdigest()[:24]
+    return hashlib.sha256(f"{owner_id}\0{key}".encode()).hexdigest()[:24]
 
 
 def remove(db: Session, rows: list[TinkerCheckpoint], root: Path) -> None:
@@ -190,8 +194,8 @@ def _owned_checkpoint(db: Session, owner_id: str, model_id: str, segment: str, n
         raise ApiError(400, f"checkpoint ids are weights/NAME or sampler_weights/NAME, not {segment}/{name}",
                        field="checkpoint_id")
     _owned_run(db, owner_id, model_id)
-    row = db.get(TinkerCheckpoint, (model_id, name))
-    if row is None or row.kind != kind or service.expired(row):
+    row = db.get(TinkerCheckpoint, (model_id, name, kind))
+    if row is None or service.expired(row):
         raise ApiError(404, f"checkpoint tinker://{model_id}/{segment}/{name} not found", field="checkpoint_id")
     return row
 

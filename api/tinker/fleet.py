@@ -45,6 +45,7 @@ from echo2.protocol import (
 from echo2.protocol.tinker import (
     AuditPayload,
     AuditVerdict,
+    CheckpointKind,
     ModelKind,
     ModelStatus,
     PublishOrder,
@@ -144,7 +145,7 @@ def fleet_job_for(db: Session, sampler: TinkerSampler, payload: SamplePayload,
         return None
     if payload.inflight:  # drawn with the newest in-flight weights, which are never older than the sampler's
         return (job, job.version) if job.version else None
-    checkpoint = db.get(TinkerCheckpoint, (sampler.model_id, sampler.checkpoint))
+    checkpoint = db.get(TinkerCheckpoint, (sampler.model_id, sampler.checkpoint, CheckpointKind.sampler))
     if checkpoint is None or checkpoint.version is None or job.version != checkpoint.version:
         return None
     return job, checkpoint.version
@@ -223,7 +224,8 @@ def _checkpoint_names(db: Session, job: Job, versions: set[int]) -> dict[int, st
 
 def _names(db: Session, job: Job, versions: set[int]) -> dict[int, str]:
     rows = db.execute(select(TinkerCheckpoint.version, TinkerCheckpoint.name).where(
-        TinkerCheckpoint.model_id == job.tinker_model_id, TinkerCheckpoint.version.in_(versions))).all()
+        TinkerCheckpoint.model_id == job.tinker_model_id, TinkerCheckpoint.kind == CheckpointKind.sampler,
+        TinkerCheckpoint.version.in_(versions))).all()
     return {version: name for version, name in rows}
 
 

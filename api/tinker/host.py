@@ -39,7 +39,7 @@ from ..deps import SessionDep, SettingsDep
 from ..models import utcnow
 from ..routing import make_router
 from ..settings import Settings
-from . import checkpoints, fleet, service
+from . import checkpoints, fleet, queueing, service
 from .deps import ApiKey, Bell, HostUser, require_host, user_of
 from .models import TinkerHost, TinkerModel, TinkerRequest, TinkerSession
 from .sampling import MAX_SAMPLE_TOKENS
@@ -48,6 +48,7 @@ router = make_router(prefix="/v1/tinker/host", tags=["tinker"], include_in_schem
 MAX_SAMPLE_BATCH = 32
 PARK_AFTER_S = 60.0  # a model idle this long gives its slot up to one that waits
 SLICE_S = 120.0  # and a busy one, once it has held the slot this long: two busy clients of one slot take turns
+PLATFORMS = (RequestKind.audit, RequestKind.drop_checkpoint)  # the platform's own requests, not a user's
 
 
 @router.get("/requests/{request_id}")
@@ -62,7 +63,9 @@ async def claim(body: HostClaim, api_key: ApiKey, request: Request) -> HostWorkR
     state = request.app.state
     deadline = time.monotonic() + body.wait_s
     while True:
-        reply = await anyio.to_thread.run_sync(_claim_once, state.db, state.settings, api_key, body)
+        reply, refused = await anyio.to_thread.run_sync(_claim_once, state.db, state.settings, api_key, body)
+        for request_id in refused:  # its client waiting on the future hears at once
+            state.announcer.announce(service.request_key(request_id))
         left = deadline - time.monotonic()
         if reply.work is not None or left <= 0:
             return reply
@@ -71,7 +74,8 @@ async def claim(body: HostClaim, api_key: ApiKey, request: Request) -> HostWorkR
             return HostWorkReply()
 
 
-def _claim_once(database: Database, settings: Settings, api_key: str, body: HostClaim) -> HostWorkReply:
+def _claim_once(database: Database, settings: Settings, api_key: str,
+                body: HostClaim) -> tuple[HostWorkReply, list[str]]:
     with database.session() as db:
         require_host(user_of(db, api_key))
         host = db.get(TinkerHost, body.host, with_for_update=True) or TinkerHost(name=body.host)
@@ -88,11 +92,38 @@ def _claim_once(database: Database, settings: Settings, api_key: str, body: Host
             made = _make_room(db, body.host, held)
             park, held = park + made, held - set(made)
         free = body.slots - len(held)
-        row = _next_request(db, list(held)) or _admit(db, body.host, free)
+        row, refused = _pick(db, held, body.host, free)
         work = _start(db, row, settings) if row is not None else None
         more = [_start(db, r, settings) for r in _batchable(db, row)] if row is not None else []
         db.commit()
-        return HostWorkReply(work=work, more=more, drop=drop, park=park)
+        return HostWorkReply(work=work, more=more, drop=drop, park=park), refused
+
+
+def _pick(db: Session, held: set[str], host: str, free: int) -> tuple[TinkerRequest | None, list[str]]:
+    """The request to run next, and the ids of those failed on the way: the waiting requests of a user whose daily
+    quota was spent after they were queued fail, all at once (its jobs pause the same way). The platform's own
+    requests (audits, dropping a checkpoint) run whatever the quota."""
+    refused: list[str] = []
+    while (row := _next_request(db, list(held)) or _admit(db, host, free)) is not None:
+        why = None if row.kind in PLATFORMS else queueing.quota_spent(db, row.owner_id)
+        if why is None:
+            return row, refused
+        refused += _refuse(db, row.owner_id, why)
+    return None, refused
+
+
+def _refuse(db: Session, owner_id: str, why: str) -> list[str]:
+    """Fail the user's waiting requests (a create_model's model with it); their ids."""
+    rows = list(db.scalars(select(TinkerRequest).where(TinkerRequest.owner_id == owner_id,
+                                                       TinkerRequest.status == RequestStatus.pending,
+                                                       TinkerRequest.kind.not_in(PLATFORMS)).with_for_update()))
+    for row in rows:
+        row.status, row.error, row.category, row.finished_at = RequestStatus.failed, why, ErrorCategory.user, utcnow()
+    for model in db.scalars(select(TinkerModel).where(TinkerModel.id.in_(
+            [r.model_id for r in rows if r.kind == RequestKind.create_model]))):
+        service.fail_model(db, model, why, ErrorCategory.user)
+    db.flush()
+    return [r.id for r in rows]
 
 
 def _held(db: Session, body: HostClaim) -> set[str]:

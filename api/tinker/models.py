@@ -67,7 +67,8 @@ class TinkerCheckpoint(Base):
     __tablename__ = "tinker_checkpoints"
     model_id: Mapped[str] = mapped_column(ForeignKey("tinker_models.id", ondelete="CASCADE"), primary_key=True)
     name: Mapped[str] = mapped_column(String(128), primary_key=True)
-    kind: Mapped[CheckpointKind] = mapped_column(stored_as_value(CheckpointKind))
+    # A name is its kind's: `weights/N` and `sampler_weights/N` are two checkpoints (tinker-cookbook saves both).
+    kind: Mapped[CheckpointKind] = mapped_column(stored_as_value(CheckpointKind), primary_key=True)
     step: Mapped[int] = mapped_column(Integer)
     host: Mapped[str | None] = mapped_column(String(128))  # a "training" state: the host that saved it
     version: Mapped[int | None] = mapped_column(Integer)  # a sampler's: its version in the model's fleet job

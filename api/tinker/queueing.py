@@ -26,7 +26,7 @@ def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
     # Lock the model row: two requests of one model never take the same seq, and a retry that arrives while
     # its first attempt is still in flight waits for it here, then finds it.
     db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update(**WRITER_LOCK))
-    earlier = _earlier(db, model.owner_id, idempotency_key)
+    earlier = earlier_attempt(db, model, kind, idempotency_key)
     if earlier is not None:
         return earlier
     if bounded:
@@ -39,29 +39,46 @@ def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
         with db.begin_nested():  # the same key sent for another model at once: its first use wins
             db.add(row)
     except IntegrityError:
-        earlier = _earlier(db, model.owner_id, idempotency_key)
+        earlier = earlier_attempt(db, model, kind, idempotency_key)
         if earlier is None:
             raise
         return earlier
     return row
 
 
-def _earlier(db: Session, owner_id: str, idempotency_key: str | None) -> TinkerRequest | None:
+def earlier_attempt(db: Session, model: TinkerModel, kind: RequestKind,
+                    idempotency_key: str | None) -> TinkerRequest | None:
+    """The first attempt of a retried POST. A key this user sent with another call (another model, or kind) is
+    refused: answered with that call's future, a create_model left its new model with no request, a model a host
+    admitted and then held for good (nothing parks a model that was never created), one slot taken from everyone."""
     if not idempotency_key:
         return None
-    return db.scalar(select(TinkerRequest).where(TinkerRequest.owner_id == owner_id,
-                                                 TinkerRequest.idempotency_key == idempotency_key)
-                     .execution_options(populate_existing=True))
+    row = db.scalar(select(TinkerRequest).where(TinkerRequest.owner_id == model.owner_id,
+                                                TinkerRequest.idempotency_key == idempotency_key)
+                    .execution_options(populate_existing=True))
+    if row is not None and (row.model_id, row.kind) != (model.id, kind):
+        raise ApiError(400, f"X-Idempotency-Key {idempotency_key!r} was sent with another call of yours (a "
+                            f"{row.kind} of model {row.model_id}): give each call a key of its own, and repeat a "
+                            "key only to retry its call", field="X-Idempotency-Key")
+    return row
 
 
 def _check_quota(db: Session, owner_id: str) -> None:
     """A user past its daily quota ($ in any 24 hours, jobs and Tinker together) runs no more Tinker requests
     until the day's spending rolls off, as its jobs pause (scheduler/queue.py)."""
+    if why := quota_spent(db, owner_id):
+        raise ApiError(402, why)
+
+
+def quota_spent(db: Session, owner_id: str) -> str | None:
+    """Why the user may run no more Tinker requests now; None while its daily quota is not spent. Checked when a
+    request is queued and again when a host would run it: requests queued before the quota was spent (512 may
+    wait) ran and were billed past it."""
     limit = db.scalar(select(User.max_usd_per_day).where(User.id == owner_id))
-    if limit is not None and (spent := spent_today(db, owner_id, utcnow())) >= limit:
-        raise ApiError(402, f"your daily quota of ${limit:.2f} is spent (${spent:.2f} in the last 24 h, jobs and "
-                            "Tinker together): requests are taken again as the day's spending rolls off, or an "
-                            "admin raises the quota")
+    if limit is None or (spent := spent_today(db, owner_id, utcnow())) < limit:
+        return None
+    return (f"your daily quota of ${limit:.2f} is spent (${spent:.2f} in the last 24 h, jobs and Tinker together): "
+            "requests are taken again as the day's spending rolls off, or an admin raises the quota")
 
 
 def _check_backlog(db: Session, owner_id: str) -> None:

@@ -29,14 +29,16 @@ router = make_router(prefix="/v1/tinker/sequences", tags=["tinker"], include_in_
 def sequence(sequence_id: str, user: TinkerUser, db: SessionDep) -> dict[str, Any]:
     request_id, _, k = sequence_id.rpartition(":")
     request = db.get(TinkerRequest, request_id)
-    if request is None or request.owner_id != user.id or not k.isdigit() or request.kind is not RequestKind.sample:
+    # ASCII digits only, and few: str.isdigit() also takes '²' and 5,000 digits, which int() refuses (a 500).
+    index = int(k) if k.isascii() and k.isdigit() and len(k) <= 6 else None
+    if request is None or request.owner_id != user.id or index is None or request.kind is not RequestKind.sample:
         raise ApiError(404, f"sequence {sequence_id} not found", field="sequence_id")
     record = db.get(TinkerSequence, sequence_id)
     sequences = ((request.result or {}).get("sample") or {}).get("sequences") or []
-    if int(k) >= len(sequences):
+    if index >= len(sequences):
         raise ApiError(404, f"sequence {sequence_id} is not drawn yet (its request is {request.status})",
                        field="sequence_id")
-    seq = sequences[int(k)]
+    seq = sequences[index]
     runs = seq.get("checkpoints") or (record.checkpoints if record is not None else None)
     return {"sequence_id": sequence_id, "model_id": request.model_id, "tokens": seq["tokens"],
             "logprobs": seq["logprobs"], "stop_reason": seq["stop_reason"],

@@ -32,7 +32,7 @@ from ..db import WRITER_LOCK
 from ..errors import ApiError
 from ..models import utcnow
 from ..settings import Settings
-from . import fleet, records, states, usage
+from . import fleet, queueing, records, states, usage
 from .models import TinkerCheckpoint, TinkerHost, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession
 from .queueing import UNFINISHED
 
@@ -77,6 +77,17 @@ def owned_model(db: Session, owner_id: str, model_id: str) -> TinkerModel:
     return row
 
 
+def trained_model(db: Session, owner_id: str, model_id: str) -> TinkerModel:
+    """A model a training call runs on: a copy run holds copied states and no host ever loads it, so a call
+    queued on it would wait for good (and hold a place in the user's backlog)."""
+    row = owned_model(db, owner_id, model_id)
+    if row.kind is ModelKind.copy:
+        raise ApiError(400, f"training run {model_id} is a copy made by copy_weights: it holds states and runs "
+                            "nothing; load one into a training client (create_training_client_from_state)",
+                       field="model_id")
+    return row
+
+
 def owned_sampler(db: Session, owner_id: str, sampler_id: str) -> TinkerSampler:
     row = db.get(TinkerSampler, sampler_id)
     if row is None or row.owner_id != owner_id:
@@ -98,8 +109,9 @@ def new_model(db: Session, session: TinkerSession, model_id: str, kind: ModelKin
             return model
         except IntegrityError:
             existing = db.get(TinkerModel, model_id, populate_existing=True)
-    if existing is not None and idempotency_key and existing.owner_id == session.owner_id:
-        return existing
+    if existing is not None and existing.owner_id == session.owner_id and queueing.earlier_attempt(
+            db, existing, RequestKind.create_model, idempotency_key) is not None:
+        return existing  # a retry: its first attempt made this model (another key made a live model new again)
     raise ApiError(400, f"model {model_id} exists already: model_seq_id must be new in its session",
                    field="model_seq_id")
 
@@ -113,9 +125,8 @@ def parse_checkpoint_path(db: Session, owner_id: str, path: str) -> TinkerCheckp
     if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in ("sampler_weights", "weights"):
         raise ApiError(400, f"model_path {path!r} is not tinker://MODEL/sampler_weights/NAME", field="model_path")
     model = db.get(TinkerModel, parts[0])
-    row = db.get(TinkerCheckpoint, (parts[0], parts[2]))
-    if (model is None or model.owner_id != owner_id or row is None or row.kind is not CheckpointKind.sampler
-            or expired(row)):
+    row = db.get(TinkerCheckpoint, (parts[0], parts[2], CheckpointKind.sampler))
+    if model is None or model.owner_id != owner_id or row is None or expired(row):
         raise ApiError(404, f"checkpoint {path} not found", field="model_path")
     if model.status == ModelStatus.failed:
         raise ApiError(400, f"checkpoint {path}: its model failed: {model.error}", field="model_path")
@@ -130,9 +141,9 @@ def saved_state(db: Session, owner_id: str, path: str) -> TinkerCheckpoint:
         raise ApiError(400, f"path {path!r} is not tinker://MODEL/weights/NAME (a state saved with save_state)",
                        field="path")
     model = db.get(TinkerModel, parts[0])
-    row = db.get(TinkerCheckpoint, (parts[0], parts[2]))
-    if (model is None or model.owner_id != owner_id or row is None or row.kind is not CheckpointKind.training
-            or (row.sha256 is None and row.host is None) or expired(row)):
+    row = db.get(TinkerCheckpoint, (parts[0], parts[2], CheckpointKind.training))
+    if (model is None or model.owner_id != owner_id or row is None or (row.sha256 is None and row.host is None)
+            or expired(row)):
         raise ApiError(404, f"no state saved with save_state at {path} (deleted, or expired)", field="path")
     return row
 
@@ -232,10 +243,10 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult, host:
 
 def _saved(db: Session, model: TinkerModel, save: SavePayload, result: HostResult, host: str,
            settings: Settings) -> None:
-    checkpoint = db.get(TinkerCheckpoint, (model.id, save.name)) or TinkerCheckpoint(model_id=model.id,
-                                                                                      name=save.name)
+    checkpoint = db.get(TinkerCheckpoint, (model.id, save.name, save.kind)) or TinkerCheckpoint(
+        model_id=model.id, name=save.name, kind=save.kind)
     replaced = checkpoint.sha256
-    checkpoint.kind, checkpoint.step, checkpoint.inflight = save.kind, result.step or 0, save.inflight
+    checkpoint.step, checkpoint.inflight = result.step or 0, save.inflight
     checkpoint.host = host if save.kind is CheckpointKind.training else None
     checkpoint.version = result.published
     checkpoint.sha256 = result.state.sha256 if result.state is not None else None

@@ -107,7 +107,7 @@ def _parse(body: bytes) -> tuple[wire.ForwardBackwardRequest, RequestKind, Forwa
 def _queue_forward(database: Database, user_id: str, parsed: wire.ForwardBackwardRequest, kind: RequestKind,
                    payload: ForwardBackwardPayload, key: str | None) -> TinkerRequest:
     with database.session() as db:
-        model = service.owned_model(db, user_id, parsed.model_id)
+        model = service.trained_model(db, user_id, parsed.model_id)
         _check_fits(model, payload)
         if payload.loss_fn is LossFn.stable_reinforce:
             _recorded(db, user_id, parsed, payload)
@@ -196,7 +196,7 @@ def optim_step(body: OptimStepRequest, user: TinkerUser, db: SessionDep, key: Id
         first = exc.errors()[0]
         raise ApiError(400, f"adam_params: {first['loc'][0]}: {first['msg']}",
                        field=f"adam_params.{first['loc'][0]}") from exc
-    model = service.owned_model(db, user.id, body.model_id)
+    model = service.trained_model(db, user.id, body.model_id)
     row = queueing.enqueue(db, model, RequestKind.optim_step, step.model_dump(mode="json"), key)
     db.commit()
     return queued(row, bell)
@@ -208,7 +208,7 @@ def save_for_sampler(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep,
     """A sampler checkpoint. kind="inflight": the model's in-flight samplers (every one, old and new) move to it,
     and the samples they are drawing continue on it from their next segment (learner/sampling.py; on the
     fleet, workers/echo2_worker/partial.py)."""
-    model = service.owned_model(db, user.id, body.model_id)
+    model = service.trained_model(db, user.id, body.model_id)
     ttl = _ttl(body.ttl_seconds)
     if body.kind == "inflight" and ttl is not None:
         raise ApiError(400, "an inflight save takes no ttl_seconds (the SDK omits it): in-flight checkpoints live "
@@ -234,7 +234,7 @@ def save_for_sampler(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep,
 def save_weights(body: SaveWeightsRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
                  bell: Bell) -> dict[str, Any]:
     """A state (adapter and AdamW state): the host uploads it to the control plane, where any host loads it."""
-    model = service.owned_model(db, user.id, body.model_id)
+    model = service.trained_model(db, user.id, body.model_id)
     payload = SavePayload(name=body.path or f"state-{body.seq_id or 0}", kind=CheckpointKind.training,
                           ttl_seconds=_ttl(body.ttl_seconds))
     row = queueing.enqueue(db, model, RequestKind.save_weights, payload.model_dump(), key)
@@ -263,7 +263,7 @@ def load_weights(body: LoadWeightsRequest, user: TinkerUser, db: SessionDep, key
     load = LoadPayload(model_id=source.id, name=state.name, optimizer=body.optimizer,
                        sha256=state.sha256).model_dump()
     if body.model_id is not None:
-        model = service.owned_model(db, user.id, body.model_id)
+        model = service.trained_model(db, user.id, body.model_id)
         _pin(model, state)
         row = queueing.enqueue(db, model, RequestKind.load_weights, load, key)
     elif body.session_id is not None and body.model_seq_id is not None:

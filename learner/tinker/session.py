@@ -27,6 +27,7 @@ from echo2.protocol.tinker import (
     AdamStep,
     AuditPayload,
     AuditVerdict,
+    CheckpointKind,
     ForwardBackwardPayload,
     ForwardBackwardResult,
     ModelInfo,
@@ -188,10 +189,13 @@ class TinkerSession:
         return {"grad_norm": grad_norm, "step": float(self.steps)}
 
     def save(self, payload: SavePayload) -> int:
-        self.checkpoints[payload.name] = [p.detach().clone() for p in self.params]
-        self.published.pop(payload.name, None)  # re-saved: no longer the weights of the version it was published as
-        if payload.inflight:
-            self.inflight = payload.name
+        """A sampler checkpoint's weights are kept here to sample; a state (save_weights) is the file the host
+        writes, and its name, which a sampler checkpoint may share, leaves the sampler's weights alone."""
+        if payload.kind is CheckpointKind.sampler:
+            self.checkpoints[payload.name] = [p.detach().clone() for p in self.params]
+            self.published.pop(payload.name, None)  # re-saved: no longer the weights of the version it was published as
+            if payload.inflight:
+                self.inflight = payload.name
         return self.steps
 
     def drop(self, name: str) -> None:
