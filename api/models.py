@@ -168,7 +168,8 @@ class Worker(Base):
     # Pay for work (scheduler/billing.py): the rate it was activated for, and active time not yet paid.
     activated_mu: Mapped[float | None] = mapped_column(Float)
     trial_failed_at: Mapped[datetime | None]  # activated on its claims, delivered nothing (scheduler/reconcile.py)
-    unbilled_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # job id -> seconds: each job pays only for the time the worker was active on it
+    unbilled: Mapped[dict[str, Any]] = mapped_column(default=dict)
     last_heartbeat_at: Mapped[datetime | None]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
 

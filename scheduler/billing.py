@@ -5,7 +5,8 @@ everything ran):
 
 - a learner is billed its reserved price only while it is alive (heartbeating), so a job whose
   learner crashed or is being relaunched costs nothing meanwhile;
-- a worker accrues its active time (at most `pay_window_s` of it waiting to be paid), and is paid out
+- a worker accrues its active time on each job (at most `pay_window_s` of it waiting to be paid, per job: a
+  job pays only for time spent on it, not for the time before the worker was moved to it), and is paid out
   of it only for rollouts that were worth something: trained, or accepted in time but then not
   trained through the platform's fault (RejectKind.fault() is platform: stale when claimed, an environment
   or a reward that failed). An environment's failure is paid only once a worker of another provider saw the
@@ -44,12 +45,29 @@ def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> 
     seconds = min(max(now.timestamp() - last, 0.0), 10 * settings.reconcile_interval_s)
     _bill_learners(db, settings, now, seconds)
     for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == WorkerStatus.active)):
-        worker.unbilled_s = min(worker.unbilled_s + seconds, settings.pay_window_s)
+        assert worker.job_id is not None
+        pots = _kept(db, worker)
+        pots[worker.job_id] = min(pots.get(worker.job_id, 0.0) + seconds, settings.pay_window_s)
+        worker.unbilled = pots
     payable = _payable(db)
-    # A quarantined or banned worker forfeits what it has not been paid yet: it was caught cheating.
+    # A quarantined or banned worker forfeits what it has not been paid yet (api/services/clawback.py).
     for worker in db.scalars(select(Worker).where(Worker.id.in_(payable), Worker.trust.in_(WORKING))
                              .with_for_update()):
         _pay(db, settings, worker, payable[worker.id])
+        worker.unbilled = _kept(db, worker)
+
+
+def _kept(db: Session, worker: Worker) -> dict[str, float]:
+    """The worker's pots worth keeping: its current job's, and a job's it left while groups it sent there may
+    still be paid (not judged or trained yet); time on a job it left is otherwise never paid."""
+    pots = {job: s for job, s in (worker.unbilled or {}).items() if s > 0}
+    left = [job for job in pots if job != worker.job_id]
+    if left:
+        waiting = set(db.scalars(select(Rollout.job_id).distinct().where(
+            Rollout.worker_id == worker.id, Rollout.job_id.in_(left), Rollout.paid_entry_id.is_(None),
+            Rollout.status != RolloutStatus.rejected)))
+        pots = {job: s for job, s in pots.items() if job == worker.job_id or job in waiting}
+    return pots
 
 
 def _bill_learners(db: Session, settings: Settings, now: datetime, seconds: float) -> None:
@@ -87,10 +105,11 @@ def _env_failed_elsewhere() -> Exists:
 def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list[tuple[str, bool]]]) -> None:
     per_group_s = 1.0 / (settings.pay_rate_fraction * max(worker.activated_mu or MIN_MU, MIN_MU))
     provider = db.get(Provider, worker.provider_id)
+    pots = dict(worker.unbilled or {})
     for job_id, paid in by_job.items():
         ids = [rollout_id for rollout_id, _ in paid]
-        seconds = min(worker.unbilled_s, len(ids) * per_group_s)
-        worker.unbilled_s -= seconds
+        seconds = min(pots.get(job_id, 0.0), len(ids) * per_group_s)
+        pots[job_id] = pots.get(job_id, 0.0) - seconds
         amount = worker.price_per_hour * seconds / 3600
         job = db.get(Job, job_id)
         step = job.step if job is not None else None
@@ -105,6 +124,7 @@ def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list
             provider.earnings_usd += amount
         if job is not None:
             job.workers_usd += amount
+    worker.unbilled = pots
 
 
 def _worker_memo(paid: list[tuple[str, bool]], step: int | None, seconds: float, price: float) -> str:

@@ -78,6 +78,9 @@ def register_worker(body: WorkerRegister, provider: CurrentProvider, db: Session
                     settings: SettingsDep) -> WorkerRegistered:
     if body.relay_url and settings.env == "production":
         relay.check_public_url(body.relay_url)
+    # Read under the provider's lock, which a ban holds: a worker registered while its provider was being banned
+    # was a worker in probation under a banned provider.
+    db.refresh(provider, with_for_update=True)
     if provider.banned_at is not None:
         raise ApiError(403, f"this provider is banned and registers no more workers: {provider.standing_reason}")
     data = body.model_dump(mode="json", exclude={"relay_url"})

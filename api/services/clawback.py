@@ -6,6 +6,10 @@ and still holds is reversed: per job, one `clawback` entry of the opposite amoun
 payments were for, so the job's ledger and the provider's statement both net to what the worker keeps:
 nothing, for a worker shut out for forging. Its provider's earnings, the worker's and the job's cost go down
 by as much (a provider's earnings may go below zero: it owes the difference). Payments are reversed once.
+
+What it had not been paid yet is forfeited: its groups not paid for (trained or not) are settled by a $0.00
+`forfeit` entry per job naming them, and its active time waiting for pay is dropped, so that nothing of it is
+paid once a quarantine ends.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from echo2.protocol import LedgerKind
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ..models import Job, LedgerEntry, Provider, Worker
+from ..models import Job, LedgerEntry, Provider, Rollout, Worker
 
 
 def claw_back(db: Session, worker: Worker, reason: str) -> float:
@@ -49,4 +53,23 @@ def claw_back(db: Session, worker: Worker, reason: str) -> float:
     worker.earned_usd -= total
     if provider is not None:
         provider.earnings_usd -= total
+    _forfeit(db, worker, reason)
     return total
+
+
+def _forfeit(db: Session, worker: Worker, reason: str) -> None:
+    """Settle the worker's unpaid groups with nothing, and drop its unpaid active time."""
+    unpaid: dict[str, list[str]] = defaultdict(list)
+    for job_id, rollout_id in db.execute(select(Rollout.job_id, Rollout.id).where(
+            Rollout.worker_id == worker.id, Rollout.paid_entry_id.is_(None)).order_by(Rollout.created_at)):
+        unpaid[job_id].append(rollout_id)
+    for job_id, ids in unpaid.items():
+        job = db.get(Job, job_id)
+        entry = LedgerEntry(job_id=job_id, kind=LedgerKind.forfeit, worker_id=worker.id,
+                            provider_id=worker.provider_id, amount_usd=0.0, seconds=0.0, groups=0, rollout_ids=ids,
+                            step=job.step if job is not None else None,
+                            memo=f"forfeited {len(ids)} unpaid groups: {reason}"[:256])
+        db.add(entry)
+        db.flush()
+        db.execute(Rollout.__table__.update().where(Rollout.id.in_(ids)).values(paid_entry_id=entry.id))
+    worker.unbilled = {}

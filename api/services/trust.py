@@ -15,8 +15,9 @@ in the `audits` table and in `trust_reason`, which its provider can read.
 
 Providers answer for their workers. While one of a provider's workers is quarantined the provider is on
 watch: its other workers become suspects (every group audited), its new ones start on probation, and none
-of them becomes trusted until the watch ends. A ban bans the provider: its other workers are banned with
-it and it registers no more.
+of them becomes trusted until the watch ends; a strike of a worker registered during the watch bans, as a
+strike after a quarantine does (the new worker may be the quarantined one's replacement). A ban bans the
+provider: its other workers are banned with it and it registers no more.
 """
 
 from __future__ import annotations
@@ -151,6 +152,8 @@ def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audi
         return
     if worker.quarantines:
         ban(db, worker, f"banned (a strike after a quarantine): {reason}")
+    elif _replaces(db, worker, settings):
+        ban(db, worker, f"banned (a strike of a worker registered while its provider was on watch): {reason}")
     elif worker.strikes < STRIKES_TO_QUARANTINE:
         worker.trust = TrustState.suspect
     else:
@@ -159,6 +162,17 @@ def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audi
         why = f"quarantined: {worker.strikes} strikes, latest: {reason}"
         _shut_out(db, worker, TrustState.quarantined, why)
         _watch(db, worker, why)
+
+
+def _replaces(db: Session, worker: Worker, settings: Settings) -> bool:
+    """Whether the worker was registered since its provider was put on watch (the newest quarantine began): a
+    provider that deleted its quarantined worker and registered another in its place would shed the quarantine
+    (the next strike bans), one replacement after another, never banned."""
+    provider = db.get(Provider, worker.provider_id)
+    if not on_watch(provider):
+        return False
+    assert provider is not None and provider.watch_until is not None
+    return worker.created_at >= provider.watch_until - timedelta(seconds=settings.quarantine_s)
 
 
 def ban(db: Session, worker: Worker, reason: str) -> None:

@@ -83,7 +83,7 @@ def _paid(api, job_id: str, worker_ids: list[str]) -> None:
         for wid in worker_ids:
             w = s.get(Worker, wid)
             w.status, w.job_id, w.desired, w.price_per_hour, w.activated_mu = "active", job_id, "active", 3600.0, 1.0
-            w.unbilled_s = 5.0
+            w.unbilled = {job_id: 5.0}
         billing.bill(s, api.server.settings, now, (now - timedelta(seconds=5)).timestamp())
         s.commit()
 

@@ -3,6 +3,7 @@ exists its own relay secret, and on PostgreSQL 0028 compresses the rollouts' tok
 
 from __future__ import annotations
 
+import json
 import uuid
 from datetime import UTC, datetime
 
@@ -129,3 +130,61 @@ def test_existing_decisions_become_runs_of_one(empty_database):
         rows = conn.execute(sa.text("SELECT repeats, decided_at = created_at FROM decisions")).all()
     engine.dispose()
     assert [tuple(r) for r in rows] == [(1, True), (1, True)]
+
+
+def test_a_state_and_a_sampler_checkpoint_may_share_a_name_after_upgrade_and_the_state_stays_on_downgrade(
+        empty_database):
+    upgrade(empty_database, "0031")
+    engine = sa.create_engine(empty_database)
+    meta = sa.MetaData()
+    users, sessions, models, checkpoints = (sa.Table(name, meta, autoload_with=engine) for name in (
+        "users", "tinker_sessions", "tinker_models", "tinker_checkpoints"))
+    now = datetime.now(UTC)
+    row = {"model_id": "m", "name": "000010", "step": 10, "created_at": now, "inflight": False}
+    with engine.begin() as conn:  # the parents' rows, with the columns revision 0031 requires
+        conn.execute(users.insert().values(id="usr_1", name="alice", role="user", created_at=now))
+        conn.execute(sessions.insert().values(id="s", owner_id="usr_1", sdk_version="0.38.0", tags=[],
+                                              status="active", heartbeat_at=now, created_at=now))
+        conn.execute(models.insert().values(id="m", session_id="s", owner_id="usr_1", kind="train",
+                                            base_model="echo2:tiny", status="ready", info={}, created_at=now))
+        conn.execute(checkpoints.insert().values(kind="training", sha256="ab" * 32, **row))
+    upgrade(empty_database)
+    with engine.begin() as conn:
+        conn.execute(checkpoints.insert().values(kind="sampler", **row))
+    with engine.connect() as conn:
+        assert sorted(r[0] for r in conn.execute(sa.text("SELECT kind FROM tinker_checkpoints"))) == \
+            ["sampler", "training"]
+    command.downgrade(alembic_config(empty_database), "0031")
+    with engine.connect() as conn:
+        assert [tuple(r) for r in conn.execute(sa.text("SELECT kind, sha256 FROM tinker_checkpoints"))] == \
+            [("training", "ab" * 32)]
+    engine.dispose()
+
+
+def test_a_workers_unpaid_time_becomes_its_current_jobs_and_back(empty_database):
+    upgrade(empty_database, "0032")
+    engine = sa.create_engine(empty_database)
+    meta = sa.MetaData()
+    users, jobs, providers, workers = (sa.Table(name, meta, autoload_with=engine)
+                                       for name in ("users", "jobs", "providers", "workers"))
+    now = datetime.now(UTC)
+    worker = {"provider_id": "prv_1", "name": "w", "gpu_model": "cpu", "gpu_count": 0, "vram_gb": 0.0,
+              "price_per_hour": 1.0, "region": "x", "upload_mbps": 1.0, "download_mbps": 1.0, "backends": [],
+              "rollouts_per_s": 1.0, "tokens_per_s": 1.0, "software": "{}", "status": "active", "desired": "active",
+              "stats": {}, "accepted_rollouts": 0, "rejected_rollouts": 0, "bad_chunks": 0, "created_at": now,
+              "audit_salt": "00"}
+    with engine.begin() as conn:
+        conn.execute(users.insert().values(id="usr_1", name="alice", role="user", created_at=now))
+        conn.execute(jobs.insert(), [_job_row("job_a", now, relay_secret="00" * 32)])
+        conn.execute(providers.insert().values(id="prv_1", name="p", earnings_usd=0.0, created_at=now))
+        conn.execute(workers.insert(), [{**worker, "id": "on", "job_id": "job_a", "unbilled_s": 42.0},
+                                        {**worker, "id": "idle", "job_id": None, "unbilled_s": 7.0}])
+    upgrade(empty_database)
+    with engine.connect() as conn:
+        pots = dict(conn.execute(sa.text("SELECT id, unbilled FROM workers")).all())
+    assert {k: json.loads(v) if isinstance(v, str) else v for k, v in pots.items()} == {"on": {"job_a": 42.0},
+                                                                                         "idle": {}}
+    command.downgrade(alembic_config(empty_database), "0032")
+    with engine.connect() as conn:
+        assert dict(conn.execute(sa.text("SELECT id, unbilled_s FROM workers")).all()) == {"on": 42.0, "idle": 0.0}
+    engine.dispose()

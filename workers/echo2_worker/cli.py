@@ -504,9 +504,18 @@ def _status(args: argparse.Namespace) -> int:
             print(f"  status {says['status']} (desired {says['desired']}), job {says['job_id'] or '-'}, "
                   f"version held {says['version_held']}, rollouts {says['accepted_rollouts']} accepted / "
                   f"{says['rejected_rollouts']} rejected, last heartbeat {says['last_heartbeat_at']}")
+            print(f"  trust {_trust_line(says)}")
         for p in item.get("placement") or []:  # why it is idle, or where it works: the scheduler's newest lines
             print(f"  scheduler, job {p['job_id'] or '-'}: {p['line']} ({p['decided_at']})")
     return 0
+
+
+def _trust_line(says: dict[str, Any]) -> str:
+    """E.g. "quarantined until 2026-12-07T11:02:00Z: quarantined: 2 strikes, latest: failed its audit ..."."""
+    line = str(says.get("trust"))
+    if says.get("quarantined_until") and says.get("trust") == "quarantined":
+        line += f" until {says['quarantined_until']}"
+    return f"{line}: {says['trust_reason']}" if says.get("trust_reason") else line
 
 
 if __name__ == "__main__":

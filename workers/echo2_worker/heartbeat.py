@@ -62,6 +62,7 @@ class Heartbeats:
         self._reply_lock = threading.Lock()
         self._reported: tuple[str | None, frozenset[int]] = (None, frozenset())
         self._asked: frozenset[tuple[int, int, int]] = frozenset()  # the last reply's challenges
+        self._notice: str | None = None  # the last reply's word to the operator, logged when it changes
         self._now = threading.Event()  # set to beat before the interval is up
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="echo2-heartbeat", daemon=True)
@@ -152,6 +153,12 @@ class Heartbeats:
         if asked - self._asked:
             self._now.set()  # a challenge answered a whole interval later would hold the first lease back
         self._asked = asked
+        if reply.notice != self._notice:  # e.g. quarantined: an idle worker that said nothing looked merely unused
+            if reply.notice:
+                log.warning("the control plane says: %s", reply.notice)
+            else:
+                log.info("the control plane's notice is lifted")
+            self._notice = reply.notice
 
     def _body(self) -> Heartbeat:
         bad = self._bad.take()

@@ -16,6 +16,7 @@ class LedgerKind(StrEnum):
     worker = "worker"  # a worker paid for the rollouts it delivered
     learner = "learner"  # the job's reserved learner, for the time it was alive
     clawback = "clawback"  # a worker's payments taken back (negative) once it was caught forging
+    forfeit = "forfeit"  # and its groups not paid yet, settled with nothing ($0.00, naming them)
 
 
 class LedgerEntryRead(ReadModel):

@@ -1,0 +1,215 @@
+"""What a review of the provider side (registration, heartbeats, pay, quarantine and bans, what a provider reads)
+found, as an honest and as a dishonest GPU provider would use it (docs/RELIABILITY.md, "Found by a review of the
+provider side"): each test mounts one finding."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pytest
+from sqlalchemy import select
+
+from api.models import LedgerEntry, Worker, utcnow
+from api.services.trust import release_quarantines
+from scheduler import billing
+from tests.api.test_trust import job_with_worker, one_step, trust_of
+from tests.factories import activate, new_worker, ok
+
+
+def _bill(api, seconds: float = 10.0) -> None:
+    """One reconcile tick's billing, `seconds` after the last one."""
+    now = utcnow()
+    with api.db.session() as s:
+        billing.bill(s, api.server.settings, now, (now - timedelta(seconds=seconds)).timestamp())
+        s.commit()
+
+
+def _working(api, wid: str, job_id: str | None) -> None:
+    """The worker as the scheduler leaves it when it activates it (and as its heartbeat says): active on the job,
+    at $3600/h (a dollar a second), activated for one group a second."""
+    with api.db.session() as s:
+        w = s.get_one(Worker, wid)
+        w.status, w.price_per_hour, w.activated_mu = "active", 3600.0, 1.0
+        if job_id is not None:
+            w.job_id, w.desired = job_id, "active"
+        s.commit()
+
+
+def _worker_entries(api, wid: str) -> list[LedgerEntry]:
+    with api.db.session() as s:
+        return list(s.scalars(select(LedgerEntry).where(LedgerEntry.worker_id == wid, LedgerEntry.kind == "worker")))
+
+
+# -- 1. pay for work forfeited at a quarantine, once the quarantine ends ------------------------------------------
+
+
+def test_work_forfeited_at_a_quarantine_is_not_paid_once_the_quarantine_ends(api, tmp_path):
+    """billing.bill: "A quarantined or banned worker forfeits what it has not been paid yet: it was caught
+    cheating" (RELIABILITY: "unpaid rollouts forfeited"). The worker's unpaid groups and its unpaid active time were
+    only skipped while it was quarantined: the tick after `release_quarantines` paid them all."""
+    job, learner, wid, worker, _, _ = job_with_worker(api, tmp_path)
+    _working(api, wid, job["id"])
+    _bill(api, 10.0)  # ten seconds of active time, nothing trained yet: nothing paid, 10 s waiting
+    one_step(api, job, learner, worker, [True, True], step=0)  # two groups trained, unpaid until the next tick
+    one_step(api, job, learner, worker, [False, False], step=1)  # then two forged groups: quarantined
+    assert trust_of(api, wid)["trust"] == "quarantined"
+    _bill(api, 10.0)
+    assert _worker_entries(api, wid) == []  # forfeited while quarantined, as documented
+    with api.db.session() as s:  # the hour of quarantine passes
+        s.get_one(Worker, wid).quarantined_until = utcnow() - timedelta(seconds=1)
+        s.commit()
+    with api.db.session() as s:
+        assert release_quarantines(s, utcnow()) == 1
+        s.commit()
+    _bill(api, 10.0)  # the worker is idle now (unassigned): it earns nothing new this tick
+    paid = _worker_entries(api, wid)
+    assert paid == [], (f"paid ${sum(e.amount_usd for e in paid):.2f} after its quarantine for "
+                        f"{sum(e.groups for e in paid)} groups it forfeited when it was caught forging")
+
+
+# -- 2. a provider sheds a quarantine's consequence by replacing the worker ---------------------------------------
+
+
+def test_a_provider_on_watch_cannot_shed_its_quarantine_by_replacing_the_worker(api, tmp_path):
+    """A quarantined worker's next strike bans it and its provider (trust.strike). Its provider deletes it and
+    registers a fresh machine instead, during the watch: the fresh worker started with no quarantine on record, so
+    it forged twice more to be quarantined again, never banned; the provider could repeat this with every worker."""
+    job, learner, wid, worker, provider, _ = job_with_worker(api, tmp_path)
+    one_step(api, job, learner, worker, [False, False], step=0)
+    assert trust_of(api, wid)["trust"] == "quarantined"
+    assert ok(provider.get("/v1/providers/me"))["watch_until"] is not None
+    assert provider.delete(f"/v1/workers/{wid}").status_code == 204
+    fresh_id, fresh = new_worker(api, provider, "fresh")
+    activate(api, fresh_id, job["id"])
+    one_step(api, job, learner, fresh, [False], step=1)  # forging again, while the provider is on watch
+    me = ok(provider.get("/v1/providers/me"))
+    assert trust_of(api, fresh_id)["trust"] == "banned" and me["banned_at"] is not None, (
+        f"a strike of the provider's replacement worker during its watch left it {trust_of(api, fresh_id)['trust']}"
+        f" and the provider unbanned ({me['standing_reason']})")
+
+
+# -- 3. a provider whose worker is quarantined or banned is never told so by the worker --------------------------
+
+
+def _quarantined_worker(api, tmp_path):
+    """A worker quarantined by its audits, and the provider's client."""
+    job, learner, wid, worker, provider, _ = job_with_worker(api, tmp_path)
+    one_step(api, job, learner, worker, [False, False], step=0)
+    assert trust_of(api, wid)["trust"] == "quarantined"
+    return wid, worker, provider
+
+
+def test_the_worker_tells_its_operator_it_is_quarantined(api, tmp_path, caplog):
+    """The heartbeat reply's `notice` is "something the worker's operator should read" (HeartbeatReply): why it
+    may not work. `echo2-worker join`'s loop never showed it: a quarantined (or banned) worker sat idle, logging
+    nothing, heartbeating for as long as it ran, and its operator could not tell it from a worker with no job."""
+    import logging
+    import threading
+    import time
+
+    from echo2_worker.control import ControlPlane
+    from echo2_worker.loop import LoopOptions
+    from echo2_worker.loop import Worker as WorkerLoop
+    from echo2_worker.store import VersionStore
+
+    wid, worker, _ = _quarantined_worker(api, tmp_path)
+    token = worker.headers["authorization"].removeprefix("Bearer ")
+    control = ControlPlane(api.url, token)
+
+    def no_backend():
+        raise AssertionError("a quarantined worker loads no model")
+
+    loop = WorkerLoop(LoopOptions(worker_id=wid, data_dir=tmp_path / "data", heartbeat_interval_s=0.5), control,
+                      no_backend, VersionStore(tmp_path / "data" / "versions"))
+    with caplog.at_level(logging.INFO):
+        thread = threading.Thread(target=loop.run, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while (loop.heartbeats.latest() is None or time.monotonic() < deadline - 7) and time.monotonic() < deadline:
+            time.sleep(0.1)  # three seconds of the loop, several beats
+        notice = (loop.heartbeats.latest().notice or "") if loop.heartbeats.latest() else ""
+        loop.request_drain()
+        thread.join(20)
+        control.close()
+    assert "quarantined" in notice  # the control plane says it ...
+    said = [r.getMessage() for r in caplog.records if r.name.startswith("echo2_worker")]
+    assert any("quarantined" in line for line in said), f"... the worker never tells its operator: {said}"
+
+
+def test_echo2_worker_status_says_the_worker_is_quarantined_and_why(api, tmp_path, capsys):
+    """`echo2-worker status` is where a provider looks when its worker earns nothing ("why it works where it
+    does, or stays idle", README). For a quarantined worker it printed its status, job, version and counts, and
+    not its trust state or the reason, which the control plane returns in the same answer (`trust`,
+    `trust_reason`, `quarantined_until`)."""
+    from echo2_worker import cli
+    from echo2_worker.config import CredentialStore, SavedWorker
+
+    wid, worker, _ = _quarantined_worker(api, tmp_path)
+    token = worker.headers["authorization"].removeprefix("Bearer ")
+    config = tmp_path / "config"
+    CredentialStore(config).save(SavedWorker(server=api.url, worker_id=wid, worker_token=token, name="w"))
+    assert cli.main(["--config-dir", str(config), "status", "--server", api.url]) == 0
+    out = capsys.readouterr().out
+    assert wid in out
+    assert "quarantined" in out, f"`echo2-worker status` of a quarantined worker:\n{out}"
+
+
+# -- 4. one tenant's job pays for the time a worker spent on another's -------------------------------------------
+
+
+def test_a_job_is_charged_only_for_the_time_the_worker_was_active_on_it(api, tmp_path):
+    """A worker's unpaid active time was one pot (`Worker.unbilled_s`) whatever job it was active on, and it stayed
+    when the scheduler moved the worker: Alice's job, on which the worker idled for five minutes, paid nothing, and
+    the first groups the worker then delivered for Bob's job bought those minutes at Bob's expense."""
+    from tests.factories import fake_model_folder, new_user, running_job
+
+    job_a, _, wid, worker, _, _ = job_with_worker(api, tmp_path)  # Alice's job
+    _, bob = new_user(api, "bob")
+    job_b, learner_b = running_job(api, bob, fake_model_folder(tmp_path / "b"), staleness=2, max_steps=50,
+                                   num_prompts=200, grpo={"group_size": 2, "prompts_per_step": 64})
+    _working(api, wid, job_a["id"])
+    for _ in range(15):  # five minutes on Alice's job, nothing delivered there
+        _bill(api, 20.0)
+    activate(api, wid, job_b["id"])  # the scheduler moves it to Bob's job
+    _working(api, wid, job_b["id"])
+    one_step(api, job_b, learner_b, worker, [True] * 8, step=0)  # 8 groups for Bob, trained at once
+    _bill(api, 2.0)  # two seconds of active time on Bob's job
+    with api.db.session() as s:
+        on_b = list(s.scalars(select(LedgerEntry).where(LedgerEntry.job_id == job_b["id"],
+                                                        LedgerEntry.kind == "worker")))
+    charged = sum(e.seconds for e in on_b)
+    assert charged <= 2.0 + 1e-6, (f"Bob's job was charged {charged:.0f} s of the worker's time (${charged:.2f}) "
+                                   f"for the 2 s it was active on it: {[e.memo for e in on_b]}")
+
+
+# -- 5. a worker registered while its provider is being banned works on ------------------------------------------
+
+
+def test_a_worker_registered_while_its_provider_is_banned_is_banned_with_it(api, tmp_path):
+    """trust.ban bans the provider and every worker of it that it finds; fleet.register_worker read `banned_at`
+    without the provider's lock. A provider that kept registering workers while one of its workers was being banned
+    (its forged group being judged) got a worker past the ban: registered in good standing, under a banned
+    provider, free to lease. (PostgreSQL, where the two transactions run side by side.)"""
+    import threading
+    import time
+
+    from api.services import trust
+
+    if not api.db.is_postgres:
+        pytest.skip("SQLite runs one writer at a time")
+    job, learner, wid, worker, provider, _ = job_with_worker(api, tmp_path)
+    answer: list = []
+    with api.db.session() as s:
+        w = s.get_one(Worker, wid, with_for_update=True)
+        w.quarantines = 1  # quarantined before: this strike bans it, and its provider
+        trust.strike(s, w, "failed its audit: forged", api.server.settings)
+        s.flush()  # the ban is written, not yet committed: the learner's request is still at work
+        late = threading.Thread(target=lambda: answer.append(
+            provider.post("/v1/workers", json={"name": "late", "vram_gb": 16})), daemon=True)
+        late.start()
+        time.sleep(1.0)
+        s.commit()
+    late.join(30)
+    assert ok(provider.get("/v1/providers/me"))["banned_at"] is not None
+    r = answer[0]  # it waited for the ban's commit, then read it
+    assert r.status_code == 403 and "this provider is banned" in r.json()["detail"], r.text
