@@ -370,14 +370,16 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     delivered nothing since it was activated is on trial: it counts, whatever it claims, for at most
     `trial_share` of each job's need. A trial that delivered nothing for `delivery_grace_s` fails: the
     worker is measured at zero (and so not activated) until `TRIAL_RETRY` grace periods later; not one that was
-    refused every lease meanwhile because its groups wait for the learner's audit (pool.held_back)."""
+    refused every lease meanwhile because its groups wait for the learner's audit (pool.held_back), nor one its
+    job has no lease room for (the learner is behind: _no_room)."""
     active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
     window = min(active_s, MU_WINDOW_S)
     done, gen = _delivered(db, worker.id, now - timedelta(seconds=MU_WINDOW_S))
     if not done and worker.active_since is not None:
         # A SmolLM2 worker on CPU, with a minute between two deliveries, was failed as if it never worked.
         (done, gen), window = _delivered(db, worker.id, worker.active_since), active_s
-    if not done and active_s >= settings.delivery_grace_s and not pool.held_back(db, worker):
+    if not done and active_s >= settings.delivery_grace_s and not pool.held_back(db, worker) \
+            and not _no_room(db, worker):
         worker.trial_failed_at = now
     retry_at = worker.trial_failed_at + timedelta(seconds=TRIAL_RETRY * settings.delivery_grace_s) \
         if worker.trial_failed_at else now
@@ -395,6 +397,15 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     return WorkerProfile(worker_id=worker.id, price_per_h=worker.price_per_hour, vram_gb=worker.vram_gb,
                          backends=frozenset(worker.backends), mu=mu, t_gen_s=t_gen, t_bcast_s=t_bcast,
                          perf_by_job=per_job)
+
+
+def _no_room(db: Session, worker: Worker) -> bool:
+    """Whether the worker's job refuses every lease now for lack of room (what is queued and leased covers what
+    the learner can train before the newest version goes stale): the platform's delay, not the worker's failure."""
+    job = db.get(Job, worker.job_id) if worker.job_id else None
+    if job is None or job.status != JobStatus.running or job.version is None or not job.kind.has_task:
+        return False
+    return pool.lease_room(db, job, spec_of(job), job.version) <= 0
 
 
 def _delivered(db: Session, worker_id: str, since: datetime) -> tuple[int, float | None]:

@@ -143,10 +143,22 @@ def _unjudged_room(db: Session, worker: Worker) -> int:
                             Prompt.state == PromptState.leased))
     room = UNJUDGED - (waiting or 0) - (held or 0)
     if room <= 0:
-        raise ApiError(409, f"on {worker.trust.value}: {waiting} of this worker's groups wait for the learner's audit "
-                       f"(at most {UNJUDGED} at once until it is trusted); retry once they are judged",
-                       headers=_retry_after(1.0))
+        raise ApiError(409, _no_unjudged_room(db, worker, waiting, held or 0), headers=_retry_after(1.0))
     return room
+
+
+def _no_unjudged_room(db: Session, worker: Worker, waiting: int, held: int) -> str:
+    """What fills a probation worker's room, both parts named: a worker restarted while holding a lease was told
+    only of groups waiting for their audit ("0 of this worker's groups wait..."), when its old lease's prompts
+    were what counted."""
+    parts = [f"{waiting} of this worker's groups wait for the learner's audit"] if waiting else []
+    if held:
+        leases = db.scalars(select(Lease.id).where(Lease.worker_id == worker.id, Lease.status == LeaseStatus.active))
+        parts.append(f"its active leases ({', '.join(leases)}) hold {held} prompts it has not submitted (a worker "
+                     "restarted while holding them: submit them, or release the lease, POST "
+                     "/v1/leases/LEASE_ID/release; they return to the pool when it expires)")
+    return (f"on {worker.trust.value}: at most {UNJUDGED} of this worker's prompts are out at once until it is "
+            f"trusted, and {' and '.join(parts)}; retry once they are judged or returned")
 
 
 def lease_room(db: Session, job: Job, spec: JobSpec, version: int) -> int:

@@ -27,7 +27,8 @@ def test_a_worker_on_probation_has_at_most_one_lease_of_groups_awaiting_their_ve
     lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 64, "version": 0}), 201)
     assert len(lease["prompts"]) == 8  # the lease room is far larger; probation bounds it
     refused = worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 8, "version": 0})
-    assert refused.status_code == 409 and "wait for the learner's audit" in refused.json()["detail"]
+    assert refused.status_code == 409
+    assert f"its active leases ({lease['id']}) hold 8 prompts" in refused.json()["detail"]
     assert refused.headers["Retry-After"] == "1"
     for p in lease["prompts"]:
         ok(submit_group(worker, lease, p, 0))

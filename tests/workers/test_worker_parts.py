@@ -103,7 +103,9 @@ def test_credentials_are_private_and_per_server(tmp_path: Path) -> None:
     store.save(SavedWorker(server="http://b.example", provider_token="e2p_z"))
     assert stat.S_IMODE(store.path.stat().st_mode) == 0o600
     assert store.load("http://a.example").worker_id == "w1"
-    store.forget_worker("http://a.example")
+    store.forget_worker("http://a.example", "w0")  # another worker's: this one stays
+    assert store.load("http://a.example").worker_id == "w1"
+    store.forget_worker("http://a.example", "w1")
     again = store.load("http://a.example")
     assert again.worker_id is None and again.worker_token is None and again.provider_token == "e2p_x"
     assert "e2p_" not in json.dumps(again.public())

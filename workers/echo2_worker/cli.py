@@ -15,6 +15,7 @@ import json
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +23,7 @@ from echo2 import logs
 
 DEFAULT_RELAY_PORT = 7460
 TOKEN_ENV = "ECHO2_PROVIDER_TOKEN"
+ALIVE_WAIT_S = 3.0  # a heartbeat interval (2 s) and a half: long enough to see a live process beat
 MAX_PRICE = 10_000  # USD per hour: the bound of echo2.protocol.common.Price (not imported: --help stays fast)
 log = logging.getLogger("echo2_worker")
 
@@ -177,7 +179,7 @@ def _join(args: argparse.Namespace) -> int:
         opts = LoopOptions(worker_id=worker_id, data_dir=store.root, max_prompts=args.max_prompts,
                            heartbeat_interval_s=reg, relay_url=relay.url if relay else None)
         worker = Worker(opts, control, _backend_factory(backend_name, args), store, stats,
-                        on_deregistered=lambda: creds.forget_worker(server))
+                        on_deregistered=lambda: creds.forget_worker(server, worker_id))
         _install_signals(signal, worker)
         reporter = ProgressReporter(stats).start()
         try:
@@ -330,6 +332,8 @@ def _register_or_reuse(control: Any, creds: Any, saved: Any, body: Any, provider
             if same and worker.status.value != "deregistered":
                 log.info("reusing saved registration %s", saved.worker_id)
                 return saved.worker_id, saved.worker_token, 2.0
+            if worker.status.value not in ("offline", "deregistered") and _beating(control, worker):
+                raise ValueError(_alive(saved.worker_id, worker.status.value, worker.last_heartbeat_at))
             control.deregister(saved.worker_id)  # registered differently (price, relay address...): replace it
             log.info("registration changed; replaced worker %s", saved.worker_id)
         except (errors.AuthenticationError, errors.NotFoundError):
@@ -339,6 +343,21 @@ def _register_or_reuse(control: Any, creds: Any, saved: Any, body: Any, provider
         raise ValueError("the saved worker is no longer valid: pass --token PROVIDER_TOKEN to register again")
     reg = control.register(provider_token, body)
     return reg.worker.id, reg.token, reg.heartbeat_interval_s
+
+
+def _beating(control: Any, worker: Any) -> bool:
+    """Whether another process heartbeats as the saved worker now: its last heartbeat moves within a beat and a
+    half. A process that crashed (restarted at once, its relay on a new port) does not, and is replaced."""
+    time.sleep(ALIVE_WAIT_S)
+    return control.get_worker(worker.id).last_heartbeat_at != worker.last_heartbeat_at
+
+
+def _alive(worker_id: str, status: str, beat: Any) -> str:
+    """Why a join does not replace the saved worker: a second `join` on one config dir (its relay port taken by
+    the first, so registered differently) deregistered the worker the first was running."""
+    return (f"worker {worker_id}, saved in this config dir, is {status} and heartbeating (last {beat}): another "
+            "`echo2-worker join` is running it, and registering anew would deregister it. Stop that one first, or "
+            "give this one a --config-dir of its own, or pass --new to register a second worker beside it")
 
 
 def _price(text: str) -> float:

@@ -86,10 +86,11 @@ class CredentialStore:
         data["servers"][saved.server] = asdict(saved)
         write_private(self.path, json.dumps(data, indent=2).encode())
 
-    def forget_worker(self, server: str) -> None:
-        """Drop the worker id and token (after deregistration); keep the provider token."""
+    def forget_worker(self, server: str, worker_id: str) -> None:
+        """Drop the worker id and token (after deregistration); keep the provider token. Only `worker_id`'s: another
+        join on this config dir may have saved its own since."""
         saved = self.load(server)
-        if saved is not None:
+        if saved is not None and saved.worker_id == worker_id:
             saved.worker_id = saved.worker_token = saved.registered_at = None
             self.save(saved)
 

@@ -69,8 +69,8 @@ class ControlPlane:
         # Not replayed once sent: a replay could register the machine twice.
         return self._call("POST", "/v1/workers", WorkerRegistered, body, token=provider_token, replay=False)
 
-    def heartbeat(self, worker_id: str, body: Heartbeat) -> HeartbeatReply:
-        return self._call("POST", f"/v1/workers/{worker_id}/heartbeat", HeartbeatReply, body)
+    def heartbeat(self, worker_id: str, body: Heartbeat, policy: RetryPolicy | None = None) -> HeartbeatReply:
+        return self._call("POST", f"/v1/workers/{worker_id}/heartbeat", HeartbeatReply, body, policy=policy)
 
     def deregister(self, worker_id: str) -> None:
         self._call("DELETE", f"/v1/workers/{worker_id}", None)

@@ -9,6 +9,7 @@ one more round trip before its first lease, not an interval. `leave` deregisters
 from __future__ import annotations
 
 import logging
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -22,6 +23,16 @@ from .progress import Stats
 from .versions import MAX_BACKOFF_S, VersionKey, Versions
 
 log = logging.getLogger(__name__)
+ONCE = RetryPolicy(max_retries=0)
+
+
+def _retry_in(exc: errors.Echo2Error, interval: float) -> float:
+    """When to beat again after a failed beat: an interval on, a little less at random (a fleet that lost the
+    control plane at once does not come back in step), or later if the control plane asked (Retry-After)."""
+    asked = getattr(exc, "retry_after", None)
+    if asked is not None:
+        return min(float(asked), MAX_BACKOFF_S)
+    return interval * (1 - 0.25 * random.random())
 
 
 class WorkerGone(Exception):
@@ -120,12 +131,16 @@ class Heartbeats:
         return True
 
     def _run(self) -> None:
+        # A beat is tried once (no transport retries: this loop is the retry) and a failed one again at the
+        # beat's own pace, which costs the control plane no more than beating does: an exponential backoff
+        # (to 30 s, on top of the transport's retries) left a worker silent 17-19 s after a 13 s outage, and
+        # the scheduler marks a worker offline after 15 s, releasing the leases it was generating for.
         failures = 0
         while not self._stop.is_set():
             interval = self._interval_s
             try:
                 body = self._body()
-                reply = self.control.heartbeat(self.worker_id, body)
+                reply = self.control.heartbeat(self.worker_id, body, policy=ONCE)
                 self._received(body, reply)
                 if failures:
                     log.info("control plane reachable again")
@@ -138,7 +153,7 @@ class Heartbeats:
                 return
             except errors.Echo2Error as exc:
                 failures += 1
-                interval = RetryPolicy(initial_delay=interval, max_delay=MAX_BACKOFF_S).backoff(failures)
+                interval = _retry_in(exc, interval)
                 log.warning("heartbeat failed (%s); next try in %.0fs", exc, interval)
             self._now.wait(interval)
             self._now.clear()
