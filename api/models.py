@@ -250,6 +250,9 @@ class Job(Base):
     workers_usd: Mapped[float] = mapped_column(Float, default=0.0)
     learner_busy_s: Mapped[float] = mapped_column(Float, default=0.0)
     learner_wall_s: Mapped[float] = mapped_column(Float, default=0.0)
+    # What the job's earlier learner processes reported (each counts from its own start): the two above add it.
+    learner_busy_before_s: Mapped[float] = mapped_column(Float, default=0.0)
+    learner_wall_before_s: Mapped[float] = mapped_column(Float, default=0.0)
     learner_heartbeat_at: Mapped[datetime | None]
     learner_launched_at: Mapped[datetime | None]
     learner_launches: Mapped[int] = mapped_column(Integer, default=0)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from echo2.protocol import Manifest
 from fastapi import Query
 from fastapi.responses import StreamingResponse
 
@@ -12,7 +11,7 @@ from ..deps import BlobsDep, CurrentUser, SessionDep, owned_job
 from ..errors import ApiError
 from ..models import WeightVersion
 from ..routing import make_router
-from ..services import export
+from ..services import export, rebuild
 from ..services.jobs import spec_of
 
 router = make_router(prefix="/v1/jobs/{job_id}", tags=["weights"])
@@ -42,10 +41,7 @@ def export_model(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep
     if row.collected_at is not None:
         raise ApiError(410, f"the weights of version {chosen} of job {job_id} were deleted (only the final version "
                        "and those rollouts may still use are kept; see ECHO2_KEEP_VERSIONS_EVERY)", field="version")
-    if row.manifest is None:
-        raise ApiError(409, f"version {chosen} was published only as a delta: export the final version or a "
-                       "keyframe", field="version")
-    manifest = Manifest.model_validate(row.manifest)
+    manifest = rebuild.full_manifest(db, blobs, row)  # a version published only as a delta is rebuilt in full
     entries = export.plan(blobs, job, spec_of(job), manifest, adapter)
     db.close()  # the tar streams after this returns: do not hold a database connection meanwhile
     kind = "adapter" if adapter else "model"

@@ -28,7 +28,7 @@ from ..errors import ApiError
 from ..files import RangedFileResponse
 from ..models import Job, WeightVersion
 from ..routing import make_router
-from ..services import dissemination, modelinfo, notices, retention, versions
+from ..services import dissemination, modelinfo, notices, rebuild, retention, versions
 from ..storage import ChunkError
 
 router = make_router(prefix="/v1/jobs/{job_id}", tags=["weights"])
@@ -185,18 +185,15 @@ def _chunk(db: SessionDep, blobs: BlobsDep, p: Principal, job_id: str, version: 
                     "model folder",
             response_class=StreamingResponse,
             responses={200: {"content": {"application/x-tar": {}}}, 410: {"description": "Its weights were deleted."},
-                       409: {"description": "That version was published only as a delta."}})
+                       409: {"description": "That version was published only as a delta, and the versions it is "
+                                            "built from are deleted."}})
 def download_checkpoint(job_id: str, p: AnyPrincipal, db: SessionDep, blobs: BlobsDep,
                         version: Annotated[int | None, Query(ge=0, le=10_000_000)] = None) -> StreamingResponse:
     job = _readable_job(db, p, job_id, owner_only=True)
     chosen = version if version is not None else (job.final_version if job.final_version is not None else job.version)
     if chosen is None:
         raise ApiError(404, f"job {job_id} has no published version yet")
-    row = _version(db, job_id, chosen)
-    if row.manifest is None:
-        raise ApiError(409, f"version {chosen} was published only as a delta; download one published in full "
-                       f"(the final version, or a keyframe: {versions.keyframes(db, job_id)[-5:]})", field="version")
-    manifest = Manifest.model_validate(row.manifest)
+    manifest = rebuild.full_manifest(db, blobs, _version(db, job_id, chosen))  # a delta is rebuilt in full
     db.close()  # the tar streams after this returns: do not hold a database connection meanwhile
     filename = f"{job_id}-v{chosen}.tar"
     return StreamingResponse(blobs.iter_tar(job_id, manifest), media_type="application/x-tar",

@@ -27,6 +27,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from datetime import datetime
 
+from echo2.money import usd
 from echo2.protocol import (
     EstimateWorker,
     Fault,
@@ -317,7 +318,7 @@ def _assumptions(spec: JobSpec, learner: _Learner, e: JobEstimate, live: int, re
                    "only, and the job would wait for workers")
     if spec.budget_usd is not None and e.cost_usd > spec.budget_usd:
         steps = round(spec.max_steps * spec.budget_usd / e.cost_usd)
-        out.append(f"the budget of ${spec.budget_usd:.2f} is spent after about {steps} of {spec.max_steps} steps")
+        out.append(f"the budget of {usd(spec.budget_usd)} is spent after about {steps} of {spec.max_steps} steps")
     return out
 
 

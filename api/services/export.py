@@ -61,9 +61,11 @@ def plan(blobs: BlobStore, job: Job, spec: JobSpec, manifest: Manifest, adapter:
         return [_adapter_config(blobs, job.id, manifest, spec, src) if dst == ADAPTER_CONFIG
                 else Entry(dst, sizes[src], source=src) for src, dst in chosen.items()]
     if adapter_only:
+        # A job that ended without its final version never merges one: waiting would be for nothing.
+        later = "" if job.status.is_terminal() else ", or wait for the job to finish"
         raise ApiError(409, f"version {manifest.version} of job {job.id} is its LoRA adapter alone; the merged model "
-                       "is its final version, made when the job finishes: export the adapter (adapter=true, "
-                       "--adapter), or wait for the job to finish", field="version")
+                       "is the final version a job makes when it completes: export the adapter (adapter=true, "
+                       f"--adapter){later}", field="version")
     entries = [Entry(p, sizes[p], source=p) for p in paths if not p.startswith(ADAPTER_DIR)]
     if GENERATION_CONFIG not in paths:
         entries.append(_generation_config(blobs, job.id, manifest))

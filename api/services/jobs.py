@@ -7,6 +7,7 @@ import secrets
 from typing import Any
 
 from echo2.models import model_error, private_dir_of, private_model_error
+from echo2.money import usd
 from echo2.protocol import (
     DesiredState,
     JobCost,
@@ -316,7 +317,7 @@ def over_budget(job: Job) -> str | None:
     budget, spent = spec_of(job).budget_usd, job.learner_usd + job.workers_usd
     if budget is None or spent < budget:
         return None
-    return (f"budget of ${budget:.2f} exhausted (${spent:.2f} spent) at step {job.step}: raise budget_usd to resume "
+    return (f"budget of {usd(budget)} exhausted ({usd(spent)} spent) at step {job.step}: raise budget_usd to resume "
             f"it: echo2 jobs budget {job.id} USD (PATCH /v1/jobs/{job.id})")
 
 

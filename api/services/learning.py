@@ -235,7 +235,8 @@ def record_heartbeat(job: Job, beat: LearnerHeartbeat) -> None:
     it at once (and counts the launch against the job's crash-loop limit). While the learner starts, what
     it is doing is the job's status_reason."""
     job.learner_heartbeat_at = utcnow()
-    job.learner_busy_s, job.learner_wall_s = beat.busy_s, beat.wall_s
+    job.learner_busy_s = job.learner_busy_before_s + beat.busy_s
+    job.learner_wall_s = job.learner_wall_before_s + beat.wall_s
     if beat.error is not None:
         job.learner_error, job.learner_crashed_at = beat.error, utcnow()
     elif job.status == JobStatus.running and beat.starting():
@@ -253,4 +254,6 @@ def issue_learner_token(db: Session, job: Job) -> str:
     maybe only partitioned) can no longer report steps once its replacement is launched."""
     auth.revoke_all(db, "learner", job.id)
     _, plain = auth.issue_token(db, "learner", job.id)
+    # The next learner counts its seconds from its own start: the job's so far stay.
+    job.learner_busy_before_s, job.learner_wall_before_s = job.learner_busy_s, job.learner_wall_s
     return plain

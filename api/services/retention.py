@@ -4,7 +4,8 @@
   version a rollout may still be admitted with (x >= t - S) while the job runs, and what a worker needs to
   reach them: the newest keyframe (a version stored in full) at or below the oldest of them and every version
   after it, since each delta applies to the version before it; the final checkpoint (or, for a job that ended
-  without one, the newest version) forever; and every n-th version stored in full when
+  without one, the newest version) forever, with, while it is stored only as a delta, the versions it is built
+  from (its first download rebuilds it in full: api/services/rebuild.py); and every n-th version stored in full when
   ECHO2_KEEP_VERSIONS_EVERY = n > 0, for users who want intermediate checkpoints; and the base model of any
   kept LoRA adapter version. The row of a collected version stays (timeline, timings) with `collected_at`
   set; its manifests, chunks and checkpoint download answer 410.
@@ -54,6 +55,7 @@ def kept(job: Job, forms: dict[int, Forms], every: int) -> set[int]:
     """Of the stored versions (and their forms), those to keep (module docstring)."""
     final = job.final_version if job.final_version is not None else job.version
     keep = {v for v, f in forms.items() if v == final or (every and v % every == 0 and f.full_size is not None)}
+    keep |= _built_from(forms, final)  # a delta-only final is rebuilt from them when downloaded (rebuild.py)
     if not job.status.is_terminal():
         oldest = spec_of(job).oldest_admissible(job.step)
         needed = {v for v in forms if v == job.version or v >= oldest}
@@ -61,6 +63,16 @@ def kept(job: Job, forms: dict[int, Forms], every: int) -> set[int]:
         keyframe = max((v for v, f in forms.items() if v <= floor and f.full_size is not None), default=floor)
         keep |= needed | {v for v in forms if v >= keyframe}
     return keep | {forms[v].adapter_base for v in keep if forms[v].adapter_base is not None}  # LoRA bases
+
+
+def _built_from(forms: dict[int, Forms], version: int | None) -> set[int]:
+    """The versions a delta-only `version` is rebuilt from: the deltas back to the newest keyframe."""
+    chain: set[int] = set()
+    while version is not None and version in forms and forms[version].full_size is None:
+        version = forms[version].delta_base
+        if version is not None:
+            chain.add(version)
+    return chain
 
 
 def commit_and_collect(db: Session, blobs: BlobStore, job: Job, every: int) -> list[int]:

@@ -65,7 +65,7 @@ def row(job: Job, body: VersionPublish, seconds: float, targets: list[str]) -> W
     return WeightVersion(
         job_id=job.id, version=any_form.version, step=any_form.step, publish_seconds=seconds, targets=targets,
         manifest=full.model_dump(mode="json") if full else None,
-        manifest_sha256=hashlib.sha256(_canonical(full)).hexdigest() if full else None,
+        manifest_sha256=hashlib.sha256(canonical(full)).hexdigest() if full else None,
         total_size=full.total_size if full else None, num_chunks=len(full.chunks) if full else None,
         delta_manifest=delta.model_dump(mode="json") if delta else None,
         delta_size=delta.total_size if delta else None,
@@ -74,7 +74,7 @@ def row(job: Job, body: VersionPublish, seconds: float, targets: list[str]) -> W
         probes=[p.model_dump() for p in body.probes] or None)
 
 
-def _canonical(manifest: Manifest) -> bytes:
+def canonical(manifest: Manifest) -> bytes:
     return json.dumps(manifest.model_dump(mode="json"), sort_keys=True).encode()
 
 

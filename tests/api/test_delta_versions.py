@@ -3,6 +3,10 @@ is told to fetch."""
 
 from __future__ import annotations
 
+import hashlib
+import io
+import tarfile
+
 import pytest
 from echo2.deltas import Folder, apply_delta, file_refs
 from echo2.protocol import Manifest
@@ -92,13 +96,20 @@ def test_the_origin_refuses_a_delta_of_the_wrong_base_or_digest_and_a_first_vers
     assert r.status_code == 422 and "first version must be published in full" in r.json()["detail"]
 
 
-def test_the_checkpoint_of_a_delta_only_version_is_a_409_naming_the_keyframes(api, setup):
+def test_the_checkpoint_of_a_delta_only_version_is_rebuilt_in_full_and_kept(api, setup):
+    """It was a 409 naming the keyframes: a job cancelled mid-training kept only its newest version, a delta, and
+    its weights could not be had at all (api/services/rebuild.py)."""
     job, learner, alice, _, _, root = setup
     jid = job["id"]
     publish_forms(learner, jid, forms(root, 1, full=False))
     r = alice.get(f"/v1/jobs/{jid}/checkpoint", params={"version": 1})
-    assert r.status_code == 409 and "published only as a delta" in r.json()["detail"] and "[0]" in r.json()["detail"]
-    assert alice.get(f"/v1/jobs/{jid}/checkpoint", params={"version": 0}).status_code == 200
+    assert r.status_code == 200 and r.headers["X-Echo2-Version"] == "1"
+    with tarfile.open(fileobj=io.BytesIO(r.content)) as tar:
+        got = {m.name: hashlib.sha256(tar.extractfile(m).read()).hexdigest() for m in tar.getmembers()}
+    wanted = {f.path: hashlib.sha256((root / "v1" / f.path).read_bytes()).hexdigest()
+              for f in Manifest.model_validate(ok(alice.get(f"/v1/jobs/{jid}/versions/1/manifest"))).files}
+    assert got == wanted and "model.safetensors" in got  # the version itself, byte for byte
+    assert 1 in [v["version"] for v in ok(alice.get(f"/v1/jobs/{jid}/versions")) if v["total_size"]]  # kept in full
 
 
 def test_retention_keeps_the_keyframe_a_newcomer_needs_and_the_deltas_after_it(api, setup):

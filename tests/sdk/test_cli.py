@@ -149,7 +149,8 @@ def test_watch_follows_a_job_to_the_end(api, alice, driven):
     assert all(a != b for a, b in zip(progress, progress[1:], strict=False))  # a new line only for a change
     assert lines[-3].startswith(f"job {driven.id} succeeded")
     assert lines[-2].startswith("learner busy ") and "groups: 2 generated, 2 trained, 0 waiting" in lines[-2]
-    assert lines[-1] == "held-out accuracy: not measured (no held-out prompts)"
+    assert lines[-1] == ("held-out accuracy: none reported yet (the learner evaluates the base model first; a job "
+                         "that holds no prompts out reports none)")
     report = echo2("jobs", "report", driven.id, url=api.url, key=alice.key)
     assert report.returncode == 0 and report.stdout.strip().splitlines() == lines[-2:]
 

@@ -283,7 +283,8 @@ E2.page("job", () => {
     const pct = (x) => (x === null || x === undefined ? "–" : `${(100 * x).toFixed(1)}%`);
     setText("#rep-util", `${pct(r.learner_utilization)} of ${fmt.num(r.learner_wall_s, 0)} s`);
     setText("#rep-generated", String(r.rollouts.generated));
-    setText("#rep-trained", `${r.rollouts.trained} · ${r.rollouts.waiting}`);
+    const left = r.rollouts.unused ? `${r.rollouts.unused} never trained (the job ended)` : String(r.rollouts.waiting);
+    setText("#rep-trained", `${r.rollouts.trained} · ${left}`);
     setText("#rep-stale", pct(r.stale_fraction));
     const kinds = Object.entries(r.rollouts.rejected);
     setText("#rep-rejected", kinds.length ? kinds.map(([k, n]) => `${k.replaceAll("_", " ")} ${n}`).join(", ") : "none");

@@ -8,6 +8,7 @@ import json
 import sys
 from typing import TYPE_CHECKING, Any
 
+from ..money import usd as dollars
 from .common import PROG, Parser, UsageError, connect, key_value, print_json
 from .render import describe, num, table
 from .spec import spec_from_args
@@ -181,7 +182,7 @@ def _budget(args: argparse.Namespace) -> int:
     if args.json:
         print_json(job)
     else:
-        print(f"job {job.id} {job.status.value}, budget {'none' if usd is None else f'${usd:.2f}'}"
+        print(f"job {job.id} {job.status.value}, budget {'none' if usd is None else dollars(usd)}"
               + (f": {job.status_reason}" if job.status_reason else ""))
     return 0
 

@@ -11,7 +11,7 @@ from .render import num
 
 if TYPE_CHECKING:
     from ..client import Client
-    from ..protocol import EvalRead, JobRead, JobReport, MismatchStats, StepMetrics
+    from ..protocol import EvalRead, JobRead, JobReport, MismatchStats, RolloutCounts, StepMetrics
 
 
 def watch(client: Client, job_id: str, interval: float, timeout: float | None) -> int:
@@ -71,18 +71,24 @@ def report_line(r: JobReport) -> str:
     rejected = ", ".join(f"{k.value} {n}" for k, n in sorted(r.rollouts.rejected.items())) or "none"
     stale = "-" if r.stale_fraction is None else f"{r.stale_fraction:.1%}"
     lines = [f"learner busy {r.learner_busy_s:.0f}s of {r.learner_wall_s:.0f}s ({util}); groups: "
-             f"{r.rollouts.generated} generated, {r.rollouts.trained} trained, {r.rollouts.waiting} waiting; "
+             f"{r.rollouts.generated} generated, {r.rollouts.trained} trained, {_left(r.rollouts)}; "
              f"rejected: {rejected}; stale {stale}", _held_out_line(r)]
     if any(m.staleness < 0 for m in r.mismatch):  # none before a step trained tokens
         lines.insert(1, f"{mismatch_text(r.mismatch)} (all steps)")
     return "\n".join(lines)
 
 
+def _left(counts: RolloutCounts) -> str:
+    """The groups not trained yet, or, once the job ended, never."""
+    return f"{counts.unused} never trained (the job ended first)" if counts.unused else f"{counts.waiting} waiting"
+
+
 def _held_out_line(r: JobReport) -> str:
     """Held-out accuracy before -> after: what the job learned on problems it never trained on."""
     before, after = r.eval_before, r.eval_after
-    if before is None and after is None:
-        return "held-out accuracy: not measured (no held-out prompts)"
+    if before is None and after is None:  # none reported yet, or the job holds no prompt out
+        return ("held-out accuracy: none reported yet (the learner evaluates the base model first; a job that holds "
+                "no prompts out reports none)")
     latest = after or before
     assert latest is not None
     step = f" at step {latest.step}" if after is not None else ""

@@ -60,7 +60,8 @@ class RolloutCounts(ReadModel):
     """A job's rollout groups by what became of them."""
 
     generated: int = Field(description="Groups workers submitted (each a prompt with its G samples).")
-    waiting: int = Field(description="Accepted and not yet trained (queued or claimed).")
+    waiting: int = Field(description="Accepted and not yet trained (queued or claimed), while the job runs.")
+    unused: int = Field(0, description="Accepted and never trained because the job ended first (counted as wasted).")
     trained: int
     rejected: dict[RejectKind, int] = Field(default_factory=dict, description="Rejected groups by why.")
 
@@ -96,7 +97,7 @@ class JobReport(ReadModel):
         "staleness contract should keep near zero.")
     wasted_fraction: float | None = Field(
         description="Every group generated and not trained for a reason that is not the sender's fault (stale, "
-        "or after its lease ended) over groups generated.")
+        "after its lease ended, or still untrained when the job ended) over groups generated.")
     audits: int = 0
     audits_failed: int = 0
     audit_s: float = Field(0.0, description="Learner seconds spent auditing.")
