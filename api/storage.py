@@ -60,6 +60,11 @@ class BlobStore:
         replace_dir(staging, final)
         return max(0.0, (final / "manifest.json").stat().st_mtime - first_upload)
 
+    def published_manifest(self, job_id: str, version: int, form: Form = Form.full) -> Manifest | None:
+        """The manifest of a version's form stored here in full (its folder published), or None."""
+        path = self._final(job_id, version, form) / "manifest.json"
+        return Manifest.model_validate_json(path.read_bytes()) if path.exists() else None
+
     @staticmethod
     def _check_staged(staging: Path, index: int, size: int, sha256: str) -> None:
         path = staging / f"{index}.chunk"

@@ -44,7 +44,9 @@ def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> 
         return
     seconds = min(max(now.timestamp() - last, 0.0), 10 * settings.reconcile_interval_s)
     _bill_learners(db, settings, now, seconds)
-    for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == WorkerStatus.active)):
+    # Locked, in id order, and read afresh: a forfeit committed meanwhile (clawback._forfeit) is not written over.
+    for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == WorkerStatus.active)
+                             .order_by(Worker.id).with_for_update().execution_options(populate_existing=True)):
         assert worker.job_id is not None
         pots = _kept(db, worker)
         pots[worker.job_id] = min(pots.get(worker.job_id, 0.0) + seconds, settings.pay_window_s)

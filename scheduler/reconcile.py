@@ -400,12 +400,14 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
 
 
 def _no_room(db: Session, worker: Worker) -> bool:
-    """Whether the worker's job refuses every lease now for lack of room (what is queued and leased covers what
-    the learner can train before the newest version goes stale): the platform's delay, not the worker's failure."""
+    """Whether the worker's job refuses it every lease now for lack of room (what others queued and leased covers
+    what the learner can train before the newest version goes stale): the platform's delay, not the worker's
+    failure. What the worker holds itself does not count: a worker that leases and never submits fills the room
+    with its own leases."""
     job = db.get(Job, worker.job_id) if worker.job_id else None
     if job is None or job.status != JobStatus.running or job.version is None or not job.kind.has_task:
         return False
-    return pool.lease_room(db, job, spec_of(job), job.version) <= 0
+    return pool.lease_room(db, job, spec_of(job), job.version) + pool.holding(db, worker) <= 0
 
 
 def _delivered(db: Session, worker_id: str, since: datetime) -> tuple[int, float | None]:

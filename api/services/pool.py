@@ -137,14 +137,18 @@ def _unjudged_room(db: Session, worker: Worker) -> int:
     trusted worker (its audits are the windows of trust.should_audit)."""
     if worker.trust not in (TrustState.probation, TrustState.suspect):
         return UNJUDGED_ANY
-    waiting = unjudged(db, worker)
-    held = db.scalar(select(func.count()).select_from(Prompt).join(Lease, Lease.id == Prompt.lease_id)
-                     .where(Lease.worker_id == worker.id, Lease.status == LeaseStatus.active,
-                            Prompt.state == PromptState.leased))
-    room = UNJUDGED - (waiting or 0) - (held or 0)
+    waiting, held = unjudged(db, worker), holding(db, worker)
+    room = UNJUDGED - waiting - held
     if room <= 0:
-        raise ApiError(409, _no_unjudged_room(db, worker, waiting, held or 0), headers=_retry_after(1.0))
+        raise ApiError(409, _no_unjudged_room(db, worker, waiting, held), headers=_retry_after(1.0))
     return room
+
+
+def holding(db: Session, worker: Worker) -> int:
+    """The prompts the worker's active leases hold and it has not submitted."""
+    return db.scalar(select(func.count()).select_from(Prompt).join(Lease, Lease.id == Prompt.lease_id)
+                     .where(Lease.worker_id == worker.id, Lease.status == LeaseStatus.active,
+                            Prompt.state == PromptState.leased)) or 0
 
 
 def _no_unjudged_room(db: Session, worker: Worker, waiting: int, held: int) -> str:

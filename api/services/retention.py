@@ -5,10 +5,10 @@
   reach them: the newest keyframe (a version stored in full) at or below the oldest of them and every version
   after it, since each delta applies to the version before it; the final checkpoint (or, for a job that ended
   without one, the newest version) forever, with, while it is stored only as a delta, the versions it is built
-  from (its first download rebuilds it in full: api/services/rebuild.py); and every n-th version stored in full when
-  ECHO2_KEEP_VERSIONS_EVERY = n > 0, for users who want intermediate checkpoints; and the base model of any
-  kept LoRA adapter version. The row of a collected version stays (timeline, timings) with `collected_at`
-  set; its manifests, chunks and checkpoint download answer 410.
+  from (the sweep, or its first download, rebuilds it in full: api/services/rebuild.py); and every n-th
+  version stored in full when ECHO2_KEEP_VERSIONS_EVERY = n > 0, for users who want intermediate checkpoints;
+  and the base model of any kept LoRA adapter version. The row of a collected version stays (timeline,
+  timings) with `collected_at` set; its manifests, chunks and checkpoint download answer 410.
 - Learner checkpoints (stored for resuming on another host): the newest two while the job runs
   (api/routes/learner_state.py), none once it ended (its final version is the model).
 - Rollout tokens (api/services/archive.py): they leave the database for the job's Parquet archive once
@@ -40,11 +40,12 @@ from sqlalchemy import Select, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ..db import Database
+from ..errors import ApiError
 from ..models import Job, WeightVersion, utcnow
 from ..settings import Settings
 from ..storage import BlobStore
 from ..tinker import service as tinker
-from . import archive, episodes, uploads, versions
+from . import archive, episodes, rebuild, uploads, versions
 from .jobs import spec_of
 from .plans import Forms
 
@@ -123,10 +124,24 @@ def sweep(db: Session, blobs: BlobStore, every: int, checkpoints: BlobStore | No
     """Collect what the routes did not; returns how many version folders it deleted."""
     deleted = 0
     for job in db.scalars(select(Job).where(Job.id.in_(_ended_with_extra_versions(every)))).all():
+        _rebuild_final(db, blobs, job)
         deleted += len(commit_and_collect(db, blobs, job, every))
     if checkpoints is not None:
         _sweep_learner_state(db, checkpoints)
     return deleted + _sweep_disk(db, blobs)
+
+
+def _rebuild_final(db: Session, blobs: BlobStore, job: Job) -> None:
+    """An ended job's newest version, when it is stored only as a delta, rebuilt in full: the versions it is built
+    from may then go (kept holds them till then)."""
+    final = job.final_version if job.final_version is not None else job.version
+    row = db.get(WeightVersion, (job.id, final)) if final is not None else None
+    if row is None or row.manifest is not None or row.collected_at is not None:
+        return
+    try:
+        rebuild.full_manifest(db, blobs, row)
+    except ApiError as exc:  # its chain is gone already: nothing to rebuild it from
+        log.warning("job %s: %s", job.id, exc.detail)
 
 
 def drop_learner_state(checkpoints: BlobStore, job: Job) -> None:

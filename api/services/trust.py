@@ -15,9 +15,9 @@ in the `audits` table and in `trust_reason`, which its provider can read.
 
 Providers answer for their workers. While one of a provider's workers is quarantined the provider is on
 watch: its other workers become suspects (every group audited), its new ones start on probation, and none
-of them becomes trusted until the watch ends; a strike of a worker registered during the watch bans, as a
-strike after a quarantine does (the new worker may be the quarantined one's replacement). A ban bans the
-provider: its other workers are banned with it and it registers no more.
+of them becomes trusted until the watch ends; once a quarantined worker of it was deleted, a strike of a
+worker registered during the watch bans, as a strike after a quarantine does (the new worker may be the deleted
+one's replacement). A ban bans the provider: its other workers are banned with it and it registers no more.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 from datetime import datetime, timedelta
 
-from echo2.protocol import AuditRead, AuditVerdict, RejectKind, RolloutStatus, TrustState, WorkerRead
+from echo2.protocol import AuditRead, AuditVerdict, RejectKind, RolloutStatus, TrustState, WorkerRead, WorkerStatus
 from sqlalchemy import ColumnElement, Select, and_, false, func, not_, or_, select, update
 from sqlalchemy.orm import Session
 
@@ -165,14 +165,19 @@ def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audi
 
 
 def _replaces(db: Session, worker: Worker, settings: Settings) -> bool:
-    """Whether the worker was registered since its provider was put on watch (the newest quarantine began): a
-    provider that deleted its quarantined worker and registered another in its place would shed the quarantine
-    (the next strike bans), one replacement after another, never banned."""
+    """Whether the worker may stand in for a quarantined worker its provider deleted: registered since the provider
+    was put on watch (the newest quarantine began), while a worker of it deregistered in quarantine. A provider
+    that deleted its quarantined worker and registered another shed the quarantine, one replacement after another,
+    never banned; an honest provider's other machines, restarted during a watch, are not such replacements."""
     provider = db.get(Provider, worker.provider_id)
     if not on_watch(provider):
         return False
     assert provider is not None and provider.watch_until is not None
-    return worker.created_at >= provider.watch_until - timedelta(seconds=settings.quarantine_s)
+    if worker.created_at < provider.watch_until - timedelta(seconds=settings.quarantine_s):
+        return False
+    return db.scalar(select(Worker.id).where(Worker.provider_id == provider.id,
+                                             Worker.trust == TrustState.quarantined,
+                                             Worker.status == WorkerStatus.deregistered).limit(1)) is not None
 
 
 def ban(db: Session, worker: Worker, reason: str) -> None:

@@ -55,6 +55,7 @@ def start(db: Session, user: User, settings: Settings, body: UploadCreate) -> Da
                                                   DatasetUpload.sha256 == body.sha256))
     if found is not None:
         return found
+    db.refresh(user, with_for_update=True)  # two starts at once count each other's bytes
     _check_room(db, user, settings, body.size)
     upload = DatasetUpload(owner_id=user.id, name=body.name, size=body.size, sha256=body.sha256, part_size=PART_SIZE)
     db.add(upload)

@@ -113,17 +113,18 @@ def _pick(db: Session, held: set[str], host: str, free: int) -> tuple[TinkerRequ
 
 
 def _refuse(db: Session, owner_id: str, why: str) -> list[str]:
-    """Fail the user's waiting requests (a create_model's model with it); their ids."""
-    rows = list(db.scalars(select(TinkerRequest).where(TinkerRequest.owner_id == owner_id,
-                                                       TinkerRequest.status == RequestStatus.pending,
-                                                       TinkerRequest.kind.not_in(PLATFORMS)).with_for_update()))
-    for row in rows:
-        row.status, row.error, row.category, row.finished_at = RequestStatus.failed, why, ErrorCategory.user, utcnow()
+    """Fail the user's waiting requests (a create_model's model with it); their ids. Locked in id order: two hosts
+    refusing one user at once take the rows in the same order."""
+    rows = db.execute(select(TinkerRequest.id, TinkerRequest.kind, TinkerRequest.model_id).where(
+        TinkerRequest.owner_id == owner_id, TinkerRequest.status == RequestStatus.pending,
+        TinkerRequest.kind.not_in(PLATFORMS)).order_by(TinkerRequest.id).with_for_update()).all()
+    ids = [r.id for r in rows]
+    service.fail_requests(db, TinkerRequest.id.in_(ids), why, ErrorCategory.user)
     for model in db.scalars(select(TinkerModel).where(TinkerModel.id.in_(
-            [r.model_id for r in rows if r.kind == RequestKind.create_model]))):
+            [r.model_id for r in rows if r.kind == RequestKind.create_model])).order_by(TinkerModel.id)):
         service.fail_model(db, model, why, ErrorCategory.user)
     db.flush()
-    return [r.id for r in rows]
+    return ids
 
 
 def _held(db: Session, body: HostClaim) -> set[str]:

@@ -158,7 +158,7 @@ def finish_session(db: Session, session: TinkerSession, reason: str) -> None:
         return
     session.status, session.finish_reason, session.finished_at = SessionStatus.finished, reason, utcnow()
     models = select(TinkerModel.id).where(TinkerModel.session_id == session.id)
-    _fail_requests(db, TinkerRequest.model_id.in_(models), f"the session ended ({reason})", ErrorCategory.user)
+    fail_requests(db, TinkerRequest.model_id.in_(models), f"the session ended ({reason})", ErrorCategory.user)
     fleet.end_jobs(db, models, f"its Tinker session ended ({reason})")
 
 
@@ -173,7 +173,7 @@ def drop_results(db: Session, before: datetime) -> int:
     return gone
 
 
-def _fail_requests(db: Session, where, error: str, category: ErrorCategory) -> None:  # type: ignore[no-untyped-def]
+def fail_requests(db: Session, where, error: str, category: ErrorCategory) -> None:  # type: ignore[no-untyped-def]
     db.execute(update(TinkerRequest).where(where, TinkerRequest.status.in_(UNFINISHED))
                .values(status=RequestStatus.failed, error=error[:1024], category=category,
                        finished_at=utcnow()))
@@ -186,7 +186,7 @@ def session_ended(db: Session, model: TinkerModel) -> bool:
 
 def fail_model(db: Session, model: TinkerModel, error: str, category: ErrorCategory) -> None:
     model.status, model.error = ModelStatus.failed, error[:1024]
-    _fail_requests(db, TinkerRequest.model_id == model.id, error, category)
+    fail_requests(db, TinkerRequest.model_id == model.id, error, category)
     fleet.end_jobs(db, [model.id], f"its Tinker model failed: {error}"[:512])
 
 

@@ -20,9 +20,13 @@ depends_on = None
 def upgrade() -> None:
     op.add_column('workers', sa.Column('unbilled', sa.JSON(), nullable=False, server_default='{}'))
     bind = op.get_bind()
-    rows = bind.execute(sa.text("SELECT id, job_id, unbilled_s FROM workers WHERE job_id IS NOT NULL AND "
+    # What waited was the current job's time, or, for a worker off any job, its newest group's job's.
+    rows = bind.execute(sa.text("SELECT id, COALESCE(job_id, (SELECT r.job_id FROM rollouts r WHERE r.worker_id = "
+                                "workers.id ORDER BY r.created_at DESC LIMIT 1)), unbilled_s FROM workers WHERE "
                                 "unbilled_s > 0")).all()
-    for worker_id, job_id, seconds in rows:  # what waited was the current job's time, as far as anyone knows
+    for worker_id, job_id, seconds in rows:
+        if job_id is None:
+            continue
         bind.execute(sa.text("UPDATE workers SET unbilled = :pots WHERE id = :id"),
                      {"pots": json.dumps({job_id: seconds}), "id": worker_id})
     with op.batch_alter_table('workers') as batch_op:

@@ -6,4 +6,5 @@ from __future__ import annotations
 def usd(amount: float) -> str:
     """Dollars: cents when the amount is whole cents, else four decimals, as costs are shown (a budget of $0.004,
     or a few seconds of compute, is not "$0.00")."""
-    return f"${amount:.2f}" if round(amount, 2) == amount else f"${amount:.4f}"
+    cents = abs(round(amount, 2) - amount) < 1e-9  # 0.1 + 0.2 is whole cents, within float noise
+    return f"${amount:.2f}" if cents else f"${amount:.4f}"

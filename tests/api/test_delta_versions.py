@@ -121,3 +121,24 @@ def test_retention_keeps_the_keyframe_a_newcomer_needs_and_the_deltas_after_it(a
     listed = {v["version"]: v["available"] for v in ok(alice.get(f"/v1/jobs/{jid}/versions"))}
     # step 4, S = 1: versions 3 and 4 are admissible; reaching them takes keyframe 2 and the deltas after it
     assert listed == {0: False, 1: False, 2: True, 3: True, 4: True}
+
+
+def test_a_job_cancelled_on_a_delta_has_its_newest_version_rebuilt_by_the_sweep_and_the_chain_dropped(api, setup):
+    """Retention keeps what a delta-only final version is built from; the sweep rebuilds it in full (no download
+    needed) and then lets the chain go: before, every sweep of every process re-collected such a job for nothing."""
+    from api.services import retention
+
+    job, learner, alice, _, _, root = setup  # S = 1
+    jid = job["id"]
+    for v in (1, 2):
+        publish_forms(learner, jid, forms(root, v, full=False))
+        ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json={"step": v - 1, "rollout_ids": [], "t_train_s": 0.1}))
+    ok(alice.post(f"/v1/jobs/{jid}/cancel"))
+    kept = {v["version"]: v["available"] for v in ok(alice.get(f"/v1/jobs/{jid}/versions"))}
+    assert kept == {0: True, 1: True, 2: True}  # the chain the newest version is built from
+    with api.db.session() as s:
+        retention.sweep(s, api.server.app.state.blobs, every=0)
+    listed = {v["version"]: (v["available"], bool(v["total_size"])) for v in ok(alice.get(f"/v1/jobs/{jid}/versions"))}
+    assert listed == {0: (False, True), 1: (False, False), 2: (True, True)}  # rebuilt in full; the rest gone
+    r = alice.get(f"/v1/jobs/{jid}/checkpoint")
+    assert r.status_code == 200 and r.headers["X-Echo2-Version"] == "2"

@@ -101,6 +101,7 @@ def test_the_job_report_counts_every_group_by_its_fate(api, tmp_path):
     ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(1, [])))
     ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": 2, "max_groups": 4}))  # v0 is stale now
     report = ok(alice.get(f"/v1/jobs/{job['id']}/report"))
-    assert report["rollouts"] == {"generated": 4, "waiting": 0, "trained": 2, "rejected": {"stale_at_claim": 2}}
+    assert report["rollouts"] == {"generated": 4, "waiting": 0, "unused": 0, "trained": 2,
+                                  "rejected": {"stale_at_claim": 2}}
     assert report["stale_fraction"] == 0.5 and report["wasted_fraction"] == 0.5 and report["step"] == 2
     assert report["learner_idle_s"] >= 0 and report["audits"] == 0

@@ -213,3 +213,17 @@ def test_a_worker_registered_while_its_provider_is_banned_is_banned_with_it(api,
     assert ok(provider.get("/v1/providers/me"))["banned_at"] is not None
     r = answer[0]  # it waited for the ban's commit, then read it
     assert r.status_code == 403 and "this provider is banned" in r.json()["detail"], r.text
+
+
+def test_an_honest_providers_other_machine_restarted_during_a_watch_is_not_banned_by_one_strike(api, tmp_path):
+    """The rule above bans a worker registered during a watch only while a worker of the provider was deleted in
+    quarantine (the replacement pattern): an honest provider's other machine that rejoined meanwhile, struck once
+    (on probation every group is audited), is a suspect, as any worker with one strike is."""
+    job, learner, wid, worker, provider, _ = job_with_worker(api, tmp_path)
+    one_step(api, job, learner, worker, [False, False], step=0)
+    assert trust_of(api, wid)["trust"] == "quarantined"  # kept, not deleted: it serves its quarantine
+    other_id, other = new_worker(api, provider, "other-machine")  # rejoined after a crash, during the watch
+    activate(api, other_id, job["id"])
+    one_step(api, job, learner, other, [False], step=1)
+    assert trust_of(api, other_id)["trust"] == "suspect"
+    assert ok(provider.get("/v1/providers/me"))["banned_at"] is None

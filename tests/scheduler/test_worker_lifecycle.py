@@ -277,3 +277,24 @@ def test_a_restarted_worker_on_probation_is_told_the_true_reason_it_gets_no_leas
     assert again.status_code == 409
     detail = again.json()["detail"]
     assert "0 of this worker's groups wait" not in detail and before_crash["id"] in detail, detail
+
+
+def test_a_worker_whose_own_leases_fill_the_room_still_fails_its_trial(api, tmp_path):
+    """The exemption above is for room others took: a worker that leases all the room and never submits would
+    otherwise never fail its trial, its own leases being what leaves no room."""
+    from scheduler.reconcile import _worker_profile
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=1,
+                         grpo={"group_size": 2, "prompts_per_step": 4})
+    _, provider = new_provider(api)
+    wid, hoarder = new_worker(api, provider, "hoarder")
+    activate(api, wid, job["id"])
+    ok(hoarder.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 8, "version": 0}), 201)  # all the room
+    assert hoarder.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}).status_code == 409
+    with api.db.session() as s:
+        row = s.get_one(Worker, wid)
+        row.active_since = utcnow() - timedelta(seconds=200)
+        s.commit()
+        _worker_profile(s, row, utcnow(), [], api.server.settings)
+        assert row.trial_failed_at is not None

@@ -181,3 +181,9 @@ def test_checkpoints_download_without_version_works_mid_training(api, alice, tmp
     except errors.APIStatusError as exc:
         pytest.fail(f"the default download failed: {exc}")
     assert (path / "model.safetensors").exists()
+
+
+def test_money_reads_whole_cents_through_float_noise():
+    from echo2.money import usd
+
+    assert (usd(0.1 + 0.2), usd(10.0), usd(0.004), usd(0.0045)) == ("$0.30", "$10.00", "$0.0040", "$0.0045")
