@@ -87,8 +87,9 @@ class JobReport(ReadModel):
 
     job_id: str
     step: int
-    learner_busy_s: float = Field(description="Seconds the current learner spent training (since it started).")
-    learner_wall_s: float = Field(description="Seconds since the current learner started.")
+    learner_busy_s: float = Field(description="Seconds the job's learners spent training (every learner it had, "
+                                  "before a resume or relaunch too).")
+    learner_wall_s: float = Field(description="Seconds the job's learners were running, all of them together.")
     learner_idle_s: float
     learner_utilization: float | None = Field(description="busy / wall.")
     rollouts: RolloutCounts
