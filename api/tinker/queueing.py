@@ -26,7 +26,7 @@ def enqueue(db: Session, model: TinkerModel, kind: RequestKind, payload: dict,
     # Lock the model row: two requests of one model never take the same seq, and a retry that arrives while
     # its first attempt is still in flight waits for it here, then finds it.
     db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update(**WRITER_LOCK))
-    earlier = earlier_attempt(db, model, kind, idempotency_key)
+    earlier = earlier_attempt(db, model, kind, idempotency_key) or _created(db, model, kind, payload)
     if earlier is not None:
         return earlier
     if bounded:
@@ -61,6 +61,19 @@ def earlier_attempt(db: Session, model: TinkerModel, kind: RequestKind,
                             f"{row.kind} of model {row.model_id}): give each call a key of its own, and repeat a "
                             "key only to retry its call", field="X-Idempotency-Key")
     return row
+
+
+def _created(db: Session, model: TinkerModel, kind: RequestKind, payload: dict) -> TinkerRequest | None:
+    """A model is created once: a repeat of its create_model (the same payload) gets the first one's future, where a
+    second create rebuilt the live model from scratch, its adapter and optimizer lost; another payload is a 400."""
+    if kind != RequestKind.create_model:
+        return None
+    first = db.scalar(select(TinkerRequest).where(TinkerRequest.model_id == model.id,
+                                                  TinkerRequest.kind == RequestKind.create_model).limit(1))
+    if first is not None and first.payload != payload:
+        raise ApiError(400, f"model {model.id} exists already: model_seq_id must be new in its session",
+                       field="model_seq_id")
+    return first
 
 
 def _check_quota(db: Session, owner_id: str) -> None:

@@ -32,7 +32,7 @@ from ..db import WRITER_LOCK
 from ..errors import ApiError
 from ..models import utcnow
 from ..settings import Settings
-from . import fleet, queueing, records, states, usage
+from . import fleet, records, states, usage
 from .models import TinkerCheckpoint, TinkerHost, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession
 from .queueing import UNFINISHED
 
@@ -97,8 +97,10 @@ def owned_sampler(db: Session, owner_id: str, sampler_id: str) -> TinkerSampler:
 
 def new_model(db: Session, session: TinkerSession, model_id: str, kind: ModelKind, base_model: str,
               lora: dict | None, idempotency_key: str | None = None) -> TinkerModel:
-    """A model for a create call; for a retried POST (the same Idempotency-Key), the one its first attempt
-    made, even when that attempt committed while this one ran."""
+    """A model for a create call; for a repeat of the call that made it (a retried POST, even when its first
+    attempt committed while this one ran, or the SDK's outer retry, which sends a new key), that model: the same
+    owner, kind, base model and adapter (queueing.enqueue then answers the first create's future). Another create
+    under a taken model_seq_id is a 400."""
     existing = db.get(TinkerModel, model_id)
     if existing is None:
         model = TinkerModel(id=model_id, session_id=session.id, owner_id=session.owner_id, kind=kind,
@@ -109,9 +111,9 @@ def new_model(db: Session, session: TinkerSession, model_id: str, kind: ModelKin
             return model
         except IntegrityError:
             existing = db.get(TinkerModel, model_id, populate_existing=True)
-    if existing is not None and existing.owner_id == session.owner_id and queueing.earlier_attempt(
-            db, existing, RequestKind.create_model, idempotency_key) is not None:
-        return existing  # a retry: its first attempt made this model (another key made a live model new again)
+    if existing is not None and existing.owner_id == session.owner_id and \
+            (existing.kind, existing.base_model, existing.lora) == (kind, check_base_model(base_model), lora):
+        return existing
     raise ApiError(400, f"model {model_id} exists already: model_seq_id must be new in its session",
                    field="model_seq_id")
 

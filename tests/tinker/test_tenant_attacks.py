@@ -88,12 +88,21 @@ def test_a_reused_idempotency_key_cannot_park_an_orphan_model_in_a_host_slot_for
 def test_create_model_with_a_taken_seq_id_and_a_fresh_key_does_not_recreate_the_live_model(api):
     """service.new_model returned an existing model to any call that carried *an* idempotency key (not the key
     that created it), and create_model then queued a second create_model request on it: the host rebuilt the
-    model from scratch (learner/tinker/host.py _session), its trained adapter, optimizer and checkpoints gone."""
+    model from scratch (learner/tinker/host.py _session), its trained adapter, optimizer and checkpoints gone.
+    A model is created once now (queueing._created)."""
     _, alice = new_user(api)
     client = sdk(api, key_of(alice))
     session, model_id = ready_model(api, client)
-    again = create_model(client, session, 0, key="a-new-call")
-    assert again.status_code == 400, (again.status_code, again.text)
+    first = ok(client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                         "base_model": "echo2:tiny", "lora_config": {"rank": 4}}))
+    # The same create again with a fresh key (the SDK's outer retry sends one): the first create's future, the model
+    # as it is; the same seq id for another model: a 400.
+    again = ok(create_model(client, session, 0, key="a-new-call"))
+    assert again["request_id"] == first["request_id"]
+    assert ok(retrieve(client, again["request_id"]))["model_id"] == model_id
+    other = client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                      "base_model": "echo2:tiny", "lora_config": {"rank": 8}})
+    assert other.status_code == 400 and "exists already" in other.json()["detail"]
     reply = claim(api, holding=[model_id])
     assert reply["work"] is None or reply["work"]["kind"] != "create_model"
 
