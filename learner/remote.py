@@ -7,12 +7,11 @@ for `give_up_after_s`: a control-plane restart is survived."""
 from __future__ import annotations
 
 import math
-import shutil
 from pathlib import Path
 from typing import Any, TypeVar
 
 import httpx
-from echo2.deltas import Folder, apply_delta
+from echo2.deltas import apply_onto
 from echo2.protocol import (
     AuditsRecorded,
     AuditVerdicts,
@@ -140,14 +139,10 @@ class ControlPlane:
             assert base is not None, f"version {chain[-1]} has neither a full form nor a delta"
             chain.append(base)
         folder = self._download(chain[-1], Form.full, out if len(chain) == 1 else out.with_name(f"{out.name}.base"))
-        for base, v in zip(reversed(chain), reversed(chain[:-1]), strict=False):
+        for v in reversed(chain[:-1]):
             manifest = self._manifest(v, Form.delta)
             payload = self._download(v, Form.delta, out.with_name(f"{out.name}.d{v}"), manifest)
-            files = Manifest.model_validate_json((folder / "manifest.json").read_bytes()).target_files()
-            rebuilt = apply_delta(manifest, payload, Folder(base, folder, files), out.with_name(f"{out.name}.v{v}"))
-            shutil.rmtree(payload)
-            shutil.rmtree(folder)
-            folder = rebuilt
+            folder = apply_onto(folder, manifest, payload, out.with_name(f"{out.name}.v{v}"))
         return folder if folder == out else folder.rename(out)
 
     def _download(self, version: int, form: Form, out: Path, manifest: Manifest | None = None) -> Path:

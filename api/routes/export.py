@@ -11,7 +11,7 @@ from ..deps import BlobsDep, CurrentUser, SessionDep, owned_job
 from ..errors import ApiError
 from ..models import WeightVersion
 from ..routing import make_router
-from ..services import export, rebuild
+from ..services import export, rebuild, versions
 from ..services.jobs import spec_of
 
 router = make_router(prefix="/v1/jobs/{job_id}", tags=["weights"])
@@ -32,7 +32,7 @@ def export_model(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep
                                                 "adapter_model.safetensors, naming the job's base model) instead "
                                                 "of the merged model.")] = False) -> StreamingResponse:
     job = owned_job(db, user, job_id)
-    chosen = version if version is not None else (job.final_version if job.final_version is not None else job.version)
+    chosen = version if version is not None else versions.final_of(job)
     if chosen is None:
         raise ApiError(404, f"job {job_id} has no published version yet")
     row = db.get(WeightVersion, (job_id, chosen))

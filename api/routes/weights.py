@@ -190,7 +190,7 @@ def _chunk(db: SessionDep, blobs: BlobsDep, p: Principal, job_id: str, version: 
 def download_checkpoint(job_id: str, p: AnyPrincipal, db: SessionDep, blobs: BlobsDep,
                         version: Annotated[int | None, Query(ge=0, le=10_000_000)] = None) -> StreamingResponse:
     job = _readable_job(db, p, job_id, owner_only=True)
-    chosen = version if version is not None else (job.final_version if job.final_version is not None else job.version)
+    chosen = version if version is not None else versions.final_of(job)
     if chosen is None:
         raise ApiError(404, f"job {job_id} has no published version yet")
     manifest = rebuild.full_manifest(db, blobs, _version(db, job_id, chosen))  # a delta is rebuilt in full

@@ -15,15 +15,14 @@ one writer of every process), and two processes rebuilding one version at once b
 from __future__ import annotations
 
 import hashlib
-import shutil
 import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from echo2.deltas import DeltaError, Folder, apply_delta
+from echo2.deltas import DeltaError, apply_onto
 from echo2.protocol import Form, Manifest
-from echo2.snapshots import SnapshotError, assemble, build_manifest
+from echo2.snapshots import SnapshotError, assemble, build_manifest, iter_stream
 from sqlalchemy.orm import Session
 
 from ..errors import ApiError
@@ -94,15 +93,8 @@ def _rebuild(blobs: BlobStore, job_id: str, chain: list[_Link]) -> Manifest:
     with tempfile.TemporaryDirectory(dir=work) as tmp:
         folder = _assembled(blobs, job_id, keyframe, Form.full, Path(tmp) / "base")
         for link in chain[1:]:
-            delta = link.manifest
-            payload = _assembled(blobs, job_id, delta, Form.delta, Path(tmp) / f"d{link.version}")
-            files = Manifest.model_validate_json((folder / "manifest.json").read_bytes()).target_files()
-            assert delta.delta is not None
-            rebuilt = apply_delta(delta, payload, Folder(delta.delta.base_version, folder, files),
-                                  Path(tmp) / f"v{link.version}")
-            shutil.rmtree(payload)
-            shutil.rmtree(folder)
-            folder = rebuilt
+            payload = _assembled(blobs, job_id, link.manifest, Form.delta, Path(tmp) / f"d{link.version}")
+            folder = apply_onto(folder, link.manifest, payload, Path(tmp) / f"v{link.version}")
         paths = [folder / f.path for f in target.manifest.target_files()]  # not the folder's manifest.json
         manifest = build_manifest(folder, target.version, target.step, keyframe.chunk_size, paths=paths)
         manifest = manifest.model_copy(update={"adapter": target.manifest.adapter})
@@ -119,17 +111,6 @@ def _assembled(blobs: BlobStore, job_id: str, manifest: Manifest, form: Form, ou
 
 def _store(blobs: BlobStore, job_id: str, folder: Path, manifest: Manifest) -> None:
     """The rebuilt files, cut into the manifest's chunks, published as the version's full form."""
-    chunks = iter(manifest.chunks)
-    pending = b""
-    for f in manifest.files:
-        with open(folder / f.path, "rb") as fh:
-            while block := fh.read(1 << 20):
-                pending += block
-                while len(pending) >= manifest.chunk_size:
-                    info = next(chunks)
-                    blobs.put_chunk(job_id, manifest.version, info.index, pending[:info.size], info.sha256)
-                    pending = pending[info.size:]
-    for info in chunks:  # the last, shorter chunk
-        blobs.put_chunk(job_id, manifest.version, info.index, pending[:info.size], info.sha256)
-        pending = pending[info.size:]
+    for info, data in zip(manifest.chunks, iter_stream(folder, manifest.files, manifest.chunk_size), strict=True):
+        blobs.put_chunk(job_id, manifest.version, info.index, data, info.sha256)
     blobs.publish(job_id, manifest)

@@ -21,17 +21,17 @@ def job_report(db: Session, job: Job) -> JobReport:
         .group_by(Rollout.reject_kind)).all())
     generated = sum(by_status.values())
     # Once the job ended nothing waits: what was accepted and never trained is unused (counted as wasted).
-    unused = by_status.get(RolloutStatus.accepted, 0) + by_status.get(RolloutStatus.claimed, 0)
-    waiting = 0 if job.status.is_terminal() else unused
+    untrained = by_status.get(RolloutStatus.accepted, 0) + by_status.get(RolloutStatus.claimed, 0)
+    waiting, unused = (0, untrained) if job.status.is_terminal() else (untrained, 0)
     audits, failed = db.execute(select(func.count(), func.count().filter(Audit.passed.is_(False)))
                                 .where(Audit.job_id == job.id)).one()
     audit_s = db.scalar(select(func.coalesce(func.sum(StepMetric.audit_s), 0.0)).where(StepMetric.job_id == job.id))
-    wasted = sum(n for kind, n in rejected.items() if kind.fault() is not Fault.worker) + unused - waiting
+    wasted = sum(n for kind, n in rejected.items() if kind.fault() is not Fault.worker) + unused
     return JobReport(
         job_id=job.id, step=job.step, learner_busy_s=job.learner_busy_s, learner_wall_s=job.learner_wall_s,
         learner_idle_s=max(0.0, job.learner_wall_s - job.learner_busy_s),
         learner_utilization=job.learner_busy_s / job.learner_wall_s if job.learner_wall_s > 0 else None,
-        rollouts=RolloutCounts(generated=generated, waiting=waiting, unused=unused - waiting,
+        rollouts=RolloutCounts(generated=generated, waiting=waiting, unused=unused,
                                trained=by_status.get(RolloutStatus.trained, 0), rejected=rejected),
         stale_fraction=sum(rejected.get(k, 0) for k in STALE) / generated if generated else None,
         wasted_fraction=wasted / generated if generated else None,

@@ -54,7 +54,7 @@ log = logging.getLogger(__name__)
 
 def kept(job: Job, forms: dict[int, Forms], every: int) -> set[int]:
     """Of the stored versions (and their forms), those to keep (module docstring)."""
-    final = job.final_version if job.final_version is not None else job.version
+    final = versions.final_of(job)
     keep = {v for v, f in forms.items() if v == final or (every and v % every == 0 and f.full_size is not None)}
     keep |= _built_from(forms, final)  # a delta-only final is rebuilt from them when downloaded (rebuild.py)
     if not job.status.is_terminal():
@@ -134,7 +134,7 @@ def sweep(db: Session, blobs: BlobStore, every: int, checkpoints: BlobStore | No
 def _rebuild_final(db: Session, blobs: BlobStore, job: Job) -> None:
     """An ended job's newest version, when it is stored only as a delta, rebuilt in full: the versions it is built
     from may then go (kept holds them till then)."""
-    final = job.final_version if job.final_version is not None else job.version
+    final = versions.final_of(job)
     row = db.get(WeightVersion, (job.id, final)) if final is not None else None
     if row is None or row.manifest is not None or row.collected_at is not None:
         return

@@ -78,6 +78,11 @@ def canonical(manifest: Manifest) -> bytes:
     return json.dumps(manifest.model_dump(mode="json"), sort_keys=True).encode()
 
 
+def final_of(job: Job) -> int | None:
+    """The version that stands for the job's result: its final one, else its newest (None before the first)."""
+    return job.final_version if job.final_version is not None else job.version
+
+
 def keyframes(db: Session, job_id: str) -> list[int]:
     """Versions still stored in full, ascending."""
     return list(db.scalars(select(WeightVersion.version).where(

@@ -71,9 +71,13 @@ def _created(db: Session, model: TinkerModel, kind: RequestKind, payload: dict) 
     first = db.scalar(select(TinkerRequest).where(TinkerRequest.model_id == model.id,
                                                   TinkerRequest.kind == RequestKind.create_model).limit(1))
     if first is not None and first.payload != payload:
-        raise ApiError(400, f"model {model.id} exists already: model_seq_id must be new in its session",
-                       field="model_seq_id")
+        raise seq_taken(model.id)
     return first
+
+
+def seq_taken(model_id: str) -> ApiError:
+    return ApiError(400, f"model {model_id} exists already: model_seq_id must be new in its session",
+                    field="model_seq_id")
 
 
 def _check_quota(db: Session, owner_id: str) -> None:

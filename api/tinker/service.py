@@ -34,7 +34,7 @@ from ..models import utcnow
 from ..settings import Settings
 from . import fleet, records, states, usage
 from .models import TinkerCheckpoint, TinkerHost, TinkerModel, TinkerRequest, TinkerSampler, TinkerSession
-from .queueing import UNFINISHED
+from .queueing import UNFINISHED, seq_taken
 
 HOST_DEAD_AFTER_S = 60.0
 SESSION_EXPIRES_AFTER_S = 300.0  # the SDK heartbeats every 10 s
@@ -114,8 +114,7 @@ def new_model(db: Session, session: TinkerSession, model_id: str, kind: ModelKin
     if existing is not None and existing.owner_id == session.owner_id and \
             (existing.kind, existing.base_model, existing.lora) == (kind, check_base_model(base_model), lora):
         return existing
-    raise ApiError(400, f"model {model_id} exists already: model_seq_id must be new in its session",
-                   field="model_seq_id")
+    raise seq_taken(model_id)
 
 
 def checkpoint_path(model_id: str, kind: CheckpointKind, name: str) -> str:

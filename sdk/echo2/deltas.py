@@ -112,6 +112,17 @@ def _changed_file(base: Path, target: Path, same_size: bool, dest: Path, sparse:
     return out
 
 
+def apply_onto(folder: Path, manifest: Manifest, payload: Path, out: Path) -> Path:
+    """One step along a chain of deltas: delta `manifest` (its assembled `payload`) applied to the version
+    assembled in `folder` (its manifest.json beside its files), into `out`; the payload and `folder` are removed."""
+    assert manifest.delta is not None
+    files = Manifest.model_validate_json((folder / "manifest.json").read_bytes()).target_files()
+    rebuilt = apply_delta(manifest, payload, Folder(manifest.delta.base_version, folder, files), out)
+    shutil.rmtree(payload)
+    shutil.rmtree(folder)
+    return rebuilt
+
+
 def apply_delta(manifest: Manifest, payload: Path, base: Folder, out: Path) -> Path:
     """Rebuild the target folder of delta `manifest` in `out` from `payload` (its assembled files) and the
     held `base`. Every file is checked against its target sha256 before it is renamed into place;
