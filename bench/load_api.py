@@ -838,7 +838,8 @@ def hot_spots(collapsed: Path, top: int = 15) -> list[str]:
     ours: Counter[str] = Counter()
     packages: Counter[str] = Counter()
     total = 0
-    for line in collapsed.read_text().splitlines():
+    # "\n" only: a frame's name may hold a character splitlines() also breaks at
+    for line in filter(None, collapsed.read_text().split("\n")):
         stack, _, count = line.rpartition(" ")
         frames, n = stack.split(";"), int(count)
         if _idle(frames):
