@@ -140,7 +140,7 @@ def drop_expired(db: Session, data_dir: Path, keep_days: float) -> list[str]:
                    .values(archive=f"{DELETED}{utcnow().date().isoformat()}"))
         db.commit()
     for job_id in expired:
-        shutil.rmtree(root / job_id)
+        shutil.rmtree(root / job_id, ignore_errors=True)  # another API process's sweep may have been first
         log.info("deleted the rollout archive of job %s (ECHO2_ARCHIVE_KEEP_DAYS=%g)", job_id, keep_days)
     return expired
 
@@ -187,12 +187,17 @@ def payloads(data_dir: Path, rows: Sequence[Rollout]) -> dict[str, Payload]:
 
 
 def _read(path: Path, ids: list[str]) -> dict[str, Payload]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     if not path.exists():
         raise ApiError(500, f"the archive file {path} holding {len(ids)} of these groups is missing; restore it "
                             "from backup (the rows say which file held what)")
-    table = pq.read_table(path, filters=[("id", "in", ids)]).to_pylist()
+    try:
+        table = pq.read_table(path, filters=[("id", "in", ids)]).to_pylist()
+    except (OSError, pa.ArrowException) as exc:  # truncated by a full disk, or a bad restore
+        raise ApiError(500, f"the archive file {path} holding {len(ids)} of these groups cannot be read ({exc}); "
+                            "restore it from backup (the rows say which file held what)") from exc
     found = {row["id"]: Payload(row["prompt_token_ids"], json.loads(row["samples"]),
                                 None if row["learner_logprobs"] is None else json.loads(row["learner_logprobs"]))
              for row in table}

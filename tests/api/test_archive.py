@@ -6,9 +6,10 @@ files, and their rollouts, traces and the learner's replay read the same before 
 from __future__ import annotations
 
 import asyncio
+import shutil
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from api.models import Job, Rollout, utcnow
 from api.services import archive, retention
@@ -166,3 +167,39 @@ def test_retention_keeps_archives_by_default_and_waits_for_the_last_group(api, t
         assert archive.drop_expired(db, data_dir, 1.0) == []  # groups still to archive (ECHO2_ARCHIVE_AFTER_H)
         assert archive.sweep(db, data_dir, 24.0, STEPS) == {jid: 3}
         assert archive.drop_expired(db, data_dir, 1.0) == [jid]
+
+def _archived_ended_job(api, tiny_model_dir):  # -> (job id, rollout ids, its owner, its archive file)
+    jid, ids, alice, _ = traced_step(api, tiny_model_dir)
+    ok(alice.post(f"/v1/jobs/{jid}/cancel"))
+    data_dir = api.server.settings.data_dir
+    with api.db.session() as db:
+        assert archive.sweep(db, data_dir, 0.0, STEPS) == {jid: len(ids)}
+        name = db.get(Rollout, ids[0]).archive
+    return jid, ids, alice, archive.archive_dir(data_dir) / name
+
+
+def test_a_corrupt_archive_file_is_named_like_a_missing_one(api, tiny_model_dir):
+    """A damaged archive file (truncated by a full disk, a bad restore) answers like a missing one: an error that
+    names the file and says what to do, not a bare 'internal server error' an operator cannot act on."""
+    jid, ids, alice, path = _archived_ended_job(api, tiny_model_dir)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])  # truncated
+    for route in (f"/v1/jobs/{jid}/rollouts/{ids[0]}", f"/v1/jobs/{jid}/rollouts", f"/v1/jobs/{jid}/traces?step=0"):
+        r = alice.get(route)
+        assert r.status_code >= 500, (route, r.text)
+        assert str(path) in r.json()["detail"], (route, r.text)  # today: {"detail": "internal server error"}
+
+
+def test_an_archive_another_process_deleted_first_does_not_fail_the_sweep(api, tiny_model_dir):
+    """Every API process runs drop_expired at start and every ECHO2_RETENTION_SWEEP_S; two that find the same
+    expired job both mark its rows and delete its folder. The one second to delete found nothing and raised,
+    which ended that process's whole retention pass (episodes, Tinker results, uploads) as 'retention sweep
+    failed'. Here the other process deletes the folder between this one's commit and its own deletion."""
+    jid, _, _, path = _archived_ended_job(api, tiny_model_dir)
+    with api.db.session() as db:
+        db.get(Job, jid).finished_at -= timedelta(days=2)
+        db.commit()
+        event.listen(db, "after_commit", lambda _: shutil.rmtree(path.parent), once=True)
+        assert archive.drop_expired(db, api.server.settings.data_dir, 1.0) == [jid]
+    with api.db.session() as db:
+        assert {r.archive for r in db.scalars(select(Rollout).where(Rollout.job_id == jid))} == {
+            f"{archive.DELETED}{utcnow().date()}"}
