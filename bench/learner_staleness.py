@@ -86,7 +86,7 @@ def activate(db_url: str, worker_id: str, job_id: str) -> None:
     with db.session() as s:
         worker, job = s.get(Worker, worker_id), s.get(Job, job_id)
         assert worker is not None and job is not None
-        assign(worker, job)
+        assign(s, worker, job)
         s.commit()
     db.engine.dispose()
 

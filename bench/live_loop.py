@@ -257,7 +257,7 @@ def _activate(db_url: str, job_id: str, worker_ids: list[str]) -> None:
     with db.session() as s:
         job = s.get_one(Job, job_id)
         for worker_id in worker_ids:
-            assign(s.get_one(Worker, worker_id), job)
+            assign(s, s.get_one(Worker, worker_id), job)
         s.commit()
     db.dispose()
 

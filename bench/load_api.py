@@ -186,7 +186,7 @@ def _staff(db_url: str, job_id: str, workers: list[tuple[str, str]], versions: l
         job = s.get(Job, job_id)
         for worker_id, _ in workers:
             worker = s.get(Worker, worker_id)
-            assign(worker, job)  # type: ignore[arg-type]
+            assign(s, worker, job)  # type: ignore[arg-type]
             # and it fetched the versions (a lease is granted only at a version the worker reported holding,
             # which the heartbeat phase would report; the other phases may run without it)
             worker.versions_held = versions  # type: ignore[union-attr]

@@ -61,7 +61,7 @@ def setup_job(url: str, work: Path, model: Path, args: argparse.Namespace) -> tu
     reg = ok(provider.post("/v1/workers", json={"name": "w0"}), 201)
     db = Database(f"sqlite:///{work / 'echo2.db'}")
     with db.session() as s:
-        assign(s.get(Worker, reg["worker"]["id"]), s.get(Job, job["id"]))
+        assign(s, s.get(Worker, reg["worker"]["id"]), s.get(Job, job["id"]))
         s.commit()
     prompts = ok(user.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": args.prompts}))["items"]
     return job["id"], reg["worker"]["id"], reg["token"], prompts

@@ -8,8 +8,9 @@ everything ran):
 - a worker accrues its active time on each job (at most `pay_window_s` of it waiting to be paid, per job: a
   job pays only for time spent on it, not for the time before the worker was moved to it), and is paid out
   of it only for rollouts that were worth something: trained, or accepted in time but then not
-  trained through the platform's fault (RejectKind.fault() is platform: stale when claimed, an environment
-  or a reward that failed). An environment's failure is paid only once a worker of another provider saw the
+  trained through the platform's fault (RejectKind.paid: an environment or a reward that failed; not a group
+  that went stale before the learner claimed it, which no audit saw: a worker could hold junk back on a lease
+  until then). An environment's failure is paid only once a worker of another provider saw the
   environment fail on the same prompt: the group is never audited, and junk actions a worker sends without
   generating make a strict environment fail as surely as an outage does. Each such group buys
   1 / (f · μ_a) seconds, where μ_a is the rate the worker was activated for and f = `pay_rate_fraction`:
@@ -26,7 +27,7 @@ from __future__ import annotations
 from collections import defaultdict
 from datetime import datetime, timedelta
 
-from echo2.protocol import Fault, JobStatus, RejectKind, RolloutStatus, TrustState, WorkerStatus
+from echo2.protocol import JobStatus, RejectKind, RolloutStatus, TrustState, WorkerStatus
 from sqlalchemy import Exists, and_, or_, select
 from sqlalchemy.orm import Session, aliased
 
@@ -35,7 +36,7 @@ from api.services.jobs import spec_of
 from api.settings import Settings
 
 MIN_MU = 1e-3  # groups/s: a floor for an activation rate that was never measured
-PAID_REJECTIONS = [k for k in RejectKind if k.fault() is Fault.platform and k is not RejectKind.environment_failed]
+PAID_REJECTIONS = [k for k in RejectKind if k.paid() and k is not RejectKind.environment_failed]
 WORKING = [s for s in TrustState if s.can_work()]
 
 
@@ -133,7 +134,7 @@ def _worker_memo(paid: list[tuple[str, bool]], step: int | None, seconds: float,
     """E.g. "12 groups trained (job step 31), 84 s of active time at $0.05/h"."""
     trained = sum(1 for _, was_trained in paid if was_trained)
     groups = f"{_groups(trained)} trained"
-    if trained < len(paid):  # stale when claimed, or its environment or reward failed: the platform's loss, paid
+    if trained < len(paid):  # its environment or reward failed: the platform's loss, paid
         groups += f", {_groups(len(paid) - trained)} not trained through the platform's fault"
     return f"{groups} (job step {step}), {seconds:.0f} s of active time at ${price:.2f}/h"
 

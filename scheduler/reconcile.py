@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 
-from echo2.protocol import Fault, JobKind, JobStatus, PauseCause, RejectKind, TrustState, WorkerStatus
+from echo2.protocol import JobKind, JobStatus, PauseCause, RejectKind, TrustState, WorkerStatus
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
@@ -59,7 +59,8 @@ BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
 # Groups that count as delivered (mu): not a worker's fault, and not late either: a group that arrives after its
 # lease ended or once stale is of no use to the job (and a worker could release leases and answer them at will).
 # Nor one whose episodes broke the environment: the worker chose the actions (nonsense ones count as its speed).
-UNDELIVERED = [k for k in RejectKind if k.fault() in (Fault.worker, Fault.late)] + [RejectKind.environment_failed]
+# Nor one that went stale unclaimed (unpaid: RejectKind.paid).
+UNDELIVERED = [k for k in RejectKind if not k.paid()] + [RejectKind.environment_failed]
 TRIAL_RETRY = 10  # grace periods before a worker whose trial delivered nothing is tried again
 WORKING = [s for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
 LIVE = JobStatus.live()
@@ -257,7 +258,7 @@ def _activate(db: Session, settings: Settings, now: datetime, trouble: Trouble) 
             continue
         job_id = line.job_id or worker.job_id  # before unassigning: a deactivation is explained on its job
         if line.action is Action.ACTIVATE and line.job_id in jobs_by_id:
-            fleet.assign(worker, jobs_by_id[line.job_id])
+            fleet.assign(db, worker, jobs_by_id[line.job_id])
             worker.activated_mu = profiles[worker.id].perf_for(line.job_id).mu  # what its pay is measured against
             activated += 1
         elif line.action is Action.DEACTIVATE or (line.job_id is None and worker.job_id is not None):

@@ -30,7 +30,6 @@ from datetime import datetime
 from echo2.money import usd
 from echo2.protocol import (
     EstimateWorker,
-    Fault,
     JobEstimate,
     JobSpec,
     JobStatus,
@@ -60,7 +59,7 @@ STEPS = 400  # the latest steps of each, of which the later half is used
 LEASES = 20_000  # the latest completed leases on them
 HOLDS = 5000  # the latest version holds on them
 WORKING = [s for s in TrustState if s.can_work()]
-PAID_REJECTIONS = [k for k in RejectKind if k.fault() is Fault.platform]
+PAID_REJECTIONS = [k for k in RejectKind if k.paid()]
 
 
 @dataclass

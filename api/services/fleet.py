@@ -17,16 +17,24 @@ from .jobs import sampling_of, spec_of
 from .pool import end_lease
 
 
-def assign(worker: Worker, job: Job) -> None:
-    """Activate a worker on a job (the scheduler decides which; this records it)."""
+def assign(db: Session, worker: Worker, job: Job) -> None:
+    """Activate a worker on a job (the scheduler decides which; this records it). A move ends its leases on the
+    job it leaves: a worker serves one job at a time, and one that kept a lease elsewhere could spend it a group
+    at a time to learn where its audit window falls (its windows number its groups on every job), then forge the
+    rest of that window on the job it serves now."""
     if worker.job_id != job.id:
+        _end_leases(db, worker)
         worker.active_since = utcnow()
     worker.job_id, worker.desired = job.id, DesiredState.active
 
 
-def unassign(db: Session, worker: Worker, desired: DesiredState = DesiredState.idle) -> None:
+def _end_leases(db: Session, worker: Worker) -> None:
     for lease in db.scalars(select(Lease).where(Lease.worker_id == worker.id, Lease.status == LeaseStatus.active)):
         end_lease(db, lease, LeaseStatus.released)
+
+
+def unassign(db: Session, worker: Worker, desired: DesiredState = DesiredState.idle) -> None:
+    _end_leases(db, worker)
     worker.job_id, worker.desired, worker.active_since = None, desired, None
 
 

@@ -2,7 +2,8 @@
 
     probation --(passes `probation_audits` audits)--> trusted
     probation / trusted --(a strike)--> suspect --(passes `RECOVER_AFTER` audits in a row)--> trusted
-    suspect --(a second strike)--> quarantined --(after `quarantine_s`)--> suspect (strikes cleared)
+    any state --(a second strike since `FORGIVE_AFTER` audits passed in a row)--> quarantined
+    quarantined --(after `quarantine_s`)--> suspect (strikes cleared)
     any state, once quarantined before --(a strike)--> banned
 
 A strike is a group the worker sent that was invalid at the door, failed its audit, or that the
@@ -36,7 +37,11 @@ from .clawback import claw_back
 from .fleet import unassign
 from .pool import return_prompts
 
-RECOVER_AFTER = 20  # audits passed in a row that clear a suspect's strikes
+RECOVER_AFTER = 20  # audits passed in a row that make a suspect trusted again
+# Audits passed in a row that clear a worker's strikes. Not RECOVER_AFTER: a worker that forged until its first
+# strike, sent 20 honest groups and forged again was never quarantined, nor its pay for the forged groups no
+# audit picked taken back; now such a cycle costs it ~500 audited honest groups (5,000 sent while trusted).
+FORGIVE_AFTER = 500
 STRIKES_TO_QUARANTINE = 2
 
 
@@ -133,11 +138,12 @@ def passed(db: Session, worker: Worker, settings: Settings) -> None:
     worker.clean_streak += 1
     if on_watch(db.get(Provider, worker.provider_id)):
         return  # no worker of a provider on watch is trusted until the watch ends
-    state = worker.trust
-    if state is TrustState.probation and worker.audits_passed >= settings.probation_audits:
+    earned = {TrustState.probation: worker.audits_passed >= settings.probation_audits,
+              TrustState.suspect: worker.clean_streak >= RECOVER_AFTER}
+    if earned.get(worker.trust, False):
         worker.trust = TrustState.trusted
-    elif state is TrustState.suspect and worker.clean_streak >= RECOVER_AFTER:
-        worker.trust, worker.strikes = TrustState.trusted, 0
+    if worker.clean_streak >= FORGIVE_AFTER:
+        worker.strikes = 0
 
 
 def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audited: bool = False) -> None:

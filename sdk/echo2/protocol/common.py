@@ -238,7 +238,8 @@ class TrustState(StrEnum):
 
 class Fault(StrEnum):
     """Whose fault a rejected rollout is. Only `worker` counts against the worker's trust; only
-    `platform` is still paid (the worker delivered what was asked, in time)."""
+    `platform` is still paid (the worker delivered what was asked, in time), and not all of it
+    (`RejectKind.paid`)."""
 
     worker = "worker"
     late = "late"  # not paid, no strike
@@ -264,6 +265,12 @@ class RejectKind(StrEnum):
         if self in (RejectKind.lease_ended, RejectKind.stale_at_submit):
             return Fault.late
         return Fault.worker
+
+    def paid(self) -> bool:
+        """Whether a group rejected so is still paid, and counts as delivered: the platform's fault, but for a group
+        that went stale before the learner claimed it. No audit ever saw one, so a worker could hold junk back on a
+        renewed lease until its version was about to go stale, send it then, and be paid for it."""
+        return self.fault() is Fault.platform and self is not RejectKind.stale_at_claim
 
 
 class Precision(StrEnum):
