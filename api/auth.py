@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from sqlalchemy import select, update
+from sqlalchemy import event, select, update
 from sqlalchemy.orm import Session
 
 from .models import Token, utcnow
@@ -46,27 +46,35 @@ class Identity:
 
 class _IdentityCache:
     """Valid token hash -> identity for a few seconds, so hot routes (heartbeats, leases) skip a query.
-    A revocation through this process clears it at once; other API processes notice within TTL_S."""
+    A revocation through this process clears it at once and again once it commits; other API processes
+    notice within TTL_S. Each clear starts a new generation, and an identity read from the database is
+    kept only if no clear came since the read began: a request that read a token while its revocation was
+    committing would otherwise have put it back, valid for TTL_S more (a fenced learner's token too)."""
 
     TTL_S = 5.0
 
     def __init__(self) -> None:
         self._entries: dict[str, tuple[float, Identity]] = {}
         self._lock = threading.Lock()
+        self.generation = 0
 
     def get(self, digest: str) -> Identity | None:
         entry = self._entries.get(digest)
         return entry[1] if entry is not None and entry[0] > time.monotonic() else None
 
-    def put(self, digest: str, identity: Identity) -> None:
+    def put(self, digest: str, identity: Identity, read_in: int) -> None:
+        """`read_in`: the generation when the read of `identity` began."""
         with self._lock:
+            if read_in != self.generation:
+                return
             if len(self._entries) > 100_000:
                 self._entries.clear()
             self._entries[digest] = (time.monotonic() + self.TTL_S, identity)
 
-    def clear(self) -> None:
+    def clear(self, *_: object) -> None:
         with self._lock:
             self._entries.clear()
+            self.generation += 1
 
 
 _cache = _IdentityCache()
@@ -83,10 +91,11 @@ def lookup_many(db: Session, plains: list[str]) -> list[Identity | None]:
     found = {d: i for d in digests if (i := _cache.get(d)) is not None}
     missing = {d for d in digests if d not in found}
     if missing:
+        generation = _cache.generation
         for row in db.execute(select(Token.hash, Token.kind, Token.principal_id)
                               .where(Token.hash.in_(missing), Token.revoked_at.is_(None))):
             found[row.hash] = identity = Identity(row.kind, row.principal_id)
-            _cache.put(row.hash, identity)
+            _cache.put(row.hash, identity, generation)
     return [found.get(d) for d in digests]
 
 
@@ -97,7 +106,13 @@ def forget_all() -> None:
 
 def revoke(db: Session, token: Token) -> None:
     token.revoked_at = token.revoked_at or utcnow()
+    _forget_on_commit(db)
+
+
+def _forget_on_commit(db: Session) -> None:
+    """Clear the cache now and once the revocation commits (_IdentityCache says why both)."""
     _cache.clear()
+    event.listen(db, "after_commit", _cache.clear, once=True)
 
 
 def revoke_all(db: Session, kind: str, principal_id: str) -> None:
@@ -106,4 +121,4 @@ def revoke_all(db: Session, kind: str, principal_id: str) -> None:
         .where(Token.kind == kind, Token.principal_id == principal_id, Token.revoked_at.is_(None))
         .values(revoked_at=utcnow())
     )
-    _cache.clear()
+    _forget_on_commit(db)

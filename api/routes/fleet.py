@@ -130,7 +130,7 @@ def get_worker(worker_id: str, p: AnyPrincipal, db: SessionDep, settings: Settin
 def get_worker_placement(worker_id: str, p: AnyPrincipal, db: SessionDep,
                          limit: Annotated[int, Query(ge=1, le=50)] = 5) -> list[PlacementLine]:
     worker = _visible_worker(db, p, worker_id)
-    if p.kind == "user" and not p.is_admin:  # its lines name the other jobs it serves or was weighed for
+    if not _its_own(p):  # its lines name the other jobs it serves or was weighed for
         raise ApiError(403, "a worker's placement is for the worker, its provider and admins")
     job = func.coalesce(Decision.job_id, "")
     newest = (select(job.label("job"), func.max(Decision.decided_at).label("at"))
@@ -160,7 +160,7 @@ def list_worker_audits(worker_id: str, p: AnyPrincipal, db: SessionDep, settings
                        passed: PassedFilter = None,
                        limit: Annotated[int, Query(ge=1, le=500)] = 100) -> list[AuditRead]:
     worker = _visible_worker(db, p, worker_id)
-    if p.kind == "user" and not p.is_admin:
+    if not _its_own(p):
         raise ApiError(403, "a worker's audits are for the worker, its provider and admins")
     query = select(Audit).where(Audit.worker_id == worker.id) if p.is_admin else trust.shown_audits(worker, settings)
     return trust.audit_reads(db, query, passed, limit)
@@ -170,7 +170,7 @@ def list_worker_audits(worker_id: str, p: AnyPrincipal, db: SessionDep, settings
                summary="Deregister a worker (itself, its provider or an admin); its leases are released")
 def deregister(worker_id: str, p: AnyPrincipal, db: SessionDep) -> None:
     worker = _visible_worker(db, p, worker_id)
-    if p.kind == "user" and not p.is_admin:
+    if not _its_own(p):
         raise ApiError(403, "only the worker, its provider or an admin can deregister it")
     fleet.unassign(db, worker, DesiredState.drain)
     worker.status = WorkerStatus.deregistered
@@ -193,6 +193,12 @@ def _visible(query, p: Principal):  # type: ignore[no-untyped-def]
     if p.kind == "user":
         return query.where(Worker.job_id.in_(select(Job.id).where(Job.owner_id == p.id)))
     return query.where(Worker.job_id == p.id)  # learner: the workers on its job
+
+
+def _its_own(p: Principal) -> bool:
+    """The worker itself, its provider or an admin (with _visible_worker): not a tenant whose job it served, nor
+    the learner of the job it serves, whose token is for that job."""
+    return p.is_admin or p.kind in ("worker", "provider")
 
 
 def _visible_worker(db: SessionDep, p: Principal, worker_id: str) -> Worker:

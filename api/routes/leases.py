@@ -136,10 +136,8 @@ def _close(db: SessionDep, worker: Worker, lease_id: str, status: LeaseStatus) -
 
 def _own(db: SessionDep, worker: Worker, lease_id: str, lock: bool = True) -> tuple[Lease, Job]:
     lease = db.get(Lease, lease_id, with_for_update=lock)
-    if lease is None:
+    if lease is None or lease.worker_id != worker.id:  # another's answers as an unknown one: ids leak nothing
         raise ApiError(404, f"lease {lease_id} not found")
-    if lease.worker_id != worker.id:
-        raise ApiError(403, f"lease {lease_id} belongs to another worker")
     job = db.get(Job, lease.job_id)
     assert job is not None
     return lease, job
