@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import secrets
 import shutil
 import tarfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +21,8 @@ from echo2.protocol import Form, Manifest
 from echo2.snapshots import atomic_write, replace_dir
 
 _SUFFIX = {Form.full: "", Form.delta: ".delta"}
+PINS = ".pins"  # versions being downloaded, as hard-linked copies (BlobStore.pin)
+PIN_MAX_AGE_S = 86_400.0  # a pin older than this was left by a process that died mid-download
 
 
 class ChunkError(ValueError):
@@ -85,9 +90,44 @@ class BlobStore:
         for form in Form:
             shutil.rmtree(self._staging(job_id, version, form), ignore_errors=True)
 
+    def pin(self, job_id: str, manifest: Manifest) -> BlobStore:
+        """A copy of a published version's folder made of hard links (no byte is copied), in a store of its own:
+        retention deleting the version leaves the copy whole, so a download (minutes for a real model, while the
+        learner publishes and retention collects) streams from it to the end. Raises FileNotFoundError if the
+        version was deleted first. `streamed` removes the copy when the stream ends, `unpin` at once."""
+        copy = BlobStore(self.root / PINS / secrets.token_hex(8), self.prefix)
+        target = copy._final(job_id, manifest.version, manifest.form)
+        target.mkdir(parents=True)
+        try:
+            for path in self._final(job_id, manifest.version, manifest.form).iterdir():
+                os.link(path, target / path.name)
+        except FileNotFoundError:
+            shutil.rmtree(copy.root, ignore_errors=True)
+            raise
+        return copy
+
+    def unpin(self) -> None:
+        """Remove this pinned copy (`pin`)."""
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def streamed(self, stream: Iterator[bytes]) -> Iterator[bytes]:
+        """`stream` (read from this pinned copy), then the copy removed, however the stream ends."""
+        try:
+            yield from stream
+        finally:
+            self.unpin()
+
+    def drop_stale_pins(self, max_age_s: float = PIN_MAX_AGE_S) -> None:
+        """Remove pinned copies a process that died mid-download left behind."""
+        for pin in (self.root / PINS).iterdir() if (self.root / PINS).is_dir() else ():
+            if pin.stat().st_mtime < time.time() - max_age_s:
+                shutil.rmtree(pin, ignore_errors=True)
+
     def stored(self) -> Iterator[tuple[str, int, bool]]:
         """(job id, version, is a staging upload) of every version folder on disk (each form)."""
         for job_dir in self.root.iterdir():
+            if job_dir.name == PINS:
+                continue
             for folder in job_dir.iterdir() if job_dir.is_dir() else ():
                 m = self._folder.match(folder.name)
                 if m:

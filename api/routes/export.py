@@ -42,9 +42,15 @@ def export_model(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep
         raise ApiError(410, f"the weights of version {chosen} of job {job_id} were deleted (only the final version "
                        "and those rollouts may still use are kept; see ECHO2_KEEP_VERSIONS_EVERY)", field="version")
     manifest = rebuild.full_manifest(db, blobs, row)  # a version published only as a delta is rebuilt in full
-    entries = export.plan(blobs, job, spec_of(job), manifest, adapter)
     db.close()  # the tar streams after this returns: do not hold a database connection meanwhile
+    pinned = versions.pinned(blobs, job_id, manifest)
+    try:
+        entries = export.plan(pinned, job, spec_of(job), manifest, adapter)
+    except BaseException:
+        pinned.unpin()
+        raise
     kind = "adapter" if adapter else "model"
-    return StreamingResponse(export.iter_tar(blobs, job_id, manifest, entries), media_type="application/x-tar",
+    return StreamingResponse(pinned.streamed(export.iter_tar(pinned, job_id, manifest, entries)),
+                             media_type="application/x-tar",
                              headers={"Content-Disposition": f'attachment; filename="{job_id}-v{chosen}-{kind}.tar"',
                                       "X-Echo2-Version": str(chosen)})

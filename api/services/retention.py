@@ -172,6 +172,7 @@ def _ended_with_extra_versions(every: int) -> Select[tuple[str]]:
 
 
 def _sweep_disk(db: Session, blobs: BlobStore) -> int:
+    blobs.drop_stale_pins()
     on_disk = list(blobs.stored())
     if not on_disk:
         return 0

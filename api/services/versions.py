@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from ..errors import ApiError
 from ..models import Job, WeightVersion
+from ..storage import BlobStore
 from .plans import Forms, plan
 
 
@@ -109,3 +110,12 @@ def fetch_steps(forms: dict[int, Forms], target: int, held: set[int], base_url: 
         out.append(FetchStep(version=version, form=form, size=size or 0, shared=version in bases,
                              manifest_url=f"{base_url}/versions/{version}/{suffix}"))
     return out
+
+
+def pinned(blobs: BlobStore, job_id: str, manifest: Manifest) -> BlobStore:
+    """The version's files, kept for the download however long it takes (BlobStore.pin)."""
+    try:
+        return blobs.pin(job_id, manifest)
+    except FileNotFoundError:
+        raise ApiError(410, f"the weights of version {manifest.version} of job {job_id} were deleted just now: no "
+                            "rollout can use them any more; ask again for the newest version") from None

@@ -1,13 +1,20 @@
 """Weight retention: versions nothing can use any more are deleted; kept ones stay downloadable."""
 
 import asyncio
+import io
+import os
 import shutil
+import tarfile
+import time
 from datetime import timedelta
+from pathlib import Path
 
+import httpx
 import pytest
 
 from api.models import utcnow
 from api.services import retention
+from api.storage import PIN_MAX_AGE_S, PINS, BlobStore
 from tests.factories import fake_model_folder, new_user, ok, publish, run_tick, running_job, step_report
 
 
@@ -92,3 +99,68 @@ def test_sweep_collects_what_the_routes_did_not(api, tmp_path):
                                              api.server.settings.model_copy(update={"retention_sweep_s": 0})))
     assert _version_dirs(api, job_id) == {"v3"} and not (blobs.root / job_id / "c3").exists()
     assert alice.get(f"/v1/jobs/{job_id}/checkpoint").status_code == 200
+
+
+CHUNK = 4 * 2**20
+
+
+def _big_model(root: Path) -> Path:
+    """A model folder of ~24 MB: larger than what the loopback socket buffers hold, as any real model is."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    root.mkdir(parents=True)
+    save_file({"w": np.random.default_rng(0).standard_normal((2048, 3072)).astype("float32")},
+              str(root / "model.safetensors"))
+    (root / "config.json").write_text('{"model_type": "test"}')
+    return root
+
+
+def test_downloading_a_running_jobs_newest_checkpoint_survives_the_next_publications(api, tmp_path):
+    """`echo2 checkpoints download JOB` on a running job streams its newest version (docs/RELIABILITY.md: supported
+    mid-training). With staleness 1 that version is collected two publications later, and the tar stream read
+    each chunk file only when it got to it: a download of a real model (minutes) while the learner publishes
+    (every step) lost its files mid-stream and the user got a truncated tar. It streams from a pinned copy now,
+    removed when the download ends."""
+    _, alice = new_user(api)
+    folder = _big_model(tmp_path / "m0")
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "tiny"), staleness=1, max_steps=20)
+    jid = job["id"]
+    # version 0 is the tiny folder (running_job); the learner's step 0 publishes the real-size version 1
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(0, [])))
+    publish(learner, jid, folder, version=1, step=1, chunk_size=CHUNK)
+
+    body = bytearray()
+    with httpx.Client(base_url=api.url, headers=alice.headers, timeout=60) as c, \
+            c.stream("GET", f"/v1/jobs/{jid}/checkpoint") as r:
+        assert r.status_code == 200 and r.headers["X-Echo2-Version"] == "1"
+        stream = r.iter_bytes()
+        while len(body) < 1 << 16:
+            body += next(stream)
+        # the learner goes on meanwhile: two more steps, each publishing (a small version is enough)
+        for step in (1, 2):
+            ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(step, [])))
+            publish(learner, jid, fake_model_folder(tmp_path / f"m{step + 1}", seed=step), version=step + 1,
+                    step=step + 1)
+        try:
+            for piece in stream:
+                body += piece
+        except httpx.HTTPError as exc:
+            raise AssertionError(f"the download broke after {len(body)} bytes: {exc!r}") from exc
+    with tarfile.open(fileobj=io.BytesIO(bytes(body))) as tar:
+        got = tar.extractfile("model.safetensors").read()  # type: ignore[union-attr]
+    assert got == (folder / "model.safetensors").read_bytes()
+    pins = Path(api.server.settings.blob_dir) / PINS
+    assert not any(pins.iterdir()), "the pinned copy outlived its download"
+    assert _available(alice, jid)[1] is False  # retention did collect the version meanwhile
+
+
+def test_a_pin_left_by_a_process_that_died_mid_download_is_swept(tmp_path):
+    blobs = BlobStore(tmp_path / "blobs")
+    old, fresh = (blobs.root / PINS / name for name in ("old", "fresh"))
+    for pin in (old, fresh):
+        (pin / "job_x" / "v1").mkdir(parents=True)
+    os.utime(old, (time.time() - PIN_MAX_AGE_S - 60,) * 2)
+    blobs.drop_stale_pins()
+    assert not old.exists() and fresh.exists()
+    assert list(blobs.stored()) == []  # a pin is no version of a job called .pins
