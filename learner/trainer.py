@@ -72,6 +72,10 @@ class GRPOTrainer:
         self.weights: Weights = Weights(model, tokenizer, torch.float32, self.world)  # what versions carry
         self.verdicts: dict[str, AuditReport] = {}  # audits made as groups were claimed (audit_claimed)
         self.early_audit_s = 0.0  # their time, counted in the next step's audit_s
+        # Senders of a group that failed its audit here: their groups this learner holds are all audited before
+        # they train. The control plane audits every group a worker sends once it is struck, but groups claimed
+        # before then were claimed unpicked, and would train unjudged beside the one that failed.
+        self.struck: set[str] = set()
         self.task = get_task(spec.task.name)
         self.task_params = self.task.parse_params(spec.task.params)
         self.cfg = objective_config(spec)
@@ -133,16 +137,24 @@ class GRPOTrainer:
         report = AuditReport(rollout_id=group.rollout_id, passed=verdict.passed, reason=verdict.reason,
                              stats=verdict.stats())
         self.verdicts[group.rollout_id] = report
+        self._note(group, report)
         return report
+
+    def _note(self, group: ClaimedGroup, report: AuditReport) -> None:
+        if not report.passed:
+            self.struck.add(group.worker_id)
 
     def _admit(self, groups: list[ClaimedGroup], result: StepResult) -> list[ClaimedGroup]:
         """Groups that fit the model and, when picked for an audit, pass it."""
         kept = []
         audit_start = self.auditor.seconds if self.auditor else 0.0
+        # The groups picked or judged already first: one that fails has its sender's other groups audited too.
+        first = [g for g in groups if g.audit or g.rollout_id in self.verdicts]
+        why = {g.rollout_id: self._misfit(g) or self._audit(g, result) for g in first}
+        why.update({g.rollout_id: self._misfit(g) or self._audit(g, result) for g in groups if g.rollout_id not in why})
         for group in groups:
-            why = self._misfit(group) or self._audit(group, result)
-            if why:
-                result.rejected[group.rollout_id] = why
+            if why[group.rollout_id]:
+                result.rejected[group.rollout_id] = why[group.rollout_id]
             else:
                 kept.append(group)
         result.audit_s = (self.auditor.seconds - audit_start) if self.auditor else 0.0
@@ -159,14 +171,16 @@ class GRPOTrainer:
 
     def _audit(self, group: ClaimedGroup, result: StepResult) -> str | None:
         """The group's verdict: the one made when it was claimed (picked, or audited in spare time), else, when
-        picked, one made now."""
+        picked or its sender failed an audit here, one made now."""
         report = self.verdicts.pop(group.rollout_id, None)
-        if report is None and (not group.audit or self.auditor is None):
+        picked = group.audit or group.worker_id in self.struck
+        if report is None and (not picked or self.auditor is None):
             return None
         if report is None:
             verdict = self.auditor.audit(group)
             report = AuditReport(rollout_id=group.rollout_id, passed=verdict.passed, reason=verdict.reason,
                                  stats=verdict.stats())
+            self._note(group, report)
         result.audits.append(report)
         return None if report.passed else f"failed its audit: {report.reason}"
 

@@ -85,6 +85,23 @@ def test_spare_audits_judge_unpicked_groups_one_sender_at_a_time_and_the_step_re
     assert set(result.rewards) == {"rol_1", "rol_4"}
 
 
+def test_a_senders_failed_audit_has_its_other_held_groups_audited_before_they_train(trainer):
+    """Groups claimed before their sender was struck were claimed unpicked: they trained unjudged beside the one
+    that failed (a trusted worker forging every group had one in ten audited, the rest of the step trained)."""
+    one_nat_low = lambda s: {**s, "logprobs": [lp - 1.0 for lp in s["logprobs"]]}  # noqa: E731
+    groups = [group(trainer, 1, forge=one_nat_low).model_copy(update={"worker_id": "wrk_x"}),  # before the picked
+              group(trainer, 2, audit=True, forge=one_nat_low).model_copy(update={"worker_id": "wrk_x"}),
+              group(trainer, 3).model_copy(update={"worker_id": "wrk_x"}),
+              group(trainer, 4, forge=one_nat_low).model_copy(update={"worker_id": "wrk_y"})]
+    result = trainer.step(groups, 0)
+    assert set(result.rejected) == {"rol_1", "rol_2"}
+    assert {a.rollout_id: a.passed for a in result.audits} == {"rol_1": False, "rol_2": False, "rol_3": True}
+    assert set(result.rewards) == {"rol_3", "rol_4"}  # another sender's unpicked group is not audited for it
+
+    later = [group(trainer, 5, forge=one_nat_low).model_copy(update={"worker_id": "wrk_x"})]
+    assert set(trainer.step(later, 1).rejected) == {"rol_5"}  # its groups held for later steps are audited too
+
+
 def test_unaudited_forged_logprobs_leave_the_step_finite(trainer):
     """Finding 1: every logprob -1e4 and one sample spelling the answer (so the group carries a signal)."""
     tok = trainer.tokenizer
