@@ -167,7 +167,7 @@ def test_bad_turns_are_refused_with_what_to_fix(api, game):
             assert r.json()["detail"]
     _, provider = new_provider(api, "other-co")
     _, stranger = new_worker(api, provider, "stranger")
-    assert turn(stranger, lease, pid, 0, 0, [5]).status_code == 403
+    assert turn(stranger, lease, pid, 0, 0, [5]).status_code == 404  # as an unknown lease
 
 
 def test_a_group_that_is_not_its_episodes_is_refused_at_the_door(api, game):
