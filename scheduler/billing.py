@@ -24,6 +24,7 @@ what it pays for in words (its memo); job and provider totals are their sums.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from datetime import datetime, timedelta
 
@@ -32,7 +33,8 @@ from sqlalchemy import Exists, and_, or_, select
 from sqlalchemy.orm import Session, aliased
 
 from api.models import Job, LedgerEntry, Provider, Rollout, Worker
-from api.services.jobs import spec_of
+from api.services import totals
+from api.services.jobs import BUDGET_SLACK_USD, valid_spec
 from api.settings import Settings
 
 MIN_MU = 1e-3  # groups/s: a floor for an activation rate that was never measured
@@ -76,9 +78,12 @@ def _kept(db: Session, worker: Worker) -> dict[str, float]:
 def _bill_learners(db: Session, settings: Settings, now: datetime, seconds: float) -> None:
     alive_since = now - timedelta(seconds=settings.learner_dead_after_s)
     for job in db.scalars(select(Job).where(Job.status == JobStatus.running, Job.learner_heartbeat_at >= alive_since)):
-        price = spec_of(job).learner.price_per_hour or 0.0
+        spec = valid_spec(job)
+        if spec is None:
+            continue  # the tick records why on the job; its learner is billed again once it is mended
+        price = spec.learner.price_per_hour or 0.0
         amount = price * seconds / 3600
-        job.learner_usd += amount
+        totals.add(db, Job.learner_usd, job.id, amount)
         db.add(LedgerEntry(job_id=job.id, kind="learner", amount_usd=amount, seconds=seconds, step=job.step,
                            memo=f"learner reserved {seconds:.1f} s at ${price:.2f}/h"))
 
@@ -111,10 +116,13 @@ def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list
     pots = dict(worker.unbilled or {})
     for job_id, paid in by_job.items():
         ids = [rollout_id for rollout_id, _ in paid]
-        seconds = min(pots.get(job_id, 0.0), len(ids) * per_group_s)
+        job = db.get(Job, job_id)
+        budget_s = _budget_left_s(job, worker.price_per_hour)
+        if budget_s <= 0:
+            continue  # its groups wait unpaid, and its time in the pot, until the owner raises the budget
+        seconds = min(pots.get(job_id, 0.0), len(ids) * per_group_s, budget_s)
         pots[job_id] = pots.get(job_id, 0.0) - seconds
         amount = worker.price_per_hour * seconds / 3600
-        job = db.get(Job, job_id)
         step = job.step if job is not None else None
         entry = LedgerEntry(job_id=job_id, kind="worker", worker_id=worker.id, provider_id=worker.provider_id,
                             amount_usd=amount, seconds=seconds, groups=len(ids), rollout_ids=ids, step=step,
@@ -122,12 +130,23 @@ def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list
         db.add(entry)
         db.flush()
         db.execute(Rollout.__table__.update().where(Rollout.id.in_(ids)).values(paid_entry_id=entry.id))
-        worker.earned_usd += amount
+        totals.add(db, Worker.earned_usd, worker.id, amount)
         if provider is not None:
-            provider.earnings_usd += amount
+            totals.add(db, Provider.earnings_usd, provider.id, amount)
         if job is not None:
-            job.workers_usd += amount
+            totals.add(db, Job.workers_usd, job.id, amount)
     worker.unbilled = pots
+
+
+def _budget_left_s(job: Job | None, price_per_hour: float) -> float:
+    """The active time the job's budget still pays for at this price: a provider's price decides how much one
+    tick pays, and a $10,000/h worker's five minutes took $833 of a $1 budget before the tick paused the job.
+    A payment takes what is left; once nothing is, groups and time wait until the owner raises the budget."""
+    spec = valid_spec(job) if job is not None else None
+    if job is None or spec is None or spec.budget_usd is None or price_per_hour <= 0:
+        return math.inf
+    left = spec.budget_usd - job.learner_usd - job.workers_usd
+    return left * 3600 / price_per_hour if left > BUDGET_SLACK_USD else 0.0
 
 
 def _worker_memo(paid: list[tuple[str, bool]], step: int | None, seconds: float, price: float) -> str:

@@ -38,7 +38,7 @@ from api.models import (
 )
 from api.services import fleet, pool
 from api.services.estimate import busy_seconds
-from api.services.jobs import finish_job, over_budget, pause_job, spec_of
+from api.services.jobs import finish_job, over_budget, pause_job, spec_of, valid_spec
 from api.services.learning import issue_learner_token
 from api.services.pool import expire_leases
 from api.services.trust import release_quarantines
@@ -406,9 +406,10 @@ def _no_room(db: Session, worker: Worker) -> bool:
     failure. What the worker holds itself does not count: a worker that leases and never submits fills the room
     with its own leases."""
     job = db.get(Job, worker.job_id) if worker.job_id else None
-    if job is None or job.status != JobStatus.running or job.version is None or not job.kind.has_task:
+    spec = valid_spec(job) if job is not None else None
+    if job is None or spec is None or job.status != JobStatus.running or job.version is None or not job.kind.has_task:
         return False
-    return pool.lease_room(db, job, spec_of(job), job.version) + pool.holding(db, worker) <= 0
+    return pool.lease_room(db, job, spec, job.version) + pool.holding(db, worker) <= 0
 
 
 def _delivered(db: Session, worker_id: str, since: datetime) -> tuple[int, float | None]:

@@ -21,6 +21,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..models import Job, LedgerEntry, Provider, Rollout, Worker
+from . import totals
 
 
 def claw_back(db: Session, worker: Worker, reason: str) -> float:
@@ -48,11 +49,11 @@ def claw_back(db: Session, worker: Worker, reason: str) -> float:
         for entry in entries:
             entry.clawed_back_by = reversal.id
         if job is not None:
-            job.workers_usd -= amount
+            totals.add(db, Job.workers_usd, job.id, -amount)
         total += amount
-    worker.earned_usd -= total
+    totals.add(db, Worker.earned_usd, worker.id, -total)
     if provider is not None:
-        provider.earnings_usd -= total
+        totals.add(db, Provider.earnings_usd, provider.id, -total)
     _forfeit(db, worker, reason)
     return total
 

@@ -312,10 +312,13 @@ def update_job(job: Job, update: JobUpdate) -> None:
         job.status_reason = why
 
 
+BUDGET_SLACK_USD = 1e-6  # left of a budget that counts as spent: a payment capped at what is left adds up in floats
+
+
 def over_budget(job: Job) -> str | None:
     """Why the job's budget stops it, or None while it has money left."""
     budget, spent = spec_of(job).budget_usd, job.learner_usd + job.workers_usd
-    if budget is None or spent < budget:
+    if budget is None or spent < budget - BUDGET_SLACK_USD:
         return None
     return (f"budget of {usd(budget)} exhausted ({usd(spent)} spent) at step {job.step}: raise budget_usd to resume "
             f"it: echo2 jobs budget {job.id} USD (PATCH /v1/jobs/{job.id})")
@@ -330,6 +333,16 @@ def spec_of(job: Job) -> JobSpec:
         memo = (job.spec, JobSpec.model_validate(job.spec))
         job._spec_memo = memo  # type: ignore[attr-defined]  # not a column: per instance, per loaded spec
     return memo[1]
+
+
+def valid_spec(job: Job) -> JobSpec | None:
+    """The job's spec, or None where it no longer validates (written by an older release, or by hand): for the
+    scheduler's parts outside its per-job isolation (reconcile.Trouble, which records why on the job), so that
+    one job's spec never stops a tick for every other."""
+    try:
+        return spec_of(job)
+    except ValueError:
+        return None
 
 
 def sampling_of(spec: JobSpec) -> SamplingParams:
