@@ -48,7 +48,6 @@ router = make_router(prefix="/v1/tinker/host", tags=["tinker"], include_in_schem
 MAX_SAMPLE_BATCH = 32
 PARK_AFTER_S = 60.0  # a model idle this long gives its slot up to one that waits
 SLICE_S = 120.0  # and a busy one, once it has held the slot this long: two busy clients of one slot take turns
-PLATFORMS = (RequestKind.audit, RequestKind.drop_checkpoint)  # the platform's own requests, not a user's
 
 
 @router.get("/requests/{request_id}")
@@ -105,7 +104,7 @@ def _pick(db: Session, held: set[str], host: str, free: int) -> tuple[TinkerRequ
     requests (audits, dropping a checkpoint) run whatever the quota."""
     refused: list[str] = []
     while (row := _next_request(db, list(held)) or _admit(db, host, free)) is not None:
-        why = None if row.kind in PLATFORMS else queueing.quota_spent(db, row.owner_id)
+        why = None if row.kind in service.PLATFORMS else queueing.quota_spent(db, row.owner_id)
         if why is None:
             return row, refused
         refused += _refuse(db, row.owner_id, why)
@@ -117,7 +116,7 @@ def _refuse(db: Session, owner_id: str, why: str) -> list[str]:
     refusing one user at once take the rows in the same order."""
     rows = db.execute(select(TinkerRequest.id, TinkerRequest.kind, TinkerRequest.model_id).where(
         TinkerRequest.owner_id == owner_id, TinkerRequest.status == RequestStatus.pending,
-        TinkerRequest.kind.not_in(PLATFORMS)).order_by(TinkerRequest.id).with_for_update()).all()
+        TinkerRequest.kind.not_in(service.PLATFORMS)).order_by(TinkerRequest.id).with_for_update()).all()
     ids = [r.id for r in rows]
     service.fail_requests(db, TinkerRequest.id.in_(ids), why, ErrorCategory.user)
     for model in db.scalars(select(TinkerModel).where(TinkerModel.id.in_(

@@ -40,6 +40,8 @@ HOST_DEAD_AFTER_S = 60.0
 SESSION_EXPIRES_AFTER_S = 300.0  # the SDK heartbeats every 10 s
 BULKY = (RequestKind.forward, RequestKind.forward_backward, RequestKind.sample,
          RequestKind.audit)
+# The platform's own requests, not a user's: run past a user's quota, and never billed to the user.
+PLATFORMS = (RequestKind.audit, RequestKind.drop_checkpoint)
 HOSTS_KEY = "tinker/hosts"  # announced when work is queued: hosts waiting in a claim look at once
 
 
@@ -221,7 +223,7 @@ def record_result(db: Session, request: TinkerRequest, result: HostResult, host:
     answered = []
     if request.kind == RequestKind.audit:
         answered = fleet.audited(db, request, result.audit if result.error is None else None, settings)
-    if result.error is None and request.kind != RequestKind.audit:  # an audit is the platform's cost
+    if result.error is None and request.kind not in PLATFORMS:  # an audit, a dropped checkpoint: the platform's cost
         usage.bill(db, request, model, host, result)
     if result.error is None and request.kind == RequestKind.sample and result.sample is not None:
         records.record(db, request.id, request.owner_id, model.id, SamplePayload.model_validate(request.payload),
@@ -267,9 +269,13 @@ def _resume_later(db: Session, request: TinkerRequest, model: TinkerModel, resul
     (a training step and an in-flight save sent after it run first, and its next segment draws with the newer
     weights), carrying what it drew so far and the compute time spent on it (billed when it finishes)."""
     assert result.progress is not None
-    progress = result.progress.model_copy(update={"seconds": result.progress.seconds + (result.seconds or 0.0)})
+    payload = SamplePayload.model_validate(request.payload)
+    # The seconds so far are what this control plane kept, not what the host sends back (the learner host starts
+    # each segment's progress at 0: every segment but the last two went unbilled).
+    before = payload.progress.seconds if payload.progress is not None else 0.0
+    progress = result.progress.model_copy(update={"seconds": before + (result.seconds or 0.0)})
     db.execute(select(TinkerModel.id).where(TinkerModel.id == model.id).with_for_update(**WRITER_LOCK))
     last = db.scalar(select(func.max(TinkerRequest.seq)).where(TinkerRequest.model_id == model.id)) or 0
-    payload = SamplePayload.model_validate(request.payload).model_copy(update={"progress": progress})
+    payload = payload.model_copy(update={"progress": progress})
     request.payload = payload.model_dump(mode="json")
     request.seq, request.status = last + 1, RequestStatus.pending
