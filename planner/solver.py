@@ -16,8 +16,8 @@ dwell time holds, whether or not any worker qualifies for it.
 
 Hysteresis, so the set does not flap:
   * re-solve only on a trigger: first decision, job set changed, churn (an assigned worker lost,
-    a worker joined or came back), a price change, the end of a worker's dwell time while a job is
-    short of its rule, > `drift` relative change since the last
+    a worker joined or came back), a price change, the end of a worker's dwell time (it may go where
+    a job is short, or give way to a cheaper set), > `drift` relative change since the last
     solve of a measured input the rule depends on — a job's T_train, an assigned worker's μ —
     an assigned worker whose freshness verdict flipped, a job whose set fell more than `drift`
     below its rule (latency matters only through that verdict and through the admissible

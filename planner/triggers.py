@@ -78,11 +78,13 @@ def resolve_trigger(
         if q.ok != state.qualified.get(wid, True):
             verdict = "now meets freshness" if q.ok else "no longer qualifies"
             return f"drift: {wid} {verdict} ({q.reason})"
-    if state.infeasible_jobs:  # workers held by their dwell time at the last solve may now go where they are short
-        freed = sorted(wid for wid, at in state.activated_at.items()
-                       if wid in state.assignment and state.solved_at < at + config.min_dwell_s <= now)
-        if freed:
-            return f"dwell over: {freed[0]} may move to a job that is short"
+    freed = sorted(wid for wid, at in state.activated_at.items()
+                   if wid in state.assignment and state.solved_at < at + config.min_dwell_s <= now)
+    if freed:  # held by its dwell time at the last solve, it may now go where a job is short, or give way to a
+        # cheaper set (set-level hysteresis then keeps what is within keep_bias): a $10/h worker kept its job
+        # for good beside idle $1/h ones that met the job's rule, once no other trigger came
+        why = "move to a job that is short" if state.infeasible_jobs else "give way to a cheaper set"
+        return f"dwell over: {freed[0]} may {why}"
     for job in jobs:
         if job.job_id in state.infeasible_jobs:
             if now - state.solved_at >= config.infeasible_retry_s:
@@ -94,3 +96,4 @@ def resolve_trigger(
         if have < need * (1 - config.drift):
             return f"deficit: {job.job_id} has {have:.2f}/{need:.2f} rollouts/s (> {config.drift:.0%} short)"
     return None
+
