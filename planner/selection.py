@@ -289,7 +289,8 @@ def _take_in_order(jobs: list[JobProfile], cands: Candidates, config: SolverConf
 def _fair_share(jobs: list[JobProfile], cands: Candidates, taken: set[str]) -> tuple[dict, dict]:
     """Jobs of equal priority that cannot all be met share what is left: the job whose need is least
     covered takes its next worker — the cheapest qualifying one, then live near-misses closest to fresh
-    — until each is met or nothing is left. Taken in order, the oldest job would take every worker and
+    — until each is met or nothing is left (a worker fresh for a job it can help meet is not another's
+    near-miss before that). Taken in order, the oldest job would take every worker and
     the others none (or, where a job's slack is short, only workers too slow for it are left)."""
     used = set(taken)
     chosen = {j.job_id: [p for p in cands.fresh[j.job_id] if p.locked and p.worker.worker_id not in used]
@@ -297,24 +298,37 @@ def _fair_share(jobs: list[JobProfile], cands: Candidates, taken: set[str]) -> t
     used |= {p.worker.worker_id for ps in chosen.values() for p in ps}
     demand = {j.job_id: required_throughput(j) for j in jobs}
     have = {j: sum(p.mu for p in ps) for j, ps in chosen.items()}
-    pools = {j.job_id: sorted((p for p in cands.fresh[j.job_id] if not p.locked),
-                              key=lambda p: (p.cost / p.mu, p.cost, p.worker.worker_id))
-             + sorted(cands.stale[j.job_id], key=lambda p: (p.q.latency_s, p.cost / p.mu, p.worker.worker_id))
-             for j in jobs}
+    fresh = {j.job_id: sorted((p for p in cands.fresh[j.job_id] if not p.locked and p.worker.worker_id not in used),
+                              key=lambda p: (p.cost / p.mu, p.cost, p.worker.worker_id)) for j in jobs}
+    near = {j.job_id: sorted(cands.stale[j.job_id], key=lambda p: (p.q.latency_s, p.cost / p.mu, p.worker.worker_id))
+            for j in jobs}
+    # A worker fresh for a job its qualifying workers can meet is no other job's near-miss until that job is
+    # served: a job no worker is fresh for, ranked least met, took as near-misses the workers another job
+    # qualified them for and could be met with.
+    coverable = {j for j, ps in fresh.items() if have[j] + sum(p.mu for p in ps) >= demand[j] * (1 - TOL)}
+    spoken = {j: {p.worker.worker_id for k in coverable - {j} for p in fresh[k]} for j in demand}
+    _share_out({j: fresh[j] + [p for p in near[j] if p.worker.worker_id not in spoken[j]] for j in demand},
+               chosen, have, demand, used)
+    _share_out({j: fresh[j] + near[j] for j in demand}, chosen, have, demand, used)
+    note = f"fair share: {len(jobs)} jobs of equal priority split the workers by the share of their need met"
+    return chosen, {j.job_id: note if have[j.job_id] < demand[j.job_id] * (1 - TOL) else "fair share (met)"
+                    for j in jobs}
+
+
+def _share_out(pools: dict[str, list[Pair]], chosen: dict[str, list[Pair]], have: dict[str, float],
+               demand: dict[str, float], used: set[str]) -> None:
+    """The job whose need is least covered takes the next pair of its pool, until each is met or its pool empty."""
     while True:
         for pool in pools.values():
             pool[:] = [p for p in pool if p.worker.worker_id not in used]
         short = [j for j in demand if have[j] < demand[j] * (1 - TOL) and pools[j]]
         if not short:
-            break
+            return
         job_id = min(short, key=lambda j: (have[j] / demand[j], j))
         pair = pools[job_id].pop(0)
         chosen[job_id].append(pair)
         have[job_id] += pair.mu
         used.add(pair.worker.worker_id)
-    note = f"fair share: {len(jobs)} jobs of equal priority split the workers by the share of their need met"
-    return chosen, {j.job_id: note if have[j.job_id] < demand[j.job_id] * (1 - TOL) else "fair share (met)"
-                    for j in jobs}
 
 
 def lp_bound(pairs: list[Pair], demand: float) -> float:
