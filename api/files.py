@@ -1,8 +1,12 @@
-"""Chunk downloads whose Range errors answer like every other error, not as Starlette's plain text."""
+"""File responses: chunk downloads whose Range errors answer like every other error, not as Starlette's plain
+text, and streams that release what they read once they are done, however they end."""
 
 from __future__ import annotations
 
-from starlette.responses import FileResponse, MalformedRangeHeader, RangeNotSatisfiable
+from collections.abc import Callable
+
+from starlette.responses import FileResponse, MalformedRangeHeader, RangeNotSatisfiable, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from .errors import ApiError
 
@@ -20,3 +24,20 @@ class RangedFileResponse(FileResponse):
         except RangeNotSatisfiable as exc:
             raise ApiError(416, f"the range starts past the end of the {exc.max_size} bytes", field="Range",
                            headers={"Content-Range": f"bytes */{exc.max_size}"}) from None
+
+
+
+class ReleasingStream(StreamingResponse):
+    """A StreamingResponse that calls `release` once it is done: sent, failed, or the client gone (a pinned
+    version's copy, api/storage.py). A generator's own `finally` ran only when the garbage collector got to it,
+    Starlette leaving the iterator of an abandoned download unclosed."""
+
+    def __init__(self, release: Callable[[], None], *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.release = release
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()

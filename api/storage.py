@@ -8,18 +8,20 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import secrets
 import shutil
 import tarfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from echo2.protocol import Form, Manifest
 from echo2.snapshots import atomic_write, replace_dir
 
+log = logging.getLogger(__name__)
 _SUFFIX = {Form.full: "", Form.delta: ".delta"}
 PINS = ".pins"  # versions being downloaded, as hard-linked copies (BlobStore.pin)
 PIN_MAX_AGE_S = 86_400.0  # a pin older than this was left by a process that died mid-download
@@ -90,37 +92,35 @@ class BlobStore:
         for form in Form:
             shutil.rmtree(self._staging(job_id, version, form), ignore_errors=True)
 
-    def pin(self, job_id: str, manifest: Manifest) -> BlobStore:
-        """A copy of a published version's folder made of hard links (no byte is copied), in a store of its own:
-        retention deleting the version leaves the copy whole, so a download (minutes for a real model, while the
-        learner publishes and retention collects) streams from it to the end. Raises FileNotFoundError if the
-        version was deleted first. `streamed` removes the copy when the stream ends, `unpin` at once."""
+    def pin(self, job_id: str, manifest: Manifest) -> tuple[BlobStore, Callable[[], None]]:
+        """A copy of a published version's folder made of hard links (no byte is copied), in a store of its own,
+        and what removes it: retention deleting the version leaves the copy whole, so a download (minutes for a
+        real model, while the learner publishes and retention collects) streams from it to the end. Raises
+        FileNotFoundError if the version was deleted first. Where the disk cannot hard-link (another device, a
+        filesystem without links), the version itself is read, as before there were pins."""
         copy = BlobStore(self.root / PINS / secrets.token_hex(8), self.prefix)
         target = copy._final(job_id, manifest.version, manifest.form)
-        target.mkdir(parents=True)
         try:
+            target.mkdir(parents=True)
             for path in self._final(job_id, manifest.version, manifest.form).iterdir():
                 os.link(path, target / path.name)
         except FileNotFoundError:
             shutil.rmtree(copy.root, ignore_errors=True)
             raise
-        return copy
-
-    def unpin(self) -> None:
-        """Remove this pinned copy (`pin`)."""
-        shutil.rmtree(self.root, ignore_errors=True)
-
-    def streamed(self, stream: Iterator[bytes]) -> Iterator[bytes]:
-        """`stream` (read from this pinned copy), then the copy removed, however the stream ends."""
-        try:
-            yield from stream
-        finally:
-            self.unpin()
+        except OSError as exc:
+            shutil.rmtree(copy.root, ignore_errors=True)
+            log.warning("version %d of job %s is read unpinned: %s", manifest.version, job_id, exc)
+            return self, lambda: None
+        return copy, lambda: shutil.rmtree(copy.root, ignore_errors=True)
 
     def drop_stale_pins(self, max_age_s: float = PIN_MAX_AGE_S) -> None:
         """Remove pinned copies a process that died mid-download left behind."""
         for pin in (self.root / PINS).iterdir() if (self.root / PINS).is_dir() else ():
-            if pin.stat().st_mtime < time.time() - max_age_s:
+            try:
+                stale = pin.stat().st_mtime < time.time() - max_age_s
+            except FileNotFoundError:  # its download ended meanwhile
+                continue
+            if stale:
                 shutil.rmtree(pin, ignore_errors=True)
 
     def stored(self) -> Iterator[tuple[str, int, bool]]:

@@ -114,12 +114,16 @@ def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list
     per_group_s = 1.0 / (settings.pay_rate_fraction * max(worker.activated_mu or MIN_MU, MIN_MU))
     provider = db.get(Provider, worker.provider_id)
     pots = dict(worker.unbilled or {})
-    for job_id, paid in by_job.items():
-        ids = [rollout_id for rollout_id, _ in paid]
+    for job_id, payable in by_job.items():
         job = db.get(Job, job_id)
+        # The groups what the budget has left pays for are settled, the last of them in part (the job then has
+        # spent its budget and pauses); the others wait, with the worker's time in its pot, until the owner
+        # raises the budget.
         budget_s = _budget_left_s(job, worker.price_per_hour)
-        if budget_s <= 0:
-            continue  # its groups wait unpaid, and its time in the pot, until the owner raises the budget
+        paid = payable if math.isinf(budget_s) else payable[:math.ceil(budget_s / per_group_s - 1e-9)]
+        if not paid:
+            continue
+        ids = [rollout_id for rollout_id, _ in paid]
         seconds = min(pots.get(job_id, 0.0), len(ids) * per_group_s, budget_s)
         pots[job_id] = pots.get(job_id, 0.0) - seconds
         amount = worker.price_per_hour * seconds / 3600
@@ -141,7 +145,8 @@ def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list
 def _budget_left_s(job: Job | None, price_per_hour: float) -> float:
     """The active time the job's budget still pays for at this price: a provider's price decides how much one
     tick pays, and a $10,000/h worker's five minutes took $833 of a $1 budget before the tick paused the job.
-    A payment takes what is left; once nothing is, groups and time wait until the owner raises the budget."""
+    A payment settles the groups what is left pays for (the last in part); the others, and the time, wait until
+    the owner raises the budget."""
     spec = valid_spec(job) if job is not None else None
     if job is None or spec is None or spec.budget_usd is None or price_per_hour <= 0:
         return math.inf

@@ -9,6 +9,7 @@ from fastapi.responses import StreamingResponse
 
 from ..deps import BlobsDep, CurrentUser, SessionDep, owned_job
 from ..errors import ApiError
+from ..files import ReleasingStream
 from ..models import WeightVersion
 from ..routing import make_router
 from ..services import export, rebuild, versions
@@ -43,14 +44,13 @@ def export_model(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep
                        "and those rollouts may still use are kept; see ECHO2_KEEP_VERSIONS_EVERY)", field="version")
     manifest = rebuild.full_manifest(db, blobs, row)  # a version published only as a delta is rebuilt in full
     db.close()  # the tar streams after this returns: do not hold a database connection meanwhile
-    pinned = versions.pinned(blobs, job_id, manifest)
+    store, release = versions.pinned(blobs, job_id, manifest)
     try:
-        entries = export.plan(pinned, job, spec_of(job), manifest, adapter)
+        entries = export.plan(store, job, spec_of(job), manifest, adapter)
     except BaseException:
-        pinned.unpin()
+        release()
         raise
     kind = "adapter" if adapter else "model"
-    return StreamingResponse(pinned.streamed(export.iter_tar(pinned, job_id, manifest, entries)),
-                             media_type="application/x-tar",
+    return ReleasingStream(release, export.iter_tar(store, job_id, manifest, entries), media_type="application/x-tar",
                              headers={"Content-Disposition": f'attachment; filename="{job_id}-v{chosen}-{kind}.tar"',
                                       "X-Echo2-Version": str(chosen)})

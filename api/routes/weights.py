@@ -25,7 +25,7 @@ from ..deps import (
     principal_of,
 )
 from ..errors import ApiError
-from ..files import RangedFileResponse
+from ..files import RangedFileResponse, ReleasingStream
 from ..models import Job, WeightVersion
 from ..routing import make_router
 from ..services import dissemination, modelinfo, notices, rebuild, retention, versions
@@ -195,9 +195,9 @@ def download_checkpoint(job_id: str, p: AnyPrincipal, db: SessionDep, blobs: Blo
         raise ApiError(404, f"job {job_id} has no published version yet")
     manifest = rebuild.full_manifest(db, blobs, _version(db, job_id, chosen))  # a delta is rebuilt in full
     db.close()  # the tar streams after this returns: do not hold a database connection meanwhile
-    pinned = versions.pinned(blobs, job_id, manifest)
+    store, release = versions.pinned(blobs, job_id, manifest)
     filename = f"{job_id}-v{chosen}.tar"
-    return StreamingResponse(pinned.streamed(pinned.iter_tar(job_id, manifest)), media_type="application/x-tar",
+    return ReleasingStream(release, store.iter_tar(job_id, manifest), media_type="application/x-tar",
                              headers={"Content-Disposition": f'attachment; filename="{filename}"',
                                       "X-Echo2-Version": str(chosen)})
 

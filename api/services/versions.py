@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 
 from echo2.deltas import files_digest
 from echo2.protocol import FetchStep, FileRef, Form, Manifest, VersionPublish
@@ -112,8 +113,8 @@ def fetch_steps(forms: dict[int, Forms], target: int, held: set[int], base_url: 
     return out
 
 
-def pinned(blobs: BlobStore, job_id: str, manifest: Manifest) -> BlobStore:
-    """The version's files, kept for the download however long it takes (BlobStore.pin)."""
+def pinned(blobs: BlobStore, job_id: str, manifest: Manifest) -> tuple[BlobStore, Callable[[], None]]:
+    """The version's files, kept for the download however long it takes, and what releases them (BlobStore.pin)."""
     try:
         return blobs.pin(job_id, manifest)
     except FileNotFoundError:

@@ -5,6 +5,7 @@ import io
 import os
 import shutil
 import tarfile
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -151,6 +152,9 @@ def test_downloading_a_running_jobs_newest_checkpoint_survives_the_next_publicat
         got = tar.extractfile("model.safetensors").read()  # type: ignore[union-attr]
     assert got == (folder / "model.safetensors").read_bytes()
     pins = Path(api.server.settings.blob_dir) / PINS
+    deadline = time.monotonic() + 10  # released once the server's response is done, just after the last byte
+    while any(pins.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert not any(pins.iterdir()), "the pinned copy outlived its download"
     assert _available(alice, jid)[1] is False  # retention did collect the version meanwhile
 
@@ -164,3 +168,81 @@ def test_a_pin_left_by_a_process_that_died_mid_download_is_swept(tmp_path):
     blobs.drop_stale_pins()
     assert not old.exists() and fresh.exists()
     assert list(blobs.stored()) == []  # a pin is no version of a job called .pins
+
+
+def test_a_download_the_client_abandons_leaves_no_pinned_copy(api, tmp_path):
+    """A user who stops `echo2 checkpoints download` (Ctrl-C, a dropped connection) part-way: the pinned copy of
+    the version must go with the stream, or every abandoned download keeps a whole model's blocks on disk for
+    a day (PIN_MAX_AGE_S) after retention deleted the version. A generator's `finally` ran only when the garbage
+    collector got to it (Starlette leaves an abandoned download's iterator unclosed): api/files.ReleasingStream."""
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "tiny"), staleness=1, max_steps=20)
+    jid = job["id"]
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(0, [])))
+    publish(learner, jid, _big_model(tmp_path / "m0"), version=1, step=1, chunk_size=CHUNK)
+    pins = Path(api.server.settings.blob_dir) / PINS
+    with httpx.Client(base_url=api.url, headers=alice.headers, timeout=60) as c, \
+            c.stream("GET", f"/v1/jobs/{jid}/checkpoint") as r:
+        assert r.status_code == 200
+        next(r.iter_bytes())
+        assert any(pins.iterdir())
+    # the client is gone; the server notices at its next write
+    deadline = time.monotonic() + 20
+    while any(pins.iterdir()) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = [p.name for p in pins.iterdir()]
+    assert not left, f"an abandoned download left its pinned copy behind: {left}"
+
+
+def test_sweeping_stale_pins_survives_a_download_ending_meanwhile(tmp_path):
+    """drop_stale_pins (run by every retention pass) lists .pins, then stat()s each entry: a download that
+    ended between the two made the stat raise FileNotFoundError and the whole retention pass fail."""
+    blobs = BlobStore(tmp_path / "blobs")
+    (blobs.root / PINS).mkdir()
+    stop, errors = threading.Event(), []
+
+    def downloads() -> None:
+        while not stop.is_set():
+            for i in range(50):
+                (blobs.root / PINS / f"p{i}" / "job" / "v1").mkdir(parents=True, exist_ok=True)
+            for i in range(50):
+                shutil.rmtree(blobs.root / PINS / f"p{i}", ignore_errors=True)
+
+    t = threading.Thread(target=downloads, daemon=True)
+    t.start()
+    try:
+        for _ in range(3000):
+            try:
+                blobs.drop_stale_pins()
+            except FileNotFoundError as exc:
+                errors.append(exc)
+                break
+    finally:
+        stop.set()
+        t.join()
+    assert not errors, f"a retention pass failed on a pin removed while it looked: {errors[0]!r}"
+
+
+def test_a_version_that_cannot_be_hard_linked_is_read_unpinned_and_leaves_no_copy(tmp_path, monkeypatch):
+    """A blob root on a filesystem without hard links, or a job folder on another device (os.link: EXDEV, EPERM,
+    ENOTSUP): the version is read where it is, as before there were pins, and no half-made copy stays."""
+    import errno
+    import os
+
+    from echo2.protocol import Form, Manifest
+
+    blobs = BlobStore(tmp_path / "blobs")
+    folder = blobs.root / "job_x" / "v1"
+    folder.mkdir(parents=True)
+    (folder / "0.chunk").write_bytes(b"x")
+    manifest = Manifest.model_construct(version=1, form=Form.full)
+
+    def no_links(src, dst, *a, **k):
+        raise OSError(errno.EXDEV, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)
+    store, release = blobs.pin("job_x", manifest)
+    release()
+    assert store is blobs and (folder / "0.chunk").exists()  # releasing it deletes nothing of the version
+    left = list((blobs.root / PINS).iterdir())
+    assert not left, f"a pin that failed to link left {left} behind"
