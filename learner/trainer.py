@@ -72,9 +72,10 @@ class GRPOTrainer:
         self.weights: Weights = Weights(model, tokenizer, torch.float32, self.world)  # what versions carry
         self.verdicts: dict[str, AuditReport] = {}  # audits made as groups were claimed (audit_claimed)
         self.early_audit_s = 0.0  # their time, counted in the next step's audit_s
-        # Senders of a group that failed its audit here: their groups this learner holds are all audited before
-        # they train. The control plane audits every group a worker sends once it is struck, but groups claimed
-        # before then were claimed unpicked, and would train unjudged beside the one that failed.
+        # Senders of a group that failed its audit here (or did not fit the model): their groups this learner holds
+        # are all audited before they train. The control plane audits every group a worker sends once it is
+        # struck, but groups claimed before then were claimed unpicked, and would train unjudged beside the one
+        # that failed.
         self.struck: set[str] = set()
         self.task = get_task(spec.task.name)
         self.task_params = self.task.parse_params(spec.task.params)
@@ -148,10 +149,12 @@ class GRPOTrainer:
         """Groups that fit the model and, when picked for an audit, pass it."""
         kept = []
         audit_start = self.auditor.seconds if self.auditor else 0.0
-        # The groups picked or judged already first: one that fails has its sender's other groups audited too.
-        first = [g for g in groups if g.audit or g.rollout_id in self.verdicts]
-        why = {g.rollout_id: self._misfit(g) or self._audit(g, result) for g in first}
-        why.update({g.rollout_id: self._misfit(g) or self._audit(g, result) for g in groups if g.rollout_id not in why})
+        # Misfits, then the groups picked or judged already: one that fails has its sender's other groups audited.
+        why: dict[str, str | None] = {g.rollout_id: why for g in groups if (why := self._misfit(g))}
+        self.struck |= {g.worker_id for g in groups if g.rollout_id in why}
+        why |= {g.rollout_id: self._audit(g, result) for g in groups
+                if g.rollout_id not in why and (g.audit or g.rollout_id in self.verdicts)}
+        why |= {g.rollout_id: self._audit(g, result) for g in groups if g.rollout_id not in why}
         for group in groups:
             if why[group.rollout_id]:
                 result.rejected[group.rollout_id] = why[group.rollout_id]

@@ -101,6 +101,12 @@ def test_a_senders_failed_audit_has_its_other_held_groups_audited_before_they_tr
     later = [group(trainer, 5, forge=one_nat_low).model_copy(update={"worker_id": "wrk_x"})]
     assert set(trainer.step(later, 1).rejected) == {"rol_5"}  # its groups held for later steps are audited too
 
+    vocab = trainer.model.get_input_embeddings().num_embeddings
+    misfit = [group(trainer, 6, forge=one_nat_low).model_copy(update={"worker_id": "wrk_z"}),
+              group(trainer, 7, forge=lambda s: {**s, "token_ids": [vocab] * len(s["token_ids"])})
+              .model_copy(update={"worker_id": "wrk_z"})]
+    assert set(trainer.step(misfit, 2).rejected) == {"rol_6", "rol_7"}  # a misfit's sender counts as failed
+
 
 def test_unaudited_forged_logprobs_leave_the_step_finite(trainer):
     """Finding 1: every logprob -1e4 and one sample spelling the answer (so the group carries a signal)."""
