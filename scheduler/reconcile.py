@@ -91,12 +91,15 @@ class TickReport:
 
 def tick(db: Session, settings: Settings, launch: Launcher, now: datetime | None = None) -> TickReport:
     now = now or utcnow()
+    # Read under its row lock, held to the tick's commit: ticks take turns even where the Redis lock that keeps
+    # them apart ran out (a tick longer than its 120 s), so no two bill the same interval.
+    last = db.get(SchedulerState, "last_tick", with_for_update=True)
     report = TickReport(launched=[])
     report.offline = _mark_offline(db, settings, now)
     report.prompts_returned = expire_leases(db, now)
     tinker_fleet.sweep(db)
     release_quarantines(db, now)
-    billing.bill(db, settings, now, _state(db, "last_tick").get("at"))
+    billing.bill(db, settings, now, last.value.get("at") if last is not None else None)
     _put_state(db, "last_tick", {"at": now.timestamp()})
     jobs = list(db.scalars(select(Job).where(Job.status.in_(LIVE)).with_for_update(**WRITER_LOCK)))
     trouble = Trouble(db)

@@ -1,12 +1,13 @@
 """The reconcile tick against a real control plane database: liveness, lease expiry, the cost ledger,
 budgets, learner launches (with fencing tokens) and cost-aware activation with recorded decisions."""
 
+import threading
 from datetime import timedelta
 
 import pytest
 from sqlalchemy import select
 
-from api.models import Decision, Job, LedgerEntry, Worker, utcnow
+from api.models import Decision, Job, LedgerEntry, SchedulerState, Worker, utcnow
 from tests.factories import (
     bill_past_budget,
     drive_job,
@@ -507,3 +508,33 @@ def test_groups_sent_on_a_released_lease_are_not_counted_as_delivered(api, tmp_p
         assert {a["reason"] for a in answers} == {"lease is released"}
     with api.db.session() as s:
         assert _delivered(s, wid, utcnow() - timedelta(seconds=60))[0] == 0  # it was 6
+
+
+def test_two_ticks_at_once_take_turns_and_bill_no_interval_twice(api, tmp_path):
+    """The Redis lock keeps ticks apart only for its 120 s: a longer tick let the next read the same last tick and
+    bill the learner's interval since then a second time. A tick reads its last tick under a row lock held to its
+    commit: the second waits for the first and bills from where it ended."""
+    if not api.db.is_postgres:
+        pytest.skip("SQLite's one writer runs one tick at a time anyway")
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), learner={"price_per_hour": 3600.0})
+    t0 = utcnow()
+    with api.db.session() as s:
+        s.get_one(Job, job["id"]).learner_heartbeat_at = t0
+        s.commit()
+    run_tick(api, now=t0)
+    first = api.db.session().__enter__()  # a long tick at t0 + 10 s: it holds the last tick's row until it commits
+    row = first.get(SchedulerState, "last_tick", with_for_update=True)
+    row.value = {"at": (t0 + timedelta(seconds=10)).timestamp()}
+    first.flush()
+    second = threading.Thread(target=run_tick, args=(api,), kwargs={"now": t0 + timedelta(seconds=12)})
+    second.start()
+    second.join(2)
+    assert second.is_alive()  # it waits for the first
+    first.commit()
+    first.close()
+    second.join(30)
+    with api.db.session() as s:
+        billed = [e.seconds for e in s.scalars(select(LedgerEntry).where(LedgerEntry.job_id == job["id"],
+                                                                         LedgerEntry.kind == "learner"))]
+    assert billed == [pytest.approx(2.0)]  # from the first's end, not from t0 (12 s, 10 of them the first's)
