@@ -26,7 +26,6 @@ class RangedFileResponse(FileResponse):
                            headers={"Content-Range": f"bytes */{exc.max_size}"}) from None
 
 
-
 class ReleasingStream(StreamingResponse):
     """A StreamingResponse that calls `release` once it is done: sent, failed, or the client gone (a pinned
     version's copy, api/storage.py). A generator's own `finally` ran only when the garbage collector got to it,

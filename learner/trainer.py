@@ -150,7 +150,7 @@ class GRPOTrainer:
         kept = []
         audit_start = self.auditor.seconds if self.auditor else 0.0
         # Misfits, then the groups picked or judged already: one that fails has its sender's other groups audited.
-        why: dict[str, str | None] = {g.rollout_id: why for g in groups if (why := self._misfit(g))}
+        why: dict[str, str | None] = {g.rollout_id: misfit for g in groups if (misfit := self._misfit(g))}
         self.struck |= {g.worker_id for g in groups if g.rollout_id in why}
         why |= {g.rollout_id: self._audit(g, result) for g in groups
                 if g.rollout_id not in why and (g.audit or g.rollout_id in self.verdicts)}

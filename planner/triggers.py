@@ -96,4 +96,3 @@ def resolve_trigger(
         if have < need * (1 - config.drift):
             return f"deficit: {job.job_id} has {have:.2f}/{need:.2f} rollouts/s (> {config.drift:.0%} short)"
     return None
-

@@ -34,7 +34,7 @@ from sqlalchemy.orm import Session, aliased
 
 from api.models import Job, LedgerEntry, Provider, Rollout, Worker
 from api.services import totals
-from api.services.jobs import BUDGET_SLACK_USD, valid_spec
+from api.services.jobs import budget_left, valid_spec
 from api.settings import Settings
 
 MIN_MU = 1e-3  # groups/s: a floor for an activation rate that was never measured
@@ -148,10 +148,8 @@ def _budget_left_s(job: Job | None, price_per_hour: float) -> float:
     A payment settles the groups what is left pays for (the last in part); the others, and the time, wait until
     the owner raises the budget."""
     spec = valid_spec(job) if job is not None else None
-    if job is None or spec is None or spec.budget_usd is None or price_per_hour <= 0:
-        return math.inf
-    left = spec.budget_usd - job.learner_usd - job.workers_usd
-    return left * 3600 / price_per_hour if left > BUDGET_SLACK_USD else 0.0
+    left = budget_left(job, spec) if job is not None and spec is not None else None
+    return math.inf if left is None or price_per_hour <= 0 else left * 3600 / price_per_hour
 
 
 def _worker_memo(paid: list[tuple[str, bool]], step: int | None, seconds: float, price: float) -> str:

@@ -315,13 +315,22 @@ def update_job(job: Job, update: JobUpdate) -> None:
 BUDGET_SLACK_USD = 1e-6  # left of a budget that counts as spent: a payment capped at what is left adds up in floats
 
 
+def budget_left(job: Job, spec: JobSpec) -> float | None:
+    """Dollars the job's budget has left (0 once less than BUDGET_SLACK_USD is), or None for a job without one:
+    what stops the job (over_budget) and what bounds a worker's payment (scheduler/billing.py)."""
+    if spec.budget_usd is None:
+        return None
+    left = spec.budget_usd - job.learner_usd - job.workers_usd
+    return left if left > BUDGET_SLACK_USD else 0.0
+
+
 def over_budget(job: Job) -> str | None:
     """Why the job's budget stops it, or None while it has money left."""
-    budget, spent = spec_of(job).budget_usd, job.learner_usd + job.workers_usd
-    if budget is None or spent < budget - BUDGET_SLACK_USD:
+    spec = spec_of(job)
+    if budget_left(job, spec) != 0.0:
         return None
-    return (f"budget of {usd(budget)} exhausted ({usd(spent)} spent) at step {job.step}: raise budget_usd to resume "
-            f"it: echo2 jobs budget {job.id} USD (PATCH /v1/jobs/{job.id})")
+    return (f"budget of {usd(spec.budget_usd)} exhausted ({usd(job.learner_usd + job.workers_usd)} spent) at step "
+            f"{job.step}: raise budget_usd to resume it: echo2 jobs budget {job.id} USD (PATCH /v1/jobs/{job.id})")
 
 
 def spec_of(job: Job) -> JobSpec:
