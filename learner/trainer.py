@@ -3,8 +3,8 @@ audit the control plane asked for (learner/auditor.py), score the rest on the tr
 padded batch, advantages, loss with gradient accumulation, optimiser step (policy.grpo_update, which
 also drops groups whose loss or gradient is not finite). The loss itself is in objective.py. Every
 refused group is reported with its reason; none of them is trained. A group the task could not score
-(its endpoint down, an exception, a timeout) is not trained either: it is reported as unscored, the
-platform's fault, and goes back to the pool.
+(its endpoint down, an exception, a timeout) is not trained either: it is audited, then reported as unscored, the
+platform's fault, and goes back to the pool (or refused, if it failed that audit).
 
 With FSDP (`parallel.Sharded`), rank 0 scores (rewards stay computed once, on the trusted side) and
 announces the scored rows; every rank then runs `optimise` on its share of them (policy.grpo_update)."""
@@ -95,6 +95,7 @@ class GRPOTrainer:
         result = StepResult()
         groups = self._admit(groups, result)
         rows = self._score(groups, t, result)
+        self._audit_unscored(groups, result)
         if rows.rewards:
             self._trace(groups, rows, result)
             self.world.announce("optimise", rows)
@@ -133,17 +134,18 @@ class GRPOTrainer:
         audit_s."""
         assert self.auditor is not None
         start = self.auditor.seconds
-        verdict = self.auditor.audit(group)
+        report = self.verdicts[group.rollout_id] = self._verdict(group)
         self.early_audit_s += self.auditor.seconds - start
-        report = AuditReport(rollout_id=group.rollout_id, passed=verdict.passed, reason=verdict.reason,
-                             stats=verdict.stats())
-        self.verdicts[group.rollout_id] = report
-        self._note(group, report)
         return report
 
-    def _note(self, group: ClaimedGroup, report: AuditReport) -> None:
-        if not report.passed:
+    def _verdict(self, group: ClaimedGroup) -> AuditReport:
+        """Audit one group now; a sender that fails has its other held groups audited too (`struck`)."""
+        assert self.auditor is not None
+        verdict = self.auditor.audit(group)
+        if not verdict.passed:
             self.struck.add(group.worker_id)
+        return AuditReport(rollout_id=group.rollout_id, passed=verdict.passed, reason=verdict.reason,
+                           stats=verdict.stats())
 
     def _admit(self, groups: list[ClaimedGroup], result: StepResult) -> list[ClaimedGroup]:
         """Groups that fit the model and, when picked for an audit, pass it."""
@@ -164,6 +166,22 @@ class GRPOTrainer:
         result.audit_s, self.early_audit_s = result.audit_s + self.early_audit_s, 0.0
         return kept
 
+    def _audit_unscored(self, groups: list[ClaimedGroup], result: StepResult) -> None:
+        """A group the task could not score is paid as the platform's fault: each is audited first, so junk that
+        makes a strict reward endpoint fail is refused as the forgery it is (its sender struck, unpaid), not paid.
+        Honest fleets' groups go unscored only while the task fails, and a job whose task keeps failing pauses."""
+        if self.auditor is None:
+            return
+        audited = {a.rollout_id for a in result.audits}
+        start = self.auditor.seconds
+        for group in groups:
+            if group.rollout_id in result.unscored and group.rollout_id not in audited:
+                result.audits.append(report := self._verdict(group))
+                if not report.passed:
+                    del result.unscored[group.rollout_id]
+                    result.rejected[group.rollout_id] = f"failed its audit: {report.reason}"
+        result.audit_s += self.auditor.seconds - start
+
     def _misfit(self, group: ClaimedGroup) -> str | None:
         vocab = self.model.get_input_embeddings().num_embeddings
         if max(max(s.token_ids) for s in group.samples) >= vocab:
@@ -180,10 +198,7 @@ class GRPOTrainer:
         if report is None and (not picked or self.auditor is None):
             return None
         if report is None:
-            verdict = self.auditor.audit(group)
-            report = AuditReport(rollout_id=group.rollout_id, passed=verdict.passed, reason=verdict.reason,
-                                 stats=verdict.stats())
-            self._note(group, report)
+            report = self._verdict(group)
         result.audits.append(report)
         return None if report.passed else f"failed its audit: {report.reason}"
 

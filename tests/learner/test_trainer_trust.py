@@ -151,3 +151,26 @@ def test_a_completion_no_task_can_score_is_dropped_and_the_step_goes_on(trainer,
     result = picky.step([long_answer, group(trainer, 3)], 1)
     assert "rol_1" not in result.rewards and "cannot score a nine" in result.unscored["rol_1"]
     assert result.rewards["rol_3"] == [0.5] * 4 and math.isfinite(result.loss)
+
+
+def test_a_group_the_task_cannot_score_is_audited_before_it_is_paid_as_the_platforms_fault(trainer):
+    """An unscored group is paid without blame (the endpoint's fault, not the sender's): junk that makes a strict
+    reward endpoint fail was paid for no work. Every unscored group is audited first: junk fails and is refused
+    (its sender struck), an honest group the task cannot score stays unscored with its passed audit."""
+    class Strict(TaskAdapter):
+        name = "test_strict_endpoint"
+
+        def reward(self, prompt, completion, params):
+            raise ValueError("the endpoint refused the completion")
+
+    register(Strict())
+    spec = trainer.spec.model_copy(update={"task": TaskSpec(name="test_strict_endpoint")})
+    strict = GRPOTrainer(trainer.model, trainer.tokenizer, spec, auditor=trainer.auditor)
+    nine = trainer.tokenizer.convert_tokens_to_ids("9")
+    junk = group(trainer, 1).model_copy(update={"worker_id": "wrk_junk", "samples": [
+        SampleSubmit(token_ids=[nine] * 6, logprobs=[-0.01] * 6, finish_reason="length")] * 4})
+    honest = group(trainer, 2).model_copy(update={"worker_id": "wrk_honest"})
+    result = strict.step([junk, honest], 0)
+    assert result.rejected["rol_1"].startswith("failed its audit") and "rol_1" not in result.unscored
+    assert "endpoint refused" in result.unscored["rol_2"]
+    assert {a.rollout_id: a.passed for a in result.audits} == {"rol_1": False, "rol_2": True}
