@@ -99,10 +99,16 @@ def test_relay_serves_a_version_only_for_its_key(tmp_path: Path, tiny_model_dir:
         r = httpx.get(chunk)
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer" and "relay key" in r.json()["detail"]
         assert httpx.get(f"{relay.url}/v1/jobs/{JOB}/versions/0/manifest").status_code == 401
-        assert httpx.get(chunk, headers={"Authorization": "Bearer " + "x" * 64}).status_code == 403
+        # Another key reads as a version not held here, word for word: an outsider with any key cannot tell
+        # which versions a worker holds (it answered 403 for a held version, 404 for another).
+        other = {"Authorization": "Bearer " + "x" * 64}
+        wrong = httpx.get(chunk, headers=other)
+        unheld = httpx.get(f"{relay.url}/v1/jobs/{JOB}/versions/5/chunks/0", headers=other)
+        assert wrong.status_code == unheld.status_code == 404 and wrong.headers["retry-after"] == "1"
+        assert wrong.json()["detail"] == unheld.json()["detail"].replace("version 5", "version 0")
         assert httpx.get(chunk, headers={"Authorization": f"Basic {KEY}"}).status_code == 401
         assert httpx.get(chunk, headers=AUTH).status_code == 200
-        assert httpx.get(f"{relay.url}/v1/jobs/job_other/versions/0/chunks/0", headers=AUTH).status_code == 403
+        assert httpx.get(f"{relay.url}/v1/jobs/job_other/versions/0/chunks/0", headers=AUTH).status_code == 404
         assert httpx.get(f"{relay.url}/healthz").status_code == 200
 
 

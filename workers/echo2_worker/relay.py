@@ -11,9 +11,10 @@ A chunk that is not here yet, of a version being received, is waited for up to `
 otherwise the answer is 404 with Retry-After, and the child asks again or goes to another parent.
 Upload is paced by one token bucket shared by all connections. Every version path needs
 `Authorization: Bearer <relay key>`, the key the control plane gave this worker with that version
-(401 without one, 403 for another): the weights are the job owner's, and only workers assigned to
-the version know its key. Integrity does not rest on the relay: children verify every chunk against
-the manifest they fetch from the origin.
+(401 without one; another key reads as a version not held here, so an outsider cannot tell which versions
+a worker holds): the weights are the job owner's, and only workers assigned to the version know its key.
+Integrity does not rest on the relay: children verify every chunk against the manifest they fetch from the
+origin.
 Stdlib only (ThreadingHTTPServer), so the worker needs no web framework.
 """
 
@@ -174,12 +175,10 @@ class _Handler(BaseHTTPRequestHandler):
             return
         job_id, version, form = m.group(1), int(m.group(2)), Form.delta if m.group(3) else Form.full
         held = self.relay.store.get(job_id, version, form)
-        if held is None:
+        # Another key is answered as a version not held: which versions a worker holds is no outsider's business.
+        if held is None or held.relay_key is None or not hmac.compare_digest(given.encode(), held.relay_key.encode()):
             self._problem(404, f"the {form.value} form of version {version} of {job_id} is not held here (yet)",
                           retry_after=1)
-            return
-        if held.relay_key is None or not hmac.compare_digest(given.encode(), held.relay_key.encode()):
-            self._problem(403, "that is not this version's relay key")
             return
         if m.group(4) == "manifest":
             self._send(200, held.manifest.model_dump_json().encode(), "application/json")
