@@ -36,8 +36,8 @@ import logging
 from datetime import timedelta
 
 from echo2.protocol import JobStatus
-from sqlalchemy import Select, func, or_, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy import Select, exists, func, or_, select, update
+from sqlalchemy.orm import Session, aliased
 
 from ..db import Database
 from ..errors import ApiError
@@ -163,9 +163,12 @@ def _sweep_learner_state(db: Session, checkpoints: BlobStore) -> None:
 
 def _ended_with_extra_versions(every: int) -> Select[tuple[str]]:
     final = func.coalesce(Job.final_version, Job.version)
+    final_row = aliased(WeightVersion)
+    base_of_final = exists().where(final_row.job_id == WeightVersion.job_id, final_row.version == final,
+                                   final_row.adapter_base == WeightVersion.version)  # a LoRA job's kept base
     extra = select(WeightVersion.job_id).join(Job, Job.id == WeightVersion.job_id).where(
         Job.status.in_(JobStatus.ended()),
-        WeightVersion.collected_at.is_(None), WeightVersion.version != final)
+        WeightVersion.collected_at.is_(None), WeightVersion.version != final, ~base_of_final)
     if every:
         extra = extra.where(or_(WeightVersion.version % every != 0, WeightVersion.manifest.is_(None)))
     return extra.distinct()

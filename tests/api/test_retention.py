@@ -246,3 +246,18 @@ def test_a_version_that_cannot_be_hard_linked_is_read_unpinned_and_leaves_no_cop
     assert store is blobs and (folder / "0.chunk").exists()  # releasing it deletes nothing of the version
     left = list((blobs.root / PINS).iterdir())
     assert not left, f"a pin that failed to link left {left} behind"
+
+
+def test_an_ended_lora_jobs_kept_base_does_not_bring_it_back_to_every_sweep(api, tmp_path):
+    """The base model a LoRA job's final adapter applies to is kept, but is not the final version: the ended
+    job matched the sweep's query on every pass for good (work that grows with every ended LoRA job)."""
+    from api.models import WeightVersion
+
+    _, job_id, _ = _train(api, tmp_path, steps=3, staleness=2, max_steps=3)
+    run_tick(api, now=utcnow() + timedelta(seconds=api.server.settings.learner_dead_after_s + 1))
+    with api.db.session() as s:
+        s.get(WeightVersion, (job_id, 3)).adapter_base = 2  # its final adapter applies to version 2
+        s.commit()
+        assert retention.sweep(s, api.server.app.state.blobs, every=0) == 1  # v1 goes, the base stays
+        assert _version_dirs(api, job_id) == {"v2", "v3"}
+        assert job_id not in s.scalars(retention._ended_with_extra_versions(0)).all()
