@@ -74,7 +74,9 @@ class Settings(BaseSettings):
     pay_window_s: float = Field(300.0, gt=0, description="Active time older than this that no rollout paid for "
                                 "is never paid.")
     trial_share: float = Field(0.25, gt=0, le=1, description="A worker with no measured output counts for at "
-                               "most this share of a job's needed throughput, whatever it claims.")
+                               "most this share of a job's needed throughput, whatever it claims; on a job a measured "
+                               "worker delivers for, so do all the workers on trial of a provider that has not "
+                               "delivered yet (or whose worker failed its trial lately) together.")
     delivery_grace_s: float = Field(120.0, gt=0, description="An activated worker that delivers nothing for this "
                                     "long is measured at zero throughput (and deactivated).")
     model_check: Literal["host", "names"] = Field("host", description="How a job's base model is checked at "

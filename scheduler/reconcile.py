@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
 from echo2.protocol import JobKind, JobStatus, PauseCause, RejectKind, TrustState, WorkerStatus
@@ -245,6 +245,7 @@ def _activate(db: Session, settings: Settings, now: datetime, trouble: Trouble) 
                         lambda job=job: job_profiles.setdefault(job.id, _job_profile(db, job)))
     jobs = [j for j in jobs if j.id in job_profiles]
     profiles = {w.id: _worker_profile(db, w, now, list(job_profiles.values()), settings) for w in workers}
+    _share_trials(db, workers, profiles, job_profiles, now, settings)
     stored = _state(db, "solver")
     config = SolverConfig(method=settings.solver, min_dwell_s=settings.min_dwell_s)
     decision = _decide(jobs, job_profiles, list(profiles.values()), now.timestamp(),
@@ -401,6 +402,42 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     return WorkerProfile(worker_id=worker.id, price_per_h=worker.price_per_hour, vram_gb=worker.vram_gb,
                          backends=frozenset(worker.backends), mu=mu, t_gen_s=t_gen, t_bcast_s=t_bcast,
                          perf_by_job=per_job)
+
+
+def _share_trials(db: Session, workers: list[Worker], profiles: dict[str, WorkerProfile],
+                  job_profiles: dict[str, JobProfile], now: datetime, settings: Settings) -> None:
+    """On a job a measured worker delivers for, the workers on trial of an unproven provider (none of its workers
+    has delivered a group, or one failed its trial lately) count together for at most `trial_share` of its need,
+    each for its share of that: else four fresh $0/h workers claiming any rate covered a job's whole need on claims
+    alone and pushed its delivering worker off it (its groups in flight lost), then four more once they failed. A
+    job no worker has delivered for yet is staffed on claims, a quarter of its need per worker, as before."""
+    on_trial: dict[str, list[str]] = {}
+    for w in workers:
+        if profiles[w.id].perf_by_job:
+            on_trial.setdefault(w.provider_id, []).append(w.id)
+    served = {w.job_id for w in workers if w.job_id in job_profiles and not profiles[w.id].perf_by_job
+              and profiles[w.id].mu > 0}
+    if not on_trial or not served:
+        return
+    for provider_id in _unproven(db, list(on_trial), now, settings):
+        ids = on_trial[provider_id]
+        for job_id in served:
+            cap = settings.trial_share * required_throughput(job_profiles[job_id])
+            claimed = sum(profiles[i].perf_by_job[job_id].mu for i in ids)
+            for i in ids if claimed > cap else ():
+                perf = profiles[i].perf_by_job[job_id]
+                profiles[i].perf_by_job[job_id] = replace(perf, mu=perf.mu * cap / claimed)
+
+
+def _unproven(db: Session, provider_ids: list[str], now: datetime, settings: Settings) -> list[str]:
+    """Providers none of whose workers (deleted ones too) has delivered an accepted group, or one of whose workers
+    failed its trial within the last TRIAL_RETRY grace periods."""
+    lately = now - timedelta(seconds=TRIAL_RETRY * settings.delivery_grace_s)
+    proven = set(db.scalars(select(Worker.provider_id).where(Worker.provider_id.in_(provider_ids))
+                            .group_by(Worker.provider_id)
+                            .having(func.max(Worker.accepted_rollouts) > 0,
+                                    func.coalesce(func.max(Worker.trial_failed_at), lately) <= lately)))
+    return [p for p in provider_ids if p not in proven]
 
 
 def _no_room(db: Session, worker: Worker) -> bool:
