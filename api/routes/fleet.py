@@ -91,6 +91,7 @@ def register_worker(body: WorkerRegister, provider: CurrentProvider, db: Session
                     **data)
     db.add(worker)
     db.flush()
+    trust.inherit_strikes(db, worker)
     _, plain = auth.issue_token(db, "worker", worker.id)
     db.commit()
     return WorkerRegistered(worker=WorkerRead.model_validate(worker), token=plain,

@@ -18,7 +18,8 @@ Providers answer for their workers. While one of a provider's workers is quarant
 watch: its other workers become suspects (every group audited), its new ones start on probation, and none
 of them becomes trusted until the watch ends; once a quarantined worker of it was deleted, a strike of a
 worker registered during the watch bans, as a strike after a quarantine does (the new worker may be the deleted
-one's replacement). A ban bans the provider: its other workers are banned with it and it registers no more.
+one's replacement). A new worker starts with the strikes of a worker of its provider that left with some, as a
+suspect (`inherit_strikes`). A ban bans the provider: its other workers are banned with it and it registers no more.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ RECOVER_AFTER = 20  # audits passed in a row that make a suspect trusted again
 # audit picked taken back; now such a cycle costs it ~500 audited honest groups (5,000 sent while trusted).
 FORGIVE_AFTER = 500
 STRIKES_TO_QUARANTINE = 2
+# How long a worker that left with strikes passes them to its provider's new workers (and has its pay clawed back
+# with theirs): a provider waiting this long between two forging machines has one forge one trust window each.
+INHERIT_DAYS = 7
 
 
 def audit_rate(worker: Worker, settings: Settings) -> float:
@@ -170,6 +174,28 @@ def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audi
         _watch(db, worker, why)
 
 
+def inherit_strikes(db: Session, worker: Worker) -> None:
+    """A provider's new worker starts with the strikes of a worker of it that left with some (`_struck_and_gone`), as
+    a suspect: a provider that deleted its struck worker and registered another was one strike from quarantine no
+    more, and forged again once the new one was trusted."""
+    left = _struck_and_gone(db, worker)
+    if not left:
+        return
+    first = max(left, key=lambda w: w.strikes)
+    worker.strikes, worker.trust = first.strikes, TrustState.suspect
+    worker.trust_reason = (f"worker {first.id} of its provider left with {first.strikes} "
+                           f"strike{'s' if first.strikes > 1 else ''}: {first.trust_reason or ''}")[:512]
+
+
+def _struck_and_gone(db: Session, worker: Worker) -> list[Worker]:
+    """The provider's other workers that left (deleted, or gone offline) with strikes, within INHERIT_DAYS."""
+    since = utcnow() - timedelta(days=INHERIT_DAYS)
+    return list(db.scalars(select(Worker).where(
+        Worker.provider_id == worker.provider_id, Worker.id != worker.id, Worker.strikes > 0,
+        Worker.status.in_((WorkerStatus.offline, WorkerStatus.deregistered)),
+        func.coalesce(Worker.last_heartbeat_at, Worker.created_at) >= since).order_by(Worker.id)))
+
+
 def _replaces(db: Session, worker: Worker, settings: Settings) -> bool:
     """Whether the worker may stand in for a quarantined worker its provider deleted: registered since the provider
     was put on watch (the newest quarantine began), while a worker of it deregistered in quarantine. A provider
@@ -249,6 +275,8 @@ def _shut_out(db: Session, worker: Worker, state: TrustState, reason: str) -> No
     unassign(db, worker)
     discard_queued(db, worker.id, f"sender {state.value}")
     claw_back(db, worker, f"worker {state.value}: {reason}")
+    for gone in _struck_and_gone(db, worker):  # the strikes it may have inherited: their forged groups were paid
+        claw_back(db, gone, f"worker {worker.id} of its provider {state.value}, after this one left struck: {reason}")
 
 
 def discard_queued(db: Session, worker_id: str, reason: str) -> int:

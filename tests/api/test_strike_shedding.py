@@ -1,0 +1,120 @@
+"""A rational cheating provider sheds a worker's strike by deleting the worker and registering a
+fresh one. Attack 20 (turn honest at each strike) was closed by keeping a strike for 500 clean audits
+(trust.FORGIVE_AFTER); `_replaces` closed replacing a *quarantined* worker. A worker deleted while it is only a
+suspect (one strike) is not covered: the provider's next machine starts on probation with no strike, is trusted
+after 5 honest groups, and forges again. Two strikes from one provider's machines, one after the other, never
+quarantine anyone, and the forged groups no audit picked stayed paid. A provider's new worker now starts with the
+strikes of a worker of it that left with strikes (deleted, or gone offline), as a suspect (RELIABILITY attack 30)."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+
+from api.models import LedgerEntry
+from tests.api.test_audit_gaming import _bill, _group, _working
+from tests.factories import (
+    activate,
+    fake_model_folder,
+    new_provider,
+    new_user,
+    new_worker,
+    ok,
+    running_job,
+    step_report,
+)
+
+
+def test_a_provider_cannot_shed_a_strike_by_deleting_the_struck_worker_and_registering_another(api, tmp_path):
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=64, max_steps=1000,
+                               num_prompts=400, grpo={"group_size": 2, "prompts_per_step": 64})
+    jid = job["id"]
+    _, provider = new_provider(api, "mallory-gpu")
+    forged: set[str] = set()
+    state = {"step": 0}
+
+    def send(worker, forge: bool) -> None:
+        """One group, claimed at once, audited if the control plane picked it (an honest learner: a forged group
+        fails), and trained in its own step: forged groups no audit picked are trained and paid."""
+        step = state["step"]
+        lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0}), 201)
+        out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts",
+                             json={"groups": [_group(lease["prompts"][0], 0, forged=forge, finish="stop")]}))
+        rid = out["results"][0]["rollout_id"]
+        assert out["results"][0]["status"] == "accepted", out
+        if forge:
+            forged.add(rid)
+        claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 64}))["groups"]
+        kept, failed = [], []
+        for g in claimed:
+            bad = g["rollout_id"] in forged
+            if g["audit"]:
+                ok(learner.post(f"/v1/jobs/{jid}/learner/audits", json={"step": step, "audits": [
+                    {"rollout_id": g["rollout_id"], "passed": not bad, "stats": {"tokens": 6.0},
+                     "reason": "replay: tokens the claimed version does not draw" if bad else None}]}))
+            (failed if g["audit"] and bad else kept).append(g["rollout_id"])
+        ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(
+            step, kept, rejected=[{"rollout_id": r, "reason": "failed its audit"} for r in failed])))
+        _bill(api, 60.0)
+        state["step"] += 1
+
+    def trust(wid, worker) -> str:
+        return ok(worker.get(f"/v1/workers/{wid}"))["trust"]
+
+    def cycle(name: str) -> tuple:
+        wid, worker = new_worker(api, provider, name)
+        activate(api, wid, jid)
+        _working(api, wid)
+        for _ in range(25):  # probation (or, with a strike, suspect), honestly, until trusted
+            send(worker, False)
+            if trust(wid, worker) == "trusted":
+                break
+        assert trust(wid, worker) == "trusted"
+        while trust(wid, worker) == "trusted":  # forge until an audit catches it
+            send(worker, True)
+        return wid, worker
+
+    first, _ = cycle("machine-1")
+    assert ok(provider.get(f"/v1/workers/{first}"))["trust"] == "suspect"
+    assert provider.delete(f"/v1/workers/{first}").status_code == 204  # the struck machine "was decommissioned"
+    fresh = ok(provider.post("/v1/workers", json={"name": "machine-2", "vram_gb": 16}), 201)["worker"]
+    assert fresh["trust"] == "suspect" and "left with 1 strike" in fresh["trust_reason"]
+    assert provider.delete(f"/v1/workers/{fresh['id']}").status_code == 204
+    second, worker2 = cycle("machine-3")  # a fresh machine: the strike it inherits is its first
+
+    me = ok(provider.get("/v1/providers/me"))
+    with api.db.session() as s:
+        entries = s.scalars(select(LedgerEntry).where(LedgerEntry.provider_id == me["id"])).all()
+        kept = {r for e in entries if e.kind == "worker" and e.clawed_back_by is None for r in e.rollout_ids}
+        kept_usd = sum(e.amount_usd for e in entries if e.kind == "worker" and e.clawed_back_by is None)
+    paid_forged = forged & kept
+    assert trust(second, worker2) in ("quarantined", "banned") and not paid_forged, (
+        f"two strikes of the provider's machines, the first deleted while suspect: the second machine is "
+        f"{trust(second, worker2)}, provider watch_until={me['watch_until']}, and {len(paid_forged)} forged groups "
+        f"(of {len(forged)}) stay paid; provider keeps ${kept_usd:.2f}")
+
+
+def test_only_strikes_of_workers_that_left_lately_pass_to_a_new_worker(api):
+    from datetime import timedelta
+
+    from api.models import Worker, utcnow
+    from api.services.trust import INHERIT_DAYS
+
+    _, provider = new_provider(api, "honest-gpu")
+
+    def worker(name: str, strikes: int, status: str, last_beat_days_ago: float) -> str:
+        wid, _ = new_worker(api, provider, name)
+        with api.db.session() as s:
+            w = s.get_one(Worker, wid)
+            w.strikes, w.status, w.trust_reason = strikes, status, "failed its audit"
+            w.last_heartbeat_at = utcnow() - timedelta(days=last_beat_days_ago)
+            s.commit()
+        return wid
+
+    worker("working-struck", 1, "active", 0)  # still at work: its strike is its own
+    worker("left-long-ago", 1, "deregistered", INHERIT_DAYS + 1)
+    fresh = ok(provider.post("/v1/workers", json={"name": "new", "vram_gb": 16}), 201)["worker"]
+    assert fresh["trust"] == "probation"
+    gone = worker("gone-offline", 1, "offline", 1)
+    fresh = ok(provider.post("/v1/workers", json={"name": "newer", "vram_gb": 16}), 201)["worker"]
+    assert fresh["trust"] == "suspect" and fresh["trust_reason"].startswith(f"worker {gone} of its provider left")
