@@ -16,8 +16,10 @@
    older, and may be worse for that alone). In the direction a cheat moves them (rewards lower: picked worst
    samples; lengths shorter: cut short; repeats more often: copied), a Welch z beyond FLEET_Z, with at least
    FLEET_MIN_GROUPS groups on each side, makes the worker a suspect (every group audited, its reason says
-   why): a statistic points, the replay proves. It costs an honest worker audits, never money. (Directional,
-   so that beside one bad worker the good ones, above the rest, are not flagged too.)
+   why): a statistic points, the replay proves. Only fair draws of the job's prompts count (`_first_draws`): a
+   worker that hands back the prompts it finds hard chose what it sent, and gave the others what it left. It
+   costs an honest worker audits, never money. (Directional, so that beside one bad worker the good ones, above
+   the rest, are not flagged too.)
 
 False-alarm rates of both, measured on honest fleets, are in docs/RELIABILITY.md ("Evidence").
 """
@@ -27,13 +29,14 @@ from __future__ import annotations
 import math
 import statistics
 from collections import defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from echo2.protocol import Precision, RolloutStatus, TrustState
-from sqlalchemy import select
+from sqlalchemy import Row, func, select
 from sqlalchemy.orm import Session
 
-from ..models import Rollout, Worker
+from ..models import Lease, Prompt, Rollout, Worker
 from ..settings import Settings
 from . import trust
 
@@ -81,9 +84,11 @@ def compare_fleet(db: Session, job_id: str, step: int) -> list[str]:
     become suspects. Returns their ids."""
     if step % FLEET_EVERY:
         return []
-    rows = db.execute(select(Rollout.worker_id, Rollout.version, Rollout.rewards, Rollout.samples, Rollout.suspicion)
-                      .where(Rollout.job_id == job_id, Rollout.status == RolloutStatus.trained)
-                      .order_by(Rollout.trained_step.desc(), Rollout.id).limit(FLEET_WINDOW)).all()
+    rows = _first_draws(db, db.execute(
+        select(Rollout.worker_id, Rollout.version, Rollout.rewards, Rollout.samples, Rollout.suspicion,
+               Rollout.lease_id, Rollout.prompt_id)
+        .where(Rollout.job_id == job_id, Rollout.status == RolloutStatus.trained)
+        .order_by(Rollout.trained_step.desc(), Rollout.id).limit(FLEET_WINDOW)).all())
     measures = {("reward", -1): [_mean(r.rewards) for r in rows],
                 ("length", -1): [_mean(len(s["token_ids"]) for s in r.samples) for r in rows],
                 ("repeats", 1): [float(r.suspicion is not None) for r in rows]}
@@ -94,6 +99,20 @@ def compare_fleet(db: Session, job_id: str, step: int) -> list[str]:
             worker.trust, worker.trust_reason = TrustState.suspect, f"fleet comparison on job {job_id}: {why}"[:512]
             flagged.append(worker_id)
     return flagged
+
+
+def _first_draws(db: Session, rows: Sequence[Row[Any]]) -> list[Row[Any]]:
+    """The groups that are a fair draw of the job's prompts: of a prompt never handed back, sent on a lease that
+    got a group for every prompt it held. A worker that sends the groups of the prompts it finds easy and hands the
+    hard ones back (a blameless release) chose its groups, and gave the next worker's lease the hard prompts: the
+    comparison of both would frame the honest one."""
+    returned = set(db.scalars(select(Prompt.id).where(Prompt.id.in_({r.prompt_id for r in rows}),
+                                                      Prompt.attempts > 0)))
+    leases = {r.lease_id for r in rows}
+    held = {i: ids for i, ids in db.execute(select(Lease.id, Lease.prompt_ids).where(Lease.id.in_(leases)))}
+    sent = {i: n for i, n in db.execute(select(Rollout.lease_id, func.count()).where(Rollout.lease_id.in_(leases))
+                                        .group_by(Rollout.lease_id))}
+    return [r for r in rows if r.prompt_id not in returned and sent.get(r.lease_id, 0) >= len(held[r.lease_id])]
 
 
 def _outliers(workers: list[str], versions: list[int],
