@@ -4,7 +4,8 @@ Held-out prompts are chosen when the job is created and stored as prompts in sta
 never leases (pool.py takes "available" prompts only), so no worker generates for them and the learner
 never trains on them. A synthetic task supplies them itself, disjoint from its training problems by
 construction (TaskAdapter.eval_prompts); a dataset or inline prompts give up `eval.fraction` of their
-items (at most `eval.size`, chosen by the job's seed), or none when that is less than one item.
+distinct prompts (at most `eval.size`, chosen by the job's seed; every copy of a repeated prompt goes), or none
+when that is less than one.
 
 The learner evaluates (learner/evaluate.py): on the trusted side, on exactly the weights of a version,
 with references workers never see.
@@ -12,6 +13,7 @@ with references workers never see.
 
 from __future__ import annotations
 
+import json
 import math
 import random
 from typing import Any
@@ -23,16 +25,28 @@ from sqlalchemy.orm import Session
 from ..errors import ApiError
 from ..models import EvalResult, Job, Prompt
 
+Item = tuple[str, str | None, Any]  # a prompt's text, reference and chat context
 
-def split_items(items: list[Any], spec: JobSpec) -> tuple[list[Any], list[Any]]:
-    """(training items, held-out items) of a dataset or inline prompts."""
-    held = min(spec.eval.size, math.floor(spec.eval.fraction * len(items)))
+
+def split_items(items: list[Item], spec: JobSpec) -> tuple[list[Item], list[Item]]:
+    """(training items, held-out items) of a dataset or inline prompts, items (text, reference, context). Distinct
+    prompts are held out, not item positions: a prompt the items repeat is held out whole (evaluated once) or not at
+    all, else "held-out" accuracy would be measured on a prompt the job trains on."""
+    first: dict[str, Item] = {}  # each distinct prompt (text and chat context): its first item
+    for item in items:
+        first.setdefault(_prompt_key(item), item)
+    held = min(spec.eval.size, math.floor(spec.eval.fraction * len(first)))
     if held < 1:
         return items, []
-    order = list(range(len(items)))
+    order = list(first)
     random.Random(spec.seed).shuffle(order)
     out = set(order[:held])
-    return [x for i, x in enumerate(items) if i not in out], [items[i] for i in sorted(out)]
+    return [x for x in items if _prompt_key(x) not in out], [x for k, x in first.items() if k in out]
+
+
+def _prompt_key(item: Item) -> str:
+    text, _, context = item
+    return json.dumps([text, context], sort_keys=True)
 
 
 def prompts(db: Session, job_id: str) -> list[EvalPrompt]:

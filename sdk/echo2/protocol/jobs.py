@@ -137,8 +137,9 @@ class EvalConfig(Model):
 
     size: int = Field(64, ge=0, le=4096, description="Held-out prompts evaluated (0: no evaluation).")
     every: int = Field(10, ge=0, le=100_000, description="Evaluate every this many steps (0: only before and after).")
-    fraction: float = Field(0.1, gt=0, lt=1, description="For a dataset or inline prompts: the share of items held "
-                            "out (at most `size`). Synthetic tasks generate held-out problems disjoint from the "
+    fraction: float = Field(0.1, gt=0, lt=1, description="For a dataset or inline prompts: the share of distinct "
+                            "prompts held out (at most `size`; every copy of a repeated prompt is held out or none "
+                            "is). Synthetic tasks generate held-out problems disjoint from the "
                             "training ones by construction.")
 
 
