@@ -357,6 +357,8 @@ def build_trainer(spec: JobSpec, model_path: str, opt: LearnerOptions, world: So
         model = with_adapter(model, spec.lora)
     trainer = GRPOTrainer(world.wrap(model, dtype), tokenizer, spec, reference, world)
     trainer.weights = _versions(trainer.model, tokenizer, spec, model_path, dtype, world)
+    if reference is not None and spec.lora is None:
+        _as_version_0(reference, trainer)
     return trainer, checkpoint.load_latest(checkpoints, trainer.model, trainer.optimizer, trainer.scheduler, world)
 
 
@@ -381,6 +383,16 @@ def _reference(model: Any, spec: JobSpec) -> Any:
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+def _as_version_0(reference: Any, trainer: GRPOTrainer) -> None:
+    """The KL reference holds version 0 as published: a single process publishes its masters rounded its own way
+    (dithered bf16 is not the nearest rounding the reference got), and a reference that is not version 0 pulls the
+    policy towards a model nobody published. A sharded learner publishes the nearest rounding, as the reference has."""
+    if isinstance(trainer.world, Sharded):
+        return
+    with torch.no_grad(), trainer.weights.computing():
+        reference.load_state_dict(trainer.model.state_dict())
 
 
 def _kept(groups: list[ClaimedGroup], result: StepResult) -> list[str]:

@@ -25,7 +25,9 @@ of the sampled token under three policies, all computed as log softmax(logits / 
    to inf and make the loss inf.) Every token has weight v_{i,t} = 1.
    b. correction = "tis" | "mis" | "icepop" (decoupled: the ratio against the learner's own policy, a
    separate weight against the behaviour). logold_{i,t} = logp_{i,t} without its gradient: the learner's
-   logprob before the step, on the weights it publishes (learner/rounding.py); for a fresh sample that is
+   logprob before the step, on the weights it publishes (learner/rounding.py; a model that drops out in
+   training, as a LoRA adapter with `dropout` does, computes it in a pass without dropout, as it samples,
+   and 2a's rho takes its value from it too: exp(logp - sg(logp) + logold - logq)); for a fresh sample that is
    the learner's recomputation of the behaviour version, so the weight below corrects exactly the
    train/sample mismatch (another engine, another precision); for a stale one it also corrects the s steps
    of drift. With H = correction_high, L = correction_low:
@@ -189,6 +191,7 @@ def grpo_loss(
     ref_logprobs: torch.Tensor | None = None,
     denominator: float | None = None,
     outside: torch.Tensor | None = None,
+    old_logprobs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Steps 2-6 for a [B, T] batch of completion tokens; returns (scalar loss, stats). `staleness` is
     [B] (one per sample) or [B, T] (one per token: partial rollouts). `outside` [B, T] marks tokens outside
@@ -205,8 +208,9 @@ def grpo_loss(
         denominator = loss_denominator(completion_mask, keep, cfg)
     adv = advantages.to(logprobs.dtype).unsqueeze(-1)
     per_token = staleness if staleness.dim() == 2 else staleness.unsqueeze(-1).expand_as(logprobs)
-    ratio, capped = _ratio(logprobs, behaviour_logprobs, per_token, cfg)
-    weight = _Weight.of(logprobs.detach() - behaviour_logprobs, completion_mask, cfg, outside)
+    old = logprobs.detach() if old_logprobs is None else old_logprobs
+    ratio, capped = _ratio(logprobs, old, behaviour_logprobs, per_token, cfg)
+    weight = _Weight.of(old - behaviour_logprobs, completion_mask, cfg, outside)
     unclipped = ratio * adv
     clipped = torch.clamp(ratio, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high) * adv
     token_loss = -weight.value * torch.minimum(unclipped, clipped)
@@ -224,12 +228,13 @@ def grpo_loss(
     return loss, stats
 
 
-def _ratio(logprobs: torch.Tensor, behaviour: torch.Tensor, staleness: torch.Tensor,
+def _ratio(logprobs: torch.Tensor, old: torch.Tensor, behaviour: torch.Tensor, staleness: torch.Tensor,
            cfg: ObjectiveConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """Step 2a or 2b's rho, and where 2a's cap bound it."""
+    """Step 2a or 2b's rho, and where 2a's cap bound it: its value from logold, its gradient from logprobs (the
+    same but for a model that drops out in training)."""
     if cfg.correction != "none":
         return torch.exp(logprobs - logprobs.detach()), torch.zeros_like(logprobs, dtype=torch.bool)
-    log_ratio = logprobs - behaviour
+    log_ratio = logprobs - logprobs.detach() + old - behaviour
     cap = torch.where(staleness > 0, cfg.ratio_cap, FRESH_CAP).to(log_ratio).log()
     capped = log_ratio > cap
     return torch.exp(torch.where(capped, cap, log_ratio)), capped
@@ -240,6 +245,7 @@ class _Weight:
     """Step 2b's weight v of each token (1 under "none"), and what bounded it."""
 
     log_w: torch.Tensor  # lw of each token (its sample's at level "sequence"), clamped to +-LW_CLAMP
+    token_log_w: torch.Tensor  # lw of each token at either level, clamped: step 6's kl
     value: torch.Tensor  # v
     clipped: torch.Tensor  # bool: truncated (tis)
     masked: torch.Tensor  # bool: weight 0 (mis, icepop, outside the support)
@@ -247,10 +253,10 @@ class _Weight:
     @classmethod
     def of(cls, log_w: torch.Tensor, mask: torch.Tensor, cfg: ObjectiveConfig,
            outside: torch.Tensor | None) -> _Weight:
-        log_w = log_w * mask
+        log_w = token_log_w = log_w * mask
         if cfg.correction_level == "sequence":
             log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
-        log_w = log_w.clamp(-LW_CLAMP, LW_CLAMP)
+        log_w, token_log_w = log_w.clamp(-LW_CLAMP, LW_CLAMP), token_log_w.clamp(-LW_CLAMP, LW_CLAMP)
         high, low = math.log(cfg.correction_high), math.log(cfg.correction_low)
         none = torch.zeros_like(log_w, dtype=torch.bool)
         clipped = log_w > high if cfg.correction == "tis" else none
@@ -258,7 +264,7 @@ class _Weight:
         if outside is not None:
             masked = masked | outside
         value = torch.ones_like(log_w) if cfg.correction == "none" else torch.exp(log_w.clamp(max=high))
-        return cls(log_w, torch.where(masked, torch.zeros_like(value), value), clipped, masked)
+        return cls(log_w, token_log_w, torch.where(masked, torch.zeros_like(value), value), clipped, masked)
 
 
 @torch.no_grad()
@@ -284,8 +290,8 @@ def mismatch_keys(max_staleness: int) -> list[str]:
 def mismatch_sums(weight: _Weight, capped: torch.Tensor, valid: torch.Tensor, staleness: torch.Tensor,
                   cfg: ObjectiveConfig) -> dict[str, float]:
     """Step 6's sums for one micro-batch, per staleness 0..max_staleness (larger staleness: the last)."""
-    lw = weight.log_w.double()
-    k3 = torch.expm1(lw) - lw
+    lw, token_lw = weight.log_w.double(), weight.token_log_w.double()
+    k3 = torch.expm1(token_lw) - token_lw  # each token's own, at level "sequence" too
     bounded = weight.clipped | capped
     stale = staleness.round().long().clamp(0, cfg.max_staleness)
     # ess units: every token, or (level "sequence") each sample once, on its first token, as stale as its oldest

@@ -61,7 +61,9 @@ class PaddedBatch:
         am = self.attention_mask[idx]
         cm = self.completion_mask[idx]
         first = int(am[:, : self.prompt_len].sum(-1).max())
-        last = int(cm.sum(-1).max()) if cm.numel() else 0
+        # Completions are right-padded: their attention counts every token, a multi-turn row's environment turns
+        # too (its completion mask does not, and its last model turn comes after them).
+        last = int(am[:, self.prompt_len:].sum(-1).max()) if cm.numel() else 0
         left = self.prompt_len - first
         right = self.prompt_len + max(last, 1)
         return PaddedBatch(
@@ -300,8 +302,9 @@ def grpo_update(
     every rank drops the same groups.
     """
     settings = None if support is None else RowSettings.of([(temperature, *support)], "cpu")
+    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
     pass_ = _Pass(model, ref_model, cfg, temperature, max_tokens_per_micro_batch, grad_clip, world or Solo(),
-                  computing, settings)
+                  computing, settings, dropout)
     plan = _plan(rollouts, cfg, pad_id, exclude=set())
     stats: dict[str, Any] = {"stepped": 0.0, "dropped_groups": float(plan.dropped),
                              "kept_samples": float(len(plan.rows)), "poisoned_groups": [], "mismatch": []}
@@ -362,6 +365,7 @@ class _Pass:
     world: Solo
     computing: Callable[[], AbstractContextManager[None]] = nullcontext
     support: RowSettings | None = None  # the sampler's settings, to replay its support (one row)
+    dropout: bool = False  # the model drops out in training (a LoRA adapter's dropout): logold needs its own pass
 
     def backward(self, plan: _Plan, rows: list[int]) -> tuple[dict[str, float], float]:
         """Returns the summed stats (over ranks) and the gradient norm before clipping."""
@@ -383,22 +387,32 @@ class _Pass:
     def _loss(self, plan: _Plan, rows: list[int], device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
         mb = plan.batch.select(rows).to(device)
         behaviour = plan.behaviour[rows, : mb.completion_len].to(device)
-        outside = None
         with _autocast(device):
-            if self.support is None:
-                logprobs = completion_logprobs(self.model, mb, temperature=self.temperature)
-            else:  # objective.py step 2c: both over the replayed support; its mass cancels in the ratio
-                logprobs, log_mass, outside = support_logprobs(self.model, mb, self.support)
-                logprobs, behaviour = logprobs - log_mass, behaviour - log_mass.detach()
-            ref = None
-            if self.ref_model is not None:
-                with torch.no_grad():
-                    ref = completion_logprobs(self.ref_model, mb, temperature=self.temperature)
+            logprobs, log_mass, outside = self._logprobs(self.model, mb)
+            behaviour = behaviour - log_mass.detach()  # step 2c: its mass cancels in the ratio
+            old = ref = None
+            with torch.no_grad():
+                if self.dropout:  # logold is the published weights', which sample with no dropout
+                    self.model.eval()
+                    old = self._logprobs(self.model, mb)[0].float()
+                    self.model.train()
+                if self.ref_model is not None:  # over its own replayed support, as the policy's
+                    ref = self._logprobs(self.ref_model, mb)[0].float()
         return grpo_loss(
             logprobs.float(), behaviour, plan.advantages[rows].to(device), mb.completion_mask,
             plan.staleness[rows, : mb.completion_len].to(device), self.cfg,
-            ref_logprobs=None if ref is None else ref.float(), denominator=plan.denominator, outside=outside,
+            ref_logprobs=ref, denominator=plan.denominator, outside=outside, old_logprobs=old,
         )
+
+    def _logprobs(self, model: torch.nn.Module, mb: PaddedBatch
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """(logprobs, log-mass, outside): over the whole vocabulary (mass 0, nothing outside), or with support
+        replay (objective.py step 2c) renormalised over the sampler's support."""
+        if self.support is None:
+            logprobs = completion_logprobs(model, mb, temperature=self.temperature)
+            return logprobs, torch.zeros_like(logprobs), None
+        logprobs, log_mass, outside = support_logprobs(model, mb, self.support)
+        return logprobs - log_mass, log_mass, outside
 
 
 def _poisoned_groups(pass_: _Pass, plan: _Plan, group_ids: Sequence[int]) -> set[int]:

@@ -208,7 +208,8 @@ class GRPOTrainer:
         if not self.spec.trace_logprobs or self.world.size > 1:
             return
         g = self.spec.grpo
-        values = learner_logprobs(self.model, rows, self.pad_id, g.temperature, g.micro_batch_tokens)
+        with self.weights.computing():  # the published weights, which the objective's ratio uses
+            values = learner_logprobs(self.model, rows, self.pad_id, g.temperature, g.micro_batch_tokens)
         for gi, row in zip(rows.group_ids, values, strict=True):
             result.learner_logprobs.setdefault(groups[gi].rollout_id, []).append(row)
 
