@@ -14,6 +14,7 @@ checked by the learner, which re-scores a share of the groups (learner/audit.py)
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -45,6 +46,7 @@ from . import archive, episodes, trust
 from .jobs import spec_of
 from .pool import return_prompts, set_aside_failing
 
+TEMPLATE_TOKENS = 1024  # a chat template's own tokens around a prompt, at most (generous: ~50 in common ones)
 HONEST_MISS = 1e-9  # chance an honest sampler draws a token below the logprob floor, per token
 
 
@@ -155,6 +157,10 @@ def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: 
     size, max_new = (own.n, own.max_tokens) if own else (spec.grpo.group_size, spec.grpo.max_new_tokens)
     if len(group.samples) != size:
         return f"group has {len(group.samples)} samples, but {size} were asked for (the group size)"
+    bound = _prompt_bound(prompt) if prompt is not None and prompt.token_ids is None else None
+    if bound is not None and len(group.prompt_token_ids) > bound:
+        return (f"{len(group.prompt_token_ids)} prompt tokens, more than its text and context could encode to "
+                f"({bound}: a token per byte, and {TEMPLATE_TOKENS} for the chat template)")
     vocab = job.vocab_size
     if vocab is not None and max(group.prompt_token_ids) >= vocab:
         return f"prompt token id {max(group.prompt_token_ids)} is outside the vocabulary (size {vocab})"
@@ -164,6 +170,13 @@ def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: 
         if problem:
             return f"sample {k}: {problem}"
     return None
+
+
+def _prompt_bound(prompt: Prompt) -> int:
+    """The most tokens a text prompt can encode to: tokenizers spend at least a byte of text a token (byte-level BPE,
+    or SentencePiece's byte fallback), and a chat template adds its own (roles, a default system prompt)."""
+    context = json.dumps(prompt.context).encode() if prompt.context else b""
+    return len(prompt.text.encode()) + len(context) + TEMPLATE_TOKENS
 
 
 def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit, eos: list[Any] | None,

@@ -108,3 +108,17 @@ def test_a_forged_group_on_a_lease_its_worker_released_is_a_strike_and_a_real_on
     kinds = {r["prompt_id"]: (r["reject_kind"], r["fault"])
              for r in ok(alice.get(f"/v1/jobs/{job['id']}/rollouts"))["items"]}
     assert kinds[late["prompt_id"]] == ("lease_ended", "late") and kinds[forged["prompt_id"]] == ("invalid", "worker")
+
+
+def test_prompt_tokens_no_text_could_encode_to_are_refused_with_a_strike(api, door):
+    """The door never bounded a text prompt's tokens but by the protocol's 32,768: a worker sent 32,768 junk ids for
+    a prompt of a few words, on a lease it released (late, no strike), and each such group was stored in full. A
+    prompt encodes to at most a token per byte of its text and context, plus its chat template's own; a strike
+    each, as for any invalid group, so a worker stores two such groups before its quarantine."""
+    job, alice, wid, worker, lease = door
+    ok(worker.post(f"/v1/leases/{lease['id']}/release"))
+    group = {"prompt_id": lease["prompts"][0]["prompt_id"], "version": 0, "prompt_token_ids": [1] * 32_768,
+             "samples": [sample(), sample()]}
+    out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
+    assert out["status"] == "rejected" and "more than its text and context could encode to" in out["reason"]
+    assert ok(api.admin.get(f"/v1/workers/{wid}"))["trust"] == "suspect"
