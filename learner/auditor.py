@@ -138,7 +138,7 @@ class Auditor:
 
 
 def compute_dtype(device: torch.device) -> torch.dtype:
-    """What the learner computes in on `device` (policy._autocast): bfloat16 on a GPU that has it."""
+    """What the learner computes in on `device` (policy.autocast): bfloat16 on a GPU that has it."""
     return torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
 
 

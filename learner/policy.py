@@ -387,7 +387,7 @@ class _Pass:
     def _loss(self, plan: _Plan, rows: list[int], device: torch.device) -> tuple[torch.Tensor, dict[str, float]]:
         mb = plan.batch.select(rows).to(device)
         behaviour = plan.behaviour[rows, : mb.completion_len].to(device)
-        with _autocast(device):
+        with autocast(device):
             logprobs, log_mass, outside = self._logprobs(self.model, mb)
             behaviour = behaviour - log_mass.detach()  # step 2c: its mass cancels in the ratio
             old = ref = None
@@ -427,8 +427,8 @@ def _finite(totals: dict[str, float], grad_norm: float) -> bool:
     return math.isfinite(grad_norm) and all(math.isfinite(v) for v in totals.values())
 
 
-def _autocast(device: torch.device) -> torch.autocast:
-    """bf16 compute on CUDA (master weights stay fp32); plain fp32 elsewhere."""
+def autocast(device: torch.device) -> torch.autocast:
+    """What the step computes in: bf16 on CUDA (master weights stay fp32); plain fp32 elsewhere."""
     use_bf16 = device.type == "cuda" and torch.cuda.is_bf16_supported()
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=use_bf16)
 

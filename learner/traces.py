@@ -2,8 +2,9 @@
 beside each token's behaviour logprob (the worker's), it shows where the sampler and the trainer disagree.
 
 Computed under the weights the step starts from, which is what the objective's importance ratio compares the
-behaviour logprobs with, in one forward pass without gradients (about a third of a step's compute; the job's
-`trace_logprobs` turns it off), micro-batched like the step itself.
+behaviour logprobs with, and in the step's compute (bf16 autocast on a GPU), in one forward pass without
+gradients (about a third of a step's compute; the job's `trace_logprobs` turns it off), micro-batched like the
+step itself.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import Any
 import torch
 from echo2.protocol import MIN_LOGPROB
 
-from .policy import Rollouts, completion_logprobs, micro_batches, pad_batch
+from .policy import Rollouts, autocast, completion_logprobs, micro_batches, pad_batch
 
 DIGITS = 4  # stored rounded: the trace shows them, nothing computes with them
 
@@ -30,7 +31,8 @@ def learner_logprobs(model: Any, rows: Rollouts, pad_id: int, temperature: float
         for chunk in micro_batches(lengths, max_tokens):
             batch = pad_batch([rows.prompt_ids[i] for i in chunk], [rows.completion_ids[i] for i in chunk],
                               pad_id).to(device)
-            values = completion_logprobs(model, batch, temperature=temperature).float().cpu()
+            with autocast(device):  # the step's own compute: bf16 on a GPU
+                values = completion_logprobs(model, batch, temperature=temperature).float().cpu()
             for k, i in enumerate(chunk):
                 n = len(rows.completion_ids[i])
                 out[i] = [round(max(MIN_LOGPROB, min(0.0, v)), DIGITS) for v in values[k, :n].tolist()]
