@@ -46,7 +46,9 @@ from . import archive, episodes, trust
 from .jobs import spec_of
 from .pool import return_prompts, set_aside_failing
 
-TEMPLATE_TOKENS = 1024  # a chat template's own tokens around a prompt, at most (generous: ~50 in common ones)
+# A chat template's own tokens around a prompt, at most: ~50 in common ones, some thousands with a long default
+# system prompt (a style guide, tool descriptions); a 1,024 bound refused every honest group of such a model.
+TEMPLATE_TOKENS = 8192
 HONEST_MISS = 1e-9  # chance an honest sampler draws a token below the logprob floor, per token
 
 
