@@ -16,8 +16,9 @@
    older, and may be worse for that alone). In the direction a cheat moves them (rewards lower: picked worst
    samples; lengths shorter: cut short; repeats more often: copied), a Welch z beyond FLEET_Z, with at least
    FLEET_MIN_GROUPS groups on each side, makes the worker a suspect (every group audited, its reason says
-   why): a statistic points, the replay proves. Only fair draws of the job's prompts count (`_first_draws`): a
-   worker that hands back the prompts it finds hard chose what it sent, and gave the others what it left. It
+   why): a statistic points, the replay proves. Prompts someone handed back are left out, and a worker is judged
+   against the others' fair draws only (`_drawn`): one that hands back the prompts it finds hard chose what it
+   sent, and gave the others what it left. It
    costs an honest worker audits, never money. (Directional, so that beside one bad worker the good ones, above
    the rest, are not flagged too.)
 
@@ -84,16 +85,17 @@ def compare_fleet(db: Session, job_id: str, step: int) -> list[str]:
     become suspects. Returns their ids."""
     if step % FLEET_EVERY:
         return []
-    rows = _first_draws(db, db.execute(
+    rows = db.execute(
         select(Rollout.worker_id, Rollout.version, Rollout.rewards, Rollout.samples, Rollout.suspicion,
                Rollout.lease_id, Rollout.prompt_id)
         .where(Rollout.job_id == job_id, Rollout.status == RolloutStatus.trained)
-        .order_by(Rollout.trained_step.desc(), Rollout.id).limit(FLEET_WINDOW)).all())
+        .order_by(Rollout.trained_step.desc(), Rollout.id).limit(FLEET_WINDOW)).all()
+    rows, fair = _drawn(db, rows)
     measures = {("reward", -1): [_mean(r.rewards) for r in rows],
                 ("length", -1): [_mean(len(s["token_ids"]) for s in r.samples) for r in rows],
                 ("repeats", 1): [float(r.suspicion is not None) for r in rows]}
     flagged = []
-    for worker_id, why in _outliers([r.worker_id for r in rows], [r.version for r in rows], measures).items():
+    for worker_id, why in _outliers([r.worker_id for r in rows], [r.version for r in rows], measures, fair).items():
         worker = db.get(Worker, worker_id, with_for_update=True)
         if worker is not None and worker.trust in (TrustState.trusted, TrustState.probation):
             worker.trust, worker.trust_reason = TrustState.suspect, f"fleet comparison on job {job_id}: {why}"[:512]
@@ -101,33 +103,39 @@ def compare_fleet(db: Session, job_id: str, step: int) -> list[str]:
     return flagged
 
 
-def _first_draws(db: Session, rows: Sequence[Row[Any]]) -> list[Row[Any]]:
-    """The groups that are a fair draw of the job's prompts: of a prompt never handed back, sent on a lease that
-    got a group for every prompt it held. A worker that sends the groups of the prompts it finds easy and hands the
-    hard ones back (a blameless release) chose its groups, and gave the next worker's lease the hard prompts: the
-    comparison of both would frame the honest one."""
+def _drawn(db: Session, rows: Sequence[Row[Any]]) -> tuple[list[Row[Any]], list[bool]]:
+    """The groups of prompts the server drew for their lease, none handed back (a prompt another worker released
+    went to whoever leased next: the releaser chose it for them), and whether each is a fair draw: sent on a lease
+    that got a group for every prompt it held. A worker is judged on all its groups, against the fair draws of the
+    others: one that sends the prompts it finds easy and releases the rest chose what it sent, so it is no yardstick
+    for an honest one (whom it would frame), and releasing a prompt of each lease does not hide its own groups."""
     returned = set(db.scalars(select(Prompt.id).where(Prompt.id.in_({r.prompt_id for r in rows}),
                                                       Prompt.attempts > 0)))
+    rows = [r for r in rows if r.prompt_id not in returned]
     leases = {r.lease_id for r in rows}
     held = {i: ids for i, ids in db.execute(select(Lease.id, Lease.prompt_ids).where(Lease.id.in_(leases)))}
     sent = {i: n for i, n in db.execute(select(Rollout.lease_id, func.count()).where(Rollout.lease_id.in_(leases))
                                         .group_by(Rollout.lease_id))}
-    return [r for r in rows if r.prompt_id not in returned and sent.get(r.lease_id, 0) >= len(held[r.lease_id])]
+    return rows, [sent.get(r.lease_id, 0) >= len(held[r.lease_id]) for r in rows]
 
 
-def _outliers(workers: list[str], versions: list[int],
-              measures: dict[tuple[str, int], list[float | None]]) -> dict[str, str]:
+def _outliers(workers: list[str], versions: list[int], measures: dict[tuple[str, int], list[float | None]],
+              fair: list[bool] | None = None) -> dict[str, str]:
     """worker -> why, for the workers whose groups' residuals (value - mean of their version) stand out in the
-    direction (+1 above, -1 below) of each measure."""
+    direction (+1 above, -1 below) of each measure, against the others' `fair` groups (all, when not given)."""
     out: dict[str, str] = {}
+    fair = fair if fair is not None else [True] * len(workers)
     for (name, direction), values in measures.items():
         residual = _residuals(versions, values)
         by_worker: dict[str, list[float]] = defaultdict(list)
-        for w, r in zip(workers, residual, strict=True):
+        yardstick: dict[str, list[float]] = defaultdict(list)
+        for w, r, f in zip(workers, residual, fair, strict=True):
             if r is not None:
                 by_worker[w].append(r)
+                if f:
+                    yardstick[w].append(r)
         for w, mine in by_worker.items():
-            rest = [r for other, rs in by_worker.items() if other != w for r in rs]
+            rest = [r for other, rs in yardstick.items() if other != w for r in rs]
             z = _welch(mine, rest)
             if z is not None and z * direction > FLEET_Z and w not in out:
                 out[w] = (f"its groups' {name} is {abs(z):.1f} standard errors {'above' if z > 0 else 'below'} the "
