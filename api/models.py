@@ -157,6 +157,8 @@ class Worker(Base):
     audits_failed: Mapped[int] = mapped_column(Integer, default=0)
     strikes: Mapped[int] = mapped_column(Integer, default=0)  # failures since it was last in good standing
     clean_streak: Mapped[int] = mapped_column(Integer, default=0)  # audits passed in a row
+    # The worker of its provider whose strikes it started with (api/services/trust.py::inherit_strikes).
+    inherited_from: Mapped[str | None] = mapped_column(String(32))
     quarantines: Mapped[int] = mapped_column(Integer, default=0)
     quarantined_until: Mapped[datetime | None]
     trust_reason: Mapped[str | None] = mapped_column(String(512))

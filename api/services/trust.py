@@ -18,8 +18,9 @@ Providers answer for their workers. While one of a provider's workers is quarant
 watch: its other workers become suspects (every group audited), its new ones start on probation, and none
 of them becomes trusted until the watch ends; once a quarantined worker of it was deleted, a strike of a
 worker registered during the watch bans, as a strike after a quarantine does (the new worker may be the deleted
-one's replacement). A new worker starts with the strikes of a worker of its provider that left with some, as a
-suspect (`inherit_strikes`). A ban bans the provider: its other workers are banned with it and it registers no more.
+one's replacement). A new worker starts with the strikes of its provider's most struck worker, as a suspect, and
+its quarantine claws back the pay of the deleted workers whose strikes it carries on (`inherit_strikes`). A ban
+bans the provider: its other workers are banned with it and it registers no more.
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ RECOVER_AFTER = 20  # audits passed in a row that make a suspect trusted again
 # audit picked taken back; now such a cycle costs it ~500 audited honest groups (5,000 sent while trusted).
 FORGIVE_AFTER = 500
 STRIKES_TO_QUARANTINE = 2
-# How long a worker that left with strikes passes them to its provider's new workers (and has its pay clawed back
-# with theirs): a provider waiting this long between two forging machines has one forge one trust window each.
+# How long a deleted worker's strikes pass to its provider's next new worker: a provider waiting this long between
+# two forging machines gets one trust window of forging each.
 INHERIT_DAYS = 7
+MAX_CHAIN = 64  # predecessors whose pay a quarantine claws back, at most
 
 
 def audit_rate(worker: Worker, settings: Settings) -> float:
@@ -175,25 +177,36 @@ def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audi
 
 
 def inherit_strikes(db: Session, worker: Worker) -> None:
-    """A provider's new worker starts with the strikes of a worker of it that left with some (`_struck_and_gone`), as
-    a suspect: a provider that deleted its struck worker and registered another was one strike from quarantine no
-    more, and forged again once the new one was trusted."""
-    left = _struck_and_gone(db, worker)
-    if not left:
-        return
-    first = max(left, key=lambda w: w.strikes)
-    worker.strikes, worker.trust = first.strikes, TrustState.suspect
-    worker.trust_reason = (f"worker {first.id} of its provider left with {first.strikes} "
-                           f"strike{'s' if first.strikes > 1 else ''}: {first.trust_reason or ''}")[:512]
-
-
-def _struck_and_gone(db: Session, worker: Worker) -> list[Worker]:
-    """The provider's other workers that left (deleted, or gone offline) with strikes, within INHERIT_DAYS."""
+    """A provider's new worker starts with the strikes of its provider's most struck worker, as a suspect: a provider
+    that replaced its struck worker (deleted it, or kept it heartbeating idle) by another was one strike from
+    quarantine no more, and forged again once the new one was trusted. A deleted worker's strikes move to the new
+    one, which works them off as its own (FORGIVE_AFTER); a deleted one is the provider's only while it left within
+    INHERIT_DAYS. A live one keeps its own too: the provider answers for a struck machine it keeps."""
     since = utcnow() - timedelta(days=INHERIT_DAYS)
-    return list(db.scalars(select(Worker).where(
+    source = db.scalars(select(Worker).where(
         Worker.provider_id == worker.provider_id, Worker.id != worker.id, Worker.strikes > 0,
-        Worker.status.in_((WorkerStatus.offline, WorkerStatus.deregistered)),
-        func.coalesce(Worker.last_heartbeat_at, Worker.created_at) >= since).order_by(Worker.id)))
+        Worker.trust.in_([s for s in TrustState if s.can_work()]),  # a quarantined one's watch rules new ones
+        or_(Worker.status != WorkerStatus.deregistered,
+            func.coalesce(Worker.last_heartbeat_at, Worker.created_at) >= since))
+        .order_by(Worker.strikes.desc(), Worker.id).limit(1).with_for_update()).first()
+    if source is None:
+        return
+    worker.strikes, worker.trust, worker.inherited_from = source.strikes, TrustState.suspect, source.id
+    worker.trust_reason = (f"worker {source.id} of its provider has {source.strikes} "
+                           f"strike{'s' if source.strikes > 1 else ''}: {source.trust_reason or ''}")[:512]
+    if source.status == WorkerStatus.deregistered:
+        source.strikes = 0  # carried on by the new one
+
+
+def _predecessors(db: Session, worker: Worker) -> list[Worker]:
+    """The deleted workers whose strikes it carries on, the newest first: the same provider's machine, replaced."""
+    chain: list[Worker] = []
+    while worker.inherited_from is not None and len(chain) < MAX_CHAIN:
+        before = db.get(Worker, worker.inherited_from)
+        if before is None or before.status != WorkerStatus.deregistered or before in chain:
+            break
+        chain.append(worker := before)
+    return chain
 
 
 def _replaces(db: Session, worker: Worker, settings: Settings) -> bool:
@@ -275,8 +288,8 @@ def _shut_out(db: Session, worker: Worker, state: TrustState, reason: str) -> No
     unassign(db, worker)
     discard_queued(db, worker.id, f"sender {state.value}")
     claw_back(db, worker, f"worker {state.value}: {reason}")
-    for gone in _struck_and_gone(db, worker):  # the strikes it may have inherited: their forged groups were paid
-        claw_back(db, gone, f"worker {worker.id} of its provider {state.value}, after this one left struck: {reason}")
+    for before in _predecessors(db, worker):  # the machine it replaced forged too: its unaudited groups were paid
+        claw_back(db, before, f"worker {worker.id}, which carried on its strikes, {state.value}: {reason}")
 
 
 def discard_queued(db: Session, worker_id: str, reason: str) -> int:

@@ -9,7 +9,16 @@ import random
 
 from api.models import Worker
 from tests.api.test_audit_gaming import _working
-from tests.factories import activate, fake_model_folder, new_provider, new_user, new_worker, ok, running_job, step_report
+from tests.factories import (
+    activate,
+    fake_model_folder,
+    new_provider,
+    new_user,
+    new_worker,
+    ok,
+    running_job,
+    step_report,
+)
 
 
 def _rewards(prompt_id: int) -> list[float]:

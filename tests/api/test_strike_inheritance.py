@@ -1,0 +1,109 @@
+"""Strikes a provider's new worker starts with (trust.inherit_strikes), and whose pay its quarantine claws back.
+
+a6100b3 passed on the strikes of workers "gone" (offline, even for 15 s, or deleted), kept a deleted worker's strike
+after its successor worked it off, let a struck worker kept heartbeating shed nothing, and clawed back on any
+quarantine every struck worker of the provider that happened to be offline. Now a new worker starts with the strikes
+of its provider's most struck worker, a deleted one's moving to it, and a quarantine claws back only the deleted
+workers whose strikes the quarantined one carries on."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from sqlalchemy import select
+
+from api.models import LedgerEntry, Worker, utcnow
+from api.services import trust
+from tests.factories import fake_model_folder, new_provider, new_worker, ok, paid_job
+
+
+def _strike(api, wid: str, times: int = 1) -> None:
+    with api.db.session() as s:
+        w = s.get_one(Worker, wid)
+        for _ in range(times):
+            trust.strike(s, w, "replay: a token the claimed version does not draw", api.server.settings, audited=True)
+        s.commit()
+
+
+def _offline_for(api, wid: str, seconds: float) -> None:
+    """What the scheduler's _mark_offline does to a worker that missed heartbeats for `seconds` (> 15 s)."""
+    with api.db.session() as s:
+        w = s.get_one(Worker, wid)
+        w.status, w.last_heartbeat_at = "offline", utcnow() - timedelta(seconds=seconds)
+        s.commit()
+
+
+def _strikes(api, wid: str) -> int:
+    with api.db.session() as s:
+        return s.get_one(Worker, wid).strikes
+
+
+def _kept_usd(api, wid: str) -> float:
+    with api.db.session() as s:
+        return sum(e.amount_usd for e in s.scalars(select(LedgerEntry).where(
+            LedgerEntry.worker_id == wid, LedgerEntry.kind == "worker", LedgerEntry.clawed_back_by.is_(None))))
+
+
+def test_a_quarantine_does_not_claw_back_an_unrelated_worker_that_is_briefly_offline(api, tmp_path):
+    _, provider = new_provider(api, "big-honest-co")
+    a = new_worker(api, provider, "machine-a")
+    x = new_worker(api, provider, "machine-x")  # registered with a: it inherited nothing from anyone
+    paid_job(api, fake_model_folder(tmp_path / "m"), [a, x])
+    paid_a = _kept_usd(api, a[0])
+    assert paid_a > 0
+    _strike(api, a[0])  # one strike (a suspect), its work paid long before it
+    _offline_for(api, a[0], 40)  # a network blip: 40 s without a heartbeat, it comes back in a moment
+    _strike(api, x[0], 2)  # another machine of the provider is quarantined for its own two strikes
+    assert ok(api.admin.get(f"/v1/workers/{x[0]}"))["trust"] == "quarantined"
+    assert _kept_usd(api, a[0]) == paid_a, (
+        f"machine-a (1 strike, offline 40 s, never replaced by anyone) lost all its pay ({paid_a:.2f} USD -> "
+        f"{_kept_usd(api, a[0]):.2f}) because machine-x, registered before it was struck and inheriting nothing, "
+        f"was quarantined")
+
+
+def test_a_struck_machine_back_from_a_reboot_keeps_its_strike_and_its_providers_new_machine_starts_with_it(api):
+    """The provider answers for a struck machine it keeps, offline or not: its new machine starts a suspect with the
+    strike (its first own strike quarantines it); the struck machine keeps its own."""
+    _, provider = new_provider(api, "big-honest-co")
+    aid, a = new_worker(api, provider, "machine-a")
+    _strike(api, aid)
+    _offline_for(api, aid, 60)  # a reboot
+    fresh = ok(provider.post("/v1/workers", json={"name": "scale-up-1", "vram_gb": 16}), 201)["worker"]
+    ok(a.post(f"/v1/workers/{aid}/heartbeat", json={"versions_held": []}))  # machine-a is back
+    assert ok(api.admin.get(f"/v1/workers/{aid}"))["status"] != "offline" and _strikes(api, aid) == 1
+    assert fresh["trust"] == "suspect" and _strikes(api, fresh["id"]) == 1
+    assert fresh["trust_reason"].startswith(f"worker {aid} of its provider has 1 strike")
+
+
+def test_a_struck_worker_that_keeps_heartbeating_does_not_let_its_provider_register_a_clean_one(api):
+    """Attack 30 without deleting: the provider keeps its struck worker heartbeating (a loop of HTTP calls, no GPU)
+    and registers another machine, which started clean after a6100b3."""
+    _, provider = new_provider(api, "mallory-gpu")
+    aid, a = new_worker(api, provider, "machine-1")
+    _strike(api, aid)  # caught forging once: a suspect, one strike from quarantine
+    ok(a.post(f"/v1/workers/{aid}/heartbeat", json={"versions_held": []}))  # kept alive, idle, forever
+    fresh = ok(provider.post("/v1/workers", json={"name": "machine-2", "vram_gb": 16}), 201)["worker"]
+    assert _strikes(api, fresh["id"]) >= 1 and fresh["trust"] == "suspect", (
+        f"machine-1 struck and kept heartbeating (status {ok(api.admin.get(f'/v1/workers/{aid}'))['status']}); "
+        f"machine-2 registers {fresh['trust']} with {_strikes(api, fresh['id'])} strikes: the strike is shed without "
+        "deleting")
+
+
+def test_a_strike_forgiven_on_the_successor_is_not_passed_on_again(api, monkeypatch):
+    monkeypatch.setattr(trust, "FORGIVE_AFTER", 30)  # 500 in production; the rule is the same
+    _, provider = new_provider(api, "honest-gpu")
+    aid, a = new_worker(api, provider, "machine-1")
+    _strike(api, aid)
+    assert a.delete(f"/v1/workers/{aid}").status_code == 204  # re-registered (new relay port: cli.py replaces it)
+    succ = ok(provider.post("/v1/workers", json={"name": "machine-1", "vram_gb": 16}), 201)["worker"]
+    assert _strikes(api, succ["id"]) == 1
+    with api.db.session() as s:
+        w = s.get_one(Worker, succ["id"])
+        for _ in range(30):  # clean audits in a row: the strike is forgiven
+            trust.passed(s, w, api.server.settings)
+        s.commit()
+    assert _strikes(api, succ["id"]) == 0
+    fresh = ok(provider.post("/v1/workers", json={"name": "machine-2", "vram_gb": 16}), 201)["worker"]
+    assert _strikes(api, fresh["id"]) == 0 and fresh["trust"] == "probation", (
+        f"the strike machine-1 carried was forgiven on its successor; machine-2 still starts {fresh['trust']} with "
+        f"{_strikes(api, fresh['id'])} strike(s): {fresh['trust_reason']!r}")
