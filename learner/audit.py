@@ -104,14 +104,17 @@ class AuditConfig:
             return min(self.margin(precision, temperature), self._evidence(max_abs_diff))
         return self._evidence(min(max_abs_diff, r))
 
-    def support_slack(self, precision: str, temperature: float, rounding: float | None) -> tuple[float, float]:
+    def support_slack(self, precision: str, temperature: float, rounding: float | None,
+                      edge: float | None = None) -> tuple[float, float]:
         """The slacks at the edges of a top-k/top-p support (echo2.sampler.support): of top-p mass,
         NUCLEUS_SLACK, and in nats, the precision's bound; each more where a shadow measured more rounding
-        (`replay_margin`): a token's probability off by r nats moves a set's mass by at most e^2r - 1 of it."""
+        (`replay_margin`; `edge`: over the tokens of the nucleus, `_nucleus_rounding`): a token's probability off
+        by r nats moves a set's mass by at most e^2r - 1 of it."""
         bound = self.margin(precision, temperature)
-        if (r := _measured(rounding)) is None:
-            return NUCLEUS_SLACK, bound
-        return max(NUCLEUS_SLACK, min(1.0, math.expm1(2 * r))), max(bound, self._evidence(r))
+        r, e = _measured(rounding), _measured(edge)
+        mass = max((x for x in (r, e) if x is not None), default=None)
+        slack_p = NUCLEUS_SLACK if mass is None else max(NUCLEUS_SLACK, min(1.0, math.expm1(2 * mass)))
+        return slack_p, bound if r is None else max(bound, self._evidence(r))
 
     def tolerance(self, rounding: float | None) -> float:
         """Nats a reported logprob may be off: `token_tol`, or TOL_FACTOR times a shadow's measured rounding
@@ -245,15 +248,20 @@ def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResu
                   f"seeds under the claimed version (first: sample {sample}, position {position}; largest gap "
                   f"{result['max_gap']:.3g} nats, margin {margin:.3g})")
     else:
-        reason = _verdict(config, z, scores.outside, int(diff.numel()), claim.temperature)
+        exact = gaps.numel() == diff.numel() and not bool((gaps > 0).any())
+        reason = _verdict(config, None if exact else z, scores.outside, int(diff.numel()), claim.temperature)
     return AuditResult(passed=reason is None, reason=reason, **result)  # type: ignore[arg-type]
 
 
-def _verdict(config: AuditConfig, z: float, outside: int, tokens: int, temperature: float) -> str | None:
+
+def _verdict(config: AuditConfig, z: float | None, outside: int, tokens: int, temperature: float) -> str | None:
+    """`z`: None where every token is the sampler's own draw with its leased seed (no near tie): the likelihood then
+    tests nothing the replay has not settled, and at a low temperature a few lopsided terms make it far from normal
+    (an honest draw of a 1e-3 token among near-certain ones gave z = -21)."""
     if outside:
         return (f"{outside} of {tokens} tokens lie outside the top-k/top-p nucleus: no sampler at these settings "
                 "draws them")
-    if not math.isfinite(z) or abs(z) > config.z_crit:
+    if z is not None and (not math.isfinite(z) or abs(z) > config.z_crit):
         return f"implausible tokens at temperature {temperature:g}: likelihood z = {z:.1f} (bound {config.z_crit:g})"
     return None
 
@@ -270,9 +278,13 @@ def _score(model: Any, claim: GroupClaim, masks: Sequence[Sequence[bool] | None]
     logq = logprobs(rows, settings)
     ranks = ranked(logq) if settings.truncates() else None  # one ranking of the vocabulary for every support
     picked = logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-    rounding = None if shadow is None else float((_picked(shadow, batch, tokens, settings) - picked.cpu()).abs().max())
-    slack = config.support_slack(claim.precision, claim.temperature, rounding)
     exact = support(logq, settings, ranks=ranks)  # the nucleus the sampler draws from
+    rounding = edge = None
+    if shadow is not None:
+        shadow_logq = logprobs(_rows(shadow, batch), settings).to(logq.device)
+        rounding = float((shadow_logq.gather(-1, tokens.unsqueeze(-1)).squeeze(-1) - picked).abs().max().cpu())
+        edge = _nucleus_rounding(logq, shadow_logq, exact, settings)
+    slack = config.support_slack(claim.precision, claim.temperature, rounding, edge)
     possible = support(logq, settings, *slack, ranks)
     sampling = exact.softmax(-1)
     expected = torch.nan_to_num(sampling * logq).sum(-1)
@@ -294,9 +306,15 @@ def _rows(model: Any, batch: Any) -> torch.Tensor:
     return out.logits[:, :-1, :].float()[batch.completion_mask.bool()]  # row t predicts completion token t
 
 
-def _picked(shadow: Any, batch: Any, tokens: torch.Tensor, settings: RowSettings) -> torch.Tensor:
-    """[N] log q_t(y_t) of the real completion tokens under the shadow (on the audit's device), on the CPU."""
-    return logprobs(_rows(shadow, batch), settings).gather(-1, tokens.unsqueeze(-1)).squeeze(-1).cpu()
+def _nucleus_rounding(logq: torch.Tensor, shadow: torch.Tensor, exact: torch.Tensor, settings: RowSettings
+                      ) -> float | None:
+    """Where top-p truncates: the shadow's largest difference from the audit's over the tokens in either's nucleus
+    (nats), which bounds how far the worker's nucleus edge moves in mass; None without top-p. The picked tokens'
+    difference does not: in a flat stretch the precision re-orders many tokens of nearly the same probability."""
+    if not bool((settings.top_p < 1).any()):
+        return None
+    either = torch.isfinite(exact) | torch.isfinite(support(shadow, settings))
+    return float(torch.where(either, (shadow - logq).abs(), 0.0).max().cpu())
 
 
 # The masked rows' logprobs, their ranking (None: no truncation), and their exact and widened supports.

@@ -163,10 +163,11 @@ def support(lp: torch.Tensor, settings: RowSettings, slack_p: float = 0.0, slack
     where given, is `ranked(lp)`.
 
     The auditor moves the edges for a worker that computed them in lower precision. Positive slacks widen the
-    support: every token within `slack_lp` nats of the k-th is kept, and `slack_p` is added to top-p.
-    Negative ones narrow it to the tokens inside it for any such worker: those at least |slack_lp| nats above
-    the (k+1)-th, within top-p - |slack_p|. A row without top-k whose top-p (or top-p + slack) is 1 keeps
-    every token, whatever the other rows do."""
+    support: every token within `slack_lp` nats of the k-th is kept, and `slack_p` is added to top-p, with only
+    the tokens more likely by more than `slack_lp` counted before each (`_band_before`). Negative ones narrow it
+    to the tokens inside it for any such worker: those at least |slack_lp| nats above the (k+1)-th, within
+    top-p - |slack_p| with every token within |slack_lp| of each counted before it. A row without top-k whose
+    top-p (or top-p + slack) is 1 keeps every token, whatever the other rows do."""
     if not settings.truncates():
         return lp
     ranks = ranked(lp) if ranks is None else ranks
@@ -199,7 +200,19 @@ def _kept(ranks: Ranks, settings: RowSettings, slack_p: float, slack_lp: float) 
     mass = masked.cumsum(-1)
     total = torch.where(k <= 0, ranks.total, mass[:, -1:])
     top_p = (settings.top_p + slack_p).clamp(min=1e-6, max=1.0).unsqueeze(-1)
-    return (masked > 0) & ((mass - masked) < top_p * total)
+    before = mass - masked if not slack_lp else _band_before(top, mass, masked, slack_lp)
+    return (masked > 0) & (before < top_p * total)
+
+
+def _band_before(top: torch.Tensor, mass: torch.Tensor, masked: torch.Tensor, slack_lp: float) -> torch.Tensor:
+    """[R, m]: the mass a worker whose logprobs are within |slack_lp| nats of these may rank before each token:
+    widening (slack_lp > 0), only the tokens more likely than it by more than slack_lp; narrowing, also every token
+    within |slack_lp| of it. Not the mass ranked before it here: in a flat stretch of the distribution such a worker
+    re-orders many tokens of nearly its probability, which moves a nucleus edge by far more than their error."""
+    ascending = (-top).contiguous()
+    ahead = torch.searchsorted(ascending, (-top * math.exp(slack_lp)).contiguous())  # tokens above p * e^slack
+    cum = torch.nn.functional.pad(mass, (1, 0))  # cum[:, c] = the mass of the first c ranked tokens
+    return cum.gather(-1, ahead) - (masked if slack_lp < 0 else 0.0)
 
 
 def _blocks(scores: torch.Tensor) -> torch.Tensor:
