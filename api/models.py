@@ -265,6 +265,7 @@ class Job(Base):
     learner_crashed_at: Mapped[datetime | None]
     # From the first published version's config (api/services/versions.py): bounds for the door's checks.
     vocab_size: Mapped[int | None] = mapped_column(Integer)
+    context_length: Mapped[int | None] = mapped_column(Integer)  # prompt and completion tokens, at most
     eos_token_ids: Mapped[list[Any] | None]
     # The learner's latest checkpoint stored through the control plane (api/routes/learner_state.py):
     # a relaunched learner loads it and replays the steps committed since.

@@ -168,7 +168,7 @@ def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: 
         return f"prompt token id {max(group.prompt_token_ids)} is outside the vocabulary (size {vocab})"
     stops = set(own.stop_token_ids) if own and own.stop_token_ids is not None else set(job.eos_token_ids or ())
     for k, sample in enumerate(group.samples):
-        problem = _invalid_sample(sample, max_new, vocab, stops)
+        problem = _invalid_sample(sample, max_new, vocab, stops, _room(job, group))
         if problem:
             return f"sample {k}: {problem}"
     return None
@@ -234,7 +234,15 @@ def _unpublished(db: Session, job: Job, spec: JobSpec, lease: Lease, group: Grou
             f"{spec.publish_period} steps)") if missing else None
 
 
-def _invalid_sample(sample: SampleSubmit, max_new: int, vocab: int | None, eos: set[int]) -> str | None:
+def _room(job: Job, group: GroupSubmit) -> int | None:
+    """Completion tokens the model's context leaves after the group's prompt, where that is known."""
+    return None if job.context_length is None else job.context_length - len(group.prompt_token_ids)
+
+
+def _invalid_sample(sample: SampleSubmit, max_new: int, vocab: int | None, eos: set[int],
+                    room: int | None = None) -> str | None:
+    """`room`: what the model's context leaves after the prompt, where a worker (vLLM) stops a sample with finish
+    "length" before max_new_tokens."""
     n = len(sample.token_ids) if sample.turns is None else sample.turns[-1]  # an episode: its last model turn
     if n > max_new:
         return f"{n} tokens, but the job's max_new_tokens is {max_new}"
@@ -243,8 +251,10 @@ def _invalid_sample(sample: SampleSubmit, max_new: int, vocab: int | None, eos: 
     if vocab is not None and sample.logprobs and min(sample.logprobs) < logprob_floor(vocab):
         return (f"logprob {min(sample.logprobs):.1f} is below {logprob_floor(vocab):.1f}: no sampler draws a token "
                 f"that unlikely (all such tokens together have probability < {HONEST_MISS:g})")
-    if sample.finish_reason == "length" and n != max_new and sample.turns is None:  # an episode's may end on its room
-        return f"finish_reason is length after {n} tokens, but max_new_tokens is {max_new}"
+    # An episode's last turn may end on its own room.
+    if sample.finish_reason == "length" and n not in (max_new, room) and sample.turns is None:
+        return (f"finish_reason is length after {n} tokens, but max_new_tokens is {max_new}"
+                + ("" if room is None else f" and the model's context leaves {room} after the prompt"))
     if sample.finish_reason == "stop" and eos and sample.token_ids[-1] not in eos:
         return (f"finish_reason is stop, but the last token {sample.token_ids[-1]} is not a stop token (an "
                 "end-of-sequence token, or one the request names)")

@@ -13,6 +13,7 @@ from typing import Any
 from echo2.modelinfo import (
     INFO_FILES,
     Reader,
+    context_length,
     eos_token_ids,
     generation_memory_gib,
     parse_json,
@@ -39,6 +40,7 @@ def record(blobs: BlobStore, job: Job, manifest: Manifest) -> None:
     raw = {name: blobs.read_file(job.id, manifest, name, MAX_INFO_BYTES) for name in INFO_FILES}
     parsed = {name: parse_json(data) for name, data in raw.items()}
     job.vocab_size = vocab_size(parsed.__getitem__)
+    job.context_length = context_length(parsed.__getitem__)
     job.eos_token_ids = sorted(eos_token_ids(parsed.__getitem__))
     job.memory_need_gb = memory_need(job, parsed.__getitem__, manifest)
     for name in (TOKENIZER, TOKENIZER_CONFIG):

@@ -50,6 +50,14 @@ def vocab_size(read: Reader) -> int | None:
     return value if isinstance(value, int) and value > 0 else None
 
 
+def context_length(read: Reader) -> int | None:
+    """Tokens a sequence of the model may hold, prompt and completion (config.json `max_position_embeddings`, or its
+    text_config's): a vLLM worker stops a sample there, whatever max_new_tokens asks."""
+    config = read("config.json")
+    value = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
+    return value if isinstance(value, int) and value > 0 else None
+
+
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
 PROMPT_TOKENS = 512  # room for the prompt beside the completion, per sequence
 RUNTIME_GIB = 0.5  # the framework itself: CUDA context or torch's CPU allocator, kernels, sampler

@@ -122,3 +122,19 @@ def test_prompt_tokens_no_text_could_encode_to_are_refused_with_a_strike(api, do
     out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"][0]
     assert out["status"] == "rejected" and "more than its text and context could encode to" in out["reason"]
     assert ok(api.admin.get(f"/v1/workers/{wid}"))["trust"] == "suspect"
+
+
+def test_a_sample_cut_at_the_models_context_is_an_honest_length_finish(api, door):
+    """A vLLM worker stops a sample where the model's context ends, before max_new_tokens, with finish "length": the
+    door called that a forgery and struck the honest worker. The context (512 tokens for the tiny model) is read from
+    the published config; a "length" finish at neither max_new_tokens nor the context's end is still refused."""
+    job, alice, wid, worker, lease = door
+    prompt = [1] * 509  # 3 tokens of room in the context
+    cut = {"prompt_id": lease["prompts"][0]["prompt_id"], "version": 0, "prompt_token_ids": prompt,
+           "samples": [sample(tokens=(5, 6, 7), finish="length"), sample(tokens=(8, 9, 10), finish="length")]}
+    out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [cut]}))["results"][0]
+    assert out["status"] == "accepted", out
+    short = {**cut, "prompt_id": lease["prompts"][1]["prompt_id"],
+             "samples": [sample(tokens=(5, 6), finish="length"), sample(tokens=(8, 9), finish="length")]}
+    out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [short]}))["results"][0]
+    assert out["status"] == "rejected" and "the model's context leaves 3 after the prompt" in out["reason"]
