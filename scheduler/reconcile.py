@@ -44,7 +44,14 @@ from api.services.pool import expire_leases
 from api.services.trust import release_quarantines
 from api.settings import Settings
 from api.tinker import fleet as tinker_fleet
-from planner.capacity import DEFAULT_T_TRAIN_S, JobProfile, WorkerPerf, WorkerProfile, required_throughput
+from planner.capacity import (
+    DEFAULT_T_TRAIN_S,
+    JobProfile,
+    WorkerPerf,
+    WorkerProfile,
+    hard_constraint_violation,
+    required_throughput,
+)
 from planner.decision import Action, SolverConfig, SolverState, WorkerDecision
 from planner.decision import Decision as PlanDecision
 from planner.solver import decide
@@ -422,9 +429,11 @@ def _share_trials(db: Session, workers: list[Worker], profiles: dict[str, Worker
     for provider_id in _unproven(db, list(on_trial), now, settings):
         ids = on_trial[provider_id]
         for job_id in served:
-            cap = settings.trial_share * required_throughput(job_profiles[job_id])
-            claimed = sum(profiles[i].perf_by_job[job_id].mu for i in ids)
-            for i in ids if claimed > cap else ():
+            job = job_profiles[job_id]
+            able = [i for i in ids if hard_constraint_violation(profiles[i], job) is None]  # others count nothing
+            cap, claimed = settings.trial_share * required_throughput(job), sum(
+                profiles[i].perf_by_job[job_id].mu for i in able)
+            for i in able if claimed > cap else ():
                 perf = profiles[i].perf_by_job[job_id]
                 profiles[i].perf_by_job[job_id] = replace(perf, mu=perf.mu * cap / claimed)
 

@@ -104,3 +104,29 @@ def test_a_provider_is_proven_by_a_delivered_group_and_unproven_again_by_a_faile
     with api.db.session() as s:
         unproven = _unproven(s, list(ids.values()), now, api.server.settings)
     assert sorted(unproven) == sorted([ids["fresh"], ids["failed-lately"]])
+
+
+def test_a_providers_machines_that_cannot_run_a_job_do_not_dilute_its_others_trial(api):
+    """The pooled cap is shared by the provider's trial workers that can run the job: three with too little memory
+    for it left the fourth a quarter of a quarter of the need."""
+    from planner.capacity import JobProfile, WorkerPerf, WorkerProfile, required_throughput
+    from scheduler.reconcile import _share_trials
+
+    job = JobProfile(job_id="job_x", rollouts_per_step=64, t_train_s=10.0, staleness=2, vram_need_gb=24.0)
+    cap = api.server.settings.trial_share * required_throughput(job)
+    pid, provider = new_provider(api, "fresh-co")
+    _, honest_co = new_provider(api, "honest-co")
+    measured = new_worker(api, honest_co, "measured", vram_gb=80)[0]
+    fresh = [new_worker(api, provider, f"w{k}", vram_gb=80 if k == 0 else 8)[0] for k in range(4)]
+    with api.db.session() as s:
+        rows = [s.get_one(Worker, w) for w in [measured, *fresh]]
+        profiles = {measured: WorkerProfile(measured, 1.0, 80, frozenset(), 1.0, 1.0, 1.0)}
+        for w in fresh:
+            vram = s.get_one(Worker, w).vram_gb
+            profiles[w] = WorkerProfile(w, 0.0, vram, frozenset(), 1e6, 1.0, 1.0,
+                                        perf_by_job={"job_x": WorkerPerf(cap, 1.0, 1.0)})
+        for r in rows:
+            s.expunge(r)
+        rows[0].job_id = "job_x"  # the measured worker serves the job (detached rows: no job row is needed)
+        _share_trials(s, rows, profiles, {"job_x": job}, utcnow(), api.server.settings)
+    assert profiles[fresh[0]].perf_by_job["job_x"].mu == cap  # the only one that can run it: the whole cap
