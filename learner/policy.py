@@ -302,7 +302,7 @@ def grpo_update(
     every rank drops the same groups.
     """
     settings = None if support is None else RowSettings.of([(temperature, *support)], "cpu")
-    dropout = any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
+    dropout = _drops_out(model)
     pass_ = _Pass(model, ref_model, cfg, temperature, max_tokens_per_micro_batch, grad_clip, world or Solo(),
                   computing, settings, dropout)
     plan = _plan(rollouts, cfg, pad_id, exclude=set())
@@ -350,6 +350,14 @@ def token_staleness(rollouts: Rollouts, width: int) -> torch.Tensor:
     rows = [[s] * len(c) if isinstance(s, int) else s
             for s, c in zip(rollouts.staleness, rollouts.completion_ids, strict=True)]
     return pad_values(rows, width)
+
+
+def _drops_out(model: torch.nn.Module) -> bool:
+    """Whether the model drops out in training: a dropout module (a LoRA adapter's), or attention dropout its
+    config sets (applied functionally, as Llama-style attention does)."""
+    config = getattr(model, "config", None)
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules()) \
+        or float(getattr(config, "attention_dropout", 0.0) or 0.0) > 0
 
 
 @dataclass(frozen=True)

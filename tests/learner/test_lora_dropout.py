@@ -36,3 +36,23 @@ def test_a_fresh_sample_of_the_trained_weights_shows_no_mismatch_with_lora_dropo
     assert total["kl"] < 1e-6 and total["masked"] == 0.0, (
         f"a fresh on-policy sample: mismatch kl {total['kl']:.2e}, ess {total['ess']:.4f}, "
         f"masked {total['masked']:.0%}")
+
+
+def test_attention_dropout_set_in_the_config_is_off_for_logold(tiny_dir):
+    """Llama-style attention applies its config's attention_dropout functionally, with no Dropout module to see."""
+    torch.manual_seed(0)
+    model = load_causal_lm(tiny_dir, dtype=torch.float32)
+    model.config.attention_dropout = 0.5
+    for layer in model.model.layers:
+        layer.self_attn.attention_dropout = 0.5
+    prompts = [[1, 2, 3, 4]] * 4
+    completions = [[5 + i, 6, 7 + i, 8, 9, 10] for i in range(4)]
+    model.eval()
+    with torch.no_grad():
+        behaviour = completion_logprobs(model, pad_batch(prompts, completions, 0))
+    rows = Rollouts()
+    for i, reward in enumerate([1.0, 0.0, 1.0, 0.0]):
+        rows.add(prompts[i], completions[i], behaviour[i].tolist(), reward, 0, 0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    stats = grpo_update(model, opt, rows, ObjectiveConfig(correction="mis", correction_high=1.05), pad_id=0)
+    assert stats["mismatch"][-1]["kl"] < 1e-6 and stats["mismatch"][-1]["masked"] == 0.0
