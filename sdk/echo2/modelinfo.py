@@ -38,9 +38,23 @@ def eos_token_ids(read: Reader) -> set[int]:
     if isinstance(eos, dict):
         eos = eos.get("content")
     if isinstance(eos, str):
-        added = read("tokenizer.json").get("added_tokens") or []
+        tokenizer = read("tokenizer.json")
+        added = tokenizer.get("added_tokens") or []
         ids.update(t["id"] for t in added if isinstance(t, dict) and t.get("content") == eos)
+        ids |= _vocab_ids(tokenizer.get("model") or {}, eos)
     return ids
+
+
+def _vocab_ids(model: dict[str, Any], piece: str) -> set[int]:
+    """The id of `piece` in a tokenizer.json model's own vocabulary (BPE/WordPiece: piece -> id; Unigram: [piece,
+    score] by id): an eos that is a regular token, not an added one, which a tokenizer stops at all the same."""
+    vocab = model.get("vocab")
+    if isinstance(vocab, dict):
+        found = vocab.get(piece)
+        return {found} if isinstance(found, int) else set()
+    if isinstance(vocab, list):
+        return {i for i, entry in enumerate(vocab) if isinstance(entry, list) and entry and entry[0] == piece}
+    return set()
 
 
 def vocab_size(read: Reader) -> int | None:

@@ -1,6 +1,6 @@
 """What a worker needs to generate for a job, from the model's config.json and its published weights."""
 
-from echo2.modelinfo import generation_memory_gib, weight_bytes
+from echo2.modelinfo import eos_token_ids, generation_memory_gib, weight_bytes
 
 QWEN3_4B = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
             "hidden_size": 2560, "torch_dtype": "bfloat16"}
@@ -19,3 +19,13 @@ def test_the_kv_cache_grows_with_the_group_and_a_config_without_sizes_counts_the
     read = {"config.json": QWEN3_4B}.get
     assert generation_memory_gib(read, 0, 64, 4096) > generation_memory_gib(read, 0, 8, 4096) > 2
     assert generation_memory_gib(lambda _: {}, 2**30, 64, 4096) == 1.7  # 1.2 GiB of weights + the runtime
+
+
+def test_an_eos_that_is_a_regular_vocabulary_token_is_a_stop_id():
+    """The transformers backend stops at its tokenizer's eos; where that is a token of the model's own vocabulary,
+    not an added one, the door did not count it a stop token and struck the honest worker's "stop" samples."""
+    files = {"tokenizer_config.json": {"eos_token": "</s>"},
+             "tokenizer.json": {"added_tokens": [], "model": {"type": "BPE", "vocab": {"<s>": 1, "</s>": 2, "a": 3}}}}
+    assert eos_token_ids(lambda name: files.get(name, {})) == {2}
+    files["tokenizer.json"]["model"] = {"type": "Unigram", "vocab": [["<unk>", 0.0], ["<s>", 0.0], ["</s>", 0.0]]}
+    assert eos_token_ids(lambda name: files.get(name, {})) == {2}
