@@ -253,7 +253,6 @@ def _judge(scores: _Scores, config: AuditConfig, claim: GroupClaim) -> AuditResu
     return AuditResult(passed=reason is None, reason=reason, **result)  # type: ignore[arg-type]
 
 
-
 def _verdict(config: AuditConfig, z: float | None, outside: int, tokens: int, temperature: float) -> str | None:
     """`z`: None where every token is the sampler's own draw with its leased seed (no near tie): the likelihood then
     tests nothing the replay has not settled, and at a low temperature a few lopsided terms make it far from normal

@@ -39,7 +39,7 @@ from api.settings import Settings
 
 MIN_MU = 1e-3  # groups/s: a floor for an activation rate that was never measured
 PAID_REJECTIONS = [k for k in RejectKind if k.paid() and k is not RejectKind.environment_failed]
-WORKING = [s for s in TrustState if s.can_work()]
+WORKING = TrustState.working()
 
 
 def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> None:

@@ -69,7 +69,7 @@ BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
 # Nor one that went stale unclaimed (unpaid: RejectKind.paid).
 UNDELIVERED = [k for k in RejectKind if not k.paid()] + [RejectKind.environment_failed]
 TRIAL_RETRY = 10  # grace periods before a worker whose trial delivered nothing is tried again
-WORKING = [s for s in TrustState if s.can_work()]  # quarantined and banned workers are never activated
+WORKING = TrustState.working()  # quarantined and banned workers are never activated
 LIVE = JobStatus.live()
 UNPAUSED = (JobStatus.queued, JobStatus.running)
 

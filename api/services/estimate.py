@@ -58,7 +58,7 @@ LIKE_JOBS = 10  # the most recent ones like it are used
 STEPS = 400  # the latest steps of each, of which the later half is used
 LEASES = 20_000  # the latest completed leases on them
 HOLDS = 5000  # the latest version holds on them
-WORKING = [s for s in TrustState if s.can_work()]
+WORKING = TrustState.working()
 PAID_REJECTIONS = [k for k in RejectKind if k.paid()]
 
 

@@ -31,7 +31,7 @@ from ..db import insert_skipping_conflicts
 from ..errors import ApiError
 from ..models import RelayMeasurement, RelayReport, Worker, utcnow
 
-WORKING = [s for s in TrustState if s.can_work()]
+WORKING = TrustState.working()
 MIN_MEASURED_BYTES = 1 << 20  # below this, a transfer says more about latency than about upload rate
 MIN_MEASURED_S = 1e-3  # shorter is no measurement (5e-324 s made a rate of infinity, which no EMA brings down)
 MAX_MEASURED_MBPS = 100_000.0  # 100 Gbit/s: no relay's uplink is faster

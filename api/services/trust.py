@@ -185,7 +185,7 @@ def inherit_strikes(db: Session, worker: Worker) -> None:
     since = utcnow() - timedelta(days=INHERIT_DAYS)
     source = db.scalars(select(Worker).where(
         Worker.provider_id == worker.provider_id, Worker.id != worker.id, Worker.strikes > 0,
-        Worker.trust.in_([s for s in TrustState if s.can_work()]),  # a quarantined one's watch rules new ones
+        Worker.trust.in_(TrustState.working()),  # a quarantined one's watch rules new ones
         or_(Worker.status != WorkerStatus.deregistered,
             func.coalesce(Worker.last_heartbeat_at, Worker.created_at) >= since))
         .order_by(Worker.strikes.desc(), Worker.id).limit(1).with_for_update()).first()

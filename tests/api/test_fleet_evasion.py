@@ -5,10 +5,9 @@ is now judged on all its groups, against the others' fair draws (evidence._drawn
 
 from __future__ import annotations
 
-import random
-
 from api.models import Worker
 from tests.api.test_audit_gaming import _working
+from tests.api.test_fleet_framing import _group, _rewards
 from tests.factories import (
     activate,
     fake_model_folder,
@@ -19,17 +18,6 @@ from tests.factories import (
     running_job,
     step_report,
 )
-
-
-def _rewards(prompt_id: int) -> list[float]:
-    p = random.Random(prompt_id).random()
-    return [1.0 if p > 0.35 else 0.0, 1.0 if p > 0.65 else 0.0]
-
-
-def _group(prompt: dict, k0: int) -> dict:
-    samples = [{"token_ids": [5 + k0 + k, 6, 7], "logprobs": [-0.5, -1.0, -0.1], "finish_reason": "stop"}
-               for k in range(2)]
-    return {"prompt_id": prompt["prompt_id"], "version": 0, "prompt_token_ids": [1, 2, 3], "samples": samples}
 
 
 def _run(api, tmp_path, keep_back: int) -> dict:

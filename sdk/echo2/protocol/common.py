@@ -235,6 +235,11 @@ class TrustState(StrEnum):
     def can_work(self) -> bool:
         return self not in (TrustState.quarantined, TrustState.banned)
 
+    @classmethod
+    def working(cls) -> list[TrustState]:
+        """The states that may be leased work (for `Worker.trust.in_(...)`)."""
+        return [s for s in cls if s.can_work()]
+
 
 class Fault(StrEnum):
     """Whose fault a rejected rollout is. Only `worker` counts against the worker's trust; only
