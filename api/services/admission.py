@@ -241,11 +241,15 @@ def _room(job: Job, group: GroupSubmit) -> int | None:
 
 def _invalid_sample(sample: SampleSubmit, max_new: int, vocab: int | None, eos: set[int],
                     room: int | None = None) -> str | None:
-    """`room`: what the model's context leaves after the prompt, where a worker (vLLM) stops a sample with finish
-    "length" before max_new_tokens."""
+    """`room`: what the model's context leaves after the prompt, where every worker stops a sample (finish "length"
+    before max_new_tokens)."""
     n = len(sample.token_ids) if sample.turns is None else sample.turns[-1]  # an episode: its last model turn
     if n > max_new:
         return f"{n} tokens, but the job's max_new_tokens is {max_new}"
+    # Past the context's end, where it leaves room (a prompt that alone fills it is refused by vLLM, and generated
+    # past it by the transformers backend); an episode's turns are bounded as it is played.
+    if room is not None and 0 < room < n and sample.turns is None:
+        return f"{n} tokens, but the model's context leaves {room} after the prompt"
     if vocab is not None and max(sample.token_ids) >= vocab:
         return f"token id {max(sample.token_ids)} is outside the vocabulary (size {vocab})"
     if vocab is not None and sample.logprobs and min(sample.logprobs) < logprob_floor(vocab):

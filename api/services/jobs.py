@@ -6,6 +6,7 @@ import hashlib
 import secrets
 from typing import Any
 
+from echo2.modelinfo import context_length
 from echo2.models import model_error, private_dir_of, private_model_error
 from echo2.money import usd
 from echo2.protocol import (
@@ -86,6 +87,17 @@ def create_job(
     return job, True
 
 
+def check_context(spec: JobSpec, settings: Settings) -> None:
+    """A job whose max_new_tokens fills its model's whole context (where the control plane has the model's config
+    at hand) leaves no room for a prompt: every sample would stop at the context, short of what was asked."""
+    found = memory.config_of(spec.base_model, settings)
+    context = context_length(lambda _: found[0]) if found is not None else None
+    if context is not None and spec.grpo.max_new_tokens >= context:
+        raise ApiError(422, f"grpo.max_new_tokens is {spec.grpo.max_new_tokens}, but {spec.base_model} holds "
+                            f"{context} tokens, prompt and completion together: set it below {context}, leaving "
+                            "room for the prompts (a sample stops where the context ends)", field="grpo.max_new_tokens")
+
+
 # (text, reference, chat context: the turns before a chat item's last user turn, else None)
 Items = list[tuple[str, str | None, list[dict[str, str]] | None]]
 
@@ -119,6 +131,7 @@ def check_references(spec: JobSpec, settings: Settings) -> None:
     problem = model_error(spec.base_model, settings.hf_hub_cache, look=settings.model_check == "host")
     if problem is not None:
         raise ApiError(422, problem, field="base_model")
+    check_context(spec, settings)
     url = (spec.task.params or {}).get("url")
     if settings.env == "production" and isinstance(url, str):
         check_public_url(url, "task.params.url", "the platform calls only public addresses for a job's task")

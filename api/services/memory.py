@@ -59,7 +59,7 @@ RUNTIME_GIB = 1.0
 # echo2:smollm2 is converted from a GGUF on the learner host; its config (SmolLM2-135M-Instruct) is fixed.
 SMOLLM2_CONFIG = {"model_type": "llama", "hidden_size": 576, "intermediate_size": 1536, "num_hidden_layers": 30,
                   "num_attention_heads": 9, "num_key_value_heads": 3, "vocab_size": 49152,
-                  "tie_word_embeddings": True}
+                  "max_position_embeddings": 8192, "tie_word_embeddings": True}
 BUILTIN_CONFIGS = {"echo2:tiny": {**TINY_CONFIG, "model_type": "qwen2", "vocab_size": TINY_VOCAB_SIZE},
                    "echo2:smollm2": SMOLLM2_CONFIG}
 MAX_HEADER = 100 * 2**20  # a safetensors header longer than this is not a header
@@ -91,12 +91,19 @@ class Shape:
 
 def shape_of(ref: str, settings: Settings) -> Shape | None:
     """The model's sizes from the files the control plane has at hand (module docstring), or None."""
+    found = config_of(ref, settings)
+    return None if found is None else _shape(*found)
+
+
+def config_of(ref: str, settings: Settings) -> tuple[dict[str, Any], Path | None, str] | None:
+    """The model's config.json where the control plane has it at hand (module docstring), the folder it is in
+    (None for a built-in) and where it was read, or None."""
     if ref in BUILTIN_CONFIGS:
-        return _shape(BUILTIN_CONFIGS[ref], None, f"the built-in {ref}'s config")
+        return BUILTIN_CONFIGS[ref], None, f"the built-in {ref}'s config"
     folder = _folder(ref, settings)
     if folder is None:
         return None
-    return _shape(folder_reader(folder)("config.json"), folder, f"{folder / 'config.json'}")
+    return folder_reader(folder)("config.json"), folder, f"{folder / 'config.json'}"
 
 
 def _folder(ref: str, settings: Settings) -> Path | None:

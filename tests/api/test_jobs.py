@@ -222,3 +222,14 @@ def test_a_correction_without_its_inputs_is_refused_with_the_reason(api):
                               "correction_level": "sequence", "correction_high": 3.0})
     spec = ok(alice.post("/v1/jobs", json=replayed), 201)["spec"]["grpo"]
     assert (spec["correction"], spec["correction_level"], spec["support_replay"]) == ("tis", "sequence", True)
+
+
+def test_max_new_tokens_that_fill_the_models_context_are_refused_at_submission(api):
+    """echo2:tiny holds 512 tokens, prompt and completion: a job asking 512 new tokens leaves no room for a prompt
+    (every sample would stop at the context, short of max_new_tokens). Refused, and estimated as refused."""
+    _, alice = new_user(api)
+    for route in ("/v1/jobs", "/v1/jobs:estimate"):
+        r = alice.post(route, json=job_spec(grpo={"group_size": 2, "prompts_per_step": 4, "max_new_tokens": 512}))
+        assert r.status_code == 422 and r.json()["errors"][0]["field"] == "grpo.max_new_tokens", r.text
+        assert "echo2:tiny holds 512 tokens, prompt and completion together: set it below 512" in r.json()["detail"]
+    assert new_job(alice, grpo={"group_size": 2, "prompts_per_step": 4, "max_new_tokens": 500})

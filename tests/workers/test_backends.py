@@ -266,3 +266,11 @@ def test_backends_loading_in_several_threads_leave_the_process_able_to_load(mode
         b.close()
     fresh = load_causal_lm(models[0], dtype=torch.float32, use_safetensors=True)
     assert not any(p.is_meta for p in fresh.parameters())
+
+
+def test_a_sample_stops_where_the_models_context_ends(backend):
+    """vLLM stops a sample where the model's context ends (512 tokens for the tiny model), finish "length"; this
+    backend did not, and the door refuses a sample past the context."""
+    (cut,) = backend.generate([GenRequest([5] * 509, n=4, seeds=[1, 2, 3, 4], max_new_tokens=24)])
+    assert all(len(s.token_ids) <= 3 for s in cut) and any(s.finish_reason == "length" for s in cut)
+    assert all(len(s.token_ids) == 3 for s in cut if s.finish_reason == "length")

@@ -15,12 +15,14 @@ the whole cache every token; `compile_decode` also compiles the step with CUDA g
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from echo2.loading import LOAD_LOCK, load_causal_lm
+from echo2.modelinfo import context_length, folder_reader
 
 from echo2_worker.backends.base import (
     BackendError,
@@ -62,6 +64,7 @@ class TransformersBackend(GenerationBackend):
         self.model_dir: Path | None = None
         self.adapter_dir: Path | None = None
         self._eos_ids: set[int] = set()
+        self._context: int | None = None
 
     # -- loading ---------------------------------------------------------------------------------
 
@@ -83,6 +86,7 @@ class TransformersBackend(GenerationBackend):
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model_dir = model_dir
         self._eos_ids = model_eos_token_ids(model_dir)
+        self._context = context_length(folder_reader(model_dir))
         if self.tokenizer.eos_token_id is not None:
             self._eos_ids.add(int(self.tokenizer.eos_token_id))
         log.info("loaded %s%s on %s (%s) in %.1fs", model_dir, f" with adapter {adapter_dir}" if adapter_dir else "",
@@ -171,11 +175,21 @@ class TransformersBackend(GenerationBackend):
             raise BackendError("generate() before load()")
         import torch
 
+        requests = [self._within_context(r) for r in requests]
         out: list[list[GenSample]] = []
         with torch.inference_mode():
             for chunk in _chunks(requests, self._row_budget(requests)):
                 out.extend(self._generate_chunk(chunk))
         return out
+
+    def _within_context(self, request: GenRequest) -> GenRequest:
+        """A sample stops where the model's context ends (finish "length"), as vLLM's do: the door refuses one
+        that goes past it. (A prompt that alone fills the context is generated past it, as before: vLLM refuses
+        such a prompt, and a model with rotary positions still reads it.)"""
+        prompt, context = len(request.prompt_token_ids), self._context
+        if context is None or prompt >= context or prompt + request.max_new_tokens <= context:
+            return request
+        return dataclasses.replace(request, max_new_tokens=context - prompt)
 
     def _row_budget(self, requests: list[GenRequest]) -> int:
         """Rows decoded together: `max_batch_rows`, or on a GPU with it unset, as many as the KV cache of
