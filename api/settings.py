@@ -113,6 +113,11 @@ class Settings(BaseSettings):
     def blob_dir(self) -> Path:
         return self.data_dir / "blobs"
 
+    @property
+    def audit_window(self) -> int:
+        """A trusted worker's groups audited together: one of each window of this many (trust.should_audit)."""
+        return max(1, round(1 / self.audit_rate)) if self.audit_rate > 0 else 1
+
 
 def _refuse_unsafe_production(s: Settings) -> None:
     if s.database_url.startswith("sqlite"):

@@ -81,12 +81,13 @@ def activate(db_url: str, worker_id: str, job_id: str) -> None:
     from api.db import Database
     from api.models import Job, Worker
     from api.services.fleet import assign
+    from api.settings import get_settings
 
     db = Database(db_url)
     with db.session() as s:
         worker, job = s.get(Worker, worker_id), s.get(Job, job_id)
         assert worker is not None and job is not None
-        assign(s, worker, job)
+        assign(s, worker, job, get_settings())
         s.commit()
     db.engine.dispose()
 

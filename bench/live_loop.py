@@ -252,12 +252,13 @@ def _activate(db_url: str, job_id: str, worker_ids: list[str]) -> None:
     from api.db import Database
     from api.models import Job, Worker
     from api.services.fleet import assign
+    from api.settings import get_settings
 
     db = Database(db_url)
     with db.session() as s:
         job = s.get_one(Job, job_id)
         for worker_id in worker_ids:
-            assign(s, s.get_one(Worker, worker_id), job)
+            assign(s, s.get_one(Worker, worker_id), job, get_settings())
         s.commit()
     db.dispose()
 

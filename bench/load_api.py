@@ -180,13 +180,14 @@ def _staff(db_url: str, job_id: str, workers: list[tuple[str, str]], versions: l
     from api.db import Database
     from api.models import Job, Worker
     from api.services.fleet import assign
+    from api.settings import get_settings
 
     db = Database(db_url)
     with db.session() as s:
         job = s.get(Job, job_id)
         for worker_id, _ in workers:
             worker = s.get(Worker, worker_id)
-            assign(s, worker, job)  # type: ignore[arg-type]
+            assign(s, worker, job, get_settings())  # type: ignore[arg-type]
             # and it fetched the versions (a lease is granted only at a version the worker reported holding,
             # which the heartbeat phase would report; the other phases may run without it)
             worker.versions_held = versions  # type: ignore[union-attr]

@@ -42,6 +42,7 @@ def setup_job(url: str, work: Path, model: Path, args: argparse.Namespace) -> tu
     from api.db import Database
     from api.models import Job, Worker
     from api.services.fleet import assign
+    from api.settings import get_settings
     from learner.remote import ControlPlane
 
     def client(token: str) -> httpx.Client:
@@ -61,7 +62,7 @@ def setup_job(url: str, work: Path, model: Path, args: argparse.Namespace) -> tu
     reg = ok(provider.post("/v1/workers", json={"name": "w0"}), 201)
     db = Database(f"sqlite:///{work / 'echo2.db'}")
     with db.session() as s:
-        assign(s, s.get(Worker, reg["worker"]["id"]), s.get(Job, job["id"]))
+        assign(s, s.get(Worker, reg["worker"]["id"]), s.get(Job, job["id"]), get_settings())
         s.commit()
     prompts = ok(user.get(f"/v1/jobs/{job['id']}/prompts", params={"limit": args.prompts}))["items"]
     return job["id"], reg["worker"]["id"], reg["token"], prompts

@@ -269,7 +269,7 @@ def _activate(db: Session, settings: Settings, now: datetime, trouble: Trouble) 
             continue
         job_id = line.job_id or worker.job_id  # before unassigning: a deactivation is explained on its job
         if line.action is Action.ACTIVATE and line.job_id in jobs_by_id:
-            fleet.assign(db, worker, jobs_by_id[line.job_id])
+            fleet.assign(db, worker, jobs_by_id[line.job_id], settings)
             worker.activated_mu = profiles[worker.id].perf_for(line.job_id).mu  # what its pay is measured against
             activated += 1
         elif line.action is Action.DEACTIVATE or (line.job_id is None and worker.job_id is not None):

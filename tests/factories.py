@@ -158,7 +158,7 @@ def activate(api: Api, worker_id: str, job_id: str) -> None:
     with api.db.session() as s:
         worker, job = s.get(Worker, worker_id), s.get(Job, job_id)
         assert worker is not None and job is not None
-        assign(s, worker, job)
+        assign(s, worker, job, api.server.settings)
         worker.versions_held = [] if job.version is None else list(range(job.version + 1))
         s.commit()
 

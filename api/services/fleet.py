@@ -17,14 +17,16 @@ from .jobs import sampling_of, spec_of
 from .pool import end_lease
 
 
-def assign(db: Session, worker: Worker, job: Job) -> None:
-    """Activate a worker on a job (the scheduler decides which; this records it). A move ends its leases on the
-    job it leaves: a worker serves one job at a time, and one that kept a lease elsewhere could spend it a group
-    at a time to learn where its audit window falls (its windows number its groups on every job), then forge the
-    rest of that window on the job it serves now."""
+def assign(db: Session, worker: Worker, job: Job, settings: Settings) -> None:
+    """Activate a worker on a job (the scheduler decides which; this records it). A move ends the worker's leases
+    on the job it leaves and starts a new audit window (its windows number its groups on every job): a worker that
+    learned where its window's audit fell on one job (its owner sees the job's audits at once; or a lease kept
+    there, spent a group at a time) could otherwise forge the rest of that window on the job it serves now."""
     if worker.job_id != job.id:
         _end_leases(db, worker)
         worker.active_since = utcnow()
+        window = settings.audit_window  # in SQL: a submission numbering groups meanwhile is not undone
+        worker.groups_numbered = Worker.groups_numbered + (window - Worker.groups_numbered % window) % window
     worker.job_id, worker.desired = job.id, DesiredState.active
 
 

@@ -73,10 +73,9 @@ def should_audit(worker: Worker | None, rollout: Rollout, settings: Settings) ->
         return rate >= 1
     if rollout.seq is None:  # stored before groups were numbered: a draw from its id
         return int.from_bytes(hashlib.sha256(rollout.id.encode()).digest()[:8], "big") / 2**64 < rate
-    window = max(1, round(1 / rate))
-    index, slot = divmod(rollout.seq, window)
+    index, slot = divmod(rollout.seq, settings.audit_window)
     pick = hashlib.sha256(f"{worker.audit_salt}:{index}".encode()).digest()
-    return slot == int.from_bytes(pick[:8], "big") % window
+    return slot == int.from_bytes(pick[:8], "big") % settings.audit_window
 
 
 def open_window_start(worker: Worker, settings: Settings) -> int:
@@ -86,8 +85,7 @@ def open_window_start(worker: Worker, settings: Settings) -> int:
     rate = settings.audit_rate
     if worker.trust is not TrustState.trusted or not 0 < rate < 1:
         return worker.groups_numbered  # every group is audited: nothing to tell
-    window = max(1, round(1 / rate))
-    return worker.groups_numbered // window * window
+    return worker.groups_numbered // settings.audit_window * settings.audit_window
 
 
 def _in_open_window(workers: list[Worker], settings: Settings) -> ColumnElement[bool]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from datetime import timedelta
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 
 from api.models import Audit, LedgerEntry, Rollout, Worker, utcnow
 from scheduler import billing
@@ -26,6 +26,7 @@ from tests.factories import (
 )
 
 R = 4  # prompts a step
+W = 10  # a trusted worker's audit window: round(1 / ECHO2_AUDIT_RATE), public
 
 
 def _bill(api, seconds: float = 10.0) -> None:
@@ -181,3 +182,77 @@ def test_a_worker_moved_to_another_job_keeps_no_lease_on_the_one_it_left(api, tm
     assert out["results"][0]["status"] == "rejected", out
     states = {p["state"] for p in ok(mallory.get(f"/v1/jobs/{own['id']}/prompts", params={"limit": 200}))["items"]}
     assert "leased" not in states  # its prompts went back to the pool
+
+
+def test_a_window_whose_audit_was_seen_on_the_owners_own_job_is_not_finished_on_another_tenants(api, tmp_path):
+    """A worker's audit windows cut the one sequence of its groups on every job, and a job's owner sees each of its
+    audits at once: Mallory's trusted worker served her own job one group at a time until its window's audit showed,
+    she cancelled the job, and the scheduler moved the worker to Bob's, where it forged the rest of that window,
+    unaudited, trained and paid (review finding). A move now starts a new window (fleet.assign)."""
+    _, mallory = new_user(api, "mallory")
+    own, own_learner = running_job(api, mallory, fake_model_folder(tmp_path / "m"), staleness=64, max_steps=1000,
+                                   num_prompts=400, grpo={"group_size": 2, "prompts_per_step": 64})
+    _, bob = new_user(api, "bob")
+    victim, bob_learner = running_job(api, bob, fake_model_folder(tmp_path / "b"), staleness=64, max_steps=1000,
+                                      num_prompts=400, grpo={"group_size": 2, "prompts_per_step": 64})
+    wid, worker = new_worker(api, new_provider(api, "mallory-co")[1], "w")
+    activate(api, wid, own["id"])
+    _working(api, wid)
+    forged: set[str] = set()
+    steps = {own["id"]: 0, victim["id"]: 0}
+    learners = {own["id"]: own_learner, victim["id"]: bob_learner}
+
+    def send(jid: str, forge: bool) -> str:
+        """One group on `jid`; that job's (honest) learner claims it at once, audits it if picked, trains it."""
+        learner, step = learners[jid], steps[jid]
+        lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0}), 201)
+        out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts",
+                             json={"groups": [_group(lease["prompts"][0], 0, forged=forge, finish="stop")]}))
+        rid = out["results"][0]["rollout_id"]
+        assert out["results"][0]["status"] == "accepted", out
+        if forge:
+            forged.add(rid)
+        claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 64}))["groups"]
+        kept, failed = [], []
+        for g in claimed:
+            bad = g["rollout_id"] in forged
+            if g["audit"]:
+                ok(learner.post(f"/v1/jobs/{jid}/learner/audits", json={"step": step, "audits": [
+                    {"rollout_id": g["rollout_id"], "passed": not bad, "stats": {"tokens": 6.0},
+                     "reason": "replay: tokens the claimed version does not draw" if bad else None}]}))
+            (failed if g["audit"] and bad else kept).append(g["rollout_id"])
+        ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(
+            step, kept, rejected=[{"rollout_id": r, "reason": "failed its audit"} for r in failed])))
+        _bill(api, 60.0)
+        steps[jid] += 1
+        return rid
+
+    def me() -> dict:
+        return ok(worker.get(f"/v1/workers/{wid}"))
+
+    for _ in range(5):  # probation on Mallory's own job, honestly
+        send(own["id"], False)
+    assert me()["trust"] == "trusted"
+
+    # Mallory's worker sends one honest group at a time on her job; Mallory, its owner, sees every audit at once.
+    left = 0
+    for _ in range(6 * W):
+        seq = me()["accepted_rollouts"]  # the number the next group gets (every accepted group, every job)
+        rid = send(own["id"], False)
+        audited = {a["rollout_id"] for a in ok(mallory.get(f"/v1/jobs/{own['id']}/audits"))}
+        if rid in audited and W - 1 - seq % W >= 3:  # the window's one audit is behind it, 3+ slots still to come
+            left = W - 1 - seq % W
+            break
+    assert left, "no early pick seen in six windows"
+
+    ok(mallory.post(f"/v1/jobs/{own['id']}/cancel"))  # the worker leaves her job...
+    activate(api, wid, victim["id"])  # ...and the scheduler puts it on Bob's (reconcile: fleet.assign)
+    _working(api, wid)
+    sent: list[str] = []
+    while len(sent) < W and me()["trust"] == "trusted":  # forged, on Bob's job, until an audit catches one
+        sent.append(send(victim["id"], True))
+    with api.db.session() as s:
+        first = s.scalar(select(func.min(Rollout.seq)).where(Rollout.id.in_(sent)))
+    assert first % W == 0, f"the window Mallory saw the audit of went on on Bob's job ({left} slots left)"
+    audited_on_bob = {a["rollout_id"] for a in ok(bob.get(f"/v1/jobs/{victim['id']}/audits"))}
+    assert len(audited_on_bob & set(sent)) == 1 and me()["trust"] == "suspect"
