@@ -65,11 +65,14 @@ def vocab_size(read: Reader) -> int | None:
 
 
 def context_length(read: Reader) -> int | None:
-    """Tokens a sequence of the model may hold, prompt and completion (config.json `max_position_embeddings`, or its
-    text_config's): a vLLM worker stops a sample there, whatever max_new_tokens asks."""
+    """Tokens a sequence of the model may hold, prompt and completion (config.json `max_position_embeddings`, GPT-2's
+    `n_positions`, or its text_config's): every worker stops a sample there, whatever max_new_tokens asks."""
     config = read("config.json")
-    value = config.get("max_position_embeddings", (config.get("text_config") or {}).get("max_position_embeddings"))
-    return value if isinstance(value, int) and value > 0 else None
+    for part in (config, config.get("text_config") or {}):
+        value = part.get("max_position_embeddings", part.get("n_positions"))
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")

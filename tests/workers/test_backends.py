@@ -274,3 +274,29 @@ def test_a_sample_stops_where_the_models_context_ends(backend):
     (cut,) = backend.generate([GenRequest([5] * 509, n=4, seeds=[1, 2, 3, 4], max_new_tokens=24)])
     assert all(len(s.token_ids) <= 3 for s in cut) and any(s.finish_reason == "length" for s in cut)
     assert all(len(s.token_ids) == 3 for s in cut if s.finish_reason == "length")
+
+
+def test_transformers_backend_stops_at_the_models_context_like_vllm_does(tmp_path):
+    """On a model with learned positions (GPT-2's config says `n_positions`, here 64) decoding past the context
+    raised IndexError, and a worker exits at its third failed generation in a row: one job whose prompt +
+    max_new_tokens passed the context took down every worker that served it (review finding)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    tiny = build_tiny_model(tmp_path / "tiny", seed=0)  # only for its tokenizer (vocabulary of 96)
+    folder = tmp_path / "gpt2"
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_positions=64, n_embd=64, n_layer=1, n_head=2, vocab_size=96, bos_token_id=1,
+                               eos_token_id=2, pad_token_id=0)).save_pretrained(folder)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny / name, folder / name)
+    backend = TransformersBackend(device="cpu")
+    backend.load(folder)
+    try:
+        prompt = [5] * 40  # no eos stop, so that the random model cannot end a sample early by luck
+        (group,) = backend.generate([GenRequest(prompt, n=2, seeds=[1, 2], max_new_tokens=64, stop_at_eos=False)])
+    finally:
+        backend.close()
+    for sample in group:  # 24 tokens of room after a 40-token prompt in a 64-token context
+        assert len(sample.token_ids) <= 64 - len(prompt)
+        assert sample.finish_reason == "stop" or len(sample.token_ids) == 64 - len(prompt)
