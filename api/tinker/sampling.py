@@ -30,7 +30,7 @@ MAX_SAMPLE_TOKENS = 2**17  # rows x (prompt + max_tokens) of one request, and of
 
 @router.post("/create_sampling_session")
 def create_sampling_session(body: CreateSamplingSessionRequest, user: TinkerUser, db: SessionDep,
-                            bell: Bell) -> dict[str, Any]:
+                            bell: Bell, settings: SettingsDep) -> dict[str, Any]:
     session = service.owned_session(db, user.id, body.session_id)
     sampler_id = f"{session.id}:sample:{body.sampling_session_seq_id}"
     if db.get(TinkerSampler, sampler_id) is not None:
@@ -43,7 +43,7 @@ def create_sampling_session(body: CreateSamplingSessionRequest, user: TinkerUser
                                 checkpoint=checkpoint.name, base_model=model.base_model, model_path=body.model_path,
                                 inflight=checkpoint.inflight)
     elif body.base_model:
-        model = service.new_model(db, session, sampler_id, ModelKind.sample, body.base_model, None)
+        model = service.new_model(db, settings, session, sampler_id, ModelKind.sample, body.base_model, None)
         queueing.enqueue(db, model, RequestKind.create_model, {}, None)
         sampler = TinkerSampler(id=sampler_id, session_id=session.id, owner_id=user.id, model_id=model.id,
                                 base_model=model.base_model)

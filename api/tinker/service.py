@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from pathlib import PurePosixPath
 
-from echo2.models import BUILTINS
+from echo2.models import BUILTINS, model_error, private_dir_of, private_model_error
 from echo2.protocol.tinker import (
     CheckpointKind,
     ErrorCategory,
@@ -50,13 +50,20 @@ def request_key(request_id: str) -> str:
     return f"tinker/{request_id}"
 
 
-def check_base_model(name: str) -> str:
-    """A model Echo2 can load without the network: a built-in, or a folder by absolute path."""
-    if name in BUILTINS or PurePosixPath(name).is_absolute():
-        return name
-    raise ApiError(400, f"unknown base model {name!r}: Echo2 trains and samples {', '.join(BUILTINS)} or a model "
-                        "folder given by its absolute path on the learner host (nothing is downloaded)",
-                   field="base_model")
+def check_base_model(name: str, settings: Settings) -> str:
+    """A model Echo2 can load without the network: a built-in, or a model folder by absolute path (where the control
+    plane sees the learner hosts' disks, `model_check` "host", checked as a GRPO job's base model is: at once,
+    not by a host failing to load it), outside Echo2's own data."""
+    if not (name in BUILTINS or PurePosixPath(name).is_absolute()):
+        raise ApiError(400, f"unknown base model {name!r}: Echo2 trains and samples {', '.join(BUILTINS)} or a model "
+                            "folder given by its absolute path on the learner host (nothing is downloaded)",
+                       field="base_model")
+    private = private_dir_of(name, (settings.data_dir,))
+    problem = private_model_error(name, private) if private is not None else \
+        model_error(name, settings.hf_hub_cache, look=settings.model_check == "host")
+    if problem is not None:
+        raise ApiError(400, problem, field="base_model")
+    return name
 
 
 def owned_session(db: Session, owner_id: str, session_id: str) -> TinkerSession:
@@ -97,16 +104,17 @@ def owned_sampler(db: Session, owner_id: str, sampler_id: str) -> TinkerSampler:
     return row
 
 
-def new_model(db: Session, session: TinkerSession, model_id: str, kind: ModelKind, base_model: str,
-              lora: dict | None, idempotency_key: str | None = None) -> TinkerModel:
+def new_model(db: Session, settings: Settings, session: TinkerSession, model_id: str, kind: ModelKind,
+              base_model: str, lora: dict | None, idempotency_key: str | None = None) -> TinkerModel:
     """A model for a create call; for a repeat of the call that made it (a retried POST, even when its first
     attempt committed while this one ran, or the SDK's outer retry, which sends a new key), that model: the same
     owner, kind, base model and adapter (queueing.enqueue then answers the first create's future). Another create
     under a taken model_seq_id is a 400."""
+    base_model = check_base_model(base_model, settings)
     existing = db.get(TinkerModel, model_id)
     if existing is None:
         model = TinkerModel(id=model_id, session_id=session.id, owner_id=session.owner_id, kind=kind,
-                            base_model=check_base_model(base_model), lora=lora)
+                            base_model=base_model, lora=lora)
         try:
             with db.begin_nested():  # a concurrent twin of this call may insert it first
                 db.add(model)
@@ -114,7 +122,7 @@ def new_model(db: Session, session: TinkerSession, model_id: str, kind: ModelKin
         except IntegrityError:
             existing = db.get(TinkerModel, model_id, populate_existing=True)
     if existing is not None and existing.owner_id == session.owner_id and \
-            (existing.kind, existing.base_model, existing.lora) == (kind, check_base_model(base_model), lora):
+            (existing.kind, existing.base_model, existing.lora) == (kind, base_model, lora):
         return existing
     raise seq_taken(model_id)
 

@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from sqlalchemy.orm import Session
 
 from ..db import Database
-from ..deps import SessionDep
+from ..deps import SessionDep, SettingsDep
 from ..errors import ApiError
 from ..routing import make_router
 from ..services.notices import Announcer
@@ -55,15 +55,15 @@ def queued(row: TinkerRequest, bell: Announcer) -> dict[str, Any]:
 
 @router.post("/create_model")
 def create_model(body: CreateModelRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
-                 bell: Bell) -> dict[str, Any]:
+                 bell: Bell, settings: SettingsDep) -> dict[str, Any]:
     if body.lora_config is None:
         raise ApiError(400, "Echo2 trains LoRA adapters only: create_lora_training_client", field="lora_config")
     if body.optimizer_config.get("type", "adamw") != "adamw":
         raise ApiError(400, f"optimizer {body.optimizer_config.get('type')!r} is not supported: Echo2 steps with AdamW",
                        field="optimizer_config")
     session = service.owned_session(db, user.id, body.session_id)
-    model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", ModelKind.train, body.base_model,
-                              body.lora_config.model_dump(), key)
+    model = service.new_model(db, settings, session, f"{session.id}:train:{body.model_seq_id}", ModelKind.train,
+                              body.base_model, body.lora_config.model_dump(), key)
     row = queueing.enqueue(db, model, RequestKind.create_model, {}, key)
     db.commit()
     return queued(row, bell)
@@ -251,7 +251,7 @@ def _ttl(ttl_seconds: int | None) -> int | None:
 
 @router.post("/load_weights")
 def load_weights(body: LoadWeightsRequest, user: TinkerUser, db: SessionDep, key: IdempotencyKey,
-                 bell: Bell) -> dict[str, Any]:
+                 bell: Bell, settings: SettingsDep) -> dict[str, Any]:
     """A state saved with save_state, into a new model (session_id, model_seq_id: the SDK's
     create_training_client_from_state) or into an existing one (model_id: load_state). The control plane stores
     the state (api/tinker/states.py), so whichever host runs the model loads it."""
@@ -268,7 +268,7 @@ def load_weights(body: LoadWeightsRequest, user: TinkerUser, db: SessionDep, key
         row = queueing.enqueue(db, model, RequestKind.load_weights, load, key)
     elif body.session_id is not None and body.model_seq_id is not None:
         session = service.owned_session(db, user.id, body.session_id)
-        model = service.new_model(db, session, f"{session.id}:train:{body.model_seq_id}", ModelKind.train,
+        model = service.new_model(db, settings, session, f"{session.id}:train:{body.model_seq_id}", ModelKind.train,
                                   body.base_model or source.base_model, source.lora, key)
         _pin(model, state)
         row = queueing.enqueue(db, model, RequestKind.create_model, {"load": load}, key)

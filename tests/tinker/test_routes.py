@@ -624,3 +624,19 @@ def test_listings_and_usage_events_refuse_what_is_out_of_range_with_a_4xx(api):
     assert ok(events("9999-12-31T22:00:00Z", "9999-12-31T23:00:00Z"))["data"] == []  # 14 days on is past 9999
     before_year_1 = events("0001-01-01T00:00:00+01:00", "0001-01-02T00:00:00Z")
     assert before_year_1.status_code == 400 and "starting_on is out of range" in before_year_1.text
+
+
+def test_create_model_on_a_folder_that_is_no_model_is_refused_at_once(api, tmp_path):
+    """docs/TINKER.md: a bad base model "is a 400 BadRequestError at once". The route checked only that the name was
+    absolute: a host then tried to load a folder without config.json, and the user waited ~55 s for an error
+    about a tokenizer that never named the folder (review finding). Checked now as a GRPO job's base model is."""
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    session = ok(client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    for folder in (empty, tmp_path / "no-such-folder"):
+        r = client.post("/api/v1/create_model", json={"session_id": session, "model_seq_id": 0,
+                                                      "base_model": str(folder), "lora_config": {"rank": 4}})
+        assert r.status_code == 400, f"{folder}: {r.status_code} {r.text[:200]}"
+        assert r.json()["errors"][0]["field"] == "base_model" and str(folder) in r.json()["detail"]
