@@ -141,8 +141,11 @@ def training_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items
     """(training prompts, held-out prompts) of a spec, or the 422 that refuses it: everything a job
     creation checks beyond the spec's own validation (also for an estimate, which creates nothing)."""
     items, held_out = _prompt_items(db, user, spec)
-    if not items:
+    if not items and held_out:
         raise ApiError(422, "no prompt is left to train on (the held-out share took them all)", field="eval.fraction")
+    if not items:
+        raise ApiError(422, f"{_items_field(spec)} holds no prompt: give at least grpo.prompts_per_step = "
+                            f"{spec.grpo.prompts_per_step}", field=_items_field(spec))
     return _fill_a_step(items, len(held_out), spec), held_out
 
 
@@ -175,6 +178,8 @@ def _prompt_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]
         params = adapter.parse_params(spec.task.params)
     except TaskParamsError as exc:
         where, reason = exc.errors[0]
+        if where == "params":  # a check across several parameters (the task's model validator) names none
+            raise ApiError(422, f"task.params: {reason}", field="task.params") from None
         raise ApiError(422, f"{where}: {reason}", field=f"task.params.{where}") from None
     raw = _raw_items(db, user, spec)
     if raw is None:

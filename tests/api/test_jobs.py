@@ -233,3 +233,27 @@ def test_max_new_tokens_that_fill_the_models_context_are_refused_at_submission(a
         assert r.status_code == 422 and r.json()["errors"][0]["field"] == "grpo.max_new_tokens", r.text
         assert "echo2:tiny holds 512 tokens, prompt and completion together: set it below 512" in r.json()["detail"]
     assert new_job(alice, grpo={"group_size": 2, "prompts_per_step": 4, "max_new_tokens": 500})
+
+
+def test_an_empty_prompts_list_is_refused_as_such_not_blamed_on_eval_fraction(api):
+    """`prompts: []` (an SDK user whose list came out empty) was answered on field `eval.fraction`, "the held-out share
+    took them all": nothing was held out, and lowering eval.fraction gave the same answer (review finding)."""
+    _, alice = new_user(api)
+    for spec in (job_spec(task={"name": "exact_match"}, prompts=[], num_prompts=None),
+                 job_spec(task={"name": "exact_match"}, prompts=[], num_prompts=None, eval={"fraction": 0.01})):
+        r = alice.post("/v1/jobs", json=spec)
+        assert r.status_code == 422, r.text
+        assert r.json()["errors"][0]["field"] in ("prompts", "body.prompts"), r.json()
+        assert "held-out share" not in r.json()["detail"], r.json()["detail"]
+
+
+def test_a_task_parameter_check_across_two_fields_names_a_real_field(api):
+    """arithmetic {min_operand: 10, max_operand: 1} was refused on field `task.params.params`, no such field: a check
+    across two parameters has no location of its own (review finding)."""
+    _, alice = new_user(api)
+    r = alice.post("/v1/jobs", json=job_spec(task={"name": "arithmetic",
+                                                   "params": {"min_operand": 10, "max_operand": 1}}))
+    assert r.status_code == 422, r.text
+    field = r.json()["errors"][0]["field"]
+    assert field in ("task.params", "task.params.max_operand", "task.params.min_operand"), field
+    assert not r.json()["detail"].startswith("params:"), r.json()["detail"]
