@@ -19,8 +19,9 @@ watch: its other workers become suspects (every group audited), its new ones sta
 of them becomes trusted until the watch ends; once a quarantined worker of it was deleted, a strike of a
 worker registered during the watch bans, as a strike after a quarantine does (the new worker may be the deleted
 one's replacement). A new worker starts with the strikes of its provider's most struck worker, as a suspect, and
-its quarantine claws back the pay of the deleted workers whose strikes it carries on (`inherit_strikes`). A ban
-bans the provider: its other workers are banned with it and it registers no more.
+its quarantine claws back the pay of the deleted workers whose strikes it carries on (`inherit_strikes`). The
+strikes of a provider's workers add up where its audits fail more often than numerics explain (`_struck_alongside`).
+A ban bans the provider: its other workers are banned with it and it registers no more.
 """
 
 from __future__ import annotations
@@ -49,6 +50,11 @@ STRIKES_TO_QUARANTINE = 2
 # two forging machines gets one trust window of forging each.
 INHERIT_DAYS = 7
 MAX_CHAIN = 64  # predecessors whose pay a quarantine claws back, at most
+# A provider whose working workers hold STRIKES_TO_QUARANTINE strikes between them has each struck one quarantined,
+# where more than this share of its workers' audits over the last INHERIT_DAYS failed: an honest fleet fails
+# ~1e-4 of them (numerics), however many machines hold one old strike each; one that spends a trust cycle of each
+# identity forging fails one audit in the few it passed to be trusted.
+PROVIDER_FAIL_SHARE = 0.01
 
 
 def audit_rate(worker: Worker, settings: Settings) -> float:
@@ -164,14 +170,39 @@ def strike(db: Session, worker: Worker, reason: str, settings: Settings, *, audi
         ban(db, worker, f"banned (a strike after a quarantine): {reason}")
     elif _replaces(db, worker, settings):
         ban(db, worker, f"banned (a strike of a worker registered while its provider was on watch): {reason}")
-    elif worker.strikes < STRIKES_TO_QUARANTINE:
-        worker.trust = TrustState.suspect
+    elif worker.strikes >= STRIKES_TO_QUARANTINE:
+        _quarantine(db, worker, f"quarantined: {worker.strikes} strikes, latest: {reason}", settings)
+    elif accomplices := _struck_alongside(db, worker):
+        for other in [worker, *accomplices]:
+            _quarantine(db, other, f"quarantined: its provider's workers {', '.join(w.id for w in accomplices)} "
+                                   f"and {worker.id} were struck, and its audits fail too often for numerics; "
+                                   f"latest: {reason}", settings)
     else:
-        worker.quarantined_until = utcnow() + timedelta(seconds=settings.quarantine_s)
-        worker.quarantines += 1
-        why = f"quarantined: {worker.strikes} strikes, latest: {reason}"
-        _shut_out(db, worker, TrustState.quarantined, why)
-        _watch(db, worker, why)
+        worker.trust = TrustState.suspect
+
+
+def _quarantine(db: Session, worker: Worker, why: str, settings: Settings) -> None:
+    worker.quarantined_until = utcnow() + timedelta(seconds=settings.quarantine_s)
+    worker.quarantines += 1
+    _shut_out(db, worker, TrustState.quarantined, why)
+    _watch(db, worker, why)
+
+
+def _struck_alongside(db: Session, worker: Worker) -> list[Worker]:
+    """The provider's other working workers with strikes, where theirs and this one's make a quarantine's worth and
+    more than PROVIDER_FAIL_SHARE of the provider's audits failed lately: a provider that registered spare
+    identities up front (before any strike, so none inherits one) spent a trust cycle of each forging, each caught
+    once, none quarantined, its forged groups no audit picked kept paid."""
+    others = list(db.scalars(select(Worker).where(
+        Worker.provider_id == worker.provider_id, Worker.id != worker.id, Worker.strikes > 0,
+        Worker.trust.in_(TrustState.working())).order_by(Worker.id)))  # not locked: two strikes at once would deadlock
+    if worker.strikes + sum(o.strikes for o in others) < STRIKES_TO_QUARANTINE:
+        return []
+    total, failed = db.execute(
+        select(func.count(), func.count().filter(not_(Audit.passed))).join(Worker, Worker.id == Audit.worker_id)
+        .where(Worker.provider_id == worker.provider_id,
+               Audit.created_at >= utcnow() - timedelta(days=INHERIT_DAYS))).one()
+    return others if failed > PROVIDER_FAIL_SHARE * total else []
 
 
 def inherit_strikes(db: Session, worker: Worker) -> None:

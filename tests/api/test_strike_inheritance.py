@@ -12,9 +12,9 @@ from datetime import timedelta
 
 from sqlalchemy import select
 
-from api.models import LedgerEntry, Worker, utcnow
+from api.models import Audit, LedgerEntry, Worker, utcnow
 from api.services import trust
-from tests.factories import fake_model_folder, new_provider, new_worker, ok, paid_job
+from tests.factories import fake_model_folder, new_provider, new_user, new_worker, ok, paid_job, running_job
 
 
 def _strike(api, wid: str, times: int = 1) -> None:
@@ -107,3 +107,25 @@ def test_a_strike_forgiven_on_the_successor_is_not_passed_on_again(api, monkeypa
     assert _strikes(api, fresh["id"]) == 0 and fresh["trust"] == "probation", (
         f"the strike machine-1 carried was forgiven on its successor; machine-2 still starts {fresh['trust']} with "
         f"{_strikes(api, fresh['id'])} strike(s): {fresh['trust_reason']!r}")
+
+
+def test_a_big_honest_provider_whose_machines_each_hold_one_old_strike_is_not_quarantined(api, tmp_path):
+    """A strike lasts FORGIVE_AFTER clean audits: across a provider's many machines, two may each hold one from
+    numerics. Its audits pass but for those few, so the provider's strikes do not add up (trust._struck_alongside);
+    a provider whose audits fail more than PROVIDER_FAIL_SHARE of the time has its struck workers quarantined."""
+    _, provider = new_provider(api, "big-honest-co")
+    aid, bid, cid = (new_worker(api, provider, f"machine-{m}")[0] for m in "abc")
+    job, _ = running_job(api, new_user(api)[1], fake_model_folder(tmp_path / "m"))
+    with api.db.session() as s:
+        s.add_all(Audit(job_id=job["id"], worker_id=(aid, bid)[k % 2], rollout_id=f"rol_{k}", version=0, step=0,
+                        passed=k > 0) for k in range(300))  # machine-a's one failure among 300 audits
+        s.commit()
+    _strike(api, aid)
+    _strike(api, bid)
+    assert {ok(api.admin.get(f"/v1/workers/{w}"))["trust"] for w in (aid, bid)} == {"suspect"}
+    with api.db.session() as s:
+        s.add_all(Audit(job_id=job["id"], worker_id=cid, rollout_id=f"rol_c{k}", version=0, step=0, passed=False)
+                  for k in range(3))  # 4 of 303 failed: more than numerics explain
+        s.commit()
+    _strike(api, cid)
+    assert {ok(api.admin.get(f"/v1/workers/{w}"))["trust"] for w in (aid, bid, cid)} == {"quarantined"}

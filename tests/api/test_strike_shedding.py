@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from sqlalchemy import select
 
-from api.models import LedgerEntry
+from api.models import LedgerEntry, Worker
+from api.services.fleet import unassign
 from tests.api.test_audit_gaming import _bill, _group, _working
 from tests.factories import (
     activate,
@@ -120,3 +121,76 @@ def test_a_deleted_workers_strikes_pass_on_only_within_the_window_and_move_to_th
     assert fresh["trust"] == "suspect" and fresh["trust_reason"].startswith(f"worker {gone} of its provider has")
     with api.db.session() as s:
         assert s.get_one(Worker, gone).strikes == 0 and s.get_one(Worker, fresh["id"]).inherited_from == gone
+
+
+def test_spare_identities_registered_before_any_strike_cannot_each_forge_a_trust_cycle_unpunished(api, tmp_path):
+    """Strikes passed only to workers registered after them: a provider that registered three identities up front
+    spent a trust cycle of each forging until its first strike, none quarantined, its forged groups no audit picked
+    kept paid (review finding). A provider's workers' strikes now add up where its audits fail too often for
+    numerics (trust._struck_alongside)."""
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=64, max_steps=1000,
+                               num_prompts=400, grpo={"group_size": 2, "prompts_per_step": 64})
+    jid = job["id"]
+    _, provider = new_provider(api, "mallory-gpu")
+    # All registered at once, before anything is struck: none inherits anything.
+    spares = [new_worker(api, provider, f"identity-{k}") for k in range(3)]
+    forged: set[str] = set()
+    state = {"step": 0}
+
+    def send(worker, forge: bool) -> None:
+        """One group, claimed at once, audited if the control plane picked it (an honest learner: a forged group
+        fails), trained in its own step, billed."""
+        step = state["step"]
+        lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0}), 201)
+        out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts",
+                             json={"groups": [_group(lease["prompts"][0], 0, forged=forge, finish="stop")]}))
+        rid = out["results"][0]["rollout_id"]
+        assert out["results"][0]["status"] == "accepted", out
+        if forge:
+            forged.add(rid)
+        claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 64}))["groups"]
+        kept, failed = [], []
+        for g in claimed:
+            bad = g["rollout_id"] in forged
+            if g["audit"]:
+                ok(learner.post(f"/v1/jobs/{jid}/learner/audits", json={"step": step, "audits": [
+                    {"rollout_id": g["rollout_id"], "passed": not bad, "stats": {"tokens": 6.0},
+                     "reason": "replay: tokens the claimed version does not draw" if bad else None}]}))
+            (failed if g["audit"] and bad else kept).append(g["rollout_id"])
+        ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(
+            step, kept, rejected=[{"rollout_id": r, "reason": "failed its audit"} for r in failed])))
+        _bill(api, 60.0)
+        state["step"] += 1
+
+    def trust(wid) -> str:
+        return ok(provider.get(f"/v1/workers/{wid}"))["trust"]
+
+    for wid, worker in spares:
+        activate(api, wid, jid)
+        _working(api, wid)
+        for _ in range(25):  # probation, honestly, until trusted
+            send(worker, False)
+            if trust(wid) == "trusted":
+                break
+        assert trust(wid) == "trusted", trust(wid)
+        while trust(wid) == "trusted":  # forge until an audit catches it
+            send(worker, True)
+        # the struck identity is put aside (kept registered and idle: it is never struck again)
+        with api.db.session() as s:
+            unassign(s, s.get_one(Worker, wid))
+            s.commit()
+        if any(trust(w) == "quarantined" for w, _ in spares):
+            break
+
+    me = ok(provider.get("/v1/providers/me"))
+    states = {wid: trust(wid) for wid, _ in spares}
+    with api.db.session() as s:
+        entries = s.scalars(select(LedgerEntry).where(LedgerEntry.provider_id == me["id"])).all()
+        kept = {r for e in entries if e.kind == "worker" and e.clawed_back_by is None for r in e.rollout_ids}
+        kept_usd = sum(e.amount_usd for e in entries if e.kind == "worker" and e.clawed_back_by is None)
+    paid_forged = forged & kept
+    assert not paid_forged and any(st in ("quarantined", "banned") for st in states.values()), (
+        f"one provider's identities, registered together before any strike, forged one trust cycle each: "
+        f"{len(spares)} strikes in all and none quarantined ({states}), provider watch_until={me['watch_until']}; "
+        f"{len(paid_forged)} of its {len(forged)} forged groups stay paid, and it keeps ${kept_usd:.2f}")
