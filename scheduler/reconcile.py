@@ -383,7 +383,8 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     `trial_share` of each job's need. A trial that delivered nothing for `delivery_grace_s` fails: the
     worker is measured at zero (and so not activated) until `TRIAL_RETRY` grace periods later; not one that was
     refused every lease meanwhile because its groups wait for the learner's audit (pool.held_back), nor one its
-    job has no lease room for (the learner is behind: _no_room)."""
+    job has no lease room for (the learner is behind: _no_room). So does a worker, measured or not, that held a
+    lease `lease_idle_s` without a group (its renewal refused: the lease room it kept from every other worker)."""
     active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
     window = min(active_s, MU_WINDOW_S)
     done, gen = _delivered(db, worker.id, now - timedelta(seconds=MU_WINDOW_S))
@@ -396,10 +397,10 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     retry_at = worker.trial_failed_at + timedelta(seconds=TRIAL_RETRY * settings.delivery_grace_s) \
         if worker.trial_failed_at else now
     trial = None
-    if done and active_s >= 5:
-        mu = done / window
-    elif now < retry_at:
+    if now < retry_at:  # a trial failed here, or a lease held idle (routes/leases.py: renew)
         mu = 0.0
+    elif done and active_s >= 5:
+        mu = done / window
     else:
         mu, trial = worker.rollouts_per_s or 1.0, worker.rollouts_per_s or 1.0
     t_gen = gen if gen else 1.0 / max(mu, 1e-9)

@@ -49,12 +49,22 @@ def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, sett
     return read
 
 
-@router.post("/leases/{lease_id}/renew", operation_id="renew_lease", summary="Extend an active lease by its TTL")
+@router.post("/leases/{lease_id}/renew", operation_id="renew_lease", summary="Extend an active lease by its TTL",
+             responses={409: {"description": "The lease ended; or none of its prompts got a group for "
+                                             "ECHO2_LEASE_IDLE_S, and it ends now."}})
 def renew_lease(lease_id: str, worker: CurrentWorker, db: SessionDep, settings: SettingsDep) -> LeaseRead:
     lease, job = _own(db, worker, lease_id)
     if lease.status != LeaseStatus.active or lease.expires_at < utcnow():
         ended = lease.status if lease.status != LeaseStatus.active else LeaseStatus.expired
         raise ApiError(409, f"lease {lease_id} is {ended}")
+    idle_s = pool.idle_seconds(db, lease)
+    if idle_s > settings.lease_idle_s:
+        pool.end_lease(db, lease, LeaseStatus.expired)
+        worker.trial_failed_at = utcnow()  # what the scheduler does to a trial that delivered nothing
+        db.commit()
+        raise ApiError(409, f"lease {lease_id} ended: none of its prompts got a group for {idle_s:.0f} s (more than "
+                            f"{settings.lease_idle_s:g} s); prompts held and not generated keep every other worker "
+                            "from them")
     lease.expires_at = utcnow() + timedelta(seconds=settings.lease_ttl_s)
     read = _read(db, lease, job)
     db.commit()

@@ -118,6 +118,12 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
     return lease, chosen
 
 
+def idle_seconds(db: Session, lease: Lease) -> float:
+    """Seconds since the lease was granted or last got a group."""
+    last = db.scalar(select(func.max(Rollout.created_at)).where(Rollout.lease_id == lease.id))
+    return (utcnow() - max(lease.created_at, last or lease.created_at)).total_seconds()
+
+
 def unjudged(db: Session, worker: Worker) -> int:
     """The worker's groups that wait for the learner's verdict, on every job."""
     return db.scalar(select(func.count()).where(

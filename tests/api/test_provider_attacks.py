@@ -9,11 +9,24 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
-from api.models import LedgerEntry, Worker, utcnow
+from api.models import Job, Lease, LedgerEntry, Rollout, Worker, utcnow
 from api.services.trust import release_quarantines
 from scheduler import billing
 from tests.api.test_trust import job_with_worker, one_step, trust_of
-from tests.factories import activate, new_worker, ok
+from tests.factories import (
+    activate,
+    fake_model_folder,
+    group_body,
+    hold,
+    new_provider,
+    new_user,
+    new_worker,
+    ok,
+    publish,
+    run_tick,
+    running_job,
+    step_report,
+)
 
 
 def _bill(api, seconds: float = 10.0) -> None:
@@ -227,3 +240,72 @@ def test_an_honest_providers_other_machine_restarted_during_a_watch_is_not_banne
     one_step(api, job, learner, other, [False], step=1)
     assert trust_of(api, other_id)["trust"] == "suspect"
     assert ok(provider.get("/v1/providers/me"))["banned_at"] is None
+
+
+def test_a_trusted_worker_holding_all_lease_room_cannot_lock_every_other_provider_out(api, tmp_path):
+    """A trusted worker that delivered one honest step (measured) leased every prompt the job could lease and only
+    renewed: an hour on, the scheduler kept it on the job, every other worker was refused "no room", and the job had
+    not stepped (review finding). A lease idle for lease_idle_s is renewed no more, and its worker is measured at
+    zero (deactivated) as a trial that delivered nothing is."""
+    folder = fake_model_folder(tmp_path / "m")
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, folder, staleness=2, max_steps=1000, num_prompts=400,
+                               grpo={"group_size": 2, "prompts_per_step": 8})
+    jid = job["id"]
+    mid, mallory = new_worker(api, new_provider(api, "mallory-co")[1], "m", rollouts_per_s=1.0)
+    bid, bob = new_worker(api, new_provider(api, "honest-co")[1], "b", rollouts_per_s=1.0)
+    with api.db.session() as s:
+        for w in (mid, bid):  # both passed probation honestly
+            s.get_one(Worker, w).trust = "trusted"
+        s.commit()
+    for w in (mid, bid):
+        activate(api, w, jid)
+
+    # Mallory delivers one honest step's batch: measured, its trial never fails again.
+    lease = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 0}), 201)
+    ok(mallory.post(f"/v1/leases/{lease['id']}/rollouts",
+                    json={"groups": [group_body(p, 0) for p in lease["prompts"]]}))
+    claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 8}))["groups"]
+    audits = [{"rollout_id": g["rollout_id"], "passed": True, "reason": None, "stats": {"tokens": 6.0}}
+              for g in claimed if g["audit"]]
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(
+        0, [g["rollout_id"] for g in claimed], audits=audits, t_train_s=30.0)))
+    publish(learner, jid, folder, version=1, step=1)
+    hold(mallory, 0, 1)
+    hold(bob, 0, 1)
+
+    # Then it takes every prompt the job can lease at version 1, and only renews.
+    hoard = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 256, "version": 1}), 201)
+    refused = bob.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 1})
+    assert refused.status_code == 409 and "no room" in refused.text, refused.text
+
+    # An hour on (the scheduler's view of it): Mallory renewed every TTL and sent nothing more; Bob asked, refused.
+    now = utcnow()
+    with api.db.session() as s:
+        for w in (mid, bid):
+            row = s.get_one(Worker, w)
+            row.active_since, row.status, row.last_heartbeat_at = now - timedelta(hours=1), "active", now
+        for r in s.scalars(select(Rollout).where(Rollout.worker_id == mid)):
+            r.created_at = now - timedelta(minutes=59)
+        first = s.get_one(Lease, lease["id"])
+        first.created_at = now - timedelta(minutes=59, seconds=30)
+        s.get_one(Lease, hoard["id"]).created_at = now - timedelta(minutes=58)  # renewed every TTL since
+        j = s.get_one(Job, jid)
+        j.learner_launched_at = j.learner_heartbeat_at = now
+        s.commit()
+    refused = mallory.post(f"/v1/leases/{hoard['id']}/renew")
+    assert refused.status_code == 409 and "none of its prompts got a group for" in refused.text, refused.text
+    run_tick(api, now=now)
+
+    with api.db.session() as s:
+        m, b = s.get_one(Worker, mid), s.get_one(Worker, bid)
+        m_job, b_job = m.job_id, b.job_id
+        hoard_status = s.get_one(Lease, hoard["id"]).status
+    again = bob.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 1})
+    step = ok(alice.get(f"/v1/jobs/{jid}"))["step"]
+    why = ok(api.admin.get(f"/v1/workers/{mid}/placement"))[0]["line"]
+    assert not (m_job == jid and hoard_status == "active" and again.status_code == 409), (
+        f"an hour after it last delivered, Mallory's worker is still on Alice's job ({m_job == jid}) holding "
+        f"{len(hoard['prompts'])} prompts ({hoard_status}), every prompt the job can lease; Bob's worker, on the job "
+        f"too ({b_job == jid}), is refused again: {again.status_code} {again.json()['detail'][:90]}...; "
+        f"the job is still at step {step}; the scheduler's line on Mallory: {why!r}")
