@@ -75,6 +75,7 @@ class Miss(StrEnum):
     vram = "VRAM"
     backend = "backend"
     throughput = "other"  # no measured throughput
+    price = "price"  # costs more a group than the job pays at most
     freshness = "freshness"
 
 
@@ -129,6 +130,7 @@ class JobProfile:
     backends: frozenset[str] = frozenset()  # accepted generation backends; empty accepts any
     priority: int = 0  # higher first
     submitted_at: float = 0.0  # earlier first among equal priorities
+    max_usd_per_group: float | None = None  # the most a worker may cost a group (its price / 3600 / μ); None: any
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +201,10 @@ def hard_constraint_violation(
     perf = perf or worker.perf_for(job.job_id)
     if not perf.mu > 0:
         return Miss.throughput, "no measured throughput"
+    cost = worker.price_per_h / 3600 / perf.mu
+    if job.max_usd_per_group is not None and cost > job.max_usd_per_group:
+        return Miss.price, (f"${cost:.4g} a group (${worker.price_per_h:g}/h at {perf.mu:.3g} groups/s) > the job's "
+                            f"workers.max_usd_per_group ${job.max_usd_per_group:g}")
     return None
 
 

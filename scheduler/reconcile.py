@@ -371,7 +371,8 @@ def _job_profile(db: Session, job: Job) -> JobProfile:
     return JobProfile(job_id=job.id, rollouts_per_step=rollouts, t_train_s=max(t_train, 1e-3),
                       staleness=spec.staleness, publish_period=spec.publish_period, priority=spec.priority,
                       submitted_at=job.created_at.timestamp(), vram_need_gb=job.memory_need_gb or 0.0,
-                      backends=frozenset(b.value for b in spec.workers.backends))
+                      backends=frozenset(b.value for b in spec.workers.backends),
+                      max_usd_per_group=spec.workers.max_usd_per_group)
 
 
 def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobProfile],

@@ -119,7 +119,8 @@ def estimate(db: Session, spec: JobSpec, settings: Settings, now: datetime | Non
     job = JobProfile(job_id="estimate", rollouts_per_step=spec.grpo.prompts_per_step,
                      t_train_s=max(learner.t_train_s, 1e-3), staleness=spec.staleness,
                      publish_period=spec.publish_period, priority=spec.priority, vram_need_gb=memory,
-                     backends=frozenset(b.value for b in spec.workers.backends))
+                     backends=frozenset(b.value for b in spec.workers.backends),
+                     max_usd_per_group=spec.workers.max_usd_per_group)
     workers = list(db.scalars(select(Worker).where(Worker.status.in_((WorkerStatus.idle, WorkerStatus.active)),
                                                    Worker.trust.in_(WORKING)).order_by(Worker.id)))
     rates = _rates(db, like)

@@ -309,3 +309,27 @@ def test_a_trusted_worker_holding_all_lease_room_cannot_lock_every_other_provide
         f"{len(hoard['prompts'])} prompts ({hoard_status}), every prompt the job can lease; Bob's worker, on the job "
         f"too ({b_job == jid}), is refused again: {again.status_code} {again.json()['detail'][:90]}...; "
         f"the job is still at step {step}; the scheduler's line on Mallory: {why!r}")
+
+
+def test_a_job_that_caps_its_price_per_group_is_not_given_a_worker_that_costs_more(api, tmp_path):
+    """A job short of workers is given every qualifying one, whatever it costs a group: a fast machine that claimed a
+    tenth of its speed at the same hourly price was activated beside an honest one and paid 10x a group (review
+    finding). Its owner caps that (workers.max_usd_per_group): such a worker is not activated, and says why."""
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=8, max_steps=1000, num_prompts=400,
+                         grpo={"group_size": 2, "prompts_per_step": 64}, workers={"max_usd_per_group": 2.0})
+    hid, honest = new_worker(api, new_provider(api, "honest-co")[1], "honest", price_per_hour=3600.0,
+                             rollouts_per_s=1.0)  # $1 a group
+    mid, mallory = new_worker(api, new_provider(api, "mallory-co")[1], "m", price_per_hour=3600.0,
+                              rollouts_per_s=0.1)  # $10 a group
+    for wid, client in ((hid, honest), (mid, mallory)):
+        ok(client.post(f"/v1/workers/{wid}/heartbeat", json={"status": "idle", "versions_held": [0]}))
+    with api.db.session() as s:
+        j = s.get_one(Job, job["id"])
+        j.learner_launched_at = j.learner_heartbeat_at = utcnow()  # launched, as the tick would have
+        s.commit()
+    run_tick(api)
+    assert ok(api.admin.get(f"/v1/workers/{hid}"))["job_id"] == job["id"]
+    assert ok(api.admin.get(f"/v1/workers/{mid}"))["job_id"] is None
+    line = ok(api.admin.get(f"/v1/workers/{mid}/placement"))[0]["line"]
+    assert "$10 a group ($3600/h at 0.1 groups/s) > the job's workers.max_usd_per_group $2" in line, line

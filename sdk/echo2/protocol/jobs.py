@@ -222,6 +222,11 @@ class WorkerNeeds(Model):
                                     "with headroom.")
     backends: list[Backend] = Field(default_factory=list, max_length=4, description="Generation backends accepted "
                                     "(empty: any).")
+    max_usd_per_group: float | None = Field(None, gt=0, le=1000, description="The most a worker may cost the job a "
+                                            "group: its price per hour / 3600 over the groups per second it is "
+                                            "activated for (measured, or its claim while on trial). The scheduler "
+                                            "activates no worker that costs more, even when the job is short of "
+                                            "workers (it then takes every qualifying one). Default: no cap.")
 
 
 class TrackerKind(StrEnum):
