@@ -80,9 +80,10 @@ class Settings(BaseSettings):
     delivery_grace_s: float = Field(120.0, gt=0, description="An activated worker that delivers nothing for this "
                                     "long is measured at zero throughput (and deactivated).")
     lease_idle_s: float = Field(600.0, gt=0, description="A lease none of whose prompts got a group for this long "
-                                "(since it was granted or its last group) is renewed no more: it ends, its prompts "
-                                "return, and its worker is measured at zero throughput as a trial that delivered "
-                                "nothing is (prompts held and not generated keep every other worker from them).")
+                                "(since it was granted, its last group or its last episode turn) is renewed no "
+                                "more: it ends, its prompts return, and its worker is measured at zero throughput as "
+                                "a trial that delivered nothing is (prompts held and not generated keep every other "
+                                "worker from them).")
     model_check: Literal["host", "names"] = Field("host", description="How a job's base model is checked at "
                                                   "submission: `host`, as the learner host would load it (folders, "
                                                   "the Hugging Face cache and the Hub, seen from this machine: true of "

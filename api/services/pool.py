@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from ..db import WRITER_LOCK
 from ..errors import ApiError
-from ..models import Job, Lease, Prompt, Rollout, StepMetric, Worker, utcnow
+from ..models import Episode, Job, Lease, Prompt, Rollout, StepMetric, Worker, utcnow
 from . import possession
 from .jobs import finish_job, spec_of
 
@@ -119,9 +119,13 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
 
 
 def idle_seconds(db: Session, lease: Lease) -> float:
-    """Seconds since the lease was granted or last got a group."""
-    last = db.scalar(select(func.max(Rollout.created_at)).where(Rollout.lease_id == lease.id))
-    return (utcnow() - max(lease.created_at, last or lease.created_at)).total_seconds()
+    """Seconds since the lease was granted, last got a group, or last played an episode's turn (a multi-turn lease
+    sends its groups once its episodes end; an environment may take minutes a turn)."""
+    last = db.execute(select(select(func.max(Rollout.created_at)).where(Rollout.lease_id == lease.id)
+                             .scalar_subquery(),
+                             select(func.max(Episode.updated_at)).where(Episode.lease_id == lease.id)
+                             .scalar_subquery())).one()
+    return (utcnow() - max([lease.created_at, *(t for t in last if t is not None)])).total_seconds()
 
 
 def unjudged(db: Session, worker: Worker) -> int:

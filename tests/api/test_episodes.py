@@ -13,10 +13,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from echo2.protocol import EpisodeStep
 from echo2_worker.control import ControlPlane
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 from tokenizers import Tokenizer
 
-from api.models import Episode, Job, LedgerEntry, Prompt, Rollout, Worker, utcnow
+from api.models import Episode, Job, Lease, LedgerEntry, Prompt, Rollout, Worker, utcnow
 from api.services import archive, episodes, retention
 from scheduler import billing
 from scheduler.reconcile import _delivered
@@ -558,3 +558,21 @@ def paid_to(api, worker_id: str) -> float:
         billing.bill(s, api.server.settings, now, last=now.timestamp() - 60)
         s.commit()
         return sum(e.amount_usd for e in s.scalars(select(LedgerEntry).where(LedgerEntry.worker_id == worker_id)))
+
+
+def test_a_lease_whose_episodes_are_being_played_is_not_idle(api, game):
+    """A lease none of whose prompts got a group for ECHO2_LEASE_IDLE_S is renewed no more; a multi-turn lease sends
+    its groups only once its episodes end, and an environment may take minutes a turn: its turns count as work."""
+    job, _, worker, lease, tok = game
+    pid = lease["prompts"][0]["prompt_id"]
+    with api.db.session() as s:  # granted 11 minutes ago, renewed since
+        s.get_one(Lease, lease["id"]).created_at = utcnow() - timedelta(minutes=11)
+        s.commit()
+    reply(turn(worker, lease, pid, 0, 0, said(tok, "500000")))  # a turn just now
+    ok(worker.post(f"/v1/leases/{lease['id']}/renew"))
+    with api.db.session() as s:  # ... and that turn, too, 11 minutes ago
+        s.execute(update(Episode).where(Episode.lease_id == lease["id"]).values(
+            updated_at=utcnow() - timedelta(minutes=11)))
+        s.commit()
+    refused = worker.post(f"/v1/leases/{lease['id']}/renew")
+    assert refused.status_code == 409 and "none of its prompts got a group" in refused.text, refused.text
