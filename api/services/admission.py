@@ -55,8 +55,10 @@ HONEST_MISS = 1e-9  # chance an honest sampler draws a token below the logprob f
 def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: list[GroupSubmit],
                   settings: Settings) -> list[GroupResult]:
     spec = spec_of(job)
-    existing = {  # idempotent per (lease, prompt): a group sent again gets the first answer
-        r.prompt_id: GroupResult(prompt_id=r.prompt_id, rollout_id=r.id, status=r.status, reason=r.reason)
+    existing = {  # idempotent per (lease, prompt): a group sent again gets the first answer, not what became of it
+        r.prompt_id: GroupResult(prompt_id=r.prompt_id, rollout_id=r.id, reason=r.reason,  # (trained: not audited)
+                                 status=RolloutStatus.rejected if r.status == RolloutStatus.rejected else
+                                 RolloutStatus.accepted)
         for r in db.execute(select(Rollout.prompt_id, Rollout.id, Rollout.status, Rollout.reason)
                             .where(Rollout.lease_id == lease.id, Rollout.prompt_id.in_([g.prompt_id for g in groups])))
     }

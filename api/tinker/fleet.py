@@ -10,10 +10,12 @@ An `asample` on the newest checkpoint, while a worker serves the job, becomes a 
 request's token ids, its own sampling, the version it must be drawn with, the request it answers (its future
 waits in status `fleet`, which the host does not claim). A worker leases it, draws the group and submits it;
 the door checks it as it checks any group, against the request's own parameters. An accepted group answers
-the future at once, unless the worker's trust asks for an audit (api/services/trust.py: every group of a new
-or suspect worker, a sampled share of a trusted one's): then the host re-scores it under the checkpoint first
-(learner/audit.py, an `audit` request on the model), and a group that fails goes back to the pool while its
-sender takes a strike. A delivered group is `trained`, so billing pays its worker (scheduler/billing.py).
+the future at once, unless its worker is new or suspect (api/services/trust.py: every group of it audited):
+then the host re-scores it under the checkpoint first (learner/audit.py, an `audit` request on the model), and
+a group that fails goes back to the pool while its sender takes a strike. A trusted worker's sampled audits
+(one in each window of its groups) are made after delivery: a pick held back while the rest of its window was
+delivered told the worker which group was audited. A delivered group is `trained`, so billing pays its worker
+(scheduler/billing.py).
 
 Nothing waits on the fleet forever: a request no worker has leased FLEET_WAIT_S after it was asked, one a
 worker still holds FLEET_DEADLINE_S after (however often it renewed its lease), one whose checkpoint is no
@@ -40,6 +42,7 @@ from echo2.protocol import (
     RejectKind,
     RolloutStatus,
     TaskSpec,
+    TrustState,
     WorkerStatus,
 )
 from echo2.protocol.tinker import (
@@ -182,23 +185,28 @@ def after_submit(db: Session, job: Job, lease: Lease, worker: Worker, settings: 
     for rollout in rows:
         prompt = db.get(Prompt, rollout.prompt_id)
         assert prompt is not None and prompt.request_id is not None
-        if trust.should_audit(worker, rollout, settings):
-            _queue_audit(db, job, rollout, prompt)
-            audits = True
-        else:
-            answered += _deliver(db, rollout, prompt)
+        audit = trust.should_audit(worker, rollout, settings)
+        if audit and (worker.trust is not TrustState.trusted or rollout.suspicion is not None):
+            if not _queue_audit(db, job, rollout, prompt):
+                _late(rollout, "its checkpoint was saved again before it could be audited")
+                _to_host(prompt, db.get(TinkerRequest, prompt.request_id))
+            audits = audits or rollout.audit == "pending"
+            continue
+        answered += _deliver(db, rollout, prompt)
+        if audit and rollout.status == RolloutStatus.trained:  # a trusted worker's window pick, audited after
+            audits = _queue_audit(db, job, rollout, prompt) or audits
     return answered, audits
 
 
-def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> None:
+def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> bool:
+    """Ask the host to re-score the group under its checkpoints; False where one was saved again under its name
+    (nothing to audit by)."""
     request = db.get(TinkerRequest, prompt.request_id)
     model = db.get(TinkerModel, job.tinker_model_id)
     versions = [_token_versions(s, rollout.version) for s in rollout.samples]
     names = _checkpoint_names(db, job, {v for row in versions for v in row})
-    if request is None or model is None or names is None:  # saved again under its name: nothing to audit by
-        _late(rollout, "its checkpoint was saved again before it could be audited")
-        _to_host(prompt, request)
-        return
+    if request is None or model is None or names is None:
+        return False
     sampling = PromptSampling.model_validate(prompt.sampling)
     spans = any(len(set(row)) > 1 or row[:1] != [rollout.version] for row in versions)
     payload = AuditPayload(checkpoint=names[rollout.version], version=rollout.version, rollout_id=rollout.id,
@@ -209,6 +217,7 @@ def _queue_audit(db: Session, job: Job, rollout: Rollout, prompt: Prompt) -> Non
                            versions=versions if spans else None, checkpoints=names if spans else {})
     rollout.audit = "pending"
     queueing.enqueue(db, model, RequestKind.audit, payload.model_dump(mode="json"), None, bounded=False)
+    return True
 
 
 def _token_versions(sample: dict, default: int) -> list[int]:
@@ -262,10 +271,14 @@ def _deliver(db: Session, rollout: Rollout, prompt: Prompt) -> list[str]:
 
 def audited(db: Session, request: TinkerRequest, verdict: AuditVerdict | None, settings: Settings) -> list[str]:
     """The host's verdict on a group: passed, it answers its request; failed, its sender takes a strike and
-    the request goes back to the pool. None (the host could not audit it): back to the pool, no strike.
-    Returns the requests answered."""
+    the request goes back to the pool. None (the host could not audit it): back to the pool, no strike. A
+    trusted worker's group was delivered already (`after_submit`): the verdict judges its sender only (a failed
+    one is not paid, where billing has not paid it yet). Returns the requests answered."""
     rollout_id = AuditPayload.model_validate(request.payload).rollout_id
     rollout = db.get(Rollout, rollout_id, with_for_update=True)
+    if rollout is not None and rollout.status == RolloutStatus.trained and rollout.audit == "pending":
+        _judge_delivered(db, rollout, verdict, settings)
+        return []
     if rollout is None or rollout.status != RolloutStatus.accepted:
         return []  # its sender was shut out meanwhile: the group was discarded and its prompt re-pooled
     if verdict is None:
@@ -289,6 +302,24 @@ def audited(db: Session, request: TinkerRequest, verdict: AuditVerdict | None, s
         worker.rejected_rollouts += 1
         trust.strike(db, worker, f"rollout {rollout.id}: {verdict.reason}", settings, audited=True)
     return []
+
+
+def _judge_delivered(db: Session, rollout: Rollout, verdict: AuditVerdict | None, settings: Settings) -> None:
+    if verdict is None:
+        rollout.audit = None
+        return
+    worker = db.get(Worker, rollout.worker_id, with_for_update=True)
+    trust.record_audit(db, rollout, rollout.version, verdict.passed, verdict.reason[:512], verdict.stats)
+    if worker is None:
+        return
+    if verdict.passed:
+        trust.passed(db, worker, settings)
+        evidence.record(db, worker, verdict.stats, rollout.precision, settings)
+        return
+    rollout.status, rollout.reject_kind = RolloutStatus.rejected, RejectKind.audit_failed
+    rollout.reason = f"failed the host's audit after it was delivered: {verdict.reason}"[:512]
+    worker.rejected_rollouts += 1
+    trust.strike(db, worker, f"rollout {rollout.id}: {verdict.reason}", settings, audited=True)
 
 
 def _late(rollout: Rollout, reason: str) -> None:

@@ -283,3 +283,36 @@ def test_the_fleet_job_is_a_job_of_its_own_kind(api, fleet_model):
     assert [(j["id"], j["kind"]) for j in fleet_jobs] == [(job_id, "tinker_fleet")]
     others = api.admin.get("/v1/jobs", params={"tinker": "false"}).raise_for_status().json()["items"]
     assert job_id not in {j["id"] for j in others} and all(j["kind"] == "grpo" for j in others)
+
+
+def test_a_trusted_workers_audited_group_is_delivered_as_the_rest_of_its_window_is_then_audited(api, fleet_model):
+    """A trusted worker's one audited group of each window waited for the host's audit while the others answered
+    their requests at once: sending a group again showed 'accepted' for the pick and 'trained' for the rest (and
+    its provider's earnings, a tick later, said the same), so it forged the rest of each window, delivered to the
+    Tinker user unaudited (review finding). Every group of a trusted worker is now delivered at once, the pick
+    audited after; a failed audit strikes it all the same."""
+    client, sampler, job_id, worker_id, worker = fleet_model
+    with api.db.session() as s:
+        s.get_one(Worker, worker_id).trust = "trusted"  # passed its probation
+        s.commit()
+    window = api.server.settings.audit_window
+    answers, audits = set(), {}
+    for _ in range(window):
+        request_id = asample(client, sampler)
+        leased = lease(worker, job_id)
+        body = [group(leased["prompts"][0], [([4, 5, 6, 7], "length"), ([5, 4, 6, 7], "length")])]
+        [first] = submit(worker, leased, body)
+        [again] = submit(worker, leased, body)
+        answers.add((first["status"], again["status"]))
+        answer = retrieve(client, request_id)  # answered at once, audited or not: the samples
+        assert answer.headers["content-type"] == "application/x-protobuf", answer.text
+        work = claim(api, holding=[_model_of(api, job_id)]).get("work")  # (the same one again, unanswered)
+        if work:
+            audits[work["payload"]["rollout_id"]] = work
+    assert answers == {("accepted", "accepted")}
+    [(rollout_id, work)] = audits.items()  # one audit in the window
+    assert work["kind"] == "audit"
+    report(api, work, audit={"passed": False, "reason": "logprob mismatch"})
+    with api.db.session() as s:
+        assert s.get(Worker, worker_id).trust == "suspect"
+        assert s.get(Rollout, rollout_id).reject_kind == "audit_failed"
