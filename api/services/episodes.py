@@ -245,6 +245,11 @@ def _check_action(game: _Game, episode: Episode, ids: list[int], where: str) -> 
     if used + len(ids) > game.bounds.max_tokens:
         raise ApiError(422, f"{where}: the episode would hold {used + len(ids)} tokens, more than its "
                             f"{game.bounds.max_tokens}", field=field)
+    room, stops = min(max_new, game.bounds.max_tokens - used), set(game.job.eos_token_ids or ())
+    if stops and ids[-1] not in stops and len(ids) < room:  # a sampler stops at a stop token or its limit only
+        raise ApiError(422, f"{where}: the turn ended after {len(ids)} token{'s' if len(ids) > 1 else ''} without a "
+                            f"stop token, short of its {room} (max_new_tokens, or the episode's room left)",
+                       field=field)
 
 
 @dataclass(frozen=True)

@@ -576,3 +576,15 @@ def test_a_lease_whose_episodes_are_being_played_is_not_idle(api, game):
         s.commit()
     refused = worker.post(f"/v1/leases/{lease['id']}/renew")
     assert refused.status_code == 409 and "none of its prompts got a group" in refused.text, refused.text
+
+
+def test_a_model_turn_cut_short_of_its_stop_is_refused(api, game):
+    """A sampler ends a model turn at a stop token, at max_new_tokens or where the episode has no room left: a worker
+    that cut every turn after one token (1/16 of the decode, every token replaying exactly) was audited, passed and
+    paid as honest work (review finding). Such a turn is refused; the end of a whole turn still plays."""
+    _, _, worker, lease, tok = game
+    pid = lease["prompts"][0]["prompt_id"]
+    cut = turn(worker, lease, pid, 0, 0, tok.encode("5").ids)
+    assert cut.status_code == 422 and "ended after 1 token without a stop token" in cut.json()["detail"], cut.text
+    assert reply(turn(worker, lease, pid, 0, 0, [5] * 16))["turn"] == 0  # max_new_tokens: a whole turn
+    assert reply(turn(worker, lease, pid, 1, 0, said(tok, "123456.")))["turn"] == 0  # its stop token
