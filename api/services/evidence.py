@@ -18,9 +18,8 @@
    FLEET_MIN_GROUPS groups on each side, makes the worker a suspect (every group audited, its reason says
    why): a statistic points, the replay proves. Prompts someone handed back are left out, and a worker is judged
    against the others' fair draws only (`_drawn`): one that hands back the prompts it finds hard chose what it
-   sent, and gave the others what it left. It costs
-   an honest worker audits, never money. (Directional, so that beside one bad worker the good ones, above
-   the rest, are not flagged too.)
+   sent, and gave the others what it left. It costs an honest worker audits, never money. (Directional, so that
+   beside one bad worker the good ones, above the rest, are not flagged too.)
 
 False-alarm rates of both, measured on honest fleets, are in docs/RELIABILITY.md ("Evidence").
 """

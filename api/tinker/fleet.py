@@ -187,10 +187,11 @@ def after_submit(db: Session, job: Job, lease: Lease, worker: Worker, settings: 
         assert prompt is not None and prompt.request_id is not None
         audit = trust.should_audit(worker, rollout, settings)
         if audit and (worker.trust is not TrustState.trusted or rollout.suspicion is not None):
-            if not _queue_audit(db, job, rollout, prompt):
+            if _queue_audit(db, job, rollout, prompt):
+                audits = True
+            else:
                 _late(rollout, "its checkpoint was saved again before it could be audited")
                 _to_host(prompt, db.get(TinkerRequest, prompt.request_id))
-            audits = audits or rollout.audit == "pending"
             continue
         answered += _deliver(db, rollout, prompt)
         if audit and rollout.status == RolloutStatus.trained:  # a trusted worker's window pick, audited after
