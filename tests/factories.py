@@ -15,6 +15,7 @@ from echo2.snapshots import build_manifest, iter_stream
 
 from api.models import Job, Worker, utcnow
 from api.services.fleet import assign
+from api.settings import get_settings
 from scheduler import hosts
 from scheduler.reconcile import TickReport, tick
 
@@ -158,7 +159,7 @@ def activate(api: Api, worker_id: str, job_id: str) -> None:
     with api.db.session() as s:
         worker, job = s.get(Worker, worker_id), s.get(Job, job_id)
         assert worker is not None and job is not None
-        assign(s, worker, job, api.server.settings)
+        assign(s, worker, job, api.server.settings or get_settings())  # (None: the API runs in other processes)
         worker.versions_held = [] if job.version is None else list(range(job.version + 1))
         s.commit()
 
