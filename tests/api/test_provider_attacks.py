@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 from sqlalchemy import select
 
-from api.models import Job, Lease, LedgerEntry, Rollout, Worker, utcnow
+from api.models import Job, Lease, LedgerEntry, Rollout, StepMetric, Worker, utcnow
 from api.services.trust import release_quarantines
 from scheduler import billing
 from tests.api.test_trust import job_with_worker, one_step, trust_of
@@ -333,3 +333,25 @@ def test_a_job_that_caps_its_price_per_group_is_not_given_a_worker_that_costs_mo
     assert ok(api.admin.get(f"/v1/workers/{mid}"))["job_id"] is None
     line = ok(api.admin.get(f"/v1/workers/{mid}/placement"))[0]["line"]
     assert "$10 a group ($3600/h at 0.1 groups/s) > the job's workers.max_usd_per_group $2" in line, line
+
+
+def test_an_honest_worker_whose_claim_is_well_under_the_cap_is_activated_on_trial(api, tmp_path):
+    """A worker on trial counts for at most trial_share of a job's need: the cap judged it at that rate (0.07
+    groups/s: "$13.6 a group") instead of its claim ($1 a group), so no new worker was ever activated on a capped
+    small job (review finding)."""
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=8, max_steps=1000, num_prompts=400,
+                         grpo={"group_size": 2, "prompts_per_step": 8}, workers={"max_usd_per_group": 2.0})
+    hid, honest = new_worker(api, new_provider(api, "honest-co")[1], "honest", price_per_hour=3600.0,
+                             rollouts_per_s=1.0)  # $1 a group by its claim
+    ok(honest.post(f"/v1/workers/{hid}/heartbeat", json={"status": "idle", "versions_held": [0]}))
+    with api.db.session() as s:
+        j = s.get_one(Job, job["id"])
+        j.learner_launched_at = j.learner_heartbeat_at = utcnow()
+        for k in range(3):  # the job's learner has stepped: 30 s a step
+            s.add(StepMetric(job_id=job["id"], step=k, t_train_s=30.0, groups=8, groups_dropped=0,
+                             staleness_hist=[], tokens=100))
+        s.commit()
+    run_tick(api)
+    line = ok(api.admin.get(f"/v1/workers/{hid}/placement"))[0]["line"]
+    assert ok(api.admin.get(f"/v1/workers/{hid}"))["job_id"] == job["id"], line

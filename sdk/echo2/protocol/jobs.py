@@ -223,10 +223,12 @@ class WorkerNeeds(Model):
     backends: list[Backend] = Field(default_factory=list, max_length=4, description="Generation backends accepted "
                                     "(empty: any).")
     max_usd_per_group: float | None = Field(None, gt=0, le=1000, description="The most a worker may cost the job a "
-                                            "group: its price per hour / 3600 over the groups per second it is "
-                                            "activated for (measured, or its claim while on trial). The scheduler "
-                                            "activates no worker that costs more, even when the job is short of "
-                                            "workers (it then takes every qualifying one). Default: no cap.")
+                                            "group at its own rate: its price per hour / 3600 over its groups per "
+                                            "second (measured, or its claim while on trial). The scheduler activates "
+                                            "no worker that costs more, even when the job is short of workers (it "
+                                            "then takes every qualifying one). A worker is paid its time while it "
+                                            "delivers at ECHO2_PAY_RATE_FRACTION of its rate or better, so a group "
+                                            "may cost up to 1 / that fraction of the cap. Default: no cap.")
 
 
 class TrackerKind(StrEnum):
