@@ -340,7 +340,8 @@ class Lease(Base):
     expires_at: Mapped[datetime]
     created_at: Mapped[datetime] = mapped_column(default=utcnow)
     finished_at: Mapped[datetime | None]
-    __table_args__ = (Index("ix_leases_expiry", "status", "expires_at"), Index("ix_leases_job", "job_id", "status"))
+    __table_args__ = (Index("ix_leases_expiry", "status", "expires_at"), Index("ix_leases_job", "job_id", "status"),
+                      Index("ix_leases_worker", "worker_id", "created_at"))  # the lease idle rule (pool.idle_seconds)
 
 
 ENV_FAILED = text(f"reject_kind = '{RejectKind.environment_failed.value}'")

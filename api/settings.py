@@ -79,11 +79,12 @@ class Settings(BaseSettings):
                                "delivered yet (or whose worker failed its trial lately) together.")
     delivery_grace_s: float = Field(120.0, gt=0, description="An activated worker that delivers nothing for this "
                                     "long is measured at zero throughput (and deactivated).")
-    lease_idle_s: float = Field(600.0, gt=0, description="A lease none of whose prompts got a group for this long "
-                                "(since it was granted, its last group or its last episode turn) is renewed no "
-                                "more: it ends, its prompts return, and its worker is measured at zero throughput as "
-                                "a trial that delivered nothing is (prompts held and not generated keep every other "
-                                "worker from them).")
+    lease_idle_s: float = Field(600.0, gt=0, description="A worker that has held prompts this long without sending "
+                                "a group or playing an episode's turn (across leases held one after another), and "
+                                "longer than 3 times what its own groups take, is renewed and granted no lease: its "
+                                "lease ends, its prompts return, and it is measured at zero throughput as a trial "
+                                "that delivered nothing is (prompts held and not generated keep every other worker "
+                                "from them).")
     model_check: Literal["host", "names"] = Field("host", description="How a job's base model is checked at "
                                                   "submission: `host`, as the learner host would load it (folders, "
                                                   "the Hugging Face cache and the Hub, seen from this machine: true of "

@@ -384,8 +384,9 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     `trial_share` of each job's need. A trial that delivered nothing for `delivery_grace_s` fails: the
     worker is measured at zero (and so not activated) until `TRIAL_RETRY` grace periods later; not one that was
     refused every lease meanwhile because its groups wait for the learner's audit (pool.held_back), nor one its
-    job has no lease room for (the learner is behind: _no_room). So does a worker, measured or not, that held a
-    lease `lease_idle_s` without a group (its renewal refused: the lease room it kept from every other worker)."""
+    job has no lease room for (the learner is behind: _no_room). So does a worker, measured or not, that held
+    prompts without sending a group for longer than it may (routes/leases.py, pool.idle_past_bound: the lease room
+    it kept from every other worker)."""
     active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
     window = min(active_s, MU_WINDOW_S)
     done, gen = _delivered(db, worker.id, now - timedelta(seconds=MU_WINDOW_S))
@@ -398,7 +399,7 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     retry_at = worker.trial_failed_at + timedelta(seconds=TRIAL_RETRY * settings.delivery_grace_s) \
         if worker.trial_failed_at else now
     trial = None
-    if now < retry_at:  # a trial failed here, or a lease held idle (routes/leases.py: renew)
+    if now < retry_at:  # a trial failed here, or prompts held idle (routes/leases.py)
         mu = 0.0
     elif done and active_s >= 5:
         mu = done / window

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from typing import NoReturn
 
 from echo2.protocol import (
     DesiredState,
@@ -24,6 +25,7 @@ from ..models import Job, Lease, Prompt, Worker, utcnow
 from ..routing import make_router
 from ..services import admission, episodes, notices, pool, trust
 from ..services.jobs import sampling_of, spec_of
+from ..settings import Settings
 from ..tinker import fleet as tinker_fleet
 from ..tinker import service as tinker_service
 
@@ -33,7 +35,9 @@ router = make_router(prefix="/v1", tags=["leases"])
 @router.post("/leases", status_code=201, operation_id="create_lease",
              summary="Lease a batch of server-chosen prompts of the job this worker is assigned to",
              responses={403: {"description": "Not assigned to this job, or quarantined or banned."},
-                        409: {"description": "Version too stale, or no prompts free (Retry-After)."}})
+                        409: {"description": "Version too stale, or no prompts free (Retry-After); or this worker "
+                                             "has held prompts without sending a group for longer than it may "
+                                             "(ECHO2_LEASE_IDLE_S)."}})
 def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, settings: SettingsDep) -> LeaseRead:
     if not worker.trust.can_work():
         raise ApiError(403, f"this worker gets no leases: {trust.notice(worker)}")
@@ -43,6 +47,9 @@ def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, sett
     job = db.get(Job, body.job_id)  # no job lock: prompts are claimed row by row (SKIP LOCKED)
     if job is None or job.status != JobStatus.running:
         raise ApiError(409, f"job {body.job_id} is not running", field="job_id")
+    idle_s = pool.idle_past_bound(db, worker, utcnow(), body.max_prompts, settings)
+    if idle_s is not None:
+        _idle(db, worker, idle_s, settings, "no lease")
     lease, prompts = pool.create_lease(db, job, worker, body.max_prompts, body.version, settings.lease_ttl_s)
     read = _read(db, lease, job, prompts)
     db.commit()
@@ -50,21 +57,17 @@ def create_lease(body: LeaseRequest, worker: CurrentWorker, db: SessionDep, sett
 
 
 @router.post("/leases/{lease_id}/renew", operation_id="renew_lease", summary="Extend an active lease by its TTL",
-             responses={409: {"description": "The lease ended; or none of its prompts got a group for "
-                                             "ECHO2_LEASE_IDLE_S, and it ends now."}})
+             responses={409: {"description": "The lease ended; or its worker has held prompts without sending a "
+                                             "group for longer than it may (ECHO2_LEASE_IDLE_S), and it ends now."}})
 def renew_lease(lease_id: str, worker: CurrentWorker, db: SessionDep, settings: SettingsDep) -> LeaseRead:
     lease, job = _own(db, worker, lease_id)
     if lease.status != LeaseStatus.active or lease.expires_at < utcnow():
         ended = lease.status if lease.status != LeaseStatus.active else LeaseStatus.expired
         raise ApiError(409, f"lease {lease_id} is {ended}")
-    idle_s = pool.idle_seconds(db, lease)
-    if idle_s > settings.lease_idle_s:
+    idle_s = pool.idle_past_bound(db, worker, lease.created_at, len(lease.prompt_ids), settings)
+    if idle_s is not None:
         pool.end_lease(db, lease, LeaseStatus.expired)
-        worker.trial_failed_at = utcnow()  # what the scheduler does to a trial that delivered nothing
-        db.commit()
-        raise ApiError(409, f"lease {lease_id} ended: none of its prompts got a group for {idle_s:.0f} s (more than "
-                            f"{settings.lease_idle_s:g} s); prompts held and not generated keep every other worker "
-                            "from them")
+        _idle(db, worker, idle_s, settings, f"lease {lease_id} ended")
     lease.expires_at = utcnow() + timedelta(seconds=settings.lease_ttl_s)
     read = _read(db, lease, job)
     db.commit()
@@ -142,6 +145,16 @@ def _close(db: SessionDep, worker: Worker, lease_id: str, status: LeaseStatus) -
     read = _read(db, lease, job)
     db.commit()
     return read
+
+
+def _idle(db: SessionDep, worker: Worker, idle_s: float, settings: Settings, what: str) -> NoReturn:
+    """A worker that held prompts without generating them is measured at zero, as a trial that delivered nothing
+    is (the scheduler deactivates it for a while)."""
+    worker.trial_failed_at = utcnow()
+    db.commit()
+    raise ApiError(409, f"{what}: this worker has held prompts for {idle_s:.0f} s without sending a group (more than "
+                        f"{settings.lease_idle_s:g} s, and than {pool.IDLE_PATIENCE:g} times what its own groups "
+                        "took); prompts held and not generated keep every other worker from them")
 
 
 def _own(db: SessionDep, worker: Worker, lease_id: str, lock: bool = True) -> tuple[Lease, Job]:

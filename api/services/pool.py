@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from ..db import WRITER_LOCK
 from ..errors import ApiError
 from ..models import Episode, Job, Lease, Prompt, Rollout, StepMetric, Worker, utcnow
+from ..settings import Settings
 from . import possession
 from .jobs import finish_job, spec_of
 
@@ -22,6 +23,8 @@ ENV_FAILURES = 3  # environment failures after which a prompt is set aside for t
 FRONT = 2**31  # order keys are in [0, 2**31): subtracting this puts a prompt before all of them
 UNJUDGED = 8  # groups a worker on probation or suspect may have waiting for their audit (one lease's worth)
 UNJUDGED_ANY = 2**31
+IDLE_CHAIN = 32  # a worker's latest leases (and groups) the lease idle rule looks back over
+IDLE_PATIENCE = 3.0  # a lease may go this many times its generation at the worker's pace without a group
 
 
 def return_prompts(db: Session, prompt_ids: list[int], lease_id: str | None = None,
@@ -118,14 +121,46 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
     return lease, chosen
 
 
-def idle_seconds(db: Session, lease: Lease) -> float:
-    """Seconds since the lease was granted, last got a group, or last played an episode's turn (a multi-turn lease
-    sends its groups once its episodes end; an environment may take minutes a turn)."""
-    last = db.execute(select(select(func.max(Rollout.created_at)).where(Rollout.lease_id == lease.id)
-                             .scalar_subquery(),
-                             select(func.max(Episode.updated_at)).where(Episode.lease_id == lease.id)
-                             .scalar_subquery())).one()
-    return (utcnow() - max([lease.created_at, *(t for t in last if t is not None)])).total_seconds()
+def idle_past_bound(db: Session, worker: Worker, start: datetime, prompts: int, settings: Settings) -> float | None:
+    """Seconds the worker has held prompts without working them, up to `start` (its lease's grant, or now for a lease
+    it asks for), where that is more than it may: `lease_idle_s`, and IDLE_PATIENCE times what `prompts` groups take
+    it at its pace. None while it is not: prompts held and not generated keep every other worker from them."""
+    idle = idle_seconds(db, worker.id, start, settings.lease_ttl_s)
+    if idle <= settings.lease_idle_s or idle <= _generation_bound_s(db, worker, prompts):
+        return None
+    return idle
+
+
+def idle_seconds(db: Session, worker_id: str, start: datetime, ttl_s: float) -> float:
+    """Back from `start` through the leases the worker held one after another (each granted within a lease TTL of
+    the end of the one before) to its last group or episode turn (a multi-turn lease sends its groups once its
+    episodes end), or to the first of them: a worker that releases its idle lease and leases all again is as idle
+    as one that renews."""
+    last_group = select(func.max(Rollout.created_at)).where(Rollout.lease_id == Lease.id).scalar_subquery()
+    last_turn = select(func.max(Episode.updated_at)).where(Episode.lease_id == Lease.id).scalar_subquery()
+    rows = db.execute(select(Lease.created_at, func.coalesce(Lease.finished_at, Lease.expires_at), last_group,
+                             last_turn)
+                      .where(Lease.worker_id == worker_id, Lease.created_at <= start)
+                      .order_by(Lease.created_at.desc()).limit(IDLE_CHAIN)).all()
+    since = start
+    for created, ended, *worked in rows:
+        if ended < since - timedelta(seconds=ttl_s):
+            break  # not held one after another: the worker held nothing meanwhile
+        if any(worked):
+            since = max(t for t in worked if t is not None)
+            break
+        since = created
+    return (utcnow() - since).total_seconds()
+
+
+def _generation_bound_s(db: Session, worker: Worker, prompts: int) -> float:
+    """IDLE_PATIENCE times `prompts` groups at the seconds the worker's latest groups took (what it reported), or
+    at its claimed rate before it has sent any."""
+    recent = select(Rollout.gen_seconds).where(Rollout.worker_id == worker.id) \
+        .order_by(Rollout.created_at.desc()).limit(IDLE_CHAIN).subquery()
+    mean = db.scalar(select(func.avg(recent.c.gen_seconds)))
+    per_group = float(mean) if mean is not None else 1.0 / max(worker.rollouts_per_s, 1e-3)
+    return IDLE_PATIENCE * prompts * per_group
 
 
 def unjudged(db: Session, worker: Worker) -> int:

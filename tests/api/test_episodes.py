@@ -561,21 +561,22 @@ def paid_to(api, worker_id: str) -> float:
 
 
 def test_a_lease_whose_episodes_are_being_played_is_not_idle(api, game):
-    """A lease none of whose prompts got a group for ECHO2_LEASE_IDLE_S is renewed no more; a multi-turn lease sends
-    its groups only once its episodes end, and an environment may take minutes a turn: its turns count as work."""
+    """A worker that holds prompts without sending a group for ECHO2_LEASE_IDLE_S (and IDLE_PATIENCE times its own
+    pace) loses its lease; a multi-turn lease sends its groups only once its episodes end, and an environment may
+    take minutes a turn: its turns count as work."""
     job, _, worker, lease, tok = game
     pid = lease["prompts"][0]["prompt_id"]
-    with api.db.session() as s:  # granted 11 minutes ago, renewed since
-        s.get_one(Lease, lease["id"]).created_at = utcnow() - timedelta(minutes=11)
+    with api.db.session() as s:  # granted two hours ago, renewed since
+        s.get_one(Lease, lease["id"]).created_at = utcnow() - timedelta(hours=2)
         s.commit()
     reply(turn(worker, lease, pid, 0, 0, said(tok, "500000")))  # a turn just now
     ok(worker.post(f"/v1/leases/{lease['id']}/renew"))
-    with api.db.session() as s:  # ... and that turn, too, 11 minutes ago
+    with api.db.session() as s:  # ... and that turn, too, two hours ago
         s.execute(update(Episode).where(Episode.lease_id == lease["id"]).values(
-            updated_at=utcnow() - timedelta(minutes=11)))
+            updated_at=utcnow() - timedelta(hours=2)))
         s.commit()
     refused = worker.post(f"/v1/leases/{lease['id']}/renew")
-    assert refused.status_code == 409 and "none of its prompts got a group" in refused.text, refused.text
+    assert refused.status_code == 409 and "held prompts for" in refused.text, refused.text
 
 
 def test_a_model_turn_cut_short_of_its_stop_is_refused(api, game):

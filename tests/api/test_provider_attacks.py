@@ -294,7 +294,7 @@ def test_a_trusted_worker_holding_all_lease_room_cannot_lock_every_other_provide
         j.learner_launched_at = j.learner_heartbeat_at = now
         s.commit()
     refused = mallory.post(f"/v1/leases/{hoard['id']}/renew")
-    assert refused.status_code == 409 and "none of its prompts got a group for" in refused.text, refused.text
+    assert refused.status_code == 409 and "held prompts for" in refused.text, refused.text
     run_tick(api, now=now)
 
     with api.db.session() as s:
@@ -355,3 +355,80 @@ def test_an_honest_worker_whose_claim_is_well_under_the_cap_is_activated_on_tria
     run_tick(api)
     line = ok(api.admin.get(f"/v1/workers/{hid}/placement"))[0]["line"]
     assert ok(api.admin.get(f"/v1/workers/{hid}"))["job_id"] == job["id"], line
+
+
+def _hoarder_and_honest(api, tmp_path):
+    folder = fake_model_folder(tmp_path / "m")
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, folder, staleness=2, max_steps=1000, num_prompts=400,
+                               grpo={"group_size": 2, "prompts_per_step": 8})
+    jid = job["id"]
+    mid, mallory = new_worker(api, new_provider(api, "mallory-co")[1], "m", rollouts_per_s=1.0)
+    bid, bob = new_worker(api, new_provider(api, "honest-co")[1], "b", rollouts_per_s=1.0)
+    with api.db.session() as s:
+        for w in (mid, bid):
+            s.get_one(Worker, w).trust = "trusted"
+        s.commit()
+    for w in (mid, bid):
+        activate(api, w, jid)
+    lease = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 0}), 201)
+    ok(mallory.post(f"/v1/leases/{lease['id']}/rollouts",
+                    json={"groups": [group_body(p, 0) for p in lease["prompts"]]}))
+    claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 8}))["groups"]
+    audits = [{"rollout_id": g["rollout_id"], "passed": True, "reason": None, "stats": {"tokens": 6.0}}
+              for g in claimed if g["audit"]]
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(
+        0, [g["rollout_id"] for g in claimed], audits=audits, t_train_s=30.0)))
+    publish(learner, jid, folder, version=1, step=1)
+    hold(mallory, 0, 1)
+    hold(bob, 0, 1)
+    return jid, alice, mid, mallory, bid, bob, lease
+
+
+def test_a_hoarder_that_releases_and_leases_again_before_lease_idle_s_still_locks_everyone_out(api, tmp_path):
+    """Attack 34 with one change: the hoarder releases its lease every 9 minutes and leases every prompt again at
+    once, and the idle clock, a lease's own, started anew (review finding). It counts the leases held one after
+    another now."""
+    jid, alice, mid, mallory, bid, bob, lease = _hoarder_and_honest(api, tmp_path)
+    hoard = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 256, "version": 1}), 201)
+    now = utcnow()
+    with api.db.session() as s:  # an hour on; the latest hoard was leased 9 minutes ago (the one before released)
+        for w in (mid, bid):
+            row = s.get_one(Worker, w)
+            row.active_since, row.status, row.last_heartbeat_at = now - timedelta(hours=1), "active", now
+        for r in s.scalars(select(Rollout).where(Rollout.worker_id == mid)):
+            r.created_at = now - timedelta(minutes=59)
+        s.get_one(Lease, lease["id"]).created_at = now - timedelta(minutes=59, seconds=30)
+        s.get_one(Lease, hoard["id"]).created_at = now - timedelta(minutes=9)
+        j = s.get_one(Job, jid)
+        j.learner_launched_at = j.learner_heartbeat_at = now
+        s.commit()
+    ok(mallory.post(f"/v1/leases/{hoard['id']}/release"))
+    again = mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 256, "version": 1})
+    assert again.status_code == 409 and "held prompts for" in again.text, again.text
+    run_tick(api, now=now)
+    assert ok(api.admin.get(f"/v1/workers/{mid}"))["job_id"] is None  # measured at zero: deactivated
+    with api.db.session() as s:  # and the room it held is free for the others
+        assert not s.scalars(select(Lease).where(Lease.worker_id == mid, Lease.status == "active")).all()
+
+
+def test_an_honest_worker_whose_lease_takes_over_lease_idle_s_to_generate_is_not_cut_off(api, tmp_path):
+    """The shipped worker generates a whole lease in one backend call and books its next lease before it starts, so
+    its prefetched lease gets its first group about two lease generations after its grant: a CPU worker taking 5.5
+    minutes a lease had every prefetched lease ended at 10 minutes and was measured at zero (review finding). A
+    lease may go IDLE_PATIENCE times its generation at the worker's own pace (its groups' gen_seconds)."""
+    jid, alice, mid, mallory, bid, bob, _ = _hoarder_and_honest(api, tmp_path)
+    first = ok(bob.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 1}), 201)
+    slow = [{**group_body(p, 1), "gen_seconds": 41.0} for p in first["prompts"]]  # 5.5 minutes for its 8
+    ok(bob.post(f"/v1/leases/{first['id']}/rollouts", json={"groups": slow}))
+    lease = ok(bob.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 1}), 201)
+    with api.db.session() as s:  # granted 11 minutes ago, renewed every TTL since; generation still running
+        s.get_one(Lease, lease["id"]).created_at = utcnow() - timedelta(minutes=11)
+        s.commit()
+    renewed = bob.post(f"/v1/leases/{lease['id']}/renew")
+    with api.db.session() as s:
+        failed_at = s.get_one(Worker, bid).trial_failed_at
+    assert renewed.status_code == 200 and failed_at is None, (
+        f"{renewed.status_code} {renewed.text[:200]}; its worker measured at zero (trial_failed_at={failed_at})")
+    sent = bob.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group_body(p, 1) for p in lease["prompts"]]})
+    assert all(r["status"] == "accepted" for r in ok(sent)["results"]), sent.text
