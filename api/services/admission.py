@@ -84,7 +84,7 @@ def submit_groups(db: Session, job: Job, lease: Lease, worker: Worker, groups: l
             kind = RejectKind.invalid
         rewards = None
         if reason is None and bounds is not None:
-            reason, kind, rewards = _episodes_rejection(db, lease, group, bounds)
+            reason, kind, rewards = _episodes_rejection(db, job, lease, group, bounds)
         row = _row(job, lease, worker, group, reason, kind)
         row["seed"] = prompt_seed(spec.seed, job.id, prompt.index, prompt.epoch) if prompt is not None else None
         row["rewards"] = rewards
@@ -124,7 +124,7 @@ def _rejection(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt
     return None, None
 
 
-def _episodes_rejection(db: Session, lease: Lease, group: GroupSubmit, bounds: EpisodeLimits
+def _episodes_rejection(db: Session, job: Job, lease: Lease, group: GroupSubmit, bounds: EpisodeLimits
                         ) -> tuple[str | None, RejectKind | None, list[float | None] | None]:
     """A multi-turn group must be exactly its episodes as played; their rewards become the group's."""
     too_long = [k for k, s in enumerate(group.samples) if len(s.token_ids) > bounds.max_tokens]
@@ -132,10 +132,28 @@ def _episodes_rejection(db: Session, lease: Lease, group: GroupSubmit, bounds: E
         return f"sample {too_long[0]}: more than the episode's {bounds.max_tokens} tokens", RejectKind.invalid, None
     reason, rewards = episodes.check_group(db, lease, group)
     if reason is None:
+        reason = next((f"sample {k}: {why}" for k, s in enumerate(group.samples)
+                       if (why := _cut_short(job, bounds, group, s))), None)
+    if reason is None:
         return None, None, rewards
     if reason.startswith("environment:"):
         return reason.removeprefix("environment: "), RejectKind.environment_failed, None
     return reason, RejectKind.invalid, None
+
+
+def _cut_short(job: Job, bounds: EpisodeLimits, group: GroupSubmit, sample: SampleSubmit) -> str | None:
+    """An episode's last model turn that ends short of its limit without a stop token (episodes._cut) is honest
+    only where prompt and turns fill the model's context."""
+    assert sample.turns is not None
+    last, before = sample.token_ids[-sample.turns[-1]:], len(sample.token_ids) - sample.turns[-1]
+    room = min(spec_of(job).grpo.max_new_tokens, bounds.max_tokens - before)
+    stops = set(job.eos_token_ids or ())
+    if not stops or last[-1] in stops or len(last) >= room:
+        return None
+    if job.context_length is not None and len(group.prompt_token_ids) + len(sample.token_ids) == job.context_length:
+        return None
+    return (f"its last turn ended after {len(last)} tokens without a stop token, short of its {room} and of the "
+            f"model's context ({job.context_length} tokens)")
 
 
 def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: Prompt | None,

@@ -580,12 +580,46 @@ def test_a_lease_whose_episodes_are_being_played_is_not_idle(api, game):
 
 
 def test_a_model_turn_cut_short_of_its_stop_is_refused(api, game):
-    """A sampler ends a model turn at a stop token, at max_new_tokens or where the episode has no room left: a worker
+    """A sampler ends a model turn at a stop token, at max_new_tokens, or where the model's context ends: a worker
     that cut every turn after one token (1/16 of the decode, every token replaying exactly) was audited, passed and
-    paid as honest work (review finding). Such a turn is refused; the end of a whole turn still plays."""
+    paid as honest work (review finding). Such a turn ends its episode, and its group is refused at the door (a
+    strike) unless prompt and turns fill the context."""
     _, _, worker, lease, tok = game
     pid = lease["prompts"][0]["prompt_id"]
-    cut = turn(worker, lease, pid, 0, 0, tok.encode("5").ids)
-    assert cut.status_code == 422 and "ended after 1 token without a stop token" in cut.json()["detail"], cut.text
-    assert reply(turn(worker, lease, pid, 0, 0, [5] * 16))["turn"] == 0  # max_new_tokens: a whole turn
-    assert reply(turn(worker, lease, pid, 1, 0, said(tok, "123456.")))["turn"] == 0  # its stop token
+    cut = tok.encode("5").ids
+    for k in range(2):
+        assert reply(turn(worker, lease, pid, k, 0, cut))["done"]
+    group = {"prompt_id": pid, "version": 0, "prompt_token_ids": [1, 2, 3],
+             "samples": [{"token_ids": cut, "logprobs": [-1.0] * len(cut), "finish_reason": "length",
+                          "turns": [len(cut)]}] * 2}
+    [out] = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"]
+    assert out["status"] == "rejected" and "its last turn ended after 1 tokens without a stop token" in out["reason"]
+    other = lease["prompts"][1]["prompt_id"]
+    assert not reply(turn(worker, lease, other, 0, 0, [5] * 16))["done"]  # max_new_tokens: a whole turn
+    assert not reply(turn(worker, lease, other, 1, 0, said(tok, "123456.")))["done"]  # its stop token
+
+
+def test_an_honest_turn_stopped_by_the_models_context_ends_its_episode(api, tiny_model_dir):
+    """A turn that ends where the model's context does (vLLM, and the transformers backend, stop there) was refused
+    as cut short (review finding): it ends its episode, and the group that fills the context exactly is taken."""
+    _, alice = new_user(api)
+    job = ok(alice.post("/v1/jobs", json={
+        "name": "guess", "base_model": "echo2:tiny", "task": GUESS, "num_prompts": 8, "max_steps": 2,
+        "grpo": {"group_size": 2, "prompts_per_step": 2, "max_new_tokens": 400}, "staleness": 1}), 201)
+    publish(start_learner(api, job["id"]), job["id"], tiny_model_dir, version=0, step=0)
+    wid, worker = new_worker(api, new_provider(api)[1])
+    activate(api, wid, job["id"])
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+    pid, prompt = lease["prompts"][0]["prompt_id"], [1] * 20
+    samples = []
+    for k in range(2):
+        answer = reply(turn(worker, lease, pid, k, 0, [5] * 400))  # a whole turn: its limit
+        observation = answer["observation_token_ids"]
+        last = [6] * (512 - len(prompt) - 400 - len(observation))  # stopped where the context ends
+        assert reply(turn(worker, lease, pid, k, 1, last))["done"]
+        tokens = [5] * 400 + observation + last
+        samples.append({"token_ids": tokens, "logprobs": [-1.0] * len(tokens), "finish_reason": "length",
+                        "turns": [400, len(observation), len(last)]})
+    group = {"prompt_id": pid, "version": 0, "prompt_token_ids": prompt, "samples": samples}
+    [out] = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group]}))["results"]
+    assert out["status"] == "accepted", out
