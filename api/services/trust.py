@@ -195,7 +195,8 @@ def _struck_alongside(db: Session, worker: Worker) -> list[Worker]:
     once, none quarantined, its forged groups no audit picked kept paid."""
     others = list(db.scalars(select(Worker).where(
         Worker.provider_id == worker.provider_id, Worker.id != worker.id, Worker.strikes > 0,
-        Worker.trust.in_(TrustState.working())).order_by(Worker.id)))  # not locked: two strikes at once would deadlock
+        Worker.trust.in_(TrustState.working())).order_by(Worker.id)
+        .with_for_update(skip_locked=True)))  # one being struck meanwhile is skipped: waiting for it could deadlock
     if worker.strikes + sum(o.strikes for o in others) < STRIKES_TO_QUARANTINE:
         return []
     total, failed = db.execute(
