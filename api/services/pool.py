@@ -138,18 +138,21 @@ def idle_seconds(db: Session, worker_id: str, start: datetime, ttl_s: float) -> 
     as one that renews."""
     last_group = select(func.max(Rollout.created_at)).where(Rollout.lease_id == Lease.id).scalar_subquery()
     last_turn = select(func.max(Episode.updated_at)).where(Episode.lease_id == Lease.id).scalar_subquery()
-    rows = db.execute(select(Lease.created_at, func.coalesce(Lease.finished_at, Lease.expires_at), last_group,
-                             last_turn)
-                      .where(Lease.worker_id == worker_id, Lease.created_at <= start)
-                      .order_by(Lease.created_at.desc()).limit(IDLE_CHAIN)).all()
-    since = start
-    for created, ended, *worked in rows:
-        if ended < since - timedelta(seconds=ttl_s):
-            break  # not held one after another: the worker held nothing meanwhile
-        if any(worked):
-            since = max(t for t in worked if t is not None)
+    query = select(Lease.created_at, func.coalesce(Lease.finished_at, Lease.expires_at), last_group, last_turn) \
+        .where(Lease.worker_id == worker_id, Lease.created_at <= start).order_by(Lease.created_at.desc())
+    for limit in (2, IDLE_CHAIN):  # a working worker's last two leases tell: the rest is read for an idle one only
+        since, decided = start, False
+        rows = db.execute(query.limit(limit)).all()
+        for created, until, *worked in rows:
+            if until < since - timedelta(seconds=ttl_s):
+                decided = True  # not held one after another: the worker held nothing meanwhile
+                break
+            if any(worked):
+                since, decided = max(t for t in worked if t is not None), True
+                break
+            since = created
+        if decided or len(rows) < limit:
             break
-        since = created
     return (utcnow() - since).total_seconds()
 
 
