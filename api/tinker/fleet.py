@@ -277,15 +277,15 @@ def audited(db: Session, request: TinkerRequest, verdict: AuditVerdict | None, s
     one is not paid, where billing has not paid it yet). Returns the requests answered."""
     rollout_id = AuditPayload.model_validate(request.payload).rollout_id
     rollout = db.get(Rollout, rollout_id, with_for_update=True)
-    if rollout is not None and rollout.status == RolloutStatus.trained and rollout.audit == "pending":
-        _judge_delivered(db, rollout, verdict, settings)
-        return []
-    if rollout is None or rollout.status != RolloutStatus.accepted:
+    delivered = rollout is not None and rollout.status == RolloutStatus.trained and rollout.audit == "pending"
+    if rollout is None or (rollout.status != RolloutStatus.accepted and not delivered):
         return []  # its sender was shut out meanwhile: the group was discarded and its prompt re-pooled
     if verdict is None:
-        rollout.status, rollout.audit = RolloutStatus.rejected, None
-        rollout.reason = f"the learner host could not audit it: {request.error}"[:512]
-        return_prompts(db, [rollout.prompt_id], from_state="submitted")
+        rollout.audit = None
+        if not delivered:
+            rollout.status = RolloutStatus.rejected
+            rollout.reason = f"the learner host could not audit it: {request.error}"[:512]
+            return_prompts(db, [rollout.prompt_id], from_state="submitted")
         return []
     worker = db.get(Worker, rollout.worker_id, with_for_update=True)
     trust.record_audit(db, rollout, rollout.version, verdict.passed, verdict.reason[:512], verdict.stats)
@@ -295,32 +295,15 @@ def audited(db: Session, request: TinkerRequest, verdict: AuditVerdict | None, s
         if worker is not None:
             trust.passed(db, worker, settings)
             evidence.record(db, worker, verdict.stats, rollout.precision, settings)
-        return _deliver(db, rollout, prompt)
+        return [] if delivered else _deliver(db, rollout, prompt)
     rollout.status, rollout.reject_kind = RolloutStatus.rejected, RejectKind.audit_failed
     rollout.reason = f"failed the host's audit: {verdict.reason}"[:512]
-    return_prompts(db, [prompt.id], from_state="submitted")
+    if not delivered:
+        return_prompts(db, [prompt.id], from_state="submitted")
     if worker is not None:
         worker.rejected_rollouts += 1
         trust.strike(db, worker, f"rollout {rollout.id}: {verdict.reason}", settings, audited=True)
     return []
-
-
-def _judge_delivered(db: Session, rollout: Rollout, verdict: AuditVerdict | None, settings: Settings) -> None:
-    if verdict is None:
-        rollout.audit = None
-        return
-    worker = db.get(Worker, rollout.worker_id, with_for_update=True)
-    trust.record_audit(db, rollout, rollout.version, verdict.passed, verdict.reason[:512], verdict.stats)
-    if worker is None:
-        return
-    if verdict.passed:
-        trust.passed(db, worker, settings)
-        evidence.record(db, worker, verdict.stats, rollout.precision, settings)
-        return
-    rollout.status, rollout.reject_kind = RolloutStatus.rejected, RejectKind.audit_failed
-    rollout.reason = f"failed the host's audit after it was delivered: {verdict.reason}"[:512]
-    worker.rejected_rollouts += 1
-    trust.strike(db, worker, f"rollout {rollout.id}: {verdict.reason}", settings, audited=True)
 
 
 def _late(rollout: Rollout, reason: str) -> None:
