@@ -142,15 +142,12 @@ def _episodes_rejection(db: Session, job: Job, lease: Lease, group: GroupSubmit,
 
 
 def _cut_short(job: Job, bounds: EpisodeLimits, group: GroupSubmit, sample: SampleSubmit) -> str | None:
-    """An episode's last model turn that ends short of its limit without a stop token (episodes._cut) is honest
+    """An episode's last model turn that ends short of its limit without a stop token (episodes.cut_short) is honest
     only where prompt and turns fill the model's context."""
     assert sample.turns is not None
     last, before = sample.token_ids[-sample.turns[-1]:], len(sample.token_ids) - sample.turns[-1]
-    room = min(spec_of(job).grpo.max_new_tokens, bounds.max_tokens - before)
-    stops = set(job.eos_token_ids or ())
-    if not stops or last[-1] in stops or len(last) >= room:
-        return None
-    if job.context_length is not None and len(group.prompt_token_ids) + len(sample.token_ids) == job.context_length:
+    room = episodes.cut_short(job, spec_of(job).grpo.max_new_tokens, bounds, before, last)
+    if room is None or len(group.prompt_token_ids) + len(sample.token_ids) == job.context_length:
         return None
     return (f"its last turn ended after {len(last)} tokens without a stop token, short of its {room} and of the "
             f"model's context ({job.context_length} tokens)")

@@ -245,21 +245,21 @@ def _check_action(game: _Game, episode: Episode, ids: list[int], where: str) -> 
     if used + len(ids) > game.bounds.max_tokens:
         raise ApiError(422, f"{where}: the episode would hold {used + len(ids)} tokens, more than its "
                             f"{game.bounds.max_tokens}", field=field)
-    if _cut(game, used, ids) and game.job.context_length is None:
-        room = min(max_new, game.bounds.max_tokens - used)
+    room = cut_short(game.job, max_new, game.bounds, used, ids)
+    if room is not None and game.job.context_length is None:
         raise ApiError(422, f"{where}: the turn ended after {len(ids)} token{'s' if len(ids) > 1 else ''} without a "
                             f"stop token, short of its {room} (max_new_tokens, or the episode's room left)",
                        field=field)
 
 
-def _cut(game: _Game, used: int, ids: list[int]) -> bool:
-    """Whether a model turn ends short of its limit (max_new_tokens, or the episode's room) without a stop token: a
-    sampler stops there only where the model's context ends, which the turn then fills. Such a turn ends its
-    episode, and the group is refused when it arrives unless prompt and turns fill the context exactly
-    (admission._cut_short): a worker that cut every turn after one token was paid as honest work."""
-    stops = set(game.job.eos_token_ids or ())
-    room = min(game.spec.grpo.max_new_tokens, game.bounds.max_tokens - used)
-    return bool(stops) and ids[-1] not in stops and len(ids) < room
+def cut_short(job: Job, max_new: int, bounds: EpisodeLimits, used: int, ids: list[int]) -> int | None:
+    """The turn's limit (max_new_tokens, or the episode's room after `used` tokens) where a model turn ends short of
+    it without a stop token, else None. A sampler stops there only where the model's context ends, which the turn
+    then fills: such a turn ends its episode, and the group is refused when it arrives unless prompt and turns fill
+    the context exactly (admission._cut_short): a worker that cut every turn after one token was paid as honest
+    work."""
+    stops, room = set(job.eos_token_ids or ()), min(max_new, bounds.max_tokens - used)
+    return room if stops and ids[-1] not in stops and len(ids) < room else None
 
 
 @dataclass(frozen=True)
@@ -306,7 +306,8 @@ def _advance(game: _Game, episode: Episode, ids: list[int], text: str, outcome: 
              encode: Callable[[str, bool], list[int]]) -> None:
     actions, turns = [*episode.actions, text], [*episode.turns, list(ids)]
     observation, done, reward, error = outcome.observation, outcome.done, outcome.reward, outcome.error
-    if not done and (len(actions) >= game.bounds.max_turns or _cut(game, sum(map(len, episode.turns)), ids)):
+    cut = cut_short(game.job, game.spec.grpo.max_new_tokens, game.bounds, sum(map(len, episode.turns)), ids)
+    if not done and (len(actions) >= game.bounds.max_turns or cut is not None):
         done, reward = True, 0.0  # out of turns (or of the model's context) without finishing: a failure
     if not done:
         obs_ids = encode(observation or "", ids[-1] in (game.job.eos_token_ids or ()))
