@@ -201,11 +201,11 @@ def hard_constraint_violation(
     perf = perf or worker.perf_for(job.job_id)
     if not perf.mu > 0:
         return Miss.throughput, "no measured throughput"
-    # At its own rate (measured, or claimed on trial), not the share of a job's need a trial counts for.
-    cost = worker.price_per_h / 3600 / max(worker.mu, perf.mu)
+    own = max(worker.mu, perf.mu)  # its own rate (measured, or claimed on trial), not a trial's share of the need
+    cost = worker.price_per_h / 3600 / own
     if job.max_usd_per_group is not None and cost > job.max_usd_per_group:
-        return Miss.price, (f"${cost:.4g} a group (${worker.price_per_h:g}/h at {max(worker.mu, perf.mu):.3g} "
-                            f"groups/s) > the job's workers.max_usd_per_group ${job.max_usd_per_group:g}")
+        return Miss.price, (f"${cost:.4g} a group (${worker.price_per_h:g}/h at {own:.3g} groups/s) > the job's "
+                            f"workers.max_usd_per_group ${job.max_usd_per_group:g}")
     return None
 
 
