@@ -52,6 +52,32 @@ def _group(prompt: dict, version: int, k0: int = 0, forged: bool = False, finish
     return {"prompt_id": prompt["prompt_id"], "version": version, "prompt_token_ids": [1, 2, 3], "samples": samples}
 
 
+def _one_group(api, worker, learner, jid: str, step: int, forged: set[str], forge: bool) -> str:
+    """One group on `jid`, forged or honest (added to `forged`); the job's honest learner claims it at once, audits it
+    if the control plane picked it (a forged group fails), and trains the rest in `step`; a minute billed. Returns
+    the group's id."""
+    lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0}), 201)
+    out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts",
+                         json={"groups": [_group(lease["prompts"][0], 0, forged=forge, finish="stop")]}))
+    rid = out["results"][0]["rollout_id"]
+    assert out["results"][0]["status"] == "accepted", out
+    if forge:
+        forged.add(rid)
+    claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 64}))["groups"]
+    kept, failed = [], []
+    for g in claimed:
+        bad = g["rollout_id"] in forged
+        if g["audit"]:
+            ok(learner.post(f"/v1/jobs/{jid}/learner/audits", json={"step": step, "audits": [
+                {"rollout_id": g["rollout_id"], "passed": not bad, "stats": {"tokens": 6.0},
+                 "reason": "replay: tokens the claimed version does not draw" if bad else None}]}))
+        (failed if g["audit"] and bad else kept).append(g["rollout_id"])
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(
+        step, kept, rejected=[{"rollout_id": r, "reason": "failed its audit"} for r in failed])))
+    _bill(api, 60.0)
+    return rid
+
+
 def test_junk_held_back_until_its_version_goes_stale_is_not_paid(api, tmp_path):
     """A worker leases at version 0, renews the lease while the fleet trains, and sends junk (no model run) once
     the step that last admits version 0 has its batch: the door accepts it, the next claim rejects it as stale, and
@@ -203,29 +229,8 @@ def test_a_window_whose_audit_was_seen_on_the_owners_own_job_is_not_finished_on_
     learners = {own["id"]: own_learner, victim["id"]: bob_learner}
 
     def send(jid: str, forge: bool) -> str:
-        """One group on `jid`; that job's (honest) learner claims it at once, audits it if picked, trains it."""
-        learner, step = learners[jid], steps[jid]
-        lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0}), 201)
-        out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts",
-                             json={"groups": [_group(lease["prompts"][0], 0, forged=forge, finish="stop")]}))
-        rid = out["results"][0]["rollout_id"]
-        assert out["results"][0]["status"] == "accepted", out
-        if forge:
-            forged.add(rid)
-        claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 64}))["groups"]
-        kept, failed = [], []
-        for g in claimed:
-            bad = g["rollout_id"] in forged
-            if g["audit"]:
-                ok(learner.post(f"/v1/jobs/{jid}/learner/audits", json={"step": step, "audits": [
-                    {"rollout_id": g["rollout_id"], "passed": not bad, "stats": {"tokens": 6.0},
-                     "reason": "replay: tokens the claimed version does not draw" if bad else None}]}))
-            (failed if g["audit"] and bad else kept).append(g["rollout_id"])
-        ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(
-            step, kept, rejected=[{"rollout_id": r, "reason": "failed its audit"} for r in failed])))
-        _bill(api, 60.0)
         steps[jid] += 1
-        return rid
+        return _one_group(api, worker, learners[jid], jid, steps[jid] - 1, forged, forge)
 
     def me() -> dict:
         return ok(worker.get(f"/v1/workers/{wid}"))

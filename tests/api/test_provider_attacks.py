@@ -242,11 +242,10 @@ def test_an_honest_providers_other_machine_restarted_during_a_watch_is_not_banne
     assert ok(provider.get("/v1/providers/me"))["banned_at"] is None
 
 
-def test_a_trusted_worker_holding_all_lease_room_cannot_lock_every_other_provider_out(api, tmp_path):
-    """A trusted worker that delivered one honest step (measured) leased every prompt the job could lease and only
-    renewed: an hour on, the scheduler kept it on the job, every other worker was refused "no room", and the job had
-    not stepped (review finding). A lease idle for lease_idle_s is renewed no more, and its worker is measured at
-    zero (deactivated) as a trial that delivered nothing is."""
+def _hoarder_and_honest(api, tmp_path):
+    """A job (R = 8, S = 2) with two trusted workers on it, Mallory's and Bob's; Mallory has delivered one honest
+    step's groups (measured: its trial never fails again), and both hold version 1. Returns (job id, its owner,
+    Mallory's id and client, Bob's id and client, Mallory's first lease)."""
     folder = fake_model_folder(tmp_path / "m")
     _, alice = new_user(api)
     job, learner = running_job(api, alice, folder, staleness=2, max_steps=1000, num_prompts=400,
@@ -255,13 +254,12 @@ def test_a_trusted_worker_holding_all_lease_room_cannot_lock_every_other_provide
     mid, mallory = new_worker(api, new_provider(api, "mallory-co")[1], "m", rollouts_per_s=1.0)
     bid, bob = new_worker(api, new_provider(api, "honest-co")[1], "b", rollouts_per_s=1.0)
     with api.db.session() as s:
-        for w in (mid, bid):  # both passed probation honestly
+        for w in (mid, bid):
             s.get_one(Worker, w).trust = "trusted"
         s.commit()
     for w in (mid, bid):
         activate(api, w, jid)
-
-    # Mallory delivers one honest step's batch: measured, its trial never fails again.
+    # Mallory delivers one honest step's batch.
     lease = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 0}), 201)
     ok(mallory.post(f"/v1/leases/{lease['id']}/rollouts",
                     json={"groups": [group_body(p, 0) for p in lease["prompts"]]}))
@@ -273,13 +271,12 @@ def test_a_trusted_worker_holding_all_lease_room_cannot_lock_every_other_provide
     publish(learner, jid, folder, version=1, step=1)
     hold(mallory, 0, 1)
     hold(bob, 0, 1)
+    return jid, alice, mid, mallory, bid, bob, lease
 
-    # Then it takes every prompt the job can lease at version 1, and only renews.
-    hoard = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 256, "version": 1}), 201)
-    refused = bob.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 1})
-    assert refused.status_code == 409 and "no room" in refused.text, refused.text
 
-    # An hour on (the scheduler's view of it): Mallory renewed every TTL and sent nothing more; Bob asked, refused.
+def _an_hour_on(api, jid: str, mid: str, bid: str, first_lease: str, hoard: str, hoard_age: timedelta):
+    """The scheduler's view an hour after Mallory's honest step: both workers active, Mallory's groups and first
+    lease an hour old, its hoard leased `hoard_age` ago (renewed every TTL since). Returns now."""
     now = utcnow()
     with api.db.session() as s:
         for w in (mid, bid):
@@ -287,12 +284,28 @@ def test_a_trusted_worker_holding_all_lease_room_cannot_lock_every_other_provide
             row.active_since, row.status, row.last_heartbeat_at = now - timedelta(hours=1), "active", now
         for r in s.scalars(select(Rollout).where(Rollout.worker_id == mid)):
             r.created_at = now - timedelta(minutes=59)
-        first = s.get_one(Lease, lease["id"])
-        first.created_at = now - timedelta(minutes=59, seconds=30)
-        s.get_one(Lease, hoard["id"]).created_at = now - timedelta(minutes=58)  # renewed every TTL since
+        s.get_one(Lease, first_lease).created_at = now - timedelta(minutes=59, seconds=30)
+        s.get_one(Lease, hoard).created_at = now - hoard_age
         j = s.get_one(Job, jid)
         j.learner_launched_at = j.learner_heartbeat_at = now
         s.commit()
+    return now
+
+
+def test_a_trusted_worker_holding_all_lease_room_cannot_lock_every_other_provider_out(api, tmp_path):
+    """A trusted worker that delivered one honest step (measured) leased every prompt the job could lease and only
+    renewed: an hour on, the scheduler kept it on the job, every other worker was refused "no room", and the job had
+    not stepped (review finding). A worker that holds prompts idle past lease_idle_s is renewed no lease, and is
+    measured at zero (deactivated) as a trial that delivered nothing is."""
+    jid, alice, mid, mallory, bid, bob, lease = _hoarder_and_honest(api, tmp_path)
+
+    # Then it takes every prompt the job can lease at version 1, and only renews.
+    hoard = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 256, "version": 1}), 201)
+    refused = bob.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 1})
+    assert refused.status_code == 409 and "no room" in refused.text, refused.text
+
+    # An hour on: Mallory renewed every TTL and sent nothing more; Bob asked, refused.
+    now = _an_hour_on(api, jid, mid, bid, lease["id"], hoard["id"], timedelta(minutes=58))
     refused = mallory.post(f"/v1/leases/{hoard['id']}/renew")
     assert refused.status_code == 409 and "held prompts for" in refused.text, refused.text
     run_tick(api, now=now)
@@ -357,52 +370,14 @@ def test_an_honest_worker_whose_claim_is_well_under_the_cap_is_activated_on_tria
     assert ok(api.admin.get(f"/v1/workers/{hid}"))["job_id"] == job["id"], line
 
 
-def _hoarder_and_honest(api, tmp_path):
-    folder = fake_model_folder(tmp_path / "m")
-    _, alice = new_user(api)
-    job, learner = running_job(api, alice, folder, staleness=2, max_steps=1000, num_prompts=400,
-                               grpo={"group_size": 2, "prompts_per_step": 8})
-    jid = job["id"]
-    mid, mallory = new_worker(api, new_provider(api, "mallory-co")[1], "m", rollouts_per_s=1.0)
-    bid, bob = new_worker(api, new_provider(api, "honest-co")[1], "b", rollouts_per_s=1.0)
-    with api.db.session() as s:
-        for w in (mid, bid):
-            s.get_one(Worker, w).trust = "trusted"
-        s.commit()
-    for w in (mid, bid):
-        activate(api, w, jid)
-    lease = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 0}), 201)
-    ok(mallory.post(f"/v1/leases/{lease['id']}/rollouts",
-                    json={"groups": [group_body(p, 0) for p in lease["prompts"]]}))
-    claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 8}))["groups"]
-    audits = [{"rollout_id": g["rollout_id"], "passed": True, "reason": None, "stats": {"tokens": 6.0}}
-              for g in claimed if g["audit"]]
-    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(
-        0, [g["rollout_id"] for g in claimed], audits=audits, t_train_s=30.0)))
-    publish(learner, jid, folder, version=1, step=1)
-    hold(mallory, 0, 1)
-    hold(bob, 0, 1)
-    return jid, alice, mid, mallory, bid, bob, lease
-
-
 def test_a_hoarder_that_releases_and_leases_again_before_lease_idle_s_still_locks_everyone_out(api, tmp_path):
     """Attack 34 with one change: the hoarder releases its lease every 9 minutes and leases every prompt again at
     once, and the idle clock, a lease's own, started anew (review finding). It counts the leases held one after
     another now."""
     jid, alice, mid, mallory, bid, bob, lease = _hoarder_and_honest(api, tmp_path)
     hoard = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 256, "version": 1}), 201)
-    now = utcnow()
-    with api.db.session() as s:  # an hour on; the latest hoard was leased 9 minutes ago (the one before released)
-        for w in (mid, bid):
-            row = s.get_one(Worker, w)
-            row.active_since, row.status, row.last_heartbeat_at = now - timedelta(hours=1), "active", now
-        for r in s.scalars(select(Rollout).where(Rollout.worker_id == mid)):
-            r.created_at = now - timedelta(minutes=59)
-        s.get_one(Lease, lease["id"]).created_at = now - timedelta(minutes=59, seconds=30)
-        s.get_one(Lease, hoard["id"]).created_at = now - timedelta(minutes=9)
-        j = s.get_one(Job, jid)
-        j.learner_launched_at = j.learner_heartbeat_at = now
-        s.commit()
+    # An hour on; the latest hoard was leased 9 minutes ago (the one before it released).
+    now = _an_hour_on(api, jid, mid, bid, lease["id"], hoard["id"], timedelta(minutes=9))
     ok(mallory.post(f"/v1/leases/{hoard['id']}/release"))
     again = mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 256, "version": 1})
     assert again.status_code == 409 and "held prompts for" in again.text, again.text

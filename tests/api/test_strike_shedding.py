@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from api.models import LedgerEntry, Worker
 from api.services.fleet import unassign
-from tests.api.test_audit_gaming import _bill, _group, _working
+from tests.api.test_audit_gaming import _one_group, _working
 from tests.factories import (
     activate,
     fake_model_folder,
@@ -22,7 +22,6 @@ from tests.factories import (
     new_worker,
     ok,
     running_job,
-    step_report,
 )
 
 
@@ -36,28 +35,7 @@ def test_a_provider_cannot_shed_a_strike_by_deleting_the_struck_worker_and_regis
     state = {"step": 0}
 
     def send(worker, forge: bool) -> None:
-        """One group, claimed at once, audited if the control plane picked it (an honest learner: a forged group
-        fails), and trained in its own step: forged groups no audit picked are trained and paid."""
-        step = state["step"]
-        lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0}), 201)
-        out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts",
-                             json={"groups": [_group(lease["prompts"][0], 0, forged=forge, finish="stop")]}))
-        rid = out["results"][0]["rollout_id"]
-        assert out["results"][0]["status"] == "accepted", out
-        if forge:
-            forged.add(rid)
-        claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 64}))["groups"]
-        kept, failed = [], []
-        for g in claimed:
-            bad = g["rollout_id"] in forged
-            if g["audit"]:
-                ok(learner.post(f"/v1/jobs/{jid}/learner/audits", json={"step": step, "audits": [
-                    {"rollout_id": g["rollout_id"], "passed": not bad, "stats": {"tokens": 6.0},
-                     "reason": "replay: tokens the claimed version does not draw" if bad else None}]}))
-            (failed if g["audit"] and bad else kept).append(g["rollout_id"])
-        ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(
-            step, kept, rejected=[{"rollout_id": r, "reason": "failed its audit"} for r in failed])))
-        _bill(api, 60.0)
+        _one_group(api, worker, learner, jid, state["step"], forged, forge)
         state["step"] += 1
 
     def trust(wid, worker) -> str:
@@ -139,28 +117,7 @@ def test_spare_identities_registered_before_any_strike_cannot_each_forge_a_trust
     state = {"step": 0}
 
     def send(worker, forge: bool) -> None:
-        """One group, claimed at once, audited if the control plane picked it (an honest learner: a forged group
-        fails), trained in its own step, billed."""
-        step = state["step"]
-        lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0}), 201)
-        out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts",
-                             json={"groups": [_group(lease["prompts"][0], 0, forged=forge, finish="stop")]}))
-        rid = out["results"][0]["rollout_id"]
-        assert out["results"][0]["status"] == "accepted", out
-        if forge:
-            forged.add(rid)
-        claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 64}))["groups"]
-        kept, failed = [], []
-        for g in claimed:
-            bad = g["rollout_id"] in forged
-            if g["audit"]:
-                ok(learner.post(f"/v1/jobs/{jid}/learner/audits", json={"step": step, "audits": [
-                    {"rollout_id": g["rollout_id"], "passed": not bad, "stats": {"tokens": 6.0},
-                     "reason": "replay: tokens the claimed version does not draw" if bad else None}]}))
-            (failed if g["audit"] and bad else kept).append(g["rollout_id"])
-        ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(
-            step, kept, rejected=[{"rollout_id": r, "reason": "failed its audit"} for r in failed])))
-        _bill(api, 60.0)
+        _one_group(api, worker, learner, jid, state["step"], forged, forge)
         state["step"] += 1
 
     def trust(wid) -> str:
