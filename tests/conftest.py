@@ -58,6 +58,9 @@ def database_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPa
     return url
 
 
+PORT_TRIES = 5
+
+
 @dataclass
 class LiveServer:
     url: str
@@ -68,19 +71,24 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def live_server(database_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    port = free_port()
-    # retention_sweep_s=0: one sweep at start only; tests that need one run it themselves. Learners at $1/h:
-    # the lowest a user may name (api/services/jobs.py check_terms), which the billing tests' arithmetic uses.
-    settings = Settings(data_dir=tmp_path_factory.mktemp("data"), database_url=database_url, port=port,
-                        lease_ttl_s=30, heartbeat_interval_s=1, retention_sweep_s=0, learner_price_per_hour=1.0)
-    app = create_app(settings)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("uvicorn failed to start")
-        threading.Event().wait(0.02)
+    # A free port can be taken by another process before uvicorn binds it (the other test process, a subprocess
+    # test): 533 tests of one process once failed to set up on "address already in use". Another port is tried.
+    for _ in range(PORT_TRIES):
+        port = free_port()
+        # retention_sweep_s=0: one sweep at start only; tests that need one run it themselves. Learners at $1/h:
+        # the lowest a user may name (api/services/jobs.py check_terms), which the billing tests' arithmetic uses.
+        settings = Settings(data_dir=tmp_path_factory.mktemp("data"), database_url=database_url, port=port,
+                            lease_ttl_s=30, heartbeat_interval_s=1, retention_sweep_s=0, learner_price_per_hour=1.0)
+        app = create_app(settings)
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        while not server.started and thread.is_alive():
+            threading.Event().wait(0.02)
+        if server.started:
+            break
+    else:
+        raise RuntimeError(f"uvicorn failed to start on {PORT_TRIES} free ports")
     yield LiveServer(url=f"http://127.0.0.1:{port}", settings=settings, db=app.state.db, app=app)
     server.should_exit = True
     thread.join(timeout=10)
