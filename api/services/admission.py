@@ -171,7 +171,7 @@ def _invalid(job: Job, spec: JobSpec, lease: Lease, group: GroupSubmit, prompt: 
     if problem:
         return problem
     own = PromptSampling.model_validate(prompt.sampling) if prompt is not None and prompt.sampling else None
-    if own is not None and (problem := _unlike_request(prompt, own, group, job.eos_token_ids, spec.partial_rollouts)):
+    if own is not None and (problem := _unlike_request(prompt, own, group, spec.partial_rollouts)):
         return problem
     size, max_new = (own.n, own.max_tokens) if own else (spec.grpo.group_size, spec.grpo.max_new_tokens)
     if len(group.samples) != size:
@@ -198,22 +198,17 @@ def _prompt_bound(prompt: Prompt) -> int:
     return len(prompt.text.encode()) + len(context) + TEMPLATE_TOKENS
 
 
-def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit, eos: list[Any] | None,
-                    inflight: bool) -> str | None:
+def _unlike_request(prompt: Prompt, own: PromptSampling, group: GroupSubmit, inflight: bool) -> str | None:
     """A prompt with its own sampling (a Tinker request) must be drawn from exactly its tokens (one turn: _invalid),
-    stopping where the request says, with its version; an in-flight request (its fleet job has partial
+    with its version (where it stops: _invalid_sample); an in-flight request (its fleet job has partial
     rollouts), with its version or newer ones, per-token versions telling which."""
     if group.version != prompt.version and not (inflight and group.version > prompt.version):
         return f"drawn with version {group.version}, but the request is for version {prompt.version}"
     if group.prompt_token_ids != prompt.token_ids:
         return "prompt_token_ids differ from the leased prompt's token_ids"
-    stops = own.stop_token_ids if own.stop_token_ids is not None else (eos or [])
     for k, sample in enumerate(group.samples):
         if sample.versions is not None and not inflight:
             return f"sample {k}: a Tinker sample is of one version"
-        early = [i for i, t in enumerate(sample.token_ids[:-1]) if t in stops]
-        if early:
-            return f"sample {k}: it goes on past the stop token at position {early[0]}"
         if sample.finish_reason == "stop" and own.stop_token_ids == []:
             return f"sample {k}: finish_reason is stop, but the request has no stop tokens"
     return None
@@ -276,6 +271,10 @@ def _invalid_sample(sample: SampleSubmit, max_new: int, vocab: int | None, eos: 
     if sample.finish_reason == "length" and n not in (max_new, room) and sample.turns is None:
         return (f"finish_reason is length after {n} tokens, but max_new_tokens is {max_new}"
                 + ("" if room is None else f" and the model's context leaves {room} after the prompt"))
+    # Every sampler stops at the first stop token (an episode's environment turns may hold one).
+    early = next((i for i, t in enumerate(sample.token_ids[:-1]) if t in eos), None) if sample.turns is None else None
+    if early is not None:
+        return f"it goes on past the stop token at position {early}"
     if sample.finish_reason == "stop" and eos and sample.token_ids[-1] not in eos:
         return (f"finish_reason is stop, but the last token {sample.token_ids[-1]} is not a stop token (an "
                 "end-of-sequence token, or one the request names)")

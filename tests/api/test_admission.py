@@ -43,6 +43,9 @@ def submit(worker, lease, i, samples):
     (sample(logprobs=[-4.5, -1e4, -4.5]), "no sampler draws a token that unlikely"),
     (sample(finish="length"), "finish_reason is length after 3 tokens"),
     (sample(tokens=(5, 6, 7)), "is not a stop token (an end-of-sequence token"),
+    # Sampled on past the end-of-sequence token to max_new_tokens: every token an honest draw, but the sampler
+    # stops at the first stop token, and the worker would choose where each sample ends.
+    (sample(tokens=[5, 0, *[6] * (MAX_NEW - 2)], finish="length"), "goes on past the stop token at position 1"),
     # "Environment" tokens between two model tokens: neither bounded by max_new_tokens nor audited, yet scored.
     ({**sample(tokens=[5, *[7] * 16_000, 0], logprobs=[-4.5] * 16_002), "turns": [1, 16_000, 1]},
      "turns sent, but the job's task is single-turn"),
