@@ -85,6 +85,11 @@ class Settings(BaseSettings):
                                 "lease ends, its prompts return, and it is measured at zero throughput as a trial "
                                 "that delivered nothing is (prompts held and not generated keep every other worker "
                                 "from them).")
+    tracking_targets: list[str] = Field(default_factory=list, description="With `production`, the experiment "
+                                        "trackers a job's `tracking.uri` and `tracking.dir` may name: http(s) URLs "
+                                        "and folders on the learner hosts (a JSON list). The hosts send their own "
+                                        "tracker credentials there and write there, so any other is refused; empty: "
+                                        "jobs use the hosts' own tracker settings.")
     model_check: Literal["host", "names"] = Field("host", description="How a job's base model is checked at "
                                                   "submission: `host`, as the learner host would load it (folders, "
                                                   "the Hugging Face cache and the Hub, seen from this machine: true of "

@@ -37,6 +37,7 @@ from ..settings import Settings
 from . import evals, memory
 from .estimate import estimate
 from .relay import check_public_url
+from .trackers import check_tracking
 
 MAX_GENERATED_PROMPTS = 50_000
 
@@ -124,7 +125,7 @@ def check_references(spec: JobSpec, settings: Settings) -> None:
     built-in names are checked) and not a model folder inside Echo2's own data (the learner host refuses it
     too; here the user hears at once), and, in production, a task endpoint (http_reward,
     http_env: called from inside the platform) only at a public address, never at the platform's own
-    services or a cloud's metadata endpoint."""
+    services or a cloud's metadata endpoint; and a tracker outside the platform's own data (trackers.py)."""
     private = private_dir_of(spec.base_model, (settings.data_dir,))
     if private is not None:
         raise ApiError(422, private_model_error(spec.base_model, private), field="base_model")
@@ -132,6 +133,7 @@ def check_references(spec: JobSpec, settings: Settings) -> None:
     if problem is not None:
         raise ApiError(422, problem, field="base_model")
     check_context(spec, settings)
+    check_tracking(spec, settings)
     url = (spec.task.params or {}).get("url")
     if settings.env == "production" and isinstance(url, str):
         check_public_url(url, "task.params.url", "the platform calls only public addresses for a job's task")

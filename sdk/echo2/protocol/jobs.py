@@ -243,7 +243,9 @@ class TrackingConfig(Model):
     """Stream the job's metrics to an experiment tracker, from the learner host: every step's training metrics
     (reward, loss, KL, clipping, tokens, groups, staleness, learner utilisation) and cost, and every held-out
     evaluation. Its credentials stay on the learner host (WANDB_API_KEY, MLFLOW_TRACKING_TOKEN...), never in a
-    spec. A resumed job goes on in the same run. Needs `echo2-server[trackers]` on the learner host."""
+    spec: `uri` and `dir` are refused (422) inside Echo2's own data or database, and in production unless the
+    operator allows them (ECHO2_TRACKING_TARGETS). A resumed job goes on in the same run. Needs
+    `echo2-server[trackers]` on the learner host."""
 
     kind: TrackerKind = Field(description="`wandb` (Weights & Biases) or `mlflow`.")
     project: TrackerText = Field(description="The W&B project, or the MLflow experiment.")
