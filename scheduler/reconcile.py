@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 
-from echo2.protocol import JobKind, JobStatus, PauseCause, RejectKind, TrustState, WorkerStatus
+from echo2.protocol import JobKind, JobStatus, PauseCause, TrustState, WorkerStatus
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
 
@@ -40,7 +40,7 @@ from api.services import fleet, pool
 from api.services.estimate import busy_seconds
 from api.services.jobs import finish_job, over_budget, pause_job, spec_of, valid_spec
 from api.services.learning import issue_learner_token
-from api.services.pool import expire_leases
+from api.services.pool import UNDELIVERED, expire_leases
 from api.services.trust import release_quarantines
 from api.settings import Settings
 from api.tinker import fleet as tinker_fleet
@@ -67,7 +67,6 @@ BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
 # lease ended or once stale is of no use to the job (and a worker could release leases and answer them at will).
 # Nor one whose episodes broke the environment: the worker chose the actions (nonsense ones count as its speed).
 # Nor one that went stale unclaimed (unpaid: RejectKind.paid).
-UNDELIVERED = [k for k in RejectKind if not k.paid()] + [RejectKind.environment_failed]
 TRIAL_RETRY = 10  # grace periods before a worker whose trial delivered nothing is tried again
 WORKING = TrustState.working()  # quarantined and banned workers are never activated
 LIVE = JobStatus.live()

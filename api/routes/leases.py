@@ -64,7 +64,7 @@ def renew_lease(lease_id: str, worker: CurrentWorker, db: SessionDep, settings: 
     if lease.status != LeaseStatus.active or lease.expires_at < utcnow():
         ended = lease.status if lease.status != LeaseStatus.active else LeaseStatus.expired
         raise ApiError(409, f"lease {lease_id} is {ended}")
-    idle_s = pool.idle_past_bound(db, worker, lease.created_at, len(lease.prompt_ids), settings)
+    idle_s = pool.idle_past_bound(db, worker, lease.created_at, 0, settings)
     if idle_s is not None:
         pool.end_lease(db, lease, LeaseStatus.expired)
         _idle(db, worker, idle_s, settings, f"lease {lease_id} ended")

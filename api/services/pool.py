@@ -24,6 +24,8 @@ FRONT = 2**31  # order keys are in [0, 2**31): subtracting this puts a prompt be
 UNJUDGED = 8  # groups a worker on probation or suspect may have waiting for their audit (one lease's worth)
 UNJUDGED_ANY = 2**31
 IDLE_CHAIN = 32  # a worker's latest leases (and groups) the lease idle rule looks back over
+# Groups worth nothing to their job: refused for the worker's fault, too late, or failed by its environment.
+UNDELIVERED = [k for k in RejectKind if not k.paid()] + [RejectKind.environment_failed]
 IDLE_PATIENCE = 3.0  # a lease may go this many times its generation at the worker's pace without a group
 
 
@@ -121,12 +123,13 @@ def create_lease(db: Session, job: Job, worker: Worker, max_prompts: int, versio
     return lease, chosen
 
 
-def idle_past_bound(db: Session, worker: Worker, start: datetime, prompts: int, settings: Settings) -> float | None:
+def idle_past_bound(db: Session, worker: Worker, start: datetime, more: int, settings: Settings) -> float | None:
     """Seconds the worker has held prompts without working them, up to `start` (its lease's grant, or now for a lease
-    it asks for), where that is more than it may: `lease_idle_s`, and IDLE_PATIENCE times what `prompts` groups take
-    it at its pace. None while it is not: prompts held and not generated keep every other worker from them."""
+    it asks for), where that is more than it may: `lease_idle_s`, and IDLE_PATIENCE times what the prompts its
+    leases hold, and `more` it asks for, take it at its pace (a prefetched lease waits while the worker generates
+    the one before it). None while it is not: prompts held and not generated keep every other worker from them."""
     idle = idle_seconds(db, worker.id, start, settings.lease_ttl_s)
-    if idle <= settings.lease_idle_s or idle <= _generation_bound_s(db, worker, prompts):
+    if idle <= settings.lease_idle_s or idle <= _generation_bound_s(db, worker, holding(db, worker) + more):
         return None
     return idle
 
@@ -157,12 +160,15 @@ def idle_seconds(db: Session, worker_id: str, start: datetime, ttl_s: float) -> 
 
 
 def _generation_bound_s(db: Session, worker: Worker, prompts: int) -> float:
-    """IDLE_PATIENCE times `prompts` groups at the seconds the worker's latest groups took (what it reported), or
-    at its claimed rate before it has sent any."""
-    recent = select(Rollout.gen_seconds).where(Rollout.worker_id == worker.id) \
-        .order_by(Rollout.created_at.desc()).limit(IDLE_CHAIN).subquery()
-    mean = db.scalar(select(func.avg(recent.c.gen_seconds)))
-    per_group = float(mean) if mean is not None else 1.0 / max(worker.rollouts_per_s, 1e-3)
+    """IDLE_PATIENCE times `prompts` groups at the seconds the worker's latest delivered groups took (what it
+    reported, but never more than their lease had been held when they came: a worker's say alone buys no idle
+    time, nor does a group refused or too late to be worth anything), or at its claimed rate before it delivered."""
+    rows = db.execute(
+        select(Rollout.gen_seconds, Rollout.created_at, Lease.created_at).join(Lease, Lease.id == Rollout.lease_id)
+        .where(Rollout.worker_id == worker.id, Rollout.reject_kind.is_(None) | Rollout.reject_kind.not_in(UNDELIVERED))
+        .order_by(Rollout.created_at.desc()).limit(IDLE_CHAIN)).all()
+    taken = [min(gen, (came - granted).total_seconds()) for gen, came, granted in rows]
+    per_group = sum(taken) / len(taken) if taken else 1.0 / max(worker.rollouts_per_s, 1e-3)
     return IDLE_PATIENCE * prompts * per_group
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 from datetime import timedelta
 
 import pytest
+from echo2.protocol import TrustState
 from sqlalchemy import select
 
 from api.models import Job, Lease, LedgerEntry, Rollout, StepMetric, Worker, utcnow
@@ -398,6 +399,7 @@ def test_an_honest_worker_whose_lease_takes_over_lease_idle_s_to_generate_is_not
     ok(bob.post(f"/v1/leases/{first['id']}/rollouts", json={"groups": slow}))
     lease = ok(bob.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 1}), 201)
     with api.db.session() as s:  # granted 11 minutes ago, renewed every TTL since; generation still running
+        s.get_one(Lease, first["id"]).created_at = utcnow() - timedelta(minutes=6)  # its groups came 5.5 min on
         s.get_one(Lease, lease["id"]).created_at = utcnow() - timedelta(minutes=11)
         s.commit()
     renewed = bob.post(f"/v1/leases/{lease['id']}/renew")
@@ -407,3 +409,94 @@ def test_an_honest_worker_whose_lease_takes_over_lease_idle_s_to_generate_is_not
         f"{renewed.status_code} {renewed.text[:200]}; its worker measured at zero (trial_failed_at={failed_at})")
     sent = bob.post(f"/v1/leases/{lease['id']}/rollouts", json={"groups": [group_body(p, 1) for p in lease["prompts"]]})
     assert all(r["status"] == "accepted" for r in ok(sent)["results"]), sent.text
+
+
+def test_late_junk_groups_claiming_a_days_generation_do_not_let_a_hoarder_hold_every_prompt(api, tmp_path):
+    """Attack 34 again, with one cheap step first (review finding): the hoarder leases 8 prompts, releases the lease,
+    and sends 8 junk groups on it (no model run) claiming gen_seconds 86,400. They are refused as `lease_ended`
+    (blameless: no strike, no audit, no pay), so the scheduler's T_gen (groups worth something only) still sees a
+    fast worker; but the idle rule averaged the gen_seconds of every group of the worker, these too, and let it
+    hold 256 prompts idle for 3 x 256 x ~43,000 s. It then leased every prompt the job can lease and only renewed,
+    as in attack 34. Only delivered groups count now, each for at most as long as its lease had been held."""
+    jid, alice, mid, mallory, bid, bob, lease = _hoarder_and_honest(api, tmp_path)
+
+    decoy = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 1}), 201)
+    ok(mallory.post(f"/v1/leases/{decoy['id']}/release"))
+    junk = [{**group_body(p, 1), "gen_seconds": 86_400.0} for p in decoy["prompts"]]
+    late = ok(mallory.post(f"/v1/leases/{decoy['id']}/rollouts", json={"groups": junk}))["results"]
+    assert all(r["status"] == "rejected" and r["reason"] == "lease is released" for r in late), late
+    with api.db.session() as s:
+        assert s.get_one(Worker, mid).strikes == 0  # blameless
+
+    hoard = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 256, "version": 1}), 201)
+    refused = bob.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 1})
+    assert refused.status_code == 409 and "no room" in refused.text, refused.text
+
+    # An hour on (attack 34's clock): Mallory renewed every TTL and sent nothing more; Bob asked, refused.
+    now = _an_hour_on(api, jid, mid, bid, lease["id"], hoard["id"], timedelta(minutes=58))
+    with api.db.session() as s:
+        s.get_one(Lease, decoy["id"]).created_at = now - timedelta(minutes=59, seconds=10)
+        s.get_one(Lease, decoy["id"]).finished_at = now - timedelta(minutes=59, seconds=5)
+        s.commit()
+    renewed = mallory.post(f"/v1/leases/{hoard['id']}/renew")
+    run_tick(api, now=now)
+
+    with api.db.session() as s:
+        m = s.get_one(Worker, mid)
+        m_job, m_strikes = m.job_id, m.strikes
+        hoard_status = s.get_one(Lease, hoard["id"]).status
+        mallory_groups = len(s.scalars(select(Rollout.id).where(Rollout.worker_id == mid)).all())
+    again = bob.post("/v1/leases", json={"job_id": jid, "max_prompts": 8, "version": 1})
+    step = ok(alice.get(f"/v1/jobs/{jid}"))["step"]
+    assert not (renewed.status_code == 200 and m_job == jid and hoard_status == "active"
+                and again.status_code == 409), (
+        f"58 minutes idle, Mallory's hoard of {len(hoard['prompts'])} prompts was renewed ({renewed.status_code}); "
+        f"the scheduler keeps it on Alice's job ({m_job == jid}), strikes {m_strikes}, {mallory_groups} groups sent "
+        f"in all (8 of them late junk); Bob is refused again: {again.status_code} {again.text[:90]}; "
+        f"the job is at step {step}")
+
+
+def test_a_small_prefetched_lease_is_not_ended_while_the_worker_generates_the_big_one_before_it(api, tmp_path):
+    """(Review finding.) A slow honest worker (its groups take 90 s each, as its reported gen_seconds say) generates
+    its leases whole, 8 prompts in one backend call (12 minutes), and books its next lease as it starts each one
+    (echo2_worker/loop.py: `prefetch`). Near a step's end the job had room for only 2 more prompts, so the
+    prefetched lease B holds 2. 650 s into generating lease A, the worker renews both leases: A was renewed (its
+    bound is 3 x 8 x 90 s), but B, which waits behind A exactly as the shipped worker makes it wait, was ended as
+    idle and the worker is measured at zero (`trial_failed_at`: deactivated, A's 650 s of generation lost). The idle
+    time counted for B is A's generation (the chain of leases held one after another), but its bound was B's own 2
+    prompts (3 x 2 x 90 s, under lease_idle_s): the bound covers the prompts all the worker's leases hold now."""
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), grpo={"group_size": 2, "prompts_per_step": 9})
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, "slow-gpu", rollouts_per_s=1 / 90)
+    activate(api, wid, job["id"])
+    with api.db.session() as s:  # past probation long ago
+        s.get_one(Worker, wid).trust = TrustState.trusted
+        s.commit()
+
+    def lease() -> dict:
+        return ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 8, "version": 0}), 201)
+
+    z = lease()  # an earlier lease, delivered: 8 groups at 90 s each
+    groups = [{**group_body(p, 0), "gen_seconds": 90.0} for p in z["prompts"]]
+    ok(worker.post(f"/v1/leases/{z['id']}/rollouts", json={"groups": groups}))
+    a = lease()  # generated now, whole
+    b = lease()  # booked as A's generation started: the job had room for 2 more prompts
+    assert len(a["prompts"]) == 8 and len(b["prompts"]) == 2, (len(a["prompts"]), len(b["prompts"]))
+    now = utcnow()
+    with api.db.session() as s:  # Z delivered 655 s ago; A and B granted right after; A generating since
+        s.get_one(Lease, z["id"]).created_at = now - timedelta(seconds=1400)
+        for r in s.scalars(select(Rollout).where(Rollout.lease_id == z["id"])):
+            r.created_at = now - timedelta(seconds=655)
+        s.get_one(Lease, a["id"]).created_at = now - timedelta(seconds=654)
+        s.get_one(Lease, b["id"]).created_at = now - timedelta(seconds=653)
+        s.commit()
+
+    ok(worker.post(f"/v1/leases/{a['id']}/renew"))  # within its bound: 8 groups at 90 s take 720 s
+    renewed = worker.post(f"/v1/leases/{b['id']}/renew")
+    with api.db.session() as s:
+        failed = s.get_one(Worker, wid).trial_failed_at
+    assert renewed.status_code == 200 and failed is None, (
+        f"the prefetched 2-prompt lease of an honest worker 650 s into generating its 8-prompt lease (720 s of work "
+        f"at its pace) was refused: {renewed.status_code} {renewed.text[:200]}; the worker is measured at zero "
+        f"(trial_failed_at={failed})")
