@@ -78,7 +78,9 @@ class Settings(BaseSettings):
                                "worker delivers for, so do all the workers on trial of a provider that has not "
                                "delivered yet (or whose worker failed its trial lately) together.")
     delivery_grace_s: float = Field(120.0, gt=0, description="An activated worker that delivers nothing for this "
-                                    "long is measured at zero throughput (and deactivated).")
+                                    "long is measured at zero throughput (and deactivated), unless it holds prompts "
+                                    "for no longer than 3 times what they take at its pace (its claimed rate before "
+                                    "it delivered: a CPU worker's first lease).")
     lease_idle_s: float = Field(600.0, gt=0, description="A worker that has held prompts this long without sending "
                                 "a group or playing an episode's turn (across leases held one after another), and "
                                 "longer than 3 times what its own groups take, is renewed and granted no lease: its "

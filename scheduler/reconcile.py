@@ -383,7 +383,8 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
     `trial_share` of each job's need. A trial that delivered nothing for `delivery_grace_s` fails: the
     worker is measured at zero (and so not activated) until `TRIAL_RETRY` grace periods later; not one that was
     refused every lease meanwhile because its groups wait for the learner's audit (pool.held_back), nor one its
-    job has no lease room for (the learner is behind: _no_room). So does a worker, measured or not, that held
+    job has no lease room for (the learner is behind: _no_room), nor one still generating the prompts it holds at
+    its pace (pool.generating). So does a worker, measured or not, that held
     prompts without sending a group for longer than it may (routes/leases.py, pool.idle_past_bound: the lease room
     it kept from every other worker)."""
     active_s = (now - worker.active_since).total_seconds() if worker.active_since else 0.0
@@ -393,7 +394,7 @@ def _worker_profile(db: Session, worker: Worker, now: datetime, jobs: list[JobPr
         # A SmolLM2 worker on CPU, with a minute between two deliveries, was failed as if it never worked.
         (done, gen), window = _delivered(db, worker.id, worker.active_since), active_s
     if not done and active_s >= settings.delivery_grace_s and not pool.held_back(db, worker) \
-            and not _no_room(db, worker):
+            and not _no_room(db, worker) and not pool.generating(db, worker, now, settings):
         worker.trial_failed_at = now
     retry_at = worker.trial_failed_at + timedelta(seconds=TRIAL_RETRY * settings.delivery_grace_s) \
         if worker.trial_failed_at else now

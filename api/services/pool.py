@@ -134,7 +134,15 @@ def idle_past_bound(db: Session, worker: Worker, start: datetime, more: int, set
     return idle
 
 
-def idle_seconds(db: Session, worker_id: str, start: datetime, ttl_s: float) -> float:
+def generating(db: Session, worker: Worker, now: datetime, settings: Settings) -> bool:
+    """The worker holds prompts, for no longer than IDLE_PATIENCE times what they take it at its pace (its claimed
+    rate before it delivered: a CPU worker's first lease takes longer than the delivery grace)."""
+    held = holding(db, worker)
+    return held > 0 and idle_seconds(db, worker.id, now, settings.lease_ttl_s, now) <= _generation_bound_s(
+        db, worker, held)
+
+
+def idle_seconds(db: Session, worker_id: str, start: datetime, ttl_s: float, now: datetime | None = None) -> float:
     """Back from `start` through the leases the worker held one after another (each granted within a lease TTL of
     the end of the one before) to its last group or episode turn (a multi-turn lease sends its groups once its
     episodes end), or to the first of them: a worker that releases its idle lease and leases all again is as idle
@@ -156,7 +164,7 @@ def idle_seconds(db: Session, worker_id: str, start: datetime, ttl_s: float) -> 
             since = created
         if decided or len(rows) < limit:
             break
-    return (utcnow() - since).total_seconds()
+    return ((now or utcnow()) - since).total_seconds()
 
 
 def _generation_bound_s(db: Session, worker: Worker, prompts: int) -> float:
@@ -168,7 +176,7 @@ def _generation_bound_s(db: Session, worker: Worker, prompts: int) -> float:
         .where(Rollout.worker_id == worker.id, Rollout.reject_kind.is_(None) | Rollout.reject_kind.not_in(UNDELIVERED))
         .order_by(Rollout.created_at.desc()).limit(IDLE_CHAIN)).all()
     taken = [min(gen, (came - granted).total_seconds()) for gen, came, granted in rows]
-    per_group = sum(taken) / len(taken) if taken else 1.0 / max(worker.rollouts_per_s, 1e-3)
+    per_group = sum(taken) / len(taken) if taken else 1.0 / (worker.rollouts_per_s or 1.0)  # as the scheduler
     return IDLE_PATIENCE * prompts * per_group
 
 

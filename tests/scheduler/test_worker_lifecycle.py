@@ -290,11 +290,41 @@ def test_a_worker_whose_own_leases_fill_the_room_still_fails_its_trial(api, tmp_
     _, provider = new_provider(api)
     wid, hoarder = new_worker(api, provider, "hoarder")
     activate(api, wid, job["id"])
-    ok(hoarder.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 8, "version": 0}), 201)  # all the room
+    lease = ok(hoarder.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 8, "version": 0}), 201)  # all
     assert hoarder.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}).status_code == 409
-    with api.db.session() as s:
+    with api.db.session() as s:  # activated 200 s ago, leased at once: 8 prompts at its claimed 1 group/s
         row = s.get_one(Worker, wid)
         row.active_since = utcnow() - timedelta(seconds=200)
+        s.get_one(Lease, lease["id"]).created_at = utcnow() - timedelta(seconds=199)
         s.commit()
         _worker_profile(s, row, utcnow(), [], api.server.settings)
         assert row.trial_failed_at is not None
+
+
+def test_an_honest_worker_generating_its_first_lease_longer_than_the_grace_does_not_fail_its_trial(api, tmp_path):
+    """A CPU worker claiming 0.02 groups/s (400 s for a lease of 8 prompts) is activated, leases 8 prompts and
+    generates them, renewing its lease as the shipped worker does. 200 s in, the trial rule (`delivery_grace_s`,
+    120 s from the activation) found nothing delivered and failed it: measured at zero, deactivated (its lease and
+    200 s of generation released), not activated again for ten grace periods, and the same at every activation: it
+    could never deliver a first group (review finding). A trial holding prompts is spared for IDLE_PATIENCE times
+    what they take at its claimed rate (pool.generating); one claiming 1,000 groups/s is not."""
+    from scheduler.reconcile import _worker_profile
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), grpo={"group_size": 2, "prompts_per_step": 8})
+    _, provider = new_provider(api)
+    verdicts = {}
+    for name, rate in (("cpu-box", 0.02), ("fast-claim", 1000.0)):
+        wid, worker = new_worker(api, provider, name, rollouts_per_s=rate)
+        activate(api, wid, job["id"])
+        lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 4, "version": 0}), 201)
+        with api.db.session() as s:  # activated 205 s ago, its lease granted 200 s ago and renewed since
+            s.get_one(Worker, wid).active_since = utcnow() - timedelta(seconds=205)
+            s.get_one(Lease, lease["id"]).created_at = utcnow() - timedelta(seconds=200)
+            s.commit()
+        ok(worker.post(f"/v1/leases/{lease['id']}/renew"))  # within the lease idle rule
+        with api.db.session() as s:
+            row = s.get_one(Worker, wid)
+            profile = _worker_profile(s, row, utcnow(), [], api.server.settings)
+            verdicts[name] = (row.trial_failed_at is None, profile.mu > 0)
+    assert verdicts == {"cpu-box": (True, True), "fast-claim": (False, False)}, verdicts
