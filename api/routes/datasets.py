@@ -90,9 +90,7 @@ def put_part(upload_id: UploadPath, index: Annotated[int, Path(ge=0, le=1_000_00
              responses={409: {"description": "Parts are missing: send them, then complete again."},
                         422: {"description": "The file is refused (bad lines, sha256, size); the upload is gone."}})
 def complete_upload(upload_id: UploadPath, user: CurrentUser, db: SessionDep, settings: SettingsDep) -> DatasetRead:
-    dataset = uploads.complete(db, user, settings, _upload(db, user, upload_id, for_update=True))
-    db.commit()
-    return _read(dataset)
+    return _read(uploads.complete(db, user, settings, _upload(db, user, upload_id, for_update=True)))
 
 
 @router.delete("/datasets/uploads/{upload_id}", status_code=204, operation_id="abandon_dataset_upload",

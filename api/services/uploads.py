@@ -111,7 +111,8 @@ def put_part(settings: Settings, upload: DatasetUpload, index: int, data: bytes,
 
 
 def complete(db: Session, user: User, settings: Settings, upload: DatasetUpload) -> Dataset:
-    """Check the whole file, parse it and store the dataset; the parts are then removed. A file refused for its
+    """Check the whole file, parse it, store the dataset and commit, then remove the parts: a failed commit (or a
+    process killed before it) leaves the upload with all its parts, to complete again. A file refused for its
     content is abandoned (module docstring) before the refusal is raised."""
     missing = sorted(set(range(_parts(upload))) - set(received(settings, upload)))
     if missing:
@@ -123,9 +124,10 @@ def complete(db: Session, user: User, settings: Settings, upload: DatasetUpload)
         abandon(db, settings, upload)
         raise
     dataset = store(db, user, upload.name, items, upload.sha256)
+    upload_id = upload.id
     db.delete(upload)
-    db.flush()
-    shutil.rmtree(folder(settings, upload.id), ignore_errors=True)
+    db.commit()
+    shutil.rmtree(folder(settings, upload_id), ignore_errors=True)
     return dataset
 
 

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from api.models import DatasetUpload, utcnow
+from api.services import uploads
 from tests.factories import job_spec, new_user, ok
 
 
@@ -54,6 +55,34 @@ def test_an_upload_in_parts_resumes_with_the_parts_missing_and_completes(api):
     assert again.status_code == 409 and f"this file is dataset {dataset['id']} already" in again.json()["detail"]
     assert _start(alice, "big copy", data)["received"] == []  # under another name: a new upload
     assert ok(alice.get("/v1/datasets"))["total"] == 1
+
+
+def test_a_completion_whose_commit_fails_keeps_the_uploads_parts_to_complete_again(api, monkeypatch):
+    """The parts were deleted before the dataset's transaction committed: a commit that failed (or a process killed
+    before it) rolled back to the upload's row with no parts on disk (received [], completing again a 409), and
+    the whole file had to be sent again. The parts now go only once the commit succeeded, as `abandon`'s do."""
+    _, alice = new_user(api)
+    data = b"".join(json.dumps({"question": f"{i}+1?", "answer": str(i + 1)}).encode() + b"\n" for i in range(50))
+    upload = _start(alice, "sums", data)
+    assert _put(alice, upload, 0, data).status_code == 204
+    store = uploads.store
+
+    def refuse() -> None:
+        raise RuntimeError("the database refused the commit")
+
+    def store_then_fail_the_commit(db, *args, **kwargs):  # type: ignore[no-untyped-def]
+        db.commit = refuse  # the route's session only: every other request commits as usual
+        return store(db, *args, **kwargs)
+
+    monkeypatch.setattr(uploads, "store", store_then_fail_the_commit)
+    assert alice.post(f"/v1/datasets/uploads/{upload['id']}/complete").status_code == 500
+    monkeypatch.setattr(uploads, "store", store)
+
+    with api.client(alice.headers["Authorization"].removeprefix("Bearer ")) as again:  # a 500 drops the connection
+        assert ok(again.get("/v1/datasets"))["total"] == 0
+        assert ok(again.get(f"/v1/datasets/uploads/{upload['id']}"))["received"] == [0]
+        assert ok(again.post(f"/v1/datasets/uploads/{upload['id']}/complete"), 201)["num_items"] == 50
+    assert not (api.server.settings.data_dir / "uploads" / upload["id"]).exists()
 
 
 def test_every_bad_line_is_named_with_its_number(api):
