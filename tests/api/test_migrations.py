@@ -1,8 +1,10 @@
 """Migrations on both databases: head matches the ORM models exactly, 0005 gives every job that already
-exists its own relay secret, and on PostgreSQL 0028 compresses the rollouts' tokens with lz4."""
+exists its own relay secret, on PostgreSQL 0028 compresses the rollouts' tokens with lz4, and no downgrade
+past 0025 drops the only link from archived rollouts to their tokens."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import uuid
 from datetime import UTC, datetime
@@ -13,8 +15,11 @@ from alembic import command
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
+from api.db import Database
 from api.migrate import alembic_config, upgrade
-from api.models import Base
+from api.models import Base, Rollout
+from api.services import archive
+from bench.db_size import fill
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
@@ -188,3 +193,29 @@ def test_a_workers_unpaid_time_becomes_its_current_jobs_and_back(empty_database)
     with engine.connect() as conn:
         assert dict(conn.execute(sa.text("SELECT id, unbilled_s FROM workers")).all()) == {"on": 42.0, "idle": 0.0}
     engine.dispose()
+
+
+def test_a_downgrade_past_0025_is_refused_while_rollouts_are_archived(empty_database, tmp_path):
+    """An archived rollout keeps empty token columns and names its Parquet file only in `archive`: 0025's
+    downgrade dropped that column, so every archived group read as one of no samples and its file was named by
+    nothing. The migration cannot put the tokens back (it is not told the API's data dir, and retention may have
+    deleted the files), so it refuses, saying what to do; the rows keep their link and their tokens read as
+    before once the database is back at head."""
+    upgrade(empty_database)
+    db = Database(empty_database)
+    fill(db, argparse.Namespace(steps=2, groups=4, group_size=2, new_tokens=3, prompt_tokens=4))
+    with db.session() as s:
+        assert sum(archive.sweep(s, tmp_path, 0.0, 0).values()) == 8
+        files = {r.id: r.archive for r in s.scalars(sa.select(Rollout))}
+    db.dispose()
+
+    with pytest.raises(RuntimeError, match=r"^8 rollouts are archived: .* Downgrade to 0025 at the lowest, or "
+                                           r"restore a backup of the database taken before 0025 was applied$"):
+        command.downgrade(alembic_config(empty_database), "0024")
+    upgrade(empty_database)  # SQLite stops at 0025, PostgreSQL rolls the whole downgrade back
+    db = Database(empty_database)
+    with db.session() as s:
+        rows = list(s.scalars(sa.select(Rollout)))
+        assert {r.id: r.archive for r in rows} == files
+        assert [len(p.samples) for p in archive.payloads(tmp_path, rows).values()] == [2] * 8
+    db.dispose()
