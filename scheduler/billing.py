@@ -119,12 +119,12 @@ def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list
         # The groups what the budget has left pays for are settled, the last of them in part (the job then has
         # spent its budget and pauses); the others wait, with the worker's time in its pot, until the owner
         # raises the budget.
-        budget_s = _budget_left_s(job, worker.price_per_hour)
-        paid = payable if math.isinf(budget_s) else payable[:math.ceil(budget_s / per_group_s - 1e-9)]
+        budget_s, group_s = _budget_left_s(job, worker.price_per_hour), _capped(job, worker, per_group_s)
+        paid = payable if math.isinf(budget_s) else payable[:math.ceil(budget_s / group_s - 1e-9)]
         if not paid:
             continue
         ids = [rollout_id for rollout_id, _ in paid]
-        seconds = min(pots.get(job_id, 0.0), len(ids) * per_group_s, budget_s)
+        seconds = min(pots.get(job_id, 0.0), len(ids) * group_s, budget_s)
         pots[job_id] = pots.get(job_id, 0.0) - seconds
         amount = worker.price_per_hour * seconds / 3600
         step = job.step if job is not None else None
@@ -140,6 +140,16 @@ def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list
         if job is not None:
             totals.add(db, Job.workers_usd, job.id, amount)
     worker.unbilled = pots
+
+
+def _capped(job: Job | None, worker: Worker, per_group_s: float) -> float:
+    """The active time a group buys, at most what the job's `workers.max_usd_per_group` pays at the worker's price:
+    the scheduler lets a worker on trial in on its claimed rate, but its pay is measured against the trial's share
+    of the need (one group in its grace paid $27 under a $2 cap)."""
+    spec = valid_spec(job) if job is not None else None
+    cap = spec.workers.max_usd_per_group if spec is not None else None
+    return per_group_s if cap is None or worker.price_per_hour <= 0 else min(per_group_s,
+                                                                             cap * 3600 / worker.price_per_hour)
 
 
 def _budget_left_s(job: Job | None, price_per_hour: float) -> float:

@@ -500,3 +500,62 @@ def test_a_small_prefetched_lease_is_not_ended_while_the_worker_generates_the_bi
         f"the prefetched 2-prompt lease of an honest worker 650 s into generating its 8-prompt lease (720 s of work "
         f"at its pace) was refused: {renewed.status_code} {renewed.text[:200]}; the worker is measured at zero "
         f"(trial_failed_at={failed})")
+
+
+def test_a_worker_that_claims_a_huge_rate_to_pass_the_price_cap_is_not_paid_many_times_the_cap_a_group(api, tmp_path):
+    """Alice caps her job at $2 a group. Mallory registers at $3600/h claiming 1,000 groups/s: $0.000001 a group by its
+    claim, so the cap lets it in on trial, and the scheduler activates it for the trial's share of the need (1/4 of
+    the need, 0.073 groups/s). Its pay is measured against that share: each trained group buys 1 / (0.5 x 0.073) =
+    27 s of its price. It sent one group near the end of its grace period and was paid $27 for it, 13 times the cap
+    Alice set (review finding). A group is paid at most the cap now (billing._capped)."""
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=8, max_steps=1000,
+                               num_prompts=400, grpo={"group_size": 2, "prompts_per_step": 8},
+                               workers={"max_usd_per_group": 2.0})
+    jid = job["id"]
+    mid, mallory = new_worker(api, new_provider(api, "mallory-co")[1], "m", price_per_hour=3600.0,
+                              rollouts_per_s=1000.0)
+    ok(mallory.post(f"/v1/workers/{mid}/heartbeat", json={"status": "idle", "versions_held": [0]}))
+    with api.db.session() as s:
+        j = s.get_one(Job, jid)
+        j.learner_launched_at = j.learner_heartbeat_at = utcnow()
+        for k in range(3):  # the job's learner has stepped: 30 s a step
+            s.add(StepMetric(job_id=jid, step=900 + k, t_train_s=30.0, groups=8, groups_dropped=0,
+                             staleness_hist=[], tokens=100))
+        s.commit()
+    run_tick(api)
+    with api.db.session() as s:
+        w = s.get_one(Worker, mid)
+        assert w.job_id == jid, "activated on trial: its claim is far under the cap"
+        activated_mu = w.activated_mu
+    ok(mallory.post(f"/v1/workers/{mid}/heartbeat", json={"status": "active", "versions_held": [0]}))
+
+    # 110 s of active time (the ticks' billing), delivering nothing yet: within its 120 s grace.
+    now = utcnow()
+    for k in range(11):
+        with api.db.session() as s:
+            at = now + timedelta(seconds=10 * (k + 1))
+            billing.bill(s, api.server.settings, at, (at - timedelta(seconds=10)).timestamp())
+            s.commit()
+
+    # Then one honest group, trained.
+    lease = ok(mallory.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0}), 201)
+    rid = ok(mallory.post(f"/v1/leases/{lease['id']}/rollouts",
+                          json={"groups": [group_body(lease["prompts"][0], 0)]}))["results"][0]["rollout_id"]
+    claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": 0, "max_groups": 8}))["groups"]
+    audits = [{"rollout_id": g["rollout_id"], "passed": True, "reason": None, "stats": {"tokens": 6.0}}
+              for g in claimed if g["audit"]]
+    ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(0, [rid], audits=audits, t_train_s=30.0)))
+    with api.db.session() as s:
+        at = now + timedelta(seconds=120)
+        billing.bill(s, api.server.settings, at, (at - timedelta(seconds=10)).timestamp())
+        s.commit()
+
+    with api.db.session() as s:
+        paid = list(s.scalars(select(LedgerEntry).where(LedgerEntry.worker_id == mid, LedgerEntry.kind == "worker")))
+    usd, groups = sum(e.amount_usd for e in paid), sum(e.groups for e in paid)
+    assert groups == 1, paid
+    assert usd / groups <= 2.0 + 1e-9, (
+        f"Alice capped her job at $2 a group; Mallory's worker, let in on its claim of 1000 groups/s and activated "
+        f"for {activated_mu:.3g} groups/s (the trial's share), was paid ${usd:.2f} for its {groups} group "
+        f"({[e.memo for e in paid]})")
