@@ -71,8 +71,8 @@ class Settings(BaseSettings):
                                       "committed step before the job fails.")
     pay_rate_fraction: float = Field(0.5, gt=0, le=1, description="A worker is paid in full only while it "
                                      "delivers paid rollouts at this fraction of the rate it was activated for.")
-    pay_window_s: float = Field(300.0, gt=0, description="Active time older than this that no rollout paid for "
-                                "is never paid.")
+    pay_window_s: float = Field(300.0, gt=0, description="Active time beyond this and what the worker's groups "
+                                "waiting to be trained pay for is never paid.")
     trial_share: float = Field(0.25, gt=0, le=1, description="A worker with no measured output counts for at "
                                "most this share of a job's needed throughput, whatever it claims; on a job a measured "
                                "worker delivers for, so do all the workers on trial of a provider that has not "

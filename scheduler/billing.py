@@ -5,8 +5,9 @@ everything ran):
 
 - a learner is billed its reserved price only while it is alive (heartbeating), so a job whose
   learner crashed or is being relaunched costs nothing meanwhile;
-- a worker accrues its active time on each job (at most `pay_window_s` of it waiting to be paid, per job: a
-  job pays only for time spent on it, not for the time before the worker was moved to it), and is paid out
+- a worker accrues its active time on each job (at most `pay_window_s` more than what its groups waiting there
+  pay for, per job: a job pays only for time spent on it, not for the time before the worker was moved to it;
+  and time its groups pay for is kept however long the learner takes to train them), and is paid out
   of it only for rollouts that were worth something: trained, or accepted in time but then not
   trained through the platform's fault (RejectKind.paid: an environment or a reward that failed; not a group
   that went stale before the learner claimed it, which no audit saw: a worker could hold junk back on a lease
@@ -29,7 +30,7 @@ from collections import defaultdict
 from datetime import datetime, timedelta
 
 from echo2.protocol import JobStatus, RejectKind, RolloutStatus, TrustState, WorkerStatus
-from sqlalchemy import Exists, and_, or_, select
+from sqlalchemy import Exists, and_, func, or_, select
 from sqlalchemy.orm import Session, aliased
 
 from api.models import Job, LedgerEntry, Provider, Rollout, Worker
@@ -48,13 +49,16 @@ def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> 
     seconds = min(max(now.timestamp() - last, 0.0), 10 * settings.reconcile_interval_s)
     _bill_learners(db, settings, now, seconds)
     # Locked, in id order, and read afresh: a forfeit committed meanwhile (clawback._forfeit) is not written over.
+    payable, queued = _payable(db), _queued(db)
     for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == WorkerStatus.active)
                              .order_by(Worker.id).with_for_update().execution_options(populate_existing=True)):
         assert worker.job_id is not None
         pots = _kept(db, worker)
-        pots[worker.job_id] = min(pots.get(worker.job_id, 0.0) + seconds, settings.pay_window_s)
+        # Time its groups will pay for is kept however long they wait to be trained (a slow learner's step).
+        waiting = queued.get((worker.id, worker.job_id), 0) + len(payable.get(worker.id, {}).get(worker.job_id, ()))
+        window = settings.pay_window_s + waiting * _group_seconds(settings, worker)
+        pots[worker.job_id] = min(pots.get(worker.job_id, 0.0) + seconds, window)
         worker.unbilled = pots
-    payable = _payable(db)
     # A quarantined or banned worker forfeits what it has not been paid yet (api/services/clawback.py).
     for worker in db.scalars(select(Worker).where(Worker.id.in_(payable), Worker.trust.in_(WORKING))
                              .with_for_update()):
@@ -102,6 +106,19 @@ def _payable(db: Session) -> dict[str, dict[str, list[tuple[str, bool]]]]:
     return out
 
 
+def _queued(db: Session) -> dict[tuple[str, str], int]:
+    """(worker, job) -> its groups in the job's queue (accepted or claimed, not trained yet)."""
+    rows = db.execute(select(Rollout.worker_id, Rollout.job_id, func.count())
+                      .where(Rollout.status.in_((RolloutStatus.accepted, RolloutStatus.claimed)))
+                      .group_by(Rollout.worker_id, Rollout.job_id))
+    return {(worker_id, job_id): n for worker_id, job_id, n in rows}
+
+
+def _group_seconds(settings: Settings, worker: Worker) -> float:
+    """The active time a group pays for: 1 / (f · μ_a)."""
+    return 1.0 / (settings.pay_rate_fraction * max(worker.activated_mu or MIN_MU, MIN_MU))
+
+
 def _env_failed_elsewhere() -> Exists:
     """The environment failed on the rollout's prompt for a worker of another provider too."""
     other, by = aliased(Rollout), aliased(Worker)
@@ -111,7 +128,7 @@ def _env_failed_elsewhere() -> Exists:
 
 
 def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list[tuple[str, bool]]]) -> None:
-    per_group_s = 1.0 / (settings.pay_rate_fraction * max(worker.activated_mu or MIN_MU, MIN_MU))
+    per_group_s = _group_seconds(settings, worker)
     provider = db.get(Provider, worker.provider_id)
     pots = dict(worker.unbilled or {})
     for job_id, payable in by_job.items():

@@ -8,7 +8,9 @@ import pytest
 from sqlalchemy import select
 
 from api.models import Decision, Job, LedgerEntry, SchedulerState, Worker, utcnow
+from scheduler import billing
 from tests.factories import (
+    activate,
     bill_past_budget,
     drive_job,
     fake_model_folder,
@@ -22,6 +24,8 @@ from tests.factories import (
     ok,
     run_tick,
     running_job,
+    step_report,
+    submit_group,
 )
 
 
@@ -538,3 +542,49 @@ def test_two_ticks_at_once_take_turns_and_bill_no_interval_twice(api, tmp_path):
         billed = [e.seconds for e in s.scalars(select(LedgerEntry).where(LedgerEntry.job_id == job["id"],
                                                                          LedgerEntry.kind == "learner"))]
     assert billed == [pytest.approx(2.0)]  # from the first's end, not from t0 (12 s, 10 of them the first's)
+
+
+def test_a_worker_delivering_at_its_rate_is_paid_all_its_active_time_when_the_learner_trains_after_pay_window(
+        api, tmp_path):
+    """A worker activated at 0.02 groups/s ($3600/h) delivers 8 groups in 6 minutes on a job whose learner takes a
+    6-minute step (a large model; or the worker is slow and its lease of 8 takes that long): 0.022 groups/s, better
+    than the rate it was activated for, so it is to be paid in full (each group buys 1 / (f * mu_a) = 100 s, 800 s
+    in all, for 360 s of active time). The groups are trained, and paid, at the step's end: the tick paid 300 s, not
+    360 (review finding): `bill` capped the time waiting to be paid at `pay_window_s` (300 s), dropping time the
+    groups delivered during it pay for because the learner trained them later than that. The window now reaches past
+    what the worker's waiting groups pay for."""
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"),
+                               grpo={"group_size": 2, "prompts_per_step": 8})
+    _, provider = new_provider(api)
+    wid, worker = new_worker(api, provider, "gpu", price_per_hour=3600.0, rollouts_per_s=0.02)
+    activate(api, wid, job["id"])
+    with api.db.session() as s:
+        w = s.get_one(Worker, wid)
+        w.status, w.activated_mu = "active", 0.02
+        s.commit()
+    lease = ok(worker.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 8, "version": 0}), 201)
+    ids = [ok(submit_group(worker, lease, p, 0))["results"][0]["rollout_id"] for p in lease["prompts"]]
+    assert len(ids) == 8
+
+    settings, t0 = api.server.settings, utcnow()
+
+    def tick(k: int) -> None:  # the scheduler's billing, a tick every 10 s
+        with api.db.session() as s:
+            at = t0 + timedelta(seconds=10 * k)
+            billing.bill(s, settings, at, (at - timedelta(seconds=10)).timestamp())
+            s.commit()
+
+    for k in range(1, 36):  # 350 s active on the job; the 8 groups wait for the learner's step
+        tick(k)
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/claim", json={"step": 0, "max_groups": 8}))
+    ok(learner.post(f"/v1/jobs/{job['id']}/learner/steps", json=step_report(0, ids)))
+    tick(36)  # 360 s: trained, paid
+    with api.db.session() as s:
+        entries = s.scalars(select(LedgerEntry).where(LedgerEntry.kind == "worker", LedgerEntry.worker_id == wid)).all()
+        paid_s = sum(e.seconds for e in entries)
+        earned = s.get_one(Worker, wid).earned_usd
+    assert sorted(i for e in entries for i in e.rollout_ids) == sorted(ids)
+    assert paid_s == pytest.approx(360.0) and earned == pytest.approx(360.0), (
+        f"8 groups delivered at better than the activated rate over 360 s of active time, trained at the step's end, "
+        f"were paid {paid_s:.0f} s (${earned:.2f}), not 360 s ($360.00)")
