@@ -1,5 +1,5 @@
-"""The route class of every API router: a sync route hands its database connection back when it returns, and a
-JSON body is validated straight from its bytes.
+"""The route class of every API router: a sync route hands its database connection back when it returns, a
+JSON body is validated straight from its bytes, and a path parameter holding a NUL byte is refused.
 
 FastAPI validates a sync route's answer in another pool thread after the route returns, and closes the
 route's session only after that. A route that read without committing kept its transaction (and, on SQLite,
@@ -11,7 +11,12 @@ FastAPI parses a JSON body into Python objects (`json.loads`) and then validates
 pydantic validates the same bytes in one pass several times faster, which counts for a worker's rollout submission
 (16 groups, ~230 KB: docs/BENCHMARKS.md "Bodies validated from their bytes"). `ModelBody` hands FastAPI the model
 validated from the bytes, which it takes as it is (a model instance passes validation unchanged). A body the
-one-pass validation refuses goes the old way, so every error answer is the one FastAPI always gave."""
+one-pass validation refuses goes the old way, so every error answer is the one FastAPI always gave.
+
+PostgreSQL text cannot hold NUL, so a route looking up an id with one in it (a pasted id with a stray `%00`) failed
+with a 500 where any other unknown id is its 404. No id, name or file has a NUL in it, and body fields refuse one
+(`NoNul`, echo2.protocol.common); checked here, every route's path parameters do too, with the 422 naming them
+that a malformed body field gets, and a route added later needs nothing of its own."""
 
 from __future__ import annotations
 
@@ -22,6 +27,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import APIRouter, Request, Response
+from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from sqlalchemy import event
@@ -40,13 +46,20 @@ class Route(APIRoute):
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
         handler = super().get_route_handler()
         model = _body_model(self)
-        if model is None:
-            return handler
 
-        async def validated_from_bytes(request: Request) -> Response:
-            return await handler(ModelBody(request.scope, request.receive, model))
+        async def checked(request: Request) -> Response:
+            _refuse_nul(request.path_params)
+            return await handler(request if model is None else ModelBody(request.scope, request.receive, model))
 
-        return validated_from_bytes
+        return checked
+
+
+def _refuse_nul(params: dict[str, Any]) -> None:
+    """422 on each path parameter with a NUL byte in it (the path's values, before FastAPI converts them)."""
+    errors = [{"type": "value_error", "loc": ("path", name), "msg": "must not contain NUL (\\x00) characters",
+               "input": value} for name, value in params.items() if "\x00" in value]
+    if errors:
+        raise RequestValidationError(errors)
 
 
 class ModelBody(Request):

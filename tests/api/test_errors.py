@@ -1,5 +1,5 @@
-"""Bodies and headers the framework cannot parse answer a problem+json the OpenAPI document declares,
-never Starlette's bare 400 or text/plain."""
+"""Bodies, headers and path parameters the framework cannot parse or the database cannot hold answer a
+problem+json the OpenAPI document declares, never Starlette's bare 400, text/plain or a 500."""
 
 import pytest
 
@@ -34,6 +34,41 @@ def test_a_malformed_multipart_form_is_422_on_body(api):
                    headers={"Content-Type": "multipart/form-data"})
     assert r.status_code == 422 and r.json()["errors"][0]["field"] == "body", r.text
     assert r.headers["content-type"].startswith("application/problem+json")
+
+
+# A tenant's id in a URL path that holds a NUL byte (a pasted id with a stray control character, `%00`) was a 500
+# on PostgreSQL, the production database, where every other malformed input is a 4xx problem naming it.
+TENANT_ROUTES = [
+    ("GET", "/v1/jobs/{id}"),
+    ("GET", "/v1/jobs/{id}/ledger"),
+    ("GET", "/v1/jobs/{id}/rollouts"),
+    ("POST", "/v1/jobs/{id}/cancel"),
+    ("GET", "/v1/jobs/{id}/export"),
+    ("GET", "/v1/datasets/{id}"),
+    ("DELETE", "/v1/datasets/{id}"),
+    ("GET", "/v1/workers/{id}"),
+]
+
+
+@pytest.mark.parametrize(("method", "route"), TENANT_ROUTES)
+def test_an_id_with_a_nul_byte_in_the_path_is_a_4xx_problem_not_a_server_error(api, method, route):
+    """The id names nothing the caller owns: the answer is the route's 404 (or a 422 on the id), as for any other
+    unknown id, never an unhandled database error."""
+    _, alice = new_user(api)
+    r = alice.request(method, route.format(id="job_1234%00abcd"))
+    assert r.status_code < 500, f"{method} {route} with %00 in the id: {r.status_code} {r.text[:200]}"
+    assert r.headers["content-type"].startswith("application/problem+json")
+
+
+def test_a_nul_byte_in_a_path_parameter_is_422_naming_it(api):
+    """Checked for every route at once (api/routing.py), worded as for a body field with a NUL in it."""
+    _, alice = new_user(api)
+    r = alice.get("/v1/jobs/job_1234%00abcd/rollouts/r%00")
+    reason = "must not contain NUL (\\x00) characters"
+    assert r.status_code == 422, r.text
+    assert r.json()["errors"] == [{"field": "path.job_id", "reason": reason},
+                                  {"field": "path.rollout_id", "reason": reason}]
+    assert r.json()["detail"] == f"path.job_id: {reason}"
 
 
 def test_chunk_ranges_past_the_end_are_416_and_unparsable_ones_ignored(api, tmp_path):
