@@ -1,7 +1,7 @@
 """Rollout traces: one group as it happened, token by token. Each token decoded by the platform, the version that
 produced it, the worker's behaviour logprob beside the learner's own (learner/traces.py); the worker and its trust
 state now, the learner's audit, the rewards, and what the group cost its job (its share of the ledger entry that
-paid its worker)."""
+paid its worker, nothing once that payment was clawed back)."""
 
 from __future__ import annotations
 
@@ -61,8 +61,15 @@ def _trace(r: Rollout, tokens: archive.Payload, prompt_text: str, worker: Worker
         reject_kind=r.reject_kind, fault=r.reject_kind.fault() if r.reject_kind else None, claim_step=r.claim_step,
         trained_step=r.trained_step, worker=_worker(r.worker_id, worker), audit=_audit(audit), samples=samples,
         reward_mean=sum(scored) / len(scored) if scored else None, gen_seconds=r.gen_seconds,
-        cost_usd=entry.amount_usd / entry.groups if entry is not None and entry.groups else None,
-        created_at=r.created_at)
+        cost_usd=_cost(entry), created_at=r.created_at)
+
+
+def _cost(entry: LedgerEntry | None) -> float | None:
+    """The group's share of the entry that paid its worker. A clawed-back payment costs the job nothing: its
+    `clawback` entry nets the worker to $0.00 in the job's ledger and cost (api/services/clawback.py)."""
+    if entry is None or not entry.groups:
+        return None
+    return 0.0 if entry.clawed_back_by is not None else entry.amount_usd / entry.groups
 
 
 def _sample(index: int, s: SampleSubmit, version: int, learner: list[float] | None, reward: float | None,

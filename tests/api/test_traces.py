@@ -6,6 +6,8 @@ from __future__ import annotations
 from echo2 import Client
 from transformers import AutoTokenizer
 
+from api.models import Rollout, Worker
+from api.services import trust
 from tests.factories import new_user, ok, traced_step
 
 
@@ -46,3 +48,32 @@ def test_a_trained_group_is_shown_token_by_token(api, tiny_model_dir):
     _, mallory = new_user(api, "mallory")
     assert mallory.get(f"/v1/jobs/{jid}/rollouts/{ids[0]}").status_code == 404
     assert alice.get(f"/v1/jobs/{jid}/rollouts/rol_nope").status_code == 404
+
+
+def test_a_clawed_back_groups_trace_does_not_say_it_cost_the_job_money(api, tiny_model_dir):
+    """The owner reads a trained group's trace (GET /v1/jobs/{id}/rollouts/{rollout}: "what the group cost its job,
+    its share of the ledger entry that paid its worker"). The worker is then quarantined for forging, and its pay
+    is reversed by a `clawback` entry: the job's ledger nets that worker to $0.00 and the job's cost drops to the
+    learner's alone. The trace must then not go on saying the group cost the job its old share."""
+    jid, ids, alice, _ = traced_step(api, tiny_model_dir)
+    before = ok(alice.get(f"/v1/jobs/{jid}/rollouts/{ids[0]}"))
+    assert before["cost_usd"] is not None and before["cost_usd"] > 0
+
+    with api.db.session() as s:  # two strikes quarantine it (api/services/trust.py): its pay is clawed back
+        worker_id = s.get_one(Rollout, ids[0]).worker_id
+        worker = s.get_one(Worker, worker_id)
+        for _ in range(trust.STRIKES_TO_QUARANTINE):
+            trust.strike(s, worker, "forged logprobs", api.server.settings, audited=True)
+        s.commit()
+
+    ledger = ok(alice.get(f"/v1/jobs/{jid}/ledger"))
+    kinds = {t["key"]: t["amount_usd"] for t in ledger["by_kind"]}
+    assert "clawback" in kinds and abs(kinds["worker"] + kinds["clawback"]) < 1e-12  # the worker nets to $0
+    assert abs(ledger["cost"]["workers_usd"]) < 1e-12
+
+    after = ok(alice.get(f"/v1/jobs/{jid}/rollouts/{ids[0]}"))
+    step = ok(alice.get(f"/v1/jobs/{jid}/traces", params={"step": 0}))
+    shown = [after["cost_usd"]] + [t["cost_usd"] for t in step["items"]]
+    # What the traces say the job paid for its groups must agree with what the ledger says it paid their worker.
+    assert all(c is None or abs(c) < 1e-12 for c in shown), \
+        f"traces say the groups cost {shown} while the ledger nets their worker to $0.00 (clawed back)"

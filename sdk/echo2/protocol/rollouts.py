@@ -299,5 +299,6 @@ class RolloutTrace(ReadModel):
     reward_mean: float | None
     gen_seconds: float
     cost_usd: float | None = Field(description="What the group cost: its share of the ledger entry that paid its "
-                                   "worker (null until paid, or never when not payable).")
+                                   "worker, 0 once that payment was clawed back (null until paid, or never when "
+                                   "not payable).")
     created_at: datetime
