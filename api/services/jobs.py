@@ -159,12 +159,24 @@ def _fill_a_step(items: Items, held_out: int, spec: JobSpec) -> Items:
         return items
     if spec.reuse_prompts:
         return items * -(-need // len(items))
-    besides = f" ({held_out} more held out for evaluation, eval.fraction)" if held_out else ""
-    have = f"{len(items)} training prompt{'' if len(items) == 1 else 's'}{besides} {'is' if len(items) == 1 else 'are'}"
+    synthetic = spec.prompts is None and spec.dataset_id is None
+    one = len(items) == 1
+    have = f"{len(items)} training prompt{'' if one else 's'}{_besides(held_out, synthetic)} {'is' if one else 'are'}"
+    more = f"Set num_prompts to {need} or more" if synthetic else "Give more prompts"
     raise ApiError(422, f"{have} fewer than one step's "
-                   f"grpo.prompts_per_step = {need}: the job would wait for the rest forever. Give more prompts, "
+                   f"grpo.prompts_per_step = {need}: the job would wait for the rest forever. {more}, "
                    f"set grpo.prompts_per_step to {len(items)} or less, or set reuse_prompts to true to train on "
                    "each of them several times a step", field="grpo.prompts_per_step")
+
+
+def _besides(held_out: int, synthetic: bool) -> str:
+    """The held-out prompts beside the training ones, and where they come from: a share of the prompts given
+    (eval.fraction), or a synthetic task's own problems it never trains on, generated apart from its num_prompts
+    (up to eval.size); eval.fraction changes nothing there."""
+    if not held_out:
+        return ""
+    where = "the task's own held-out problems, up to eval.size" if synthetic else "eval.fraction"
+    return f" ({held_out} more held out for evaluation, {where})"
 
 
 def _prompt_items(db: Session, user: User, spec: JobSpec) -> tuple[Items, Items]:

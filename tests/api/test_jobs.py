@@ -247,6 +247,24 @@ def test_an_empty_prompts_list_is_refused_as_such_not_blamed_on_eval_fraction(ap
         assert "held-out share" not in r.json()["detail"], r.json()["detail"]
 
 
+def test_a_synthetic_job_short_of_prompts_is_told_to_raise_num_prompts_not_eval_fraction(api):
+    """A tenant asks for an arithmetic job with num_prompts 1 and 4 prompts a step. The 422 said "1 training
+    prompt (5 more held out for evaluation, eval.fraction) ...". But eval.fraction only applies to datasets and
+    inline prompts (JobSpec's own description): a synthetic task's held-out problems come from eval.size and the
+    task's held_out, so following the hint changed nothing. The fix is num_prompts, which the answer never named
+    (review finding)."""
+    _, alice = new_user(api)
+    first = alice.post("/v1/jobs", json=job_spec(num_prompts=1))
+    assert first.status_code == 422
+    # Doing what the answer points at (a smaller eval.fraction) leaves the same refusal, word for word.
+    again = alice.post("/v1/jobs", json=job_spec(num_prompts=1, eval={"fraction": 0.01}))
+    assert again.status_code == 422 and again.json()["detail"] == first.json()["detail"]
+    detail = first.json()["detail"]
+    assert "eval.fraction" not in detail, f"blames a field that has no effect on a synthetic task: {detail}"
+    assert "num_prompts" in detail, f"does not name the field to raise: {detail}"
+    assert "Set num_prompts to 4 or more" in detail and "held-out problems, up to eval.size" in detail, detail
+
+
 def test_a_task_parameter_check_across_two_fields_names_a_real_field(api):
     """arithmetic {min_operand: 10, max_operand: 1} was refused on field `task.params.params`, no such field: a check
     across two parameters has no location of its own (review finding)."""
