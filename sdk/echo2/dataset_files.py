@@ -8,6 +8,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,7 +18,9 @@ from .errors import ConfigurationError
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson", ".json")
 FORMATS = ("auto", "jsonl", "json", "parquet", "arrow", "hf")  # json: one JSON array of items
-SPLITS = ("train", "test", "validation", "valid", "dev")  # what a Hub folder's file names start with
+SPLITS = ("train", "test", "validation", "valid", "dev")  # split names known without a shard number
+# A Hub folder's file: its split (any name: train_sft, test_gen), shard and shard count, maybe a hash after them.
+SHARD = re.compile(r"(?P<split>.+?)-\d{5}-of-\d{5}(-.*)?")
 
 
 class DatasetFileError(ValueError):
@@ -124,20 +127,31 @@ def _json_rows(path: Path, split: str | None) -> Iterator[dict[str, Any]]:
 
 def _split_files(path: Path, split: str | None) -> list[Path]:
     """A folder's Parquet files, only the chosen split's where their names say which split they are (a Hub
-    folder's train-00000-of-00001.parquet beside test-...): merged, the test split was trained on."""
+    folder's train-00000-of-00001.parquet beside test-...): merged, the test split was trained on. With no split
+    chosen and no train split, the user chooses: a folder of train_sft-... and test_sft-... has no default."""
     files = sorted(path.glob("*.parquet"))
     by_split: dict[str, list[Path]] = {}
     for file in files:
-        by_split.setdefault(file.stem.split("-", 1)[0].lower(), []).append(file)
-    named = [s for s in by_split if s in SPLITS]
-    if not named:
+        name = _split_of(file)
+        if name is not None:
+            by_split.setdefault(name, []).append(file)
+    if not by_split:
         if split is not None:
-            raise DatasetFileError(f"{path} holds no split files (named train-..., test-...): leave out --split")
+            raise DatasetFileError(f"{path} holds no split files (named like train-00000-of-00001.parquet): "
+                                   "leave out --split")
         return files
-    chosen = split or ("train" if "train" in named else None)
+    chosen = split or ("train" if "train" in by_split else None)
     if chosen is None or chosen not in by_split:
-        raise DatasetFileError(f"{path} holds the splits {', '.join(named)}: choose one with --split")
+        raise DatasetFileError(f"{path} holds the splits {', '.join(by_split)}: choose one with --split")
     return by_split[chosen]
+
+
+def _split_of(file: Path) -> str | None:
+    """The split a file's name says it is: whatever comes before a Hub shard's -00000-of-00003, or a known split
+    name before the first '-' (train.parquet, test-part2.parquet); None for a file of no split (data.parquet)."""
+    shard = SHARD.fullmatch(file.stem)
+    name = (shard["split"] if shard else file.stem.split("-", 1)[0]).lower()
+    return name if shard or name in SPLITS else None
 
 
 def _parquet_rows(path: Path, split: str | None) -> Iterator[dict[str, Any]]:

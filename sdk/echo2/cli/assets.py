@@ -25,7 +25,8 @@ def add_assets(groups: Any, conn: Parser) -> None:
     upload.add_argument("--format", choices=list(FORMATS), default="auto",
                         help="the file's format (default: from its name)")
     upload.add_argument("--split", help="the split of a saved DatasetDict, or of a folder of split files "
-                        "(train-....parquet, test-...): default train")
+                        "(SPLIT-00000-of-00001.parquet: train, test, train_sft, ...): default train; where there "
+                        "is none, name the split")
     upload.add_argument("--json", action="store_true")
     upload.set_defaults(func=_datasets_upload)
     dlist = dc.add_parser("list", parents=[conn], help="list your datasets")
