@@ -13,7 +13,7 @@ from sqlalchemy import select
 
 from api.models import LedgerEntry, Worker
 from api.services.fleet import unassign
-from tests.api.test_audit_gaming import _one_group, _working
+from tests.api.test_audit_gaming import _bill, _group, _one_group, _working
 from tests.factories import (
     activate,
     fake_model_folder,
@@ -22,6 +22,7 @@ from tests.factories import (
     new_worker,
     ok,
     running_job,
+    step_report,
 )
 
 
@@ -151,3 +152,88 @@ def test_spare_identities_registered_before_any_strike_cannot_each_forge_a_trust
         f"one provider's identities, registered together before any strike, forged one trust cycle each: "
         f"{len(spares)} strikes in all and none quarantined ({states}), provider watch_until={me['watch_until']}; "
         f"{len(paid_forged)} of its {len(forged)} forged groups stay paid, and it keeps ${kept_usd:.2f}")
+
+
+# What the learner's audit reports for a group whose tokens are a little too likely for sampling (picked among near
+# ties, claiming bf16): the replay passes it (|z| < z_crit = 6), and the CUSUM over the worker's audits drifts.
+BIASED = {"tokens": 6.0, "replayed": 6.0, "mismatches": 1.0, "near_ties": 0.0, "z": 4.0}
+HONEST = {"tokens": 6.0, "replayed": 6.0, "mismatches": 0.0, "near_ties": 0.0, "z": 0.0}
+
+
+def test_spare_identities_each_struck_once_by_the_sequential_tests_add_up_to_a_quarantine(api, tmp_path):
+    """Attack 33 with a cheat that the sequential tests catch rather than one audit: three identities registered up
+    front each pass probation honestly, then send biased groups (steering what is trained) until the CUSUM over
+    their audits strikes them, and are parked. Three strikes of one provider, as in attack 33, but none of them a
+    failed audit: the provider's failure share stayed 0 %, nobody was quarantined, and every biased group stayed
+    trained and paid (review finding). A strike no failed audit explains now counts as a failed audit in the share."""
+    _, alice = new_user(api)
+    job, learner = running_job(api, alice, fake_model_folder(tmp_path / "m"), staleness=64, max_steps=10_000,
+                               num_prompts=2000, grpo={"group_size": 2, "prompts_per_step": 64})
+    jid = job["id"]
+    _, provider = new_provider(api, "mallory-gpu")
+    spares = [new_worker(api, provider, f"identity-{k}") for k in range(3)]
+    biased: set[str] = set()
+    state = {"step": 0}
+
+    pending: list[str] = []
+
+    def commit() -> None:  # the learner's step over the groups it claimed (audited early, as picked)
+        if pending:
+            ok(learner.post(f"/v1/jobs/{jid}/learner/steps", json=step_report(state["step"], list(pending))))
+            pending.clear()
+            state["step"] += 1
+            _bill(api, 60.0)
+
+    def send(worker, bias: bool) -> None:
+        lease = ok(worker.post("/v1/leases", json={"job_id": jid, "max_prompts": 1, "version": 0}), 201)
+        out = ok(worker.post(f"/v1/leases/{lease['id']}/rollouts",
+                             json={"groups": [_group(lease["prompts"][0], 0, finish="stop")]}))
+        rid = out["results"][0]["rollout_id"]
+        assert out["results"][0]["status"] == "accepted", out
+        if bias:
+            biased.add(rid)
+        step = state["step"]
+        claimed = ok(learner.post(f"/v1/jobs/{jid}/learner/claim", json={"step": step, "max_groups": 64}))["groups"]
+        audits = [{"rollout_id": g["rollout_id"], "passed": True, "reason": None,
+                   "stats": BIASED if g["rollout_id"] in biased else HONEST} for g in claimed if g["audit"]]
+        if audits:
+            ok(learner.post(f"/v1/jobs/{jid}/learner/audits", json={"step": step, "audits": audits}))
+        pending.extend(g["rollout_id"] for g in claimed)
+        if len(pending) >= 40:
+            commit()
+
+    def trust(wid) -> str:
+        return ok(provider.get(f"/v1/workers/{wid}"))["trust"]
+
+    for wid, worker in spares:
+        activate(api, wid, jid)
+        _working(api, wid)
+        for _ in range(25):  # probation, honestly, until trusted
+            send(worker, False)
+            if trust(wid) == "trusted":
+                break
+        assert trust(wid) == "trusted", trust(wid)
+        for _ in range(200):  # biased until the sequential tests strike it
+            send(worker, True)
+            if trust(wid) != "trusted":
+                break
+        assert trust(wid) != "trusted"
+        commit()
+        with api.db.session() as s:  # parked: registered and idle, never struck again
+            unassign(s, s.get_one(Worker, wid))
+            s.commit()
+        if any(trust(w) in ("quarantined", "banned") for w, _ in spares):
+            break
+
+    me = ok(provider.get("/v1/providers/me"))
+    states = {wid: trust(wid) for wid, _ in spares}
+    with api.db.session() as s:
+        strikes = {w.id: (w.strikes, w.audits_failed, (w.trust_reason or '')[:70]) for w in
+                   s.scalars(select(Worker).where(Worker.id.in_([wid for wid, _ in spares])))}
+        entries = s.scalars(select(LedgerEntry).where(LedgerEntry.provider_id == me["id"])).all()
+        kept = {r for e in entries if e.kind == "worker" and e.clawed_back_by is None for r in e.rollout_ids}
+    paid_biased = biased & kept
+    assert any(st in ("quarantined", "banned") for st in states.values()) and not paid_biased, (
+        f"one provider's three identities were each struck by the sequential tests: {strikes} (strikes, failed "
+        f"audits, reason); none quarantined ({states}), watch_until={me['watch_until']}; {len(paid_biased)} of "
+        f"their {len(biased)} biased groups were trained and stay paid")
