@@ -279,10 +279,11 @@ def _watch(db: Session, worker: Worker, reason: str) -> None:
     if provider.watch_until is None or until is not None and until > provider.watch_until:
         provider.watch_until = until
     provider.standing_reason = f"on watch: worker {worker.id} {reason}"[:512]
-    for other in db.scalars(select(Worker).where(Worker.provider_id == provider.id, Worker.id != worker.id,
-                                                 Worker.trust == TrustState.trusted)):
-        other.trust = TrustState.suspect
-        other.trust_reason = f"its provider is on watch: worker {worker.id} was quarantined"
+    # One conditional statement: a worker quarantined by another request meanwhile is not written back to suspect.
+    db.execute(update(Worker).where(Worker.provider_id == provider.id, Worker.id != worker.id,
+                                    Worker.trust == TrustState.trusted)
+               .values(trust=TrustState.suspect, trust_reason=f"its provider is on watch: worker {worker.id} was "
+                                                              "quarantined"))
 
 
 def release_quarantines(db: Session, now: datetime) -> int:
