@@ -122,7 +122,9 @@ class TinkerSession:
         grads = [None if p.grad is None else p.grad.clone() for p in self.params]
         outputs: list[dict[str, list[float]]] = []
         metrics: dict[str, float] = {"loss:sum": 0.0}
-        self.model.train(train)
+        # No dropout (a base model's config may ask for it): the logprobs trained on are the ones forward and the
+        # sampler give, so an on-policy ratio is 1, as Tinker's is.
+        self.model.eval()
         try:
             with torch.set_grad_enabled(train):
                 for rows in _micro_batches([len(d.tokens) for d in payload.data], MICRO_BATCH_TOKENS):
