@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from echo2.protocol import JobStatus, RejectKind, RolloutStatus, TrustState, WorkerStatus
@@ -48,21 +49,24 @@ def bill(db: Session, settings: Settings, now: datetime, last: float | None) -> 
         return
     seconds = min(max(now.timestamp() - last, 0.0), 10 * settings.reconcile_interval_s)
     _bill_learners(db, settings, now, seconds)
+    payable = _payable(db)
     # Locked, in id order, and read afresh: a forfeit committed meanwhile (clawback._forfeit) is not written over.
-    payable, queued = _payable(db), _queued(db)
-    for worker in db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == WorkerStatus.active)
-                             .order_by(Worker.id).with_for_update().execution_options(populate_existing=True)):
+    active = list(db.scalars(select(Worker).where(Worker.job_id.is_not(None), Worker.status == WorkerStatus.active)
+                             .order_by(Worker.id).with_for_update().execution_options(populate_existing=True)))
+    queued = _queued(db, active)
+    caps = _caps(db, {w.job_id for w in active if w.job_id} | {job for jobs in payable.values() for job in jobs})
+    for worker in active:
         assert worker.job_id is not None
         pots = _kept(db, worker)
         # Time its groups will pay for is kept however long they wait to be trained (a slow learner's step).
         waiting = queued.get((worker.id, worker.job_id), 0) + len(payable.get(worker.id, {}).get(worker.job_id, ()))
-        window = settings.pay_window_s + waiting * _group_seconds(settings, worker)
+        window = settings.pay_window_s + waiting * _group_seconds(settings, worker, caps[worker.job_id])
         pots[worker.job_id] = min(pots.get(worker.job_id, 0.0) + seconds, window)
         worker.unbilled = pots
     # A quarantined or banned worker forfeits what it has not been paid yet (api/services/clawback.py).
     for worker in db.scalars(select(Worker).where(Worker.id.in_(payable), Worker.trust.in_(WORKING))
                              .with_for_update()):
-        _pay(db, settings, worker, payable[worker.id])
+        _pay(db, worker, payable[worker.id], lambda job_id, w=worker: _group_seconds(settings, w, caps[job_id]))
         worker.unbilled = _kept(db, worker)
 
 
@@ -106,17 +110,35 @@ def _payable(db: Session) -> dict[str, dict[str, list[tuple[str, bool]]]]:
     return out
 
 
-def _queued(db: Session) -> dict[tuple[str, str], int]:
-    """(worker, job) -> its groups in the job's queue (accepted or claimed, not trained yet)."""
+def _queued(db: Session, workers: list[Worker]) -> dict[tuple[str, str], int]:
+    """(worker, job) -> its groups in the job's queue (accepted or claimed, not trained yet), on these workers' jobs:
+    read through the queue's index (by worker, a long-lived worker's every group would be read)."""
+    jobs = {w.job_id for w in workers if w.job_id}
+    if not jobs:
+        return {}
     rows = db.execute(select(Rollout.worker_id, Rollout.job_id, func.count())
-                      .where(Rollout.status.in_((RolloutStatus.accepted, RolloutStatus.claimed)))
+                      .where(Rollout.job_id.in_(jobs), Rollout.status.in_((RolloutStatus.accepted,
+                                                                           RolloutStatus.claimed)))
                       .group_by(Rollout.worker_id, Rollout.job_id))
     return {(worker_id, job_id): n for worker_id, job_id, n in rows}
 
 
-def _group_seconds(settings: Settings, worker: Worker) -> float:
-    """The active time a group pays for: 1 / (f · μ_a)."""
-    return 1.0 / (settings.pay_rate_fraction * max(worker.activated_mu or MIN_MU, MIN_MU))
+def _caps(db: Session, job_ids: set[str]) -> dict[str, float | None]:
+    """Each job's `workers.max_usd_per_group`, its spec read once a tick."""
+    caps: dict[str, float | None] = {}
+    for job_id in job_ids:
+        job = db.get(Job, job_id)
+        spec = valid_spec(job) if job is not None else None
+        caps[job_id] = spec.workers.max_usd_per_group if spec is not None else None
+    return caps
+
+
+def _group_seconds(settings: Settings, worker: Worker, cap_usd: float | None) -> float:
+    """The active time a group pays for: 1 / (f · μ_a), but at most what the job's cap pays at the worker's price
+    (the scheduler lets a worker on trial in on its claimed rate, but its pay is measured against the trial's share
+    of the need: one group in its grace paid $27 under a $2 cap)."""
+    own = 1.0 / (settings.pay_rate_fraction * max(worker.activated_mu or MIN_MU, MIN_MU))
+    return own if cap_usd is None or worker.price_per_hour <= 0 else min(own, cap_usd * 3600 / worker.price_per_hour)
 
 
 def _env_failed_elsewhere() -> Exists:
@@ -127,8 +149,8 @@ def _env_failed_elsewhere() -> Exists:
                    by.provider_id != Worker.provider_id).exists())
 
 
-def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list[tuple[str, bool]]]) -> None:
-    per_group_s = _group_seconds(settings, worker)
+def _pay(db: Session, worker: Worker, by_job: dict[str, list[tuple[str, bool]]],
+         group_seconds: Callable[[str], float]) -> None:
     provider = db.get(Provider, worker.provider_id)
     pots = dict(worker.unbilled or {})
     for job_id, payable in by_job.items():
@@ -136,7 +158,7 @@ def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list
         # The groups what the budget has left pays for are settled, the last of them in part (the job then has
         # spent its budget and pauses); the others wait, with the worker's time in its pot, until the owner
         # raises the budget.
-        budget_s, group_s = _budget_left_s(job, worker.price_per_hour), _capped(job, worker, per_group_s)
+        budget_s, group_s = _budget_left_s(job, worker.price_per_hour), group_seconds(job_id)
         paid = payable if math.isinf(budget_s) else payable[:math.ceil(budget_s / group_s - 1e-9)]
         if not paid:
             continue
@@ -157,16 +179,6 @@ def _pay(db: Session, settings: Settings, worker: Worker, by_job: dict[str, list
         if job is not None:
             totals.add(db, Job.workers_usd, job.id, amount)
     worker.unbilled = pots
-
-
-def _capped(job: Job | None, worker: Worker, per_group_s: float) -> float:
-    """The active time a group buys, at most what the job's `workers.max_usd_per_group` pays at the worker's price:
-    the scheduler lets a worker on trial in on its claimed rate, but its pay is measured against the trial's share
-    of the need (one group in its grace paid $27 under a $2 cap)."""
-    spec = valid_spec(job) if job is not None else None
-    cap = spec.workers.max_usd_per_group if spec is not None else None
-    return per_group_s if cap is None or worker.price_per_hour <= 0 else min(per_group_s,
-                                                                             cap * 3600 / worker.price_per_hour)
 
 
 def _budget_left_s(job: Job | None, price_per_hour: float) -> float:

@@ -5,7 +5,7 @@ import threading
 from datetime import timedelta
 
 import pytest
-from sqlalchemy import select
+from sqlalchemy import event, select
 
 from api.models import Decision, Job, LedgerEntry, SchedulerState, Worker, utcnow
 from scheduler import billing
@@ -588,3 +588,26 @@ def test_a_worker_delivering_at_its_rate_is_paid_all_its_active_time_when_the_le
     assert paid_s == pytest.approx(360.0) and earned == pytest.approx(360.0), (
         f"8 groups delivered at better than the activated rate over 360 s of active time, trained at the step's end, "
         f"were paid {paid_s:.0f} s (${earned:.2f}), not 360 s ($360.00)")
+
+
+@pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)
+def test_the_billing_ticks_queue_count_reads_the_queues_index_not_every_rollout(api):
+    """The tick counts its active workers' queued groups (the pay window above) while it holds their rows' locks:
+    a first version counted every worker's with no job named, and SQLite read every group ever stored (review
+    finding). Named by job and status, an index on both finds them."""
+    workers = [Worker(id="wrk_a", job_id="job_a"), Worker(id="wrk_b", job_id="job_b")]
+    with api.db.session() as s:
+        engine, seen = s.get_bind(), []
+
+        def capture(conn, cursor, statement, parameters, context, executemany):  # type: ignore[no-untyped-def]
+            seen.append((statement, parameters))
+
+        event.listen(engine, "before_cursor_execute", capture)
+        try:
+            billing._queued(s, workers)
+        finally:
+            event.remove(engine, "before_cursor_execute", capture)
+        statement, parameters = next((q, p) for q, p in seen if "rollouts" in q)
+        plan = [row[-1] for row in s.connection().exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters)]
+    assert not [step for step in plan if step.startswith("SCAN rollouts")], plan
+    assert any("(job_id=? AND status=?)" in step for step in plan), plan  # the queue's (or trained's) index
