@@ -26,6 +26,7 @@ UNJUDGED_ANY = 2**31
 IDLE_CHAIN = 32  # a worker's latest leases (and groups) the lease idle rule looks back over
 # Groups worth nothing to their job: refused for the worker's fault, too late, or failed by its environment.
 UNDELIVERED = [k for k in RejectKind if not k.paid()] + [RejectKind.environment_failed]
+DELIVERED = Rollout.reject_kind.is_(None) | Rollout.reject_kind.not_in(UNDELIVERED)
 IDLE_PATIENCE = 3.0  # a lease may go this many times its generation at the worker's pace without a group
 
 
@@ -143,11 +144,12 @@ def generating(db: Session, worker: Worker, now: datetime, settings: Settings) -
 
 
 def idle_seconds(db: Session, worker_id: str, start: datetime, ttl_s: float, now: datetime | None = None) -> float:
-    """Back from `start` through the leases the worker held one after another (each granted within a lease TTL of
-    the end of the one before) to its last group or episode turn (a multi-turn lease sends its groups once its
-    episodes end), or to the first of them: a worker that releases its idle lease and leases all again is as idle
-    as one that renews."""
-    last_group = select(func.max(Rollout.created_at)).where(Rollout.lease_id == Lease.id).scalar_subquery()
+    """Back from `start` through the leases the worker held one after another (each granted within a lease TTL of the
+    end of the one before) to its last group worth something to its job (late junk on a released lease reset the
+    clock of a hoard, and kept a trial that never delivered alive) or episode turn (a multi-turn lease sends its
+    groups once its episodes end), or to the first of them: a worker that releases its idle lease and leases all
+    again is as idle as one that renews."""
+    last_group = select(func.max(Rollout.created_at)).where(Rollout.lease_id == Lease.id, DELIVERED).scalar_subquery()
     last_turn = select(func.max(Episode.updated_at)).where(Episode.lease_id == Lease.id).scalar_subquery()
     query = select(Lease.created_at, func.coalesce(Lease.finished_at, Lease.expires_at), last_group, last_turn) \
         .where(Lease.worker_id == worker_id, Lease.created_at <= start).order_by(Lease.created_at.desc())
@@ -173,7 +175,7 @@ def _generation_bound_s(db: Session, worker: Worker, prompts: int) -> float:
     time, nor does a group refused or too late to be worth anything), or at its claimed rate before it delivered."""
     rows = db.execute(
         select(Rollout.gen_seconds, Rollout.created_at, Lease.created_at).join(Lease, Lease.id == Rollout.lease_id)
-        .where(Rollout.worker_id == worker.id, Rollout.reject_kind.is_(None) | Rollout.reject_kind.not_in(UNDELIVERED))
+        .where(Rollout.worker_id == worker.id, DELIVERED)
         .order_by(Rollout.created_at.desc()).limit(IDLE_CHAIN)).all()
     taken = [min(gen, (came - granted).total_seconds()) for gen, came, granted in rows]
     per_group = sum(taken) / len(taken) if taken else 1.0 / (worker.rollouts_per_s or 1.0)  # as the scheduler

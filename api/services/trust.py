@@ -192,9 +192,11 @@ def _struck_alongside(db: Session, worker: Worker) -> list[Worker]:
     """The provider's other working workers with strikes, where theirs and this one's make a quarantine's worth and
     more than PROVIDER_FAIL_SHARE of the provider's audits failed lately: a provider that registered spare
     identities up front (before any strike, so none inherits one) spent a trust cycle of each forging, each caught
-    once, none quarantined, its forged groups no audit picked kept paid. A strike that no failed audit explains (the
-    door's, the sequential tests') counts as a failed audit: numerics never earn one, and spare identities each
-    struck once by the CUSUM kept their biased groups paid."""
+    once, none quarantined, its forged groups no audit picked kept paid. A strike of its own that no failed audit
+    explains (the door's, the sequential tests', a proof of possession's, a corrupt relay chunk's) counts as a failed
+    audit: numerics never earn one, and spare identities each struck once by the CUSUM kept their biased groups
+    paid. Such a strike stands until FORGIVE_AFTER clean audits, the share is of INHERIT_DAYS: it weighs that
+    long."""
     others = list(db.scalars(select(Worker).where(
         Worker.provider_id == worker.provider_id, Worker.id != worker.id, Worker.strikes > 0,
         Worker.trust.in_(TrustState.working())).order_by(Worker.id)
@@ -205,7 +207,8 @@ def _struck_alongside(db: Session, worker: Worker) -> list[Worker]:
         select(func.count(), func.count().filter(not_(Audit.passed))).join(Worker, Worker.id == Audit.worker_id)
         .where(Worker.provider_id == worker.provider_id,
                Audit.created_at >= utcnow() - timedelta(days=INHERIT_DAYS))).one()
-    unexplained = sum(max(0, w.strikes - w.audits_failed) for w in [worker, *others])
+    # An inherited strike is its source's, explained where that one's was (and its next strike quarantines it).
+    unexplained = sum(max(0, w.strikes - w.audits_failed) for w in [worker, *others] if w.inherited_from is None)
     return others if failed + unexplained > PROVIDER_FAIL_SHARE * (total + unexplained) else []
 
 

@@ -129,3 +129,36 @@ def test_a_big_honest_provider_whose_machines_each_hold_one_old_strike_is_not_qu
         s.commit()
     _strike(api, cid)
     assert {ok(api.admin.get(f"/v1/workers/{w}"))["trust"] for w in (aid, bid, cid)} == {"quarantined"}
+
+
+def _fail_audit(api, wid: str, job_id: str, rid: str) -> None:
+    with api.db.session() as s:
+        s.add(Audit(job_id=job_id, worker_id=wid, rollout_id=rid, version=0, step=0, passed=False))
+        trust.strike(s, s.get_one(Worker, wid), "replay: a token the claimed version does not draw",
+                     api.server.settings, audited=True)
+        s.commit()
+
+
+def test_an_honest_provider_that_adds_machines_while_one_holds_an_audited_strike_is_not_quarantined(api, tmp_path):
+    """The provider's failure share once counted each inherited strike as one no failed audit explains (review
+    finding): the new machines of an honest provider inheriting one machine's numerics strike, then one more honest
+    numerics failure, quarantined all twelve."""
+    _, provider = new_provider(api, "growing-honest-co")
+    aid, bid = (new_worker(api, provider, f"machine-{m}")[0] for m in "ab")
+    job, _ = running_job(api, new_user(api)[1], fake_model_folder(tmp_path / "m"))
+    with api.db.session() as s:  # a week of honest work: 1,000 audits, all passed
+        s.add_all(Audit(job_id=job["id"], worker_id=(aid, bid)[k % 2], rollout_id=f"rol_{k}", version=0, step=0,
+                        passed=True) for k in range(1000))
+        s.commit()
+    _fail_audit(api, aid, job["id"], "rol_a")  # numerics: machine-a fails 1 audit of 1,001, a suspect
+    new = [new_worker(api, provider, f"machine-new-{k}")[0] for k in range(10)]  # the provider scales out
+    with api.db.session() as s:
+        assert all(s.get_one(Worker, w).strikes == 1 for w in new)  # each carries machine-a's strike on
+    _fail_audit(api, bid, job["id"], "rol_b")  # numerics again, on another machine: 2 of 1,002 audits failed
+    trusts = {w: ok(api.admin.get(f"/v1/workers/{w}"))["trust"] for w in (aid, bid, *new)}
+    assert "quarantined" not in trusts.values(), (
+        f"2 failed audits in 1,002 (0.2 %, under PROVIDER_FAIL_SHARE 1 %) quarantined the provider's struck workers "
+        f"{sorted(w for w, t in trusts.items() if t == 'quarantined')}: the 10 machines it registered after "
+        "machine-a's "
+        "strike each carry that strike with audits_failed 0, so trust._struck_alongside counts each as a failed "
+        "audit no audit explains (12 'failures' > 1 % of 1,012)")

@@ -11,11 +11,12 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from api.models import Lease, Worker, utcnow
+from api.models import Lease, Rollout, Worker, utcnow
 from api.settings import Settings
 from tests.factories import (
     activate,
     fake_model_folder,
+    group_body,
     new_provider,
     new_user,
     new_worker,
@@ -328,3 +329,38 @@ def test_an_honest_worker_generating_its_first_lease_longer_than_the_grace_does_
             profile = _worker_profile(s, row, utcnow(), [], api.server.settings)
             verdicts[name] = (row.trial_failed_at is None, profile.mu > 0)
     assert verdicts == {"cpu-box": (True, True), "fast-claim": (False, False)}, verdicts
+
+
+def test_a_trial_that_only_sends_late_junk_still_fails_at_the_delivery_grace(api, tmp_path):
+    """A trial kept itself alive without delivering: it sent a junk group every few seconds on a lease it had
+    released (refused as late: no strike, no audit, no model run), and the idle time pool.generating read stopped at
+    any group (review finding). Only groups worth something to their job count as work now."""
+    from scheduler.reconcile import _worker_profile
+
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), grpo={"group_size": 2, "prompts_per_step": 8})
+    _, provider = new_provider(api)
+    wid, mallory = new_worker(api, provider, "never-delivers", rollouts_per_s=1.0)
+    activate(api, wid, job["id"])
+    decoy = ok(mallory.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 1, "version": 0}), 201)
+    ok(mallory.post(f"/v1/leases/{decoy['id']}/release"))
+    hoard = ok(mallory.post("/v1/leases", json={"job_id": job["id"], "max_prompts": 4, "version": 0}), 201)
+    late = ok(mallory.post(f"/v1/leases/{decoy['id']}/rollouts",
+                           json={"groups": [group_body(p, 0) for p in decoy["prompts"]]}))["results"]
+    assert all(r["status"] == "rejected" for r in late), late
+    now = utcnow()
+    with api.db.session() as s:  # activated 10 minutes ago; its latest junk group came 3 s ago (it sends one every 5 s)
+        row = s.get_one(Worker, wid)
+        assert row.strikes == 0  # blameless
+        row.active_since = now - timedelta(seconds=600)
+        s.get_one(Lease, decoy["id"]).created_at = now - timedelta(seconds=600)
+        s.get_one(Lease, decoy["id"]).finished_at = now - timedelta(seconds=599)
+        s.get_one(Lease, hoard["id"]).created_at = now - timedelta(seconds=598)
+        for r in s.scalars(select(Rollout).where(Rollout.lease_id == decoy["id"])):
+            r.created_at = now - timedelta(seconds=3)
+        s.commit()
+        _worker_profile(s, row, now, [], api.server.settings)
+        assert row.trial_failed_at is not None, (
+            "a trial 600 s in (delivery_grace_s 120 s) that has delivered no group, holding 4 prompts (12 s of work "
+            "at its claimed 1 group/s), was not failed: pool.generating counts its late junk group (refused, no "
+            "strike) as work, so idle_seconds is 3 s")
