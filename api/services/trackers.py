@@ -17,7 +17,7 @@ from sqlalchemy.exc import ArgumentError
 from ..errors import ApiError
 from ..settings import Settings
 
-LOOPBACK = (None, "", "localhost", "127.0.0.1", "::1")
+LOOPBACK = (None, "", "localhost", "127.0.0.1", "::1")  # a URL with no host (None, "") is a local socket
 DEFAULT_PORTS = {"postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
 
@@ -52,7 +52,7 @@ def _platform_own(target: str, settings: Settings) -> str | None:
 
 def _same_database(target: str, database_url: str) -> bool:
     """A SQLite database is its file; any other, its server and name."""
-    if urlsplit(database_url).scheme == "sqlite":
+    if urlsplit(database_url).scheme.split("+")[0] == "sqlite":
         return _local_path(target) == _local_path(database_url)
     try:
         theirs, ours = make_url(target), make_url(database_url)
@@ -70,7 +70,7 @@ def _server(url: URL) -> tuple[str, str | None, int | None, str | None]:
 def _local_path(target: str) -> Path | None:
     """The file or folder a target writes on the learner host (an MLflow sqlite:/file: store, a bare path, a W&B
     dir), links followed; None for a remote tracker."""
-    scheme = urlsplit(target).scheme
+    scheme = urlsplit(target).scheme.split("+")[0]  # a dialect+driver scheme is the same store (MLflow, SQLAlchemy)
     if scheme == "sqlite":
         path = target.split(":///", 1)[1] if ":///" in target else ""
     elif scheme == "file":

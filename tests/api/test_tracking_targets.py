@@ -52,6 +52,9 @@ def test_a_tracker_inside_the_platforms_own_data_or_database_is_refused(api, tmp
     settings = api.server.settings
     assert settings.database_url.startswith("sqlite:///")
     refused(mallory, mlflow(settings.database_url), "tracking.uri", "the platform's own database")
+    refused(mallory, mlflow(settings.database_url.replace("sqlite://", "sqlite+pysqlite://", 1)), "tracking.uri",
+            "the platform's own database")  # MLflow opens a dialect+driver URI as the same store
+    refused(mallory, mlflow(f"sqlite+pysqlite:///{settings.data_dir}/x.db"), "tracking.uri", "inside Echo2's own data")
     refused(mallory, mlflow(f"sqlite:///{settings.data_dir}/x.db"), "tracking.uri", "inside Echo2's own data")
     refused(mallory, mlflow(f"file://{settings.data_dir}/mlruns"), "tracking.uri", "inside Echo2's own data")
     refused(mallory, wandb(str(settings.data_dir / "learner")), "tracking.dir", "inside Echo2's own data")
