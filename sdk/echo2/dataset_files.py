@@ -147,11 +147,18 @@ def _split_files(path: Path, split: str | None) -> list[Path]:
 
 
 def _split_of(file: Path) -> str | None:
-    """The split a file's name says it is: whatever comes before a Hub shard's -00000-of-00003, or a known split
-    name before the first '-' (train.parquet, test-part2.parquet); None for a file of no split (data.parquet)."""
+    """The split a file's name says it is: whatever comes before a Hub shard's -00000-of-00003, a known split name
+    before the first '-' (train.parquet, test-part2.parquet), or a name with a known split name as one of its words
+    (train_sft.parquet beside test_sft.parquet, as `dataset[split].to_parquet(f"{split}.parquet")` writes them);
+    None for a file of no split (data.parquet, data_0.parquet)."""
     shard = SHARD.fullmatch(file.stem)
-    name = (shard["split"] if shard else file.stem.split("-", 1)[0]).lower()
-    return name if shard or name in SPLITS else None
+    if shard:
+        return shard["split"].lower()
+    stem = file.stem.lower()
+    head = stem.split("-", 1)[0]
+    if head in SPLITS:
+        return head
+    return stem if set(re.split(r"[_\-.]", stem)) & set(SPLITS) else None
 
 
 def _parquet_rows(path: Path, split: str | None) -> Iterator[dict[str, Any]]:

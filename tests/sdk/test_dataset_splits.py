@@ -8,11 +8,14 @@ training, which the split handling exists to prevent), and with --split they ref
 
 from __future__ import annotations
 
+import json
+
 import pytest
+from echo2.dataset_files import as_jsonl
 
 from tests.sdk.test_cli import echo2
 
-pytestmark = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the SDK reads the folder
+SQLITE = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the SDK reads the folder
 
 
 def _hub_folder(tmp_path):  # type: ignore[no-untyped-def]
@@ -26,6 +29,7 @@ def _hub_folder(tmp_path):  # type: ignore[no-untyped-def]
     return folder
 
 
+@SQLITE
 def test_a_split_named_otherwise_than_train_or_test_can_be_chosen(alice, tmp_path):
     folder = _hub_folder(tmp_path)
     try:
@@ -36,6 +40,7 @@ def test_a_split_named_otherwise_than_train_or_test_can_be_chosen(alice, tmp_pat
     assert dataset.num_items == 3
 
 
+@SQLITE
 def test_a_folder_of_splits_named_otherwise_is_not_merged_into_one_dataset(alice, tmp_path):
     folder = _hub_folder(tmp_path)
     try:
@@ -47,6 +52,7 @@ def test_a_folder_of_splits_named_otherwise_is_not_merged_into_one_dataset(alice
                 "held-out test split is uploaded for training")
 
 
+@SQLITE
 def test_the_cli_asks_which_split_of_a_folder_without_a_train_split(api, alice, tmp_path):
     folder = _hub_folder(tmp_path)
     asked = echo2("datasets", "upload", "sft", str(folder), url=api.url, key=alice.key)
@@ -54,3 +60,26 @@ def test_the_cli_asks_which_split_of_a_folder_without_a_train_split(api, alice, 
     chosen = echo2("datasets", "upload", "sft", str(folder), "--split", "test_sft", url=api.url, key=alice.key)
     assert chosen.returncode == 0, chosen.stderr
     assert [d.num_items for d in alice.client.datasets.list().items] == [1]
+
+
+def _one_file_a_split(tmp_path):  # type: ignore[no-untyped-def]
+    pa = pytest.importorskip("pyarrow")
+    pq = pytest.importorskip("pyarrow.parquet")
+    folder = tmp_path / "data"
+    folder.mkdir()
+    pq.write_table(pa.table({"prompt": ["1+1=", "2+2=", "3+3="], "answer": ["2", "4", "6"]}),
+                   folder / "train_sft.parquet")
+    pq.write_table(pa.table({"prompt": ["9+9="], "answer": ["18"]}), folder / "test_sft.parquet")
+    return folder
+
+
+def test_one_file_per_split_named_otherwise_is_not_merged(tmp_path):
+    """train_sft.parquet beside test_sft.parquet (`dataset[split].to_parquet(f"{split}.parquet")`) read as files of
+    no split: merged, the held-out split uploaded for training (review finding). The user chooses now."""
+    with pytest.raises(ValueError, match="holds the splits test_sft, train_sft: choose one with --split"):
+        as_jsonl(_one_file_a_split(tmp_path), "parquet")
+
+
+def test_a_split_of_one_file_named_otherwise_can_be_chosen(tmp_path):
+    out, _ = as_jsonl(_one_file_a_split(tmp_path), "parquet", split="train_sft")
+    assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["1+1=", "2+2=", "3+3="]
