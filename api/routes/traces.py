@@ -7,12 +7,13 @@ from typing import Annotated
 from echo2.protocol import Page, RolloutTrace
 from fastapi import Path, Query
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session
 
 from ..deps import BlobsDep, CurrentUser, SessionDep, SettingsDep, owned_job
 from ..errors import ApiError
-from ..models import Rollout
+from ..models import Rollout, User
 from ..routing import make_router
-from ..services import traces
+from ..services import tenancy, traces
 from ..services.ledger import next_offset
 
 router = make_router(prefix="/v1/jobs/{job_id}", tags=["jobs"])
@@ -29,7 +30,7 @@ def get_trace(job_id: str, rollout_id: RolloutPath, user: CurrentUser, db: Sessi
     row = db.get(Rollout, rollout_id)
     if row is None or row.job_id != job_id:
         raise ApiError(404, f"rollout {rollout_id} of job {job_id} not found")
-    return traces.traces(db, blobs, settings.data_dir, job_id, [row])[0]
+    return traces.traces(db, blobs, settings.data_dir, job_id, [row], own=_own(db, user))[0]
 
 
 @router.get("/traces", operation_id="list_step_traces",
@@ -44,5 +45,11 @@ def list_traces(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep,
     total = db.scalar(select(func.count()).where(*where)) or 0
     rows = list(db.scalars(select(Rollout).where(*where).order_by(Rollout.created_at, Rollout.id).limit(limit)
                            .offset(offset)))
-    items = traces.traces(db, blobs, settings.data_dir, job_id, rows)
+    items = traces.traces(db, blobs, settings.data_dir, job_id, rows, own=_own(db, user))
     return Page[RolloutTrace](items=items, total=total, next_offset=next_offset(offset, len(items), total))
+
+
+def _own(db: Session, user: User) -> set[str] | None:
+    """The jobs whose ids a trace may show this user in its worker's evidence; None (all) for an admin, as
+    GET /v1/workers/{id} shows them."""
+    return None if user.role == "admin" else tenancy.own_jobs(db, user.id)

@@ -22,15 +22,17 @@ from sqlalchemy.orm import Session
 
 from ..models import Audit, LedgerEntry, Prompt, Rollout, Worker
 from ..storage import BlobStore
-from . import archive, modelinfo
+from . import archive, modelinfo, tenancy
 
 Decode = Callable[[list[int]], str]
 Pieces = Callable[[list[int]], list[str]]
 
 
-def traces(db: Session, blobs: BlobStore, data_dir: Path, job_id: str, rows: Sequence[Rollout]) -> list[RolloutTrace]:
+def traces(db: Session, blobs: BlobStore, data_dir: Path, job_id: str, rows: Sequence[Rollout], *,
+           own: set[str] | None) -> list[RolloutTrace]:
     """The traces of these rollouts of one job, with what they refer to loaded in one query each (their tokens
-    from the table or the job's archive)."""
+    from the table or the job's archive). With `own` (the reader's jobs; None for an admin) each worker's
+    evidence reads as GET /v1/workers/{id} shows it to that user: other tenants' job and rollout ids replaced."""
     if not rows:
         return []
     ids = [r.id for r in rows]
@@ -43,12 +45,13 @@ def traces(db: Session, blobs: BlobStore, data_dir: Path, job_id: str, rows: Seq
         LedgerEntry.id.in_({r.paid_entry_id for r in rows if r.paid_entry_id is not None})))}
     decode, pieces = modelinfo.decoder(blobs, job_id), modelinfo.token_pieces(blobs, job_id)
     tokens = archive.payloads(data_dir, rows)
-    return [_trace(r, tokens[r.id], prompts.get(r.prompt_id, ""), workers.get(r.worker_id), audits.get(r.id),
-                   entries.get(r.paid_entry_id) if r.paid_entry_id is not None else None, decode, pieces)
+    return [_trace(r, tokens[r.id], prompts.get(r.prompt_id, ""), _worker(r.worker_id, workers.get(r.worker_id), own),
+                   audits.get(r.id), entries.get(r.paid_entry_id) if r.paid_entry_id is not None else None,
+                   decode, pieces)
             for r in rows]
 
 
-def _trace(r: Rollout, tokens: archive.Payload, prompt_text: str, worker: Worker | None, audit: Audit | None,
+def _trace(r: Rollout, tokens: archive.Payload, prompt_text: str, worker: TraceWorker, audit: Audit | None,
            entry: LedgerEntry | None, decode: Decode, pieces: Pieces) -> RolloutTrace:
     learner = tokens.learner_logprobs or [None] * len(tokens.samples)
     rewards = r.rewards or [None] * len(tokens.samples)
@@ -59,7 +62,7 @@ def _trace(r: Rollout, tokens: archive.Payload, prompt_text: str, worker: Worker
         id=r.id, job_id=r.job_id, prompt_id=r.prompt_id, prompt_text=prompt_text,
         prompt_tokens=len(tokens.prompt_token_ids), version=r.version, status=r.status, reason=r.reason,
         reject_kind=r.reject_kind, fault=r.reject_kind.fault() if r.reject_kind else None, claim_step=r.claim_step,
-        trained_step=r.trained_step, worker=_worker(r.worker_id, worker), audit=_audit(audit), samples=samples,
+        trained_step=r.trained_step, worker=worker, audit=_audit(audit), samples=samples,
         reward_mean=sum(scored) / len(scored) if scored else None, gen_seconds=r.gen_seconds,
         cost_usd=_cost(entry), created_at=r.created_at)
 
@@ -86,10 +89,12 @@ def _sample(index: int, s: SampleSubmit, version: int, learner: list[float] | No
                        reward=reward, tokens=tokens, max_abs_mismatch=max(gaps) if gaps else None)
 
 
-def _worker(worker_id: str, w: Worker | None) -> TraceWorker:
+def _worker(worker_id: str, w: Worker | None, own: set[str] | None) -> TraceWorker:
     if w is None:
         return TraceWorker(id=worker_id, name=None, provider_id=None, trust=None, trust_reason=None)
-    return TraceWorker(id=w.id, name=w.name, provider_id=w.provider_id, trust=w.trust, trust_reason=w.trust_reason)
+    # A worker serves many tenants: its latest evidence may be about another's job (a possession check's strike).
+    reason = w.trust_reason if own is None else tenancy.redact(w.trust_reason, own, rollouts=True)
+    return TraceWorker(id=w.id, name=w.name, provider_id=w.provider_id, trust=w.trust, trust_reason=reason)
 
 
 def _audit(a: Audit | None) -> TraceAudit | None:

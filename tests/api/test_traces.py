@@ -8,7 +8,7 @@ from transformers import AutoTokenizer
 
 from api.models import Rollout, Worker
 from api.services import trust
-from tests.factories import new_user, ok, traced_step
+from tests.factories import new_job, new_user, ok, traced_step
 
 
 def test_a_trained_group_is_shown_token_by_token(api, tiny_model_dir):
@@ -77,3 +77,31 @@ def test_a_clawed_back_groups_trace_does_not_say_it_cost_the_job_money(api, tiny
     # What the traces say the job paid for its groups must agree with what the ledger says it paid their worker.
     assert all(c is None or abs(c) < 1e-12 for c in shown), \
         f"traces say the groups cost {shown} while the ledger nets their worker to $0.00 (clawed back)"
+
+
+def test_a_trace_does_not_name_another_tenants_job_in_its_workers_evidence(api, tiny_model_dir):
+    """GET /v1/workers/{id} shows a user a worker's latest evidence (`trust_reason`) with every other tenant's job
+    and rollout ids replaced (api/services/tenancy.py): the possession check, for one, strikes a worker with
+    "... of job job_<bob's> wrongly". The trace of the owner's own group (GET /v1/jobs/{id}/rollouts/{rollout},
+    /traces, and the dashboard's step page, which puts it in the trust badge's title) must read the same."""
+    jid, ids, alice, _ = traced_step(api, tiny_model_dir)
+    _, bob = new_user(api, "bob")
+    bobs = new_job(bob, name="bobs-secret-run")["id"]
+
+    with api.db.session() as s:  # what the possession check writes when the worker lies about Bob's weights
+        worker_id = s.get_one(Rollout, ids[0]).worker_id
+        worker = s.get_one(Worker, worker_id)
+        trust.strike(s, worker, f"answered the possession challenge for version(s) [3] of job {bobs} wrongly: "
+                                "it claimed weights it does not hold", api.server.settings)
+        s.commit()
+
+    # The worker endpoint keeps Bob's job from Alice...
+    seen = ok(alice.get(f"/v1/workers/{worker_id}"))
+    assert bobs not in (seen["trust_reason"] or "") and "another job" in seen["trust_reason"]
+
+    # ... and so must the trace of Alice's own group, and the step's traces (the dashboard's step page).
+    one = ok(alice.get(f"/v1/jobs/{jid}/rollouts/{ids[0]}"))["worker"]["trust_reason"]
+    step = [t["worker"]["trust_reason"] for t in ok(alice.get(f"/v1/jobs/{jid}/traces", params={"step": 0}))["items"]]
+    leaked = [r for r in [one, *step] if r and bobs in r]
+    assert not leaked, f"Alice's traces name Bob's job {bobs} in the worker's evidence: {leaked}"
+    assert one == seen["trust_reason"]

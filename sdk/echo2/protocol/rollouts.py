@@ -268,7 +268,9 @@ class TraceWorker(ReadModel):
     name: str | None = Field(description="Null when the worker row is gone.")
     provider_id: str | None
     trust: TrustState | None = Field(description="Its trust state now.")
-    trust_reason: str | None
+    trust_reason: str | None = Field(description="The latest evidence behind its trust state, as GET "
+                                     "/v1/workers/{id} shows it to you (other tenants' job and rollout ids "
+                                     "replaced).")
 
 
 class TraceAudit(ReadModel):
