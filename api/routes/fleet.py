@@ -102,11 +102,17 @@ def register_worker(body: WorkerRegister, provider: CurrentProvider, db: Session
             summary="Workers you can see: all (admin), yours (provider), or those on your jobs (user)")
 def list_workers(p: AnyPrincipal, db: SessionDep, settings: SettingsDep, status: WorkerStatus | None = None,
                  job_id: Annotated[str | None, Query(max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")] = None,
+                 include_deregistered: Annotated[bool, Query(
+                     description="false leaves deregistered workers out: a provider's machines now, those its "
+                                 "`num_workers` counts (each restart of `echo2-worker join` registers a new one).")
+                 ] = True,
                  limit: Annotated[int, Query(ge=1, le=500)] = 100,
                  offset: Annotated[int, Query(ge=0, le=10_000_000)] = 0) -> Page[WorkerRead]:
     query = _visible(select(Worker), p)
     if status is not None:
         query = query.where(Worker.status == status)
+    if not include_deregistered:
+        query = query.where(Worker.status != WorkerStatus.deregistered)
     if job_id is not None:
         query = query.where(Worker.job_id == job_id)
     total = db.scalar(select(func.count()).select_from(query.subquery())) or 0

@@ -543,9 +543,13 @@ class AsyncTasks(_Tasks, AsyncResource):
 
 class _Workers(Resource):
     @endpoint(Page[WorkerRead])
-    def list(self, *, status: WorkerStatus | str | None = None, job_id: str | None = None, limit: int = 100,
-             offset: int = 0) -> Call:
-        return Call("GET", "/v1/workers", params=query(status=status, job_id=job_id, limit=limit, offset=offset))
+    def list(self, *, status: WorkerStatus | str | None = None, job_id: str | None = None,
+             include_deregistered: bool = True, limit: int = 100, offset: int = 0) -> Call:
+        """Oldest first; `include_deregistered=False` leaves out the workers that have left (a provider's machines
+        now)."""
+        return Call("GET", "/v1/workers", params=query(status=status, job_id=job_id,
+                                                       include_deregistered=include_deregistered, limit=limit,
+                                                       offset=offset))
 
     @endpoint(WorkerRead)
     def get(self, worker_id: str) -> Call:

@@ -364,6 +364,11 @@ def test_listing_filters_used_by_the_dashboard(api, tmp_path):
     by_status = ok(api.admin.get("/v1/workers", params={"status": "idle"}))
     assert {w["id"] for w in by_status["items"]} == {on_job, idle}
     assert ok(alice.get("/v1/workers", params={"job_id": job["id"]}))["total"] == 1
+    left, left_worker = new_worker(api, provider, "left")
+    assert left_worker.delete(f"/v1/workers/{left}").status_code == 204
+    registered = ok(provider.get("/v1/workers", params={"include_deregistered": "false"}))
+    assert {w["id"] for w in registered["items"]} == {on_job, idle} and registered["total"] == 2
+    assert ok(provider.get("/v1/workers"))["total"] == 3  # deregistered ones included unless asked
 
 
 def test_heartbeat_checks_the_token_before_the_body(api):

@@ -160,10 +160,13 @@ def test_providers(api, admin):
     created = admin.providers.create("gpu-co", contact="ops@example.com")
     assert created.token.startswith("e2p_") and created.provider.num_workers == 0
     new_worker(api, api.client(created.token))
+    left, worker = new_worker(api, api.client(created.token))
+    assert worker.delete(f"/v1/workers/{left}").status_code == 204
     with Client(api.url, created.token) as provider:
         me = provider.providers.me()
         assert me.id == created.provider.id and me.num_workers == 1
-        assert provider.workers.list().total == 1
+        assert provider.workers.list().total == 2
+        assert provider.workers.list(include_deregistered=False).total == 1
     assert created.provider.id in {p.id for p in admin.providers.list()}
 
 

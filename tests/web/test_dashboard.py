@@ -9,13 +9,14 @@ from __future__ import annotations
 import re
 import tarfile
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
-from api.models import Decision, Job
+from api.models import Decision, Job, Worker, utcnow
 from api.services.jobs import pause_job
 from scheduler.reconcile import tick
 from tests.conftest import ADMIN_KEY
@@ -26,6 +27,7 @@ from tests.factories import (
     forms,
     new_job,
     new_provider,
+    new_user,
     new_worker,
     ok,
     publish_forms,
@@ -405,6 +407,44 @@ def test_provider_sees_workers_and_earnings(api, ui):
     expect_text(ui, "#workers-table tbody", "a100-box")
     assert ui.page.get_by_role("link", name="Jobs").is_hidden()
     ui.shot("provider")
+
+
+def test_the_provider_page_shows_its_live_workers_after_many_restarts(api, ui):
+    """`echo2-worker join` deregisters its worker when it stops and registers a new one when it starts again, so a
+    provider that restarts its machines piles up deregistered rows (listed oldest first). The page asked for one
+    page of 500 and left out the deregistered ones in the browser: its live machines were not on it at all."""
+    body = ok(api.admin.post("/v1/providers", json={"name": "restart-lab"}), 201)
+    provider = api.client(body["token"])
+    template_id, _ = new_worker(api, provider, name="old-run")
+    with api.db.session() as s:  # 500 earlier runs of its machines, each deregistered when it stopped
+        t = s.get_one(Worker, template_id)
+        skip = {"id", "created_at", "status", "name", "audit_salt"}
+        cols = {c.key: getattr(t, c.key) for c in Worker.__table__.columns if c.key not in skip}
+        start = utcnow() - timedelta(days=60)
+        s.add_all(Worker(**cols, name=f"old-run-{i}", status="deregistered", created_at=start + timedelta(minutes=i))
+                  for i in range(500))
+        s.get_one(Worker, template_id).status = "deregistered"
+        s.commit()
+    # Today's machine: registered and working for a job.
+    _, alice = new_user(api)
+    job = new_job(alice)
+    live_id, _ = new_worker(api, provider, name="rtx-today", price_per_hour=0.4)
+    activate(api, live_id, job["id"])
+    with api.db.session() as s:
+        s.get_one(Worker, live_id).status = "active"
+        s.commit()
+    me = ok(provider.get("/v1/providers/me"))
+    assert me["num_workers"] == 1
+
+    ui.login(body["token"], expect_path="/provider")
+    expect_text(ui, "#prov-workers", "1")
+    ui.page.wait_for_timeout(500)
+    table = ui.page.locator("#workers-table tbody").inner_text()
+    active = ui.page.locator("#prov-active").inner_text()
+    price = ui.page.locator("#prov-price").inner_text()
+    assert "rtx-today" in table and active == "1" and price.startswith("$0.40"), (
+        f"the API says 1 live worker (rtx-today, active at $0.40/h); the page shows table {table!r}, "
+        f"active now {active!r}, fleet price {price!r}")
 
 
 def test_admin_creates_a_user_and_revokes_a_token(api, ui):

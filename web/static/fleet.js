@@ -114,18 +114,28 @@
       return;
     }
     $("#provider-body").hidden = false;
+    /** The provider's registered workers, every page: each restart of a machine leaves a deregistered row, and
+     * hundreds of those must not push its live ones off the page. */
+    async function liveWorkers() {
+      const workers = [];
+      for (let offset = 0; offset !== null && offset !== undefined;) {
+        const page = await api("/v1/workers" + query({ include_deregistered: false, limit: 500, offset }));
+        workers.push(...page.items);
+        offset = page.next_offset;
+      }
+      return workers;
+    }
     async function load() {
-      const [me, page] = await Promise.all([api("/v1/providers/me"), api("/v1/workers?limit=500")]);
+      const [me, workers] = await Promise.all([api("/v1/providers/me"), liveWorkers()]);
       setText("#provider-name", me.name);
       document.title = `${me.name} · Echo2`;
       setText("#prov-earnings", fmt.usd(me.earnings_usd));
       setText("#prov-workers", String(me.num_workers));
-      const active = page.items.filter((w) => w.status === "active");
+      const active = workers.filter((w) => w.status === "active");
       setText("#prov-active", String(active.length));
       setText("#prov-price", fmt.usd(active.reduce((a, w) => a + w.price_per_hour, 0)) + " / h while active");
       setText("#prov-contact", me.contact || "–");
-      const live = page.items.filter((w) => w.status !== "deregistered");
-      fillRows($("#workers-table tbody"), live.map(E2.workerRow), "No workers yet.", 11);
+      fillRows($("#workers-table tbody"), workers.map(E2.workerRow), "No workers yet.", 11);
     }
     poll(load);
   });
