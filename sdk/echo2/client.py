@@ -77,6 +77,7 @@ __all__ = ["Client", "AsyncClient", "DEFAULT_TIMEOUT", "DEFAULT_MAX_RETRIES", "p
 
 DEFAULT_MAX_RETRIES = 3
 DEFAULT_POLL_INTERVAL = 2.0
+METRICS_PAGE = 1000  # steps of metrics a call asks for: the server's default page (it answers up to 5000)
 
 
 def every(page: Callable[[int], Page[Any]]) -> list[Any]:
@@ -307,8 +308,7 @@ class _Jobs(Resource):
                     params=query(step=step, limit=limit, offset=offset))
 
     @endpoint(builtins.list[StepMetrics])
-    def metrics(self, job_id: str, *, since_step: int = 0, limit: int | None = None) -> Call:
-        """Per-step training metrics from `since_step` on, oldest first."""
+    def _metrics_page(self, job_id: str, since_step: int, limit: int) -> Call:
         return Call("GET", f"/v1/jobs/{seg(job_id, 'job_id')}/metrics",
                     params=query(since_step=since_step, limit=limit))
 
@@ -355,8 +355,26 @@ def _pause(job_id: str, job: JobRead, poll_interval: float, deadline: float | No
     return min(poll_interval, left)
 
 
+def _metrics_ask(since_step: int, rows: list[StepMetrics], limit: int | None) -> tuple[int, int] | None:
+    """The next page of metrics to ask for (`since_step`, `limit`) after `rows`, or None once `limit` are in. The
+    server answers at most a page of steps a call, so a long job's take several."""
+    left = METRICS_PAGE if limit is None else min(METRICS_PAGE, limit - len(rows))
+    return (rows[-1].step + 1 if rows else since_step, left) if left > 0 else None
+
+
 class Jobs(_Jobs, SyncResource):
     """`client.jobs`: submit, list, inspect, cancel and follow GRPO training jobs."""
+
+    def metrics(self, job_id: str, *, since_step: int = 0, limit: int | None = None) -> builtins.list[StepMetrics]:
+        """Per-step training metrics from `since_step` on, oldest first: every step (fetched a page at a time), or
+        the first `limit`."""
+        rows: builtins.list[StepMetrics] = []
+        while (ask := _metrics_ask(since_step, rows, limit)) is not None:
+            page = self._metrics_page(job_id, *ask)
+            rows += page
+            if len(page) < ask[1]:
+                break
+        return rows
 
     def follow(self, job_id: str, *, poll_interval: float = DEFAULT_POLL_INTERVAL,
                timeout: float | None = None) -> Iterator[JobRead]:
@@ -388,6 +406,16 @@ class Jobs(_Jobs, SyncResource):
 
 class AsyncJobs(_Jobs, AsyncResource):
     """`client.jobs` of `AsyncClient`: the same methods as `Jobs`, awaitable."""
+
+    async def metrics(self, job_id: str, *, since_step: int = 0,
+                      limit: int | None = None) -> builtins.list[StepMetrics]:
+        rows: builtins.list[StepMetrics] = []
+        while (ask := _metrics_ask(since_step, rows, limit)) is not None:
+            page = await self._metrics_page(job_id, *ask)
+            rows += page
+            if len(page) < ask[1]:
+                break
+        return rows
 
     async def follow(self, job_id: str, *, poll_interval: float = DEFAULT_POLL_INTERVAL,
                      timeout: float | None = None) -> AsyncIterator[JobRead]:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from echo2 import Client
 
+from api.models import Job, StepMetric
 from tests.conftest import ADMIN_KEY, Api
 from tests.factories import DrivenJob, drive_job, fake_model_folder
 
@@ -49,6 +50,18 @@ def driven(api: Api, alice: User, tmp_path: Path) -> Iterator[DrivenJob]:
     driven = drive_job(api, job.id, folder, staleness_hist=[1, 1])
     yield driven
     driven.learner.close()
+
+
+def long_job(api: Api, alice: User, steps: int) -> str:
+    """A job with `steps` steps of metrics, more than the server answers in one page (1,000 by default)."""
+    job = alice.client.jobs.create({**SPEC, "name": "long-run", "max_steps": 5000})
+    with api.db.session() as s:  # what the learner's step reports leave behind
+        s.add_all(StepMetric(job_id=job.id, step=i, t_train_s=0.1, reward_mean=i / steps, groups=4,
+                             groups_dropped=0, staleness_hist=[4], tokens=100, cost_usd=0.001 * i)
+                  for i in range(steps))
+        s.get_one(Job, job.id).step = steps
+        s.commit()
+    return job.id
 
 
 @pytest.fixture(scope="session")

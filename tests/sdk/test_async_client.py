@@ -13,7 +13,7 @@ from echo2.protocol import JobRead, JobStatus, RolloutStatus, StepMetrics
 from tests.conftest import ADMIN_KEY
 from tests.factories import new_worker
 
-from .conftest import SPEC
+from .conftest import SPEC, long_job
 
 
 def test_async_configuration(api, monkeypatch):
@@ -129,3 +129,14 @@ def test_async_datasets_and_tasks(alice, api, tmp_path):
 def _digests(root):
     return {p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
             for p in root.rglob("*") if p.is_file()}
+
+
+def test_async_metrics_returns_every_step(api, alice):
+    jid = long_job(api, alice, 1200)
+
+    async def main() -> None:
+        async with AsyncClient(api.url, alice.key) as client:
+            assert [m.step for m in await client.jobs.metrics(jid)] == list(range(1200))
+            assert [m.step for m in await client.jobs.metrics(jid, since_step=10, limit=5)] == list(range(10, 15))
+
+    asyncio.run(main())

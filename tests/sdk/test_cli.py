@@ -16,7 +16,7 @@ from sqlalchemy import select
 from api.models import DatasetUpload
 from tests.conftest import ADMIN_KEY
 
-from .conftest import SPEC
+from .conftest import SPEC, long_job
 
 HEAVY = ("pydantic", "httpx", "api", "fastapi", "sqlalchemy", "torch", "transformers", "learner")
 
@@ -129,6 +129,18 @@ def test_errors_are_one_line(api, alice):
     missing = echo2("datasets", "upload", "d", "/nonexistent.jsonl", url=url, key=key)
     assert one_line_error(missing) == "echo2: error: /nonexistent.jsonl does not exist"
     assert echo2("jobs", "frobnicate").returncode == 2
+
+
+def test_metrics_shows_every_step(api, alice):
+    """The server answers at most a page of steps a call; `echo2 jobs metrics` of a 1,200-step job printed steps
+    0-999 with no word that the rest were left out."""
+    jid = long_job(api, alice, 1200)
+    out = echo2("jobs", "metrics", jid, url=api.url, key=alice.key)
+    assert out.returncode == 0, out.stderr
+    shown = [line.split()[0] for line in out.stdout.splitlines()[1:]]
+    assert shown == [str(i) for i in range(1200)], f"printed {len(shown)} rows, the last step {shown[-1]}"
+    tail = echo2("jobs", "metrics", jid, "--since", "1100", url=api.url, key=alice.key)
+    assert [line.split()[0] for line in tail.stdout.splitlines()[1:]] == [str(i) for i in range(1100, 1200)]
 
 
 def test_watch_follows_a_job_to_the_end(api, alice, driven):

@@ -25,7 +25,7 @@ from echo2.protocol import (
 from tests.conftest import ADMIN_KEY
 from tests.factories import activate, new_provider, new_worker
 
-from .conftest import SPEC
+from .conftest import SPEC, long_job
 
 
 def test_configuration_from_arguments_or_environment(api, monkeypatch):
@@ -229,3 +229,15 @@ def _assert_same_folder(expected, got):
                 for p in root.rglob("*") if p.is_file()}
 
     assert digests(got) == digests(expected)
+
+
+def test_metrics_returns_every_step_from_since_step_on(api, alice):
+    """GET /v1/jobs/{id}/metrics answers at most a page of steps (1,000 by default); `jobs.metrics()` promises
+    every step from `since_step` on, so a 1,200-step job's must not end at step 999."""
+    jid = long_job(api, alice, 1200)
+    rows = alice.client.jobs.metrics(jid)
+    assert [m.step for m in rows] == list(range(1200)), (
+        f"jobs.metrics() promises the metrics from since_step on; it returned {len(rows)} of 1200 steps "
+        f"(the last {rows[-1].step})")
+    assert [m.step for m in alice.client.jobs.metrics(jid, since_step=150, limit=1001)] == list(range(150, 1151))
+    assert [m.step for m in alice.client.jobs.metrics(jid, since_step=1199)] == [1199]

@@ -90,7 +90,8 @@ def _add_insight(jc: Any, conn: Parser) -> None:
     """metrics, report, explain: what a job did and why."""
     metrics = jc.add_parser("metrics", parents=[conn], help="per-step training metrics")
     metrics.add_argument("job_id", metavar="JOB_ID")
-    metrics.add_argument("--since", type=int, default=0, metavar="STEP")
+    metrics.add_argument("--since", type=int, default=0, metavar="STEP",
+                         help="the first step shown (default 0); every step from it on is shown")
     metrics.add_argument("--json", action="store_true")
     metrics.set_defaults(func=_metrics)
 
