@@ -94,6 +94,9 @@ def update_job(job_id: str, body: JobUpdate, user: CurrentUser, db: SessionDep) 
 
 
 @router.post("/jobs/{job_id}/cancel", operation_id="cancel_job", summary="Cancel a job",
+             description="Training stops now. Of its weights the newest version stays downloadable; earlier "
+                         "versions are deleted at once (410) unless the server keeps them as checkpoints "
+                         "(ECHO2_KEEP_VERSIONS_EVERY).",
              responses={409: {"description": "The job already finished."}})
 def cancel_job(job_id: str, user: CurrentUser, db: SessionDep, blobs: BlobsDep, checkpoints: CheckpointsDep,
                settings: SettingsDep) -> JobRead:

@@ -268,7 +268,8 @@ class _Jobs(Resource):
 
     @endpoint(JobRead)
     def cancel(self, job_id: str) -> Call:
-        """Cancel a job; `ConflictError` if it already finished."""
+        """Cancel a job; `ConflictError` if it already finished. Its newest version stays downloadable; earlier
+        ones are deleted unless the server keeps them as checkpoints (ECHO2_KEEP_VERSIONS_EVERY)."""
         return Call("POST", f"/v1/jobs/{seg(job_id, 'job_id')}/cancel")
 
     @endpoint(JobRead)

@@ -341,6 +341,33 @@ def test_cancel_a_job_after_confirming(api, ui, training):
     assert ok(training["alice"].get(f"/v1/jobs/{job['id']}"))["status"] == "cancelled"
 
 
+def test_the_cancel_dialog_says_which_versions_stay_downloadable(api, ui, training):
+    """Cancelling ends the job, and retention keeps of an ended job's weights its newest version and every n-th one
+    published in full with ECHO2_KEEP_VERSIONS_EVERY (0 here): the dialog said "its published versions stay
+    downloadable" while every earlier version the page offered answered 410 once confirmed."""
+    job, alice = training["job"], training["alice"]
+    for step, reward in enumerate([0.3, 0.7, 0.4]):  # versions 1, 2 (a delta only) and 3 published
+        train_step(api, job, training["learner"], training["worker"], training["root"], step, reward)
+    offered = [v["version"] for v in ok(alice.get(f"/v1/jobs/{job['id']}/versions"))
+               if v["available"] and v["total_size"] is not None]
+    assert 1 in offered and 3 in offered, offered
+
+    ui.login(training["key"])
+    ui.goto(f"/jobs/{job['id']}")
+    expect_text(ui, "#sum-version", "3")
+    ui.page.locator('#ckpt-version option[value="1"]').wait_for(state="attached")
+    ui.page.get_by_role("button", name="Cancel job").click()
+    dialog = ui.page.get_by_role("dialog")
+    promise = dialog.inner_text()
+    assert "newest version (now 3) stays downloadable; earlier versions are deleted" in promise, promise
+    dialog.get_by_role("button", name="Cancel job").click()
+    expect_text(ui, "#job-status", "cancelled")
+
+    checkpoint = f"/v1/jobs/{job['id']}/checkpoint"
+    kept = [v for v in offered if alice.get(checkpoint, params={"version": v}).status_code == 200]
+    assert kept == [3], f"the dialog said {promise!r}; after confirming, versions {kept} of the {offered} offered stay"
+
+
 def test_a_paused_job_says_why_and_raising_its_budget_queues_it_again(api, ui, tmp_path):
     key, alice = user_key(api)
     job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), budget_usd=0.5,

@@ -64,10 +64,18 @@ E2.page("job", () => {
     $("#download").disabled = job.version === null || job.version === undefined;
   }
 
+  /** What cancelling keeps: retention (api/services/retention.py, README "Operating") deletes at once every version
+   * of an ended job but its newest and those the server keeps as checkpoints (ECHO2_KEEP_VERSIONS_EVERY). */
+  function cancelText() {
+    const stops = `“${job.name}” stops training now`;
+    if (job.version === null || job.version === undefined) return `${stops}. This cannot be undone.`;
+    return `${stops}. Its newest version (now ${job.version}) stays downloadable; earlier versions are deleted ` +
+      "unless the server keeps them as checkpoints (ECHO2_KEEP_VERSIONS_EVERY): download any you want first. " +
+      "This cannot be undone.";
+  }
+
   $("#cancel").addEventListener("click", async () => {
-    const ok = await E2.confirmAction("Cancel this job?",
-      `“${job.name}” stops training now; its published versions stay downloadable. This cannot be undone.`,
-      "Cancel job");
+    const ok = await E2.confirmAction("Cancel this job?", cancelText(), "Cancel job");
     if (!ok) return;
     try {
       job = await api(base + "/cancel", { method: "POST" });
