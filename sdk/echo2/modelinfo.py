@@ -66,13 +66,28 @@ def vocab_size(read: Reader) -> int | None:
 
 def context_length(read: Reader) -> int | None:
     """Tokens a sequence of the model may hold, prompt and completion (config.json `max_position_embeddings`, GPT-2's
-    `n_positions`, or its text_config's): every worker stops a sample there, whatever max_new_tokens asks."""
+    `n_positions`, or its text_config's), stretched by a RoPE scaling factor as vLLM stretches it: every worker
+    stops a sample there, whatever max_new_tokens asks."""
     config = read("config.json")
     for part in (config, config.get("text_config") or {}):
         value = part.get("max_position_embeddings", part.get("n_positions"))
         if isinstance(value, int) and value > 0:
-            return value
+            return int(value * _rope_factor(part, config.get("model_type") or ""))
     return None
+
+
+# RoPE types whose max_position_embeddings is already the scaled length (vLLM's _get_and_verify_max_len).
+SCALED_ALREADY = ("su", "longrope", "llama3", "yarn", "deepseek_yarn", "deepseek_llama_scaling", "default")
+
+
+def _rope_factor(config: dict[str, Any], model_type: str) -> float:
+    """A linear or dynamic RoPE scaling's factor (config rope_scaling, or rope_parameters), else 1."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters")
+    if not isinstance(rope, dict) or "gemma3" in model_type:
+        return 1.0
+    kind, factor = rope.get("rope_type", rope.get("type")), rope.get("factor")
+    ok = kind not in SCALED_ALREADY and isinstance(factor, int | float) and factor >= 1
+    return float(factor) if ok else 1.0
 
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")

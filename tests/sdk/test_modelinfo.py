@@ -1,6 +1,6 @@
 """What a worker needs to generate for a job, from the model's config.json and its published weights."""
 
-from echo2.modelinfo import eos_token_ids, generation_memory_gib, weight_bytes
+from echo2.modelinfo import context_length, eos_token_ids, generation_memory_gib, weight_bytes
 
 QWEN3_4B = {"num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
             "hidden_size": 2560, "torch_dtype": "bfloat16"}
@@ -29,3 +29,20 @@ def test_an_eos_that_is_a_regular_vocabulary_token_is_a_stop_id():
     assert eos_token_ids(lambda name: files.get(name, {})) == {2}
     files["tokenizer.json"]["model"] = {"type": "Unigram", "vocab": [["<unk>", 0.0], ["<s>", 0.0], ["</s>", 0.0]]}
     assert eos_token_ids(lambda name: files.get(name, {})) == {2}
+
+
+def test_the_context_is_stretched_by_a_rope_scaling_factor_as_vllm_stretches_it():
+    """vLLM serves a linear or dynamic RoPE scaling model past max_position_embeddings (by its factor) and stops
+    samples there; the door held such a model to max_position_embeddings and would strike its honest samples past
+    it. YaRN, llama3 and longrope configs give the scaled length already (vLLM's _get_and_verify_max_len)."""
+    def length(**config):  # type: ignore[no-untyped-def]
+        return context_length({"config.json": {"max_position_embeddings": 2048, **config}}.get)
+
+    assert length() == 2048
+    assert length(rope_scaling={"type": "linear", "factor": 4.0}) == 8192
+    assert length(rope_scaling={"rope_type": "dynamic", "factor": 2}) == 4096
+    assert length(rope_parameters={"rope_type": "linear", "factor": 2.0}) == 4096
+    for kind in ("yarn", "llama3", "longrope", "default"):
+        assert length(rope_scaling={"rope_type": kind, "factor": 4.0}) == 2048, kind
+    assert length(model_type="gemma3_text", rope_scaling={"rope_type": "linear", "factor": 8.0}) == 2048
+    assert context_length({"config.json": {"n_positions": 1024}}.get) == 1024  # GPT-2
