@@ -4,11 +4,11 @@ Retention (what `GET /api/v1/checkpoints` shows as `expires_at`, and docs/TINKER
 - a state saved with save_state lives in the control plane's store (api/tinker/states.py) until it is deleted
   or its `ttl_seconds` pass; no TTL: kept until deleted;
 - a sampler checkpoint lives in the memory of the host holding its model, so at most as long as its model
-  (its session); a TTL ends it sooner. Its fleet versions are collected by the fleet job's retention (the
-  last two versions and the base are kept).
+  (its session: `service.finish_session` deletes its row); a TTL ends it sooner. Its fleet versions are
+  collected by the fleet job's retention (the last two versions and the base are kept).
 Deleting, or expiring, removes the row at once (the API no longer lists or loads it) and the state's file
 once no copy names it; a sampler checkpoint's weights are dropped from its host's memory by a request queued
-on its model (`drop_checkpoint`), which the host runs in order with the model's other requests.
+on its live model (`drop_checkpoint`), which the host runs in order with the model's other requests.
 
 A copy (`copy_weights`) is a new training run (a model that cannot be trained on, `kind="copy"`) holding one
 checkpoint that names the same stored file: no bytes are duplicated, and its TTL is its own. Only states can

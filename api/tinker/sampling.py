@@ -74,7 +74,7 @@ def asample(body: SampleRequest, user: TinkerUser, db: SessionDep, key: Idempote
                        field="sampling_session_id")
     _refuse_unsupported(body)
     sampler = service.owned_sampler(db, user.id, body.sampling_session_id)
-    model = service.owned_model(db, user.id, sampler.model_id)
+    model = service.sampled_model(db, user.id, sampler)
     payload = _payload(body, sampler.checkpoint, sampler.inflight)
     _check_fits(payload, model.info.get("vocab_size"), model.info.get("max_context_length"))
     row = queueing.enqueue(db, model, RequestKind.sample, payload.model_dump(mode="json"), key)

@@ -24,7 +24,7 @@ from echo2.protocol.tinker import (
     SavePayload,
     SessionStatus,
 )
-from sqlalchemy import func, null, select, update
+from sqlalchemy import delete, func, null, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -104,6 +104,16 @@ def owned_sampler(db: Session, owner_id: str, sampler_id: str) -> TinkerSampler:
     return row
 
 
+def sampled_model(db: Session, owner_id: str, sampler: TinkerSampler) -> TinkerModel:
+    """The model a sampling session draws from. A sampler opened in another session on a checkpoint whose own
+    session has ended since is told that its checkpoint ended: creating a new ServiceClient would not bring it back."""
+    model = db.get(TinkerModel, sampler.model_id)
+    if model is not None and model.session_id != sampler.session_id and sampler.model_path \
+            and session_ended(db, model):
+        raise sampler_ended(db, sampler.model_path, model)
+    return owned_model(db, owner_id, sampler.model_id)
+
+
 def new_model(db: Session, settings: Settings, session: TinkerSession, model_id: str, kind: ModelKind,
               base_model: str, lora: dict | None, idempotency_key: str | None = None) -> TinkerModel:
     """A model for a create call; for a repeat of the call that made it (a retried POST, even when its first
@@ -137,12 +147,26 @@ def parse_checkpoint_path(db: Session, owner_id: str, path: str) -> TinkerCheckp
         raise ApiError(400, f"model_path {path!r} is not tinker://MODEL/sampler_weights/NAME", field="model_path")
     model = db.get(TinkerModel, parts[0])
     row = db.get(TinkerCheckpoint, (parts[0], parts[2], CheckpointKind.sampler))
+    if model is not None and model.owner_id == owner_id and session_ended(db, model):
+        raise sampler_ended(db, path, model)
     if model is None or model.owner_id != owner_id or row is None or expired(row):
         raise ApiError(404, f"checkpoint {path} not found", field="model_path")
     if model.status == ModelStatus.failed:
         raise ApiError(400, f"checkpoint {path}: its model failed: {model.error}", field="model_path")
     owned_session(db, owner_id, model.session_id)
     return row
+
+
+def sampler_ended(db: Session, path: str, model: TinkerModel) -> ApiError:
+    """The answer for a sampler checkpoint whose session ended: its weights went with its model (the host dropped
+    them), and weights outlive a session only as a state saved with save_state, so that is what to tell."""
+    session = db.get(TinkerSession, model.session_id)
+    why = session.finish_reason if session is not None else "deleted"
+    return ApiError(404, f"sampler checkpoint {path} ended with the session that saved it ({model.session_id}, "
+                         f"{why}): sampler weights last as long as their session. To sample trained weights in a "
+                         "later session, save_state them before it ends, then load the state there "
+                         "(create_training_client_from_state) and save_weights_and_get_sampling_client",
+                    field="model_path")
 
 
 def saved_state(db: Session, owner_id: str, path: str) -> TinkerCheckpoint:
@@ -164,12 +188,16 @@ def expired(row: TinkerCheckpoint) -> bool:
 
 
 def finish_session(db: Session, session: TinkerSession, reason: str) -> None:
-    """End a session: its unfinished requests fail, and hosts drop its models at their next claim."""
+    """End a session: its unfinished requests fail, and hosts drop its models at their next claim. Its sampler
+    checkpoints go now (the API no longer lists or loads them), as deleted ones do: their weights are in those
+    models' memory, which the hosts drop with the models (no drop_checkpoint is queued on a model that ends)."""
     if session.status == SessionStatus.finished:
         return
     session.status, session.finish_reason, session.finished_at = SessionStatus.finished, reason, utcnow()
     models = select(TinkerModel.id).where(TinkerModel.session_id == session.id)
     fail_requests(db, TinkerRequest.model_id.in_(models), f"the session ended ({reason})", ErrorCategory.user)
+    db.execute(delete(TinkerCheckpoint).where(TinkerCheckpoint.model_id.in_(models),
+                                              TinkerCheckpoint.kind == CheckpointKind.sampler))
     fleet.end_jobs(db, models, f"its Tinker session ended ({reason})")
 
 

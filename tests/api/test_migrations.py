@@ -166,6 +166,33 @@ def test_a_state_and_a_sampler_checkpoint_may_share_a_name_after_upgrade_and_the
     engine.dispose()
 
 
+def test_the_sampler_checkpoints_of_sessions_that_ended_before_0038_are_deleted_and_states_stay(empty_database):
+    upgrade(empty_database, "0037")
+    engine = sa.create_engine(empty_database)
+    meta = sa.MetaData()
+    users, sessions, models, checkpoints = (sa.Table(name, meta, autoload_with=engine) for name in (
+        "users", "tinker_sessions", "tinker_models", "tinker_checkpoints"))
+    now = datetime.now(UTC)
+    session = {"owner_id": "usr_1", "sdk_version": "0.38.0", "tags": [], "heartbeat_at": now, "created_at": now}
+    model = {"owner_id": "usr_1", "kind": "train", "base_model": "echo2:tiny", "status": "ready", "info": {},
+             "created_at": now}
+    row = {"name": "final", "step": 1, "created_at": now, "inflight": False}
+    with engine.begin() as conn:
+        conn.execute(users.insert().values(id="usr_1", name="alice", role="user", created_at=now))
+        conn.execute(sessions.insert(), [{**session, "id": "live", "status": "active"},
+                                         {**session, "id": "ended", "status": "finished"}])
+        conn.execute(models.insert(), [{**model, "id": "m_live", "session_id": "live"},
+                                       {**model, "id": "m_ended", "session_id": "ended"}])
+        conn.execute(checkpoints.insert(), [{**row, "model_id": "m_live", "kind": "sampler"},
+                                            {**row, "model_id": "m_ended", "kind": "sampler"},
+                                            {**row, "model_id": "m_ended", "kind": "training", "sha256": "ab" * 32}])
+    upgrade(empty_database)
+    with engine.connect() as conn:
+        left = sorted(tuple(r) for r in conn.execute(sa.text("SELECT model_id, kind FROM tinker_checkpoints")))
+    engine.dispose()
+    assert left == [("m_ended", "training"), ("m_live", "sampler")]
+
+
 def test_a_workers_unpaid_time_becomes_its_current_jobs_and_back(empty_database):
     upgrade(empty_database, "0032")
     engine = sa.create_engine(empty_database)

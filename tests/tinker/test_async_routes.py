@@ -1,7 +1,8 @@
 """The routes of issue 31 over HTTP without the SDK or models, the test playing the learner host: stability records
 and stable_reinforce's door, an in-flight request yielding to the model's training between its segments, the
-checkpoint life cycle (list, TTL, copy, delete, expiry: gone from the API and from disk), and the billing call
-answered from the Tinker ledger. tests/tinker/test_sdk_async.py runs the same calls with the SDK and a real host."""
+checkpoint life cycle (list, TTL, copy, delete, expiry, a sampler checkpoint ending with its session: gone from the
+API and from disk), and the billing call answered from the Tinker ledger. tests/tinker/test_sdk_async.py runs the
+same calls with the SDK and a real host."""
 
 from __future__ import annotations
 
@@ -33,6 +34,18 @@ def sampler_of(api, client, model_id: str, seq: int = 0, kind: str = "snapshot")
                                                                      "sampling_session_seq_id": seq}))
     report(api, claim(api, holding=[model_id])["work"], step=0)
     return ok(retrieve(client, save["request_id"]))["sampling_session_id"]
+
+
+def save_sampler(api, client, model_id: str, name: str) -> str:
+    """save_weights_for_sampler under `name`; its tinker:// path."""
+    future = ok(client.post("/api/v1/save_weights_for_sampler", json={"model_id": model_id, "path": name}))
+    report(api, claim(api, holding=[model_id])["work"], step=1)
+    return ok(retrieve(client, future["request_id"]))["path"]
+
+
+def open_sampler(client, session: str, seq: int, model_path: str):
+    return client.post("/api/v1/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": seq,
+                                                                "model_path": model_path})
 
 
 def asample(client, sampler: str, prompt: list[int], n: int = 1, **extra) -> dict:
@@ -189,6 +202,33 @@ def test_checkpoints_are_listed_expire_copy_and_delete_from_the_api_and_the_disk
     ok(client.delete(f"/api/v1/training_runs/{model_id}/checkpoints/sampler_weights/sampler-5"))
     work = claim(api, holding=[model_id])["work"]
     assert (work["kind"], work["payload"]) == ("drop_checkpoint", {"name": "sampler-5"})  # the host forgets it
+
+
+def test_ending_a_session_ends_its_sampler_checkpoints_and_loading_one_says_how_to_keep_weights(api):
+    """docs/TINKER.md: a sampler checkpoint lives at most as long as its model (its session), and ending the session
+    removes it from the API at once (listing, loading, sampling). After the session that saved it ended (the host
+    dropped the model and its weights), it stayed listed with expires_at None, i.e. kept until deleted, and
+    create_sampling_client on its listed path was refused with "create a new ServiceClient", which cannot help."""
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    session, model_id = ready_model(api, client)
+    path = save_sampler(api, client, model_id, "final")
+    later = ok(client.post("/api/v1/create_session", json={"tags": [], "sdk_version": "0.38.0"}))["session_id"]
+    sampler = ok(open_sampler(client, later, 0, path))["sampling_session_id"]  # opened while its session lives
+    ok(client.post(f"/api/v1/sessions/{session}/finish", json={"reason": {"type": "success"}}))
+    assert claim(api, holding=[model_id])["drop"] == [model_id]  # the host forgets the model and its weights
+
+    assert path not in {c["tinker_path"] for c in ok(client.get("/api/v1/checkpoints"))["checkpoints"]}
+    assert ok(client.get(f"/api/v1/training_runs/{model_id}/checkpoints"))["checkpoints"] == []
+    assert ok(client.get(f"/api/v1/training_runs/{model_id}"))["last_sampler_checkpoint"] is None
+    assert client.post("/api/v1/weights_info", json={"tinker_path": path}).status_code == 404
+    opened = open_sampler(client, later, 1, path)
+    assert opened.status_code == 404 and "ended with the session that saved it" in opened.json()["detail"]
+    assert "save_state" in opened.json()["detail"] and "ServiceClient" not in opened.json()["detail"]
+    drawn = client.post("/api/v1/asample", json={"sampling_session_id": sampler, "num_samples": 1,
+                                                 "prompt": {"chunks": [{"tokens": [1, 2]}]},
+                                                 "sampling_params": {"max_tokens": 3}})
+    assert drawn.status_code == 404 and "save_state" in drawn.json()["detail"], drawn.text
 
 
 def test_billing_usage_is_the_tinker_ledger_by_hour_and_kind(api):
