@@ -142,8 +142,15 @@ def checkpoint_path(model_id: str, kind: CheckpointKind, name: str) -> str:
 
 
 def parse_checkpoint_path(db: Session, owner_id: str, path: str) -> TinkerCheckpoint:
+    """The sampler checkpoint a sampling client opens. A state's path (`weights/NAME`) is refused, not read as
+    the sampler checkpoint of that name: the two are different weights (the cookbook saves both under one name)."""
     parts = path.removeprefix("tinker://").split("/")
-    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] not in ("sampler_weights", "weights"):
+    if path.startswith("tinker://") and len(parts) == 3 and parts[1] == "weights":
+        raise ApiError(400, f"model_path {path!r} is a state (save_state): sampling takes a sampler checkpoint, "
+                            "tinker://MODEL/sampler_weights/NAME (save_weights_for_sampler); to sample a state, "
+                            "load it (create_training_client_from_state) and save_weights_and_get_sampling_client",
+                       field="model_path")
+    if not path.startswith("tinker://") or len(parts) != 3 or parts[1] != "sampler_weights":
         raise ApiError(400, f"model_path {path!r} is not tinker://MODEL/sampler_weights/NAME", field="model_path")
     model = db.get(TinkerModel, parts[0])
     row = db.get(TinkerCheckpoint, (parts[0], parts[2], CheckpointKind.sampler))

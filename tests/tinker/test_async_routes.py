@@ -43,6 +43,13 @@ def save_sampler(api, client, model_id: str, name: str) -> str:
     return ok(retrieve(client, future["request_id"]))["path"]
 
 
+def save_state(api, client, model_id: str, name: str, data: bytes) -> str:
+    """save_state under `name`, the test host uploading `data` as its file; its tinker:// path."""
+    future = ok(client.post("/api/v1/save_weights", json={"model_id": model_id, "path": name}))
+    report(api, claim(api, holding=[model_id])["work"], step=1, state=upload_state(api, data))
+    return ok(retrieve(client, future["request_id"]))["path"]
+
+
 def open_sampler(client, session: str, seq: int, model_path: str):
     return client.post("/api/v1/create_sampling_session", json={"session_id": session, "sampling_session_seq_id": seq,
                                                                 "model_path": model_path})
@@ -229,6 +236,23 @@ def test_ending_a_session_ends_its_sampler_checkpoints_and_loading_one_says_how_
                                                  "prompt": {"chunks": [{"tokens": [1, 2]}]},
                                                  "sampling_params": {"max_tokens": 3}})
     assert drawn.status_code == 404 and "save_state" in drawn.json()["detail"], drawn.text
+
+
+def test_a_state_path_does_not_open_a_sampler_on_the_sampler_checkpoint_of_the_same_name(api):
+    """create_sampling_client(model_path=tinker://RUN/weights/NAME): sampling takes sampler weights. A state path
+    was accepted whenever a *sampler* checkpoint of the same name existed, and the client then sampled that
+    sampler checkpoint's weights, not the state's the user named (here saved 10 steps apart); it must be refused
+    as a state path, saying what sampling takes (it was a bare 404 when no sampler checkpoint shared the name)."""
+    _, alice = new_user(api)
+    client = sdk(api, key_of(alice))
+    session, model_id = ready_model(api, client)
+    state = save_state(api, client, model_id, "step10", b"the state of step 10")
+    save_sampler(api, client, model_id, "step10")  # later weights, saved under the same name
+    opened = open_sampler(client, session, 0, state)
+    assert opened.status_code == 400, (opened.status_code, opened.text)
+    assert "sampler_weights" in opened.json()["detail"]
+    alone = open_sampler(client, session, 1, save_state(api, client, model_id, "step20", b"the state of step 20"))
+    assert alone.status_code == 400 and "sampler_weights" in alone.json()["detail"], alone.text
 
 
 def test_billing_usage_is_the_tinker_ledger_by_hour_and_kind(api):
