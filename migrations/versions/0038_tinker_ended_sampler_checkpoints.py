@@ -3,7 +3,7 @@ went with their models, yet the API listed them as kept until deleted)
 
 Revision ID: 0038
 Revises: 0037
-Create Date: 2026-12-08 10:00:00
+Create Date: 2026-12-07 23:20:00
 """
 import sqlalchemy as sa
 from alembic import op
