@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import functools
 import gc
+import re
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
@@ -44,6 +45,8 @@ from .storage import BlobStore
 from .telemetry import MetricsMiddleware, Telemetry
 from .tinker import futures as tinker_futures
 
+# The routes weight and checkpoint chunks are PUT to: the only ones given max_chunk_bytes.
+CHUNK_PUTS = re.compile(r"/v1/jobs/[^/]+/(versions/\d+(/delta)?|learner/checkpoints/\d+)/chunks/\d+")
 DESCRIPTION = """Echo2 control plane: RL post-training jobs run by a central GRPO learner with rollouts
 from distributed workers under a staleness bound S. Authenticate with `Authorization: Bearer <token>`:
 a user API key, a provider token, a worker token or a job's learner token. Errors are
@@ -111,7 +114,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         HeartbeatPath, route=next(r for r in fleet.router.routes if getattr(r, "operation_id", None)
                                   == "worker_heartbeat"), telemetry=telemetry, limit=settings.max_body_bytes)
     app.add_middleware(errors.BodyLimit, default_limit=settings.max_body_bytes,
-                       large_limit=settings.max_chunk_bytes, large_suffix="/chunks/")
+                       large_limit=settings.max_chunk_bytes, large_paths=CHUNK_PUTS)
     app.add_middleware(MetricsMiddleware, telemetry=telemetry)
     web.install(app)
     logs.configure(settings.log_format, settings.log_level)  # no-op when the CLI configured it first

@@ -1,7 +1,9 @@
 import hashlib
 import io
+import json
 import tarfile
 
+import httpx
 import pytest
 from echo2.snapshots import build_manifest, iter_stream
 
@@ -131,3 +133,35 @@ def test_manifest_paths_cannot_escape_the_folder(api, setup):
         manifest["files"][0]["path"] = bad
         r = learner.post(f"/v1/jobs/{jid}/versions", json={"full": manifest})
         assert r.status_code == 422 and "full.files.0.path" in r.json()["errors"][0]["field"]
+
+
+def _over_default(api) -> int:
+    return api.server.settings.max_body_bytes + 2**20  # past the 16 MiB default, far below the 64 MiB chunk limit
+
+
+def test_a_dataset_part_put_to_an_upload_named_chunks_is_held_to_the_default_limit(api):
+    """The 64 MiB chunk limit went to any PUT whose path held "/chunks/", a path its caller writes: naming an id
+    "chunks" gave any PUT route 4x the body limit, read before its token was checked (review finding)."""
+    _, alice = new_user(api)
+    body = b"x" * _over_default(api)
+    r = alice.put("/v1/datasets/uploads/chunks/parts/0", content=body,
+                  headers={"Content-Type": "application/octet-stream", "X-Echo2-Sha256": "0" * 64})
+    assert r.status_code == 413, (r.status_code, r.text[:200])
+
+
+def test_a_json_route_with_a_segment_named_chunks_is_held_to_the_default_limit_before_authentication(api):
+    # PUT /v1/users/{user_id}/quotas with user_id "chunks": no token at all; FastAPI reads and parses the body
+    # before it resolves the admin dependency, so the API buffers and json-parses up to 64 MiB for anyone.
+    pad = "0," * (_over_default(api) // 2)
+    body = ('{"max_concurrent_jobs": 1, "pad": [' + pad + '0]}').encode()
+    with httpx.Client(base_url=api.server.url, timeout=60) as anonymous:
+        r = anonymous.put("/v1/users/chunks/quotas", content=body, headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, (r.status_code, r.text[:200])
+
+
+def test_a_tinker_ttl_put_with_segment_chunks_is_held_to_the_default_limit(api):
+    _, alice = new_user(api)
+    body = json.dumps({"ttl_seconds": 3600, "pad": "x" * _over_default(api)}).encode()
+    r = alice.put("/api/v1/training_runs/run/checkpoints/chunks/name/ttl", content=body,
+                  headers={"Content-Type": "application/json"})
+    assert r.status_code == 413, (r.status_code, r.text[:200])
