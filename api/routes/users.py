@@ -60,6 +60,17 @@ def create_key(user_id: str, caller: CurrentUser, db: SessionDep) -> ApiKeyCreat
     return ApiKeyCreated(token=TokenRead.model_validate(row), api_key=plain)
 
 
+@router.get("/users/{user_id}/keys", operation_id="list_api_keys",
+            summary="A user's API keys, their metadata (the user themself or an admin); secrets are never shown")
+def list_keys(user_id: str, caller: CurrentUser, db: SessionDep, include_revoked: bool = False) -> list[TokenRead]:
+    if caller.id != user_id and caller.role != "admin":
+        raise ApiError(404, f"user {user_id} not found")
+    query = select(Token).where(Token.kind == "user", Token.principal_id == user_id)
+    if not include_revoked:
+        query = query.where(Token.revoked_at.is_(None))
+    return [TokenRead.model_validate(t) for t in db.scalars(query.order_by(Token.created_at))]
+
+
 @router.get("/tokens", operation_id="list_tokens", summary="List token metadata (admin); secrets are never shown")
 def list_tokens(_: AdminUser, db: SessionDep, kind: TokenKind | None = None,
                 include_revoked: bool = False,
@@ -72,18 +83,21 @@ def list_tokens(_: AdminUser, db: SessionDep, kind: TokenKind | None = None,
     return [TokenRead.model_validate(t) for t in db.scalars(query.order_by(Token.created_at).limit(limit))]
 
 
-@router.delete("/tokens/{token_id}", status_code=204, operation_id="revoke_token", summary="Revoke a token (admin)")
-def revoke_token(token_id: str, admin: AdminUser, db: SessionDep) -> None:
+@router.delete("/tokens/{token_id}", status_code=204, operation_id="revoke_token",
+               summary="Revoke a token: any (admin), or one of the caller's own API keys (a leaked key, a rotation)",
+               responses={409: {"description": "It is the caller's last API key: create another first."}})
+def revoke_token(token_id: str, caller: CurrentUser, db: SessionDep) -> None:
     token = db.get(Token, token_id)
-    if token is None:
+    own = token is not None and token.kind == "user" and token.principal_id == caller.id
+    if token is None or not (own or caller.role == "admin"):  # another's answers as an unknown one
         raise ApiError(404, f"token {token_id} not found")
-    if token.kind == "user" and token.principal_id == admin.id and _last_admin_key(db, admin.id, token.id):
-        raise ApiError(409, "refusing to revoke your last admin key: create another first")
+    if own and _last_key(db, caller.id, token.id):
+        raise ApiError(409, "refusing to revoke your last API key: create another first (POST /v1/users/{id}/keys)")
     auth.revoke(db, token)
     db.commit()
 
 
-def _last_admin_key(db: SessionDep, admin_id: str, token_id: str) -> bool:
-    others = db.scalars(select(Token.id).where(Token.kind == "user", Token.principal_id == admin_id,
+def _last_key(db: SessionDep, user_id: str, token_id: str) -> bool:
+    others = db.scalars(select(Token.id).where(Token.kind == "user", Token.principal_id == user_id,
                                                Token.revoked_at.is_(None), Token.id != token_id))
     return others.first() is None

@@ -60,6 +60,7 @@ from .protocol import (
     RolloutTrace,
     StepMetrics,
     TaskInfo,
+    TokenRead,
     UploadCreate,
     UploadRead,
     UserCreate,
@@ -659,6 +660,17 @@ class _Users(Resource):
     @endpoint(ApiKeyCreated)
     def create_key(self, user_id: str) -> Call:
         return Call("POST", f"/v1/users/{seg(user_id, 'user_id')}/keys")
+
+    @endpoint(builtins.list[TokenRead])
+    def list_keys(self, user_id: str, *, include_revoked: bool = False) -> Call:
+        """A user's API keys (mine, or any as admin): ids, prefixes, dates; never the secrets."""
+        return Call("GET", f"/v1/users/{seg(user_id, 'user_id')}/keys",
+                    params=query(include_revoked=include_revoked or None))
+
+    @endpoint(None)
+    def revoke_key(self, token_id: str) -> Call:
+        """Revoke one of my API keys (a leaked one, or an old one once its successor works); not my last."""
+        return Call("DELETE", f"/v1/tokens/{seg(token_id, 'token_id')}")
 
     @endpoint(UserRead)
     def set_quotas(self, user_id: str, *, max_concurrent_jobs: int | None = None,

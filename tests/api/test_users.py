@@ -47,7 +47,7 @@ def test_admin_cannot_revoke_own_last_key(api):
     tokens = ok(api.admin.get("/v1/tokens", params={"kind": "user"}))
     assert len(tokens) == 1
     r = api.admin.delete(f"/v1/tokens/{tokens[0]['id']}")
-    assert r.status_code == 409 and "last admin key" in r.json()["detail"]
+    assert r.status_code == 409 and "last API key" in r.json()["detail"]
 
 
 def test_validation_errors_name_the_field(api):
@@ -64,3 +64,32 @@ def test_revoked_tokens_are_listed_only_on_request(api):
     assert key not in {t["id"] for t in ok(api.admin.get("/v1/tokens"))}
     revoked = {t["id"]: t for t in ok(api.admin.get("/v1/tokens", params={"include_revoked": True}))}
     assert revoked[key]["revoked_at"] is not None
+
+
+def test_a_user_lists_and_revokes_its_own_api_keys_but_never_its_last(api):
+    """A key a user minted for a CI runner leaked: it could not revoke it (DELETE /v1/tokens/{id} was admin-only,
+    and it could not list its keys to name it), so a rotation left every old key working (review finding)."""
+    alice_id, alice = new_user(api, "alice")
+    minted = ok(alice.post(f"/v1/users/{alice_id}/keys"), 201)
+    leaked = api.client(minted["api_key"])
+    keys = ok(alice.get(f"/v1/users/{alice_id}/keys"))
+    assert minted["token"]["id"] in {k["id"] for k in keys} and len(keys) == 2
+    assert all("api_key" not in k for k in keys)
+
+    assert alice.delete(f"/v1/tokens/{minted['token']['id']}").status_code == 204
+    assert leaked.get("/v1/me").status_code == 401
+    last = ok(alice.get(f"/v1/users/{alice_id}/keys"))[0]["id"]
+    refused = alice.delete(f"/v1/tokens/{last}")
+    assert refused.status_code == 409 and "last API key" in refused.json()["detail"]
+    revoked = ok(alice.get(f"/v1/users/{alice_id}/keys", params={"include_revoked": True}))
+    assert {k["id"]: k["revoked_at"] is not None for k in revoked} == {last: False, minted["token"]["id"]: True}
+
+
+def test_another_user_can_neither_list_nor_revoke_alices_keys(api):
+    alice_id, alice = new_user(api, "alice")
+    _, bob = new_user(api, "bob")
+    minted = ok(alice.post(f"/v1/users/{alice_id}/keys"), 201)
+    assert bob.delete(f"/v1/tokens/{minted['token']['id']}").status_code == 404  # as an unknown id
+    assert bob.get(f"/v1/users/{alice_id}/keys").status_code == 404
+    assert ok(api.client(minted["api_key"]).get("/v1/me"))["id"] == alice_id
+    assert api.admin.delete(f"/v1/tokens/{minted['token']['id']}").status_code == 204  # an admin may

@@ -53,6 +53,9 @@ def test_users(api, admin, alice):
     assert key.api_key.startswith("e2u_") and key.token.principal_id == alice.id
     with Client(api.url, key.api_key) as again:
         assert again.users.me().id == alice.id
+    assert key.token.id in {k.id for k in alice.client.users.list_keys(alice.id)}
+    alice.client.users.revoke_key(key.token.id)  # rotated: the old key retired
+    assert key.token.id not in {k.id for k in alice.client.users.list_keys(alice.id)}
     bob = admin.users.create("bob", role="admin")
     assert bob.user.role == "admin"
 
