@@ -114,7 +114,12 @@ class Auditor:
         model = load_causal_lm(self.model_path, dtype=dtype, use_safetensors=True)
         model = model.to(self.device)
         if self.spec.lora is not None:
-            model = with_adapter(model, self.spec.lora)
+            # Its adapter's initialisation draws nothing from the trainer's random stream: dropout masks drawn after
+            # an audit differed from a relaunched learner's (which audits nothing while it replays), so a replay
+            # of a LoRA job with dropout was not bit-exact.
+            on = torch.device(self.device)
+            with torch.random.fork_rng(devices=[on.index or 0] if on.type == "cuda" else []):
+                model = with_adapter(model, self.spec.lora)
             from peft import get_peft_model_state_dict
 
             if not self._zero_adapter:  # the first model's; a shadow's would be a cast of the same zeros
