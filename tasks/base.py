@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from echo2.protocol.common import reason
+from echo2.protocol.learner import REWARD_BOUND
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
@@ -184,7 +185,7 @@ class TaskAdapter(ABC):
         text and a task may call out (http_reward), and neither may stop the learner. A task that raises
         anything but ScoringError is logged with its traceback: that is the task's bug."""
         try:
-            return self.reward(prompt, completion, params)
+            return bounded_reward(self.reward(prompt, completion, params))
         except ScoringError as exc:
             return str(exc)
         except Exception as exc:  # noqa: BLE001 - see above
@@ -235,3 +236,11 @@ def derive_seed(*parts: object) -> int:
 def check_count(count: int) -> None:
     if not 0 <= count <= MAX_PROMPTS_PER_CALL:
         raise TaskError(f"count must be between 0 and {MAX_PROMPTS_PER_CALL}, got {count}")
+
+
+def bounded_reward(value: float | None) -> float | None:
+    """`value`, or the ScoringError that says why it cannot be used: the learner reports rewards and their means
+    within ±REWARD_BOUND (a verifier answering 2e6 trained the step and then crashed its report, at every launch)."""
+    if value is not None and not -REWARD_BOUND <= value <= REWARD_BOUND:
+        raise ScoringError(f"reward {value:g} is outside ±{REWARD_BOUND:g}: scale the task's rewards into that range")
+    return value

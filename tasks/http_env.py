@@ -25,7 +25,7 @@ from typing import Any
 
 from pydantic import Field
 
-from tasks.base import Episode, TaskError, TaskParams, TaskPrompt, Turn
+from tasks.base import Episode, ScoringError, TaskError, TaskParams, TaskPrompt, Turn, bounded_reward
 from tasks.http_reward import GaveUp, HttpRewardParams, HttpRewardTask, ReplyTooLarge
 from tasks.registry import register
 
@@ -59,7 +59,10 @@ def _turn(body: Any, url: str) -> Turn:
         reward = body.get("reward")
         if isinstance(reward, bool) or not isinstance(reward, int | float) or not math.isfinite(reward):
             raise TaskError(f"http_env {url}: a reply with done=true needs a finite number `reward`")
-        return Turn(observation=None, done=True, reward=float(reward))
+        try:
+            return Turn(observation=None, done=True, reward=bounded_reward(float(reward)))
+        except ScoringError as exc:
+            raise TaskError(f"http_env {url}: {exc}") from None
     observation = body.get("observation")
     if not isinstance(observation, str):
         raise TaskError(f"http_env {url}: a reply with done=false needs a string `observation`")

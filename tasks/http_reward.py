@@ -1,7 +1,7 @@
 """`http_reward`: the user's own verifier behind an HTTP endpoint.
 
 For each completion the learner POSTs JSON {"prompt", "completion", "reference"} to `url` and expects
-a finite number back, either bare (`0.5`) or as {"reward": 0.5}. Transport errors, timeouts, 429 and
+a finite number within ±1e6 back (REWARD_BOUND), either bare (`0.5`) or as {"reward": 0.5}. Transport errors, timeouts, 429 and
 5xx are retried `max_retries` times with exponential backoff (honouring Retry-After, capped), through
 `echo2.transport`; once they are spent, any other failure or an invalid reply raises ScoringError
 naming it: the group is not trained, and a job whose endpoint keeps failing pauses with that reason.

@@ -13,7 +13,8 @@ from .metrics import MismatchStats
 from .rollouts import SampleSubmit
 
 RolloutId = Annotated[str, StringConstraints(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_\-]+$")]
-Reward = Annotated[float, Field(ge=-1e6, le=1e6)]
+REWARD_BOUND = 1e6  # a task's rewards, and so their step means, stay within ±this (tasks.base.bounded_reward)
+Reward = Annotated[float, Field(ge=-REWARD_BOUND, le=REWARD_BOUND)]
 
 
 class LearnerStartReply(ReadModel):
@@ -125,8 +126,8 @@ class StepReport(Model):
     audit_s: float = Field(0.0, ge=0, le=86_400, description="Learner seconds spent auditing in this step.")
     rewards: list[RolloutRewards] = Field(default_factory=list, max_length=4096)
     t_train_s: float = Field(ge=0, le=86_400)
-    reward_mean: float | None = Field(None, ge=-1e6, le=1e6)
-    reward_std: float | None = Field(None, ge=0, le=1e6)
+    reward_mean: float | None = Field(None, ge=-REWARD_BOUND, le=REWARD_BOUND)
+    reward_std: float | None = Field(None, ge=0, le=REWARD_BOUND)
     loss: float | None = Field(None, ge=-1e9, le=1e9)
     kl: float | None = Field(None, ge=-1e9, le=1e9)
     clip_frac: float | None = Field(None, ge=0, le=1)
@@ -178,7 +179,7 @@ class EvalReport(Model):
     prompts: int = Field(ge=1, le=4096)
     greedy_accuracy: float | None = Field(None, ge=0, le=1)
     sampled_accuracy: float | None = Field(None, ge=0, le=1)
-    sampled_reward_mean: float | None = Field(None, ge=-1e6, le=1e6)
+    sampled_reward_mean: float | None = Field(None, ge=-REWARD_BOUND, le=REWARD_BOUND)
     seconds: float = Field(ge=0, le=86_400)
     greedy_answers: list[Annotated[str, StringConstraints(max_length=4096)]] | None = Field(
         None, max_length=4096, description="Each held-out prompt's greedy answer, in the order of the prompts "
