@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -93,6 +94,7 @@ class GRPOTrainer:
         """Check, audit, score, train. Groups refused on the way are in `rejected`, never trained."""
         start = time.perf_counter()
         result = StepResult()
+        self._schedule(t)
         groups = self._admit(groups, result)
         rows = self._score(groups, t, result)
         self._audit_unscored(groups, result)
@@ -103,8 +105,17 @@ class GRPOTrainer:
                 result.rejected[groups[gi].rollout_id] = "its loss or gradient was not finite (poisoned logprobs)"
                 result.rewards.pop(groups[gi].rollout_id, None)
         _reward_stats(result)
+        self._schedule(t + 1)
         result.seconds = time.perf_counter() - start
         return result
+
+    def _schedule(self, t: int) -> None:
+        """The learning rate of learner step `t`: the schedule is per learner step, one with no optimiser step
+        (every group without signal) included, else each such step delayed the whole schedule."""
+        with warnings.catch_warnings():  # a step with no update steps the schedule too, as meant here
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)` before")
+            while self.scheduler.last_epoch < t:
+                self.scheduler.step()
 
     def audit_claimed(self, groups: list[ClaimedGroup]) -> list[AuditReport]:
         """Audit the groups picked for it as soon as they are claimed, before the step: the verdicts go to the
@@ -276,8 +287,6 @@ class GRPOTrainer:
                             ref_model=self.ref_model, pad_id=self.pad_id, world=self.world,
                             computing=self.weights.computing,
                             support=(g.top_k, g.top_p) if g.support_replay else None)
-        if stats["stepped"]:
-            self.scheduler.step()
         result.groups_dropped += int(stats["dropped_groups"])
         result.loss, result.kl = stats.get("loss", 0.0), stats.get("kl", 0.0)
         result.clip_frac, result.tokens = stats.get("clip_frac", 0.0), int(stats.get("tokens", 0))
