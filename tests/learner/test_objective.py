@@ -280,3 +280,18 @@ def test_forged_logprobs_cannot_overflow_the_corrections():
         loss.backward()
         assert math.isfinite(loss.item()) and math.isfinite(logp.grad.item())
         assert all(math.isfinite(v) for v in stats.values())
+
+
+def test_every_eps_low_a_jobspec_accepts_builds_the_learners_objective():
+    """GRPOConfig.eps_low accepted 1.0, which the objective refuses: the job was accepted and its learner died at
+    start, relaunched, died again (review finding). The spec now refuses it with a 422 naming the field."""
+    from echo2.protocol import JobSpec
+    from pydantic import ValidationError
+
+    from learner.trainer import objective_config
+
+    base = {"name": "j", "base_model": "echo2:tiny", "task": {"name": "arithmetic"}}
+    with pytest.raises(ValidationError, match="grpo.eps_low"):
+        JobSpec.model_validate({**base, "grpo": {"eps_low": 1.0}})
+    for eps in (0.0, 0.2, 0.999):
+        assert objective_config(JobSpec.model_validate({**base, "grpo": {"eps_low": eps}})).eps_low == eps

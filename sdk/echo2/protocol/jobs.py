@@ -79,7 +79,7 @@ class GRPOConfig(Model):
     group_size: int = Field(8, ge=2, le=64, description="G: samples generated per prompt.")
     prompts_per_step: int = Field(16, ge=1, le=1024, description="Prompt groups per learner step (R).")
     lr: float = Field(1e-5, gt=0, le=1.0, description="AdamW learning rate.")
-    eps_low: float = Field(0.2, ge=0, le=1.0, description="Lower clip: ratio >= 1 - eps_low.")
+    eps_low: float = Field(0.2, ge=0, lt=1.0, description="Lower clip: ratio >= 1 - eps_low (which stays above 0).")
     eps_high: float = Field(0.28, ge=0, le=10.0, description="Upper clip: ratio <= 1 + eps_high.")
     ratio_cap: float = Field(2.0, ge=1.0, le=100.0, description="Cap on the importance ratio of stale samples.")
     kl_coef: float = Field(0.0, ge=0, le=10.0, description="Coefficient of the KL penalty to the base model.")
