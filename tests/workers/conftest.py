@@ -111,6 +111,7 @@ class RunningWorker:
         assert not self.thread.is_alive(), "worker did not drain in time"
         if self.relay is not None:
             self.relay.stop()
+        self.store.close()  # the process ended: the next worker on the data dir takes its versions over
         return self.result[0]
 
 

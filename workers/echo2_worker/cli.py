@@ -71,7 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
                            "a 135M model on an H100, after about a minute of compiling for each new batch shape "
                            "(docs/BENCHMARKS.md)")
     join.add_argument("--max-prompts", type=_prompts, default=8, help="prompts per lease (1 to 256)")
-    join.add_argument("--data-dir", type=Path, default=None, help="where weight versions are kept")
+    join.add_argument("--data-dir", type=Path, default=None,
+                      help="where weight versions are kept (default: the user cache dir); each worker running on "
+                           "the machine keeps its own folder in it (versions, versions-2, ...)")
     join.add_argument("--no-bench", action="store_true", help="register without measuring throughput first")
     join.add_argument("--new", action="store_true", help="register a new worker even if one is saved for --server")
     join.add_argument("--json", action="store_true", default=logs.env_format() == "json",
@@ -192,6 +194,7 @@ def _join(args: argparse.Namespace) -> int:
         control.close()
         if relay is not None:
             relay.stop()
+        store.close()
 
 
 def check_version(control: Any, server: str, backend: str) -> None:

@@ -10,10 +10,16 @@ HF folder made from (`echo2.deltas.apply_delta`, which checks every file and wri
 Nothing unverified is ever written under `chunks/`, `model/` or `rebuilt/`. Base models that LoRA
 adapters apply to are also kept in `{root}/_shared/{digest}/` (hard links), so a worker fetches a base
 once for every job on it.
+
+Each running worker has a root of its own: two `echo2-worker join` on one machine share a --data-dir, and each
+deletes every version it does not need. A store claims `{data_dir}/versions` with a lock held while it runs
+(released when the process ends, however it ends), or, taken, the first free of `versions-2`, `versions-3`, ...;
+a restarted worker takes over whichever folder is free, and what its job does not need is swept.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -21,6 +27,7 @@ import re
 import shutil
 import threading
 from pathlib import Path
+from typing import BinaryIO
 
 from echo2.deltas import Folder
 from echo2.protocol import Form, Manifest
@@ -31,6 +38,7 @@ _SAFE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
 _FOLDER = re.compile(r"^v(\d{1,8})(\.delta)?$")
 _SUFFIX = {Form.full: "", Form.delta: ".delta"}
 SHARED = "_shared"  # base models LoRA jobs share, by digest
+CLAIM = "claim.lock"  # in a root: locked by the process whose store keeps its versions there
 
 
 class HeldVersion:
@@ -45,13 +53,8 @@ class HeldVersion:
         self.model_dir = path / "model"
         self.rebuilt_dir = path / "rebuilt"  # a delta's HF folder, once applied
         self._chunk_dir = path / "chunks"
-        self._held = [False] * len(manifest.chunks)
         self._cond = threading.Condition()
-        self.complete = is_complete(self.model_dir) and self._marker_matches()
-        if self.complete:
-            self._held = [True] * len(manifest.chunks)
-        else:
-            self._recover_chunks()
+        self._take_stock()
 
     @property
     def num_chunks(self) -> int:
@@ -132,7 +135,11 @@ class HeldVersion:
         if self.missing():
             raise SnapshotError(f"version {self.version}: {len(self.missing())} chunks still missing")
         shutil.rmtree(self.model_dir, ignore_errors=True)
-        assemble(self.manifest, lambda i: (self._chunk_dir / str(i)).read_bytes(), self.model_dir)
+        try:
+            assemble(self.manifest, lambda i: (self._chunk_dir / str(i)).read_bytes(), self.model_dir)
+        except FileNotFoundError:  # a chunk deleted behind this process (by hand, a cleanup): fetched again next
+            self._take_stock()
+            raise
         self.complete = True
         shutil.rmtree(self._chunk_dir, ignore_errors=True)
         return self.model_dir
@@ -150,11 +157,16 @@ class HeldVersion:
                 out += fh.read(hi - lo)
         return bytes(out)
 
-    def _marker_matches(self) -> bool:
-        return _marker_matches(self.model_dir, self.manifest)
+    def _take_stock(self) -> None:
+        """What is on disk: the assembled folder, else the chunks that still verify (after a restart, or chunks
+        that vanished)."""
+        self.complete = is_complete(self.model_dir) and _marker_matches(self.model_dir, self.manifest)
+        self._held = [self.complete] * len(self.manifest.chunks)
+        if not self.complete:
+            self._recover_chunks()
 
     def _recover_chunks(self) -> None:
-        """After a restart, keep the chunks already on disk that still verify."""
+        """Keep the chunks on disk that still verify."""
         if not self._chunk_dir.is_dir():
             return
         for entry in self._chunk_dir.iterdir():
@@ -172,8 +184,7 @@ class VersionStore:
     """Every version held on disk, by (job, version); the relay server and the downloader share it."""
 
     def __init__(self, root: Path) -> None:
-        self.root = Path(root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root, self._claim = _claim(Path(root))
         self._versions: dict[tuple[str, int, Form], HeldVersion] = {}
         self._lock = threading.Lock()
 
@@ -263,6 +274,10 @@ class VersionStore:
             self._versions[key] = held
             return held
 
+    def close(self) -> None:
+        """Release the root for the next store (a restarted worker); the process's end does it too."""
+        self._claim.close()
+
     def versions(self, job_id: str) -> list[HeldVersion]:
         with self._lock:
             return sorted((v for (j, _, _), v in self._versions.items() if j == job_id), key=lambda v: v.version)
@@ -290,6 +305,24 @@ class VersionStore:
                     shutil.rmtree(vdir, ignore_errors=True)
             if not any(job_dir.iterdir()):
                 job_dir.rmdir()
+
+
+def _claim(root: Path) -> tuple[Path, BinaryIO]:
+    """`root`, or the first of `root-2`, `root-3`, ... that no other process holds, and its lock (kept open)."""
+    folder, n = root, 1
+    while True:
+        folder.mkdir(parents=True, exist_ok=True)
+        lock = open(folder / CLAIM, "ab")  # noqa: SIM115 (held open for the store's life: the lock goes with it)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            n += 1
+            folder = root.with_name(f"{root.name}-{n}")
+            continue
+        if folder != root:
+            log.info("%s is in use by another worker on this machine: keeping versions in %s", root, folder)
+        return folder, lock
 
 
 def _marker_matches(folder: Path, manifest: Manifest) -> bool:
