@@ -1,5 +1,5 @@
 """The worker loop against a real control plane (SQLite and PostgreSQL): accepted rollouts, drain,
-weight swaps, staleness, relay peers (honest and lying)."""
+weight swaps, staleness, relay peers (honest and lying), a load that fails."""
 
 from __future__ import annotations
 
@@ -11,6 +11,9 @@ import pytest
 import uvicorn
 from echo2.prompting import encode_prompt
 from echo2.protocol import Manifest
+from echo2.transport import RetryPolicy
+from echo2_worker import versions
+from echo2_worker.backends.base import BackendError
 from echo2_worker.backends.transformers_backend import TransformersBackend
 from sqlalchemy import select
 from transformers import AutoTokenizer
@@ -292,3 +295,61 @@ def test_a_worker_told_an_unreachable_address_for_weights_names_the_setting_to_f
             "(its ECHO2_PUBLIC_URL)") in said()[0]
     assert "ask its operator to set ECHO2_PUBLIC_URL to an address workers can reach" in said()[0]
     worker.drain()
+
+
+# -- a load that fails -------------------------------------------------------------------------------------
+# Loading a model on a GPU fails transiently in ordinary ways (CUDA out of memory while another process on the card
+# frees its memory, a vLLM engine that fails to start once). A failed generation was retried, a failed load
+# (`Versions._swap`, from `Worker._hold`) left `Worker.run`, whose `finally` deregistered the worker (its token
+# revoked, its credentials forgotten by the CLI): the process exited after one transient error.
+
+
+class FlakyLoad(TransformersBackend):
+    """The real transformers backend, whose first load on this machine fails (as a CUDA OOM would)."""
+
+    failures = 0
+
+    def __init__(self) -> None:
+        super().__init__(device="cpu")
+
+    def load(self, model_dir, adapter_dir=None, *, lora_rank=None):  # type: ignore[no-untyped-def]
+        if FlakyLoad.failures == 0:
+            FlakyLoad.failures += 1
+            raise BackendError("CUDA out of memory. Tried to allocate 20.00 MiB (transient)")
+        return super().load(model_dir, adapter_dir, lora_rank=lora_rank)
+
+
+def test_a_load_that_fails_once_does_not_end_the_worker(api: Api, tiny_model_dir: Path, worker_factory) -> None:
+    FlakyLoad.failures = 0
+    setup = start_job(api, tiny_model_dir)
+    w = worker_factory(setup, backend_factory=FlakyLoad)
+    wait_for(lambda: FlakyLoad.failures == 1, 120, "the first load to fail")
+    w.thread.join(10)
+    assert w.thread.is_alive(), (
+        f"one failed load ended the worker: it is {worker_row(api, w.worker_id)['status']} on the control plane "
+        "(a failed generation is retried; a failed load is not)")
+    wait_for(lambda: rollouts(api, setup.id, "accepted"), 120, "accepted rollouts after the load is retried")
+
+
+class NeverLoads(TransformersBackend):
+    def __init__(self) -> None:
+        super().__init__(device="cpu")
+
+    def load(self, model_dir, adapter_dir=None, *, lora_rank=None):  # type: ignore[no-untyped-def]
+        raise BackendError("CUDA out of memory. Tried to allocate 20.00 MiB")
+
+
+def test_a_load_that_keeps_failing_is_said_and_retried_while_the_worker_stays(
+        api: Api, tiny_model_dir: Path, worker_factory, caplog: pytest.LogCaptureFixture,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(versions, "DOWNLOAD_PAUSES", RetryPolicy(initial_delay=0.1, max_delay=0.2))
+    setup = start_job(api, tiny_model_dir)
+    w = worker_factory(setup, backend_factory=NeverLoads)
+
+    def said() -> list[str]:
+        return [r.getMessage() for r in caplog.records if r.levelname == "ERROR" and "failed to load" in r.getMessage()]
+
+    wait_for(said, 120, "the worker to say its load keeps failing")
+    assert said()[0].startswith(f"version 0 of job {setup.id} failed to load 3 times in a row: this worker generates "
+                                "nothing until it loads")
+    assert w.thread.is_alive() and worker_row(api, w.worker_id)["status"] != "deregistered"

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field, replace
 from echo2.protocol import Assignment
 
 from .backends import GenerationBackend, GenRequest, GenSample
-from .backends.base import FinishReason
+from .backends.base import BackendError, FinishReason
 from .versions import Versions
 
 SEGMENTS = 8  # a full-length sample is interrupted at most this often: each interruption re-prefills it
@@ -97,7 +97,8 @@ class PartialRollouts:
         a = self._assignment()
         if a is not None and a.job_id == loaded[0] and a.version > loaded[1]:
             self.versions.hold(a, lambda: self._parents(a))
-        assert self.versions.loaded is not None
+        if self.versions.loaded is None:  # the swap failed and unloaded (Versions._load_failed): the lease goes back
+            raise BackendError("the newer version failed to load mid-lease")
         return self.versions.loaded[1]
 
     def generate(self, requests: list[GenRequest]) -> Iterator[list[tuple[int, list[VersionedSample]]]]:

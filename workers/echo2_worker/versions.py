@@ -10,7 +10,8 @@ what the delta was made against, or a file does not rebuild to its hash) is refu
 dropped, the next heartbeat no longer reports it, and the control plane's next plan starts from a
 keyframe. A LoRA job's versions are adapters: the backend loads the base (the job's version 0, kept by
 digest for every job on it) with the adapter. Downloads run in a thread while the loaded version, still
-admissible, keeps generating.
+admissible, keeps generating. A load that fails (a GPU out of memory for a moment) leaves the backend empty and
+is tried again after a pause, longer each time, with an error in the log from the third failure in a row.
 """
 
 from __future__ import annotations
@@ -44,15 +45,16 @@ VersionKey = tuple[str, int]  # (job id, version)
 
 
 PAUSES = RetryPolicy(initial_delay=0.5, max_delay=MAX_BACKOFF_S)  # after failed bookings and generations
-DOWNLOAD_PAUSES = RetryPolicy(initial_delay=1.0, max_delay=MAX_BACKOFF_S)
+DOWNLOAD_PAUSES = RetryPolicy(initial_delay=1.0, max_delay=MAX_BACKOFF_S)  # and loads
+LOAD_FAILURES_SAID = 3  # failed loads in a row, from which each is logged as an error, with what to check
 
 
 class Versions:
     """The versions on disk and the one in the backend.
 
     Threads: `hold` (and so every swap) runs on the worker's main thread, which alone writes `loaded`,
-    `target`, `backend` and `tokenizer`; the heartbeat thread reads `loaded` and `target`, the download
-    thread `target` (and `loaded` as it ends; tuples, replaced whole). The download thread alone writes
+    `target`, `backend`, `tokenizer` and `_load_*`; the heartbeat thread reads `loaded` and `target`, the
+    download thread `target` (and `loaded` as it ends; tuples, replaced whole). The download thread alone writes
     `_retry_at` and `_failures` (read only once it has ended). `_download_lock` guards the download in
     flight (`_thread`, `_plan`) and deletions from disk; `_fetched_lock` guards `_fetched`, which the
     download writes and the heartbeat takes."""
@@ -74,6 +76,8 @@ class Versions:
         self._plan: tuple[str, set[int]] = ("", set())  # job and versions the download in flight writes
         self._retry_at = 0.0
         self._failures = 0
+        self._load_retry_at = 0.0  # after a failed load
+        self._load_failures = 0
         self.downloader = Downloader(store, origin_token=control.token, on_bad_source=on_bad_source,
                                      meter=stats.download, self_url=relay_url)
 
@@ -83,10 +87,10 @@ class Versions:
         self.target = (a.job_id, a.version)
         if self.loaded == self.target:
             return self.loaded
-        if self.store.weights(a.job_id, a.version) is not None:
-            self._swap(a)
+        if self.store.weights(a.job_id, a.version) is None:
+            self._ensure_download(a, parents)
+        elif time.monotonic() >= self._load_retry_at and self._load(a):
             return self.loaded
-        self._ensure_download(a, parents)
         admissible = self.loaded is not None and self.loaded[0] == a.job_id and self.loaded[1] >= a.min_version
         return self.loaded if admissible else None
 
@@ -114,6 +118,39 @@ class Versions:
             except (OSError, ValueError) as exc:
                 log.warning("could not prove holding version %d: %s", c.version, exc)
         return proofs
+
+    def _load(self, a: Assignment) -> bool:
+        """Swap the assigned version in. A failure (CUDA out of memory while another process frees the card, an
+        engine failing to start) is tried again after a pause, as a failed generation is, not the worker's end."""
+        try:
+            self._swap(a)
+        except Exception as exc:
+            self._load_failed(a, exc)
+            return False
+        self._load_failures = 0
+        return True
+
+    def _load_failed(self, a: Assignment, exc: Exception) -> None:
+        self._unload()  # a failed load leaves the backend half built, a failed reload half updated: start afresh
+        self._load_failures += 1
+        delay = DOWNLOAD_PAUSES.backoff(self._load_failures)
+        self._load_retry_at = time.monotonic() + delay
+        log.warning("could not load version %d of job %s (%s: %s); trying again in %.0fs", a.version, a.job_id,
+                    type(exc).__name__, exc, delay)
+        if self._load_failures >= LOAD_FAILURES_SAID:
+            log.error("version %d of job %s failed to load %d times in a row: this worker generates nothing until "
+                      "it loads. Check what else uses the GPU (nvidia-smi), lower --gpu-memory or --max-batch, or "
+                      "stop the worker (SIGTERM) and run `echo2-worker bench` to see the error alone", a.version,
+                      a.job_id, self._load_failures)
+
+    def _unload(self) -> None:
+        backend, self.backend, self.tokenizer, self.loaded = self.backend, None, None, None
+        self.stats.version_loaded = None
+        if backend is not None:
+            try:
+                backend.close()
+            except Exception as exc:  # it failed already: what it frees is best effort
+                log.warning("closing the backend after a failed load: %s: %s", type(exc).__name__, exc)
 
     def _swap(self, a: Assignment) -> None:
         job_id, version = a.job_id, a.version
