@@ -26,12 +26,13 @@ import os
 import re
 import shutil
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import BinaryIO
 
 from echo2.deltas import Folder
-from echo2.protocol import Form, Manifest
-from echo2.snapshots import SnapshotError, assemble, atomic_write, is_complete, replace_dir, verify_chunk
+from echo2.protocol import FileInfo, FileRef, Form, Manifest
+from echo2.snapshots import SnapshotError, assemble, atomic_write, replace_dir, verify_chunk
 
 log = logging.getLogger(__name__)
 _SAFE_ID = re.compile(r"^[A-Za-z0-9_\-]{1,64}$")
@@ -124,7 +125,7 @@ class HeldVersion:
         folder a delta rebuilt."""
         if self.form is Form.full:
             return Folder(self.version, self.model_dir, self.manifest.target_files()) if self.complete else None
-        if self.complete and _marker_matches(self.rebuilt_dir, self.manifest):
+        if self.complete and _intact(self.rebuilt_dir, self.manifest, self.manifest.target_files()):
             return Folder(self.version, self.rebuilt_dir, self.manifest.target_files())
         return None
 
@@ -158,9 +159,9 @@ class HeldVersion:
         return bytes(out)
 
     def _take_stock(self) -> None:
-        """What is on disk: the assembled folder, else the chunks that still verify (after a restart, or chunks
-        that vanished)."""
-        self.complete = is_complete(self.model_dir) and _marker_matches(self.model_dir, self.manifest)
+        """What is on disk: the assembled folder (each file of the size the manifest says: one cut short while the
+        worker was down is not loaded), else the chunks that still verify (after a restart, or chunks that vanished)."""
+        self.complete = _intact(self.model_dir, self.manifest, self.manifest.files)
         self._held = [self.complete] * len(self.manifest.chunks)
         if not self.complete:
             self._recover_chunks()
@@ -241,6 +242,13 @@ class VersionStore:
     def held(self, job_id: str) -> list[int]:
         """The job's versions that have a loadable folder, ascending."""
         return sorted({v.version for v in self.versions(job_id) if v.loadable() is not None})
+
+    def damaged(self, job_id: str, version: int) -> list[int]:
+        """The version, and its LoRA base, when a file of its folder does not hash to its manifest (after a failed
+        load: damage that kept the files' sizes)."""
+        parts = [version] + [b for b in [self.adapter_base(job_id, version)] if b is not None]
+        return [v for v in parts if (folder := self.loadable(job_id, v)) is not None
+                and not all(_hashes_to(folder.path / f.path, f.sha256) for f in folder.files)]
 
     def drop(self, job_id: str, version: int) -> None:
         """Forget a version (both forms) and delete it from disk: e.g. a base a delta did not match."""
@@ -325,6 +333,14 @@ def _claim(root: Path) -> tuple[Path, BinaryIO]:
         return folder, lock
 
 
+def _intact(folder: Path, manifest: Manifest, files: Sequence[FileInfo | FileRef]) -> bool:
+    """The folder was completed for this manifest (its marker) and every file is still of its size."""
+    try:
+        return _marker_matches(folder, manifest) and all((folder / f.path).stat().st_size == f.size for f in files)
+    except OSError:
+        return False
+
+
 def _marker_matches(folder: Path, manifest: Manifest) -> bool:
     try:
         marker = Manifest.model_validate_json((folder / "manifest.json").read_bytes())
@@ -339,6 +355,13 @@ def _sha256(path: Path) -> str:
         while block := fh.read(1 << 20):
             digest.update(block)
     return digest.hexdigest()
+
+
+def _hashes_to(path: Path, sha256: str) -> bool:
+    try:
+        return _sha256(path) == sha256
+    except OSError:
+        return False
 
 
 def _digest(manifest: Manifest) -> str:

@@ -11,7 +11,9 @@ dropped, the next heartbeat no longer reports it, and the control plane's next p
 keyframe. A LoRA job's versions are adapters: the backend loads the base (the job's version 0, kept by
 digest for every job on it) with the adapter. Downloads run in a thread while the loaded version, still
 admissible, keeps generating. A load that fails (a GPU out of memory for a moment) leaves the backend empty and
-is tried again after a pause, longer each time, with an error in the log from the third failure in a row.
+is tried again after a pause, longer each time, with an error in the log from the third failure in a row; files
+that no longer hash to their manifest are deleted then, and fetched again (a version whose files are not of their
+manifest's size is not taken as held at all: store.HeldVersion).
 """
 
 from __future__ import annotations
@@ -137,11 +139,25 @@ class Versions:
         self._load_retry_at = time.monotonic() + delay
         log.warning("could not load version %d of job %s (%s: %s); trying again in %.0fs", a.version, a.job_id,
                     type(exc).__name__, exc, delay)
+        self._drop_damaged(a.job_id, a.version)
         if self._load_failures >= LOAD_FAILURES_SAID:
             log.error("version %d of job %s failed to load %d times in a row: this worker generates nothing until "
                       "it loads. Check what else uses the GPU (nvidia-smi), lower --gpu-memory or --max-batch, or "
                       "stop the worker (SIGTERM) and run `echo2-worker bench` to see the error alone", a.version,
                       a.job_id, self._load_failures)
+
+    def _drop_damaged(self, job_id: str, version: int) -> None:
+        """Delete the version (or its LoRA base) when the failure was its files, damaged on disk with their sizes
+        intact; the next heartbeat no longer reports it, and its reply's plan fetches it again."""
+        damaged = self.store.damaged(job_id, version)
+        if not damaged:
+            return
+        with self._download_lock:  # deletions from disk, as in _gc
+            for v in damaged:
+                self.store.drop(job_id, v)
+        log.warning("version(s) %s of job %s do not hash to their manifest on disk: deleted, to be fetched again",
+                    damaged, job_id)
+        self._on_held()
 
     def _unload(self) -> None:
         backend, self.backend, self.tokenizer, self.loaded = self.backend, None, None, None
