@@ -256,6 +256,64 @@ def test_a_worker_shut_out_forgets_only_its_own_saved_credentials(api, tmp_path,
         "the first worker, shut out, erased the credentials the second join saved"
 
 
+def _join(control, creds, server: str, token: str, port: int, new: bool):  # type: ignore[no-untyped-def]
+    """What cli._join does with the credentials: load the server's entry, register or reuse, save."""
+    from echo2_worker.cli import _register_or_reuse
+    from echo2_worker.config import SavedWorker, now_iso
+
+    saved = creds.load(server) or SavedWorker(server=server)
+    saved.provider_token = token
+    body = _registration(port)
+    wid, wtoken, _ = _register_or_reuse(control, creds, saved, body, token, new)
+    saved.worker_id, saved.worker_token, saved.name = wid, wtoken, body.name
+    saved.registered_at = saved.registered_at or now_iso()
+    saved.registration = body.model_dump(mode="json")
+    creds.save(saved)
+    return wid, wtoken
+
+
+def test_the_first_worker_restarts_as_itself_after_a_second_joined_beside_it_with_new(api, tmp_path) -> None:
+    """A second `join` on a config dir whose worker another process runs refuses, and said: "... or pass --new to
+    register a second worker beside it" (cli._alive). With --new, the second join saved its worker in the one entry
+    credentials.json kept per server, overwriting the first's worker id and token: restarted after a crash, the
+    first process no longer found its registration, was refused ("worker <the second's> ... is heartbeating"), and
+    the only way on was --new again, a third registration, in probation from scratch. Each worker saved for the
+    server is kept now, and a join registered as one of them (its relay port) is that worker."""
+    from echo2_worker.config import CredentialStore
+    from echo2_worker.control import ControlPlane
+
+    provider_token = ok(api.admin.post("/v1/providers", json={"name": "gpu-co"}), 201)["token"]
+    creds = CredentialStore(tmp_path / "config")  # the default config dir, shared by both processes
+    control = ControlPlane(api.url)
+    first_id, _ = _join(control, creds, api.url, provider_token, 7460, new=False)  # relay on the default port
+    control.token = None
+    # The second process: its relay falls back to a free port, the join is refused, the provider adds --new.
+    second_id, second_token = _join(control, creds, api.url, provider_token, 40123, new=True)
+    assert second_id != first_id
+
+    stop = threading.Event()
+    second = api.client(second_token)
+
+    def second_process_beats() -> None:
+        while not stop.wait(0.5):
+            second.post(f"/v1/workers/{second_id}/heartbeat", json={"status": "idle"})
+
+    beats = threading.Thread(target=second_process_beats, daemon=True)
+    beats.start()
+    try:
+        # The first process is killed and started again with the same command (port 7460 is free again).
+        control.token = None
+        try:
+            restarted, _ = _join(control, creds, api.url, provider_token, 7460, new=False)
+        except ValueError as exc:
+            raise AssertionError(f"the first worker {first_id} cannot restart as itself: {exc}") from None
+        assert restarted == first_id, f"the first process came back as {restarted}, not as its worker {first_id}"
+    finally:
+        stop.set()
+        beats.join(5)
+        control.close()
+
+
 # -- a worker on probation restarted after a crash --------------------------------------------------------
 
 

@@ -113,6 +113,18 @@ def test_credentials_are_private_and_per_server(tmp_path: Path) -> None:
         normalize_server("a.example")
 
 
+def test_a_second_worker_saved_for_a_server_keeps_the_first_beside_it(tmp_path: Path) -> None:
+    store = CredentialStore(tmp_path / "cfg")
+    store.save(SavedWorker(server="http://a.example", provider_token="e2p_x", worker_id="w1", worker_token="e2w_1"))
+    store.save(SavedWorker(server="http://a.example", provider_token="e2p_x", worker_id="w2", worker_token="e2w_2"))
+    assert [w.worker_id for w in store.saved("http://a.example")] == ["w2", "w1"]
+    assert store.load("http://a.example").worker_id == "w2"
+    store.save(SavedWorker(server="http://a.example", provider_token="e2p_x", worker_id="w1", worker_token="e2w_1"))
+    assert [w.worker_id for w in store.saved("http://a.example")] == ["w1", "w2"]  # saved again: the last, once
+    store.forget_worker("http://a.example", "w2")
+    assert [w.worker_id for w in store.all()] == ["w1"]
+
+
 @pytest.mark.parametrize("url", ["http://a.example/v1", "http://a.example/v1/"])
 def test_a_server_url_ending_in_v1_is_refused(url: str) -> None:
     """The worker adds /v1/... itself: with a second /v1 it found no route, and said so only after its benchmark."""

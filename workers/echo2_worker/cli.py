@@ -75,7 +75,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="where weight versions are kept (default: the user cache dir); each worker running on "
                            "the machine keeps its own folder in it (versions, versions-2, ...)")
     join.add_argument("--no-bench", action="store_true", help="register without measuring throughput first")
-    join.add_argument("--new", action="store_true", help="register a new worker even if one is saved for --server")
+    join.add_argument("--new", action="store_true",
+                      help="register a new worker even if one is saved for --server (it stays saved: a later join "
+                           "registered as it, e.g. with its --relay-port, starts it again)")
     join.add_argument("--json", action="store_true", default=logs.env_format() == "json",
                       help=f"structured JSON logs instead of a progress line (or {logs.FORMAT_ENV}=json)")
     join.add_argument("-v", "--verbose", action="store_true")
@@ -323,12 +325,15 @@ _IDENTITY = ("name", "gpu_model", "gpu_count", "vram_gb", "price_per_hour", "reg
 
 def _register_or_reuse(control: Any, creds: Any, saved: Any, body: Any, provider_token: str | None,
                        force_new: bool) -> tuple[str, str, float]:
-    """Reuse the saved worker when it is still valid and registered with the same identity."""
+    """Reuse the saved worker when it is still valid and registered with the same identity, else replace it (unless
+    another process runs it), else register; `saved` becomes the worker saved for the server with this identity."""
     from echo2 import errors
 
     new = body.model_dump(mode="json")
+    if not force_new:
+        _take_saved_twin(creds, saved, new)
     if saved.worker_id and saved.worker_token and not force_new:
-        same = all(saved.registration.get(k) == new.get(k) for k in _IDENTITY)
+        same = _same_identity(saved.registration, new)
         control.token = saved.worker_token
         try:
             worker = control.get_worker(saved.worker_id)
@@ -341,11 +346,27 @@ def _register_or_reuse(control: Any, creds: Any, saved: Any, body: Any, provider
             log.info("registration changed; replaced worker %s", saved.worker_id)
         except (errors.AuthenticationError, errors.NotFoundError):
             pass  # deregistered or unknown to this server: register afresh
+        creds.forget_worker(saved.server, saved.worker_id)  # replaced or gone: not kept beside the new one
         control.token = None
     if provider_token is None:
         raise ValueError("the saved worker is no longer valid: pass --token PROVIDER_TOKEN to register again")
     reg = control.register(provider_token, body)
+    saved.registered_at = None  # a new worker: join dates it
     return reg.worker.id, reg.token, reg.heartbeat_interval_s
+
+
+def _take_saved_twin(creds: Any, saved: Any, new: dict[str, Any]) -> None:
+    """A join registered as a worker saved for the server (its name, price, --relay-port...) is that worker started
+    again: `saved` becomes it, though another join on this config dir (with --new) saved its own since."""
+    for other in creds.saved(saved.server):
+        if other.worker_id and other.worker_token and _same_identity(other.registration, new):
+            saved.worker_id, saved.worker_token = other.worker_id, other.worker_token
+            saved.registered_at, saved.registration = other.registered_at, other.registration
+            return
+
+
+def _same_identity(registration: dict[str, Any], new: dict[str, Any]) -> bool:
+    return all(registration.get(k) == new.get(k) for k in _IDENTITY)
 
 
 def _beating(control: Any, worker: Any) -> bool:
@@ -360,7 +381,9 @@ def _alive(worker_id: str, status: str, beat: Any) -> str:
     the first, so registered differently) deregistered the worker the first was running."""
     return (f"worker {worker_id}, saved in this config dir, is {status} and heartbeating (last {beat}): another "
             "`echo2-worker join` is running it, and registering anew would deregister it. Stop that one first, or "
-            "give this one a --config-dir of its own, or pass --new to register a second worker beside it")
+            "give this one a --config-dir of its own, or pass --new with a --relay-port (or --name) of its own to "
+            "register a second worker beside it (both stay saved: each starts again as itself, this one with the "
+            "same flags and without --new)")
 
 
 def _price(text: str) -> float:

@@ -1,7 +1,9 @@
 """Where the worker keeps things, and the registration it reuses.
 
 Credentials (the provider token and this machine's worker id + token, per server) live in
-`credentials.json` under the user's config directory (platformdirs), mode 0600, written atomically.
+`credentials.json` under the user's config directory (platformdirs), mode 0600, written atomically:
+`servers[server]` the worker saved last, `beside[server]` those other joins on this config dir saved before it
+(`join --new` registers a second worker beside the first; each restarts as itself).
 Benchmark results live next to it; weight versions under the user's cache directory (or --data-dir).
 """
 
@@ -65,34 +67,56 @@ class CredentialStore:
         try:
             data = json.loads(self.path.read_text())
         except FileNotFoundError:
-            return {"servers": {}}
+            return {"servers": {}, "beside": {}}
         except (OSError, ValueError) as exc:
             raise ValueError(f"{self.path} is unreadable ({exc}); move it away to start afresh") from None
-        return data if isinstance(data, dict) and isinstance(data.get("servers"), dict) else {"servers": {}}
+        if not (isinstance(data, dict) and isinstance(data.get("servers"), dict)):
+            return {"servers": {}, "beside": {}}
+        return data | {"beside": data["beside"] if isinstance(data.get("beside"), dict) else {}}
 
     def load(self, server: str) -> SavedWorker | None:
-        entry = self._read()["servers"].get(normalize_server(server))
-        if not isinstance(entry, dict):
-            return None
-        known = {k: v for k, v in entry.items() if k in SavedWorker.__dataclass_fields__}
-        return SavedWorker(**known)
+        """The worker saved last for the server."""
+        return next(iter(self.saved(server)), None)
+
+    def saved(self, server: str) -> list[SavedWorker]:
+        """Every worker saved for the server, the last saved first."""
+        return [_saved_worker(e) for e in _entries(self._read(), normalize_server(server))]
 
     def all(self) -> list[SavedWorker]:
-        return [SavedWorker(**{k: v for k, v in e.items() if k in SavedWorker.__dataclass_fields__})
-                for e in self._read()["servers"].values() if isinstance(e, dict)]
+        data = self._read()
+        return [_saved_worker(e) for server in data["servers"] for e in _entries(data, server)]
 
     def save(self, saved: SavedWorker) -> None:
+        """Save the worker as the server's last; the others saved for it, with a worker, stay beside it."""
         data = self._read()
-        data["servers"][saved.server] = asdict(saved)
+        others = [e for e in _entries(data, saved.server) if e.get("worker_id") not in (None, saved.worker_id)]
+        data["servers"][saved.server], data["beside"][saved.server] = asdict(saved), others
         write_private(self.path, json.dumps(data, indent=2).encode())
 
     def forget_worker(self, server: str, worker_id: str) -> None:
         """Drop the worker id and token (after deregistration); keep the provider token. Only `worker_id`'s: another
         join on this config dir may have saved its own since."""
-        saved = self.load(server)
-        if saved is not None and saved.worker_id == worker_id:
-            saved.worker_id = saved.worker_token = saved.registered_at = None
-            self.save(saved)
+        data = self._read()
+        last = data["servers"].get(server)
+        if isinstance(last, dict) and last.get("worker_id") == worker_id:
+            last.update(worker_id=None, worker_token=None, registered_at=None)
+        data["beside"][server] = [e for e in _beside(data, server) if e.get("worker_id") != worker_id]
+        write_private(self.path, json.dumps(data, indent=2).encode())
+
+
+def _entries(data: dict[str, Any], server: str) -> list[dict[str, Any]]:
+    """The server's saved workers, the last saved first."""
+    last = data["servers"].get(server)
+    return ([last] if isinstance(last, dict) else []) + _beside(data, server)
+
+
+def _beside(data: dict[str, Any], server: str) -> list[dict[str, Any]]:
+    beside = data["beside"].get(server)
+    return [e for e in beside if isinstance(e, dict)] if isinstance(beside, list) else []
+
+
+def _saved_worker(entry: dict[str, Any]) -> SavedWorker:
+    return SavedWorker(**{k: v for k, v in entry.items() if k in SavedWorker.__dataclass_fields__})
 
 
 def now_iso() -> str:
