@@ -31,7 +31,7 @@ from collections.abc import Callable
 from datetime import datetime, timedelta
 
 from echo2.protocol import JobStatus, RejectKind, RolloutStatus, TrustState, WorkerStatus
-from sqlalchemy import Exists, and_, func, or_, select
+from sqlalchemy import Exists, and_, func, not_, or_, select
 from sqlalchemy.orm import Session, aliased
 
 from api.models import Job, LedgerEntry, Provider, Rollout, Worker
@@ -85,7 +85,13 @@ def _kept(db: Session, worker: Worker) -> dict[str, float]:
 
 def _bill_learners(db: Session, settings: Settings, now: datetime, seconds: float) -> None:
     alive_since = now - timedelta(seconds=settings.learner_dead_after_s)
-    for job in db.scalars(select(Job).where(Job.status == JobStatus.running, Job.learner_heartbeat_at >= alive_since)):
+    # The learner of the current launch, not one that reported its crash: a relaunch loading its model (no beat
+    # yet) and a learner dead by its own report were billed on the last beat of the one before.
+    current = or_(Job.learner_launched_at.is_(None), Job.learner_heartbeat_at >= Job.learner_launched_at)
+    crashed = and_(Job.learner_crashed_at.is_not(None),
+                   or_(Job.learner_launched_at.is_(None), Job.learner_crashed_at >= Job.learner_launched_at))
+    for job in db.scalars(select(Job).where(Job.status == JobStatus.running, Job.learner_heartbeat_at >= alive_since,
+                                            current, not_(crashed))):
         spec = valid_spec(job)
         if spec is None:
             continue  # the tick records why on the job; its learner is billed again once it is mended

@@ -611,3 +611,29 @@ def test_the_billing_ticks_queue_count_reads_the_queues_index_not_every_rollout(
         plan = [row[-1] for row in s.connection().exec_driver_sql("EXPLAIN QUERY PLAN " + statement, parameters)]
     assert not [step for step in plan if step.startswith("SCAN rollouts")], plan
     assert any("(job_id=? AND status=?)" in step for step in plan), plan  # the queue's (or trained's) index
+
+
+def test_a_learner_that_reported_its_crash_is_not_billed_while_it_is_relaunched(api, tmp_path):
+    """A learner reports its own death (a heartbeat with an error): the scheduler relaunches it at once, and the
+    new learner loads its model without heartbeating yet. Billing still reads the dead learner's last heartbeat as
+    'alive' for `learner_dead_after_s` (30 s) after it, so the job paid the reserved learner for the dead one's
+    next 30 s while nothing ran on it (review finding)."""
+    _, alice = new_user(api)
+    job, _ = running_job(api, alice, fake_model_folder(tmp_path / "m"), learner={"price_per_hour": 3600.0})
+    t0 = utcnow()
+    with api.db.session() as s:  # the last tick ran at t0; the learner reported its crash at t0 + 1 s
+        s.merge(SchedulerState(key="last_tick", value={"at": t0.timestamp()}))
+        j = s.get_one(Job, job["id"])
+        j.learner_launched_at = t0 - timedelta(minutes=5)
+        j.learner_heartbeat_at = j.learner_crashed_at = t0 + timedelta(seconds=1)
+        j.learner_error = "RuntimeError: CUDA error"
+        s.commit()
+    _, launched = run_tick(api, now=t0 + timedelta(seconds=2))  # relaunched at once: it reported its death
+    assert [j for j, _ in launched] == [job["id"]]
+    before = ok(alice.get(f"/v1/jobs/{job['id']}"))["cost"]["learner_usd"]
+    for k in range(2, 11):  # the new learner is still loading its model: no heartbeat yet
+        run_tick(api, now=t0 + timedelta(seconds=2 * k))
+    after = ok(alice.get(f"/v1/jobs/{job['id']}"))["cost"]["learner_usd"]
+    assert after - before == 0.0, (
+        f"the job paid ${after - before:.2f} (at $1/s) for the 18 s after its learner reported its crash and "
+        f"while its relaunch loads, when no learner was alive")
