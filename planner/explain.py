@@ -89,7 +89,9 @@ def unassigned_lines(
             elif before in reasons:
                 why = f"no longer qualifies: {reasons[before]}"
             else:
-                why = "a cheaper set meets the rule without it"
+                # leaving a $0/h worker out makes no set cheaper: it goes because the job needs fewer workers
+                cheaper = "a cheaper set" if w.price_per_h else "a set of fewer workers"
+                why = f"{cheaper} meets the rule without it"
             action = Action.DEACTIVATE
         elif wid in candidates:
             action, why = Action.IDLE, "qualifies but not needed (rule met by cheaper workers)"

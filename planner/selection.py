@@ -80,16 +80,25 @@ def _greedy(pairs: list[Pair], demand: float) -> list[Pair]:
             break
         chosen.append(p)
         have += p.mu
-    if have >= demand * (1 - TOL):
-        for p in sorted(chosen, key=lambda p: -p.cost):
-            if not p.locked and have - p.mu >= demand * (1 - TOL):
-                chosen.remove(p)
-                have -= p.mu
-    return chosen
+    return _drop_redundant(chosen, demand) if have >= demand * (1 - TOL) else chosen
+
+
+def _drop_redundant(chosen: list[Pair], demand: float) -> list[Pair]:
+    """The set less each worker (not held by its dwell time) the others meet the demand without: dearest first,
+    and of equal price the slowest first, so that few are left. Every set of $0/h workers (a worker's default
+    price) costs the same, so the MILP returns any set meeting the demand, e.g. seven where three do."""
+    kept = list(chosen)
+    have = sum(p.mu for p in kept)
+    for p in sorted(kept, key=lambda p: (-p.cost, p.mu)):
+        if not p.locked and have - p.mu >= demand * (1 - TOL):
+            kept.remove(p)
+            have -= p.mu
+    return kept
 
 
 def _milp(pairs: list[Pair], demands: dict[str, float], config: SolverConfig) -> tuple[list[Pair] | None, str]:
-    """min Σ cost·x  s.t.  Σ_i μ_ij x_ij ≥ D_j per job,  Σ_j x_ij ≤ 1 per worker,  x binary."""
+    """min Σ cost·x  s.t.  Σ_i μ_ij x_ij ≥ D_j per job,  Σ_j x_ij ≤ 1 per worker,  x binary; then each job's set
+    less the workers it meets D_j without (it costs no more: prices are ≥ 0)."""
     n = len(pairs)
     if n == 0:
         return None, "no candidates"
@@ -114,6 +123,8 @@ def _milp(pairs: list[Pair], demands: dict[str, float], config: SolverConfig) ->
     if res.x is None:
         return None, res.message
     chosen = [p for p, x in zip(pairs, res.x, strict=True) if x > 0.5]
+    chosen = [p for job_id, demand in demands.items()
+              for p in _drop_redundant([p for p in chosen if p.job.job_id == job_id], demand)]
     return chosen, "milp" if res.status == 0 else f"milp (best found: {res.message})"
 
 
@@ -344,10 +355,12 @@ def lp_bound(pairs: list[Pair], demand: float) -> float:
 
 
 def current_sets(jobs: list[JobProfile], cands: Candidates, config: SolverConfig) -> dict | None:
-    """The sets serving each job now (minus workers that no longer qualify), or None when one of
-    them is more than `drift` short of its rule."""
+    """The sets serving each job now (minus workers that no longer qualify, and those the rest meet its rule
+    without: a set of $0/h workers costs no more than the LP bound, however many it holds), or None when one
+    of them is more than `drift` short of its rule."""
     current = {j.job_id: [p for p in cands.fresh[j.job_id] if p.serving] for j in jobs}
     for job in jobs:
         if sum(p.mu for p in current[job.job_id]) < required_throughput(job) * (1 - config.drift):
             return None
+        current[job.job_id] = _drop_redundant(current[job.job_id], required_throughput(job))
     return current if any(current.values()) else None

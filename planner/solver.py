@@ -1,7 +1,8 @@
 """Cost-aware activation: choose which workers serve which job.
 
 For every job, in priority order, pick the active set A minimising Σ price_i subject to the
-capacity rule (planner.capacity) and the hard constraints; a worker serves one job at a time.
+capacity rule (planner.capacity) and the hard constraints, with no worker the rest of A meets the rule
+without ($0/h workers make many sets equally cheap); a worker serves one job at a time.
 Exact MILP with `scipy.optimize.milp` under a time limit; greedy by price/μ as the fallback and
 the baseline; "all" (every live worker that can run the job) as the naive baseline.
 

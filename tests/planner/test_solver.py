@@ -9,7 +9,7 @@ from itertools import combinations
 
 import pytest
 
-from planner.capacity import JobProfile, WorkerPerf, WorkerProfile, required_throughput
+from planner.capacity import JobProfile, WorkerPerf, WorkerProfile, qualify, required_throughput
 from planner.decision import Action, Decision, SolverConfig, SolverState
 from planner.selection import _can_beat, _greedy, _joint_columns, _milp, _undominated, candidates
 from planner.solver import decide
@@ -312,6 +312,60 @@ def test_a_job_that_starts_later_gets_its_share_once_the_first_jobs_dwell_ends()
     d = decide([first, second], ws, 61.0, d.state, config)
     assert d.trigger == "dwell over: r0 may move to a job that is short"
     assert sorted(d.assignment.values()) == ["first", "first", "second", "second"]
+
+
+def volunteers(n: int) -> list[WorkerProfile]:
+    """$0/h workers (the price a worker registers with by default) of 0.4 groups/s."""
+    return [WorkerProfile(f"w{i}", price_per_h=0.0, vram_gb=80, backends=frozenset({"hf"}), mu=0.4, t_gen_s=1.0,
+                          t_bcast_s=0.0) for i in range(n)]
+
+
+def volunteer_job(job_id: str, submitted_at: float = 0.0) -> JobProfile:
+    # (1 + 0.1) * 2 / 2 s = 1.1 groups/s: three workers of 0.4 groups/s meet it, two do not
+    return JobProfile(job_id, rollouts_per_step=2, t_train_s=2.0, staleness=2, submitted_at=submitted_at)
+
+
+def test_milp_activates_no_free_worker_the_rule_does_not_need():
+    """Eight $0/h workers of 0.4 groups/s, a job needing 1.1 groups/s: three are needed. Every set costs $0, so
+    HiGHS returned whichever feasible set it found first (seven); the MILP now drops the workers its set meets the
+    rule without, as greedy does. Extra workers take leases and lease room the job does not need."""
+    j, workers = volunteer_job("j"), volunteers(8)
+    by_id = {x.worker_id: x for x in workers}
+    greedy = decide([j], workers, now=0.0, config=SolverConfig(method="greedy")).jobs[0]
+    milp = decide([j], workers, now=0.0, config=SolverConfig(method="milp")).jobs[0]
+    need = required_throughput(j)
+    redundant = [x for x in milp.worker_ids
+                 if sum(qualify(by_id[o], j).mu for o in milp.worker_ids if o != x) >= need]
+    assert len(greedy.worker_ids) == 3
+    assert not redundant and len(milp.worker_ids) == len(greedy.worker_ids), (
+        f"MILP activated {len(milp.worker_ids)} workers ({milp.throughput:.1f} groups/s) for a need of {need:.1f}; "
+        f"greedy activated {len(greedy.worker_ids)}; {len(redundant)} of the MILP's are redundant")
+
+
+def test_a_later_job_is_not_starved_by_free_workers_an_earlier_job_does_not_need():
+    """Six $0/h workers (2.4 groups/s) and two equal-priority jobs each needing 1.1 groups/s: the fleet meets both.
+    Job a, alone first, got five workers (three needed) from the MILP, held on a by their dwell time when job b
+    arrived 10 s later: b got the one left and was reported 'its fair share of a fleet too small for every job'."""
+    a, b, workers = volunteer_job("a", 0.0), volunteer_job("b", 1.0), volunteers(6)
+    first = decide([a], workers, now=0.0)
+    later = decide([a, b], workers, now=10.0, state=first.state)
+    alloc = {x.job_id: x for x in later.jobs}
+    assert alloc["b"].feasible, (
+        f"job b got {alloc['b'].worker_ids} ({alloc['b'].throughput:.1f} of {alloc['b'].required:.1f} groups/s) "
+        f"while job a holds {alloc['a'].worker_ids} ({alloc['a'].throughput:.1f} of {alloc['a'].required:.1f}); "
+        f"b: {alloc['b'].reason}")
+
+
+def test_a_kept_set_of_free_workers_sheds_those_its_rule_does_not_need():
+    """A set of seven $0/h workers where three meet the rule (as the MILP chose before it dropped redundant
+    workers) costs no more than the LP bound, $0: the keep shortcut kept all seven at every re-solve."""
+    j, workers = volunteer_job("j"), volunteers(8)
+    bloated = {f"w{i}": "j" for i in range(7)}
+    state = SolverState(assignment=bloated, activated_at=dict.fromkeys(bloated, 0.0))
+    d = decide([j], workers, now=700.0, state=state)
+    assert d.resolved and d.assignment == {"w4": "j", "w5": "j", "w6": "j"}
+    assert d.method.startswith("kept current set")
+    assert line(d, "w0") == "deactivated w0: a set of fewer workers meets the rule without it"
 
 
 def test_infeasible_job_gets_best_partial_set_and_a_reason():
