@@ -1,19 +1,18 @@
 """`http_reward`: the user's own verifier behind an HTTP endpoint.
 
-For each completion the learner POSTs JSON {"prompt", "completion", "reference"} to `url` and expects
-a finite number within ±1e6 back (REWARD_BOUND), either bare (`0.5`) or as {"reward": 0.5}. Transport errors, timeouts, 429 and
-5xx are retried `max_retries` times with exponential backoff (honouring Retry-After, capped), through
-`echo2.transport`; once they are spent, any other failure or an invalid reply raises ScoringError
-naming it: the group is not trained, and a job whose endpoint keeps failing pauses with that reason.
-Each try has `timeout_s` for the whole exchange, and a reply may hold MAX_REPLY_BYTES: the endpoint is
-the job owner's, so a reply that never ends, or never stops growing, must not hold a thread or fill the
-memory of the process that asked. Prompts come from user JSONL items {"prompt": ..., "reference": ...}
-(reference optional), or chat items (`messages`), whose last user turn is the prompt.
+For each completion the learner POSTs JSON {"prompt", "completion", "reference"} to `url` and expects a finite
+number within ±1e6 back (REWARD_BOUND), either bare (`0.5`) or as {"reward": 0.5}. Transport errors, timeouts,
+429 and 5xx are retried `max_retries` times with exponential backoff (honouring Retry-After, capped), through
+`echo2.transport`; once they are spent, any other failure or an invalid reply raises ScoringError naming it:
+the group is not trained, and a job whose endpoint keeps failing pauses with that reason. Each try has
+`timeout_s` for the whole exchange, and a reply may hold MAX_REPLY_BYTES: the endpoint is the job owner's, so
+a reply that never ends, or never stops growing, must not hold a thread or fill the memory of the process that
+asked. Prompts come from user JSONL items {"prompt": ..., "reference": ...} (reference optional), or chat
+items (`messages`), whose last user turn is the prompt.
 
-The request is made from the learner host. With ECHO2_ENV=production a job is refused unless the URL
-resolves to public addresses (api/services/jobs.py); deployments should still restrict egress there, as
-a name may resolve elsewhere later.
-"""
+The request is made from the learner host. With ECHO2_ENV=production a job is refused unless the URL resolves
+to public addresses (api/services/jobs.py); deployments should still restrict egress there, as a name may
+resolve elsewhere later."""
 
 from __future__ import annotations
 
