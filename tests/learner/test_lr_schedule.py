@@ -22,6 +22,7 @@ class _Scored(TaskAdapter):
     """Every sample of a "same" prompt scores 1 (no signal); others score their length."""
 
     name = "test_lr_schedule_scored"
+    description = "Test task: 1 for a \"same\" prompt, else the sample's length."
 
     def reward(self, prompt, completion, params):  # type: ignore[no-untyped-def]
         return 1.0 if prompt.text.startswith("same") else float(len(completion))

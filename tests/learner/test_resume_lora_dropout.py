@@ -25,7 +25,8 @@ from tasks import TaskAdapter, register
 class _ByLength(TaskAdapter):
     """Rewards that differ within a group, so every group trains."""
 
-    name = "test_review_by_length"
+    name = "test_resume_by_length"
+    description = "Test task: a sample's reward is its length."
 
     def reward(self, prompt, completion, params):  # type: ignore[no-untyped-def]
         return float(len(completion))
@@ -33,7 +34,7 @@ class _ByLength(TaskAdapter):
 
 register(_ByLength())
 
-SPEC = {"name": "lora-dropout", "task": {"name": "test_review_by_length"}, "staleness": 2,
+SPEC = {"name": "lora-dropout", "task": {"name": "test_resume_by_length"}, "staleness": 2,
         "grpo": {"group_size": 4, "prompts_per_step": 2, "max_new_tokens": 6, "lr": 1e-2},
         "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.5, "target_modules": ["q_proj", "v_proj"]}}
 

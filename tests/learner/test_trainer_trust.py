@@ -139,6 +139,7 @@ def test_a_completion_no_task_can_score_is_dropped_and_the_step_goes_on(trainer,
 
     class Picky(TaskAdapter):
         name = "test_picky"
+        description = "Test task: cannot score a completion with a nine in it."
 
         def reward(self, prompt, completion, params):
             if "9" in completion:
