@@ -177,7 +177,7 @@ def follow(world: Sharded, options: LearnerOptions, job_id: str) -> None:
         Evaluator(spec, prompts, trainer.model, trainer.tokenizer, trainer.pad_id, world).run(step, version)
 
     handlers = {
-        "optimise": lambda rows: trainer.optimise(rows, StepResult()),
+        "optimise": lambda payload: trainer.optimise(payload[0], StepResult(), payload[1]),
         "model_state": lambda _: world.model_state(trainer.model),
         "optimizer_state": lambda _: world.optimizer_state(trainer.model, trainer.optimizer),
         "trainable_state": lambda _: world.trainable_state(trainer.model),

@@ -94,14 +94,13 @@ class GRPOTrainer:
         """Check, audit, score, train. Groups refused on the way are in `rejected`, never trained."""
         start = time.perf_counter()
         result = StepResult()
-        self._schedule(t)
         groups = self._admit(groups, result)
         rows = self._score(groups, t, result)
         self._audit_unscored(groups, result)
         if rows.rewards:
             self._trace(groups, rows, result)
-            self.world.announce("optimise", rows)
-            for gi in self.optimise(rows, result):
+            self.world.announce("optimise", (rows, t))
+            for gi in self.optimise(rows, result, t):
                 result.rejected[groups[gi].rollout_id] = "its loss or gradient was not finite (poisoned logprobs)"
                 result.rewards.pop(groups[gi].rollout_id, None)
         _reward_stats(result)
@@ -230,8 +229,9 @@ class GRPOTrainer:
         result = StepResult()
         rows = self._score(groups, t, result, rewards)
         if rows.rewards:
-            self.world.announce("optimise", rows)
-            self.optimise(rows, result)
+            self.world.announce("optimise", (rows, t))
+            self.optimise(rows, result, t)
+        self._schedule(t + 1)
         return result
 
     def _score(self, groups: list[ClaimedGroup], t: int, result: StepResult,
@@ -279,8 +279,10 @@ class GRPOTrainer:
             rewards.append(reward)
         return rewards
 
-    def optimise(self, rows: Rollouts, result: StepResult) -> list[int]:
-        """One optimiser step; returns the groups (indices) dropped for a non-finite loss or gradient."""
+    def optimise(self, rows: Rollouts, result: StepResult, t: int) -> list[int]:
+        """One optimiser step of learner step `t` (every rank: its learning rate is the step's); returns the groups
+        (indices) dropped for a non-finite loss or gradient."""
+        self._schedule(t)
         g = self.spec.grpo
         stats = grpo_update(self.model, self.optimizer, rows, self.cfg, temperature=g.temperature,
                             max_tokens_per_micro_batch=g.micro_batch_tokens, grad_clip=g.max_grad_norm,

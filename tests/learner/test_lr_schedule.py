@@ -56,3 +56,22 @@ def test_the_linear_schedule_follows_the_learner_steps_when_a_step_had_no_signal
     # Step 1 is the job's last of 2: per the schedule it trains at lr * lr_factor(1) = lr / 2.
     assert lr_factor(1, spec) == pytest.approx(0.5)
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(spec.grpo.lr * lr_factor(1, spec))
+
+
+def test_a_rank_told_to_optimise_step_t_trains_at_step_ts_learning_rate(tiny_dir):
+    """The other ranks of a sharded learner only run `optimise` (learner/launch.py::follow): each sets the rate of
+    the step it is told before its optimiser step (a first version stepped the schedule on rank 0 alone)."""
+    from transformers import AutoTokenizer
+
+    from learner.trainer import StepResult
+
+    spec = JobSpec.model_validate({"name": "sched", "base_model": str(tiny_dir), "max_steps": 8,
+                                   "task": {"name": "test_lr_schedule_scored"},
+                                   "grpo": {"group_size": 4, "prompts_per_step": 1, "max_new_tokens": 6,
+                                            "lr": 1e-3, "lr_schedule": "linear", "min_lr_ratio": 0.0}})
+    follower = GRPOTrainer(load_causal_lm(tiny_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(tiny_dir),
+                           spec)
+    rows = follower._score([_group(follower, "1+1=", 2)], 0, StepResult())  # its groups, scored on rank 0
+    follower.optimise(rows, StepResult(), 3)
+    assert follower.optimizer.param_groups[0]["lr"] == pytest.approx(spec.grpo.lr * lr_factor(3, spec))
+    assert lr_factor(3, spec) < 1
