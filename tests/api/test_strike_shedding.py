@@ -125,13 +125,7 @@ def test_spare_identities_registered_before_any_strike_cannot_each_forge_a_trust
         return ok(provider.get(f"/v1/workers/{wid}"))["trust"]
 
     for wid, worker in spares:
-        activate(api, wid, jid)
-        _working(api, wid)
-        for _ in range(25):  # probation, honestly, until trusted
-            send(worker, False)
-            if trust(wid) == "trusted":
-                break
-        assert trust(wid) == "trusted", trust(wid)
+        _pass_probation(api, jid, wid, lambda w=worker: send(w, False), lambda w=wid: trust(w))
         while trust(wid) == "trusted":  # forge until an audit catches it
             send(worker, True)
         # the struck identity is put aside (kept registered and idle: it is never struck again)
@@ -206,13 +200,7 @@ def test_spare_identities_each_struck_once_by_the_sequential_tests_add_up_to_a_q
         return ok(provider.get(f"/v1/workers/{wid}"))["trust"]
 
     for wid, worker in spares:
-        activate(api, wid, jid)
-        _working(api, wid)
-        for _ in range(25):  # probation, honestly, until trusted
-            send(worker, False)
-            if trust(wid) == "trusted":
-                break
-        assert trust(wid) == "trusted", trust(wid)
+        _pass_probation(api, jid, wid, lambda w=worker: send(w, False), lambda w=wid: trust(w))
         for _ in range(200):  # biased until the sequential tests strike it
             send(worker, True)
             if trust(wid) != "trusted":
@@ -237,3 +225,14 @@ def test_spare_identities_each_struck_once_by_the_sequential_tests_add_up_to_a_q
         f"one provider's three identities were each struck by the sequential tests: {strikes} (strikes, failed "
         f"audits, reason); none quarantined ({states}), watch_until={me['watch_until']}; {len(paid_biased)} of "
         f"their {len(biased)} biased groups were trained and stay paid")
+
+
+def _pass_probation(api, jid: str, wid: str, send_honest, trust) -> None:  # type: ignore[no-untyped-def]
+    """The spare identity activated on the job sends honest groups until it is trusted."""
+    activate(api, wid, jid)
+    _working(api, wid)
+    for _ in range(25):
+        send_honest()
+        if trust() == "trusted":
+            return
+    raise AssertionError(f"{wid} still {trust()} after 25 honest groups")

@@ -42,15 +42,20 @@ def _group(trainer, text: str, seed: int) -> ClaimedGroup:  # type: ignore[no-un
                         worker_id="wrk_1", prompt_token_ids=ids, samples=samples)
 
 
-def test_the_linear_schedule_follows_the_learner_steps_when_a_step_had_no_signal(tiny_dir):
+def _linear(tiny_dir, max_steps: int) -> GRPOTrainer:  # type: ignore[no-untyped-def]
+    """A trainer whose rate falls linearly from 1e-3 to 0 at `max_steps`."""
     from transformers import AutoTokenizer
 
-    spec = JobSpec.model_validate({"name": "sched", "base_model": str(tiny_dir), "max_steps": 2,
+    spec = JobSpec.model_validate({"name": "sched", "base_model": str(tiny_dir), "max_steps": max_steps,
                                    "task": {"name": "test_lr_schedule_scored"},
                                    "grpo": {"group_size": 4, "prompts_per_step": 1, "max_new_tokens": 6,
                                             "lr": 1e-3, "lr_schedule": "linear", "min_lr_ratio": 0.0}})
-    trainer = GRPOTrainer(load_causal_lm(tiny_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(tiny_dir),
-                          spec)
+    return GRPOTrainer(load_causal_lm(tiny_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(tiny_dir), spec)
+
+
+def test_the_linear_schedule_follows_the_learner_steps_when_a_step_had_no_signal(tiny_dir):
+    trainer = _linear(tiny_dir, max_steps=2)
+    spec = trainer.spec
     first = trainer.step([_group(trainer, "same 1+1=", 1)], 0)
     assert first.groups_dropped == 1  # all rewards equal: nothing to learn at step 0
     # Step 1 is the job's last of 2: per the schedule it trains at lr * lr_factor(1) = lr / 2.
@@ -61,16 +66,10 @@ def test_the_linear_schedule_follows_the_learner_steps_when_a_step_had_no_signal
 def test_a_rank_told_to_optimise_step_t_trains_at_step_ts_learning_rate(tiny_dir):
     """The other ranks of a sharded learner only run `optimise` (learner/launch.py::follow): each sets the rate of
     the step it is told before its optimiser step (a first version stepped the schedule on rank 0 alone)."""
-    from transformers import AutoTokenizer
-
     from learner.trainer import StepResult
 
-    spec = JobSpec.model_validate({"name": "sched", "base_model": str(tiny_dir), "max_steps": 8,
-                                   "task": {"name": "test_lr_schedule_scored"},
-                                   "grpo": {"group_size": 4, "prompts_per_step": 1, "max_new_tokens": 6,
-                                            "lr": 1e-3, "lr_schedule": "linear", "min_lr_ratio": 0.0}})
-    follower = GRPOTrainer(load_causal_lm(tiny_dir, dtype=torch.float32), AutoTokenizer.from_pretrained(tiny_dir),
-                           spec)
+    follower = _linear(tiny_dir, max_steps=8)
+    spec = follower.spec
     rows = follower._score([_group(follower, "1+1=", 2)], 0, StepResult())  # its groups, scored on rank 0
     follower.optimise(rows, StepResult(), 3)
     assert follower.optimizer.param_groups[0]["lr"] == pytest.approx(spec.grpo.lr * lr_factor(3, spec))
