@@ -18,14 +18,15 @@ from tests.sdk.test_cli import echo2
 SQLITE = pytest.mark.parametrize("database_url", ["sqlite"], indirect=True)  # the SDK reads the folder
 
 
-def _hub_folder(tmp_path):  # type: ignore[no-untyped-def]
+def _hub_folder(tmp_path, suffix: str = "-00000-of-00001"):  # type: ignore[no-untyped-def]
+    """train_sft and test_sft splits, as Hub shards (or, with no suffix, one file a split)."""
     pa = pytest.importorskip("pyarrow")
     pq = pytest.importorskip("pyarrow.parquet")
     folder = tmp_path / "data"
     folder.mkdir()
     pq.write_table(pa.table({"prompt": ["1+1=", "2+2=", "3+3="], "answer": ["2", "4", "6"]}),
-                   folder / "train_sft-00000-of-00001.parquet")
-    pq.write_table(pa.table({"prompt": ["9+9="], "answer": ["18"]}), folder / "test_sft-00000-of-00001.parquet")
+                   folder / f"train_sft{suffix}.parquet")
+    pq.write_table(pa.table({"prompt": ["9+9="], "answer": ["18"]}), folder / f"test_sft{suffix}.parquet")
     return folder
 
 
@@ -62,24 +63,13 @@ def test_the_cli_asks_which_split_of_a_folder_without_a_train_split(api, alice, 
     assert [d.num_items for d in alice.client.datasets.list().items] == [1]
 
 
-def _one_file_a_split(tmp_path):  # type: ignore[no-untyped-def]
-    pa = pytest.importorskip("pyarrow")
-    pq = pytest.importorskip("pyarrow.parquet")
-    folder = tmp_path / "data"
-    folder.mkdir()
-    pq.write_table(pa.table({"prompt": ["1+1=", "2+2=", "3+3="], "answer": ["2", "4", "6"]}),
-                   folder / "train_sft.parquet")
-    pq.write_table(pa.table({"prompt": ["9+9="], "answer": ["18"]}), folder / "test_sft.parquet")
-    return folder
-
-
 def test_one_file_per_split_named_otherwise_is_not_merged(tmp_path):
     """train_sft.parquet beside test_sft.parquet (`dataset[split].to_parquet(f"{split}.parquet")`) read as files of
     no split: merged, the held-out split uploaded for training (review finding). The user chooses now."""
     with pytest.raises(ValueError, match="holds the splits test_sft, train_sft: choose one with --split"):
-        as_jsonl(_one_file_a_split(tmp_path), "parquet")
+        as_jsonl(_hub_folder(tmp_path, suffix=""), "parquet")
 
 
 def test_a_split_of_one_file_named_otherwise_can_be_chosen(tmp_path):
-    out, _ = as_jsonl(_one_file_a_split(tmp_path), "parquet", split="train_sft")
+    out, _ = as_jsonl(_hub_folder(tmp_path, suffix=""), "parquet", split="train_sft")
     assert [json.loads(line)["prompt"] for line in out.read_text().splitlines()] == ["1+1=", "2+2=", "3+3="]
