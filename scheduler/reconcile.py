@@ -63,10 +63,6 @@ log = logging.getLogger(__name__)
 Launcher = Callable[[str, str, Placement], None]  # (job id, learner token, where) -> enqueue its learner
 MU_WINDOW_S = 60.0
 BCAST_SAMPLES = 5  # versions averaged for a worker's dissemination time
-# Groups that count as delivered (mu): not a worker's fault, and not late either: a group that arrives after its
-# lease ended or once stale is of no use to the job (and a worker could release leases and answer them at will).
-# Nor one whose episodes broke the environment: the worker chose the actions (nonsense ones count as its speed).
-# Nor one that went stale unclaimed (unpaid: RejectKind.paid).
 TRIAL_RETRY = 10  # grace periods before a worker whose trial delivered nothing is tried again
 WORKING = TrustState.working()  # quarantined and banned workers are never activated
 LIVE = JobStatus.live()

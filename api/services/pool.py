@@ -24,7 +24,10 @@ FRONT = 2**31  # order keys are in [0, 2**31): subtracting this puts a prompt be
 UNJUDGED = 8  # groups a worker on probation or suspect may have waiting for their audit (one lease's worth)
 UNJUDGED_ANY = 2**31
 IDLE_CHAIN = 32  # a worker's latest leases (and groups) the lease idle rule looks back over
-# Groups worth nothing to their job: refused for the worker's fault, too late, or failed by its environment.
+# Groups that count as delivered (the scheduler's mu, the lease idle rule): not a worker's fault, and not late
+# either: a group that arrives after its lease ended or once stale is of no use to the job (and a worker could
+# release leases and answer them at will). Nor one whose episodes broke the environment: the worker chose the
+# actions (nonsense ones count as its speed). Nor one that went stale unclaimed (unpaid: RejectKind.paid).
 UNDELIVERED = [k for k in RejectKind if not k.paid()] + [RejectKind.environment_failed]
 DELIVERED = Rollout.reject_kind.is_(None) | Rollout.reject_kind.not_in(UNDELIVERED)
 IDLE_PATIENCE = 3.0  # a lease may go this many times its generation at the worker's pace without a group
