@@ -45,8 +45,9 @@ from .storage import BlobStore
 from .telemetry import MetricsMiddleware, Telemetry
 from .tinker import futures as tinker_futures
 
-# The routes weight and checkpoint chunks are PUT to: the only ones given max_chunk_bytes.
-CHUNK_PUTS = re.compile(r"/v1/jobs/[^/]+/(versions/\d+(/delta)?|learner/checkpoints/\d+)/chunks/\d+")
+# The routes weight, checkpoint and Tinker state chunks are PUT to: the only ones given max_chunk_bytes.
+CHUNK_PUTS = re.compile(r"/v1/jobs/[^/]+/(versions/\d+(/delta)?|learner/checkpoints/\d+)/chunks/\d+"
+                        r"|/v1/tinker/host/states/[0-9a-f]{64}/chunks/\d+")
 DESCRIPTION = """Echo2 control plane: RL post-training jobs run by a central GRPO learner with rollouts
 from distributed workers under a staleness bound S. Authenticate with `Authorization: Bearer <token>`:
 a user API key, a provider token, a worker token or a job's learner token. Errors are

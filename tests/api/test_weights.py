@@ -165,3 +165,16 @@ def test_a_tinker_ttl_put_with_segment_chunks_is_held_to_the_default_limit(api):
     r = alice.put("/api/v1/training_runs/run/checkpoints/chunks/name/ttl", content=body,
                   headers={"Content-Type": "application/json"})
     assert r.status_code == 413, (r.status_code, r.text[:200])
+
+
+def test_every_chunk_route_keeps_the_chunk_limit_and_no_other_path_gets_it():
+    """A Tinker host's state chunks are 32 MiB (learner/tinker/host.py): the first whole-path rule left their route
+    out, and a real state over 16 MiB could no longer be saved (review finding)."""
+    from api.app import CHUNK_PUTS
+
+    for path in ("/v1/jobs/job_1/versions/3/chunks/0", "/v1/jobs/job_1/versions/3/delta/chunks/12",
+                 "/v1/jobs/job_1/learner/checkpoints/40/chunks/2", f"/v1/tinker/host/states/{'ab' * 32}/chunks/1"):
+        assert CHUNK_PUTS.fullmatch(path), path
+    for path in ("/v1/users/chunks/quotas", "/v1/datasets/uploads/chunks/parts/0",
+                 "/api/v1/training_runs/x/checkpoints/chunks/n/ttl", "/v1/tinker/host/states/x/chunks/1/extra"):
+        assert not CHUNK_PUTS.fullmatch(path), path
