@@ -91,8 +91,11 @@ def revoke_token(token_id: str, caller: CurrentUser, db: SessionDep) -> None:
     own = token is not None and token.kind == "user" and token.principal_id == caller.id
     if token is None or not (own or caller.role == "admin"):  # another's answers as an unknown one
         raise ApiError(404, f"token {token_id} not found")
-    if own and _last_key(db, caller.id, token.id):
-        raise ApiError(409, "refusing to revoke your last API key: create another first (POST /v1/users/{id}/keys)")
+    if own:
+        db.get(User, caller.id, with_for_update=True)  # two revocations at once each saw the other key live
+        if _last_key(db, caller.id, token.id):
+            raise ApiError(409, "refusing to revoke your last API key: create another first "
+                                "(POST /v1/users/{id}/keys)")
     auth.revoke(db, token)
     db.commit()
 
