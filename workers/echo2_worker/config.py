@@ -96,7 +96,7 @@ class CredentialStore:
     def forget_worker(self, server: str, worker_id: str) -> None:
         """Drop the worker id and token (after deregistration); keep the provider token. Only `worker_id`'s: another
         join on this config dir may have saved its own since."""
-        data = self._read()
+        data, server = self._read(), normalize_server(server)
         last = data["servers"].get(server)
         if isinstance(last, dict) and last.get("worker_id") == worker_id:
             last.update(worker_id=None, worker_token=None, registered_at=None)
